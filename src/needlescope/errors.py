@@ -1,0 +1,46 @@
+"""The exception tree every needlescope component raises.
+
+    NeedlescopeError
+    ├── BadInput              the user's input is wrong; the CLI prints it and exits 2
+    └── ProbeError            the target failed a request (recorded as an error, never a miss)
+        ├── TransportFailure  connection refused/reset, timeout, HTTP 429/5xx after retries
+        ├── ProtocolViolation the server answered, but not in the OpenAI shape (garbage JSON, no choices)
+        └── ContextOverflow   the server refused the prompt as too long for its context
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "NeedlescopeError",
+    "BadInput",
+    "ProbeError",
+    "TransportFailure",
+    "ProtocolViolation",
+    "ContextOverflow",
+]
+
+
+class NeedlescopeError(Exception):
+    """Base of every error needlescope raises on purpose."""
+
+
+class BadInput(NeedlescopeError):
+    """Wrong user input. The message says what is wrong and what to do."""
+
+
+class ProbeError(NeedlescopeError):
+    """A request to the target failed; the run records it as an error."""
+
+    kind = "probe_error"
+
+
+class TransportFailure(ProbeError):
+    kind = "transport"
+
+
+class ProtocolViolation(ProbeError):
+    kind = "protocol"
+
+
+class ContextOverflow(ProbeError):
+    kind = "context_overflow"
