@@ -1,11 +1,11 @@
 """The exception tree every needlescope component raises.
 
-    NeedlescopeError
-    ├── BadInput              the user's input is wrong; the CLI prints it and exits 2
-    └── ProbeError            the target failed a request (recorded as an error, never a miss)
-        ├── TransportFailure  connection refused/reset, timeout, HTTP 429/5xx after retries
-        ├── ProtocolViolation the server answered, but not in the OpenAI shape (garbage JSON, no choices)
-        └── ContextOverflow   the server refused the prompt as too long for its context
+NeedlescopeError
+├── BadInput              the user's input is wrong; the CLI prints it and exits 2
+└── ProbeError            the target failed a request (recorded as an error, never a miss)
+    ├── TransportFailure  connection refused/reset, timeout, HTTP 429/5xx after retries
+    ├── ProtocolViolation the server answered, but not in the OpenAI shape (garbage JSON, no choices)
+    └── ContextOverflow   the server refused the prompt as too long for its context
 """
 
 from __future__ import annotations

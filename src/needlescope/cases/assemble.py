@@ -1,0 +1,282 @@
+"""Turn a CaseSpec into concrete, exactly-sized chat requests."""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass
+
+from ..errors import BadInput
+from .haystack import FillerStream, render_words, sentence_boundaries
+from .needles import NeedleSet, make_needles
+
+__all__ = ["KINDS", "CaseSpec", "Case", "build_cases", "order_for_prefix_cache"]
+
+KINDS = ("single", "multikey", "multivalue", "multiturn")
+CountTokens = Callable[[list[dict]], int]
+
+# How far the local search may wander (in filler words) around a candidate filler size. Tokenizers
+# merge across word boundaries, so a target can sit between two adjacent word counts; past this many
+# attempts we accept the closest count and let counted_length say so.
+_LOCAL_SEARCH = 8
+_INTRO = "Below is a long text. Read it carefully; a question about it follows at the end.\n\n"
+
+
+@dataclass(frozen=True)
+class CaseSpec:
+    """What to generate: one case per (length, depth, trial)."""
+
+    kind: str
+    lengths: tuple[int, ...]
+    depths: tuple[float, ...]
+    trials: int
+    seed: int
+    haystack_text: str | None = None
+    n_distractors: int = 4
+    n_values: int = 3
+    max_answer_tokens: int = 32
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise BadInput(f"unknown case kind {self.kind!r}; allowed values: {', '.join(KINDS)}")
+        if not self.lengths:
+            raise BadInput("no lengths given; give at least one target length in tokens")
+        if any(not isinstance(n, int) or isinstance(n, bool) or n <= 0 for n in self.lengths):
+            raise BadInput(f"lengths must be positive integers, got {list(self.lengths)}")
+        if len(set(self.lengths)) != len(self.lengths):
+            raise BadInput(f"lengths contain duplicates: {list(self.lengths)}")
+        if not self.depths:
+            raise BadInput("no depths given; give at least one depth percent in 0..100")
+        if any(not (0.0 <= float(d) <= 100.0) for d in self.depths):
+            raise BadInput(f"depths must be percentages in 0..100, got {list(self.depths)}")
+        if len(set(self.depths)) != len(self.depths):
+            raise BadInput(f"depths contain duplicates: {list(self.depths)}")
+        if self.trials < 1:
+            raise BadInput(f"trials must be >= 1, got {self.trials}")
+        if not 0 <= self.n_distractors <= 19:
+            raise BadInput(f"n_distractors must be in 0..19, got {self.n_distractors}")
+        if self.n_values < 1:
+            raise BadInput(f"n_values must be >= 1, got {self.n_values}")
+        if self.max_answer_tokens < 1:
+            raise BadInput(f"max_answer_tokens must be >= 1, got {self.max_answer_tokens}")
+        if self.haystack_text is not None and not self.haystack_text.split():
+            raise BadInput("the haystack file is empty; give a file with some text or omit it")
+
+
+@dataclass(frozen=True)
+class Case:
+    """One request to send and how to judge its answer."""
+
+    case_id: str
+    kind: str
+    length: int
+    depth: float
+    trial: int
+    messages: list[dict]
+    expected: list[str]
+    question: str
+    needle: str
+    group: str
+    counted_length: int
+
+    def to_dict(self) -> dict:
+        """A JSON-able dict (copies, so callers cannot mutate the case)."""
+        return asdict(self)
+
+
+class _Group:
+    """Everything shared by the cases of one (kind, length, trial): filler, needles, placements."""
+
+    def __init__(self, spec: CaseSpec, length: int, trial: int) -> None:
+        base = f"needlescope|{spec.seed}|{spec.kind}|{length}|{trial}"
+        # Separate string-seeded generators (stable across Python runs) so the filler text does not
+        # depend on how many draws the needles took, and nothing touches the module-level random.
+        if spec.haystack_text is not None:
+            self.stream = FillerStream(text=spec.haystack_text)
+        else:
+            self.stream = FillerStream(rng=random.Random(base + "|filler"))
+        self.needles: NeedleSet = make_needles(
+            spec.kind,
+            random.Random(base + "|needle"),
+            n_distractors=spec.n_distractors,
+            n_values=spec.n_values,
+        )
+        pos_rng = random.Random(base + "|positions")
+        self.distractor_fracs = [pos_rng.random() for _ in self.needles.distractors]
+        self.kind = spec.kind
+        # Multiturn: a few hundred tokens per turn pair reads like a real conversation.
+        self.pairs = max(1, min(32, length // 300))
+        self.fitted_n: int | None = None
+
+    def messages(self, n: int, depth: float) -> list[dict]:
+        words = self.stream.words(n)
+        if self.kind == "multiturn":
+            return self._multiturn(words, depth)
+        inserts = [(f, d.text) for f, d in zip(self.distractor_fracs, self.needles.distractors, strict=True)]
+        body = _insert(words, inserts, depth / 100.0, self.needles.needle.text)
+        return [{"role": "user", "content": f"{_INTRO}{body}\n\n{self.needles.question}"}]
+
+    def _multiturn(self, words: list[str], depth: float) -> list[dict]:
+        slots = 2 * self.pairs
+        n = len(words)
+        cuts = [i * n // slots for i in range(slots + 1)]
+        chunks = [list(words[cuts[i] : cuts[i + 1]]) for i in range(slots)]
+        for c in chunks:
+            if c and not c[-1].endswith((".", "!", "?")):
+                c[-1] += "."
+        # Depth runs over the user turns: which turn, then where inside it.
+        scaled = depth / 100.0 * self.pairs
+        turn = min(self.pairs - 1, math.floor(scaled))
+        frac = scaled - turn
+        msgs: list[dict] = []
+        for i, chunk in enumerate(chunks):
+            role = "user" if i % 2 == 0 else "assistant"
+            if i == 2 * turn:
+                text = _insert(chunk, [], frac, self.needles.needle.text)
+            else:
+                text = render_words(chunk)
+            msgs.append({"role": role, "content": text})
+        msgs.append(
+            {
+                "role": "user",
+                "content": f"Think back over our conversation. {self.needles.question}",
+            }
+        )
+        return msgs
+
+
+def _insert(words: list[str], inserts: list[tuple[float, str]], needle_frac: float, needle: str) -> str:
+    """Render ``words`` with sentences inserted at sentence boundaries.
+
+    Fractions map onto the boundary list (0 = before the first sentence, 1 = after the last).
+    Distractors go before the needle at a shared boundary so needle position stays monotone in depth.
+    """
+    bounds = sentence_boundaries(words) or [0]
+    at: dict[int, list[str]] = {}
+    for frac, text in inserts:
+        at.setdefault(bounds[round(frac * (len(bounds) - 1))], []).append(text)
+    at.setdefault(bounds[round(needle_frac * (len(bounds) - 1))], []).append(needle)
+    out: list[str] = []
+    for i in range(len(words) + 1):
+        out.extend(at.get(i, ()))
+        if i < len(words):
+            out.append(words[i])
+    return render_words(out)
+
+
+def _closest(count: Callable[[int], int], target: int, candidates: Iterable[int]) -> tuple[int, int]:
+    best: tuple[int, int, int] | None = None  # (distance, n, counted)
+    for n in candidates:
+        if n < 0:
+            continue
+        c = count(n)
+        if best is None or abs(c - target) < best[0]:
+            best = (abs(c - target), n, c)
+        if c == target:
+            break
+    assert best is not None
+    return best[1], best[2]
+
+
+def _fit(count: Callable[[int], int], target: int) -> tuple[int, int]:
+    """Find a filler word count whose rendered request counts ``target`` tokens (or the closest)."""
+    base = count(0)
+    hi = max(1, target - base)
+    while count(hi) < target:
+        hi *= 2
+    lo = 0  # count(lo) < target <= count(hi) is the invariant (count(0) <= target checked earlier)
+    if base >= target:
+        return 0, base
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if count(mid) < target:
+            lo = mid
+        else:
+            hi = mid
+    if count(hi) == target:
+        return hi, target
+    around = [hi, lo] + [x for k in range(1, _LOCAL_SEARCH) for x in (hi + k, lo - k)]
+    return _closest(count, target, around)
+
+
+def build_cases(spec: CaseSpec, count_tokens: CountTokens) -> list[Case]:
+    """Build every case of ``spec``, sized so ``count_tokens(messages)`` equals the target length.
+
+    Ordered by length, then depth, then trial. Deterministic for a given spec.
+    """
+    groups: dict[tuple[int, int], _Group] = {}
+
+    def group(length: int, trial: int) -> _Group:
+        key = (length, trial)
+        if key not in groups:
+            groups[key] = _Group(spec, length, trial)
+        return groups[key]
+
+    # Fail before any expensive fitting if a length cannot hold the needle and question.
+    for length in spec.lengths:
+        g = group(length, 0)
+        floor = count_tokens(g.messages(0, 0.0))
+        while floor > length and g.pairs > 1:
+            g.pairs = max(1, g.pairs // 2)
+            floor = count_tokens(g.messages(0, 0.0))
+        if floor > length:
+            raise BadInput(
+                f"length {length} is shorter than the needle and question ({floor} tokens); "
+                f"use lengths >= {floor}"
+            )
+
+    cases: list[Case] = []
+    for length in spec.lengths:
+        for depth in spec.depths:
+            for trial in range(spec.trials):
+                g = group(length, trial)
+                if trial != 0:
+                    g.pairs = groups[(length, 0)].pairs
+                memo: dict[int, int] = {}
+
+                def count(n: int, g: _Group = g, depth: float = depth, memo: dict[int, int] = memo) -> int:
+                    if n not in memo:
+                        memo[n] = count_tokens(g.messages(n, depth))
+                    return memo[n]
+
+                if g.fitted_n is None:
+                    n, counted = _fit(count, length)
+                    g.fitted_n = n
+                else:
+                    # The needle is the same size at every depth, so the fitted size almost always
+                    # carries over; only tokenizer seams near the insertion point need a nudge.
+                    c = g.fitted_n
+                    n, counted = _closest(
+                        count, length, [c] + [x for k in range(1, _LOCAL_SEARCH) for x in (c - k, c + k)]
+                    )
+                ns = g.needles
+                cases.append(
+                    Case(
+                        case_id=f"{spec.kind}-L{length}-D{depth:g}-T{trial}",
+                        kind=spec.kind,
+                        length=length,
+                        depth=float(depth),
+                        trial=trial,
+                        messages=g.messages(n, depth),
+                        expected=list(ns.expected),
+                        question=ns.question,
+                        needle=ns.needle.text,
+                        group=f"{spec.kind}-L{length}-T{trial}",
+                        counted_length=counted,
+                    )
+                )
+    return cases
+
+
+def order_for_prefix_cache(cases: Iterable[Case]) -> list[Case]:
+    """Group-contiguous order (groups by first appearance), deepest needle first within a group.
+
+    Within a group the filler is identical, so consecutive requests share the prefix up to the
+    earlier needle; leading with the deepest needle warms the longest prefix first.
+    """
+    cases = list(cases)
+    first: dict[str, int] = {}
+    for i, c in enumerate(cases):
+        first.setdefault(c.group, i)
+    return sorted(cases, key=lambda c: (first[c.group], -c.depth))

@@ -1,0 +1,83 @@
+"""Needle facts, distractors and questions.
+
+A key reads like "the secret code of the blue falcon"; values are digit strings so they cannot occur in
+the (digit-free) filler and scoring can match them exactly.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from .haystack import KEY_ADJECTIVES, KEY_NOUNS
+
+__all__ = ["Fact", "NeedleSet", "make_needles"]
+
+VALUE_DIGITS = 7
+ANSWER_ONE = "Answer with the number only."
+ANSWER_MANY = "Answer with the numbers only, separated by commas."
+
+
+@dataclass(frozen=True)
+class Fact:
+    """One sentence to insert into the haystack."""
+
+    text: str
+    values: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class NeedleSet:
+    """The needle, any distractors, the question and the values the answer must contain."""
+
+    needle: Fact
+    distractors: tuple[Fact, ...]
+    question: str
+    expected: tuple[str, ...]
+
+
+def _values(rng: random.Random, n: int, taken: set[str]) -> list[str]:
+    out: list[str] = []
+    while len(out) < n:
+        # Leading digit non-zero so the value's length is unambiguous when a model echoes it.
+        v = str(rng.randint(10 ** (VALUE_DIGITS - 1), 10**VALUE_DIGITS - 1))
+        if v not in taken:
+            taken.add(v)
+            out.append(v)
+    return out
+
+
+def _join(values: list[str]) -> str:
+    if len(values) == 1:
+        return values[0]
+    return ", ".join(values[:-1]) + " and " + values[-1]
+
+
+def make_needles(kind: str, rng: random.Random, *, n_distractors: int = 4, n_values: int = 3) -> NeedleSet:
+    """Draw a needle for ``kind`` from ``rng``.
+
+    multikey distractors share the key's noun with a different adjective, the hardest kind of
+    near-miss; multivalue states all values in one sentence so the needle appears exactly once.
+    """
+    noun = rng.choice(KEY_NOUNS)
+    adjs = list(KEY_ADJECTIVES)
+    rng.shuffle(adjs)
+    adj = adjs[0]
+    key = f"the secret code of the {adj} {noun}"
+    taken: set[str] = set()
+    distractors: list[Fact] = []
+    if kind == "multivalue":
+        values = _values(rng, n_values, taken)
+        needle = Fact(f"The secret codes of the {adj} {noun} are {_join(values)}.", tuple(values))
+        question = f"What are all the secret codes of the {adj} {noun}? {ANSWER_MANY}"
+        return NeedleSet(needle, (), question, tuple(values))
+    (value,) = _values(rng, 1, taken)
+    needle = Fact(f"The secret code of the {adj} {noun} is {value}.", (value,))
+    if kind == "multikey":
+        if n_distractors > len(adjs) - 1:
+            raise ValueError(f"at most {len(adjs) - 1} distractors are supported")
+        for other in adjs[1 : 1 + n_distractors]:
+            (v,) = _values(rng, 1, taken)
+            distractors.append(Fact(f"The secret code of the {other} {noun} is {v}.", (v,)))
+    question = f"What is {key}? {ANSWER_ONE}"
+    return NeedleSet(needle, tuple(distractors), question, (value,))

@@ -1,0 +1,1 @@
+"""Command-line entry points. Only this package reads argv and prints."""

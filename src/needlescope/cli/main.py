@@ -1,0 +1,36 @@
+"""The ``needlescope`` command: builds configs from flags, calls the library, renders results."""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+from rich.console import Console
+
+from needlescope.cli.demo import demo_command
+from needlescope.cli.probe import probe_command
+from needlescope.errors import BadInput
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="Find, explain and fix long-context recall failures.",
+)
+app.command("probe")(probe_command)
+app.command("demo")(demo_command)
+
+err_console = Console(stderr=True)
+
+
+def main() -> None:
+    # Click handles usage errors itself (exit 2); BadInput from the library is printed as one line.
+    try:
+        app()
+    except BadInput as exc:
+        err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""``needlescope probe``: token-exact recall sweep against OpenAI-compatible servers."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+from needlescope.run.config import ProbeConfig, parse_extra_body, parse_float_list, parse_int_list
+from needlescope.run.probe import run_probe
+
+console = Console()
+
+
+def probe_command(
+    base_url: list[str] = typer.Option(
+        ..., "--base-url", help="Server URL (root or ending in /v1); repeat to spread load."
+    ),
+    model: str = typer.Option(..., "--model", help="Model name as served in /v1/models."),
+    kind: str = typer.Option("single", "--kind", help="single | multikey | multivalue | multiturn"),
+    lengths: str = typer.Option("1000,2000,4000,8000", "--lengths", help="Target prompt lengths in tokens."),
+    depths: str = typer.Option("0,10,25,50,75,90,100", "--depths", help="Needle depths in percent."),
+    trials: int = typer.Option(5, "--trials"),
+    seed: int = typer.Option(0, "--seed"),
+    out: Path = typer.Option(Path("out"), "--out", help="Output directory."),
+    concurrency: int = typer.Option(8, "--concurrency"),
+    tokenizer: str = typer.Option(
+        "server", "--tokenizer", help="'server' (its /tokenize) or a tokenizer.json path."
+    ),
+    extra_body: str = typer.Option(
+        None, "--extra-body", help="JSON object merged into each request unchanged."
+    ),
+    resume: bool = typer.Option(
+        False, "--resume", help="Continue the run in --out, re-running unfinished cases only."
+    ),
+    threshold: float = typer.Option(0.85, "--threshold", help="Recall threshold of the effective length."),
+    max_tokens: int = typer.Option(32, "--max-tokens"),
+    timeout: float = typer.Option(120.0, "--timeout", help="Per-request timeout in seconds."),
+    haystack_file: Path = typer.Option(
+        None, "--haystack-file", help="Filler text to use instead of the generated one."
+    ),
+) -> None:
+    """Measure needle recall across lengths and depths and find where it collapses."""
+    cfg = ProbeConfig(
+        base_urls=tuple(base_url),
+        model=model,
+        kind=kind,
+        lengths=parse_int_list(lengths, "--lengths"),
+        depths=parse_float_list(depths, "--depths"),
+        trials=trials,
+        seed=seed,
+        out=out,
+        concurrency=concurrency,
+        tokenizer=tokenizer,
+        extra_body=parse_extra_body(extra_body),
+        resume=resume,
+        threshold=threshold,
+        max_tokens=max_tokens,
+        timeout_s=timeout,
+        haystack_file=haystack_file,
+        api_key=os.environ.get("NEEDLESCOPE_API_KEY") or os.environ.get("OPENAI_API_KEY"),
+    )
+    summary = run_with_progress(cfg)
+    render_summary(summary, cfg.out)
+
+
+def run_with_progress(cfg: ProbeConfig) -> dict:
+    counts = {"ok": 0, "correct": 0, "error": 0}
+    with Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("recall {task.fields[recall]}  errors {task.fields[errors]}"),
+        TimeRemainingColumn(),
+        console=console,
+        transient=False,
+    ) as progress:
+        task = progress.add_task("building cases", total=None, recall="-", errors=0)
+
+        def on_event(name: str, payload: dict) -> None:
+            if name == "run_start":
+                progress.update(task, description="probing", total=payload["todo"], completed=0)
+            elif name == "result":
+                if payload.get("status") == "ok":
+                    counts["ok"] += 1
+                    counts["correct"] += int(bool(payload.get("correct")))
+                else:
+                    counts["error"] += 1
+                recall = f"{counts['correct'] / counts['ok']:.2f}" if counts["ok"] else "-"
+                progress.update(task, advance=1, recall=recall, errors=counts["error"])
+
+        return run_probe(cfg, on_event)
+
+
+def render_summary(summary: dict, out: Path) -> None:
+    eff = summary["effective_length"]
+    console.print(f"kind [bold]{summary['kind']}[/]  model [bold]{summary['model']}[/]")
+    console.print(
+        f"effective length: [bold]{eff if eff is not None else 'none'}[/] (threshold {summary['threshold']})"
+    )
+    if summary.get("cliff"):
+        c = summary["cliff"]
+        console.print(f"cliff: {c['from']} -> {c['to']} tokens, recall drops {c['drop']:.2f}")
+    errors = sum(cell["errors"] for cell in summary["cells"])
+    if errors:
+        console.print(f"[yellow]{errors} requests failed and were counted as errors, not misses[/]")
+    console.print(f"wrote {out}/summary.json, report.md, heatmap.png, results.jsonl")

@@ -1,0 +1,1 @@
+"""Rendering of probe runs: summary.json, report.md, heatmap.png, results.jsonl."""

@@ -1,0 +1,93 @@
+"""Typed, validated configuration of one probe run. Each default is defined here once."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from needlescope.errors import BadInput
+
+KINDS = ("single", "multikey", "multivalue", "multiturn")
+
+
+@dataclass(frozen=True)
+class ProbeConfig:
+    base_urls: tuple[str, ...]
+    model: str
+    kind: str = "single"
+    lengths: tuple[int, ...] = (1000, 2000, 4000, 8000)
+    depths: tuple[float, ...] = (0, 10, 25, 50, 75, 90, 100)
+    trials: int = 5
+    seed: int = 0
+    out: Path = Path("out")
+    concurrency: int = 8
+    tokenizer: str = "server"
+    extra_body: dict = field(default_factory=dict)
+    resume: bool = False
+    threshold: float = 0.85
+    max_tokens: int = 32
+    timeout_s: float = 120.0
+    retries: int = 4
+    haystack_file: Path | None = None
+    api_key: str | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.base_urls:
+            raise BadInput(
+                "no --base-url given; pass the server's URL, e.g. --base-url http://127.0.0.1:8000/v1"
+            )
+        if self.kind not in KINDS:
+            raise BadInput(f"--kind must be one of {', '.join(KINDS)}; got {self.kind!r}")
+        if not self.lengths or any(n <= 0 for n in self.lengths):
+            raise BadInput(f"--lengths must be positive token counts; got {list(self.lengths)}")
+        bad = [d for d in self.depths if not 0 <= d <= 100]
+        if not self.depths or bad:
+            raise BadInput(f"--depths must be percentages in 0..100; got {bad or 'none'}")
+        if self.trials < 1:
+            raise BadInput(f"--trials must be at least 1; got {self.trials}")
+        if self.concurrency < 1:
+            raise BadInput(f"--concurrency must be at least 1; got {self.concurrency}")
+        if not 0 < self.threshold <= 1:
+            raise BadInput(f"--threshold must lie in (0, 1]; got {self.threshold}")
+        if self.haystack_file is not None and not Path(self.haystack_file).is_file():
+            raise BadInput(f"--haystack-file {self.haystack_file} does not exist; pass a UTF-8 text file")
+
+    def fingerprint(self) -> dict:
+        """What must match for --resume to continue a run rather than mix two grids."""
+        return {
+            "model": self.model,
+            "kind": self.kind,
+            "lengths": list(self.lengths),
+            "depths": list(self.depths),
+            "trials": self.trials,
+            "seed": self.seed,
+        }
+
+
+def parse_int_list(text: str, flag: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise BadInput(f"{flag} takes comma-separated integers such as 1000,2000; got {text!r}") from None
+
+
+def parse_float_list(text: str, flag: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise BadInput(f"{flag} takes comma-separated numbers such as 0,50,100; got {text!r}") from None
+
+
+def parse_extra_body(text: str | None) -> dict:
+    if not text:
+        return {}
+    try:
+        body = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise BadInput(
+            f"--extra-body is not valid JSON ({exc.msg} at char {exc.pos}); pass an object such as '{{\"top_k\": 1}}'"
+        ) from None
+    if not isinstance(body, dict):
+        raise BadInput(f"--extra-body must be a JSON object; got {type(body).__name__}")
+    return body

@@ -1,0 +1,148 @@
+"""Durable, resumable run state in one SQLite file.
+
+Every finished request is committed at once (WAL journal), so a run
+killed with SIGKILL loses at most the requests in flight; on resume each case is run until it
+has exactly one ``ok`` row. Error rows are replaced when the case is retried.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from pathlib import Path
+from typing import Any
+
+from needlescope.errors import BadInput
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta(key TEXT PRIMARY KEY, value JSON);
+CREATE TABLE IF NOT EXISTS cases(case_id TEXT PRIMARY KEY, idx INTEGER, data JSON);
+CREATE TABLE IF NOT EXISTS results(
+    case_id TEXT PRIMARY KEY,
+    status TEXT CHECK(status IN ('ok','error')),
+    correct INTEGER NULL,
+    answer TEXT,
+    reasoning TEXT,
+    finish_reason TEXT,
+    prompt_tokens INTEGER,
+    cached_tokens INTEGER,
+    latency_s REAL,
+    attempts INTEGER,
+    error_kind TEXT,
+    error TEXT,
+    base_url TEXT,
+    finished_at REAL
+);
+"""
+
+RESULT_FIELDS = (
+    "status",
+    "correct",
+    "answer",
+    "reasoning",
+    "finish_reason",
+    "prompt_tokens",
+    "cached_tokens",
+    "latency_s",
+    "attempts",
+    "error_kind",
+    "error",
+    "base_url",
+    "finished_at",
+)
+
+
+class ResultStore:
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        try:
+            # isolation_level=None: autocommit; we open explicit transactions where several rows go together.
+            self._db = sqlite3.connect(str(self.path), isolation_level=None, check_same_thread=False)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            # WAL + NORMAL survives process death (SIGKILL) fully; only an OS crash could lose the last commits.
+            self._db.execute("PRAGMA synchronous=NORMAL")
+            self._db.execute("PRAGMA busy_timeout=5000")
+            self._db.executescript(_SCHEMA)
+        except sqlite3.DatabaseError as e:
+            raise BadInput(f"{self.path} is not a usable needlescope results database: {e}") from e
+
+    @property
+    def journal_mode(self) -> str:
+        return self._db.execute("PRAGMA journal_mode").fetchone()[0]
+
+    def put_meta(self, key: str, value: Any) -> None:
+        self._db.execute("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)", (key, json.dumps(value)))
+
+    def get_meta(self, key: str) -> Any:
+        row = self._db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+        return None if row is None else json.loads(row[0])
+
+    def add_cases(self, cases: list[dict]) -> None:
+        """Insert cases in the given order; cases already present (same case_id) are kept as they are."""
+        (start,) = self._db.execute("SELECT COALESCE(MAX(idx) + 1, 0) FROM cases").fetchone()
+        with self._tx():
+            for i, case in enumerate(cases):
+                self._db.execute(
+                    "INSERT OR IGNORE INTO cases(case_id, idx, data) VALUES (?, ?, ?)",
+                    (case["case_id"], start + i, json.dumps(case)),
+                )
+
+    def cases(self) -> list[dict]:
+        return [json.loads(d) for (d,) in self._db.execute("SELECT data FROM cases ORDER BY idx")]
+
+    def pending_case_ids(self) -> list[str]:
+        """Cases, in order, that have no ``ok`` result (never run, or errored and to be retried)."""
+        rows = self._db.execute(
+            "SELECT c.case_id FROM cases c LEFT JOIN results r ON r.case_id = c.case_id "
+            "WHERE r.status IS NULL OR r.status != 'ok' ORDER BY c.idx"
+        )
+        return [cid for (cid,) in rows]
+
+    def record(self, case_id: str, **fields: Any) -> None:
+        """Write (or replace) the result of ``case_id`` and commit immediately."""
+        unknown = set(fields) - set(RESULT_FIELDS)
+        if unknown:
+            raise ValueError(f"unknown result fields: {sorted(unknown)}")
+        if fields.get("status") not in ("ok", "error"):
+            raise ValueError(f"result status must be 'ok' or 'error'; got {fields.get('status')!r}")
+        fields.setdefault("finished_at", time.time())
+        if isinstance(fields.get("correct"), bool):
+            fields["correct"] = int(fields["correct"])
+        cols = ["case_id", *RESULT_FIELDS]
+        values = [case_id, *(fields.get(f) for f in RESULT_FIELDS)]
+        self._db.execute(
+            f"INSERT OR REPLACE INTO results({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))})",
+            values,
+        )
+
+    def results(self) -> list[dict]:
+        """All result rows, in case order."""
+        cur = self._db.execute(
+            "SELECT r.* FROM results r LEFT JOIN cases c ON c.case_id = r.case_id ORDER BY c.idx, r.case_id"
+        )
+        names = [d[0] for d in cur.description]
+        return [dict(zip(names, row, strict=True)) for row in cur]
+
+    def close(self) -> None:
+        self._db.close()
+
+    def __enter__(self) -> ResultStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _tx(self) -> _Transaction:
+        return _Transaction(self._db)
+
+
+class _Transaction:
+    def __init__(self, db: sqlite3.Connection) -> None:
+        self._db = db
+
+    def __enter__(self) -> None:
+        self._db.execute("BEGIN")
+
+    def __exit__(self, exc_type: object, *_: object) -> None:
+        self._db.execute("COMMIT" if exc_type is None else "ROLLBACK")

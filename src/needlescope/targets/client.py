@@ -1,0 +1,279 @@
+"""Async OpenAI-compatible chat client with retries, and a sync preflight check."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from needlescope.errors import BadInput, ContextOverflow, ProtocolViolation, TransportFailure
+from needlescope.targets.endpoints import normalize_base_url
+
+RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
+_OVERFLOW_WORDS = ("context", "too long", "maximum", "max_model_len", "exceed")
+
+
+@dataclass
+class ChatResult:
+    text: str
+    reasoning: str | None
+    finish_reason: str | None
+    prompt_tokens: int | None
+    cached_tokens: int | None
+    latency_s: float
+    attempts: int
+    base_url: str
+
+
+def _headers(api_key: str | None) -> dict[str, str]:
+    # The key only ever travels in this header; it is never put in results, logs or messages.
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def _retry_after(resp: httpx.Response) -> float | None:
+    value = resp.headers.get("retry-after")
+    if value is None:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        # HTTP-date form is rare from inference servers; fall back to normal backoff.
+        return None
+
+
+def _error_message(resp: httpx.Response) -> str:
+    try:
+        body = resp.json()
+    except ValueError:
+        return resp.text[:300]
+    if isinstance(body, dict):
+        err = body.get("error", body)
+        if isinstance(err, dict):
+            return str(err.get("message") or err.get("detail") or err)[:300]
+        return str(err)[:300]
+    return str(body)[:300]
+
+
+def _is_overflow(status: int, message: str) -> bool:
+    low = message.lower()
+    return status in (400, 413, 422) and any(w in low for w in ("context", "too long"))
+
+
+def _parse(body: Any) -> tuple[str, str | None, str | None, int | None, int | None]:
+    if not isinstance(body, dict):
+        raise ProtocolViolation(f"chat completion is not a JSON object: {str(body)[:200]}")
+    choices = body.get("choices")
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        raise ProtocolViolation(f"chat completion has no choices: {json.dumps(body)[:200]}")
+    message = choices[0].get("message")
+    if not isinstance(message, dict):
+        raise ProtocolViolation(f"chat completion choice has no message: {json.dumps(choices[0])[:200]}")
+    text = message.get("content") or ""
+    reasoning = message.get("reasoning_content")
+    if reasoning is None:
+        reasoning = message.get("reasoning")
+    usage = body.get("usage") if isinstance(body.get("usage"), dict) else {}
+    details = (
+        usage.get("prompt_tokens_details") if isinstance(usage.get("prompt_tokens_details"), dict) else {}
+    )
+    prompt_tokens = usage.get("prompt_tokens")
+    cached = details.get("cached_tokens")
+    return (
+        str(text),
+        None if reasoning is None else str(reasoning),
+        choices[0].get("finish_reason"),
+        prompt_tokens if isinstance(prompt_tokens, int) else None,
+        cached if isinstance(cached, int) else None,
+    )
+
+
+class ChatTarget:
+    """Sends chat completions to one or more replicas of the same model.
+
+    Requests go to the replica with the fewest requests in flight (ties broken round-robin), so
+    uneven latency does not pile work on a slow replica.
+    """
+
+    def __init__(
+        self,
+        base_urls: str | Sequence[str],
+        model: str,
+        *,
+        api_key: str | None = None,
+        timeout: float = 120.0,
+        retries: int = 4,
+        backoff_base: float = 0.5,
+        backoff_max: float = 30.0,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        urls = [base_urls] if isinstance(base_urls, str) else list(base_urls)
+        if not urls:
+            raise BadInput("no --base-url given")
+        self._v1 = [normalize_base_url(u)[1] for u in urls]
+        self.model = model
+        self.timeout = timeout
+        self.retries = max(0, retries)
+        self.backoff_base = backoff_base
+        self.backoff_max = backoff_max
+        self._in_flight = [0] * len(self._v1)
+        self._rr = itertools.count()
+        self._client = httpx.AsyncClient(
+            headers=_headers(api_key),
+            timeout=httpx.Timeout(timeout),
+            transport=transport,
+            # Enough connections for high --concurrency against several replicas.
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+        )
+
+    @property
+    def base_urls(self) -> list[str]:
+        return list(self._v1)
+
+    def _pick(self) -> int:
+        start = next(self._rr) % len(self._v1)
+        order = [(start + i) % len(self._v1) for i in range(len(self._v1))]
+        return min(order, key=lambda i: self._in_flight[i])
+
+    def _backoff(self, attempt: int, retry_after: float | None) -> float:
+        if retry_after is not None:
+            return min(retry_after, self.backoff_max)
+        # Full jitter: spreads retries of many concurrent requests instead of synchronising them.
+        return random.uniform(0, min(self.backoff_max, self.backoff_base * 2 ** (attempt - 1)))
+
+    async def chat(
+        self,
+        messages: list[dict],
+        *,
+        max_tokens: int,
+        extra_body: dict | None = None,
+    ) -> ChatResult:
+        payload: dict[str, Any] = {
+            "model": self.model,
+            "messages": messages,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+        }
+        # extra_body is passed through unchanged; it may deliberately override the defaults above.
+        payload.update(extra_body or {})
+        idx = self._pick()
+        v1 = self._v1[idx]
+        url = v1 + "/chat/completions"
+        start = time.monotonic()
+        last: str = "no attempt made"
+        attempt = 0
+        self._in_flight[idx] += 1
+        try:
+            while True:
+                attempt += 1
+                retry_after: float | None = None
+                try:
+                    resp = await self._client.post(url, json=payload)
+                except httpx.TimeoutException as e:
+                    last = f"timeout after {self.timeout}s ({type(e).__name__})"
+                except httpx.TransportError as e:
+                    last = f"{type(e).__name__}: {e}"
+                else:
+                    if resp.status_code == 200:
+                        try:
+                            body = resp.json()
+                        except ValueError as e:
+                            raise ProtocolViolation(
+                                f"{url} answered 200 with invalid JSON: {resp.text[:200]!r}"
+                            ) from e
+                        text, reasoning, finish, ptok, cached = _parse(body)
+                        return ChatResult(
+                            text=text,
+                            reasoning=reasoning,
+                            finish_reason=finish,
+                            prompt_tokens=ptok,
+                            cached_tokens=cached,
+                            latency_s=time.monotonic() - start,
+                            attempts=attempt,
+                            base_url=v1,
+                        )
+                    message = _error_message(resp)
+                    if _is_overflow(resp.status_code, message):
+                        raise ContextOverflow(f"{url} refused the prompt ({resp.status_code}): {message}")
+                    if resp.status_code not in RETRY_STATUSES:
+                        raise ProtocolViolation(f"{url} answered HTTP {resp.status_code}: {message}")
+                    last = f"HTTP {resp.status_code}: {message}"
+                    retry_after = _retry_after(resp)
+                if attempt > self.retries:
+                    raise TransportFailure(f"{url} failed after {attempt} attempts; last: {last}")
+                await asyncio.sleep(self._backoff(attempt, retry_after))
+        finally:
+            self._in_flight[idx] -= 1
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+    async def __aenter__(self) -> ChatTarget:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+
+def _reason(e: httpx.TransportError) -> str:
+    text = str(e).lower()
+    if "refused" in text:
+        return "connection refused"
+    if isinstance(e, httpx.TimeoutException):
+        return "timed out"
+    if "name or service" in text or "nodename" in text or "resolve" in text:
+        return "host name not found"
+    return f"{type(e).__name__}: {e}"
+
+
+def preflight(
+    base_url: str,
+    model: str,
+    api_key: str | None = None,
+    timeout: float = 5,
+    *,
+    transport: httpx.BaseTransport | None = None,
+) -> dict:
+    """Check the server is reachable, serves ``model`` and has chat completions; return /v1/models JSON.
+
+    Raises BadInput with one line saying what is wrong and what to do.
+    """
+    _root, v1 = normalize_base_url(base_url)
+    with httpx.Client(headers=_headers(api_key), timeout=timeout, transport=transport) as client:
+        try:
+            resp = client.get(v1 + "/models")
+        except httpx.TransportError as e:
+            raise BadInput(
+                f"cannot reach {v1}: {_reason(e)}; is the server running? check --base-url"
+            ) from None
+        if resp.status_code in (401, 403):
+            raise BadInput(f"{v1}/models answered HTTP {resp.status_code}; check --api-key")
+        if resp.status_code != 200:
+            raise BadInput(
+                f"{v1}/models answered HTTP {resp.status_code}; is {base_url} an OpenAI-compatible server? check --base-url"
+            )
+        try:
+            models = resp.json()
+            ids = [m["id"] for m in models["data"]]
+        except (ValueError, KeyError, TypeError):
+            raise BadInput(f"{v1}/models did not return an OpenAI model list; check --base-url") from None
+        if model not in ids:
+            raise BadInput(f"model {model!r} not served at {v1}; available: {', '.join(ids) or '(none)'}")
+        try:
+            chat = client.post(
+                v1 + "/chat/completions",
+                json={"model": model, "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1},
+            )
+        except httpx.TransportError as e:
+            raise BadInput(f"cannot reach {v1}/chat/completions: {_reason(e)}; check --base-url") from None
+        if chat.status_code in (404, 405):
+            raise BadInput(
+                f"{v1} has no chat completions endpoint (HTTP {chat.status_code}); needlescope needs /v1/chat/completions"
+            )
+    return models

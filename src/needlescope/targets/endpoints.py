@@ -1,0 +1,22 @@
+"""Base-URL handling: users pass either the server root or its OpenAI ``/v1`` prefix."""
+
+from __future__ import annotations
+
+from urllib.parse import urlsplit
+
+from needlescope.errors import BadInput
+
+
+def normalize_base_url(url: str) -> tuple[str, str]:
+    """Return ``(root, v1)`` for ``http://h:p`` or ``http://h:p/v1`` (trailing slashes ignored).
+
+    Native endpoints (``/tokenize``, ``/health``, ``/get_server_info``) live under ``root``;
+    OpenAI endpoints under ``v1``.
+    """
+    raw = (url or "").strip()
+    parts = urlsplit(raw)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise BadInput(f"--base-url {raw!r} is not an http(s) URL; pass e.g. http://127.0.0.1:8000/v1")
+    base = raw.rstrip("/")
+    root = base[: -len("/v1")] if base.endswith("/v1") else base
+    return root, root + "/v1"

@@ -1,0 +1,1 @@
+"""Reference targets with known behaviour, for self-tests and the demo."""

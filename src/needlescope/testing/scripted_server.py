@@ -1,0 +1,229 @@
+"""A scripted OpenAI-compatible server (stdlib only) with a known recall window and injectable faults.
+
+Tokenizer: whitespace words. The rendered prompt is, per message, ``<|role|> content``, then the
+generation prompt ``<|assistant|>``; its token count is its number of words. A needle is answered
+only when its fact "The <key> is <digits>." lies within the LAST ``--window`` words.
+
+    python -m needlescope.testing.scripted_server --port 0 --window 500 [--fail-every 3 --fail-status 500] ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+# "What is the <key>?" (single, multikey, multiturn) or "What are all the <key>?" (multivalue).
+QUESTION = re.compile(r"what\s+(?:is|are)\s+(?:all\s+)?the\s+(.+?)\s*\?", re.IGNORECASE)
+# The value list after "<key> is|are": "12345", or "1, 2 and 3" for multivalue.
+VALUES = r"(\d+(?:\s*(?:,|and|,\s*and)\s+\d+)*)"
+
+
+def render_words(messages: list[dict], add_generation_prompt: bool = True) -> list[str]:
+    words: list[str] = []
+    for m in messages:
+        words.extend(f"<|{m.get('role', 'user')}|> {m.get('content') or ''}".split())
+    if add_generation_prompt:
+        words.append("<|assistant|>")
+    return words
+
+
+def answer(messages: list[dict], window: int) -> str:
+    words = render_words(messages)
+    question = next(
+        (QUESTION.search(m.get("content") or "") for m in reversed(messages) if m.get("role") == "user"),
+        None,
+    )
+    if question is None:
+        return "I don't know"
+    key = " ".join(question.group(1).split())
+    visible = " ".join(words[-window:]) if window > 0 else ""
+    fact = re.compile(
+        r"\b" + r"\s+".join(map(re.escape, key.split())) + r"\s+(?:is|are)\s+" + VALUES, re.IGNORECASE
+    )
+    values = list(dict.fromkeys(v for found in fact.findall(visible) for v in re.findall(r"\d+", found)))
+    return ", ".join(values) if values else "I don't know"
+
+
+class State:
+    def __init__(self, opts: argparse.Namespace) -> None:
+        self.opts = opts
+        self.lock = threading.Lock()
+        self.n_chat = 0
+        self.history: list[list[str]] = []
+
+    def next_chat(self) -> int:
+        with self.lock:
+            self.n_chat += 1
+            return self.n_chat
+
+    def cached(self, words: list[str]) -> int:
+        with self.lock:
+            best = 0
+            for prev in self.history:
+                n = 0
+                for a, b in zip(prev, words, strict=False):  # prefixes differ in length
+                    if a != b:
+                        break
+                    n += 1
+                best = max(best, n)
+            self.history.append(words)
+            del self.history[:-256]  # bounded memory for long runs
+            return best
+
+
+class Handler(BaseHTTPRequestHandler):
+    state: State
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args: object) -> None:  # quiet: tests read only READY from stdout
+        return
+
+    def _send(self, status: int, body: object, headers: dict | None = None) -> None:
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        for k, v in (headers or {}).items():
+            self.send_header(k, v)
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _body(self) -> dict:
+        n = int(self.headers.get("Content-Length") or 0)
+        return json.loads(self.rfile.read(n) or b"{}")
+
+    def do_GET(self) -> None:
+        o = self.state.opts
+        if self.path == "/v1/models":
+            self._send(
+                200,
+                {"object": "list", "data": [{"id": o.model, "object": "model", "max_model_len": o.max_len}]},
+            )
+        elif self.path == "/get_server_info":
+            self._send(
+                200,
+                {
+                    "model_path": o.model,
+                    "context_length": o.max_len,
+                    "window": o.window,
+                    "api_key": "sk-should-be-stripped",
+                    "nested": {"hf_token": "hf_secret", "ok": 1},
+                },
+            )
+        elif self.path == "/health":
+            self._send(200, {"status": "ok"})
+        else:
+            self._send(404, {"error": {"message": f"no route {self.path}"}})
+
+    def do_POST(self) -> None:
+        try:
+            body = self._body()
+        except ValueError:
+            self._send(400, {"error": {"message": "invalid JSON body"}})
+            return
+        if self.path == "/v1/chat/completions":
+            self._chat(body)
+        elif self.path == "/tokenize":
+            if "messages" in body:
+                words = render_words(body["messages"], body.get("add_generation_prompt", True))
+            else:
+                words = str(body.get("prompt", "")).split()
+            self._send(
+                200,
+                {
+                    "count": len(words),
+                    "tokens": list(range(len(words))),
+                    "max_model_len": self.state.opts.max_len,
+                },
+            )
+        else:
+            self._send(404, {"error": {"message": f"no route {self.path}"}})
+
+    def _chat(self, body: dict) -> None:
+        o = self.state.opts
+        n = self.state.next_chat()
+        if o.model != body.get("model"):
+            self._send(404, {"error": {"message": f"model {body.get('model')!r} not found"}})
+            return
+        if o.fail_every and n % o.fail_every == 0:
+            self._send(o.fail_status, {"error": {"message": "scripted failure"}}, {"Retry-After": "0"})
+            return
+        if o.drop_every and n % o.drop_every == 0:
+            # Close without any response: the client sees a connection error.
+            self.close_connection = True
+            self.connection.shutdown(2)
+            return
+        if o.garbage_every and n % o.garbage_every == 0:
+            self._send(200, b"{not json")
+            return
+        if o.slow_every and n % o.slow_every == 0:
+            time.sleep(o.slow_s)
+        messages = body.get("messages") or []
+        words = render_words(messages)
+        if len(words) > o.max_len:
+            self._send(
+                400,
+                {
+                    "error": {
+                        "message": f"This model's maximum context length is {o.max_len} tokens; prompt too long"
+                    }
+                },
+            )
+            return
+        text = answer(messages, o.window)
+        self._send(
+            200,
+            {
+                "id": f"chatcmpl-{n}",
+                "object": "chat.completion",
+                "model": o.model,
+                "choices": [
+                    {
+                        "index": 0,
+                        "finish_reason": "stop",
+                        "message": {"role": "assistant", "content": text, "reasoning_content": None},
+                    }
+                ],
+                "usage": {
+                    "prompt_tokens": len(words),
+                    "completion_tokens": len(text.split()),
+                    "total_tokens": len(words) + len(text.split()),
+                    "prompt_tokens_details": {"cached_tokens": self.state.cached(words)},
+                },
+            },
+        )
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--window", type=int, required=True)
+    p.add_argument("--model", default="scripted")
+    p.add_argument("--max-len", type=int, default=1_000_000)
+    p.add_argument("--fail-every", type=int, default=0)
+    p.add_argument("--fail-status", type=int, default=500, choices=(429, 500, 502, 503))
+    p.add_argument("--drop-every", type=int, default=0)
+    p.add_argument("--slow-every", type=int, default=0)
+    p.add_argument("--slow-s", type=float, default=1.0)
+    p.add_argument("--garbage-every", type=int, default=0)
+    opts = p.parse_args(argv)
+    Handler.state = State(opts)
+    server = ThreadingHTTPServer(("127.0.0.1", opts.port), Handler)
+    server.daemon_threads = True
+    print(f"READY {server.server_address[1]}", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+        sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,37 @@
+"""Shared fixtures: the scripted loopback server."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+
+@pytest.fixture
+def scripted_server():
+    """Factory: ``scripted_server(window=500, fail_every=3, ...)`` -> "http://127.0.0.1:PORT".
+
+    Keyword options map to the server's flags (underscores become dashes). All started servers
+    are killed at teardown.
+    """
+    procs: list[subprocess.Popen] = []
+
+    def start(**opts: object) -> str:
+        opts.setdefault("window", 10_000)
+        args = [sys.executable, "-m", "needlescope.testing.scripted_server", "--port", "0"]
+        for k, v in opts.items():
+            args += ["--" + k.replace("_", "-"), str(v)]
+        proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        procs.append(proc)
+        line = proc.stdout.readline() if proc.stdout else ""
+        if not line.startswith("READY "):
+            proc.kill()
+            err = proc.stderr.read() if proc.stderr else ""
+            raise RuntimeError(f"scripted server did not start: {line!r} {err}")
+        return f"http://127.0.0.1:{int(line.split()[1])}"
+
+    yield start
+    for proc in procs:
+        proc.kill()
+        proc.wait(timeout=10)

@@ -1,0 +1,221 @@
+"""Target client, preflight, token counting and provenance: mocked transports and the scripted server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from needlescope.errors import BadInput, ContextOverflow, ProtocolViolation, TransportFailure
+from needlescope.targets import (
+    ChatTarget,
+    ServerTokenCounter,
+    collect_provenance,
+    detect_server_tokenizer,
+    normalize_base_url,
+    preflight,
+    strip_secrets,
+)
+
+OK = {
+    "choices": [{"message": {"content": "42", "reasoning_content": "think"}, "finish_reason": "stop"}],
+    "usage": {"prompt_tokens": 7, "prompt_tokens_details": {"cached_tokens": 3}},
+}
+MSGS = [{"role": "user", "content": "What is the x? Answer with the number only."}]
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def _chat(handler, **kw):
+    target = ChatTarget("http://t/v1", "m", transport=httpx.MockTransport(handler), backoff_base=0.001, **kw)
+    try:
+        return await target.chat(MSGS, max_tokens=8, extra_body={"top_k": 1})
+    finally:
+        await target.aclose()
+
+
+def test_normalize_base_url():
+    assert normalize_base_url("http://h:1") == ("http://h:1", "http://h:1/v1")
+    assert normalize_base_url("http://h:1/v1/") == ("http://h:1", "http://h:1/v1")
+    with pytest.raises(BadInput):
+        normalize_base_url("h:1")
+
+
+def test_retries_429_honouring_retry_after():
+    calls: list[dict] = []
+
+    def handler(req: httpx.Request) -> httpx.Response:
+        calls.append(json.loads(req.content))
+        if len(calls) < 3:
+            return httpx.Response(
+                429, headers={"Retry-After": "0.05"}, json={"error": {"message": "slow down"}}
+            )
+        return httpx.Response(200, json=OK)
+
+    res = run(_chat(handler))
+    assert (res.text, res.reasoning, res.prompt_tokens, res.cached_tokens, res.attempts) == (
+        "42",
+        "think",
+        7,
+        3,
+        3,
+    )
+    assert res.latency_s >= 0.1  # two Retry-After waits of 0.05 s
+    assert calls[0]["top_k"] == 1 and calls[0]["temperature"] == 0 and calls[0]["model"] == "m"
+
+
+def test_retries_exhausted_is_transport_failure():
+    res = lambda req: httpx.Response(503, json={"error": {"message": "down"}})  # noqa: E731
+    with pytest.raises(TransportFailure, match="3 attempts"):
+        run(_chat(res, retries=2))
+
+    def refuse(req):
+        raise httpx.ConnectError("connection refused")
+
+    with pytest.raises(TransportFailure):
+        run(_chat(refuse, retries=1))
+
+
+def test_garbage_and_missing_choices_are_protocol_violations():
+    with pytest.raises(ProtocolViolation):
+        run(_chat(lambda req: httpx.Response(200, content=b"{not json")))
+    with pytest.raises(ProtocolViolation, match="no choices"):
+        run(_chat(lambda req: httpx.Response(200, json={"choices": []})))
+
+
+def test_context_overflow():
+    msg = {"error": {"message": "This model's maximum context length is 4096 tokens"}}
+    with pytest.raises(ContextOverflow):
+        run(_chat(lambda req: httpx.Response(400, json=msg)))
+
+
+def test_spreads_over_base_urls():
+    hosts: list[str] = []
+
+    def handler(req):
+        hosts.append(req.url.host)
+        return httpx.Response(200, json=OK)
+
+    async def go():
+        t = ChatTarget(["http://a", "http://b/v1"], "m", transport=httpx.MockTransport(handler))
+        try:
+            return await asyncio.gather(*(t.chat(MSGS, max_tokens=1) for _ in range(4)))
+        finally:
+            await t.aclose()
+
+    results = run(go())
+    assert sorted(hosts) == ["a", "a", "b", "b"]
+    assert {r.base_url for r in results} == {"http://a/v1", "http://b/v1"}
+
+
+def test_preflight_against_scripted_server(scripted_server):
+    url = scripted_server(window=100)
+    models = preflight(url, "scripted")
+    assert [m["id"] for m in models["data"]] == ["scripted"]
+    assert preflight(url + "/v1", "scripted") == models
+    with pytest.raises(BadInput, match="model 'nope' not served at .*; available: scripted"):
+        preflight(url, "nope")
+
+
+def test_preflight_unreachable():
+    with pytest.raises(
+        BadInput, match=r"cannot reach http://127\.0\.0\.1:9/v1: connection refused; .*--base-url"
+    ):
+        preflight("http://127.0.0.1:9", "m", timeout=2)
+
+
+def test_preflight_no_chat_endpoint():
+    def handler(req):
+        if req.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "m"}]})
+        return httpx.Response(404)
+
+    with pytest.raises(BadInput, match="no chat completions"):
+        preflight("http://t", "m", transport=httpx.MockTransport(handler))
+
+
+def test_server_token_count_matches_word_rule(scripted_server):
+    url = scripted_server(window=100)
+    root, _ = normalize_base_url(url)
+    counter = detect_server_tokenizer(root, "scripted")
+    assert counter is not None and counter.form == "vllm"
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "a b  c\nd"}]
+    # "<|system|> be brief" (3) + "<|user|> a b c d" (5) + "<|assistant|>" (1)
+    assert counter(msgs) == 9
+    counter.close()
+
+
+def test_server_token_counter_llamacpp_fallback():
+    def handler(req):
+        body = json.loads(req.content)
+        if req.url.path == "/apply-template":
+            return httpx.Response(200, json={"prompt": "x y z"})
+        if req.url.path == "/tokenize" and "content" in body:
+            return httpx.Response(200, json={"tokens": [1, 2, 3]})
+        return httpx.Response(404)
+
+    counter = ServerTokenCounter("http://t", "m", transport=httpx.MockTransport(handler))
+    assert counter(MSGS) == 3 and counter.form == "llamacpp"
+
+
+def test_chat_against_scripted_server_window(scripted_server):
+    url = scripted_server(window=30)
+    fact = "The magic number of the red door is 4711."
+    filler = " ".join(["hay"] * 50)
+    q = "What is the magic number of the red door? Answer with the number only."
+
+    async def go(content):
+        t = ChatTarget(url, "scripted")
+        try:
+            return await t.chat([{"role": "user", "content": content}], max_tokens=8)
+        finally:
+            await t.aclose()
+
+    near = run(go(f"{filler} {fact} {q}"))
+    far = run(go(f"{fact} {filler} {q}"))
+    assert near.text == "4711" and far.text == "I don't know"
+    assert near.prompt_tokens == 2 + len(f"{filler} {fact} {q}".split())
+    assert far.cached_tokens == 1  # shares only "<|user|>" with the first request
+
+
+def test_provenance_has_no_secrets(scripted_server):
+    url = scripted_server(window=100)
+    prov = collect_provenance(*normalize_base_url(url))
+    assert prov["status"]["/get_server_info"] == 200 and prov["status"]["/version"] == 404
+    assert prov["/get_server_info"]["nested"] == {"ok": 1}
+    text = json.dumps(prov).lower()
+    assert "sk-should" not in text and "hf_secret" not in text and "api_key" not in text
+
+
+def test_strip_secrets_recursive():
+    assert strip_secrets({"API_Key": 1, "a": [{"Password": 2, "b": 3}], "c": {"tokenizer": 1}}) == {
+        "a": [{"b": 3}],
+        "c": {},
+    }
+
+
+def test_scripted_server_answer_rule():
+    from needlescope.testing.scripted_server import answer
+
+    def user(text: str) -> list[dict]:
+        return [{"role": "user", "content": text}]
+
+    many = "The secret codes of the red fox are 11111, 22222 and 33333. What are all the secret codes of the red fox?"
+    assert answer(user(many), 100) == "11111, 22222, 33333"
+    multikey = "The secret code of the blue fox is 4. The secret code of the Red fox is 5. What is the secret code of the red fox?"
+    assert answer(user(multikey), 100) == "5"
+    assert (
+        answer(
+            user(
+                "The secret code of the red fox is 5. "
+                + "hay " * 20
+                + "What is the secret code of the red fox?"
+            ),
+            10,
+        )
+        == "I don't know"
+    )
