@@ -1,49 +1,49 @@
+"""Tests for needlescope.report.probe."""
+
 import json
 
 import pytest
 
 from needlescope.analysis import cells_from_results
-from needlescope.report.probe import validate_summary, write_probe_outputs
+from needlescope.report import validate_summary, write_probe_outputs
 
 
-def test_writes_four_outputs_matching_the_schema(tmp_path):
-    rows = [
-        {"case_id": f"c{L}-{d}", "length": L, "depth": d, "status": "ok", "correct": L < 2000}
-        for L in (1000, 2000)
-        for d in (0, 50, 100)
-    ] + [{"case_id": "e", "length": 1000, "depth": 0, "status": "error", "correct": None}]
+def test_writes_four_files(tmp_path):
+    results = []
+    for length in (1000, 2000):
+        for depth in (0.0, 50.0, 100.0):
+            for t in range(3):
+                ok = not (length == 2000 and t == 0)
+                results.append(
+                    {"case_id": f"single-L{length}-D{depth:g}-T{t}", "length": length, "depth": depth,
+                     "status": "ok" if t != 2 or length == 1000 else "error",
+                     "correct": ok if t != 2 or length == 1000 else None,
+                     "counted_length": length if t != 1 else length + 1}
+                )  # fmt: skip
+    cells = cells_from_results(results)
     summary = write_probe_outputs(
-        tmp_path,
-        cells=cells_from_results(rows),
-        results=rows,
-        kind="single",
-        model="m",
-        threshold=0.85,
-        provenance={"/v1/models": {"data": []}},
-        notes=["c1000-0: requested 1000 tokens but the tokenizer counted 999"],
-    )
+        tmp_path, cells=cells, results=results, kind="single", model="m", threshold=0.9,
+        provenance={"tool": "needlescope"}, notes=["a note"],
+    )  # fmt: skip
+    for name in ("summary.json", "report.md", "heatmap.png", "results.jsonl"):
+        assert (tmp_path / name).stat().st_size > 0
     on_disk = json.loads((tmp_path / "summary.json").read_text())
-    assert on_disk == summary
     validate_summary(on_disk)
-    assert on_disk["effective_length"] == 1000 and on_disk["errors_total"] == 1
+    assert on_disk == summary
+    assert summary["effective_length"] == 1000
+    assert summary["cliff"]["from"] == 1000 and summary["cliff"]["to"] == 2000
+    assert summary["errors_total"] == 3 and summary["length_mismatches"] == 6
+    md = (tmp_path / "report.md").read_text()
+    assert "WARNING" in md and "3 request(s) failed" in md and "a note" in md
+    assert len((tmp_path / "results.jsonl").read_text().splitlines()) == len(results)
     assert (tmp_path / "heatmap.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert len((tmp_path / "results.jsonl").read_text().splitlines()) == len(rows)
-    report = (tmp_path / "report.md").read_text()
-    assert "WARNING" in report and "1 failed requests" in report
 
 
-def test_validate_summary_names_the_broken_field():
-    with pytest.raises(ValueError, match="summary.cells\\[0\\]: missing key 'recall'"):
-        validate_summary(
-            {
-                "effective_length": None,
-                "threshold": 0.85,
-                "kind": "single",
-                "model": "m",
-                "cells": [
-                    {"length": 1, "depth": 0, "n": 1, "correct": 1, "errors": 0, "ci_low": 0, "ci_high": 1}
-                ],
-                "cliff": None,
-                "provenance": {},
-            }
-        )
+def test_validate_rejects_bad():
+    with pytest.raises(ValueError):
+        validate_summary({"threshold": 0.9})
+    good = {"effective_length": None, "threshold": 0.9, "kind": "k", "model": "m", "cells": [], "cliff": None,
+            "provenance": {}}  # fmt: skip
+    validate_summary(good)
+    with pytest.raises(ValueError):
+        validate_summary({**good, "effective_length": "100"})

@@ -1,14 +1,14 @@
-"""Statistics over probe results: intervals, paired tests, effective length, cliffs. Pure."""
+"""Statistics and recall-curve analysis over probe results."""
 
-from needlescope.analysis.curve import Cell, cells_from_results, cliff, effective_length, recall_by_length
-from needlescope.analysis.stats import mcnemar_exact, wilson_interval
+from .curve import Cell, cells_from_results, cliff, effective_length, pooled_recall
+from .stats import mcnemar_exact, wilson_interval
 
 __all__ = [
     "Cell",
     "cells_from_results",
     "cliff",
     "effective_length",
+    "pooled_recall",
     "mcnemar_exact",
-    "recall_by_length",
     "wilson_interval",
 ]

@@ -1,17 +1,18 @@
-"""The probe's four outputs and the schema of ``summary.json`` that other tools rely on."""
+"""Write the outputs of a probe run: summary.json, report.md, heatmap.png and results.jsonl."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from pathlib import Path
 
-from needlescope.analysis import Cell, cliff, effective_length, recall_by_length
+from ..analysis.curve import Cell, cliff, effective_length, pooled_recall
 
-CELL_KEYS = ("length", "depth", "n", "correct", "errors", "recall", "ci_low", "ci_high")
+__all__ = ["SUMMARY_SCHEMA", "validate_summary", "write_probe_outputs"]
 
-SUMMARY_SCHEMA = {
-    "$schema": "https://json-schema.org/draft/2020-12/schema",
-    "title": "needlescope probe summary.json",
+_CELL_KEYS = ("length", "depth", "n", "correct", "errors", "recall", "ci_low", "ci_high")
+
+SUMMARY_SCHEMA: dict = {
     "type": "object",
     "required": ["effective_length", "threshold", "kind", "model", "cells", "cliff", "provenance"],
     "properties": {
@@ -23,7 +24,7 @@ SUMMARY_SCHEMA = {
             "type": "array",
             "items": {
                 "type": "object",
-                "required": list(CELL_KEYS),
+                "required": list(_CELL_KEYS),
                 "properties": {
                     "length": {"type": "integer"},
                     "depth": {"type": "number"},
@@ -47,35 +48,119 @@ SUMMARY_SCHEMA = {
         },
         "provenance": {"type": "object"},
         "errors_total": {"type": "integer"},
-        "length_mismatches": {"type": "array", "items": {"type": "string"}},
+        "length_mismatches": {"type": "integer"},
     },
 }
 
-_PY_TYPES = {"integer": int, "number": (int, float), "string": str, "object": dict, "array": list}
+_TYPES = {
+    "object": dict,
+    "array": list,
+    "string": str,
+    "integer": int,
+    "number": (int, float),
+    "null": type(None),
+}
 
 
-def _check(value, schema: dict, where: str) -> None:
+def _check(obj: object, schema: dict, path: str) -> None:
     types = schema.get("type")
     if types is not None:
-        allowed = [types] if isinstance(types, str) else types
-        ok = any(value is None if t == "null" else isinstance(value, _PY_TYPES[t]) for t in allowed)
-        if not ok or (isinstance(value, bool) and "integer" in allowed):
-            raise ValueError(f"{where}: expected {types}, got {type(value).__name__}")
-    if isinstance(value, dict):
+        names = [types] if isinstance(types, str) else types
+        # bool is an int subclass in Python but not a JSON number.
+        if isinstance(obj, bool) or not any(isinstance(obj, _TYPES[t]) for t in names):
+            raise ValueError(f"{path}: expected {names}, got {type(obj).__name__}")
+    if isinstance(obj, dict):
         for key in schema.get("required", []):
-            if key not in value:
-                raise ValueError(f"{where}: missing key {key!r}")
+            if key not in obj:
+                raise ValueError(f"{path}: missing key {key!r}")
         for key, sub in schema.get("properties", {}).items():
-            if key in value:
-                _check(value[key], sub, f"{where}.{key}")
-    if isinstance(value, list) and "items" in schema:
-        for i, item in enumerate(value):
-            _check(item, schema["items"], f"{where}[{i}]")
+            if key in obj:
+                _check(obj[key], sub, f"{path}.{key}")
+    if isinstance(obj, list) and "items" in schema:
+        for i, item in enumerate(obj):
+            _check(item, schema["items"], f"{path}[{i}]")
 
 
 def validate_summary(obj: dict) -> None:
-    """Raise ValueError naming the first place where ``obj`` breaks SUMMARY_SCHEMA."""
+    """Raise ValueError if ``obj`` does not follow SUMMARY_SCHEMA (a minimal JSON Schema checker)."""
     _check(obj, SUMMARY_SCHEMA, "summary")
+
+
+def _heatmap(path: Path, cells: list[Cell]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    lengths = sorted({c.length for c in cells})
+    depths = sorted({c.depth for c in cells})
+    grid = np.full((max(1, len(lengths)), max(1, len(depths))), np.nan)
+    fig, ax = plt.subplots(figsize=(1.2 * max(3, len(depths)) + 2, 0.7 * max(3, len(lengths)) + 1.5))
+    for c in cells:
+        i, j = lengths.index(c.length), depths.index(c.depth)
+        if c.n:
+            grid[i, j] = c.recall
+        label = f"{c.recall:.2f}\nn={c.n}" if c.n else f"-\nn={c.n}"
+        if c.errors:
+            label += f"\nerr={c.errors}"
+        ax.text(j, i, label, ha="center", va="center", fontsize=7)
+    im = ax.imshow(grid, cmap="RdYlGn", vmin=0.0, vmax=1.0, aspect="auto", origin="lower")
+    ax.set_xticks(range(len(depths)), [f"{d:g}" for d in depths])
+    ax.set_yticks(range(len(lengths)), [str(n) for n in lengths])
+    ax.set_xlabel("needle depth (%)")
+    ax.set_ylabel("length (tokens)")
+    fig.colorbar(im, ax=ax, label="recall")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _markdown(summary: dict, cells: list[Cell], notes: list[str]) -> str:
+    lines = [f"# needlescope probe: {summary['model']} ({summary['kind']})", ""]
+    eff = summary["effective_length"]
+    lines.append(
+        f"**Effective length** (pooled recall >= {summary['threshold']:g} at it and every shorter length): "
+        + (f"{eff} tokens" if eff is not None else "none (the shortest tested length already fails)")
+    )
+    c = summary["cliff"]
+    lines.append(
+        "**Cliff:** " + (f"{c['from']} -> {c['to']} tokens, recall drops by {c['drop']:.2f}" if c else "none")
+    )
+    lines.append(
+        f"**Errors:** {summary['errors_total']} request(s) failed; they are excluded from recall, not counted as misses."
+    )
+    if summary["length_mismatches"]:
+        lines += [
+            "",
+            f"> **WARNING: {summary['length_mismatches']} case(s) did not reach their exact target length**; "
+            "their counted length differs from the nominal one.",
+        ]
+    lines += [
+        "",
+        "| length | depth | recall | 95% CI | n | correct | errors |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for cell in cells:
+        lines.append(
+            f"| {cell.length} | {cell.depth:g} | {cell.recall:.3f} | [{cell.ci_low:.3f}, {cell.ci_high:.3f}] "
+            f"| {cell.n} | {cell.correct} | {cell.errors} |"
+        )
+    lines += ["", "| length | pooled recall | n |", "|---|---|---|"]
+    for length, (k, n) in pooled_recall(cells).items():
+        lines.append(f"| {length} | {k / n if n else 0.0:.3f} | {n} |")
+    if notes:
+        lines += ["", "## Notes", ""] + [f"- {n}" for n in notes]
+    lines += [
+        "",
+        "## Provenance",
+        "",
+        "```json",
+        json.dumps(summary["provenance"], indent=2, sort_keys=True),
+        "```",
+        "",
+    ]
+    return "\n".join(lines)
 
 
 def write_probe_outputs(
@@ -89,107 +174,33 @@ def write_probe_outputs(
     provenance: dict,
     notes: list[str],
 ) -> dict:
-    """Write summary.json, report.md, heatmap.png and results.jsonl into ``out_dir``; return the summary."""
+    """Write the four probe outputs into ``out_dir`` and return the summary dict."""
+    out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    cells = sorted(cells, key=lambda c: (c.length, c.depth))
+    mismatches = sum(
+        1
+        for r in results
+        if r.get("counted_length") is not None
+        and r.get("length") is not None
+        and r["counted_length"] != r["length"]
+    )
     summary = {
         "effective_length": effective_length(cells, threshold),
-        "threshold": threshold,
+        "threshold": float(threshold),
         "kind": kind,
         "model": model,
-        "cells": [c.to_dict() for c in cells],
+        "cells": [{k: asdict(c)[k] for k in _CELL_KEYS} for c in cells],
         "cliff": cliff(cells),
-        "provenance": provenance,
+        "provenance": dict(provenance),
         "errors_total": sum(c.errors for c in cells),
-        "length_mismatches": notes,
+        "length_mismatches": mismatches,
     }
     validate_summary(summary)
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    with (out_dir / "results.jsonl").open("w") as fh:
-        for row in results:
-            fh.write(json.dumps(row) + "\n")
-    (out_dir / "report.md").write_text(render_report(summary, cells))
-    write_heatmap(out_dir / "heatmap.png", cells, title=f"{model} · {kind}")
+    (out_dir / "report.md").write_text(_markdown(summary, cells, notes))
+    with (out_dir / "results.jsonl").open("w") as f:
+        for r in results:
+            f.write(json.dumps(r, default=str) + "\n")
+    _heatmap(out_dir / "heatmap.png", cells)
     return summary
-
-
-def render_report(summary: dict, cells: list[Cell]) -> str:
-    depths = sorted({c.depth for c in cells})
-    lengths = sorted({c.length for c in cells})
-    grid = {(c.length, c.depth): c for c in cells}
-    pooled = recall_by_length(cells)
-    eff = summary["effective_length"]
-    lines = [
-        f"# Recall probe: {summary['model']} ({summary['kind']})",
-        "",
-        f"- Effective length: **{eff if eff is not None else 'none'}** tokens "
-        f"(largest length whose recall, and every shorter one's, is >= {summary['threshold']})",
-    ]
-    c = summary["cliff"]
-    lines.append(
-        f"- Cliff: {c['from']} -> {c['to']} tokens, recall drops {c['drop']:.2f}" if c else "- Cliff: none"
-    )
-    lines.append(
-        f"- Errors: {summary['errors_total']} failed requests, counted apart and never scored as misses"
-    )
-    lines += ["", "Recall per cell (correct/n, errors in brackets):", ""]
-    lines.append("| length \\ depth | " + " | ".join(f"{d:g}%" for d in depths) + " | pooled |")
-    lines.append("|---" * (len(depths) + 2) + "|")
-    for L in lengths:
-        row = []
-        for d in depths:
-            cell = grid.get((L, d))
-            if cell is None:
-                row.append("-")
-                continue
-            text = f"{cell.recall:.2f} ({cell.correct}/{cell.n})"
-            row.append(text + (f" [{cell.errors} err]" if cell.errors else ""))
-        p = pooled[L]
-        tail = f" | {p:.2f} |" if p is not None else " | - |"
-        lines.append(f"| {L} | " + " | ".join(row) + tail)
-    if summary["length_mismatches"]:
-        lines += ["", f"## WARNING: {len(summary['length_mismatches'])} token-length disagreements", ""]
-        lines += [f"- {n}" for n in summary["length_mismatches"][:50]]
-        if len(summary["length_mismatches"]) > 50:
-            lines.append(f"- ... and {len(summary['length_mismatches']) - 50} more (see results.jsonl)")
-    lines += [
-        "",
-        "## Provenance",
-        "",
-        "```json",
-        json.dumps(summary["provenance"], indent=2)[:4000],
-        "```",
-        "",
-    ]
-    lines += ["![heatmap](heatmap.png)", ""]
-    return "\n".join(lines)
-
-
-def write_heatmap(path: Path, cells: list[Cell], *, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
-
-    depths = sorted({c.depth for c in cells})
-    lengths = sorted({c.length for c in cells})
-    grid = np.full((len(lengths), len(depths)), np.nan)
-    fig, ax = plt.subplots(figsize=(1.1 * len(depths) + 2.5, 0.7 * len(lengths) + 1.8))
-    for c in cells:
-        i, j = lengths.index(c.length), depths.index(c.depth)
-        if c.n:
-            grid[i, j] = c.recall
-        label = f"{c.recall:.2f}\nn={c.n}" if c.n else "no data"
-        if c.errors:
-            label += f"\n{c.errors} err"
-        ax.text(j, i, label, ha="center", va="center", fontsize=7)
-    im = ax.imshow(grid, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto", origin="lower")
-    ax.set_xticks(range(len(depths)), [f"{d:g}" for d in depths])
-    ax.set_yticks(range(len(lengths)), [str(L) for L in lengths])
-    ax.set_xlabel("needle depth (%)")
-    ax.set_ylabel("prompt length (tokens)")
-    ax.set_title(title)
-    fig.colorbar(im, ax=ax, label="recall")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
