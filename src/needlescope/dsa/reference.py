@@ -36,6 +36,7 @@ __all__ = [
     "rope_cos_sin",
     "apply_rope_interleaved",
     "compress_index_keys",
+    "lightning_scores",
     "indexer_scores",
     "topk_indices",
 ]
@@ -130,6 +131,26 @@ def compress_index_keys(
     return apply_rope_interleaved(normed, cos.to(normed.dtype), sin.to(normed.dtype))
 
 
+def lightning_scores(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    w: torch.Tensor,
+    *,
+    scale: float,
+    weight_scale: float = 1.0,
+    acc_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Unmasked I(t, s) = sum_h weight_scale * w[t,h] * scale * ReLU(q[t,h] . k[s]).
+
+    q: [..., S, H, D]; k: [..., L, D]; w: [..., S, H]; returns [..., S, L] in ``acc_dtype``
+    (bf16 rounds every dot product, weighted term and the head sum).
+    """
+    dots = torch.einsum("...thd,...sd->...ths", q.to(acc_dtype), k.to(acc_dtype))  # [..., S, H, L]
+    dots = torch.relu(dots) * scale
+    wt = w.to(acc_dtype) * weight_scale  # [..., S, H]
+    return (dots * wt.unsqueeze(-1)).sum(dim=-2)  # [..., S, L]
+
+
 def indexer_scores(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -141,19 +162,15 @@ def indexer_scores(
     positions: torch.Tensor | None = None,
     acc_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """I(t, s) = sum_h weight_scale * w[t,h] * scale * ReLU(q[t,h] . k[s]), future entries -inf.
+    """``lightning_scores`` for one sequence with future entries set to -inf.
 
-    q: [T, H, D]; k: [L, D]; w: [T, H] raw head weights (weights_proj(x)); returns [T, L]
-    in ``acc_dtype`` (fp32 default; bf16 rounds every product and the head sum).
+    q: [T, H, D]; k: [L, D]; w: [T, H] raw head weights (weights_proj(x)); returns [T, L].
     transformers: ``scale = index_head_dim**-0.5``, ``weight_scale = index_n_heads**-0.5``.
     ``positions`` [T] gives each query's absolute position (default 0..T-1); entry s is
     masked iff s >= (positions+1)//ratio.
     """
     T, L = q.shape[0], k.shape[0]
-    dots = torch.einsum("thd,sd->ths", q.to(acc_dtype), k.to(acc_dtype))  # [T, H, L]
-    dots = torch.relu(dots) * scale
-    wt = w.to(acc_dtype) * weight_scale  # [T, H]
-    scores = (dots * wt.unsqueeze(-1)).sum(dim=1)  # [T, L]
+    scores = lightning_scores(q, k, w, scale=scale, weight_scale=weight_scale, acc_dtype=acc_dtype)
     pos = torch.arange(T, device=q.device) if positions is None else positions.to(q.device)
     vis = (pos + 1) // ratio  # [T]
     future = torch.arange(L, device=q.device).view(1, L) >= vis.view(T, 1)  # [T, L]

@@ -1,0 +1,13 @@
+"""``needlescope indexer ...``: white-box commands on the sparse-attention indexer.
+
+Commands live in ``indexer_rank`` (rank-dump, sweep) and ``indexer_diff`` (diff, capture,
+synthetic); torch is imported inside each command so the CLI starts fast without it.
+"""
+
+from __future__ import annotations
+
+import typer
+
+indexer_app = typer.Typer(
+    no_args_is_help=True, help="Look inside the lightning indexer: rank dumps, sweeps, diffs, live capture."
+)

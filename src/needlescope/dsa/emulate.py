@@ -1,0 +1,287 @@
+"""Run a loaded transformers DeepSeek-V4 model with emulated indexer numerics, and capture it.
+
+``emulate(model, Numerics(index_k="fp8_e4m3", index_topk=512))`` swaps, for the duration of
+a ``with`` block, the scoring function of every ``DeepseekV4IndexerScorer`` instance (never
+transformers' source files) and overrides each indexer's ``index_topk``. On exit the
+original bound methods and attributes are restored.
+
+The emulated score of query t and compressed entry s is
+
+    I(t, s) = sum_h c_w * w[t,h] * c_s * ReLU(Q(Hq[t,h]) . K(Hk[s]))
+
+with ``Q``/``K`` the fake quantisers of ``needlescope.dsa.quant`` applied per vector (one
+scale per (token, head) for queries, one per entry for keys), ``H`` the optional 128-point
+Hadamard rotation, and the products and head sum taken in ``score_dtype``. SGLang folds
+the query scale into the head weights instead of dequantising q; because the scale is
+positive the two are the same number (``quant.quantize_query_fp8_per_head``).
+
+Quantising keys at scoring time equals quantising them once at store time, because each
+entry's quantiser depends only on that entry: decode steps with a KV cache see the same
+keys as a single prefill.
+
+``IndexerCapture`` records, per CSA layer and forward call, the query positions, the
+selected entries and (optionally) the full score rows, so that prefill and every decode
+step of a generation can be replayed as SGLang's ``indexer_topk`` capture.
+
+A user patch (``--patch FILE.py``) is a Python file defining ``apply(model)``; it may return
+a zero-argument callable that undoes it, which ``emulate`` calls on exit.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from needlescope.dsa.quant import get_quantizer, hadamard_128
+from needlescope.dsa.reference import NO_ENTRY, lightning_scores
+from needlescope.errors import BadInput
+
+__all__ = [
+    "SCORE_DTYPES",
+    "Numerics",
+    "REFERENCE",
+    "IndexerCall",
+    "IndexerCapture",
+    "csa_indexers",
+    "emulate",
+    "load_patch",
+]
+
+SCORE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class Numerics:
+    """Indexer numerics to emulate. ``index_topk=None`` keeps the checkpoint's value.
+
+    ``hadamard=None`` rotates exactly when a side is ``fp4_e2m1`` (the trained QAT numerics
+    rotate before quantising; for fp8 SGLang rotates too, and the rotation itself is exact,
+    so it only changes what the quantiser sees).
+    """
+
+    index_k: str = "fp32"
+    index_q: str = "fp32"
+    score_dtype: str = "fp32"
+    index_topk: int | None = None
+    hadamard: bool | None = None
+
+    def __post_init__(self) -> None:
+        get_quantizer(self.index_k)
+        get_quantizer(self.index_q)
+        if self.score_dtype not in SCORE_DTYPES:
+            raise BadInput(
+                f"unknown score dtype {self.score_dtype!r}; allowed values: {', '.join(SCORE_DTYPES)}"
+            )
+        if self.index_topk is not None and (isinstance(self.index_topk, bool) or self.index_topk < 1):
+            raise BadInput(f"index_topk must be a positive integer, got {self.index_topk!r}")
+
+    @property
+    def rotates(self) -> bool:
+        if self.hadamard is not None:
+            return self.hadamard
+        return "fp4_e2m1" in (self.index_k, self.index_q)
+
+    def label(self) -> str:
+        """Short human label, e.g. ``k=fp8_e4m3 q=fp32 acc=fp32 topk=512``."""
+        topk = "cfg" if self.index_topk is None else str(self.index_topk)
+        return f"k={self.index_k} q={self.index_q} acc={self.score_dtype} topk={topk}"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+REFERENCE = Numerics()
+"""fp32 keys, queries and scores; the checkpoint's own ``index_topk``."""
+
+
+@dataclass
+class IndexerCall:
+    """One indexer forward: batch B, S query rows, L visible-so-far compressed entries."""
+
+    layer: int
+    positions: torch.Tensor  # [B, S] absolute query positions
+    topk: torch.Tensor  # [B, S, k'] selected entries, -1 padded, k' = min(index_topk, L)
+    scores: torch.Tensor | None = None  # [B, S, L] fp32, future entries -inf (keep_scores only)
+
+
+@dataclass
+class IndexerCapture:
+    """Collects ``IndexerCall`` records while attached to ``emulate``."""
+
+    keep_scores: bool = False
+    calls: list[IndexerCall] = field(default_factory=list)
+    # Scores of the scorer call in flight, per layer, until its indexer returns the top-k.
+    _pending: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def layers(self) -> list[int]:
+        """The CSA layer indices seen, ascending."""
+        return sorted({c.layer for c in self.calls})
+
+    def clear(self) -> None:
+        self.calls.clear()
+        self._pending.clear()
+
+    def rows(self, layer: int, width: int, batch_index: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """(positions [N], topk [N, width]) over all calls of ``layer`` in call order, -1 padded.
+
+        Prefill contributes one row per prompt position, each decode step one row.
+        """
+        pos, rows = [], []
+        for c in self.calls:
+            if c.layer != layer:
+                continue
+            t = c.topk[batch_index]  # [S, k']
+            pad = torch.full((t.shape[0], width), NO_ENTRY, dtype=torch.long)
+            n = min(width, t.shape[1])
+            pad[:, :n] = t[:, :n].cpu()
+            rows.append(pad)
+            pos.append(c.positions[batch_index].cpu())
+        if not rows:
+            raise ValueError(f"no indexer calls recorded for layer {layer}")
+        return torch.cat(pos), torch.cat(rows)
+
+    def score_rows(self, layer: int, batch_index: int = 0) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """(positions [N], per-row fp32 score vectors of growing length L_t) for ``layer``."""
+        pos, rows = [], []
+        for c in self.calls:
+            if c.layer != layer:
+                continue
+            if c.scores is None:
+                raise ValueError("scores were not kept; construct IndexerCapture(keep_scores=True)")
+            pos.append(c.positions[batch_index].cpu())
+            rows.extend(c.scores[batch_index].cpu().unbind(0))
+        if not rows:
+            raise ValueError(f"no indexer calls recorded for layer {layer}")
+        return torch.cat(pos), rows
+
+
+def csa_indexers(model: torch.nn.Module) -> list[tuple[int, torch.nn.Module]]:
+    """(layer index, ``DeepseekV4Indexer``) for every CSA layer of a transformers DeepSeek-V4 model."""
+    found = []
+    for name, mod in model.named_modules():
+        if type(mod).__name__ == "DeepseekV4Indexer":
+            parts = name.split(".")
+            layer = int(parts[parts.index("layers") + 1]) if "layers" in parts else len(found)
+            found.append((layer, mod))
+    if not found:
+        raise BadInput(
+            "the model has no DeepseekV4Indexer modules; indexer emulation needs a DeepSeek-V4 model with CSA layers"
+        )
+    return found
+
+
+def load_patch(path: str | Path) -> Callable[[torch.nn.Module], object]:
+    """The ``apply(model)`` function of a user patch file; BadInput if missing or not callable."""
+    path = Path(path)
+    if not path.is_file():
+        raise BadInput(f"patch file {str(path)!r} does not exist")
+    spec = importlib.util.spec_from_file_location(f"needlescope_patch_{path.stem}", path)
+    if spec is None or spec.loader is None:
+        raise BadInput(f"patch file {str(path)!r} cannot be imported as Python")
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:
+        raise BadInput(f"patch file {str(path)!r} failed to import: {type(exc).__name__}: {exc}") from exc
+    fn = getattr(module, "apply", None)
+    if not callable(fn):
+        raise BadInput(f"patch file {str(path)!r} does not define a function apply(model)")
+    return fn
+
+
+def _scorer_forward(scorer: torch.nn.Module, numerics: Numerics, stash: Callable | None) -> Callable:
+    quant_k = get_quantizer(numerics.index_k)
+    quant_q = get_quantizer(numerics.index_q)
+    acc = SCORE_DTYPES[numerics.score_dtype]
+
+    def forward(q: torch.Tensor, compressed_kv: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        # q [B, S, H, D], compressed_kv [B, L, D], hidden_states [B, S, hidden] -> [B, S, L] fp32
+        q32, k32 = q.float(), compressed_kv.float()
+        if numerics.rotates:
+            q32, k32 = hadamard_128(q32), hadamard_128(k32)
+        w = scorer.weights_proj(hidden_states).float()  # [B, S, H]
+        scores = lightning_scores(
+            quant_q(q32),
+            quant_k(k32),
+            w,
+            scale=scorer.softmax_scale,
+            weight_scale=scorer.weights_scaling,
+            acc_dtype=acc,
+        )
+        scores = scores.float()
+        if stash is not None:
+            stash(scores.detach())
+        return scores
+
+    return forward
+
+
+@contextmanager
+def emulate(
+    model: torch.nn.Module,
+    numerics: Numerics = REFERENCE,
+    *,
+    capture: IndexerCapture | None = None,
+    patch: str | Path | None = None,
+) -> Iterator[list[int]]:
+    """Apply ``numerics`` (and an optional user patch) to every CSA indexer of ``model``.
+
+    Yields the CSA layer indices. Everything is undone on exit, also on error.
+    """
+    indexers = csa_indexers(model)
+    apply_patch = load_patch(patch) if patch is not None else None
+    saved: list[tuple[torch.nn.Module, int]] = []
+    handles = []
+    undo_patch = None
+    try:
+        for layer, idx in indexers:
+            saved.append((idx, idx.index_topk))
+            if numerics.index_topk is not None:
+                idx.index_topk = numerics.index_topk
+            stash = None
+            if capture is not None and capture.keep_scores:
+                stash = _stasher(layer, capture)
+            if numerics != REFERENCE or stash is not None:
+                idx.scorer.forward = _scorer_forward(idx.scorer, numerics, stash)
+            if capture is not None:
+                handles.append(idx.register_forward_hook(_capture_hook(layer, capture), with_kwargs=True))
+        if apply_patch is not None:
+            undo_patch = apply_patch(model)
+        yield [layer for layer, _ in indexers]
+    finally:
+        if callable(undo_patch):
+            undo_patch()
+        for h in handles:
+            h.remove()
+        for idx, topk in saved:
+            idx.index_topk = topk
+            idx.scorer.__dict__.pop("forward", None)
+
+
+def _capture_hook(layer: int, capture: IndexerCapture) -> Callable:
+    def hook(module, args, kwargs, output):
+        position_ids = args[2] if len(args) > 2 else kwargs["position_ids"]
+        capture.calls.append(
+            IndexerCall(layer=layer, positions=position_ids.detach().cpu(), topk=output.detach().cpu())
+        )
+        pending = capture._pending.pop(layer, None)
+        if pending is not None:
+            pos = position_ids.to(pending.device)
+            L = pending.shape[-1]
+            vis = (pos + 1) // module.compress_rate  # [B, S]
+            future = torch.arange(L, device=pending.device).view(1, 1, L) >= vis.unsqueeze(-1)
+            capture.calls[-1].scores = pending.masked_fill(future, float("-inf")).cpu()
+
+    return hook
+
+
+def _stasher(layer: int, capture: IndexerCapture) -> Callable[[torch.Tensor], None]:
+    def stash(scores: torch.Tensor) -> None:
+        capture._pending[layer] = scores
+
+    return stash

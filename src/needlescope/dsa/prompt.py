@@ -1,0 +1,90 @@
+"""Prompts and needles for the white-box commands: token ids, the needle's token span, its entries.
+
+A prompt file is either plain text (sent as one user turn) or a JSON list of chat messages
+(``[{"role": "user", "content": "..."}]``); both are rendered with the checkpoint's chat
+template and the generation prompt, exactly as ``needlescope serve`` renders a request.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from needlescope.errors import BadInput
+
+__all__ = ["Prompt", "read_prompt_file", "render_prompt", "needle_token_span", "covering_entries"]
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """A rendered prompt: its text, token ids and each token's character span in the text."""
+
+    text: str
+    input_ids: list[int]
+    offsets: list[tuple[int, int]]
+
+
+def read_prompt_file(path: str | Path) -> list[dict]:
+    """Chat messages from a prompt file (JSON messages list, or plain text as one user turn)."""
+    path = Path(path)
+    if not path.is_file():
+        raise BadInput(f"prompt file {str(path)!r} does not exist")
+    raw = path.read_text(encoding="utf-8")
+    if not raw.strip():
+        raise BadInput(f"prompt file {str(path)!r} is empty")
+    if raw.lstrip().startswith("["):
+        try:
+            messages = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise BadInput(f"prompt file {str(path)!r} starts with '[' but is not valid JSON: {exc}") from exc
+        if not isinstance(messages, list) or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages
+        ):
+            raise BadInput(
+                f"prompt file {str(path)!r} must be a JSON list of {{'role': str, 'content': str}} messages"
+            )
+        return messages
+    return [{"role": "user", "content": raw}]
+
+
+def render_prompt(tokenizer, messages: list[dict]) -> Prompt:
+    """Render ``messages`` with the chat template (generation prompt added) and tokenize with offsets."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    return Prompt(text=text, input_ids=list(enc["input_ids"]), offsets=[tuple(o) for o in enc["offset_mapping"]])
+
+
+def needle_token_span(prompt: Prompt, needle: str) -> tuple[int, int]:
+    """[start, end) token indices of the tokens overlapping the first occurrence of ``needle``.
+
+    BadInput when the needle text is not in the prompt, or occurs more than once (the span
+    would be ambiguous: pass a longer needle).
+    """
+    if not needle:
+        raise BadInput("the needle text is empty; pass the fact's text as it appears in the prompt")
+    at = prompt.text.find(needle)
+    if at < 0:
+        raise BadInput(f"needle {needle[:60]!r} was not found in the rendered prompt; pass text copied from it")
+    if prompt.text.find(needle, at + 1) >= 0:
+        raise BadInput(f"needle {needle[:60]!r} occurs more than once in the prompt; pass a longer, unique span")
+    end = at + len(needle)
+    toks = [i for i, (s, e) in enumerate(prompt.offsets) if s < end and e > at]
+    if not toks:
+        raise BadInput(f"needle {needle[:60]!r} covers no tokens of the prompt")
+    return toks[0], toks[-1] + 1
+
+
+def covering_entries(span: tuple[int, int], ratio: int = 4, *, overlap: bool = True) -> list[int]:
+    """Compressed entries that pool any token of ``span`` ([start, end) token indices).
+
+    Entry i's own block is tokens [ratio*i, ratio*i + ratio). With ``overlap`` (CSA), entry
+    i also pools block i-1 through its first half of channels, so the entry after the
+    needle's last block carries needle tokens too and is included.
+    """
+    start, end = span
+    if end <= start:
+        return []
+    last = (end - 1) // ratio + (1 if overlap else 0)
+    return list(range(start // ratio, last + 1))

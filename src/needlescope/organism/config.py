@@ -1,0 +1,68 @@
+"""The organism's shape: a toy-sized ``DeepseekV4Config`` that keeps every V4 mechanism.
+
+Layers: sliding-only, CSA, HCA, CSA, sliding-only. Every layer also has the sliding window
+(32 tokens), so a needle further back than the window can only be recalled through the
+compressed paths: the CSA layers' indexer-selected ratio-4 entries, or the HCA layer's
+ratio-128 entries (too coarse to carry a 7-digit value). MLPs: hash-MoE in layer 0, routed
+top-2 MoE after. ``hc_mult=4`` hyper-connection streams. Index keys are 128-d so the
+Hadamard/FP4 emulation runs at the real block sizes.
+"""
+
+from __future__ import annotations
+
+from transformers import DeepseekV4Config
+
+__all__ = ["LAYER_TYPES", "MLP_LAYER_TYPES", "SLIDING_WINDOW", "MAX_POSITIONS", "organism_config"]
+
+LAYER_TYPES = (
+    "sliding_attention",
+    "compressed_sparse_attention",
+    "heavily_compressed_attention",
+    "compressed_sparse_attention",
+    "sliding_attention",
+)
+MLP_LAYER_TYPES = ("hash_moe", "moe", "moe", "moe", "moe")
+SLIDING_WINDOW = 32
+MAX_POSITIONS = 8192
+# Dense training: index_topk covers every entry of the longest training context (4096 / 4).
+DENSE_TOPK = 1024
+
+
+def organism_config(vocab_size: int, *, bos_token_id: int, eos_token_id: int, pad_token_id: int, **overrides):
+    """A ``DeepseekV4Config`` for the organism; ``overrides`` replace any field (tests shrink it)."""
+    fields = dict(
+        vocab_size=vocab_size,
+        hidden_size=192,
+        num_hidden_layers=len(LAYER_TYPES),
+        layer_types=list(LAYER_TYPES),
+        mlp_layer_types=list(MLP_LAYER_TYPES),
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=64,
+        partial_rotary_factor=0.25,
+        q_lora_rank=96,
+        o_groups=2,
+        o_lora_rank=64,
+        moe_intermediate_size=192,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        routed_scaling_factor=1.5,
+        index_n_heads=4,
+        index_head_dim=128,
+        index_topk=DENSE_TOPK,
+        sliding_window=SLIDING_WINDOW,
+        max_position_embeddings=MAX_POSITIONS,
+        hc_mult=4,
+        hc_sinkhorn_iters=20,
+        num_nextn_predict_layers=0,
+        bos_token_id=bos_token_id,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+        tie_word_embeddings=False,
+    )
+    fields.update(overrides)
+    n = fields["num_hidden_layers"]
+    fields["layer_types"] = list(fields["layer_types"])[:n]
+    fields["mlp_layer_types"] = list(fields["mlp_layer_types"])[:n]
+    return DeepseekV4Config(**fields)
