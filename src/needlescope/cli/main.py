@@ -8,6 +8,7 @@ import typer
 from rich.console import Console
 
 from needlescope.cli.demo import demo_command
+from needlescope.cli.organism import organism_app
 from needlescope.cli.probe import probe_command
 from needlescope.errors import BadInput
 
@@ -19,6 +20,7 @@ app = typer.Typer(
 )
 app.command("probe")(probe_command)
 app.command("demo")(demo_command)
+app.add_typer(organism_app, name="organism")
 
 err_console = Console(stderr=True)
 

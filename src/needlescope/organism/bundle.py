@@ -18,7 +18,14 @@ from needlescope.errors import BadInput
 from needlescope.organism.config import organism_config
 from needlescope.organism.tokenizer import build_tokenizer
 
-__all__ = ["ORGANISM", "shipped_dir", "resolve_model_dir", "load_bundle", "require_deepseek_v4", "save_random"]
+__all__ = [
+    "ORGANISM",
+    "shipped_dir",
+    "resolve_model_dir",
+    "load_bundle",
+    "require_deepseek_v4",
+    "save_random",
+]
 
 ORGANISM = "organism"
 
@@ -32,7 +39,9 @@ def resolve_model_dir(name_or_dir: str | Path) -> Path:
     """``"organism"`` -> the shipped checkpoint; anything else must be a local checkpoint directory."""
     path = shipped_dir() if str(name_or_dir) == ORGANISM else Path(name_or_dir)
     if not path.is_dir():
-        raise BadInput(f"model directory {str(path)!r} does not exist; give a local checkpoint directory or 'organism'")
+        raise BadInput(
+            f"model directory {str(path)!r} does not exist; give a local checkpoint directory or 'organism'"
+        )
     if not (path / "config.json").is_file():
         raise BadInput(f"{str(path)!r} has no config.json; it is not a transformers checkpoint directory")
     if not any(path.glob("*.safetensors")):
@@ -59,11 +68,18 @@ def load_bundle(name_or_dir: str | Path, *, dtype: torch.dtype = torch.float32, 
     # Eager attention: the V4 attention sinks and the compressor's block bias are only
     # implemented there, and it returns the attention probabilities the indexer distils from.
     model = AutoModelForCausalLM.from_pretrained(
-        path, config=config, dtype=dtype, use_safetensors=True, local_files_only=True, attn_implementation="eager"
+        path,
+        config=config,
+        dtype=dtype,
+        use_safetensors=True,
+        local_files_only=True,
+        attn_implementation="eager",
     )
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     if tokenizer.chat_template is None:
-        raise BadInput(f"{str(path)!r} has a tokenizer without a chat template; add one to tokenizer_config.json")
+        raise BadInput(
+            f"{str(path)!r} has a tokenizer without a chat template; add one to tokenizer_config.json"
+        )
     return model.to(device).eval(), tokenizer, path
 
 

@@ -1,0 +1,61 @@
+"""``needlescope organism train``: reproduce the shipped organism checkpoint."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+from rich.console import Console
+
+organism_app = typer.Typer(no_args_is_help=True, help="The model organism: a tiny trained DeepSeek-V4.")
+console = Console()
+
+
+@organism_app.command("train")
+def train_command(
+    out: Path = typer.Option(..., "--out", help="Directory for the checkpoint and training.json."),
+    seed: int = typer.Option(0, help="Seed for weights and data."),
+    steps_dense: int = typer.Option(None, help="Dense steps (default: the shipped recipe's)."),
+    steps_distil: int = typer.Option(None, help="Indexer-distillation steps."),
+    steps_sparse: int = typer.Option(None, help="Sparse fine-tuning steps (0 skips the phase)."),
+    sparse_topk: int = typer.Option(None, help="index_topk during sparse fine-tuning."),
+    tokens_per_batch: int = typer.Option(None, help="Tokens per optimisation step."),
+    max_minutes: float = typer.Option(None, help="Wall-clock cap; each phase gets a fixed share of it."),
+    device: str = typer.Option("cuda", help="torch device: cuda or cpu."),
+    workers: int = typer.Option(None, help="Data-loader worker processes."),
+) -> None:
+    """Train the organism (dense + indexer distillation [+ sparse]) and save a checkpoint."""
+    import torch
+
+    from needlescope.errors import BadInput
+    from needlescope.organism.train import TrainConfig, train
+
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise BadInput(
+            "--device cuda was given but no CUDA GPU is visible; pass --device cpu (slow) or use a GPU"
+        )
+    overrides = {
+        k: v
+        for k, v in dict(
+            seed=seed,
+            steps_dense=steps_dense,
+            steps_distil=steps_distil,
+            steps_sparse=steps_sparse,
+            sparse_topk=sparse_topk,
+            tokens_per_batch=tokens_per_batch,
+            max_minutes=max_minutes,
+            workers=workers,
+        ).items()
+        if v is not None
+    }
+    try:
+        cfg = TrainConfig(**overrides)
+    except ValueError as exc:
+        raise BadInput(str(exc)) from exc
+
+    def show(entry: dict) -> None:
+        console.print(json.dumps(entry), highlight=False, soft_wrap=True)
+
+    record = train(cfg, out, device=device, on_log=show)
+    console.print(f"steps {record['steps']}, {record['wall_s']} s -> {out}")

@@ -1,0 +1,113 @@
+"""The organism's training corpus: needlescope's own probe cases, answered, as token ids.
+
+Every example is a probe case (``needlescope.cases.assemble.build_cases``) of one of the
+probe kinds, so the organism is trained on exactly the format ``needlescope probe`` sends.
+On top of the case's own question, an example may carry follow-up question/answer turns
+about the other facts stated in it (a multikey case states five near-identical facts):
+these "drill" turns multiply the retrieval signal per token. Filler chats (multi-turn filler
+with no needle) teach the turn structure. Lengths are approximate (a word count stands in
+for the token count, which keeps generation cheap); the evaluation uses exact lengths.
+
+Token ids are produced per message and joined with the special tokens, which equals the
+chat template's rendering (tested), so the loss mask can mark answer tokens exactly:
+``labels`` is -100 except on assistant answers to questions (and their end-of-turn token).
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass
+
+from needlescope.cases.assemble import KINDS, CaseSpec, build_cases
+from needlescope.cases.needles import ANSWER_ONE
+from needlescope.organism.tokenizer import ASSISTANT, BOS, EOS, SYSTEM, USER
+
+__all__ = ["TRAIN_KINDS", "DataSpec", "Example", "encode_chat", "make_example"]
+
+TRAIN_KINDS = (*KINDS, "filler")
+IGNORE = -100
+_FACT = re.compile(r"The secret code of the (\w+) (\w+) is (\d+)\.")
+_ROLE_TOKEN = {"user": USER, "assistant": ASSISTANT, "system": SYSTEM}
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    """How to draw training examples. Weights are relative frequencies of TRAIN_KINDS."""
+
+    min_len: int = 256
+    max_len: int = 4096
+    kind_weights: tuple[float, ...] = (0.25, 0.3, 0.1, 0.3, 0.05)
+    max_drill: int = 3
+    lm_weight_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if not 64 <= self.min_len <= self.max_len:
+            raise ValueError(f"need 64 <= min_len <= max_len, got {self.min_len}, {self.max_len}")
+        if len(self.kind_weights) != len(TRAIN_KINDS):
+            raise ValueError(f"kind_weights needs {len(TRAIN_KINDS)} entries ({', '.join(TRAIN_KINDS)})")
+
+
+@dataclass(frozen=True)
+class Example:
+    """input_ids [T]; labels [T] (-100 = no loss; next-token targets are shifted by the model)."""
+
+    input_ids: list[int]
+    labels: list[int]
+    kind: str
+
+
+def encode_chat(tokenizer, messages: list[dict], answer_turns: set[int]) -> tuple[list[int], list[int]]:
+    """(ids, labels) for ``messages`` as the chat template renders them (no generation prompt).
+
+    Labels copy the ids of the content and end token of every assistant message whose index
+    is in ``answer_turns``; everything else is -100.
+    """
+    vocab = tokenizer.get_vocab()
+    ids = [vocab[BOS]]
+    labels = [IGNORE]
+    for i, m in enumerate(messages):
+        body = tokenizer(m["content"], add_special_tokens=False)["input_ids"] + [vocab[EOS]]
+        ids.append(vocab[_ROLE_TOKEN[m["role"]]])
+        labels.append(IGNORE)
+        ids.extend(body)
+        labels.extend(body if i in answer_turns else [IGNORE] * len(body))
+    return ids, labels
+
+
+def _approx_count(messages: list[dict]) -> int:
+    # ~1.15 tokens per word for this tokenizer (punctuation and digits split off).
+    return int(sum(len(m["content"].split()) for m in messages) * 1.15) + 2 * len(messages) + 2
+
+
+def _answer(expected: list[str]) -> str:
+    return expected[0] if len(expected) == 1 else ", ".join(expected)
+
+
+def make_example(tokenizer, spec: DataSpec, seed: int) -> Example:
+    """One training example, fully determined by ``seed``."""
+    rng = random.Random(f"organism-data|{seed}")
+    kind = rng.choices(TRAIN_KINDS, weights=spec.kind_weights)[0]
+    # Log-uniform length so short contexts are not drowned out by long ones.
+    length = int(round(spec.min_len * (spec.max_len / spec.min_len) ** rng.random()))
+    case_kind = "multiturn" if kind == "filler" else kind
+    depth = round(rng.uniform(0.0, 100.0), 3)
+    case = build_cases(
+        CaseSpec(kind=case_kind, lengths=(length,), depths=(depth,), trials=1, seed=seed), _approx_count
+    )[0]
+    messages = [dict(m) for m in case.messages]
+    if kind == "filler":
+        # Drop the needle question: the last user turn becomes a plain reply target.
+        messages = messages[:-1]
+        return Example(*encode_chat(tokenizer, messages, set()), kind=kind)
+    messages.append({"role": "assistant", "content": _answer(case.expected)})
+    answers = {len(messages) - 1}
+    facts = [f for m in messages for f in _FACT.findall(m["content"])]
+    rng.shuffle(facts)
+    for adj, noun, value in facts[: rng.randint(0, spec.max_drill)]:
+        messages.append(
+            {"role": "user", "content": f"What is the secret code of the {adj} {noun}? {ANSWER_ONE}"}
+        )
+        messages.append({"role": "assistant", "content": value})
+        answers.add(len(messages) - 1)
+    return Example(*encode_chat(tokenizer, messages, answers), kind=kind)
