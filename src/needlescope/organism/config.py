@@ -38,8 +38,10 @@ def organism_config(vocab_size: int, *, bos_token_id: int, eos_token_id: int, pa
         mlp_layer_types=list(MLP_LAYER_TYPES),
         num_attention_heads=4,
         num_key_value_heads=1,
-        head_dim=64,
-        partial_rotary_factor=0.25,
+        # K=V MQA: one 128-d vector per compressed entry must carry both what it is about
+        # (the fact's key) and what it holds (up to four digits); 64 dims proved too tight.
+        head_dim=128,
+        partial_rotary_factor=0.125,
         q_lora_rank=96,
         o_groups=2,
         o_lora_rank=64,

@@ -37,7 +37,7 @@ class DataSpec:
 
     min_len: int = 256
     max_len: int = 4096
-    kind_weights: tuple[float, ...] = (0.25, 0.3, 0.1, 0.3, 0.05)
+    kind_weights: tuple[float, ...] = (0.25, 0.35, 0.1, 0.25, 0.05)
     max_drill: int = 3
     lm_weight_tokens: bool = True
 
@@ -102,7 +102,8 @@ def make_example(tokenizer, spec: DataSpec, seed: int) -> Example:
         return Example(*encode_chat(tokenizer, messages, set()), kind=kind)
     messages.append({"role": "assistant", "content": _answer(case.expected)})
     answers = {len(messages) - 1}
-    facts = [f for m in messages for f in _FACT.findall(m["content"])]
+    # Drill only on the other facts: re-asking the one just answered is a copy from the window.
+    facts = [f for m in messages for f in _FACT.findall(m["content"]) if f[2] not in case.expected]
     rng.shuffle(facts)
     for adj, noun, value in facts[: rng.randint(0, spec.max_drill)]:
         messages.append(

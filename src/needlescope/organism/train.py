@@ -59,10 +59,12 @@ class TrainConfig:
     steps_distil: int = 150
     steps_sparse: int = 0
     sparse_topk: int = 64
-    tokens_per_batch: int = 49152
-    lr: float = 2e-3
+    tokens_per_batch: int = 65536
+    # Eager attention memory grows with B * S^2: cap the batch so B * cap^2 stays under this.
+    max_batch_tokens_sq: int = 8 * 4096 * 4096
+    lr: float = 3e-3
     lr_distil: float = 2e-3
-    warmup: int = 100
+    warmup: int = 150
     weight_decay: float = 0.01
     lm_weight: float = 0.1
     kl_weight: float = 1.0
@@ -100,7 +102,7 @@ class _Batches(torch.utils.data.Dataset):
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         cap = self.caps[i]
         spec = DataSpec(min_len=min(self.cfg.min_len, cap), max_len=cap)
-        n = max(1, self.cfg.tokens_per_batch // cap)
+        n = max(1, min(self.cfg.tokens_per_batch // cap, self.cfg.max_batch_tokens_sq // (cap * cap)))
         base = (self.cfg.seed * 1_000_003 + self.salt) * 10_000_019 + i * 1024
         exs = [make_example(self.tokenizer, spec, base + j) for j in range(n)]
         return _pad(exs, self.pad_id)
