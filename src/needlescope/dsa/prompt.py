@@ -53,7 +53,9 @@ def render_prompt(tokenizer, messages: list[dict]) -> Prompt:
     """Render ``messages`` with the chat template (generation prompt added) and tokenize with offsets."""
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    return Prompt(text=text, input_ids=list(enc["input_ids"]), offsets=[tuple(o) for o in enc["offset_mapping"]])
+    return Prompt(
+        text=text, input_ids=list(enc["input_ids"]), offsets=[tuple(o) for o in enc["offset_mapping"]]
+    )
 
 
 def needle_token_span(prompt: Prompt, needle: str) -> tuple[int, int]:
@@ -66,9 +68,13 @@ def needle_token_span(prompt: Prompt, needle: str) -> tuple[int, int]:
         raise BadInput("the needle text is empty; pass the fact's text as it appears in the prompt")
     at = prompt.text.find(needle)
     if at < 0:
-        raise BadInput(f"needle {needle[:60]!r} was not found in the rendered prompt; pass text copied from it")
+        raise BadInput(
+            f"needle {needle[:60]!r} was not found in the rendered prompt; pass text copied from it"
+        )
     if prompt.text.find(needle, at + 1) >= 0:
-        raise BadInput(f"needle {needle[:60]!r} occurs more than once in the prompt; pass a longer, unique span")
+        raise BadInput(
+            f"needle {needle[:60]!r} occurs more than once in the prompt; pass a longer, unique span"
+        )
     end = at + len(needle)
     toks = [i for i, (s, e) in enumerate(prompt.offsets) if s < end and e > at]
     if not toks:

@@ -1,0 +1,575 @@
+"""Fix sweep: which indexer precision or index_topk restores needle selection, and up to which length.
+
+The grid is index-key precision × index-query precision (every pair) × ``index_topk`` ×
+context length, at one score accumulation dtype. Cases come from
+``needlescope.cases.assemble.build_cases`` sized with the model's own chat template, so a
+case of length N is exactly the N-token prompt the model sees. For every (case, setting) the
+sweep runs ``rank_dump`` at the answer positions (greedy generation when ``generate``; the
+last prompt position only otherwise).
+
+Definitions:
+
+* A case is **selected** under a setting when *every* CSA layer whose indexer can see a needle
+  entry at the **first answer position** (the last prompt position) has a needle entry in its
+  top-k there. A case where no layer can see a needle entry yet (the needle lies in the last,
+  unfinished 4-token block, which only the sliding window covers) is **not scored**
+  (``unscored``) and left out of the rate's denominator.
+* **selection_rate** of a cell (setting, length) = selected cases / scored cases (null when no
+  case was scored). ``per_layer`` gives, per CSA layer, the same fraction over the cases where
+  that layer could see the needle, plus the median best rank and mean margin_frac there.
+* **answer_recall** (only with generation) = cases whose greedy answer contains every expected
+  value (``cases.scoring.score_answer``) / cases.
+* A setting **restores selection to** length L when its rate is >= ``target_rate`` at L and at
+  every shorter tested length (lengths whose rate is null do not break the run); null when
+  the shortest length already fails.
+* **Cost order** (cheapest first): smaller ``index_topk``, then fewer key + query bits
+  (fp4_e2m1 4 < fp8_e4m3 = fp8_e4m3_block128 8 < bf16 = fp16 16 < fp32 32), then fewer key
+  bits. ``cheapest`` is the cheapest setting whose rate at ``target_length`` is >=
+  ``target_rate``.
+* The **baseline** is the cheapest precision pair at the smallest index_topk of the grid; the
+  verdict names, per axis, how far each other precision pair (at the baseline index_topk) and
+  each other index_topk (at the baseline precision) restores selection.
+
+``sweep.json`` schema (``SWEEP_SCHEMA``)::
+
+    {"model": str, "kind": str, "lengths": [int], "depths": [float], "trials": int, "seed": int,
+     "score_dtype": str, "target_length": int, "target_rate": float, "generate": bool,
+     "patch": str | null,
+     "settings": [{"index_k": str, "index_q": str, "index_topk": int, "cost_rank": int,
+                   "restored_to": int | null, "rate_at_target": float | null}],
+     "cells": [{"index_k": str, "index_q": str, "index_topk": int, "length": int, "cases": int,
+                "scored": int, "unscored": int, "selected": int, "selection_rate": float | null,
+                "answers_correct": int | null, "answer_recall": float | null,
+                "per_layer": [{"layer": int, "n": int, "selected": int, "rate": float | null,
+                               "median_best_rank": float | null, "mean_margin_frac": float | null}]}],
+     "runs": [{"case_id": str, "length": int, "depth": float, "trial": int, "prompt_tokens": int,
+               "index_k": str, "index_q": str, "index_topk": int, "selected": bool | null,
+               "layers": [{"layer": int, "selected": bool, "best_rank": int, "margin_frac": float}],
+               "answer": str | null, "answer_correct": bool | null}],
+     "cheapest": {"index_k": str, "index_q": str, "index_topk": int, "rate": float} | null,
+     "baseline": {"index_k": str, "index_q": str, "index_topk": int},
+     "verdict": [str]}
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from needlescope.cases.assemble import CaseSpec, build_cases
+from needlescope.dsa.emulate import SCORE_DTYPES, Numerics
+from needlescope.dsa.prompt import render_prompt
+from needlescope.dsa.quant import get_quantizer
+from needlescope.dsa.rankdump import DEFAULT_MAX_NEW_TOKENS, check_schema, rank_dump
+from needlescope.errors import BadInput
+
+__all__ = [
+    "PRECISION_BITS",
+    "SWEEP_SCHEMA",
+    "SweepConfig",
+    "setting_cost",
+    "restored_to",
+    "cheapest_setting",
+    "summarize_runs",
+    "run_sweep",
+    "validate_sweep",
+    "render_sweep_md",
+]
+
+PRECISION_BITS = {"fp4_e2m1": 4, "fp8_e4m3": 8, "fp8_e4m3_block128": 8, "bf16": 16, "fp16": 16, "fp32": 32}
+"""Bits per element of each quantizer: the precision cost order of the sweep."""
+
+Setting = tuple[str, str, int]  # (index_k, index_q, index_topk)
+
+_NUM_OR_NULL = {"type": ["number", "null"]}
+_INT_OR_NULL = {"type": ["integer", "null"]}
+_SETTING_PROPS = {
+    "index_k": {"type": "string"},
+    "index_q": {"type": "string"},
+    "index_topk": {"type": "integer"},
+}
+SWEEP_SCHEMA: dict = {
+    "type": "object",
+    "required": [
+        "model",
+        "kind",
+        "lengths",
+        "target_length",
+        "target_rate",
+        "generate",
+        "settings",
+        "cells",
+        "runs",
+        "cheapest",
+        "baseline",
+        "verdict",
+    ],
+    "properties": {
+        "model": {"type": "string"},
+        "kind": {"type": "string"},
+        "lengths": {"type": "array", "items": {"type": "integer"}},
+        "depths": {"type": "array", "items": {"type": "number"}},
+        "trials": {"type": "integer"},
+        "seed": {"type": "integer"},
+        "score_dtype": {"type": "string"},
+        "target_length": {"type": "integer"},
+        "target_rate": {"type": "number"},
+        "generate": {"type": "boolean"},
+        "patch": {"type": ["string", "null"]},
+        "settings": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": [*_SETTING_PROPS, "cost_rank", "restored_to", "rate_at_target"],
+                "properties": {
+                    **_SETTING_PROPS,
+                    "cost_rank": {"type": "integer"},
+                    "restored_to": _INT_OR_NULL,
+                    "rate_at_target": _NUM_OR_NULL,
+                },
+            },
+        },
+        "cells": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": [
+                    *_SETTING_PROPS,
+                    "length",
+                    "cases",
+                    "scored",
+                    "unscored",
+                    "selected",
+                    "selection_rate",
+                    "answers_correct",
+                    "answer_recall",
+                    "per_layer",
+                ],
+                "properties": {
+                    **_SETTING_PROPS,
+                    "length": {"type": "integer"},
+                    "cases": {"type": "integer"},
+                    "scored": {"type": "integer"},
+                    "unscored": {"type": "integer"},
+                    "selected": {"type": "integer"},
+                    "selection_rate": _NUM_OR_NULL,
+                    "answers_correct": _INT_OR_NULL,
+                    "answer_recall": _NUM_OR_NULL,
+                    "per_layer": {
+                        "type": "array",
+                        "items": {
+                            "type": "object",
+                            "required": ["layer", "n", "selected", "rate"],
+                            "properties": {
+                                "layer": {"type": "integer"},
+                                "n": {"type": "integer"},
+                                "selected": {"type": "integer"},
+                                "rate": _NUM_OR_NULL,
+                                "median_best_rank": _NUM_OR_NULL,
+                                "mean_margin_frac": _NUM_OR_NULL,
+                            },
+                        },
+                    },
+                },
+            },
+        },
+        "runs": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["case_id", "length", *_SETTING_PROPS, "selected", "layers", "answer_correct"],
+                "properties": {
+                    "case_id": {"type": "string"},
+                    "length": {"type": "integer"},
+                    "depth": {"type": "number"},
+                    "trial": {"type": "integer"},
+                    "prompt_tokens": {"type": "integer"},
+                    **_SETTING_PROPS,
+                    "selected": {"type": ["boolean", "null"]},
+                    "layers": {"type": "array"},
+                    "answer": {"type": ["string", "null"]},
+                    "answer_correct": {"type": ["boolean", "null"]},
+                },
+            },
+        },
+        "cheapest": {
+            "type": ["object", "null"],
+            "required": [*_SETTING_PROPS, "rate"],
+            "properties": {**_SETTING_PROPS, "rate": {"type": "number"}},
+        },
+        "baseline": {"type": "object", "required": list(_SETTING_PROPS), "properties": _SETTING_PROPS},
+        "verdict": {"type": "array", "items": {"type": "string"}},
+    },
+}
+"""JSON-Schema-style description of ``sweep.json`` (checked by ``validate_sweep``)."""
+
+
+@dataclass(frozen=True)
+class SweepConfig:
+    """The sweep grid. ``target_length=None`` means the longest length."""
+
+    lengths: tuple[int, ...]
+    index_topk: tuple[int, ...]
+    index_k: tuple[str, ...] = ("fp32",)
+    index_q: tuple[str, ...] = ("fp32",)
+    score_dtype: str = "fp32"
+    kind: str = "multiturn"
+    depths: tuple[float, ...] = (50.0,)
+    trials: int = 1
+    seed: int = 0
+    target_length: int | None = None
+    target_rate: float = 0.9
+    generate: bool = True
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+    patch: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("index_k", "index_q", "index_topk", "lengths"):
+            vals = getattr(self, name)
+            if not vals:
+                raise BadInput(f"{name} is empty; give at least one value")
+            if len(set(vals)) != len(vals):
+                raise BadInput(f"{name} contains duplicates: {list(vals)}")
+        for name in (*self.index_k, *self.index_q):
+            get_quantizer(name)
+        if self.score_dtype not in SCORE_DTYPES:
+            raise BadInput(
+                f"unknown score dtype {self.score_dtype!r}; allowed values: {', '.join(SCORE_DTYPES)}"
+            )
+        bad = [k for k in self.index_topk if isinstance(k, bool) or not isinstance(k, int) or k < 1]
+        if bad:
+            raise BadInput(f"index_topk values must be positive integers, got {bad}")
+        if self.target_length is not None and self.target_length not in self.lengths:
+            raise BadInput(
+                f"target length {self.target_length} is not one of the swept lengths {list(self.lengths)}"
+            )
+        if not 0.0 < self.target_rate <= 1.0:
+            raise BadInput(f"target rate must be in (0, 1], got {self.target_rate}")
+        if self.max_new_tokens < 1:
+            raise BadInput(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        # CaseSpec validates kind, lengths, depths and trials.
+        self.case_spec()
+
+    def case_spec(self) -> CaseSpec:
+        return CaseSpec(
+            kind=self.kind, lengths=self.lengths, depths=self.depths, trials=self.trials, seed=self.seed
+        )
+
+    @property
+    def target(self) -> int:
+        return self.target_length if self.target_length is not None else max(self.lengths)
+
+    def settings(self) -> list[Setting]:
+        """Every (index_k, index_q, index_topk) of the grid, cheapest first."""
+        grid = itertools.product(self.index_k, self.index_q, self.index_topk)
+        return sorted(grid, key=setting_cost)
+
+
+def setting_cost(setting: Setting) -> tuple:
+    """Sort key of the cost order: index_topk, then key + query bits, then key bits, then names."""
+    k, q, topk = setting
+    return (topk, PRECISION_BITS[k] + PRECISION_BITS[q], PRECISION_BITS[k], k, q)
+
+
+def restored_to(rates: dict[int, float | None], target_rate: float) -> int | None:
+    """Longest length L with rate >= target_rate at L and every shorter length (None rates skipped)."""
+    best = None
+    for length in sorted(rates):
+        r = rates[length]
+        if r is None:
+            continue
+        if r < target_rate:
+            break
+        best = length
+    return best
+
+
+def cheapest_setting(
+    rates_at_target: dict[Setting, float | None], target_rate: float
+) -> tuple[Setting, float] | None:
+    """The cheapest setting (``setting_cost``) whose rate at the target length reaches target_rate."""
+    ok = [(s, r) for s, r in rates_at_target.items() if r is not None and r >= target_rate]
+    return min(ok, key=lambda sr: setting_cost(sr[0])) if ok else None
+
+
+def _first_answer_layers(dump: dict) -> list[dict]:
+    """Per CSA layer, the record at the first answer position (last prompt position), if visible."""
+    first = dump["prompt_tokens"] - 1
+    out = []
+    for layer in dump["layers"]:
+        for p in layer["positions"]:
+            if p["query_pos"] == first:
+                out.append(
+                    {
+                        "layer": layer["layer"],
+                        "selected": p["selected"],
+                        "best_rank": p["best_rank"],
+                        "margin_frac": p["margin_frac"],
+                    }
+                )
+    return out
+
+
+def summarize_runs(runs: list[dict], layers: list[int], generate: bool) -> list[dict]:
+    """Aggregate ``runs`` (see the schema) into cells, one per (setting, length), in first-seen order."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in runs:
+        groups.setdefault((r["index_k"], r["index_q"], r["index_topk"], r["length"]), []).append(r)
+    cells = []
+    for (k, q, topk, length), rs in groups.items():
+        scored = [r for r in rs if r["selected"] is not None]
+        sel = sum(bool(r["selected"]) for r in scored)
+        per_layer = []
+        for lid in layers:
+            recs = [lay for r in rs for lay in r["layers"] if lay["layer"] == lid]
+            n = len(recs)
+            per_layer.append(
+                {
+                    "layer": lid,
+                    "n": n,
+                    "selected": sum(x["selected"] for x in recs),
+                    "rate": (sum(x["selected"] for x in recs) / n) if n else None,
+                    "median_best_rank": float(statistics.median(x["best_rank"] for x in recs)) if n else None,
+                    "mean_margin_frac": (sum(x["margin_frac"] for x in recs) / n) if n else None,
+                }
+            )
+        correct = sum(bool(r["answer_correct"]) for r in rs) if generate else None
+        cells.append(
+            {
+                "index_k": k,
+                "index_q": q,
+                "index_topk": topk,
+                "length": length,
+                "cases": len(rs),
+                "scored": len(scored),
+                "unscored": len(rs) - len(scored),
+                "selected": sel,
+                "selection_rate": (sel / len(scored)) if scored else None,
+                "answers_correct": correct,
+                "answer_recall": (correct / len(rs)) if generate and rs else None,
+                "per_layer": per_layer,
+            }
+        )
+    return cells
+
+
+def _fmt_setting(k: str, q: str, topk: int | None = None) -> str:
+    s = f"k={k} q={q}"
+    return s if topk is None else f"{s} index_topk={topk}"
+
+
+def _verdict(cfg: SweepConfig, settings: list[dict], cheapest, baseline: Setting) -> list[str]:
+    by = {(s["index_k"], s["index_q"], s["index_topk"]): s for s in settings}
+    bk, bq, btopk = baseline
+    lines = []
+
+    def reach(s: dict) -> str:
+        return f"to {s['restored_to']} tokens" if s["restored_to"] is not None else "at no tested length"
+
+    base_reach = by[baseline]["restored_to"]
+
+    def vs_base(s: dict) -> str:
+        r = s["restored_to"]
+        if r is not None and (base_reach is None or r > base_reach):
+            return ""
+        return " (no further than the baseline)"
+
+    lines.append(f"baseline {_fmt_setting(bk, bq, btopk)} keeps selection {reach(by[baseline])}")
+    for k, q in itertools.product(cfg.index_k, cfg.index_q):
+        if (k, q) != (bk, bq):
+            s = by[(k, q, btopk)]
+            lines.append(
+                f"{_fmt_setting(k, q)} (index_topk {btopk}) restores selection {reach(s)}{vs_base(s)}"
+            )
+    for topk in sorted(cfg.index_topk):
+        if topk != btopk:
+            s = by[(bk, bq, topk)]
+            lines.append(
+                f"index_topk {topk} ({_fmt_setting(bk, bq)}) restores selection {reach(s)}{vs_base(s)}"
+            )
+    target = cfg.target
+    if cheapest is None:
+        lines.append(f"no setting in the grid reaches selection rate {cfg.target_rate:g} at {target} tokens")
+    else:
+        (k, q, topk), rate = cheapest
+        lines.append(
+            f"cheapest setting restoring selection at {target} tokens (rate >= {cfg.target_rate:g}): "
+            f"{_fmt_setting(k, q, topk)} (rate {rate:.2f})"
+        )
+        r = by[(k, q, topk)]["restored_to"]
+        if r is None or r < target:
+            lines.append(
+                f"note: {_fmt_setting(k, q, topk)} falls below {cfg.target_rate:g} at a shorter length "
+                f"(unbroken only to {r if r is not None else 'no tested length'}); check the table"
+            )
+    return lines
+
+
+def run_sweep(
+    model,
+    tokenizer,
+    cfg: SweepConfig,
+    *,
+    model_label: str = "",
+    on_progress: Callable[[int, int], None] | None = None,
+) -> dict:
+    """Run the sweep grid on ``model``; returns a dict following ``SWEEP_SCHEMA``.
+
+    ``on_progress(done, total)`` is called after each (case, setting) run.
+    """
+
+    def count_tokens(messages: list[dict]) -> int:
+        return len(render_prompt(tokenizer, messages).input_ids)
+
+    cases = build_cases(cfg.case_spec(), count_tokens)
+    grid = cfg.settings()
+    total = len(cases) * len(grid)
+    runs: list[dict] = []
+    layers: set[int] = set()
+    for k, q, topk in grid:
+        numerics = Numerics(index_k=k, index_q=q, score_dtype=cfg.score_dtype, index_topk=topk)
+        for case in cases:
+            dump = rank_dump(
+                model,
+                tokenizer,
+                case.messages,
+                needle=case.needle,
+                numerics=numerics,
+                patch=cfg.patch,
+                query_positions=None if cfg.generate else [count_tokens(case.messages) - 1],
+                max_new_tokens=cfg.max_new_tokens,
+                expected=case.expected if cfg.generate else None,
+                label=case.case_id,
+            )
+            layers.update(layer["layer"] for layer in dump["layers"])
+            recs = _first_answer_layers(dump)
+            runs.append(
+                {
+                    "case_id": case.case_id,
+                    "length": case.length,
+                    "depth": case.depth,
+                    "trial": case.trial,
+                    "prompt_tokens": dump["prompt_tokens"],
+                    "index_k": k,
+                    "index_q": q,
+                    "index_topk": topk,
+                    "selected": all(r["selected"] for r in recs) if recs else None,
+                    "layers": recs,
+                    "answer": dump["generated_text"] if cfg.generate else None,
+                    "answer_correct": dump["answer_correct"] if cfg.generate else None,
+                }
+            )
+            if on_progress is not None:
+                on_progress(len(runs), total)
+
+    cells = summarize_runs(runs, sorted(layers), cfg.generate)
+    rate = {(c["index_k"], c["index_q"], c["index_topk"], c["length"]): c["selection_rate"] for c in cells}
+    target = cfg.target
+    settings = []
+    for rank, s in enumerate(grid):
+        rates = {length: rate[(*s, length)] for length in cfg.lengths}
+        settings.append(
+            {
+                "index_k": s[0],
+                "index_q": s[1],
+                "index_topk": s[2],
+                "cost_rank": rank,
+                "restored_to": restored_to(rates, cfg.target_rate),
+                "rate_at_target": rates[target],
+            }
+        )
+    cheapest = cheapest_setting({s: rate[(*s, target)] for s in grid}, cfg.target_rate)
+    precisions = sorted(
+        itertools.product(cfg.index_k, cfg.index_q),
+        key=lambda kq: (PRECISION_BITS[kq[0]] + PRECISION_BITS[kq[1]], PRECISION_BITS[kq[0]], kq),
+    )
+    baseline: Setting = (*precisions[0], min(cfg.index_topk))
+    return {
+        "model": model_label,
+        "kind": cfg.kind,
+        "lengths": list(cfg.lengths),
+        "depths": [float(x) for x in cfg.depths],
+        "trials": cfg.trials,
+        "seed": cfg.seed,
+        "score_dtype": cfg.score_dtype,
+        "target_length": target,
+        "target_rate": cfg.target_rate,
+        "generate": cfg.generate,
+        "patch": cfg.patch,
+        "settings": settings,
+        "cells": cells,
+        "runs": runs,
+        "cheapest": (
+            None
+            if cheapest is None
+            else {
+                "index_k": cheapest[0][0],
+                "index_q": cheapest[0][1],
+                "index_topk": cheapest[0][2],
+                "rate": cheapest[1],
+            }
+        ),
+        "baseline": {"index_k": baseline[0], "index_q": baseline[1], "index_topk": baseline[2]},
+        "verdict": _verdict(cfg, settings, cheapest, baseline),
+    }
+
+
+def validate_sweep(obj: dict) -> None:
+    """Raise ValueError unless ``obj`` follows SWEEP_SCHEMA and its counting invariants."""
+    check_schema(obj, SWEEP_SCHEMA, "sweep")
+    for c in obj["cells"]:
+        if c["scored"] + c["unscored"] != c["cases"] or not 0 <= c["selected"] <= c["scored"]:
+            raise ValueError(
+                f"sweep: cell {c['index_k']}/{c['index_q']}/{c['index_topk']}/{c['length']}: bad counts"
+            )
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def render_sweep_md(obj: dict) -> str:
+    """Markdown summary of sweep.json: verdict, then a rate table per setting × length."""
+    lengths = obj["lengths"]
+    lines = [
+        f"# needlescope indexer sweep: {obj['model'] or 'model'} ({obj['kind']})",
+        "",
+        f"Target: selection rate >= {obj['target_rate']:g} at {obj['target_length']} tokens. "
+        f"Scores accumulated in {obj.get('score_dtype', 'fp32')}. A case counts as selected when every CSA "
+        "layer that can see the needle has a needle entry in its top-k at the first answer position.",
+        "",
+        "## Verdict",
+        "",
+        *[f"- {v}" for v in obj["verdict"]],
+        "",
+        "## Needle selection rate" + (" / answer recall" if obj["generate"] else ""),
+        "",
+        "| setting | restored to | " + " | ".join(str(n) for n in lengths) + " |",
+        "|---|---|" + "---|" * len(lengths),
+    ]
+    cell = {(c["index_k"], c["index_q"], c["index_topk"], c["length"]): c for c in obj["cells"]}
+    for s in obj["settings"]:
+        key = (s["index_k"], s["index_q"], s["index_topk"])
+        vals = []
+        for n in lengths:
+            c = cell.get((*key, n))
+            if c is None:
+                vals.append("-")
+                continue
+            v = _pct(c["selection_rate"])
+            if obj["generate"]:
+                v += f" / {_pct(c['answer_recall'])}"
+            if c["unscored"]:
+                v += f" ({c['unscored']} unscored)"
+            if key[2] >= n // 4:
+                v += " *"
+            vals.append(v)
+        reach = s["restored_to"] if s["restored_to"] is not None else "none"
+        lines.append(f"| {_fmt_setting(*key)} | {reach} | " + " | ".join(vals) + " |")
+    lines += [
+        "",
+        "`*`: index_topk >= length/4, so every visible entry fits in the top-k and selection is trivial.",
+    ]
+    return "\n".join(lines) + "\n"

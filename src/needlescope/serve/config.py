@@ -1,0 +1,108 @@
+"""``ServeConfig``: everything ``needlescope serve`` runs with, validated once.
+
+Numerics fields (``index_k``, ``index_q``, ``score_dtype``, ``index_topk``, ``patch``) are
+``None`` when not given. For a DeepSeek-V4 checkpoint ``None`` means the reference numerics
+(fp32, the checkpoint's own ``index_topk``, no patch); for any other checkpoint setting one is
+an error, because there is no indexer to apply it to.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from needlescope.errors import BadInput
+
+__all__ = ["DEFAULT_PORT", "ServeConfig"]
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8000
+DEFAULT_MAX_RUNNING = 8
+DEFAULT_MAX_QUEUED = 64
+DEFAULT_MAX_NEW_TOKENS = 512
+DEFAULT_MAX_PREFILL_TOKENS = 8192
+DEVICES = ("cpu", "cuda")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServeConfig:
+    """Validated server settings; every field is echoed by ``/get_server_info``."""
+
+    model: str = "organism"
+    """``organism`` (the shipped checkpoint) or a local transformers checkpoint directory."""
+    served_model_name: str | None = None
+    """Name in ``/v1/models`` and the ``model`` field requests must carry; default: ``model``'s name."""
+    index_k: str | None = None
+    index_q: str | None = None
+    score_dtype: str | None = None
+    index_topk: int | None = None
+    patch: str | None = None
+    """Python file defining ``apply(model)``, applied for the server's lifetime."""
+    host: str = DEFAULT_HOST
+    port: int = DEFAULT_PORT
+    """0 picks a free port (the READY line says which)."""
+    max_running_requests: int = DEFAULT_MAX_RUNNING
+    """Largest decode batch; at most this many requests run at once."""
+    max_queued_requests: int = DEFAULT_MAX_QUEUED
+    """Requests admitted but not yet running; one more gets HTTP 503 at once."""
+    max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS
+    """Batch size x prompt length budget of one prefill (a longer single prompt still runs alone).
+    Eager attention's memory grows with batch x length^2, so long prompts batch less."""
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+    """Cap on generated tokens per request (also the default when a request gives none)."""
+    device: str = "cpu"
+    threads: int = 1
+    """torch intra-op threads. One is fastest for the toy organism (dispatch-bound, and it leaves
+    cores free for the HTTP loop and for other processes)."""
+
+    def __post_init__(self) -> None:
+        # Imported here so that importing the CLI (which imports this module) does not import torch.
+        from needlescope.dsa.emulate import SCORE_DTYPES
+        from needlescope.dsa.quant import get_quantizer
+
+        if not self.model:
+            raise BadInput("--model must be 'organism' or a checkpoint directory, got an empty string")
+        for name in ("index_k", "index_q"):
+            value = getattr(self, name)
+            if value is not None:
+                get_quantizer(value)
+        if self.score_dtype is not None and self.score_dtype not in SCORE_DTYPES:
+            raise BadInput(
+                f"--score-dtype must be one of {', '.join(SCORE_DTYPES)}; got {self.score_dtype!r}"
+            )
+        if self.index_topk is not None and self.index_topk < 1:
+            raise BadInput(f"--index-topk must be a positive integer; got {self.index_topk}")
+        if self.patch is not None and not Path(self.patch).is_file():
+            raise BadInput(f"--patch {self.patch!r} is not a file")
+        if not 0 <= self.port <= 65535:
+            raise BadInput(f"--port must be in 0..65535; got {self.port}")
+        if self.max_running_requests < 1:
+            raise BadInput(f"--max-running-requests must be at least 1; got {self.max_running_requests}")
+        if self.max_queued_requests < 1:
+            raise BadInput(f"--max-queued-requests must be at least 1; got {self.max_queued_requests}")
+        if self.max_prefill_tokens < 1:
+            raise BadInput(f"--max-prefill-tokens must be at least 1; got {self.max_prefill_tokens}")
+        if self.max_new_tokens < 1:
+            raise BadInput(f"--max-new-tokens must be at least 1; got {self.max_new_tokens}")
+        if self.device.split(":")[0] not in DEVICES:
+            raise BadInput(
+                f"--device must be one of {', '.join(DEVICES)} (optionally cuda:N); got {self.device!r}"
+            )
+        if self.threads < 1:
+            raise BadInput(f"--threads must be at least 1; got {self.threads}")
+
+    @property
+    def sets_numerics(self) -> bool:
+        """Whether any indexer numerics or a patch was asked for."""
+        return any(
+            v is not None for v in (self.index_k, self.index_q, self.score_dtype, self.index_topk, self.patch)
+        )
+
+    @property
+    def model_name(self) -> str:
+        if self.served_model_name:
+            return self.served_model_name
+        return self.model if self.model == "organism" else Path(self.model).resolve().name
+
+    def to_dict(self) -> dict:
+        return asdict(self)

@@ -1,0 +1,153 @@
+"""``needlescope indexer rank-dump`` / ``sweep`` through the real CLI on a tiny random DeepSeek-V4."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("torch")
+
+from needlescope.cases.assemble import CaseSpec, build_cases  # noqa: E402
+from needlescope.dsa.prompt import render_prompt  # noqa: E402
+from needlescope.dsa.rankdump import validate_rankdump  # noqa: E402
+from needlescope.dsa.stability import validate_stability  # noqa: E402
+from needlescope.dsa.sweep import validate_sweep  # noqa: E402
+from needlescope.organism.bundle import save_random  # noqa: E402
+
+CLI = [sys.executable, "-m", "needlescope.cli.main", "indexer"]
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
+TINY = dict(
+    hidden_size=64, q_lora_rank=32, moe_intermediate_size=64, head_dim=32, o_lora_rank=32, num_hidden_layers=4
+)
+NEEDLE = "The secret code of the red heron is 2617297."
+
+
+def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout, env=ENV)
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory):
+    """(model dir, [prompt files of 128 and 256 tokens holding the same needle])."""
+    from transformers import AutoTokenizer
+
+    root = tmp_path_factory.mktemp("cli_rank")
+    path = save_random(root / "model", seed=0, **TINY)
+    tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    files = []
+    for case in build_cases(
+        CaseSpec("single", (128, 256), (40.0,), 1, 0), lambda m: len(render_prompt(tok, m).input_ids)
+    ):
+        msgs = [{**m, "content": m["content"].replace(case.needle, NEEDLE)} for m in case.messages]
+        f = root / f"prompt{case.length}.json"
+        f.write_text(json.dumps(msgs))
+        files.append(f)
+    return path, files
+
+
+def test_rank_dump_writes_valid_outputs(bundle, tmp_path):
+    model, prompts = bundle
+    res = cli(
+        "rank-dump",
+        "--model",
+        str(model),
+        "--prompt",
+        str(prompts[0]),
+        "--prompt",
+        str(prompts[1]),
+        "--needle",
+        NEEDLE,
+        "--index-k",
+        "fp4_e2m1",
+        "--index-q",
+        "fp8_e4m3",
+        "--index-topk",
+        "8",
+        "--max-new-tokens",
+        "3",
+        "--compare-to-reference",
+        "--out",
+        str(tmp_path),
+    )
+    assert res.returncode == 0, res.stderr
+    for name in (
+        "rankdump.json",
+        "rankdump.md",
+        "rank_vs_layer.png",
+        "margin_vs_length.png",
+        "stability.json",
+    ):
+        assert (tmp_path / name).stat().st_size > 0, name
+    dump = json.loads((tmp_path / "rankdump.json").read_text())
+    validate_rankdump(dump)
+    assert [d["label"] for d in dump["prompts"]] == ["prompt128", "prompt256"]
+    assert [d["prompt_tokens"] for d in dump["prompts"]] == [128, 256]
+    assert dump["index_topk"] == 8 and dump["numerics"]["index_q"] == "fp8_e4m3"
+    stab = json.loads((tmp_path / "stability.json").read_text())
+    validate_stability(stab)
+    assert stab["reference"]["index_k"] == "fp32" and stab["candidate"]["index_k"] == "fp4_e2m1"
+    assert len(stab["prompts"]) == 2
+    assert "best rank" in res.stdout
+    assert "Selection stability" in (tmp_path / "rankdump.md").read_text()
+
+
+def test_sweep_writes_valid_outputs(bundle, tmp_path):
+    model, _ = bundle
+    res = cli(
+        "sweep",
+        "--model",
+        str(model),
+        "--kind",
+        "single",
+        "--lengths",
+        "128",
+        "--depths",
+        "50",
+        "--index-k",
+        "fp32,fp4_e2m1",
+        "--index-topk",
+        "2,64",
+        "--no-generate",
+        "--out",
+        str(tmp_path),
+    )
+    assert res.returncode == 0, res.stderr
+    sweep = json.loads((tmp_path / "sweep.json").read_text())
+    validate_sweep(sweep)
+    assert len(sweep["settings"]) == 4 and sweep["generate"] is False
+    assert "## Verdict" in (tmp_path / "sweep.md").read_text()
+    assert "cheapest setting" in res.stdout or "no setting" in res.stdout
+
+
+def test_bad_inputs_exit_2_with_one_line(bundle, tmp_path):
+    model, prompts = bundle
+    llama = tmp_path / "llama"
+    llama.mkdir()
+    (llama / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (llama / "model.safetensors").write_bytes(b"")
+    no_apply = tmp_path / "patch.py"
+    no_apply.write_text("def not_apply(model):\n    return None\n")
+    base = ["rank-dump", "--prompt", str(prompts[0]), "--out", str(tmp_path / "o")]
+    cases = {
+        "unknown quantizer 'fp5'": [*base, "--model", str(model), "--needle", NEEDLE, "--index-k", "fp5"],
+        "not found": [*base, "--model", str(model), "--needle", "The secret code of the blue whale is 1."],
+        "'llama'": [*base, "--model", str(llama), "--needle", NEEDLE],
+        "apply(model)": [*base, "--model", str(model), "--needle", NEEDLE, "--patch", str(no_apply)],
+    }
+    # Run the processes side by side: each pays the torch/transformers import.
+    procs = {
+        expect: subprocess.Popen(
+            [*CLI, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV
+        )
+        for expect, args in cases.items()
+    }
+    for expect, proc in procs.items():
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode == 2, (expect, err)
+        lines = [line for line in err.splitlines() if line.strip()]
+        assert len(lines) == 1 and lines[0].startswith("error:") and expect in lines[0], (expect, err)
+    assert not (tmp_path / "o").exists()
