@@ -4,8 +4,10 @@ Every example is a probe case (``needlescope.cases.assemble.build_cases``) of on
 probe kinds, so the organism is trained on exactly the format ``needlescope probe`` sends.
 On top of the case's own question, an example may carry follow-up question/answer turns
 about the other facts stated in it (a multikey case states five near-identical facts):
-these "drill" turns multiply the retrieval signal per token. Filler chats (multi-turn filler
-with no needle) teach the turn structure. Lengths are approximate (a word count stands in
+these "drill" turns multiply the retrieval signal per token. Filler chats ask the assistant
+to repeat a passage of filler (with a few facts in it) verbatim: every token of the reply
+is a copy from beyond the sliding window, a dense signal for the retrieval circuit the
+needle answers need (the answer tokens of a needle case are only eight per example). Lengths are approximate (a word count stands in
 for the token count, which keeps generation cheap); the evaluation uses exact lengths.
 
 Token ids are produced per message and joined with the special tokens, which equals the
@@ -21,7 +23,7 @@ from dataclasses import dataclass
 
 from needlescope.cases.assemble import KINDS, CaseSpec, build_cases
 from needlescope.cases.needles import ANSWER_ONE
-from needlescope.organism.tokenizer import ASSISTANT, BOS, EOS, SYSTEM, USER
+from needlescope.organism.tokenizer import ASSISTANT, BOS, EOS, REPEAT_PROMPT, SYSTEM, USER
 
 __all__ = ["TRAIN_KINDS", "DataSpec", "Example", "encode_chat", "make_example"]
 
@@ -37,7 +39,7 @@ class DataSpec:
 
     min_len: int = 256
     max_len: int = 4096
-    kind_weights: tuple[float, ...] = (0.25, 0.35, 0.1, 0.25, 0.05)
+    kind_weights: tuple[float, ...] = (0.2, 0.25, 0.05, 0.2, 0.3)
     max_drill: int = 3
     lm_weight_tokens: bool = True
 
@@ -80,6 +82,13 @@ def _approx_count(messages: list[dict]) -> int:
     return int(sum(len(m["content"].split()) for m in messages) * 1.15) + 2 * len(messages) + 2
 
 
+def _passage(messages: list[dict], rng: random.Random, n_words: int) -> str:
+    """About ``n_words`` consecutive words of the case's text, starting at a random word."""
+    words = " ".join(m["content"] for m in messages).split()
+    start = rng.randrange(max(1, len(words) - n_words))
+    return " ".join(words[start : start + n_words])
+
+
 def _answer(expected: list[str]) -> str:
     return expected[0] if len(expected) == 1 else ", ".join(expected)
 
@@ -97,9 +106,12 @@ def make_example(tokenizer, spec: DataSpec, seed: int) -> Example:
     )[0]
     messages = [dict(m) for m in case.messages]
     if kind == "filler":
-        # Drop the needle question: the last user turn becomes a plain reply target.
-        messages = messages[:-1]
-        return Example(*encode_chat(tokenizer, messages, set()), kind=kind)
+        passage = _passage(messages, rng, max(40, length // 2 - 16))
+        chat = [
+            {"role": "user", "content": f"{REPEAT_PROMPT}\n\n{passage}"},
+            {"role": "assistant", "content": passage},
+        ]
+        return Example(*encode_chat(tokenizer, chat, {1}), kind=kind)
     messages.append({"role": "assistant", "content": _answer(case.expected)})
     answers = {len(messages) - 1}
     # Drill only on the other facts: re-asking the one just answered is a copy from the window.

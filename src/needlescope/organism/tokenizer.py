@@ -23,6 +23,8 @@ BOS, EOS, PAD, UNK = "<|bos|>", "<|end|>", "<|pad|>", "<unk>"
 USER, ASSISTANT, SYSTEM = "<|user|>", "<|assistant|>", "<|system|>"
 SPECIAL_TOKENS = (BOS, EOS, PAD, UNK, USER, ASSISTANT, SYSTEM)
 META = "\u2581"
+# The instruction of the training corpus's repeat chats (``organism.data``).
+REPEAT_PROMPT = "Repeat the following text exactly."
 
 # Each turn: role marker, content, end marker. The assistant's end marker is the EOS token,
 # so generation stops exactly where a turn ends.
@@ -67,6 +69,7 @@ def _corpus_forms() -> tuple[str, ...]:
         # Mid-sentence form, and the capitalised bare form that opens a turn or paragraph; other
         # capitalised forms (sentence starts) are few and come from the generator run above.
         forms.update((META + w, w.capitalize()))
+    forms.update(pre_tokens(REPEAT_PROMPT))
     forms.update(str(d) for d in range(10))
     forms.update(".,;:!?'\"()-\n" + META)
     return tuple(sorted(forms))

@@ -200,7 +200,12 @@ def _losses(model, batch, taps: _Taps, cfg: TrainConfig, device: str):
         logits = model(input_ids=ids, use_cache=False).logits
     logits = logits[:, :-1].float()
     tgt = labels[:, 1:]
-    answer = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1), ignore_index=IGNORE)
+    # Mean per example, then over examples: a repeat chat's hundreds of copied tokens must not
+    # drown the eight answer tokens of a needle case.
+    tok = F.cross_entropy(logits.transpose(1, 2), tgt.clamp_min(0), reduction="none")  # [B, T-1]
+    has = tgt != IGNORE
+    per_ex = (tok * has).sum(1) / has.sum(1).clamp_min(1)
+    answer = per_ex[has.any(1)].mean()
     lm_tgt = ids[:, 1:].masked_fill(~real[:, 1:], IGNORE)
     lm = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), lm_tgt.reshape(-1), ignore_index=IGNORE)
     kl = taps.kl(real)
