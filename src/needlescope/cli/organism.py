@@ -22,6 +22,14 @@ def train_command(
     sparse_topk: int = typer.Option(None, help="index_topk during sparse fine-tuning."),
     tokens_per_batch: int = typer.Option(None, help="Tokens per optimisation step."),
     max_minutes: float = typer.Option(None, help="Wall-clock cap; each phase gets a fixed share of it."),
+    lr: float = typer.Option(None, help="Peak learning rate of the dense phase."),
+    init_from: Path = typer.Option(None, help="Continue training from this checkpoint directory."),
+    min_len: int = typer.Option(None, help="Shortest training example (tokens, approximate)."),
+    max_len: int = typer.Option(None, help="Longest training example at the end of the length ramp."),
+    ramp_frac: float = typer.Option(None, help="Fraction of dense steps over which the length cap rises."),
+    kind_weights: str = typer.Option(
+        None, help="Comma-separated weights of single,multikey,multivalue,multiturn,filler examples."
+    ),
     device: str = typer.Option("cuda", help="torch device: cuda or cpu."),
     workers: int = typer.Option(None, help="Data-loader worker processes."),
 ) -> None:
@@ -46,6 +54,12 @@ def train_command(
             tokens_per_batch=tokens_per_batch,
             max_minutes=max_minutes,
             workers=workers,
+            lr=lr,
+            init_from=str(init_from) if init_from else None,
+            min_len=min_len,
+            max_len=max_len,
+            ramp_frac=ramp_frac,
+            kind_weights=_weights(kind_weights) if kind_weights else None,
         ).items()
         if v is not None
     }
@@ -59,3 +73,12 @@ def train_command(
 
     record = train(cfg, out, device=device, on_log=show)
     console.print(f"steps {record['steps']}, {record['wall_s']} s -> {out}")
+
+
+def _weights(text: str) -> tuple[float, ...]:
+    from needlescope.errors import BadInput
+
+    try:
+        return tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise BadInput(f"--kind-weights must be comma-separated numbers, got {text!r}") from None

@@ -70,6 +70,7 @@ class TrainConfig:
     kl_weight: float = 1.0
     min_len: int = 256
     max_len: int = 4096
+    kind_weights: tuple[float, ...] = DataSpec.kind_weights
     ramp_frac: float = 0.4
     eval_every: int = 250
     eval_lengths: tuple[int, ...] = (512, 2048, 4096)
@@ -77,6 +78,8 @@ class TrainConfig:
     log_every: int = 25
     workers: int = 8
     max_minutes: float | None = None
+    # Continue from an earlier checkpoint (its config wins over config_overrides).
+    init_from: str | None = None
     config_overrides: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -87,6 +90,7 @@ class TrainConfig:
             raise ValueError("tokens_per_batch must hold at least one max_len example")
         if not 0.0 <= self.ramp_frac <= 1.0:
             raise ValueError("ramp_frac must be in [0, 1]")
+        DataSpec(min_len=self.min_len, max_len=self.max_len, kind_weights=tuple(self.kind_weights))
 
 
 class _Batches(torch.utils.data.Dataset):
@@ -101,7 +105,7 @@ class _Batches(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         cap = self.caps[i]
-        spec = DataSpec(min_len=min(self.cfg.min_len, cap), max_len=cap)
+        spec = DataSpec(min_len=min(self.cfg.min_len, cap), max_len=cap, kind_weights=self.cfg.kind_weights)
         n = max(1, min(self.cfg.tokens_per_batch // cap, self.cfg.max_batch_tokens_sq // (cap * cap)))
         base = (self.cfg.seed * 1_000_003 + self.salt) * 10_000_019 + i * 1024
         exs = [make_example(self.tokenizer, spec, base + j) for j in range(n)]
@@ -260,7 +264,12 @@ def train(
         **cfg.config_overrides,
     )
     config._attn_implementation = "eager"
-    model = DeepseekV4ForCausalLM(config).to(device)
+    if cfg.init_from:
+        model = DeepseekV4ForCausalLM.from_pretrained(
+            cfg.init_from, use_safetensors=True, local_files_only=True, attn_implementation="eager"
+        ).to(device)
+    else:
+        model = DeepseekV4ForCausalLM(config).to(device)
     model.train()
     taps = _Taps(model)
     indexer_params = [p for _, ix in csa_indexers(model) for p in ix.parameters()]
