@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from transformers import DeepseekV4ForCausalLM
+from transformers import AutoTokenizer, DeepseekV4ForCausalLM
 
 from needlescope.dsa.emulate import csa_indexers
 from needlescope.organism.config import DENSE_TOPK, organism_config
@@ -96,9 +96,9 @@ class TrainConfig:
 class _Batches(torch.utils.data.Dataset):
     """Batch ``i`` = padded examples drawn from seeds derived from (seed, phase, i): deterministic."""
 
-    def __init__(self, cfg: TrainConfig, caps: list[int], salt: int, pad_id: int) -> None:
-        self.cfg, self.caps, self.salt, self.pad_id = cfg, caps, salt, pad_id
-        self.tokenizer = build_tokenizer()
+    def __init__(self, cfg: TrainConfig, caps: list[int], salt: int, tokenizer) -> None:
+        self.cfg, self.caps, self.salt, self.tokenizer = cfg, caps, salt, tokenizer
+        self.pad_id = tokenizer.pad_token_id
 
     def __len__(self) -> int:
         return len(self.caps)
@@ -255,7 +255,8 @@ def train(
     """Train the organism per ``cfg`` and save the checkpoint + ``training.json`` to ``out``."""
     t0 = time.monotonic()
     torch.manual_seed(cfg.seed)
-    tokenizer = build_tokenizer()
+    # A continued checkpoint keeps its own tokenizer: token ids must match its embeddings.
+    tokenizer = AutoTokenizer.from_pretrained(cfg.init_from) if cfg.init_from else build_tokenizer()
     config = organism_config(
         len(tokenizer),
         bos_token_id=tokenizer.bos_token_id,
@@ -293,7 +294,7 @@ def train(
             p.requires_grad_(True)
         opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
         loader = torch.utils.data.DataLoader(
-            _Batches(cfg, _caps(cfg, steps, ramp), salt, tokenizer.pad_token_id),
+            _Batches(cfg, _caps(cfg, steps, ramp), salt, tokenizer),
             batch_size=None,
             num_workers=cfg.workers,
             prefetch_factor=4 if cfg.workers else None,
