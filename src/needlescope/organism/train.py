@@ -316,9 +316,9 @@ def train(
                     "step": step,
                     "phase": name,
                     "loss": float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss),
-                    "answer_loss": float(answer),
-                    "lm_loss": float(lm),
-                    "kl": float(kl),
+                    "answer_loss": float(answer.detach()),
+                    "lm_loss": float(lm.detach()),
+                    "kl": float(kl.detach()),
                     "len_cap": int(batch["input_ids"].shape[1]),
                     "elapsed_s": round(time.monotonic() - t0, 1),
                 }
