@@ -151,3 +151,33 @@ def test_bad_inputs_exit_2_with_one_line(bundle, tmp_path):
         lines = [line for line in err.splitlines() if line.strip()]
         assert len(lines) == 1 and lines[0].startswith("error:") and expect in lines[0], (expect, err)
     assert not (tmp_path / "o").exists()
+
+
+def test_rank_dump_compares_two_models(bundle, tmp_path):
+    from needlescope.dsa.stability import validate_stability
+
+    model, prompts = bundle
+    other = save_random(tmp_path / "other", seed=1, **TINY)
+    res = cli(
+        "rank-dump",
+        "--model",
+        str(model),
+        "--compare-model",
+        str(other),
+        "--prompt",
+        str(prompts[0]),
+        "--needle",
+        NEEDLE,
+        "--index-topk",
+        "4",
+        "--max-new-tokens",
+        "2",
+        "--out",
+        str(tmp_path / "out"),
+    )
+    assert res.returncode == 0, res.stderr
+    stab = json.loads((tmp_path / "out" / "stability.json").read_text())
+    validate_stability(stab)
+    assert stab["reference"]["model"] == str(other) and stab["candidate"]["model"] == str(model)
+    # Two differently seeded random models select differently somewhere.
+    assert stab["summary"]["mean_recall"] < 1.0

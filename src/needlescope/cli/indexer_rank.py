@@ -78,6 +78,11 @@ def rank_dump_command(
     compare_to_reference: bool = typer.Option(
         False, "--compare-to-reference", help="Also write stability.json against fp32 reference numerics."
     ),
+    compare_model: str = typer.Option(
+        None,
+        "--compare-model",
+        help="Also write stability.json: the reference numerics on this second checkpoint vs --model.",
+    ),
     out: Path = typer.Option(..., "--out", help="Output directory."),
 ) -> None:
     """Rank of the needle's compressed entries in every CSA layer at the answer positions."""
@@ -104,6 +109,15 @@ def rank_dump_command(
     query_positions = parse_int_list(positions, "--positions") if positions else None
     messages = [read_prompt_file(p) for p in prompt]
     mdl, tokenizer, path = _load_v4(model)
+    if compare_to_reference and compare_model:
+        raise BadInput("give either --compare-to-reference or --compare-model, not both")
+    other, other_path = (None, None)
+    if compare_model:
+        other, other_tok, other_path = _load_v4(compare_model)
+        if other_tok.get_vocab() != tokenizer.get_vocab():
+            raise BadInput(
+                f"{compare_model!r} has a different tokenizer; stability compares the same prompt tokens"
+            )
     # Find every needle before running anything, so a bad prompt fails fast.
     for p, msgs in zip(prompt, messages, strict=True):
         if span is None:
@@ -128,18 +142,20 @@ def rank_dump_command(
                 label=p.stem,
             )
         )
-        if compare_to_reference:
-            ref = Numerics(index_topk=index_topk)
+        if compare_to_reference or other is not None:
+            # Reference side: fp32 numerics on --compare-model (or on --model itself).
+            ref_model, ref_path = (other, other_path) if other is not None else (mdl, path)
             stabs.append(
                 selection_stability(
-                    mdl,
+                    ref_model,
                     tokenizer,
                     msgs,
                     **kw,
-                    reference=ref,
+                    reference=Numerics(index_topk=index_topk),
                     candidate=numerics,
+                    candidate_model=mdl,
                     candidate_patch=patch,
-                    reference_label=str(path),
+                    reference_label=str(ref_path),
                     candidate_label=str(path),
                 )
             )
