@@ -24,6 +24,9 @@ def train_command(
     max_minutes: float = typer.Option(None, help="Wall-clock cap; each phase gets a fixed share of it."),
     lr: float = typer.Option(None, help="Peak learning rate of the dense phase."),
     init_from: Path = typer.Option(None, help="Continue training from this checkpoint directory."),
+    value_digits_start: int = typer.Option(
+        None, help="Curriculum: needle values start with this many digits and grow to 7 over the ramp."
+    ),
     min_len: int = typer.Option(None, help="Shortest training example (tokens, approximate)."),
     max_len: int = typer.Option(None, help="Longest training example at the end of the length ramp."),
     ramp_frac: float = typer.Option(None, help="Fraction of dense steps over which the length cap rises."),
@@ -56,6 +59,7 @@ def train_command(
             workers=workers,
             lr=lr,
             init_from=str(init_from) if init_from else None,
+            value_digits_start=value_digits_start,
             min_len=min_len,
             max_len=max_len,
             ramp_frac=ramp_frac,

@@ -22,7 +22,7 @@ import re
 from dataclasses import dataclass
 
 from needlescope.cases.assemble import KINDS, CaseSpec, build_cases
-from needlescope.cases.needles import ANSWER_ONE
+from needlescope.cases.needles import ANSWER_ONE, VALUE_DIGITS
 from needlescope.organism.tokenizer import ASSISTANT, BOS, EOS, REPEAT_PROMPT, SYSTEM, USER
 
 __all__ = ["TRAIN_KINDS", "DataSpec", "Example", "encode_chat", "make_example"]
@@ -41,11 +41,14 @@ class DataSpec:
     max_len: int = 4096
     kind_weights: tuple[float, ...] = (0.2, 0.25, 0.05, 0.2, 0.3)
     max_drill: int = 3
-    lm_weight_tokens: bool = True
+    # Curriculum knob: needle values cut to their first ``value_digits`` digits (probe: 7).
+    value_digits: int = VALUE_DIGITS
 
     def __post_init__(self) -> None:
         if not 64 <= self.min_len <= self.max_len:
             raise ValueError(f"need 64 <= min_len <= max_len, got {self.min_len}, {self.max_len}")
+        if not 1 <= self.value_digits <= VALUE_DIGITS:
+            raise ValueError(f"value_digits must be in 1..{VALUE_DIGITS}, got {self.value_digits}")
         if len(self.kind_weights) != len(TRAIN_KINDS):
             raise ValueError(f"kind_weights needs {len(TRAIN_KINDS)} entries ({', '.join(TRAIN_KINDS)})")
 
@@ -105,6 +108,12 @@ def make_example(tokenizer, spec: DataSpec, seed: int) -> Example:
         CaseSpec(kind=case_kind, lengths=(length,), depths=(depth,), trials=1, seed=seed), _approx_count
     )[0]
     messages = [dict(m) for m in case.messages]
+    expected = list(case.expected)
+    if spec.value_digits < VALUE_DIGITS:
+        keep, drop = spec.value_digits, VALUE_DIGITS - spec.value_digits
+        cut = re.compile(rf"\b(\d{{{keep}}})\d{{{drop}}}\b")
+        messages = [{**m, "content": cut.sub(r"\1", m["content"])} for m in messages]
+        expected = [v[: spec.value_digits] for v in expected]
     if kind == "filler":
         passage = _passage(messages, rng, max(40, length // 2 - 16))
         chat = [
@@ -112,10 +121,10 @@ def make_example(tokenizer, spec: DataSpec, seed: int) -> Example:
             {"role": "assistant", "content": passage},
         ]
         return Example(*encode_chat(tokenizer, chat, {1}), kind=kind)
-    messages.append({"role": "assistant", "content": _answer(case.expected)})
+    messages.append({"role": "assistant", "content": _answer(expected)})
     answers = {len(messages) - 1}
     # Drill only on the other facts: re-asking the one just answered is a copy from the window.
-    facts = [f for m in messages for f in _FACT.findall(m["content"]) if f[2] not in case.expected]
+    facts = [f for m in messages for f in _FACT.findall(m["content"]) if f[2] not in expected]
     rng.shuffle(facts)
     for adj, noun, value in facts[: rng.randint(0, spec.max_drill)]:
         messages.append(

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoTokenizer, DeepseekV4ForCausalLM
 
+from needlescope.cases.needles import VALUE_DIGITS
 from needlescope.dsa.emulate import csa_indexers
 from needlescope.organism.config import DENSE_TOPK, organism_config
 from needlescope.organism.data import IGNORE, DataSpec, make_example
@@ -71,6 +72,10 @@ class TrainConfig:
     min_len: int = 256
     max_len: int = 4096
     kind_weights: tuple[float, ...] = DataSpec.kind_weights
+    # Value-length curriculum: needle values start cut to this many digits and grow to 7
+    # over the same ramp as the length cap (7 = no curriculum). A copy circuit forms far
+    # sooner on one-digit values (measured on CPU, docs/organism.md) and then extends.
+    value_digits_start: int = 7
     ramp_frac: float = 0.4
     eval_every: int = 250
     eval_lengths: tuple[int, ...] = (512, 2048, 4096)
@@ -90,14 +95,19 @@ class TrainConfig:
             raise ValueError("tokens_per_batch must hold at least one max_len example")
         if not 0.0 <= self.ramp_frac <= 1.0:
             raise ValueError("ramp_frac must be in [0, 1]")
-        DataSpec(min_len=self.min_len, max_len=self.max_len, kind_weights=tuple(self.kind_weights))
+        DataSpec(
+            min_len=self.min_len,
+            max_len=self.max_len,
+            kind_weights=tuple(self.kind_weights),
+            value_digits=self.value_digits_start,
+        )
 
 
 class _Batches(torch.utils.data.Dataset):
     """Batch ``i`` = padded examples drawn from seeds derived from (seed, phase, i): deterministic."""
 
-    def __init__(self, cfg: TrainConfig, caps: list[int], salt: int, tokenizer) -> None:
-        self.cfg, self.caps, self.salt, self.tokenizer = cfg, caps, salt, tokenizer
+    def __init__(self, cfg: TrainConfig, caps: list[int], digits: list[int], salt: int, tokenizer) -> None:
+        self.cfg, self.caps, self.digits, self.salt, self.tokenizer = cfg, caps, digits, salt, tokenizer
         self.pad_id = tokenizer.pad_token_id
 
     def __len__(self) -> int:
@@ -105,7 +115,12 @@ class _Batches(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         cap = self.caps[i]
-        spec = DataSpec(min_len=min(self.cfg.min_len, cap), max_len=cap, kind_weights=self.cfg.kind_weights)
+        spec = DataSpec(
+            min_len=min(self.cfg.min_len, cap),
+            max_len=cap,
+            kind_weights=self.cfg.kind_weights,
+            value_digits=self.digits[i],
+        )
         n = max(1, min(self.cfg.tokens_per_batch // cap, self.cfg.max_batch_tokens_sq // (cap * cap)))
         base = (self.cfg.seed * 1_000_003 + self.salt) * 10_000_019 + i * 1024
         exs = [make_example(self.tokenizer, spec, base + j) for j in range(n)]
@@ -179,14 +194,24 @@ def _detach_inputs(module, args):
     return tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
 
 
-def _caps(cfg: TrainConfig, steps: int, ramp: bool) -> list[int]:
+def _ramp(cfg: TrainConfig, steps: int, ramp: bool) -> list[float]:
     ramp_steps = max(1, int(cfg.ramp_frac * steps)) if ramp else 0
+    return [min(1.0, i / ramp_steps) if ramp_steps else 1.0 for i in range(steps)]
+
+
+def _caps(cfg: TrainConfig, steps: int, ramp: bool) -> list[int]:
     caps = []
-    for i in range(steps):
-        frac = min(1.0, i / ramp_steps) if ramp_steps else 1.0
+    for frac in _ramp(cfg, steps, ramp):
         cap = int(cfg.min_len * (cfg.max_len / cfg.min_len) ** frac)
         caps.append(max(cfg.min_len, min(cfg.max_len, cap)))
     return caps
+
+
+def _digits(cfg: TrainConfig, steps: int, ramp: bool) -> list[int]:
+    start = cfg.value_digits_start
+    return [
+        min(VALUE_DIGITS, start + int((VALUE_DIGITS - start + 1) * frac)) for frac in _ramp(cfg, steps, ramp)
+    ]
 
 
 def _lr(step: int, total: int, peak: float, warmup: int) -> float:
@@ -294,7 +319,7 @@ def train(
             p.requires_grad_(True)
         opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
         loader = torch.utils.data.DataLoader(
-            _Batches(cfg, _caps(cfg, steps, ramp), salt, tokenizer),
+            _Batches(cfg, _caps(cfg, steps, ramp), _digits(cfg, steps, ramp), salt, tokenizer),
             batch_size=None,
             num_workers=cfg.workers,
             prefetch_factor=4 if cfg.workers else None,
