@@ -1,0 +1,206 @@
+"""The organism demo: serve a DeepSeek-V4 checkpoint twice, probe both, explain the failure.
+
+``run_organism_demo(DemoConfig(model=..., out=...), on_phase)`` runs, in order:
+
+1. **serve**: two real ``needlescope serve`` processes on loopback, one with reference indexer
+   numerics (fp32, the checkpoint's ``index_topk``), one with the deployment-like setting;
+2. **probe**: ``run_probe`` with multiturn needles against each (``reference/``, ``deployment/``);
+3. **rank dump**: the failing case (right under the reference, wrong under the deployment,
+   longest length first) is replayed in-process under the deployment numerics (``rankdump.json``);
+4. **fixes**: the same case under each candidate fix (bf16 keys, a doubled ``index_topk``, both):
+   is the needle selected, is the answer right (``fixes.json``);
+5. **report**: ``DIAGNOSIS.md`` from those artifacts (``needlescope.report.diagnosis``).
+
+Every artifact is written through its own documented schema; the report reads only them.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from needlescope.dsa.emulate import Numerics
+from needlescope.errors import BadInput
+from needlescope.report.diagnosis import write_diagnosis
+from needlescope.run.config import ProbeConfig
+from needlescope.run.probe import STORE_NAME, run_probe
+from needlescope.run.store import ResultStore
+from needlescope.serve.launch import ServerProcess
+
+__all__ = ["DemoConfig", "run_organism_demo", "pick_failing_case"]
+
+Phase = Callable[[str, dict], None]
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    """What the demo probes. ``deployment`` is the setting under suspicion."""
+
+    model: str
+    out: Path
+    deployment: Numerics = Numerics(index_k="fp8_e4m3", index_topk=16)
+    lengths: tuple[int, ...] = (256, 512, 1024)
+    depths: tuple[float, ...] = (0.0, 50.0, 100.0)
+    trials: int = 2
+    seed: int = 0
+    threads: int = 1
+    fixes: tuple[Numerics, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        if self.deployment.index_topk is None:
+            raise BadInput("the deployment setting needs an explicit index_topk")
+        if self.trials < 1:
+            raise BadInput(f"trials must be >= 1, got {self.trials}")
+
+    def fix_candidates(self) -> tuple[Numerics, ...]:
+        if self.fixes:
+            return self.fixes
+        d = self.deployment
+        return (
+            Numerics(index_k="bf16", index_q=d.index_q, score_dtype=d.score_dtype, index_topk=d.index_topk),
+            Numerics(
+                index_k=d.index_k, index_q=d.index_q, score_dtype=d.score_dtype, index_topk=2 * d.index_topk
+            ),
+            Numerics(
+                index_k="bf16", index_q=d.index_q, score_dtype=d.score_dtype, index_topk=2 * d.index_topk
+            ),
+        )
+
+
+def _serve_args(model: str, numerics: Numerics | None, threads: int) -> list[str]:
+    args = ["--model", model, "--port", "0", "--threads", str(threads), "--served-model-name", "organism"]
+    if numerics is not None:
+        args += [
+            "--index-k",
+            numerics.index_k,
+            "--index-q",
+            numerics.index_q,
+            "--score-dtype",
+            numerics.score_dtype,
+        ]
+        if numerics.index_topk is not None:
+            args += ["--index-topk", str(numerics.index_topk)]
+    return args
+
+
+def pick_failing_case(reference_rows: list[dict], deployment_rows: list[dict]) -> tuple[str, str]:
+    """(case_id, why): the case to explain. Prefers right-under-reference, wrong-under-deployment.
+
+    Longest length first, then the shallowest depth. Falls back to any deployment miss (then
+    the reference missed it too, which the report says).
+    """
+    ref_ok = {r["case_id"] for r in reference_rows if r["status"] == "ok" and r["correct"]}
+    misses = [r for r in deployment_rows if r["status"] == "ok" and not r["correct"]]
+    if not misses:
+        raise ValueError("the deployment answered every case correctly; there is no failure to explain")
+    misses.sort(key=lambda r: (-r["length"], r["depth"], r["trial"]))
+    for r in misses:
+        if r["case_id"] in ref_ok:
+            return r["case_id"], "right under the reference numerics, wrong under the deployment setting"
+    return misses[0]["case_id"], "wrong under both settings (no deployment-only failure exists)"
+
+
+def _probe(url: str, cfg: DemoConfig, out: Path, on_event) -> dict:
+    pcfg = ProbeConfig(
+        base_urls=(f"{url}/v1",),
+        model="organism",
+        kind="multiturn",
+        lengths=cfg.lengths,
+        depths=cfg.depths,
+        trials=cfg.trials,
+        seed=cfg.seed,
+        out=out,
+        concurrency=2,
+        timeout_s=600.0,
+    )
+    return run_probe(pcfg, on_event)
+
+
+def _rows(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines() if line.strip()]
+
+
+def _case(out: Path, case_id: str) -> dict:
+    with ResultStore(out / STORE_NAME) as store:
+        for c in store.cases():
+            if c["case_id"] == case_id:
+                return c
+    raise KeyError(case_id)
+
+
+def run_organism_demo(cfg: DemoConfig, on_phase: Phase, on_event=lambda *_: None) -> Path:
+    """Run every phase; returns the path of DIAGNOSIS.md. ``on_phase(name, info)`` marks progress."""
+    from needlescope.dsa.rankdump import rank_dump, validate_rankdump
+    from needlescope.organism.bundle import load_bundle, require_deepseek_v4, resolve_model_dir
+
+    path = resolve_model_dir(cfg.model)
+    require_deepseek_v4(path)
+    cfg.out.mkdir(parents=True, exist_ok=True)
+    summaries = {}
+    on_phase("serve", {"model": str(path)})
+    with (
+        ServerProcess(_serve_args(str(path), None, cfg.threads)) as ref_srv,
+        ServerProcess(_serve_args(str(path), cfg.deployment, cfg.threads)) as dep_srv,
+    ):
+        for name, srv in (("reference", ref_srv), ("deployment", dep_srv)):
+            on_phase(f"probe {name}", {"url": srv.url})
+            summaries[name] = _probe(srv.url, cfg, cfg.out / name, on_event)
+    case_id, why = pick_failing_case(_rows(cfg.out / "reference"), _rows(cfg.out / "deployment"))
+    case = _case(cfg.out / "deployment", case_id)
+    on_phase("rank dump", {"case": case_id})
+    model, tokenizer, _ = load_bundle(path)
+    dump = rank_dump(
+        model,
+        tokenizer,
+        case["messages"],
+        needle=case["needle"],
+        numerics=cfg.deployment,
+        expected=case["expected"],
+        label=case_id,
+    )
+    validate_rankdump(dump)
+    (cfg.out / "rankdump.json").write_text(json.dumps(dump, indent=1))
+    on_phase("fixes", {"candidates": len(cfg.fix_candidates())})
+    fixes = []
+    for numerics in cfg.fix_candidates():
+        d = rank_dump(
+            model,
+            tokenizer,
+            case["messages"],
+            needle=case["needle"],
+            numerics=numerics,
+            expected=case["expected"],
+        )
+        fixes.append(
+            {
+                "numerics": numerics.to_dict(),
+                "label": numerics.label(),
+                "selected_all_layers": all(
+                    layer["positions"][0]["selected"] for layer in d["layers"] if layer["positions"]
+                ),
+                "answer_correct": d.get("answer_correct"),
+                "layers": [
+                    {"layer": layer["layer"], **_first(layer)} for layer in d["layers"] if layer["positions"]
+                ],
+            }
+        )
+    (cfg.out / "fixes.json").write_text(json.dumps({"case_id": case_id, "fixes": fixes}, indent=1))
+    on_phase("report", {})
+    return write_diagnosis(
+        cfg.out,
+        model=str(path),
+        reference=summaries["reference"],
+        deployment=summaries["deployment"],
+        deployment_label=cfg.deployment.label(),
+        case=case,
+        why=why,
+        rankdump=dump,
+        fixes=fixes,
+    )
+
+
+def _first(layer: dict) -> dict:
+    p = layer["positions"][0]
+    return {k: p[k] for k in ("best_rank", "margin", "selected")}

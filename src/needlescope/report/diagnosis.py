@@ -1,0 +1,153 @@
+"""DIAGNOSIS.md: the recall failure of a deployment setting told in numbers.
+
+Reads only documented artifacts: two probe summaries (``SUMMARY_SCHEMA``), a rank dump of
+the failing case (``RANKDUMP_SCHEMA``) and the fix candidates' rank-dump digests. Embeds
+the two heatmaps written by the probes (``reference/heatmap.png``, ``deployment/heatmap.png``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+__all__ = ["write_diagnosis", "render_diagnosis"]
+
+
+def _recall_by_length(summary: dict) -> dict[int, float]:
+    agg: dict[int, list[int]] = {}
+    for c in summary["cells"]:
+        a = agg.setdefault(c["length"], [0, 0])
+        a[0] += c["correct"]
+        a[1] += c["n"]
+    return {n: (a[0] / a[1] if a[1] else float("nan")) for n, a in sorted(agg.items())}
+
+
+def _fmt_len(x: int | None) -> str:
+    return "none (below threshold at every length)" if x is None else f"{x} tokens"
+
+
+def render_diagnosis(
+    *,
+    model: str,
+    reference: dict,
+    deployment: dict,
+    deployment_label: str,
+    case: dict,
+    why: str,
+    rankdump: dict,
+    fixes: list[dict],
+) -> str:
+    """The Markdown text of DIAGNOSIS.md."""
+    ref_len, dep_len = _recall_by_length(reference), _recall_by_length(deployment)
+    lines = [
+        "# DIAGNOSIS",
+        "",
+        f"Model: `{model}`. Deployment setting under test: `{deployment_label}`; reference: fp32 indexer "
+        "with the checkpoint's own `index_topk`.",
+        "",
+        "## Where recall collapses",
+        "",
+        "| length | reference recall | deployment recall |",
+        "|---|---|---|",
+    ]
+    for n in ref_len:
+        lines.append(f"| {n} | {ref_len[n]:.2f} | {dep_len.get(n, float('nan')):.2f} |")
+    lines += [
+        "",
+        f"Effective length (recall >= {reference['threshold']:.2f}): reference {_fmt_len(reference['effective_length'])}, "
+        f"deployment {_fmt_len(deployment['effective_length'])}.",
+    ]
+    if deployment.get("cliff"):
+        c = deployment["cliff"]
+        lines.append(f"Deployment cliff: {c['from']} -> {c['to']} tokens, recall drops by {c['drop']:.2f}.")
+    if max(ref_len.values(), default=0.0) == 0.0:
+        lines += [
+            "",
+            "**The reference numerics recall nothing either: the checkpoint itself cannot retrieve these "
+            "needles, so no deployment setting is to blame.**",
+        ]
+    lines += [
+        "",
+        "| reference | deployment |",
+        "|---|---|",
+        "| ![reference](reference/heatmap.png) | ![deployment](deployment/heatmap.png) |",
+        "",
+        "## Which layer's indexer drops the needle",
+        "",
+        f"Case `{case['case_id']}` ({case['length']} tokens, depth {case['depth']:g}%): {why}. "
+        f"Expected `{', '.join(case['expected'])}`; the deployment answered `{rankdump.get('generated_text', '').strip()}`.",
+        "",
+        "| CSA layer | needle entries visible | best rank | k | margin (needle - cutoff) | margin / spread | selected |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    dropped = []
+    for layer in rankdump["layers"]:
+        if not layer["positions"]:
+            lines.append(f"| {layer['layer']} | none yet | - | - | - | - | - |")
+            continue
+        p = layer["positions"][0]
+        frac = p.get("margin_frac")
+        lines.append(
+            f"| {layer['layer']} | {len(p['needle_entries'])} of {p['visible_entries']} | {p['best_rank']} | "
+            f"{rankdump['index_topk']} | {p['margin']:+.4g} | {'-' if frac is None else f'{frac:+.3f}'} | "
+            f"{'yes' if p['selected'] else '**no**'} |"
+        )
+        if not p["selected"]:
+            dropped.append((layer["layer"], p))
+    if dropped:
+        layer, p = dropped[0]
+        lines += [
+            "",
+            f"At the position that produces the first answer token, layer {layer}'s indexer ranks the needle's best "
+            f"entry {p['best_rank']} of {p['visible_entries']} with k = {rankdump['index_topk']}: it falls "
+            f"{-p['margin']:.4g} below the cutoff, so that layer's sparse attention never reads the needle.",
+        ]
+    else:
+        lines += [
+            "",
+            "Every CSA layer selected a needle entry at the first answer position: the indexer is not the cause here.",
+        ]
+    lines += [
+        "",
+        "## Which fix restores it",
+        "",
+        "| setting | needle selected in every CSA layer | answer correct |",
+        "|---|---|---|",
+    ]
+    for f in fixes:
+        ok = f["answer_correct"]
+        lines.append(
+            f"| `{f['label']}` | {'yes' if f['selected_all_layers'] else 'no'} | {'-' if ok is None else ('yes' if ok else 'no')} |"
+        )
+    working = [f for f in fixes if f["selected_all_layers"] and f["answer_correct"]]
+    selecting = [f for f in fixes if f["selected_all_layers"]]
+    if not dropped:
+        lines += [
+            "",
+            "The deployment already selected the needle in every CSA layer, so these settings cannot fix it.",
+        ]
+    elif working:
+        lines += ["", f"Cheapest fix that restores both selection and the answer: `{working[0]['label']}`."]
+    elif selecting:
+        lines += [
+            "",
+            f"`{selecting[0]['label']}` restores selection, but the answer is still wrong: the indexer is not the "
+            "only cause.",
+        ]
+    else:
+        lines += [
+            "",
+            "No candidate restores selection for this case; widen the sweep (`needlescope indexer sweep`).",
+        ]
+    lines += [
+        "",
+        "Artifacts: `reference/` and `deployment/` (probe outputs), `rankdump.json`, `fixes.json`.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def write_diagnosis(out: Path, **kw) -> Path:
+    """Render and write ``out/DIAGNOSIS.md``; returns its path."""
+    path = Path(out) / "DIAGNOSIS.md"
+    path.write_text(render_diagnosis(**kw), encoding="utf-8")
+    return path
