@@ -8,11 +8,14 @@ Weights load through safetensors only; nothing touches the network.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from importlib import resources
 from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DeepseekV4ForCausalLM
+from transformers.utils import logging as hf_logging
 
 from needlescope.errors import BadInput
 from needlescope.organism.config import organism_config
@@ -28,6 +31,18 @@ __all__ = [
 ]
 
 ORGANISM = "organism"
+
+
+@contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """Silence transformers' progress bars inside the block: the library never prints."""
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
 
 
 def shipped_dir() -> Path:
@@ -67,14 +82,15 @@ def load_bundle(name_or_dir: str | Path, *, dtype: torch.dtype = torch.float32, 
     config = AutoConfig.from_pretrained(path, local_files_only=True)
     # Eager attention: the V4 attention sinks and the compressor's block bias are only
     # implemented there, and it returns the attention probabilities the indexer distils from.
-    model = AutoModelForCausalLM.from_pretrained(
-        path,
-        config=config,
-        dtype=dtype,
-        use_safetensors=True,
-        local_files_only=True,
-        attn_implementation="eager",
-    )
+    with quiet_transformers():
+        model = AutoModelForCausalLM.from_pretrained(
+            path,
+            config=config,
+            dtype=dtype,
+            use_safetensors=True,
+            local_files_only=True,
+            attn_implementation="eager",
+        )
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     if tokenizer.chat_template is None:
         raise BadInput(
@@ -98,6 +114,7 @@ def save_random(out: str | Path, *, seed: int = 0, **config_overrides) -> Path:
     torch.manual_seed(seed)
     config._attn_implementation = "eager"
     model = DeepseekV4ForCausalLM(config)
-    model.save_pretrained(out, safe_serialization=True)
+    with quiet_transformers():
+        model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     return out

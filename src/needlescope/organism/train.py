@@ -35,6 +35,7 @@ from transformers import AutoTokenizer, DeepseekV4ForCausalLM
 
 from needlescope.cases.needles import VALUE_DIGITS
 from needlescope.dsa.emulate import csa_indexers
+from needlescope.organism.bundle import quiet_transformers
 from needlescope.organism.config import DENSE_TOPK, organism_config
 from needlescope.organism.data import IGNORE, DataSpec, make_example
 from needlescope.organism.tokenizer import build_tokenizer
@@ -370,7 +371,8 @@ def train(
     _set_topk(model, DENSE_TOPK)
     model.eval()
     out.mkdir(parents=True, exist_ok=True)
-    model.to("cpu").float().save_pretrained(out, safe_serialization=True)
+    with quiet_transformers():
+        model.to("cpu").float().save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     record["wall_s"] = round(time.monotonic() - t0, 1)
     record["hardware"] = _hardware(device)
