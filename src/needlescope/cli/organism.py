@@ -24,6 +24,9 @@ def train_command(
     max_minutes: float = typer.Option(None, help="Wall-clock cap; each phase gets a fixed share of it."),
     lr: float = typer.Option(None, help="Peak learning rate of the dense phase."),
     init_from: Path = typer.Option(None, help="Continue training from this checkpoint directory."),
+    config_override: list[str] = typer.Option(
+        None, help="KEY=INT override of the organism config (repeatable), e.g. hidden_size=64."
+    ),
     value_digits_start: int = typer.Option(
         None, help="Curriculum: needle values start with this many digits and grow to 7 over the ramp."
     ),
@@ -60,6 +63,7 @@ def train_command(
             lr=lr,
             init_from=str(init_from) if init_from else None,
             value_digits_start=value_digits_start,
+            config_overrides=_overrides(config_override) if config_override else None,
             min_len=min_len,
             max_len=max_len,
             ramp_frac=ramp_frac,
@@ -86,3 +90,15 @@ def _weights(text: str) -> tuple[float, ...]:
         return tuple(float(x) for x in text.split(","))
     except ValueError:
         raise BadInput(f"--kind-weights must be comma-separated numbers, got {text!r}") from None
+
+
+def _overrides(items: list[str]) -> dict[str, int]:
+    from needlescope.errors import BadInput
+
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key or not value.lstrip("-").isdigit():
+            raise BadInput(f"--config-override must look like KEY=INT, got {item!r}")
+        out[key] = int(value)
+    return out
