@@ -108,3 +108,17 @@ def test_bundle_rejects_bad_directories(tmp_path):
     with pytest.raises(BadInput, match="DeepSeek-V4"):
         require_deepseek_v4(resolve_model_dir(tmp_path / "c"))
     assert save_random(tmp_path / "r", hidden_size=32).is_dir()
+
+
+def test_hash_routing_table_is_seeded_distinct_and_saved(tmp_path):
+    path = save_random(tmp_path / "h", seed=5, hidden_size=32, moe_intermediate_size=32)
+    model, _, _ = load_bundle(path)
+    tables = [b for n, b in model.named_buffers() if n.endswith("tid2eid")]
+    assert len(tables) == sum(t == "hash_moe" for t in model.config.mlp_layer_types)
+    for t in tables:
+        assert t.shape[1] == model.config.num_experts_per_tok
+        assert all(len(set(row)) == len(row) for row in t.tolist())  # distinct experts per token
+        assert len(set(t[:, 0].tolist())) == model.config.n_routed_experts  # every expert is used
+    again, _, _ = load_bundle(save_random(tmp_path / "h2", seed=5, hidden_size=32, moe_intermediate_size=32))
+    other = [b for n, b in again.named_buffers() if n.endswith("tid2eid")]
+    assert all(a.equal(b) for a, b in zip(tables, other, strict=True))

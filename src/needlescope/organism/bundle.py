@@ -18,7 +18,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Deepse
 from transformers.utils import logging as hf_logging
 
 from needlescope.errors import BadInput
-from needlescope.organism.config import organism_config
+from needlescope.organism.config import init_hash_routing, organism_config
 from needlescope.organism.tokenizer import build_tokenizer
 
 __all__ = [
@@ -114,6 +114,7 @@ def save_random(out: str | Path, *, seed: int = 0, **config_overrides) -> Path:
     torch.manual_seed(seed)
     config._attn_implementation = "eager"
     model = DeepseekV4ForCausalLM(config)
+    init_hash_routing(model, seed)
     with quiet_transformers():
         model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)

@@ -12,7 +12,14 @@ from __future__ import annotations
 
 from transformers import DeepseekV4Config
 
-__all__ = ["LAYER_TYPES", "MLP_LAYER_TYPES", "SLIDING_WINDOW", "MAX_POSITIONS", "organism_config"]
+__all__ = [
+    "LAYER_TYPES",
+    "MLP_LAYER_TYPES",
+    "SLIDING_WINDOW",
+    "MAX_POSITIONS",
+    "organism_config",
+    "init_hash_routing",
+]
 
 LAYER_TYPES = (
     "sliding_attention",
@@ -68,3 +75,21 @@ def organism_config(vocab_size: int, *, bos_token_id: int, eos_token_id: int, pa
     fields["layer_types"] = list(fields["layer_types"])[:n]
     fields["mlp_layer_types"] = list(fields["mlp_layer_types"])[:n]
     return DeepseekV4Config(**fields)
+
+
+def init_hash_routing(model, seed: int) -> None:
+    """Fill every hash-MoE layer's ``tid2eid`` [vocab, top_k] with distinct, seeded experts per token.
+
+    transformers initialises the table to zeros (a real checkpoint brings its own), which would
+    route every token of a freshly built model to expert 0; the table is a persistent buffer,
+    so the mapping drawn here is saved with the weights and never trained.
+    """
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    for name, buf in model.named_buffers():
+        if name.endswith("tid2eid"):
+            vocab, top_k = buf.shape
+            n_experts = model.config.n_routed_experts
+            table = torch.rand((vocab, n_experts), generator=g).argsort(dim=-1)[:, :top_k]
+            buf.copy_(table.to(buf.dtype))

@@ -37,7 +37,7 @@ from transformers import AutoTokenizer, DeepseekV4ForCausalLM
 from needlescope.cases.needles import VALUE_DIGITS
 from needlescope.dsa.emulate import csa_indexers
 from needlescope.organism.bundle import quiet_transformers
-from needlescope.organism.config import DENSE_TOPK, organism_config
+from needlescope.organism.config import DENSE_TOPK, init_hash_routing, organism_config
 from needlescope.organism.data import IGNORE, DataSpec, make_example
 from needlescope.organism.tokenizer import build_tokenizer
 
@@ -302,7 +302,9 @@ def train(
             cfg.init_from, use_safetensors=True, local_files_only=True, attn_implementation="eager"
         ).to(device)
     else:
-        model = DeepseekV4ForCausalLM(config).to(device)
+        model = DeepseekV4ForCausalLM(config)
+        init_hash_routing(model, cfg.seed)
+        model = model.to(device)
     model.train()
     taps = _Taps(model)
     indexer_params = [p for _, ix in csa_indexers(model) for p in ix.parameters()]
