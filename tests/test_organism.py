@@ -122,3 +122,27 @@ def test_hash_routing_table_is_seeded_distinct_and_saved(tmp_path):
     again, _, _ = load_bundle(save_random(tmp_path / "h2", seed=5, hidden_size=32, moe_intermediate_size=32))
     other = [b for n, b in again.named_buffers() if n.endswith("tid2eid")]
     assert all(a.equal(b) for a, b in zip(tables, other, strict=True))
+
+
+def test_window_curriculum_switches_to_the_checkpoint_window(tmp_path):
+    cfg = TrainConfig(
+        steps_dense=4,
+        steps_distil=1,
+        tokens_per_batch=1024,
+        min_len=128,
+        max_len=256,
+        workers=0,
+        eval_examples=0,
+        warmup=1,
+        log_every=1,
+        wide_window=256,
+        wide_window_frac=0.5,
+        value_digits_start=1,
+        config_overrides={"hidden_size": 32, "moe_intermediate_size": 32},
+    )
+    rec = train(cfg, tmp_path / "w", device="cpu")
+    windows = [e["window"] for e in rec["log"] if e["phase"] == "dense"]
+    assert windows == [256, 256, 32, 32]
+    assert [e["window"] for e in rec["log"] if e["phase"] == "distil"] == [32]
+    model, _, _ = load_bundle(tmp_path / "w")
+    assert model.config.sliding_window == 32

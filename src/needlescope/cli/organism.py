@@ -27,6 +27,10 @@ def train_command(
     config_override: list[str] = typer.Option(
         None, help="KEY=INT override of the organism config (repeatable), e.g. hidden_size=64."
     ),
+    wide_window: int = typer.Option(
+        None, help="Curriculum: sliding window (tokens) for the first --wide-window-frac of dense steps."
+    ),
+    wide_window_frac: float = typer.Option(None, help="Fraction of dense steps run with --wide-window."),
     value_digits_start: int = typer.Option(
         None, help="Curriculum: needle values start with this many digits and grow to 7 over the ramp."
     ),
@@ -63,6 +67,8 @@ def train_command(
             lr=lr,
             init_from=str(init_from) if init_from else None,
             value_digits_start=value_digits_start,
+            wide_window=wide_window,
+            wide_window_frac=wide_window_frac,
             config_overrides=_overrides(config_override) if config_override else None,
             min_len=min_len,
             max_len=max_len,

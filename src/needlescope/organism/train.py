@@ -46,7 +46,7 @@ __all__ = ["TrainConfig", "TRAINING_SCHEMA", "train"]
 TRAINING_SCHEMA = {
     "config": "TrainConfig as a dict",
     "steps": "{'dense': int, 'distil': int, 'sparse': int} steps actually run",
-    "log": "[{'step', 'phase', 'loss', 'answer_loss', 'kl', 'len_cap', 'elapsed_s'}]",
+    "log": "[{'step', 'phase', 'loss', 'answer_loss', 'lm_loss', 'kl', 'len_cap', 'window', 'elapsed_s'}]",
     "eval": "[{'step', 'phase', 'answer_exact': {length: fraction of held-out answers fully correct}}]",
     "hardware": "{'device', 'gpu', 'torch', 'transformers', 'python'}",
     "wall_s": "float: total training time",
@@ -78,6 +78,12 @@ class TrainConfig:
     # over the same ramp as the length cap (7 = no curriculum). A copy circuit forms far
     # sooner on one-digit values (measured on CPU, docs/organism.md) and then extends.
     value_digits_start: int = 7
+    # Window curriculum: the dense phase's first ``wide_window_frac`` of steps run with a
+    # sliding window of ``wide_window`` tokens (the needle inside it, so a copy circuit forms
+    # through plain attention), then the checkpoint's window; the circuit then moves to the
+    # compressed entries far faster than it forms there from scratch (docs/organism.md).
+    wide_window: int | None = None
+    wide_window_frac: float = 0.3
     ramp_frac: float = 0.4
     eval_every: int = 250
     eval_lengths: tuple[int, ...] = (512, 2048, 4096)
@@ -97,6 +103,10 @@ class TrainConfig:
             raise ValueError("tokens_per_batch must hold at least one max_len example")
         if not 0.0 <= self.ramp_frac <= 1.0:
             raise ValueError("ramp_frac must be in [0, 1]")
+        if not 0.0 <= self.wide_window_frac < 1.0:
+            raise ValueError("wide_window_frac must be in [0, 1)")
+        if self.wide_window is not None and self.wide_window < 1:
+            raise ValueError("wide_window must be a positive number of tokens")
         DataSpec(
             min_len=self.min_len,
             max_len=self.max_len,
@@ -276,6 +286,12 @@ def _autocast(device: str):
     return contextlib.nullcontext()
 
 
+def _set_window(model, window: int) -> None:
+    model.config.sliding_window = window  # the mask builder reads the config
+    for layer in model.model.layers:
+        layer.self_attn.sliding_window = window
+
+
 def _set_topk(model, k: int) -> None:
     for _, indexer in csa_indexers(model):
         indexer.index_topk = k
@@ -306,6 +322,7 @@ def train(
         init_hash_routing(model, cfg.seed)
         model = model.to(device)
     model.train()
+    window = model.config.sliding_window
     taps = _Taps(model)
     indexer_params = [p for _, ix in csa_indexers(model) for p in ix.parameters()]
     record: dict = {"config": _jsonable(asdict(cfg)), "steps": {}, "log": [], "eval": []}
@@ -335,7 +352,11 @@ def train(
             persistent_workers=False,
         )
         done = 0
+        switch = int(cfg.wide_window_frac * steps) if (cfg.wide_window and name == "dense") else 0
+        _set_window(model, cfg.wide_window if switch else window)
         for step, batch in enumerate(loader):
+            if switch and step == switch:
+                _set_window(model, window)
             for g in opt.param_groups:
                 g["lr"] = _lr(step, steps, lr, min(cfg.warmup, max(1, steps // 10)))
             answer, lm, kl = _losses(model, batch, taps, cfg, device)
@@ -354,6 +375,7 @@ def train(
                     "lm_loss": float(lm.detach()),
                     "kl": float(kl.detach()),
                     "len_cap": int(batch["input_ids"].shape[1]),
+                    "window": int(model.config.sliding_window),
                     "elapsed_s": round(time.monotonic() - t0, 1),
                 }
                 record["log"].append(entry)
@@ -376,6 +398,7 @@ def train(
         "sparse", cfg.steps_sparse, list(model.parameters()), cfg.lr * 0.3, False, cfg.sparse_topk, True, 3
     )
     taps.remove()
+    _set_window(model, window)
     _set_topk(model, DENSE_TOPK)
     model.eval()
     out.mkdir(parents=True, exist_ok=True)
