@@ -35,3 +35,24 @@ def scripted_server():
     for proc in procs:
         proc.kill()
         proc.wait(timeout=10)
+
+
+@pytest.fixture
+def run_cli(monkeypatch, capsys):
+    """``run_cli("indexer", "diff", ...)``: the real ``needlescope`` entry point in-process.
+
+    Returns (exit code, stdout, stderr); a BadInput exits 2 through ``main`` as on the shell.
+    """
+    from needlescope.cli import main as cli_main
+
+    def run(*argv: str) -> tuple[int, str, str]:
+        monkeypatch.setattr(sys, "argv", ["needlescope", *argv])
+        code = 0
+        try:
+            cli_main.main()
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else 1
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    return run

@@ -186,49 +186,12 @@ def sglang_server():
         srv.server_close()
 
 
-_BOOT = (
-    "import sys; from needlescope.cli import main as m, indexer_diff; from needlescope.cli.indexer import indexer_app\n"
-    "if not any(g.name == 'indexer' for g in m.app.registered_groups): m.app.add_typer(indexer_app, name='indexer')\n"
-    "sys.argv[0] = 'needlescope'; m.main()"
-)
-
-
-def _main_registers_indexer() -> bool:
-    from needlescope.cli import main as cli_main
-
-    return any(g.name == "indexer" for g in cli_main.app.registered_groups)
-
-
-# Read at import (collection), before any in-process test adds the group to this process's app.
-_MAIN_REGISTERS = _main_registers_indexer()
-
-
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    """The real entry point in a subprocess (``-m needlescope.cli.main`` once main registers the group)."""
-    registered = _MAIN_REGISTERS
-    head = ["-m", "needlescope.cli.main"] if registered else ["-c", _BOOT]
-    env_cmd = [sys.executable, *head, "indexer", "capture", *args]
+    """The real entry point in a subprocess."""
+    env_cmd = [sys.executable, "-m", "needlescope.cli.main", "indexer", "capture", *args]
     return subprocess.run(
         env_cmd, capture_output=True, text=True, timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"}
     )
-
-
-def _main(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
-    """The real entry point in-process: (exit code, stdout, stderr) of ``needlescope indexer capture ...``."""
-    from needlescope.cli import indexer_diff  # noqa: F401  (registers the commands)
-    from needlescope.cli import main as cli_main
-    from needlescope.cli.indexer import indexer_app
-
-    if not any(g.name == "indexer" for g in cli_main.app.registered_groups):
-        cli_main.app.add_typer(indexer_app, name="indexer")
-    monkeypatch.setattr(sys, "argv", ["needlescope", "indexer", "capture", *args])
-    code = 0
-    try:
-        cli_main.main()
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def _needle_entries() -> tuple[list[int], int]:
@@ -263,14 +226,13 @@ def test_cli_capture_against_recorded_server(sglang_server, tmp_path):
     assert "Live indexer capture" in (out / "capture.md").read_text()
 
 
-def test_cli_capture_flags_shape_without_server_info(sglang_server, tmp_path, monkeypatch, capsys):
+def test_cli_capture_flags_shape_without_server_info(sglang_server, tmp_path, run_cli):
     entries, _ = _needle_entries()
     url = sglang_server(_Recorded(index_topk=6, needle_entries=entries, selecting_layer=0, info=None))
     prompt = tmp_path / "p.txt"
     prompt.write_text(_prompt_text())
     out = tmp_path / "cap"
-    code, _, err = _main(
-        monkeypatch, capsys, "--sglang", url, "--prompt", str(prompt), "--needle", NEEDLE,
+    code, _, err = run_cli("indexer", "capture", "--sglang", url, "--prompt", str(prompt), "--needle", NEEDLE,
         "--num-layers", str(len(CSA_LAYERS)), "--layer-ids", "10,20", "--out", str(out),
     )  # fmt: skip
     assert code == 0, err
@@ -279,7 +241,7 @@ def test_cli_capture_flags_shape_without_server_info(sglang_server, tmp_path, mo
     assert obj["layers"][0]["selected_at_first_answer"] is True
 
 
-def test_cli_capture_errors_are_one_line(sglang_server, tmp_path, monkeypatch, capsys):
+def test_cli_capture_errors_are_one_line(sglang_server, tmp_path, run_cli):
     entries, _ = _needle_entries()
     prompt = tmp_path / "p.txt"
     prompt.write_text(_prompt_text())
@@ -299,15 +261,15 @@ def test_cli_capture_errors_are_one_line(sglang_server, tmp_path, monkeypatch, c
         (("ftp://x", NEEDLE), "not an http(s) URL"),
     ]
     for (url, needle, *extra), fragment in cases:
-        code, _, err = _main(
-            monkeypatch, capsys, "--sglang", url, "--prompt", str(prompt), "--needle", needle, *extra
+        code, _, err = run_cli(
+            "indexer", "capture", "--sglang", url, "--prompt", str(prompt), "--needle", needle, *extra
         )
         assert code == 2, (fragment, err)
         assert fragment in err
         assert len(err.strip().splitlines()) == 1, err
-    code, _, err = _main(
-        monkeypatch,
-        capsys,
+    code, _, err = run_cli(
+        "indexer",
+        "capture",
         "--sglang",
         no_topk,
         "--prompt",

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 import textwrap
 
 import pytest
@@ -213,30 +212,11 @@ def test_swappable_fraction_counts_near_ties_only():
 # ------------------------------------------------------------------------------------ CLI
 
 
-def _main(monkeypatch, capsys, *argv: str) -> tuple[int, str, str]:
-    """Run the real ``needlescope`` entry point in-process; (exit code, stdout, stderr)."""
-    from needlescope.cli import indexer_diff  # noqa: F401  (registers the commands)
-    from needlescope.cli import main as cli_main
-    from needlescope.cli.indexer import indexer_app
-
-    if not any(g.name == "indexer" for g in cli_main.app.registered_groups):
-        cli_main.app.add_typer(indexer_app, name="indexer")
-    monkeypatch.setattr(sys, "argv", ["needlescope", *argv])
-    code = 0
-    try:
-        cli_main.main()
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def test_cli_diff_writes_json_and_md(tiny, tmp_path, monkeypatch, capsys):
+def test_cli_diff_writes_json_and_md(tiny, tmp_path, run_cli):
     prompt = tmp_path / "prompt.txt"
     prompt.write_text(_prompt_text())
     out = tmp_path / "out"
-    code, stdout, err = _main(
-        monkeypatch, capsys, "indexer", "diff", "--model", str(tiny), "--prompt", str(prompt),
+    code, stdout, err = run_cli("indexer", "diff", "--model", str(tiny), "--prompt", str(prompt),
         "--needle", NEEDLE, "--index-k", "fp8_e4m3", "--index-q", "bf16", "--out", str(out),
     )  # fmt: skip
     assert code == 0, err
@@ -258,11 +238,10 @@ def test_cli_diff_writes_json_and_md(tiny, tmp_path, monkeypatch, capsys):
         (["--score-dtype", "fp64"], NEEDLE, "unknown score dtype"),
     ],
 )
-def test_cli_diff_bad_input_exits_2(tiny, tmp_path, monkeypatch, capsys, extra, needle, fragment):
+def test_cli_diff_bad_input_exits_2(tiny, tmp_path, run_cli, extra, needle, fragment):
     prompt = tmp_path / "prompt.txt"
     prompt.write_text(_prompt_text())
-    code, _, err = _main(
-        monkeypatch, capsys, "indexer", "diff", "--model", str(tiny), "--prompt", str(prompt),
+    code, _, err = run_cli("indexer", "diff", "--model", str(tiny), "--prompt", str(prompt),
         "--needle", needle, "--out", str(tmp_path / "o"), *extra,
     )  # fmt: skip
     assert code == 2
@@ -270,26 +249,24 @@ def test_cli_diff_bad_input_exits_2(tiny, tmp_path, monkeypatch, capsys, extra, 
     assert len(err.strip().splitlines()) == 1
 
 
-def test_cli_diff_patch_without_apply_exits_2(tiny, tmp_path, monkeypatch, capsys):
+def test_cli_diff_patch_without_apply_exits_2(tiny, tmp_path, run_cli):
     prompt = tmp_path / "prompt.txt"
     prompt.write_text(_prompt_text())
     patch = _patch(tmp_path, "def setup(model):\n    pass\n")
-    code, _, err = _main(
-        monkeypatch, capsys, "indexer", "diff", "--model", str(tiny), "--prompt", str(prompt),
+    code, _, err = run_cli("indexer", "diff", "--model", str(tiny), "--prompt", str(prompt),
         "--needle", NEEDLE, "--patch", str(patch), "--out", str(tmp_path / "o"),
     )  # fmt: skip
     assert code == 2 and "apply(model)" in err and len(err.strip().splitlines()) == 1
 
 
-def test_cli_diff_non_deepseek_dir_exits_2(tmp_path, monkeypatch, capsys):
+def test_cli_diff_non_deepseek_dir_exits_2(tmp_path, run_cli):
     model = tmp_path / "llama"
     model.mkdir()
     (model / "config.json").write_text(json.dumps({"model_type": "llama"}))
     (model / "model.safetensors").write_bytes(b"")
     prompt = tmp_path / "prompt.txt"
     prompt.write_text(_prompt_text())
-    code, _, err = _main(
-        monkeypatch, capsys, "indexer", "diff", "--model", str(model), "--prompt", str(prompt),
+    code, _, err = run_cli("indexer", "diff", "--model", str(model), "--prompt", str(prompt),
         "--needle", NEEDLE, "--index-k", "bf16", "--out", str(tmp_path / "o"),
     )  # fmt: skip
     assert code == 2 and "DeepSeek-V4" in err and len(err.strip().splitlines()) == 1

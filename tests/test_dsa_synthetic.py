@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 
@@ -119,27 +118,9 @@ def test_parse_precisions():
         parse_precisions("fp32:fp32:fp8")
 
 
-def _main(monkeypatch, capsys, *argv: str) -> tuple[int, str, str]:
-    from needlescope.cli import indexer_diff  # noqa: F401  (registers the commands)
-    from needlescope.cli import main as cli_main
-    from needlescope.cli.indexer import indexer_app
-
-    if not any(g.name == "indexer" for g in cli_main.app.registered_groups):
-        cli_main.app.add_typer(indexer_app, name="indexer")
-    monkeypatch.setattr(sys, "argv", ["needlescope", *argv])
-    code = 0
-    try:
-        cli_main.main()
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def test_cli_synthetic(tmp_path, monkeypatch, capsys):
+def test_cli_synthetic(tmp_path, run_cli):
     out = tmp_path / "syn"
-    code, stdout, err = _main(
-        monkeypatch, capsys, "indexer", "synthetic", "--entries", "512", "--heads", "4", "--topk", "32",
+    code, stdout, err = run_cli("indexer", "synthetic", "--entries", "512", "--heads", "4", "--topk", "32",
         "--margins", "0,0.01", "--margin-ref", "kth", "--trials", "2", "--precisions", "fp32,fp8_e4m3",
         "--out", str(out),
     )  # fmt: skip
@@ -147,7 +128,5 @@ def test_cli_synthetic(tmp_path, monkeypatch, capsys):
     obj = json.loads((out / "synthetic.json").read_text())
     assert obj["config"]["entries"] == [512] and len(obj["results"]) == 4
     assert (out / "synthetic.md").read_text().startswith("# Synthetic")
-    code, _, err = _main(
-        monkeypatch, capsys, "indexer", "synthetic", "--precisions", "fp5", "--out", str(out)
-    )
+    code, _, err = run_cli("indexer", "synthetic", "--precisions", "fp5", "--out", str(out))
     assert code == 2 and "unknown quantizer" in err and len(err.strip().splitlines()) == 1
