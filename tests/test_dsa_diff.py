@@ -21,8 +21,8 @@ from needlescope.dsa.diff import (  # noqa: E402
 )
 from needlescope.dsa.emulate import Numerics, csa_indexers  # noqa: E402
 from needlescope.dsa.prompt import needle_token_span, render_prompt  # noqa: E402
-from needlescope.dsa.rankdump import check_schema  # noqa: E402
 from needlescope.organism.bundle import load_bundle, save_random  # noqa: E402
+from needlescope.schema import check_schema  # noqa: E402
 
 NEEDLE = "The secret code is 4815927."
 

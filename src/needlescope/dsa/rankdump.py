@@ -56,6 +56,7 @@ from needlescope.cases.scoring import score_answer
 from needlescope.dsa.emulate import REFERENCE, IndexerCapture, Numerics, csa_indexers, emulate
 from needlescope.dsa.prompt import covering_entries, needle_token_span, render_prompt
 from needlescope.errors import BadInput
+from needlescope.schema import check_schema
 
 __all__ = [
     "DEFAULT_MAX_NEW_TOKENS",
@@ -67,7 +68,6 @@ __all__ = [
     "rank_dump",
     "combine_dumps",
     "dumps_of",
-    "check_schema",
     "validate_rankdump",
     "render_rankdump_md",
     "plot_rank_vs_layer",
@@ -146,44 +146,6 @@ RANKDUMP_SCHEMA: dict = {
     "properties": {**_DUMP_SCHEMA["properties"], "prompts": {"type": "array", "items": _DUMP_SCHEMA}},
 }
 """JSON-Schema-style description of ``rankdump.json`` (checked by ``validate_rankdump``)."""
-
-_TYPES = {
-    "object": dict,
-    "array": list,
-    "string": str,
-    "integer": int,
-    "number": (int, float),
-    "boolean": bool,
-    "null": type(None),
-}
-
-
-def check_schema(obj: object, schema: dict, path: str) -> None:
-    """Minimal JSON-Schema check (type, required, properties, items); ValueError naming the path.
-
-    Like ``report.probe``'s checker plus ``boolean`` (a Python bool is never an integer/number here).
-    """
-    types = schema.get("type")
-    if types is not None:
-        names = [types] if isinstance(types, str) else types
-        ok = any(
-            isinstance(obj, bool)
-            if t == "boolean"
-            else (not isinstance(obj, bool) and isinstance(obj, _TYPES[t]))
-            for t in names
-        )
-        if not ok:
-            raise ValueError(f"{path}: expected {names}, got {type(obj).__name__}")
-    if isinstance(obj, dict):
-        for key in schema.get("required", []):
-            if key not in obj:
-                raise ValueError(f"{path}: missing key {key!r}")
-        for key, sub in schema.get("properties", {}).items():
-            if key in obj:
-                check_schema(obj[key], sub, f"{path}.{key}")
-    if isinstance(obj, list) and "items" in schema:
-        for i, item in enumerate(obj):
-            check_schema(item, schema["items"], f"{path}[{i}]")
 
 
 @dataclass(frozen=True)

@@ -34,8 +34,8 @@ import torch
 
 from needlescope.dsa.emulate import REFERENCE, IndexerCapture, Numerics, csa_indexers, emulate
 from needlescope.dsa.prompt import covering_entries, needle_token_span, render_prompt
-from needlescope.dsa.rankdump import check_schema
 from needlescope.errors import BadInput
+from needlescope.schema import check_schema
 
 __all__ = [
     "STABILITY_SCHEMA",

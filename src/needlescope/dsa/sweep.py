@@ -62,8 +62,9 @@ from needlescope.cases.assemble import CaseSpec, build_cases
 from needlescope.dsa.emulate import SCORE_DTYPES, Numerics
 from needlescope.dsa.prompt import render_prompt
 from needlescope.dsa.quant import get_quantizer
-from needlescope.dsa.rankdump import DEFAULT_MAX_NEW_TOKENS, check_schema, rank_dump
+from needlescope.dsa.rankdump import DEFAULT_MAX_NEW_TOKENS, rank_dump
 from needlescope.errors import BadInput
+from needlescope.schema import check_schema
 
 __all__ = [
     "PRECISION_BITS",

@@ -54,7 +54,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from needlescope.analysis.stats import wilson_interval
-from needlescope.dsa.emulate import SCORE_DTYPES
+from needlescope.dsa.emulate import SCORE_DTYPES, Numerics
 from needlescope.dsa.quant import get_quantizer, hadamard_128
 from needlescope.dsa.reference import lightning_scores
 from needlescope.errors import BadInput
@@ -97,28 +97,8 @@ SYNTHETIC_SCHEMA: dict = {
 }
 
 
-@dataclass(frozen=True)
-class Precision:
-    """One numerics triple; names validated against the quantizer and score-dtype registries."""
-
-    index_k: str = "fp32"
-    index_q: str = "fp32"
-    score_dtype: str = "fp32"
-
-    def __post_init__(self) -> None:
-        get_quantizer(self.index_k)
-        get_quantizer(self.index_q)
-        if self.score_dtype not in SCORE_DTYPES:
-            raise BadInput(
-                f"unknown score dtype {self.score_dtype!r}; allowed values: {', '.join(SCORE_DTYPES)}"
-            )
-
-    @property
-    def rotates(self) -> bool:
-        return "fp4_e2m1" in (self.index_k, self.index_q)
-
-    def label(self) -> str:
-        return f"k={self.index_k} q={self.index_q} acc={self.score_dtype}"
+# A precision is an indexer ``Numerics`` whose ``index_topk`` synthetic mode sets itself.
+Precision = Numerics
 
 
 def parse_precisions(text: str) -> tuple[Precision, ...]:
@@ -193,7 +173,10 @@ class SyntheticConfig:
     def to_dict(self) -> dict:
         d = asdict(self)
         d["entries"], d["margins"] = list(self.entries), list(self.margins)
-        d["precisions"] = [asdict(p) for p in self.precisions]
+        d["precisions"] = [
+            {"index_k": p.index_k, "index_q": p.index_q, "score_dtype": p.score_dtype}
+            for p in self.precisions
+        ]
         return d
 
 

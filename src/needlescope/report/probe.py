@@ -7,6 +7,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from ..analysis.curve import Cell, cliff, effective_length, pooled_recall
+from ..schema import check_schema
 
 __all__ = ["SUMMARY_SCHEMA", "validate_summary", "write_probe_outputs"]
 
@@ -52,38 +53,10 @@ SUMMARY_SCHEMA: dict = {
     },
 }
 
-_TYPES = {
-    "object": dict,
-    "array": list,
-    "string": str,
-    "integer": int,
-    "number": (int, float),
-    "null": type(None),
-}
-
-
-def _check(obj: object, schema: dict, path: str) -> None:
-    types = schema.get("type")
-    if types is not None:
-        names = [types] if isinstance(types, str) else types
-        # bool is an int subclass in Python but not a JSON number.
-        if isinstance(obj, bool) or not any(isinstance(obj, _TYPES[t]) for t in names):
-            raise ValueError(f"{path}: expected {names}, got {type(obj).__name__}")
-    if isinstance(obj, dict):
-        for key in schema.get("required", []):
-            if key not in obj:
-                raise ValueError(f"{path}: missing key {key!r}")
-        for key, sub in schema.get("properties", {}).items():
-            if key in obj:
-                _check(obj[key], sub, f"{path}.{key}")
-    if isinstance(obj, list) and "items" in schema:
-        for i, item in enumerate(obj):
-            _check(item, schema["items"], f"{path}[{i}]")
-
 
 def validate_summary(obj: dict) -> None:
     """Raise ValueError if ``obj`` does not follow SUMMARY_SCHEMA (a minimal JSON Schema checker)."""
-    _check(obj, SUMMARY_SCHEMA, "summary")
+    check_schema(obj, SUMMARY_SCHEMA, "summary")
 
 
 def _heatmap(path: Path, cells: list[Cell]) -> None:
