@@ -482,85 +482,68 @@ class _Busy(Exception):
     """The queue is full (HTTP 503 with Retry-After)."""
 
 
-async def _chat_stream(
-    events: AsyncIterator, rid: str, created: int, model: str, include_usage: bool, logprobs: bool
+async def _stream(
+    events: AsyncIterator,
+    head: dict,
+    include_usage: bool,
+    choice: Callable[[str, str | None, dict | None], dict],
+    logprobs_of: Callable[[list, int], dict] | None,
+    first: dict | None = None,
 ) -> AsyncIterator[str]:
-    def chunk(delta: dict, finish: str | None = None, lp: dict | None = None) -> dict:
-        out = {
-            "id": rid,
-            "object": "chat.completion.chunk",
-            "created": created,
-            "model": model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}],
-        }
+    """SSE chunks of one streamed completion: ``head`` (id, object, created, model) on each,
+    ``choice(text, finish_reason, logprobs)`` building the choice, a usage chunk last if asked."""
+
+    def chunk(choices: list, **extra) -> dict:
+        out = {**head, "choices": choices, **extra}
         if include_usage:
-            out["usage"] = None
+            out.setdefault("usage", None)
         return out
 
-    yield _sse(chunk({"role": "assistant", "content": ""}))
-    async for ev in events:
-        if isinstance(ev, ApiError):
-            yield _sse(ev.body())
-            break
-        if isinstance(ev, Delta):
-            if ev.text or (logprobs and ev.tokens):
-                yield _sse(chunk({"content": ev.text}, lp=_chat_logprobs(ev.tokens) if logprobs else None))
-            continue
-        yield _sse(chunk({}, ev.finish_reason))
-        if include_usage:
-            yield _sse(
-                {
-                    "id": rid,
-                    "object": "chat.completion.chunk",
-                    "created": created,
-                    "model": model,
-                    "choices": [],
-                    "usage": _usage(ev),
-                }
-            )
-    yield _sse("[DONE]")
-
-
-async def _completion_stream(
-    events: AsyncIterator, rid: str, created: int, model: str, include_usage: bool, logprobs: bool
-) -> AsyncIterator[str]:
+    if first is not None:
+        yield _sse(chunk([first]))
     offset = 0
-
-    def chunk(text: str, finish: str | None = None, lp: dict | None = None) -> dict:
-        out = {
-            "id": rid,
-            "object": "text_completion",
-            "created": created,
-            "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}],
-        }
-        if include_usage:
-            out["usage"] = None
-        return out
-
     async for ev in events:
         if isinstance(ev, ApiError):
             yield _sse(ev.body())
             break
         if isinstance(ev, Delta):
-            if ev.text or (logprobs and ev.tokens):
-                lp = _completion_logprobs(ev.tokens, offset) if logprobs else None
-                yield _sse(chunk(ev.text, lp=lp))
+            if ev.text or (logprobs_of and ev.tokens):
+                lp = logprobs_of(ev.tokens, offset) if logprobs_of else None
+                yield _sse(chunk([choice(ev.text, None, lp)]))
                 offset += len(ev.text)
             continue
-        yield _sse(chunk("", ev.finish_reason))
+        yield _sse(chunk([choice("", ev.finish_reason, None)]))
         if include_usage:
-            yield _sse(
-                {
-                    "id": rid,
-                    "object": "text_completion",
-                    "created": created,
-                    "model": model,
-                    "choices": [],
-                    "usage": _usage(ev),
-                }
-            )
+            yield _sse(chunk([], usage=_usage(ev)))
     yield _sse("[DONE]")
+
+
+def _chat_stream(events, rid: str, created: int, model: str, include_usage: bool, logprobs: bool):
+    def choice(text: str, finish: str | None, lp: dict | None) -> dict:
+        return {
+            "index": 0,
+            "delta": {} if finish else {"content": text},
+            "logprobs": lp,
+            "finish_reason": finish,
+        }
+
+    head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
+    first = {
+        "index": 0,
+        "delta": {"role": "assistant", "content": ""},
+        "logprobs": None,
+        "finish_reason": None,
+    }
+    lp_of = (lambda tokens, _offset: _chat_logprobs(tokens)) if logprobs else None
+    return _stream(events, head, include_usage, choice, lp_of, first)
+
+
+def _completion_stream(events, rid: str, created: int, model: str, include_usage: bool, logprobs: bool):
+    def choice(text: str, finish: str | None, lp: dict | None) -> dict:
+        return {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}
+
+    head = {"id": rid, "object": "text_completion", "created": created, "model": model}
+    return _stream(events, head, include_usage, choice, _completion_logprobs if logprobs else None)
 
 
 class _Server(uvicorn.Server):
