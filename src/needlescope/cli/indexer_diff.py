@@ -15,32 +15,11 @@ from rich.console import Console
 
 from needlescope.cli.indexer import indexer_app
 from needlescope.errors import BadInput, ProbeError
+from needlescope.run.config import parse_float_list, parse_int_list
 
 console = Console()
 
 _PATCH_HELP = "Python file defining apply(model) (may return an undo callable), applied to the candidate."
-
-
-def _parse_ints(text: str | None, flag: str) -> list[int] | None:
-    if text is None:
-        return None
-    try:
-        vals = [int(s) for s in text.split(",") if s.strip()]
-    except ValueError:
-        raise BadInput(f"{flag} must be comma-separated integers, got {text!r}") from None
-    if not vals:
-        raise BadInput(f"{flag} is empty")
-    return vals
-
-
-def _parse_floats(text: str, flag: str) -> list[float]:
-    try:
-        vals = [float(s) for s in text.split(",") if s.strip()]
-    except ValueError:
-        raise BadInput(f"{flag} must be comma-separated numbers, got {text!r}") from None
-    if not vals:
-        raise BadInput(f"{flag} is empty")
-    return vals
 
 
 def _write(out: Path, name: str, text: str) -> Path:
@@ -208,7 +187,7 @@ def capture_command(
         n = num_layers if num_layers is not None else find_key(info, "num_indexer_layers")
         topk = decode_capture(gen.indexer_topk, rows, num_layers=n, index_topk=k)
         n, k = int(topk.shape[1]), int(topk.shape[2])
-        ids = _parse_ints(layer_ids, "--layer-ids")
+        ids = list(parse_int_list(layer_ids, "--layer-ids")) if layer_ids is not None else None
         if ids is None:
             ids = cfg_layer_ids if cfg_layer_ids is not None and len(cfg_layer_ids) == n else list(range(n))
         if len(ids) != n:
@@ -272,12 +251,12 @@ def synthetic_command(
     )
 
     cfg = SyntheticConfig(
-        entries=tuple(_parse_ints(entries, "--entries") or ()),
+        entries=parse_int_list(entries, "--entries"),
         heads=heads,
         dim=dim,
         queries=queries,
         topk=topk,
-        margins=tuple(_parse_floats(margins, "--margins")),
+        margins=parse_float_list(margins, "--margins"),
         margin_unit=margin_unit,
         margin_ref=margin_ref,
         trials=trials,

@@ -48,6 +48,7 @@ def train_command(
 
     from needlescope.errors import BadInput
     from needlescope.organism.train import TrainConfig, train
+    from needlescope.run.config import parse_float_list
 
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise BadInput(
@@ -73,7 +74,7 @@ def train_command(
             min_len=min_len,
             max_len=max_len,
             ramp_frac=ramp_frac,
-            kind_weights=_weights(kind_weights) if kind_weights else None,
+            kind_weights=parse_float_list(kind_weights, "--kind-weights") if kind_weights else None,
         ).items()
         if v is not None
     }
@@ -87,15 +88,6 @@ def train_command(
 
     record = train(cfg, out, device=device, on_log=show)
     console.print(f"steps {record['steps']}, {record['wall_s']} s -> {out}")
-
-
-def _weights(text: str) -> tuple[float, ...]:
-    from needlescope.errors import BadInput
-
-    try:
-        return tuple(float(x) for x in text.split(","))
-    except ValueError:
-        raise BadInput(f"--kind-weights must be comma-separated numbers, got {text!r}") from None
 
 
 def _overrides(items: list[str]) -> dict[str, int]:

@@ -182,6 +182,7 @@ class _Taps:
     def kl(self, real: torch.Tensor, ratio: int = 4) -> torch.Tensor:
         """Mass-weighted KL(attention || softmax(indexer)) averaged over CSA layers."""
         total = real.new_zeros((), dtype=torch.float32)
+        n_layers = max(1, len(self.attn))
         for layer, mass in self.attn.items():
             scores = self.scores[layer]
             B, S, L = scores.shape
@@ -195,7 +196,7 @@ class _Taps:
             total = total + (term * weight).sum() / weight.sum().clamp_min(1e-9)
         self.attn.clear()
         self.scores.clear()
-        return total / max(1, len(self.handles) // 3)
+        return total / n_layers
 
     def remove(self) -> None:
         for h in self.handles:
