@@ -17,12 +17,11 @@ from needlescope.dsa.rankdump import validate_rankdump  # noqa: E402
 from needlescope.dsa.stability import validate_stability  # noqa: E402
 from needlescope.dsa.sweep import validate_sweep  # noqa: E402
 from needlescope.organism.bundle import save_random  # noqa: E402
+from needlescope.organism.config import TINY_OVERRIDES  # noqa: E402
 
 CLI = [sys.executable, "-m", "needlescope.cli.main", "indexer"]
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
-TINY = dict(
-    hidden_size=64, q_lora_rank=32, moe_intermediate_size=64, head_dim=32, o_lora_rank=32, num_hidden_layers=4
-)
+TINY = TINY_OVERRIDES
 NEEDLE = "The secret code of the red heron is 2617297."
 
 

@@ -27,10 +27,9 @@ from needlescope.dsa.rankdump import (  # noqa: E402
 from needlescope.dsa.reference import topk_indices  # noqa: E402
 from needlescope.errors import BadInput  # noqa: E402
 from needlescope.organism.bundle import load_bundle, save_random  # noqa: E402
+from needlescope.organism.config import TINY_OVERRIDES  # noqa: E402
 
-TINY = dict(
-    hidden_size=64, q_lora_rank=32, moe_intermediate_size=64, head_dim=32, o_lora_rank=32, num_hidden_layers=4
-)
+TINY = TINY_OVERRIDES
 
 
 # ---------------------------------------------------------------- pure math on hand-made rows

@@ -19,10 +19,9 @@ from needlescope.dsa.stability import (  # noqa: E402
     validate_stability,
 )
 from needlescope.organism.bundle import load_bundle, save_random  # noqa: E402
+from needlescope.organism.config import TINY_OVERRIDES  # noqa: E402
 
-TINY = dict(
-    hidden_size=64, q_lora_rank=32, moe_intermediate_size=64, head_dim=32, o_lora_rank=32, num_hidden_layers=4
-)
+TINY = TINY_OVERRIDES
 
 REF = torch.tensor([[0, 1, 2], [3, -1, -1], [-1, -1, -1], [2, 0, 1]])
 CAND = torch.tensor([[0, 1, 5], [4, -1, -1], [-1, -1, -1], [0, 1, 2]])

@@ -18,10 +18,9 @@ from needlescope.dsa.sweep import (  # noqa: E402
 )
 from needlescope.errors import BadInput  # noqa: E402
 from needlescope.organism.bundle import load_bundle, save_random  # noqa: E402
+from needlescope.organism.config import TINY_OVERRIDES  # noqa: E402
 
-TINY = dict(
-    hidden_size=64, q_lora_rank=32, moe_intermediate_size=64, head_dim=32, o_lora_rank=32, num_hidden_layers=4
-)
+TINY = TINY_OVERRIDES
 
 
 def test_cost_order_topk_first_then_bits():

@@ -19,6 +19,7 @@ __all__ = [
     "MAX_POSITIONS",
     "organism_config",
     "init_hash_routing",
+    "TINY_OVERRIDES",
 ]
 
 LAYER_TYPES = (
@@ -31,6 +32,11 @@ LAYER_TYPES = (
 MLP_LAYER_TYPES = ("hash_moe", "moe", "moe", "moe", "moe")
 SLIDING_WINDOW = 32
 MAX_POSITIONS = 8192
+# The smallest organism-shaped model (every layer type, MoE and hyper-connections kept): for
+# tests and smoke runs, as ``organism_config(..., **TINY_OVERRIDES)``.
+TINY_OVERRIDES = dict(
+    hidden_size=64, q_lora_rank=32, moe_intermediate_size=64, head_dim=32, o_lora_rank=32, num_hidden_layers=4
+)
 # Dense training: index_topk covers every entry of the longest training context (4096 / 4).
 DENSE_TOPK = 1024
 
