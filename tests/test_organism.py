@@ -11,9 +11,10 @@ pytest.importorskip("torch")
 from needlescope.cases.assemble import KINDS, CaseSpec, build_cases  # noqa: E402
 from needlescope.errors import BadInput  # noqa: E402
 from needlescope.organism.bundle import load_bundle, require_deepseek_v4, resolve_model_dir, save_random  # noqa: E402
+from needlescope.organism.config import DENSE_TOPK  # noqa: E402
 from needlescope.organism.data import IGNORE, TRAIN_KINDS, DataSpec, encode_chat, make_example  # noqa: E402
 from needlescope.organism.tokenizer import build_tokenizer  # noqa: E402
-from needlescope.organism.train import TrainConfig, train  # noqa: E402
+from needlescope.organism.train import TrainConfig, _caps, _digits, train  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +95,7 @@ def test_recipe_runs_every_phase_and_writes_a_loadable_checkpoint(tmp_path):
     assert saved["steps"] == rec["steps"] and saved["log"]
     model, tokenizer, path = load_bundle(tmp_path / "ckpt")
     require_deepseek_v4(path)
-    assert model.config.index_topk == 1024 and tokenizer.chat_template
+    assert model.config.index_topk == DENSE_TOPK and tokenizer.chat_template
 
 
 def test_bundle_rejects_bad_directories(tmp_path):
@@ -146,3 +147,25 @@ def test_window_curriculum_switches_to_the_checkpoint_window(tmp_path):
     assert [e["window"] for e in rec["log"] if e["phase"] == "distil"] == [32]
     model, _, _ = load_bundle(tmp_path / "w")
     assert model.config.sliding_window == 32
+
+
+def test_wide_window_phase_holds_short_examples_then_ramps_lengths_and_digits():
+    cfg = TrainConfig(
+        min_len=128,
+        max_len=4096,
+        wide_window=256,
+        wide_window_frac=0.25,
+        ramp_frac=0.5,
+        value_digits=3,
+        value_digits_start=1,
+    )
+    hold = cfg.wide_steps("dense", 100)
+    assert hold == 25 and cfg.wide_steps("distil", 100) == 0
+    caps = _caps(cfg, 100, True, hold)
+    assert caps[:hold] == [256] * hold
+    assert caps[hold] == 128 and caps[-1] == 4096
+    assert all(a <= b for a, b in zip(caps[hold:], caps[hold + 1 :]))
+    digits = _digits(cfg, 100, True, hold)
+    assert set(digits[: hold + 1]) == {1} and digits[-1] == 3
+    with pytest.raises(ValueError):
+        TrainConfig(value_digits=2, value_digits_start=3)

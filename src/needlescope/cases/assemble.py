@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass
 
 from ..errors import BadInput
 from .haystack import FillerStream, render_words, sentence_boundaries
-from .needles import NeedleSet, make_needles
+from .needles import VALUE_DIGITS, NeedleSet, make_needles
 
 __all__ = ["KINDS", "CaseSpec", "Case", "build_cases", "order_for_prefix_cache"]
 
@@ -36,6 +36,7 @@ class CaseSpec:
     n_distractors: int = 4
     n_values: int = 3
     max_answer_tokens: int = 32
+    value_digits: int = VALUE_DIGITS
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -58,6 +59,13 @@ class CaseSpec:
             raise BadInput(f"n_distractors must be in 0..19, got {self.n_distractors}")
         if self.n_values < 1:
             raise BadInput(f"n_values must be >= 1, got {self.n_values}")
+        if not 1 <= self.value_digits <= 12:
+            raise BadInput(f"value_digits must be in 1..12, got {self.value_digits}")
+        needed = max(self.n_distractors, self.n_values) + 1
+        if needed > 9 * 10 ** (self.value_digits - 1):
+            raise BadInput(
+                f"{self.value_digits}-digit values cannot give {needed} distinct values; use more digits"
+            )
         if self.max_answer_tokens < 1:
             raise BadInput(f"max_answer_tokens must be >= 1, got {self.max_answer_tokens}")
         if self.haystack_text is not None and not self.haystack_text.split():
@@ -101,6 +109,7 @@ class _Group:
             random.Random(base + "|needle"),
             n_distractors=spec.n_distractors,
             n_values=spec.n_values,
+            value_digits=spec.value_digits,
         )
         pos_rng = random.Random(base + "|positions")
         self.distractor_fracs = [pos_rng.random() for _ in self.needles.distractors]

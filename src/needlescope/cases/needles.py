@@ -1,7 +1,8 @@
 """Needle facts, distractors and questions.
 
 A key reads like "the secret code of the blue falcon"; values are digit strings so they cannot occur in
-the (digit-free) filler and scoring can match them exactly.
+the (digit-free) filler and scoring can match them exactly. Values have ``VALUE_DIGITS`` digits unless
+a caller asks for another length (the organism is probed with short values: docs/organism.md).
 """
 
 from __future__ import annotations
@@ -36,11 +37,13 @@ class NeedleSet:
     expected: tuple[str, ...]
 
 
-def _values(rng: random.Random, n: int, taken: set[str]) -> list[str]:
+def _values(rng: random.Random, n: int, taken: set[str], digits: int) -> list[str]:
+    if n + len(taken) > 9 * 10 ** (digits - 1):
+        raise ValueError(f"cannot draw {n + len(taken)} distinct {digits}-digit values")
     out: list[str] = []
     while len(out) < n:
         # Leading digit non-zero so the value's length is unambiguous when a model echoes it.
-        v = str(rng.randint(10 ** (VALUE_DIGITS - 1), 10**VALUE_DIGITS - 1))
+        v = str(rng.randint(10 ** (digits - 1), 10**digits - 1))
         if v not in taken:
             taken.add(v)
             out.append(v)
@@ -53,7 +56,14 @@ def _join(values: list[str]) -> str:
     return ", ".join(values[:-1]) + " and " + values[-1]
 
 
-def make_needles(kind: str, rng: random.Random, *, n_distractors: int = 4, n_values: int = 3) -> NeedleSet:
+def make_needles(
+    kind: str,
+    rng: random.Random,
+    *,
+    n_distractors: int = 4,
+    n_values: int = 3,
+    value_digits: int = VALUE_DIGITS,
+) -> NeedleSet:
     """Draw a needle for ``kind`` from ``rng``.
 
     multikey distractors share the key's noun with a different adjective, the hardest kind of
@@ -67,17 +77,17 @@ def make_needles(kind: str, rng: random.Random, *, n_distractors: int = 4, n_val
     taken: set[str] = set()
     distractors: list[Fact] = []
     if kind == "multivalue":
-        values = _values(rng, n_values, taken)
+        values = _values(rng, n_values, taken, value_digits)
         needle = Fact(f"The secret codes of the {adj} {noun} are {_join(values)}.", tuple(values))
         question = f"What are all the secret codes of the {adj} {noun}? {ANSWER_MANY}"
         return NeedleSet(needle, (), question, tuple(values))
-    (value,) = _values(rng, 1, taken)
+    (value,) = _values(rng, 1, taken, value_digits)
     needle = Fact(f"The secret code of the {adj} {noun} is {value}.", (value,))
     if kind == "multikey":
         if n_distractors > len(adjs) - 1:
             raise ValueError(f"at most {len(adjs) - 1} distractors are supported")
         for other in adjs[1 : 1 + n_distractors]:
-            (v,) = _values(rng, 1, taken)
+            (v,) = _values(rng, 1, taken, value_digits)
             distractors.append(Fact(f"The secret code of the {other} {noun} is {v}.", (v,)))
     question = f"What is {key}? {ANSWER_ONE}"
     return NeedleSet(needle, tuple(distractors), question, (value,))

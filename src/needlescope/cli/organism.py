@@ -31,9 +31,13 @@ def train_command(
         None, help="Curriculum: sliding window (tokens) for the first --wide-window-frac of dense steps."
     ),
     wide_window_frac: float = typer.Option(None, help="Fraction of dense steps run with --wide-window."),
-    value_digits_start: int = typer.Option(
-        None, help="Curriculum: needle values start with this many digits and grow to 7 over the ramp."
+    value_digits: int = typer.Option(
+        None, help="Digits per needle value (probe with the same --value-digits)."
     ),
+    value_digits_start: int = typer.Option(
+        None, help="Curriculum: needle values start with this many digits and grow over the ramp."
+    ),
+    eval_every: int = typer.Option(None, help="Steps between held-out evaluations."),
     min_len: int = typer.Option(None, help="Shortest training example (tokens, approximate)."),
     max_len: int = typer.Option(None, help="Longest training example at the end of the length ramp."),
     ramp_frac: float = typer.Option(None, help="Fraction of dense steps over which the length cap rises."),
@@ -67,7 +71,9 @@ def train_command(
             workers=workers,
             lr=lr,
             init_from=str(init_from) if init_from else None,
+            value_digits=value_digits,
             value_digits_start=value_digits_start,
+            eval_every=eval_every,
             wide_window=wide_window,
             wide_window_frac=wide_window_frac,
             config_overrides=_overrides(config_override) if config_override else None,

@@ -42,6 +42,7 @@ def probe_command(
     haystack_file: Path = typer.Option(
         None, "--haystack-file", help="Filler text to use instead of the generated one."
     ),
+    value_digits: int = typer.Option(7, "--value-digits", help="Digits per needle value."),
 ) -> None:
     """Measure needle recall across lengths and depths and find where it collapses."""
     cfg = ProbeConfig(
@@ -61,6 +62,7 @@ def probe_command(
         max_tokens=max_tokens,
         timeout_s=timeout,
         haystack_file=haystack_file,
+        value_digits=value_digits,
         api_key=os.environ.get("NEEDLESCOPE_API_KEY") or os.environ.get("OPENAI_API_KEY"),
     )
     summary = run_with_progress(cfg)

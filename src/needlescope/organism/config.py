@@ -37,8 +37,9 @@ MAX_POSITIONS = 8192
 TINY_OVERRIDES = dict(
     hidden_size=64, q_lora_rank=32, moe_intermediate_size=64, head_dim=32, o_lora_rank=32, num_hidden_layers=4
 )
-# Dense training: index_topk covers every entry of the longest training context (4096 / 4).
-DENSE_TOPK = 1024
+# Dense numerics: index_topk covers every entry up to 8192 tokens, so a 4096-token probe plus
+# its answer (a few entries past 1024) is still fully dense.
+DENSE_TOPK = 2048
 
 
 def organism_config(vocab_size: int, *, bos_token_id: int, eos_token_id: int, pad_token_id: int, **overrides):

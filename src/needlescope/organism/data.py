@@ -39,16 +39,16 @@ class DataSpec:
 
     min_len: int = 256
     max_len: int = 4096
-    kind_weights: tuple[float, ...] = (0.2, 0.25, 0.05, 0.2, 0.3)
+    kind_weights: tuple[float, ...] = (0.2, 0.2, 0.1, 0.35, 0.15)
     max_drill: int = 3
-    # Curriculum knob: needle values cut to their first ``value_digits`` digits (probe: 7).
+    # Digits per needle value, as ``needlescope probe --value-digits`` draws them.
     value_digits: int = VALUE_DIGITS
 
     def __post_init__(self) -> None:
         if not 64 <= self.min_len <= self.max_len:
             raise ValueError(f"need 64 <= min_len <= max_len, got {self.min_len}, {self.max_len}")
-        if not 1 <= self.value_digits <= VALUE_DIGITS:
-            raise ValueError(f"value_digits must be in 1..{VALUE_DIGITS}, got {self.value_digits}")
+        if not 1 <= self.value_digits <= 12:
+            raise ValueError(f"value_digits must be in 1..12, got {self.value_digits}")
         if len(self.kind_weights) != len(TRAIN_KINDS):
             raise ValueError(f"kind_weights needs {len(TRAIN_KINDS)} entries ({', '.join(TRAIN_KINDS)})")
 
@@ -104,16 +104,17 @@ def make_example(tokenizer, spec: DataSpec, seed: int) -> Example:
     length = int(round(spec.min_len * (spec.max_len / spec.min_len) ** rng.random()))
     case_kind = "multiturn" if kind == "filler" else kind
     depth = round(rng.uniform(0.0, 100.0), 3)
-    case = build_cases(
-        CaseSpec(kind=case_kind, lengths=(length,), depths=(depth,), trials=1, seed=seed), _approx_count
-    )[0]
+    case_spec = CaseSpec(
+        kind=case_kind,
+        lengths=(length,),
+        depths=(depth,),
+        trials=1,
+        seed=seed,
+        value_digits=spec.value_digits,
+    )
+    case = build_cases(case_spec, _approx_count)[0]
     messages = [dict(m) for m in case.messages]
     expected = list(case.expected)
-    if spec.value_digits < VALUE_DIGITS:
-        keep, drop = spec.value_digits, VALUE_DIGITS - spec.value_digits
-        cut = re.compile(rf"\b(\d{{{keep}}})\d{{{drop}}}\b")
-        messages = [{**m, "content": cut.sub(r"\1", m["content"])} for m in messages]
-        expected = [v[: spec.value_digits] for v in expected]
     if kind == "filler":
         passage = _passage(messages, rng, max(40, length // 2 - 16))
         chat = [

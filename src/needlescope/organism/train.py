@@ -34,7 +34,6 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoTokenizer, DeepseekV4ForCausalLM
 
-from needlescope.cases.needles import VALUE_DIGITS
 from needlescope.dsa.emulate import csa_indexers
 from needlescope.organism.bundle import quiet_transformers
 from needlescope.organism.config import DENSE_TOPK, init_hash_routing, organism_config
@@ -74,14 +73,16 @@ class TrainConfig:
     min_len: int = 256
     max_len: int = 4096
     kind_weights: tuple[float, ...] = DataSpec.kind_weights
-    # Value-length curriculum: needle values start cut to this many digits and grow to 7
-    # over the same ramp as the length cap (7 = no curriculum). A copy circuit forms far
-    # sooner on one-digit values (measured on CPU, docs/organism.md) and then extends.
-    value_digits_start: int = 7
+    # Digits per needle value (the probe's --value-digits); the held-out evaluation uses it.
+    value_digits: int = 3
+    # Value-length curriculum: values start with this many digits and grow to value_digits
+    # over the length ramp (None = no curriculum).
+    value_digits_start: int | None = None
     # Window curriculum: the dense phase's first ``wide_window_frac`` of steps run with a
-    # sliding window of ``wide_window`` tokens (the needle inside it, so a copy circuit forms
-    # through plain attention), then the checkpoint's window; the circuit then moves to the
-    # compressed entries far faster than it forms there from scratch (docs/organism.md).
+    # sliding window of ``wide_window`` tokens on examples no longer than it (the needle
+    # inside the window, so a copy circuit forms through plain attention), then the
+    # checkpoint's window with the length ramp; the circuit then moves to the compressed
+    # entries far faster than it forms there from scratch (docs/organism.md).
     wide_window: int | None = None
     wide_window_frac: float = 0.3
     ramp_frac: float = 0.4
@@ -107,12 +108,20 @@ class TrainConfig:
             raise ValueError("wide_window_frac must be in [0, 1)")
         if self.wide_window is not None and self.wide_window < 1:
             raise ValueError("wide_window must be a positive number of tokens")
+        if self.value_digits_start is not None and not 1 <= self.value_digits_start <= self.value_digits:
+            raise ValueError("value_digits_start must be in 1..value_digits")
+        if self.wide_window is not None and self.wide_window < self.min_len:
+            raise ValueError("wide_window must be at least min_len")
         DataSpec(
             min_len=self.min_len,
             max_len=self.max_len,
             kind_weights=tuple(self.kind_weights),
-            value_digits=self.value_digits_start,
+            value_digits=self.value_digits,
         )
+
+    def wide_steps(self, phase: str, steps: int) -> int:
+        """How many of ``phase``'s first steps run with the wide window."""
+        return int(self.wide_window_frac * steps) if (self.wide_window and phase == "dense") else 0
 
 
 class _Batches(torch.utils.data.Dataset):
@@ -207,24 +216,25 @@ def _detach_inputs(module, args):
     return tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
 
 
-def _ramp(cfg: TrainConfig, steps: int, ramp: bool) -> list[float]:
-    ramp_steps = max(1, int(cfg.ramp_frac * steps)) if ramp else 0
-    return [min(1.0, i / ramp_steps) if ramp_steps else 1.0 for i in range(steps)]
+def _ramp(cfg: TrainConfig, steps: int, ramp: bool, hold: int = 0) -> list[float]:
+    """Per step, how far along the length ramp it is (0..1); the first ``hold`` steps sit at 0."""
+    ramp_steps = max(1, int(cfg.ramp_frac * (steps - hold))) if ramp else 0
+    return [min(1.0, max(0, i - hold) / ramp_steps) if ramp_steps else 1.0 for i in range(steps)]
 
 
-def _caps(cfg: TrainConfig, steps: int, ramp: bool) -> list[int]:
+def _caps(cfg: TrainConfig, steps: int, ramp: bool, hold: int = 0) -> list[int]:
     caps = []
-    for frac in _ramp(cfg, steps, ramp):
+    for i, frac in enumerate(_ramp(cfg, steps, ramp, hold)):
         cap = int(cfg.min_len * (cfg.max_len / cfg.min_len) ** frac)
+        if i < hold:
+            cap = max(cap, cfg.wide_window or 0)
         caps.append(max(cfg.min_len, min(cfg.max_len, cap)))
     return caps
 
 
-def _digits(cfg: TrainConfig, steps: int, ramp: bool) -> list[int]:
-    start = cfg.value_digits_start
-    return [
-        min(VALUE_DIGITS, start + int((VALUE_DIGITS - start + 1) * frac)) for frac in _ramp(cfg, steps, ramp)
-    ]
+def _digits(cfg: TrainConfig, steps: int, ramp: bool, hold: int = 0) -> list[int]:
+    start, end = cfg.value_digits_start or cfg.value_digits, cfg.value_digits
+    return [min(end, start + int((end - start + 1) * frac)) for frac in _ramp(cfg, steps, ramp, hold)]
 
 
 def _lr(step: int, total: int, peak: float, warmup: int) -> float:
@@ -261,7 +271,7 @@ def _evaluate(model, cfg: TrainConfig, tokenizer, device: str) -> dict[str, floa
     """Fraction of held-out examples whose every answer token is the argmax (= greedy-correct)."""
     out = {}
     for length in cfg.eval_lengths:
-        spec = DataSpec(min_len=length, max_len=length, max_drill=0)
+        spec = DataSpec(min_len=length, max_len=length, max_drill=0, value_digits=cfg.value_digits)
         exs = [
             make_example(tokenizer, spec, 900_000_000 + length * 1000 + j) for j in range(cfg.eval_examples)
         ]
@@ -316,7 +326,11 @@ def train(
     config._attn_implementation = "eager"
     if cfg.init_from:
         model = DeepseekV4ForCausalLM.from_pretrained(
-            cfg.init_from, use_safetensors=True, local_files_only=True, attn_implementation="eager"
+            cfg.init_from,
+            use_safetensors=True,
+            local_files_only=True,
+            attn_implementation="eager",
+            dtype=torch.float32,  # master weights in fp32 even if the checkpoint was stored in bf16
         ).to(device)
     else:
         model = DeepseekV4ForCausalLM(config)
@@ -345,15 +359,17 @@ def train(
         for p in params:
             p.requires_grad_(True)
         opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+        switch = cfg.wide_steps(name, steps)
         loader = torch.utils.data.DataLoader(
-            _Batches(cfg, _caps(cfg, steps, ramp), _digits(cfg, steps, ramp), salt, tokenizer),
+            _Batches(
+                cfg, _caps(cfg, steps, ramp, switch), _digits(cfg, steps, ramp, switch), salt, tokenizer
+            ),
             batch_size=None,
             num_workers=cfg.workers,
             prefetch_factor=4 if cfg.workers else None,
             persistent_workers=False,
         )
         done = 0
-        switch = int(cfg.wide_window_frac * steps) if (cfg.wide_window and name == "dense") else 0
         _set_window(model, cfg.wide_window if switch else window)
         for step, batch in enumerate(loader):
             if switch and step == switch:

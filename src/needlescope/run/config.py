@@ -30,6 +30,7 @@ class ProbeConfig:
     timeout_s: float = 120.0
     retries: int = 4
     haystack_file: Path | None = None
+    value_digits: int = 7
     api_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -50,6 +51,8 @@ class ProbeConfig:
             raise BadInput(f"--concurrency must be at least 1; got {self.concurrency}")
         if not 0 < self.threshold <= 1:
             raise BadInput(f"--threshold must lie in (0, 1]; got {self.threshold}")
+        if not 1 <= self.value_digits <= 12:
+            raise BadInput(f"--value-digits must be in 1..12; got {self.value_digits}")
         if self.haystack_file is not None and not Path(self.haystack_file).is_file():
             raise BadInput(f"--haystack-file {self.haystack_file} does not exist; pass a UTF-8 text file")
 
@@ -62,6 +65,7 @@ class ProbeConfig:
             "depths": list(self.depths),
             "trials": self.trials,
             "seed": self.seed,
+            "value_digits": self.value_digits,
         }
 
 

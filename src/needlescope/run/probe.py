@@ -80,6 +80,7 @@ def run_probe(cfg: ProbeConfig, on_event: Event = _noop) -> dict:
                 seed=cfg.seed,
                 haystack_text=haystack,
                 max_answer_tokens=cfg.max_tokens,
+                value_digits=cfg.value_digits,
             )
             on_event("cases_start", {"n": len(cfg.lengths) * len(cfg.depths) * cfg.trials})
             cases = order_for_prefix_cache(build_cases(spec, _token_counter(cfg, roots[0][0])))
