@@ -19,9 +19,10 @@ import time
 import torch
 
 from needlescope.cases.assemble import CaseSpec, build_cases
+from needlescope.cases.needles import VALUE_DIGITS
 from needlescope.cases.scoring import score_answer
 from needlescope.dsa.emulate import Numerics, emulate
-from needlescope.organism.bundle import load_bundle
+from needlescope.organism.bundle import load_bundle, trained_value_digits
 
 
 def _count(tokenizer):
@@ -72,24 +73,33 @@ def main() -> None:
     ap.add_argument("--depths", default="0,25,50,75,100")
     ap.add_argument("--trials", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--value-digits", type=int, help="Default: the checkpoint's training.json, else 7.")
     ap.add_argument("--batch", type=int, default=20)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    model, tokenizer, _ = load_bundle(args.model, device=args.device)
+    model, tokenizer, path = load_bundle(args.model, device=args.device)
+    digits = args.value_digits or trained_value_digits(path) or VALUE_DIGITS
     spec = CaseSpec(
         kind=args.kind,
         lengths=tuple(int(x) for x in args.lengths.split(",")),
         depths=tuple(float(x) for x in args.depths.split(",")),
         trials=args.trials,
         seed=args.seed,
+        value_digits=digits,
     )
     t0 = time.time()
     cases = build_cases(spec, _count(tokenizer))
     by_len: dict[int, list] = {}
     for c in cases:
         by_len.setdefault(c.counted_length, []).append(c)
-    result = {"kind": args.kind, "trials": args.trials, "build_s": round(time.time() - t0, 1), "settings": {}}
+    result = {
+        "kind": args.kind,
+        "trials": args.trials,
+        "value_digits": digits,
+        "build_s": round(time.time() - t0, 1),
+        "settings": {},
+    }
     for setting in args.settings:
         name, k, q, topk = setting.split(":")
         numerics = Numerics(index_k=k, index_q=q, index_topk=int(topk))

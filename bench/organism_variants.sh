@@ -24,16 +24,7 @@ wait || true
 for name in "${names[@]}"; do
   tail -n 3 "$work/$name.log"
   if [[ -f $work/$name/model.safetensors ]]; then
-    python3 - "$work/$name/model.safetensors" <<'PY'
-import sys
-
-import torch
-from safetensors.torch import load_file, save_file
-
-path = sys.argv[1]
-tensors = load_file(path)
-save_file({k: v.to(torch.bfloat16) if v.dtype == torch.float32 else v for k, v in tensors.items()}, path)
-PY
+    python3 "$(dirname "$0")/bf16_checkpoint.py" "$work/$name"
     tar -C "$work" -cf "$out/$name.tar" "$name"
   fi
 done

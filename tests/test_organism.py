@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -70,6 +71,8 @@ def test_bad_recipe_values_are_rejected():
         TrainConfig(kind_weights=(1.0, 2.0))
     with pytest.raises(ValueError):
         TrainConfig(steps_dense=-1)
+    with pytest.raises(ValueError, match="dense_stop"):
+        TrainConfig(steps_dense=3, dense_stop=4)
 
 
 def test_recipe_runs_every_phase_and_writes_a_loadable_checkpoint(tmp_path):
@@ -144,6 +147,10 @@ def test_window_curriculum_switches_to_the_checkpoint_window(tmp_path):
     rec = train(cfg, tmp_path / "w", device="cpu")
     windows = [e["window"] for e in rec["log"] if e["phase"] == "dense"]
     assert windows == [256, 256, 32, 32]
+    # dense_stop truncates the same schedule: the wide-window switch stays at step 2 of 4.
+    cut = train(replace(cfg, dense_stop=3), tmp_path / "cut", device="cpu")
+    assert cut["steps"]["dense"] == 3
+    assert [e["window"] for e in cut["log"] if e["phase"] == "dense"] == [256, 256, 32]
     assert [e["window"] for e in rec["log"] if e["phase"] == "distil"] == [32]
     model, _, _ = load_bundle(tmp_path / "w")
     assert model.config.sliding_window == 32

@@ -42,14 +42,14 @@ def _parse_names(text: str, flag: str) -> tuple[str, ...]:
     return names
 
 
-def _load_v4(model: str):
+def _load_v4(model: str, device: str = "cpu"):
     from transformers.utils import logging as hf_logging
 
     from needlescope.organism.bundle import load_bundle, require_deepseek_v4, resolve_model_dir
 
     require_deepseek_v4(resolve_model_dir(model))
     hf_logging.disable_progress_bar()  # the weight-loading bar would bury the summary and errors
-    return load_bundle(model)
+    return load_bundle(model, device=device)
 
 
 def _write_json(path: Path, obj: dict) -> None:
@@ -229,14 +229,22 @@ def sweep_command(
         True, "--generate/--no-generate", help="Generate answers (answer recall) or only prefill."
     ),
     max_new_tokens: int = typer.Option(12, "--max-new-tokens"),
+    value_digits: int = typer.Option(
+        None,
+        "--value-digits",
+        help="Digits per needle value (default: the checkpoint's training.json, else 7).",
+    ),
     patch: Path = typer.Option(None, "--patch", help="Python file defining apply(model)."),
+    device: str = typer.Option("cpu", "--device", help="cpu | cuda | cuda:N"),
     out: Path = typer.Option(..., "--out", help="Output directory."),
 ) -> None:
     """Grid of precision x index_topk x length: needle selection rate, answer recall, cheapest fix."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+    from needlescope.cases.needles import VALUE_DIGITS
     from needlescope.dsa.emulate import load_patch
     from needlescope.dsa.sweep import SweepConfig, render_sweep_md, run_sweep, validate_sweep
+    from needlescope.organism.bundle import resolve_model_dir, trained_value_digits
 
     cfg = SweepConfig(
         lengths=parse_int_list(lengths, "--lengths"),
@@ -252,11 +260,12 @@ def sweep_command(
         target_rate=target_rate,
         generate=generate,
         max_new_tokens=max_new_tokens,
+        value_digits=value_digits or trained_value_digits(resolve_model_dir(model)) or VALUE_DIGITS,
         patch=str(patch) if patch is not None else None,
     )
     if patch is not None:
         load_patch(patch)
-    mdl, tokenizer, path = _load_v4(model)
+    mdl, tokenizer, path = _load_v4(model, device)
     with Progress(
         TextColumn("[bold]sweep"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(), console=console
     ) as progress:

@@ -22,6 +22,9 @@ def train_command(
     sparse_topk: int = typer.Option(None, help="index_topk during sparse fine-tuning."),
     tokens_per_batch: int = typer.Option(None, help="Tokens per optimisation step."),
     max_minutes: float = typer.Option(None, help="Wall-clock cap; each phase gets a fixed share of it."),
+    dense_stop: int = typer.Option(
+        None, help="Stop the dense phase after this many steps of the --steps-dense schedule."
+    ),
     lr: float = typer.Option(None, help="Peak learning rate of the dense phase."),
     init_from: Path = typer.Option(None, help="Continue training from this checkpoint directory."),
     config_override: list[str] = typer.Option(
@@ -68,6 +71,7 @@ def train_command(
             sparse_topk=sparse_topk,
             tokens_per_batch=tokens_per_batch,
             max_minutes=max_minutes,
+            dense_stop=dense_stop,
             workers=workers,
             lr=lr,
             init_from=str(init_from) if init_from else None,

@@ -33,7 +33,7 @@ Definitions:
 ``sweep.json`` schema (``SWEEP_SCHEMA``)::
 
     {"model": str, "kind": str, "lengths": [int], "depths": [float], "trials": int, "seed": int,
-     "score_dtype": str, "target_length": int, "target_rate": float, "generate": bool,
+     "value_digits": int, "score_dtype": str, "target_length": int, "target_rate": float, "generate": bool,
      "patch": str | null,
      "settings": [{"index_k": str, "index_q": str, "index_topk": int, "cost_rank": int,
                    "restored_to": int | null, "rate_at_target": float | null}],
@@ -59,6 +59,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from needlescope.cases.assemble import CaseSpec, build_cases
+from needlescope.cases.needles import VALUE_DIGITS
 from needlescope.dsa.emulate import SCORE_DTYPES, Numerics
 from needlescope.dsa.prompt import render_prompt
 from needlescope.dsa.quant import get_quantizer
@@ -114,6 +115,7 @@ SWEEP_SCHEMA: dict = {
         "depths": {"type": "array", "items": {"type": "number"}},
         "trials": {"type": "integer"},
         "seed": {"type": "integer"},
+        "value_digits": {"type": "integer"},
         "score_dtype": {"type": "string"},
         "target_length": {"type": "integer"},
         "target_rate": {"type": "number"},
@@ -224,6 +226,7 @@ class SweepConfig:
     target_rate: float = 0.9
     generate: bool = True
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+    value_digits: int = VALUE_DIGITS
     patch: str | None = None
 
     def __post_init__(self) -> None:
@@ -255,7 +258,12 @@ class SweepConfig:
 
     def case_spec(self) -> CaseSpec:
         return CaseSpec(
-            kind=self.kind, lengths=self.lengths, depths=self.depths, trials=self.trials, seed=self.seed
+            kind=self.kind,
+            lengths=self.lengths,
+            depths=self.depths,
+            trials=self.trials,
+            seed=self.seed,
+            value_digits=self.value_digits,
         )
 
     @property
@@ -494,6 +502,7 @@ def run_sweep(
         "depths": [float(x) for x in cfg.depths],
         "trials": cfg.trials,
         "seed": cfg.seed,
+        "value_digits": cfg.value_digits,
         "score_dtype": cfg.score_dtype,
         "target_length": target,
         "target_rate": cfg.target_rate,

@@ -28,6 +28,7 @@ __all__ = [
     "load_bundle",
     "require_deepseek_v4",
     "save_random",
+    "trained_value_digits",
 ]
 
 ORGANISM = "organism"
@@ -64,6 +65,17 @@ def resolve_model_dir(name_or_dir: str | Path) -> Path:
             f"{str(path)!r} has no *.safetensors weights; needlescope loads weights through safetensors only"
         )
     return path
+
+
+def trained_value_digits(path: Path) -> int | None:
+    """Digits per needle value the checkpoint was trained on (its ``training.json``), if recorded.
+
+    Probing an organism with longer values than it saw measures copying, not retrieval.
+    """
+    record = path / "training.json"
+    if not record.is_file():
+        return None
+    return json.loads(record.read_text()).get("config", {}).get("value_digits")
 
 
 def require_deepseek_v4(path: Path) -> None:

@@ -17,6 +17,7 @@ Every artifact is written through its own documented schema; the report reads on
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,7 +30,7 @@ from needlescope.run.probe import STORE_NAME, run_probe
 from needlescope.run.store import ResultStore
 from needlescope.serve.launch import ServerProcess
 
-__all__ = ["DemoConfig", "run_organism_demo", "pick_failing_case"]
+__all__ = ["DemoConfig", "run_organism_demo", "explain_failure", "pick_failing_case"]
 
 Phase = Callable[[str, dict], None]
 
@@ -46,6 +47,10 @@ class DemoConfig:
     trials: int = 2
     seed: int = 0
     threads: int = 1
+    # None: the digits the checkpoint was trained on (training.json), else the probe's default.
+    value_digits: int | None = None
+    device: str = "cpu"
+    concurrency: int = 2
     fixes: tuple[Numerics, ...] = field(default=())
 
     def __post_init__(self) -> None:
@@ -53,6 +58,8 @@ class DemoConfig:
             raise BadInput("the deployment setting needs an explicit index_topk")
         if self.trials < 1:
             raise BadInput(f"trials must be >= 1, got {self.trials}")
+        if self.concurrency < 1:
+            raise BadInput(f"concurrency must be >= 1, got {self.concurrency}")
 
     def fix_candidates(self) -> tuple[Numerics, ...]:
         if self.fixes:
@@ -69,8 +76,10 @@ class DemoConfig:
         )
 
 
-def _serve_args(model: str, numerics: Numerics | None, threads: int) -> list[str]:
+def serve_args(model: str, numerics: Numerics | None, threads: int = 1, device: str = "cpu") -> list[str]:
+    """``needlescope serve`` arguments for ``model`` under ``numerics`` (None: the checkpoint's own)."""
     args = ["--model", model, "--port", "0", "--threads", str(threads), "--served-model-name", "organism"]
+    args += ["--device", device]
     if numerics is not None:
         args += [
             "--index-k",
@@ -102,7 +111,7 @@ def pick_failing_case(reference_rows: list[dict], deployment_rows: list[dict]) -
     return misses[0]["case_id"], "wrong under both settings (no deployment-only failure exists)"
 
 
-def _probe(url: str, cfg: DemoConfig, out: Path, on_event) -> dict:
+def _probe(url: str, cfg: DemoConfig, value_digits: int, out: Path, on_event) -> None:
     pcfg = ProbeConfig(
         base_urls=(f"{url}/v1",),
         model="organism",
@@ -112,10 +121,11 @@ def _probe(url: str, cfg: DemoConfig, out: Path, on_event) -> dict:
         trials=cfg.trials,
         seed=cfg.seed,
         out=out,
-        concurrency=2,
+        concurrency=cfg.concurrency,
         timeout_s=600.0,
+        value_digits=value_digits,
     )
-    return run_probe(pcfg, on_event)
+    run_probe(pcfg, on_event)
 
 
 def _rows(out: Path) -> list[dict]:
@@ -132,51 +142,79 @@ def _case(out: Path, case_id: str) -> dict:
 
 def run_organism_demo(cfg: DemoConfig, on_phase: Phase, on_event=lambda *_: None) -> Path:
     """Run every phase; returns the path of DIAGNOSIS.md. ``on_phase(name, info)`` marks progress."""
-    from needlescope.dsa.rankdump import rank_dump, validate_rankdump
-    from needlescope.organism.bundle import load_bundle, require_deepseek_v4, resolve_model_dir
+    from needlescope.cases.needles import VALUE_DIGITS
+    from needlescope.organism.bundle import require_deepseek_v4, resolve_model_dir, trained_value_digits
 
     path = resolve_model_dir(cfg.model)
     require_deepseek_v4(path)
+    digits = cfg.value_digits or trained_value_digits(path) or VALUE_DIGITS
     cfg.out.mkdir(parents=True, exist_ok=True)
-    summaries = {}
     on_phase("serve", {"model": str(path)})
     with (
-        ServerProcess(_serve_args(str(path), None, cfg.threads)) as ref_srv,
-        ServerProcess(_serve_args(str(path), cfg.deployment, cfg.threads)) as dep_srv,
+        ServerProcess(serve_args(str(path), None, cfg.threads, cfg.device)) as ref_srv,
+        ServerProcess(serve_args(str(path), cfg.deployment, cfg.threads, cfg.device)) as dep_srv,
     ):
         for name, srv in (("reference", ref_srv), ("deployment", dep_srv)):
             on_phase(f"probe {name}", {"url": srv.url})
-            summaries[name] = _probe(srv.url, cfg, cfg.out / name, on_event)
-    case_id, why = pick_failing_case(_rows(cfg.out / "reference"), _rows(cfg.out / "deployment"))
-    case = _case(cfg.out / "deployment", case_id)
+            _probe(srv.url, cfg, digits, cfg.out / name, on_event)
+    return explain_failure(
+        path,
+        cfg.out,
+        reference_dir=cfg.out / "reference",
+        deployment_dir=cfg.out / "deployment",
+        numerics=cfg.deployment,
+        fixes=cfg.fix_candidates(),
+        on_phase=on_phase,
+        device=cfg.device,
+    )
+
+
+def explain_failure(
+    path: Path,
+    out: Path,
+    *,
+    reference_dir: Path,
+    deployment_dir: Path,
+    numerics: Numerics,
+    fixes: tuple[Numerics, ...],
+    on_phase: Phase,
+    device: str = "cpu",
+) -> Path:
+    """Rank-dump the failing case of two finished probes (``deployment_dir`` ran under ``numerics``),
+    try each fix on it, and write ``rankdump.json``, ``fixes.json`` and DIAGNOSIS.md into ``out``."""
+    from needlescope.dsa.rankdump import rank_dump, validate_rankdump
+    from needlescope.organism.bundle import load_bundle
+
+    case_id, why = pick_failing_case(_rows(reference_dir), _rows(deployment_dir))
+    case = _case(deployment_dir, case_id)
     on_phase("rank dump", {"case": case_id})
-    model, tokenizer, _ = load_bundle(path)
+    model, tokenizer, _ = load_bundle(path, device=device)
     dump = rank_dump(
         model,
         tokenizer,
         case["messages"],
         needle=case["needle"],
-        numerics=cfg.deployment,
+        numerics=numerics,
         expected=case["expected"],
         label=case_id,
     )
     validate_rankdump(dump)
-    (cfg.out / "rankdump.json").write_text(json.dumps(dump, indent=1))
-    on_phase("fixes", {"candidates": len(cfg.fix_candidates())})
-    fixes = []
-    for numerics in cfg.fix_candidates():
+    (out / "rankdump.json").write_text(json.dumps(dump, indent=1))
+    on_phase("fixes", {"candidates": len(fixes)})
+    tried = []
+    for fix in fixes:
         d = rank_dump(
             model,
             tokenizer,
             case["messages"],
             needle=case["needle"],
-            numerics=numerics,
+            numerics=fix,
             expected=case["expected"],
         )
-        fixes.append(
+        tried.append(
             {
-                "numerics": numerics.to_dict(),
-                "label": numerics.label(),
+                "numerics": fix.to_dict(),
+                "label": fix.label(),
                 "selected_all_layers": all(
                     layer["positions"][0]["selected"] for layer in d["layers"] if layer["positions"]
                 ),
@@ -186,18 +224,22 @@ def run_organism_demo(cfg: DemoConfig, on_phase: Phase, on_event=lambda *_: None
                 ],
             }
         )
-    (cfg.out / "fixes.json").write_text(json.dumps({"case_id": case_id, "fixes": fixes}, indent=1))
+    (out / "fixes.json").write_text(json.dumps({"case_id": case_id, "fixes": tried}, indent=1))
     on_phase("report", {})
     return write_diagnosis(
-        cfg.out,
+        out,
         model=str(path),
-        reference=summaries["reference"],
-        deployment=summaries["deployment"],
-        deployment_label=cfg.deployment.label(),
+        reference=json.loads((reference_dir / "summary.json").read_text()),
+        deployment=json.loads((deployment_dir / "summary.json").read_text()),
+        deployment_label=numerics.label(),
         case=case,
         why=why,
         rankdump=dump,
-        fixes=fixes,
+        fixes=tried,
+        heatmaps=(
+            os.path.relpath(reference_dir / "heatmap.png", out),
+            os.path.relpath(deployment_dir / "heatmap.png", out),
+        ),
     )
 
 

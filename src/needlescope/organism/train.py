@@ -92,6 +92,10 @@ class TrainConfig:
     log_every: int = 25
     workers: int = 8
     max_minutes: float | None = None
+    # Stop the dense phase after this many steps of the schedule planned for steps_dense
+    # (learning-rate decay and length ramp): a truncated schedule at a fixed step, where
+    # max_minutes would cut it at a speed-dependent one.
+    dense_stop: int | None = None
     # Continue from an earlier checkpoint (its config wins over config_overrides).
     init_from: str | None = None
     config_overrides: dict = field(default_factory=dict)
@@ -100,6 +104,8 @@ class TrainConfig:
         for name in ("steps_dense", "steps_distil", "steps_sparse"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
+        if self.dense_stop is not None and not 1 <= self.dense_stop <= self.steps_dense:
+            raise ValueError("dense_stop must be in 1..steps_dense")
         if self.tokens_per_batch < self.max_len:
             raise ValueError("tokens_per_batch must hold at least one max_len example")
         if not 0.0 <= self.ramp_frac <= 1.0:
@@ -370,6 +376,7 @@ def train(
             persistent_workers=False,
         )
         done = 0
+        last = cfg.dense_stop if (name == "dense" and cfg.dense_stop) else steps
         _set_window(model, cfg.wide_window if switch else window)
         for step, batch in enumerate(loader):
             if switch and step == switch:
@@ -383,7 +390,7 @@ def train(
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             opt.step()
             done = step + 1
-            if step % cfg.log_every == 0 or done == steps:
+            if step % cfg.log_every == 0 or done == last:
                 entry = {
                     "step": step,
                     "phase": name,
@@ -398,7 +405,7 @@ def train(
                 record["log"].append(entry)
                 if on_log:
                     on_log(entry)
-            if (done % cfg.eval_every == 0 or done == steps) and cfg.eval_examples:
+            if (done % cfg.eval_every == 0 or done == last) and cfg.eval_examples:
                 model.eval()
                 ev = {"step": step, "phase": name, "answer_exact": _evaluate(model, cfg, tokenizer, device)}
                 model.train()
@@ -406,6 +413,8 @@ def train(
                 if on_log:
                     on_log(ev)
             if deadline and time.monotonic() > deadline:
+                break
+            if done == last:
                 break
         record["steps"][name] = done
 

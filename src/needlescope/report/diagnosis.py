@@ -2,17 +2,19 @@
 
 Reads only documented artifacts: two probe summaries (``SUMMARY_SCHEMA``), a rank dump of
 the failing case (``RANKDUMP_SCHEMA``) and the fix candidates' rank-dump digests. Embeds
-the two heatmaps written by the probes (``reference/heatmap.png``, ``deployment/heatmap.png``).
+the two heatmaps written by the probes (by default ``reference/heatmap.png`` and
+``deployment/heatmap.png``, relative to the report).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["write_diagnosis", "render_diagnosis"]
+__all__ = ["write_diagnosis", "render_diagnosis", "recall_by_length"]
 
 
-def _recall_by_length(summary: dict) -> dict[int, float]:
+def recall_by_length(summary: dict) -> dict[int, float]:
+    """Recall per length of a probe summary (``SUMMARY_SCHEMA``), pooled over depths."""
     agg: dict[int, list[int]] = {}
     for c in summary["cells"]:
         a = agg.setdefault(c["length"], [0, 0])
@@ -35,9 +37,10 @@ def render_diagnosis(
     why: str,
     rankdump: dict,
     fixes: list[dict],
+    heatmaps: tuple[str, str] = ("reference/heatmap.png", "deployment/heatmap.png"),
 ) -> str:
-    """The Markdown text of DIAGNOSIS.md."""
-    ref_len, dep_len = _recall_by_length(reference), _recall_by_length(deployment)
+    """The Markdown text of DIAGNOSIS.md; ``heatmaps`` are the probes' heatmap paths relative to it."""
+    ref_len, dep_len = recall_by_length(reference), recall_by_length(deployment)
     lines = [
         "# DIAGNOSIS",
         "",
@@ -69,7 +72,7 @@ def render_diagnosis(
         "",
         "| reference | deployment |",
         "|---|---|",
-        "| ![reference](reference/heatmap.png) | ![deployment](deployment/heatmap.png) |",
+        f"| ![reference]({heatmaps[0]}) | ![deployment]({heatmaps[1]}) |",
         "",
         "## Which layer's indexer drops the needle",
         "",

@@ -1,0 +1,118 @@
+"""The organism's behaviour table (docs/organism.md): ``needlescope probe`` against ``needlescope serve``.
+
+Each setting ``name:index_k:index_topk`` (index_q stays fp32; topk ``-`` keeps the checkpoint's)
+gets its own real server and a full multiturn probe grid; ``behaviour.json`` collects recall per
+length and the weakest cell of each, rewritten after every setting so a run cut short keeps what
+finished. ``--explain NAME`` then rank-dumps the failing case of setting NAME against the first
+(reference) setting, tries the fixes and writes ``OUT/explain/DIAGNOSIS.md``.
+
+    python bench/organism_behaviour.py --device cuda --out OUT \\
+        --settings ref:fp32:- dep:fp8_e4m3:64 dep32:fp32:64 --explain dep
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+
+import httpx
+import torch
+
+from needlescope.dsa.emulate import Numerics
+from needlescope.organism.bundle import resolve_model_dir, trained_value_digits
+from needlescope.organism.demo import DemoConfig, explain_failure, serve_args
+from needlescope.report.diagnosis import recall_by_length
+from needlescope.run.config import ProbeConfig, parse_float_list, parse_int_list
+from needlescope.run.probe import run_probe
+from needlescope.serve.launch import ServerProcess
+
+
+def _numerics(spec: str) -> tuple[str, Numerics | None]:
+    name, k, topk = spec.split(":")
+    if k == "fp32" and topk == "-":
+        return name, None
+    return name, Numerics(index_k=k, index_topk=None if topk == "-" else int(topk))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="organism")
+    ap.add_argument(
+        "--settings", nargs="+", required=True, help="name:index_k:index_topk; the first is the reference"
+    )
+    ap.add_argument("--lengths", default="256,512,1024,2048,4096")
+    ap.add_argument("--depths", default="0,25,50,75,100")
+    ap.add_argument("--trials", type=int, default=20)
+    ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--explain", help="Setting whose failing case to rank-dump against the reference.")
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+    path = resolve_model_dir(args.model)
+    digits = trained_value_digits(path) or 7
+    args.out.mkdir(parents=True, exist_ok=True)
+    record = {
+        "model": str(args.model),
+        "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor(),
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "trials": args.trials,
+        "value_digits": digits,
+        "settings": {},
+    }
+    numerics_of = {}
+    for spec in args.settings:
+        name, numerics = _numerics(spec)
+        numerics_of[name] = numerics
+        t0 = time.monotonic()
+        extra = ["--max-running-requests", str(args.concurrency), "--max-queued-requests", "4096"]
+        extra += ["--max-prefill-tokens", "65536"]
+        with ServerProcess(serve_args(str(path), numerics, 4, args.device) + extra, timeout=300) as srv:
+            info = httpx.get(f"{srv.url}/get_server_info", timeout=30).json()
+            summary = run_probe(
+                ProbeConfig(
+                    base_urls=(f"{srv.url}/v1",),
+                    model="organism",
+                    kind="multiturn",
+                    lengths=parse_int_list(args.lengths, "--lengths"),
+                    depths=parse_float_list(args.depths, "--depths"),
+                    trials=args.trials,
+                    out=args.out / name,
+                    concurrency=args.concurrency,
+                    timeout_s=600.0,
+                    value_digits=digits,
+                )
+            )
+        cells = summary["cells"]
+        record["settings"][name] = {
+            "spec": spec,
+            "server_info": info,
+            "by_length": {str(n): r for n, r in recall_by_length(summary).items()},
+            "min_cell": min(c["correct"] / c["n"] for c in cells if c["n"]),
+            "errors": summary["errors_total"],
+            "effective_length": summary["effective_length"],
+            "wall_s": round(time.monotonic() - t0, 1),
+        }
+        print(json.dumps({name: record["settings"][name]["by_length"]}), flush=True)
+        (args.out / "behaviour.json").write_text(json.dumps(record, indent=1))
+    if args.explain:
+        reference = args.settings[0].split(":")[0]
+        deployment = numerics_of[args.explain]
+        (args.out / "explain").mkdir(exist_ok=True)
+        explain_failure(
+            path,
+            args.out / "explain",
+            reference_dir=args.out / reference,
+            deployment_dir=args.out / args.explain,
+            numerics=deployment,
+            fixes=DemoConfig(model=str(path), out=args.out, deployment=deployment).fix_candidates(),
+            on_phase=lambda name, info: print("phase", name, info, flush=True),
+            device=args.device,
+        )
+
+
+if __name__ == "__main__":
+    main()
