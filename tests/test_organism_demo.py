@@ -12,7 +12,7 @@ pytest.importorskip("torch")
 
 from needlescope.dsa.rankdump import validate_rankdump  # noqa: E402
 from needlescope.organism.bundle import save_random  # noqa: E402
-from needlescope.organism.demo import pick_failing_case  # noqa: E402
+from needlescope.organism.demo import pick_case_to_explain, pick_failing_case  # noqa: E402
 from needlescope.report.probe import validate_summary  # noqa: E402
 
 
@@ -36,6 +36,15 @@ def test_failing_case_prefers_deployment_only_failures_at_the_longest_length():
     )
     with pytest.raises(ValueError):
         pick_failing_case(ref, [_row("a", 512, 0, True), _row("e", 512, 0, None, status="error")])
+
+
+def test_without_a_deployment_miss_the_longest_case_is_explained():
+    rows = [_row("a", 512, 50, True), _row("b", 1024, 50, True), _row("c", 1024, 0, True)]
+    case_id, why = pick_case_to_explain(rows, rows)
+    assert case_id == "c" and why.startswith("no probed case failed")
+    assert pick_case_to_explain(rows, [*rows[:1], _row("d", 512, 0, False)])[0] == "d"
+    with pytest.raises(ValueError):
+        pick_case_to_explain(rows, [_row("e", 512, 0, None, status="error")])
 
 
 def test_demo_on_a_random_checkpoint_writes_a_diagnosis(tmp_path):
