@@ -41,8 +41,8 @@ class DemoConfig:
 
     model: str
     out: Path
-    # fp8 keys as SGLang stores them, and index_topk 1 of the 1,024 entries at 4K: 0.1%, the
-    # ratio of DeepSeek-V4-Flash's 512 of 262,144 entries at 1M tokens (docs/organism.md).
+    # fp8 keys as SGLang stores them, and index_topk 1 of the 1,024 entries at 4K (0.1%): the
+    # order of DeepSeek-V4-Flash's 512 of 262,144 entries (0.2%) at 1M tokens (docs/organism.md).
     deployment: Numerics = Numerics(index_k="fp8_e4m3", index_topk=1)
     lengths: tuple[int, ...] = (256, 512, 1024)
     depths: tuple[float, ...] = (0.0, 50.0, 100.0)
