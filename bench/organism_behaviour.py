@@ -23,7 +23,7 @@ import torch
 
 from needlescope.dsa.emulate import Numerics
 from needlescope.organism.bundle import resolve_model_dir, trained_value_digits
-from needlescope.organism.demo import DemoConfig, explain_failure, serve_args
+from needlescope.organism.demo import default_fixes, explain_failure, serve_args
 from needlescope.report.diagnosis import recall_by_length
 from needlescope.run.config import ProbeConfig, parse_float_list, parse_int_list
 from needlescope.run.probe import run_probe
@@ -52,7 +52,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     path = resolve_model_dir(args.model)
-    digits = trained_value_digits(path) or 7
+    digits = trained_value_digits(path)
     args.out.mkdir(parents=True, exist_ok=True)
     record = {
         "model": str(args.model),
@@ -108,7 +108,7 @@ def main() -> None:
             reference_dir=args.out / reference,
             deployment_dir=args.out / args.explain,
             numerics=deployment,
-            fixes=DemoConfig(model=str(path), out=args.out, deployment=deployment).fix_candidates(),
+            fixes=default_fixes(deployment),
             on_phase=lambda name, info: print("phase", name, info, flush=True),
             device=args.device,
         )

@@ -19,7 +19,6 @@ import time
 import torch
 
 from needlescope.cases.assemble import CaseSpec, build_cases
-from needlescope.cases.needles import VALUE_DIGITS
 from needlescope.cases.scoring import score_answer
 from needlescope.dsa.emulate import Numerics, emulate
 from needlescope.organism.bundle import load_bundle, trained_value_digits
@@ -79,7 +78,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     model, tokenizer, path = load_bundle(args.model, device=args.device)
-    digits = args.value_digits or trained_value_digits(path) or VALUE_DIGITS
+    digits = args.value_digits or trained_value_digits(path)
     spec = CaseSpec(
         kind=args.kind,
         lengths=tuple(int(x) for x in args.lengths.split(",")),

@@ -241,7 +241,6 @@ def sweep_command(
     """Grid of precision x index_topk x length: needle selection rate, answer recall, cheapest fix."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from needlescope.cases.needles import VALUE_DIGITS
     from needlescope.dsa.emulate import load_patch
     from needlescope.dsa.sweep import SweepConfig, render_sweep_md, run_sweep, validate_sweep
     from needlescope.organism.bundle import resolve_model_dir, trained_value_digits
@@ -260,7 +259,7 @@ def sweep_command(
         target_rate=target_rate,
         generate=generate,
         max_new_tokens=max_new_tokens,
-        value_digits=value_digits or trained_value_digits(resolve_model_dir(model)) or VALUE_DIGITS,
+        value_digits=value_digits or trained_value_digits(resolve_model_dir(model)),
         patch=str(patch) if patch is not None else None,
     )
     if patch is not None:

@@ -17,6 +17,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DeepseekV4ForCausalLM
 from transformers.utils import logging as hf_logging
 
+from needlescope.cases.needles import VALUE_DIGITS
 from needlescope.errors import BadInput
 from needlescope.organism.config import init_hash_routing, organism_config
 from needlescope.organism.tokenizer import build_tokenizer
@@ -67,15 +68,18 @@ def resolve_model_dir(name_or_dir: str | Path) -> Path:
     return path
 
 
-def trained_value_digits(path: Path) -> int | None:
-    """Digits per needle value the checkpoint was trained on (its ``training.json``), if recorded.
+def trained_value_digits(path: Path) -> int:
+    """Digits per needle value to probe ``path`` with: those it was trained on (its
+    ``training.json``), else the probe's default ``VALUE_DIGITS``.
 
     Probing an organism with longer values than it saw measures copying, not retrieval.
     """
     record = path / "training.json"
-    if not record.is_file():
-        return None
-    return json.loads(record.read_text()).get("config", {}).get("value_digits")
+    if record.is_file():
+        digits = json.loads(record.read_text()).get("config", {}).get("value_digits")
+        if digits is not None:
+            return digits
+    return VALUE_DIGITS
 
 
 def require_deepseek_v4(path: Path) -> None:

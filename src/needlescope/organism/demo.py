@@ -30,7 +30,14 @@ from needlescope.run.probe import STORE_NAME, run_probe
 from needlescope.run.store import ResultStore
 from needlescope.serve.launch import ServerProcess
 
-__all__ = ["DemoConfig", "run_organism_demo", "explain_failure", "pick_failing_case", "pick_case_to_explain"]
+__all__ = [
+    "DemoConfig",
+    "default_fixes",
+    "run_organism_demo",
+    "explain_failure",
+    "pick_failing_case",
+    "pick_case_to_explain",
+]
 
 Phase = Callable[[str, dict], None]
 
@@ -64,18 +71,18 @@ class DemoConfig:
             raise BadInput(f"concurrency must be >= 1, got {self.concurrency}")
 
     def fix_candidates(self) -> tuple[Numerics, ...]:
-        if self.fixes:
-            return self.fixes
-        d = self.deployment
-        return (
-            Numerics(index_k="bf16", index_q=d.index_q, score_dtype=d.score_dtype, index_topk=d.index_topk),
-            Numerics(
-                index_k=d.index_k, index_q=d.index_q, score_dtype=d.score_dtype, index_topk=2 * d.index_topk
-            ),
-            Numerics(
-                index_k="bf16", index_q=d.index_q, score_dtype=d.score_dtype, index_topk=2 * d.index_topk
-            ),
-        )
+        return self.fixes or default_fixes(self.deployment)
+
+
+def default_fixes(d: Numerics) -> tuple[Numerics, ...]:
+    """The fixes tried on a failing case: bf16 keys, a doubled ``index_topk``, both."""
+    return (
+        Numerics(index_k="bf16", index_q=d.index_q, score_dtype=d.score_dtype, index_topk=d.index_topk),
+        Numerics(
+            index_k=d.index_k, index_q=d.index_q, score_dtype=d.score_dtype, index_topk=2 * d.index_topk
+        ),
+        Numerics(index_k="bf16", index_q=d.index_q, score_dtype=d.score_dtype, index_topk=2 * d.index_topk),
+    )
 
 
 def serve_args(model: str, numerics: Numerics | None, threads: int = 1, device: str = "cpu") -> list[str]:
@@ -160,12 +167,11 @@ def _case(out: Path, case_id: str) -> dict:
 
 def run_organism_demo(cfg: DemoConfig, on_phase: Phase, on_event=lambda *_: None) -> Path:
     """Run every phase; returns the path of DIAGNOSIS.md. ``on_phase(name, info)`` marks progress."""
-    from needlescope.cases.needles import VALUE_DIGITS
     from needlescope.organism.bundle import require_deepseek_v4, resolve_model_dir, trained_value_digits
 
     path = resolve_model_dir(cfg.model)
     require_deepseek_v4(path)
-    digits = cfg.value_digits or trained_value_digits(path) or VALUE_DIGITS
+    digits = cfg.value_digits or trained_value_digits(path)
     cfg.out.mkdir(parents=True, exist_ok=True)
     on_phase("serve", {"model": str(path)})
     with (
