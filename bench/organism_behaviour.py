@@ -1,13 +1,14 @@
 """The organism's behaviour table (docs/organism.md): ``needlescope probe`` against ``needlescope serve``.
 
-Each setting ``name:index_k:index_topk`` (index_q stays fp32; topk ``-`` keeps the checkpoint's)
+Each setting ``name:index_k:index_topk[@patch]`` (index_q stays fp32; topk ``-`` keeps the
+checkpoint's; the patch is a file or a built-in ``fault:NAME``)
 gets its own real server and a full multiturn probe grid; ``behaviour.json`` collects recall per
 length and the weakest cell of each, rewritten after every setting so a run cut short keeps what
 finished. ``--explain NAME`` then rank-dumps the failing case of setting NAME against the first
 (reference) setting, tries the fixes and writes ``OUT/explain/DIAGNOSIS.md``.
 
     python bench/organism_behaviour.py --device cuda --out OUT \\
-        --settings ref:fp32:- dep:fp8_e4m3:64 dep32:fp32:64 --explain dep
+        --settings ref:fp32:- dep:fp8_e4m3:64@fault:indexer_key_slot dep32:fp8_e4m3:64 --explain dep
 """
 
 from __future__ import annotations
@@ -23,25 +24,29 @@ import torch
 
 from needlescope.dsa.emulate import Numerics
 from needlescope.organism.bundle import resolve_model_dir, trained_value_digits
-from needlescope.organism.demo import default_fixes, explain_failure, serve_args
+from needlescope.organism.demo import Setting, default_fixes, explain_failure, serve_args
 from needlescope.report.diagnosis import recall_by_length
 from needlescope.run.config import ProbeConfig, parse_float_list, parse_int_list
 from needlescope.run.probe import run_probe
 from needlescope.serve.launch import ServerProcess
 
 
-def _numerics(spec: str) -> tuple[str, Numerics | None]:
+def _setting(spec: str) -> tuple[str, Numerics | None, str | None]:
+    spec, _, patch = spec.partition("@")
     name, k, topk = spec.split(":")
     if k == "fp32" and topk == "-":
-        return name, None
-    return name, Numerics(index_k=k, index_topk=None if topk == "-" else int(topk))
+        return name, None, patch or None
+    return name, Numerics(index_k=k, index_topk=None if topk == "-" else int(topk)), patch or None
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="organism")
     ap.add_argument(
-        "--settings", nargs="+", required=True, help="name:index_k:index_topk; the first is the reference"
+        "--settings",
+        nargs="+",
+        required=True,
+        help="name:index_k:index_topk[@patch]; the first is the reference",
     )
     ap.add_argument("--lengths", default="256,512,1024,2048,4096")
     ap.add_argument("--depths", default="0,25,50,75,100")
@@ -63,14 +68,16 @@ def main() -> None:
         "value_digits": digits,
         "settings": {},
     }
-    numerics_of = {}
+    setting_of = {}
     for spec in args.settings:
-        name, numerics = _numerics(spec)
-        numerics_of[name] = numerics
+        name, numerics, patch = _setting(spec)
+        setting_of[name] = Setting(numerics or Numerics(), patch)
         t0 = time.monotonic()
         extra = ["--max-running-requests", str(args.concurrency), "--max-queued-requests", "4096"]
         extra += ["--max-prefill-tokens", "65536"]
-        with ServerProcess(serve_args(str(path), numerics, 4, args.device) + extra, timeout=300) as srv:
+        with ServerProcess(
+            serve_args(str(path), numerics, 4, args.device, patch) + extra, timeout=300
+        ) as srv:
             info = httpx.get(f"{srv.url}/get_server_info", timeout=30).json()
             summary = run_probe(
                 ProbeConfig(
@@ -100,14 +107,14 @@ def main() -> None:
         (args.out / "behaviour.json").write_text(json.dumps(record, indent=1))
     if args.explain:
         reference = args.settings[0].split(":")[0]
-        deployment = numerics_of[args.explain]
+        deployment = setting_of[args.explain]
         (args.out / "explain").mkdir(exist_ok=True)
         explain_failure(
             path,
             args.out / "explain",
             reference_dir=args.out / reference,
             deployment_dir=args.out / args.explain,
-            numerics=deployment,
+            deployment=deployment,
             fixes=default_fixes(deployment),
             on_phase=lambda name, info: print("phase", name, info, flush=True),
             device=args.device,

@@ -8,6 +8,9 @@ the shipped numbers in docs/organism.md come from ``needlescope probe`` against
 
     python bench/organism_recall.py --model DIR --settings ref:fp32:fp32:1024 dep:fp8_e4m3:fp32:64 \
         --lengths 256,1024,2048,4096 --depths 0,25,50,75,100 --trials 20 --out recall.json
+
+A setting may add ``:rot``/``:norot`` (Hadamard rotation) and ``@PATCH`` (a file or ``fault:NAME``),
+e.g. ``pt64:fp8_e4m3:fp32:64@fault:indexer_page_table``.
 """
 
 from __future__ import annotations
@@ -66,13 +69,18 @@ def _answers(model, tokenizer, cases, device: str, batch: int, max_new: int) -> 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="organism")
-    ap.add_argument("--settings", nargs="+", required=True, help="name:index_k:index_q:index_topk")
+    ap.add_argument(
+        "--settings",
+        nargs="+",
+        required=True,
+        help="name:index_k:index_q:index_topk[:rot|:norot][@patch.py] (rot: Hadamard rotation, default for fp4)",
+    )
     ap.add_argument("--kind", default="multiturn")
     ap.add_argument("--lengths", default="256,1024,2048,4096")
     ap.add_argument("--depths", default="0,25,50,75,100")
     ap.add_argument("--trials", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--value-digits", type=int, help="Default: the checkpoint's training.json, else 7.")
+    ap.add_argument("--value-digits", type=int, help="Default: the checkpoint's training.json.")
     ap.add_argument("--batch", type=int, default=20)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", required=True)
@@ -100,11 +108,13 @@ def main() -> None:
         "settings": {},
     }
     for setting in args.settings:
-        name, k, q, topk = setting.split(":")
-        numerics = Numerics(index_k=k, index_q=q, index_topk=int(topk))
+        setting, _, patch = setting.partition("@")
+        name, k, q, topk, *rot = setting.split(":")
+        hadamard = {"rot": True, "norot": False}[rot[0]] if rot else None
+        numerics = Numerics(index_k=k, index_q=q, index_topk=int(topk), hadamard=hadamard)
         t1 = time.time()
         cells: dict[str, list[int]] = {}
-        with emulate(model, numerics):
+        with emulate(model, numerics, patch=patch or None):
             for group in by_len.values():
                 for c, ans in zip(
                     group, _answers(model, tokenizer, group, args.device, args.batch, 12), strict=True
@@ -119,6 +129,7 @@ def main() -> None:
             agg[1] += n
         result["settings"][name] = {
             "numerics": numerics.to_dict(),
+            "patch": patch or None,
             "cells": {k2: v[0] / v[1] for k2, v in cells.items()},
             "by_length": {k2: v[0] / v[1] for k2, v in per_len.items()},
             "min_cell": min(v[0] / v[1] for v in cells.values()),

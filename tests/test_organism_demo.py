@@ -10,9 +10,16 @@ import pytest
 
 pytest.importorskip("torch")
 
+from needlescope.dsa.emulate import Numerics  # noqa: E402
 from needlescope.dsa.rankdump import validate_rankdump  # noqa: E402
 from needlescope.organism.bundle import save_random  # noqa: E402
-from needlescope.organism.demo import pick_case_to_explain, pick_failing_case  # noqa: E402
+from needlescope.organism.demo import (  # noqa: E402
+    Setting,
+    default_fixes,
+    pick_case_to_explain,
+    pick_failing_case,
+)
+from needlescope.report.diagnosis import render_diagnosis  # noqa: E402
 from needlescope.report.probe import validate_summary  # noqa: E402
 
 
@@ -80,8 +87,10 @@ def test_demo_on_a_random_checkpoint_writes_a_diagnosis(tmp_path):
     dump = json.loads((out / "rankdump.json").read_text())
     validate_rankdump(dump)
     assert dump["index_topk"] == 8 and dump["numerics"]["index_k"] == "fp8_e4m3"
+    assert dump["patch"] == "fault:indexer_page_table"
     fixes = json.loads((out / "fixes.json").read_text())
-    assert [f["numerics"]["index_topk"] for f in fixes["fixes"]] == [8, 16, 16]
+    assert [f["numerics"]["index_topk"] for f in fixes["fixes"]] == [8, 16, 32, 16, 8]
+    assert [f["patch"] for f in fixes["fixes"]] == ["fault:indexer_page_table"] * 4 + [None]
     text = (out / "DIAGNOSIS.md").read_text()
     for heading in (
         "## Where recall collapses",
@@ -90,3 +99,83 @@ def test_demo_on_a_random_checkpoint_writes_a_diagnosis(tmp_path):
     ):
         assert heading in text
     assert "reference/heatmap.png" in text and fixes["case_id"] in text
+
+
+def test_default_fixes_try_the_deployment_without_its_patch_last():
+    plain = default_fixes(Setting(Numerics(index_k="fp8_e4m3", index_topk=64)))
+    assert [(f.numerics.index_k, f.numerics.index_topk, f.patch) for f in plain] == [
+        ("bf16", 64, None),
+        ("fp8_e4m3", 128, None),
+        ("fp8_e4m3", 256, None),
+        ("bf16", 128, None),
+    ]
+    patched = default_fixes(Setting(Numerics(index_k="fp8_e4m3", index_topk=64), "fault:indexer_key_slot"))
+    assert patched[-1] == Setting(Numerics(index_k="fp8_e4m3", index_topk=64))
+    assert {f.patch for f in patched[:-1]} == {"fault:indexer_key_slot"}
+
+
+def _summary(recall: float) -> dict:
+    return {
+        "cells": [{"length": 256, "depth": 0.0, "correct": round(4 * recall), "n": 4}],
+        "threshold": 0.85,
+        "effective_length": 256 if recall >= 0.85 else None,
+        "cliff": None,
+    }
+
+
+def _dump(selected: bool) -> dict:
+    pos = {
+        "needle_entries": [3],
+        "visible_entries": 64,
+        "best_rank": 1 if selected else 40,
+        "margin": 0.5 if selected else -0.5,
+        "margin_frac": 0.1,
+        "selected": selected,
+    }
+    return {"index_topk": 8, "generated_text": "12", "layers": [{"layer": 1, "positions": [pos]}]}
+
+
+def test_diagnosis_blames_no_cutoff_when_the_needle_was_selected_but_a_fix_restores_the_answer():
+    case = {"case_id": "c", "length": 256, "depth": 0.0, "expected": ["13"]}
+    fixes = [
+        {"label": "k=bf16", "selected_all_layers": True, "answer_correct": False},
+        {"label": "no patch", "selected_all_layers": True, "answer_correct": True},
+    ]
+    kw = dict(
+        model="m",
+        reference=_summary(1.0),
+        deployment=_summary(0.5),
+        deployment_label="dep",
+        case=case,
+        why="w",
+    )
+    text = render_diagnosis(rankdump=_dump(True), fixes=fixes, **kw)
+    assert "the top-k cutoff is not what failed; `no patch` restores the answer" in text
+    text = render_diagnosis(rankdump=_dump(False), fixes=fixes, **kw)
+    assert (
+        "ranks the needle's best entry 40 of 64" in text
+        and "restores both selection and the answer: `no patch`" in text
+    )
+    text = render_diagnosis(rankdump=_dump(True), fixes=fixes[:1], **kw)
+    assert "the cause is outside the indexer's top-k" in text
+
+
+def test_demo_with_an_unknown_fault_exits_2_before_serving(tmp_path):
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "needlescope.cli.main",
+            "demo",
+            "--out",
+            str(tmp_path / "o"),
+            "--deploy-patch",
+            "fault:nope",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert res.returncode == 2
+    assert "unknown fault 'nope'" in res.stderr and len(res.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "o").exists()

@@ -34,6 +34,7 @@ from needlescope.serve.metrics import ServeMetrics
         ("max_running_requests", 0, "--max-running-requests"),
         ("device", "tpu", "--device"),
         ("patch", "/no/such/patch.py", "--patch"),
+        ("patch", "fault:nope", "--patch: unknown fault 'nope'; built-in faults: "),
     ],
 )
 def test_config_rejects_bad_values_naming_the_flag(field, value, words):

@@ -1,7 +1,8 @@
 """``needlescope demo``: the main job on the embedded default, the shipped organism.
 
 Serves the checkpoint (``--model``, default ``organism``) twice, with reference indexer numerics
-and with a deployment-like setting, probes both with multiturn needles, rank-dumps the failing
+and with a deployment-like setting (fp8 keys, ``index_topk`` 64, the built-in
+``fault:indexer_page_table``), probes both with multiturn needles, rank-dumps the failing
 case, tries the fixes and writes ``DIAGNOSIS.md`` (``needlescope.organism.demo``). A progress
 bar advances through the six phases.
 """
@@ -20,7 +21,11 @@ def demo_command(
     out: Path = typer.Option(Path("demo-out"), "--out", help="Output directory (replaced)."),
     model: str = typer.Option("organism", "--model", help="'organism' or a DeepSeek-V4 checkpoint dir."),
     deploy_index_k: str = typer.Option("fp8_e4m3", help="Deployment-like index-key precision."),
-    deploy_index_topk: int = typer.Option(1, help="Deployment-like index_topk."),
+    deploy_index_topk: int = typer.Option(64, help="Deployment-like index_topk."),
+    deploy_patch: str = typer.Option(
+        "fault:indexer_page_table",
+        help="Patch of the deployment-like server: a Python file, a built-in fault:NAME, or 'none'.",
+    ),
     lengths: str = typer.Option("256,512,1024", help="Probe lengths (comma-separated)."),
     trials: int = typer.Option(2, help="Trials per cell."),
     device: str = typer.Option("cpu", help="cpu | cuda | cuda:N"),
@@ -29,7 +34,7 @@ def demo_command(
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from needlescope.dsa.emulate import Numerics
+    from needlescope.dsa.emulate import Numerics, load_patch
     from needlescope.organism.demo import DemoConfig, run_organism_demo
     from needlescope.run.config import parse_int_list
 
@@ -37,10 +42,13 @@ def demo_command(
         model=model,
         out=out,
         deployment=Numerics(index_k=deploy_index_k, index_topk=deploy_index_topk),
+        patch=None if deploy_patch == "none" else deploy_patch,
         lengths=tuple(parse_int_list(lengths, "--lengths")),
         trials=trials,
         device=device,
     )
+    if cfg.patch is not None:
+        load_patch(cfg.patch)  # a bad patch fails here, not inside the deployment server
     if out.exists():
         shutil.rmtree(out)
     console = Console()

@@ -19,7 +19,10 @@ from needlescope.run.config import parse_float_list, parse_int_list
 
 console = Console()
 
-_PATCH_HELP = "Python file defining apply(model) (may return an undo callable), applied to the candidate."
+_PATCH_HELP = (
+    "Python file defining apply(model) (may return an undo callable), or a built-in fault:NAME; "
+    "applied to the candidate."
+)
 
 
 def _write(out: Path, name: str, text: str) -> Path:

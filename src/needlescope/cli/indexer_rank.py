@@ -70,7 +70,9 @@ def rank_dump_command(
     index_q: str = typer.Option("fp32", "--index-q", help="Index-query precision."),
     score_dtype: str = typer.Option("fp32", "--score-dtype", help="Score accumulation dtype: fp32 | bf16."),
     index_topk: int = typer.Option(None, "--index-topk", help="Override the checkpoint's index_topk."),
-    patch: Path = typer.Option(None, "--patch", help="Python file defining apply(model)."),
+    patch: Path = typer.Option(
+        None, "--patch", help="Python file defining apply(model), or a built-in fault:NAME."
+    ),
     positions: str = typer.Option(
         None, "--positions", help="Comma-separated query positions (default: the answer positions)."
     ),
@@ -234,7 +236,9 @@ def sweep_command(
         "--value-digits",
         help="Digits per needle value (default: the checkpoint's training.json, else 7).",
     ),
-    patch: Path = typer.Option(None, "--patch", help="Python file defining apply(model)."),
+    patch: Path = typer.Option(
+        None, "--patch", help="Python file defining apply(model), or a built-in fault:NAME."
+    ),
     device: str = typer.Option("cpu", "--device", help="cpu | cuda | cuda:N"),
     out: Path = typer.Option(..., "--out", help="Output directory."),
 ) -> None:

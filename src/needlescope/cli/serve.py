@@ -26,7 +26,9 @@ def serve_command(
     index_q: str = typer.Option(None, "--index-q", help="Index-query precision."),
     score_dtype: str = typer.Option(None, "--score-dtype", help="Indexer score accumulation: fp32 | bf16."),
     index_topk: int = typer.Option(None, "--index-topk", help="Indexer top-k (default: the checkpoint's)."),
-    patch: str = typer.Option(None, "--patch", help="Python file defining apply(model)."),
+    patch: str = typer.Option(
+        None, "--patch", help="Python file defining apply(model), or a built-in fault:NAME."
+    ),
     host: str = typer.Option(DEFAULT_HOST, "--host"),
     port: int = typer.Option(DEFAULT_PORT, "--port", help="0 picks a free port."),
     max_queued_requests: int = typer.Option(

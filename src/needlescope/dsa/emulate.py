@@ -23,8 +23,9 @@ keys as a single prefill.
 selected entries and (optionally) the full score rows, so that prefill and every decode
 step of a generation can be replayed as SGLang's ``indexer_topk`` capture.
 
-A user patch (``--patch FILE.py``) is a Python file defining ``apply(model)``; it may return
-a zero-argument callable that undoes it, which ``emulate`` calls on exit.
+A user patch (``--patch FILE.py``, or a built-in ``fault:NAME`` of ``needlescope.dsa.faults``)
+is a Python file defining ``apply(model)``; it may return a zero-argument callable that undoes
+it, which ``emulate`` calls on exit. ``wrap_scorers`` is the helper most patches need.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ __all__ = [
     "csa_indexers",
     "emulate",
     "load_patch",
+    "wrap_scorers",
 ]
 
 SCORE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -175,11 +177,37 @@ def csa_indexers(model: torch.nn.Module) -> list[tuple[int, torch.nn.Module]]:
     return found
 
 
+def wrap_scorers(model: torch.nn.Module, wrap: Callable[[Callable], Callable]) -> Callable[[], None]:
+    """Replace every CSA indexer scorer's ``forward`` by ``wrap(current_forward)``; returns the undo.
+
+    The building block of fault patches: ``current_forward`` is whatever scores now (the
+    emulated numerics inside ``emulate``, else the class's own), with the scorer signature
+    ``(q [B,S,H,D], compressed_kv [B,L,D], hidden_states [B,S,hidden]) -> scores [B,S,L]``.
+    """
+    saved = []
+    for _, indexer in csa_indexers(model):
+        scorer = indexer.scorer
+        saved.append((scorer, scorer.__dict__.get("forward")))
+        scorer.forward = wrap(scorer.forward)
+
+    def undo() -> None:
+        for scorer, own in saved:
+            if own is None:
+                scorer.__dict__.pop("forward", None)
+            else:
+                scorer.forward = own
+
+    return undo
+
+
 def load_patch(path: str | Path) -> Callable[[torch.nn.Module], object]:
-    """The ``apply(model)`` function of a user patch file; BadInput if missing or not callable."""
-    path = Path(path)
-    if not path.is_file():
-        raise BadInput(f"patch file {str(path)!r} does not exist")
+    """The ``apply(model)`` function of a patch file (or a built-in ``fault:NAME``).
+
+    BadInput if the file is missing, fails to import, or has no callable ``apply``.
+    """
+    from needlescope.dsa.faults import resolve_patch
+
+    path = resolve_patch(path)
     spec = importlib.util.spec_from_file_location(f"needlescope_patch_{path.stem}", path)
     if spec is None or spec.loader is None:
         raise BadInput(f"patch file {str(path)!r} cannot be imported as Python")

@@ -3,12 +3,14 @@
 ``run_organism_demo(DemoConfig(model=..., out=...), on_phase)`` runs, in order:
 
 1. **serve**: two real ``needlescope serve`` processes on loopback, one with reference indexer
-   numerics (fp32, the checkpoint's ``index_topk``), one with the deployment-like setting;
+   numerics (fp32, the checkpoint's ``index_topk``), one with the deployment-like setting
+   (numerics plus an optional patch, by default the built-in ``fault:indexer_page_table``);
 2. **probe**: ``run_probe`` with multiturn needles against each (``reference/``, ``deployment/``);
 3. **rank dump**: the failing case (right under the reference, wrong under the deployment,
    longest length first) is replayed in-process under the deployment numerics (``rankdump.json``);
-4. **fixes**: the same case under each candidate fix (bf16 keys, a doubled ``index_topk``, both):
-   is the needle selected, is the answer right (``fixes.json``);
+4. **fixes**: the same case under each candidate fix (``default_fixes``: bf16 keys, larger
+   ``index_topk``, and, when the deployment carries a patch, the same numerics without it): is the needle
+   selected, is the answer right (``fixes.json``);
 5. **report**: ``DIAGNOSIS.md`` from those artifacts (``needlescope.report.diagnosis``).
 
 Every artifact is written through its own documented schema; the report reads only them.
@@ -19,7 +21,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from needlescope.dsa.emulate import Numerics
@@ -32,6 +34,7 @@ from needlescope.serve.launch import ServerProcess
 
 __all__ = [
     "DemoConfig",
+    "Setting",
     "default_fixes",
     "run_organism_demo",
     "explain_failure",
@@ -43,14 +46,31 @@ Phase = Callable[[str, dict], None]
 
 
 @dataclass(frozen=True)
+class Setting:
+    """Indexer numerics plus an optional patch (a Python file or a built-in ``fault:NAME``)."""
+
+    numerics: Numerics
+    patch: str | None = None
+
+    def label(self) -> str:
+        return self.numerics.label() + (f" patch={self.patch}" if self.patch else "")
+
+    def to_dict(self) -> dict:
+        return {"numerics": self.numerics.to_dict(), "patch": self.patch, "label": self.label()}
+
+
+@dataclass(frozen=True)
 class DemoConfig:
     """What the demo probes. ``deployment`` is the setting under suspicion."""
 
     model: str
     out: Path
-    # fp8 keys as SGLang stores them, and index_topk 1 of the 1,024 entries at 4K (0.1%): the
-    # order of DeepSeek-V4-Flash's 512 of 262,144 entries (0.2%) at 1M tokens (docs/organism.md).
-    deployment: Numerics = Numerics(index_k="fp8_e4m3", index_topk=1)
+    # fp8 keys as SGLang stores them, index_topk 64 (every entry at 256 tokens, 1/16 of them at
+    # 4K), and a Triton indexer that reads the paged key cache without the block table:
+    # precision and top-k alone cost this organism at most 8 points at 4K; with the fault,
+    # recall holds only while top-k covers every entry (docs/organism.md, "Deployment-like settings").
+    deployment: Numerics = Numerics(index_k="fp8_e4m3", index_topk=64)
+    patch: str | None = "fault:indexer_page_table"
     lengths: tuple[int, ...] = (256, 512, 1024)
     depths: tuple[float, ...] = (0.0, 50.0, 100.0)
     trials: int = 2
@@ -60,7 +80,7 @@ class DemoConfig:
     value_digits: int | None = None
     device: str = "cpu"
     concurrency: int = 2
-    fixes: tuple[Numerics, ...] = field(default=())
+    fixes: tuple[Setting, ...] = field(default=())
 
     def __post_init__(self) -> None:
         if self.deployment.index_topk is None:
@@ -70,25 +90,39 @@ class DemoConfig:
         if self.concurrency < 1:
             raise BadInput(f"concurrency must be >= 1, got {self.concurrency}")
 
-    def fix_candidates(self) -> tuple[Numerics, ...]:
-        return self.fixes or default_fixes(self.deployment)
+    @property
+    def setting(self) -> Setting:
+        return Setting(self.deployment, self.patch)
+
+    def fix_candidates(self) -> tuple[Setting, ...]:
+        return self.fixes or default_fixes(self.setting)
 
 
-def default_fixes(d: Numerics) -> tuple[Numerics, ...]:
-    """The fixes tried on a failing case: bf16 keys, a doubled ``index_topk``, both."""
-    return (
-        Numerics(index_k="bf16", index_q=d.index_q, score_dtype=d.score_dtype, index_topk=d.index_topk),
-        Numerics(
-            index_k=d.index_k, index_q=d.index_q, score_dtype=d.score_dtype, index_topk=2 * d.index_topk
-        ),
-        Numerics(index_k="bf16", index_q=d.index_q, score_dtype=d.score_dtype, index_topk=2 * d.index_topk),
-    )
+def default_fixes(d: Setting) -> tuple[Setting, ...]:
+    """The fixes tried on a failing case, cheapest first: bf16 keys, ``index_topk`` doubled and
+    quadrupled, bf16 keys with the doubled top-k (each keeping the deployment's patch), and,
+    when there is a patch, the same numerics without it."""
+    n = d.numerics
+    bf16 = Numerics(index_k="bf16", index_q=n.index_q, score_dtype=n.score_dtype, index_topk=n.index_topk)
+    fixes = [
+        Setting(bf16, d.patch),
+        Setting(replace(n, index_topk=2 * n.index_topk), d.patch),
+        Setting(replace(n, index_topk=4 * n.index_topk), d.patch),
+        Setting(replace(bf16, index_topk=2 * n.index_topk), d.patch),
+    ]
+    if d.patch:
+        fixes.append(Setting(n))
+    return tuple(fixes)
 
 
-def serve_args(model: str, numerics: Numerics | None, threads: int = 1, device: str = "cpu") -> list[str]:
+def serve_args(
+    model: str, numerics: Numerics | None, threads: int = 1, device: str = "cpu", patch: str | None = None
+) -> list[str]:
     """``needlescope serve`` arguments for ``model`` under ``numerics`` (None: the checkpoint's own)."""
     args = ["--model", model, "--port", "0", "--threads", str(threads), "--served-model-name", "organism"]
     args += ["--device", device]
+    if patch:
+        args += ["--patch", patch]
     if numerics is not None:
         args += [
             "--index-k",
@@ -176,7 +210,7 @@ def run_organism_demo(cfg: DemoConfig, on_phase: Phase, on_event=lambda *_: None
     on_phase("serve", {"model": str(path)})
     with (
         ServerProcess(serve_args(str(path), None, cfg.threads, cfg.device)) as ref_srv,
-        ServerProcess(serve_args(str(path), cfg.deployment, cfg.threads, cfg.device)) as dep_srv,
+        ServerProcess(serve_args(str(path), cfg.deployment, cfg.threads, cfg.device, cfg.patch)) as dep_srv,
     ):
         for name, srv in (("reference", ref_srv), ("deployment", dep_srv)):
             on_phase(f"probe {name}", {"url": srv.url})
@@ -186,7 +220,7 @@ def run_organism_demo(cfg: DemoConfig, on_phase: Phase, on_event=lambda *_: None
         cfg.out,
         reference_dir=cfg.out / "reference",
         deployment_dir=cfg.out / "deployment",
-        numerics=cfg.deployment,
+        deployment=cfg.setting,
         fixes=cfg.fix_candidates(),
         on_phase=on_phase,
         device=cfg.device,
@@ -199,12 +233,12 @@ def explain_failure(
     *,
     reference_dir: Path,
     deployment_dir: Path,
-    numerics: Numerics,
-    fixes: tuple[Numerics, ...],
+    deployment: Setting,
+    fixes: tuple[Setting, ...],
     on_phase: Phase,
     device: str = "cpu",
 ) -> Path:
-    """Rank-dump the failing case of two finished probes (``deployment_dir`` ran under ``numerics``),
+    """Rank-dump the failing case of two finished probes (``deployment_dir`` ran under ``deployment``),
     try each fix on it, and write ``rankdump.json``, ``fixes.json`` and DIAGNOSIS.md into ``out``."""
     from needlescope.dsa.rankdump import rank_dump, validate_rankdump
     from needlescope.organism.bundle import load_bundle
@@ -218,7 +252,8 @@ def explain_failure(
         tokenizer,
         case["messages"],
         needle=case["needle"],
-        numerics=numerics,
+        numerics=deployment.numerics,
+        patch=deployment.patch,
         expected=case["expected"],
         label=case_id,
     )
@@ -232,13 +267,13 @@ def explain_failure(
             tokenizer,
             case["messages"],
             needle=case["needle"],
-            numerics=fix,
+            numerics=fix.numerics,
+            patch=fix.patch,
             expected=case["expected"],
         )
         tried.append(
             {
-                "numerics": fix.to_dict(),
-                "label": fix.label(),
+                **fix.to_dict(),
                 "selected_all_layers": all(
                     layer["positions"][0]["selected"] for layer in d["layers"] if layer["positions"]
                 ),
@@ -255,7 +290,7 @@ def explain_failure(
         model=str(path),
         reference=json.loads((reference_dir / "summary.json").read_text()),
         deployment=json.loads((deployment_dir / "summary.json").read_text()),
-        deployment_label=numerics.label(),
+        deployment_label=deployment.label(),
         case=case,
         why=why,
         rankdump=dump,

@@ -107,7 +107,8 @@ def render_diagnosis(
     else:
         lines += [
             "",
-            "Every CSA layer selected a needle entry at the first answer position: the indexer is not the cause here.",
+            "Every CSA layer selected a needle entry at the first answer position: the top-k cutoff did not drop "
+            "the needle here.",
         ]
     lines += [
         "",
@@ -123,13 +124,24 @@ def render_diagnosis(
         )
     working = [f for f in fixes if f["selected_all_layers"] and f["answer_correct"]]
     selecting = [f for f in fixes if f["selected_all_layers"]]
-    if not dropped:
+    restoring = [f for f in fixes if f["answer_correct"]]
+    if not dropped and restoring:
         lines += [
             "",
-            "The deployment already selected the needle in every CSA layer, so these settings cannot fix it.",
+            "The deployment selected a needle entry in every CSA layer and still answered wrong, so the top-k "
+            f"cutoff is not what failed; `{restoring[0]['label']}` restores the answer.",
+        ]
+    elif not dropped:
+        lines += [
+            "",
+            "The deployment already selected the needle in every CSA layer and no candidate restores the answer: "
+            "the cause is outside the indexer's top-k.",
         ]
     elif working:
-        lines += ["", f"Cheapest fix that restores both selection and the answer: `{working[0]['label']}`."]
+        lines += [
+            "",
+            f"First fix, in the order tried, that restores both selection and the answer: `{working[0]['label']}`.",
+        ]
     elif selecting:
         lines += [
             "",
@@ -143,7 +155,8 @@ def render_diagnosis(
         ]
     lines += [
         "",
-        "Artifacts: `reference/` and `deployment/` (probe outputs), `rankdump.json`, `fixes.json`.",
+        f"Artifacts: `{Path(heatmaps[0]).parent}/` and `{Path(heatmaps[1]).parent}/` (probe outputs), "
+        "`rankdump.json`, `fixes.json`.",
         "",
     ]
     return "\n".join(lines)

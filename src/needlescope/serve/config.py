@@ -72,8 +72,13 @@ class ServeConfig:
             )
         if self.index_topk is not None and self.index_topk < 1:
             raise BadInput(f"--index-topk must be a positive integer; got {self.index_topk}")
-        if self.patch is not None and not Path(self.patch).is_file():
-            raise BadInput(f"--patch {self.patch!r} is not a file")
+        if self.patch is not None:
+            from needlescope.dsa.faults import resolve_patch
+
+            try:
+                resolve_patch(self.patch)
+            except BadInput as exc:
+                raise BadInput(f"--patch: {exc}") from None
         if not 0 <= self.port <= 65535:
             raise BadInput(f"--port must be in 0..65535; got {self.port}")
         if self.max_running_requests < 1:

@@ -1,0 +1,44 @@
+"""Built-in indexer faults: patch files that reproduce bugs a fast indexer kernel can have.
+
+Each module here is an ordinary ``--patch`` file (it defines ``apply(model)`` and returns the
+undo), shipped so that a fault can be rehearsed end to end: serve the organism with one, probe
+it, and check that ``needlescope indexer rank`` / ``diff`` point at it. Name one anywhere a
+patch file is accepted as ``fault:NAME``, e.g. ``needlescope serve --patch fault:indexer_key_slot``.
+
+Measured on the organism (docs/organism.md): ``indexer_key_slot`` at fp8 keys and
+``index_topk`` 64 drops multiturn recall at 4K by ~46 points; ``indexer_key_positions`` and
+``indexer_fp8_no_scale`` leave it unchanged.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from needlescope.errors import BadInput
+
+__all__ = ["FAULT_PREFIX", "fault_names", "resolve_patch"]
+
+FAULT_PREFIX = "fault:"
+_DIR = Path(__file__).parent
+
+
+def fault_names() -> list[str]:
+    """Names of the built-in faults, sorted."""
+    return sorted(p.stem for p in _DIR.glob("*.py") if p.stem != "__init__")
+
+
+def resolve_patch(spec: str | Path) -> Path:
+    """The patch file that ``spec`` names: ``fault:NAME`` for a built-in, else a path.
+
+    Raises BadInput for an unknown fault name or a path that is not a file.
+    """
+    text = str(spec)
+    if text.startswith(FAULT_PREFIX):
+        name = text[len(FAULT_PREFIX) :]
+        if name not in fault_names():
+            raise BadInput(f"unknown fault {name!r}; built-in faults: {', '.join(fault_names())}")
+        return _DIR / f"{name}.py"
+    path = Path(text)
+    if not path.is_file():
+        raise BadInput(f"patch file {text!r} does not exist; pass a Python file or fault:NAME")
+    return path
