@@ -1,4 +1,4 @@
-"""Shared fixtures: the scripted loopback server."""
+"""Shared fixtures: the scripted loopback server, a tiny organism training stage."""
 
 from __future__ import annotations
 
@@ -56,3 +56,18 @@ def run_cli(monkeypatch, capsys):
         return code, out, err
 
     return run
+
+
+@pytest.fixture
+def tiny_train() -> dict:
+    """``TrainConfig`` keywords for a seconds-long CPU stage (32-wide model, short examples, no eval)."""
+    return dict(
+        tokens_per_batch=1024,
+        min_len=128,
+        max_len=256,
+        workers=0,
+        eval_examples=0,
+        warmup=1,
+        log_every=1,
+        config_overrides={"hidden_size": 32, "moe_intermediate_size": 32},
+    )

@@ -128,21 +128,14 @@ def test_hash_routing_table_is_seeded_distinct_and_saved(tmp_path):
     assert all(a.equal(b) for a, b in zip(tables, other, strict=True))
 
 
-def test_window_curriculum_switches_to_the_checkpoint_window(tmp_path):
+def test_window_curriculum_switches_to_the_checkpoint_window(tmp_path, tiny_train):
     cfg = TrainConfig(
+        **tiny_train,
         steps_dense=4,
         steps_distil=1,
-        tokens_per_batch=1024,
-        min_len=128,
-        max_len=256,
-        workers=0,
-        eval_examples=0,
-        warmup=1,
-        log_every=1,
         wide_window=256,
         wide_window_frac=0.5,
         value_digits_start=1,
-        config_overrides={"hidden_size": 32, "moe_intermediate_size": 32},
     )
     rec = train(cfg, tmp_path / "w", device="cpu")
     windows = [e["window"] for e in rec["log"] if e["phase"] == "dense"]

@@ -1,4 +1,10 @@
-"""``needlescope organism train``: reproduce the shipped organism checkpoint."""
+"""``needlescope organism train``: reproduce the shipped organism checkpoint, or train one stage.
+
+With only ``--out`` (and optionally ``--seed``, ``--device``, ``--workers``) it runs the
+shipped recipe (``needlescope.organism.recipe``): two stages and the bf16 cast, the final
+checkpoint in ``--out`` and stage 1 in ``--out/stage1``. Any recipe flag instead trains one
+stage: ``TrainConfig`` defaults plus the flags given.
+"""
 
 from __future__ import annotations
 
@@ -16,7 +22,7 @@ console = Console()
 def train_command(
     out: Path = typer.Option(..., "--out", help="Directory for the checkpoint and training.json."),
     seed: int = typer.Option(0, help="Seed for weights and data."),
-    steps_dense: int = typer.Option(None, help="Dense steps (default: the shipped recipe's)."),
+    steps_dense: int = typer.Option(None, help="Dense steps (any recipe flag trains one custom stage)."),
     steps_distil: int = typer.Option(None, help="Indexer-distillation steps."),
     steps_sparse: int = typer.Option(None, help="Sparse fine-tuning steps (0 skips the phase)."),
     sparse_topk: int = typer.Option(None, help="index_topk during sparse fine-tuning."),
@@ -50,7 +56,7 @@ def train_command(
     device: str = typer.Option("cuda", help="torch device: cuda or cpu."),
     workers: int = typer.Option(None, help="Data-loader worker processes."),
 ) -> None:
-    """Train the organism (dense + indexer distillation [+ sparse]) and save a checkpoint."""
+    """Reproduce the shipped organism (only --out given), or train one custom stage."""
     import torch
 
     from needlescope.errors import BadInput
@@ -64,7 +70,6 @@ def train_command(
     overrides = {
         k: v
         for k, v in dict(
-            seed=seed,
             steps_dense=steps_dense,
             steps_distil=steps_distil,
             steps_sparse=steps_sparse,
@@ -72,7 +77,6 @@ def train_command(
             tokens_per_batch=tokens_per_batch,
             max_minutes=max_minutes,
             dense_stop=dense_stop,
-            workers=workers,
             lr=lr,
             init_from=str(init_from) if init_from else None,
             value_digits=value_digits,
@@ -88,13 +92,24 @@ def train_command(
         ).items()
         if v is not None
     }
-    try:
-        cfg = TrainConfig(**overrides)
-    except ValueError as exc:
-        raise BadInput(str(exc)) from exc
 
     def show(entry: dict) -> None:
         console.print(json.dumps(entry), highlight=False, soft_wrap=True)
+
+    if not overrides:
+        from needlescope.organism.recipe import train_recipe
+
+        done = train_recipe(out, seed=seed, device=device, workers=workers, on_log=show)
+        for stage in done["stages"]:
+            console.print(f"stage {stage['out']}: steps {stage['steps']}, {stage['wall_s']} s")
+        console.print(f"shipped recipe, {done['wall_s']} s -> {out} (bf16)")
+        return
+    if workers is not None:
+        overrides["workers"] = workers
+    try:
+        cfg = TrainConfig(seed=seed, **overrides)
+    except ValueError as exc:
+        raise BadInput(str(exc)) from exc
 
     record = train(cfg, out, device=device, on_log=show)
     console.print(f"steps {record['steps']}, {record['wall_s']} s -> {out}")

@@ -54,7 +54,8 @@ TRAINING_SCHEMA = {
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """Recipe knobs; defaults are the shipped organism's recipe."""
+    """One training stage's knobs. The shipped organism is two stages of these
+    (``needlescope.organism.recipe.SHIPPED_STAGES``), not the defaults."""
 
     seed: int = 0
     steps_dense: int = 1500
