@@ -4,7 +4,7 @@
 ``DIR/stage1``, stage 2 from it to ``DIR``, then the fp32 weights in ``DIR`` are cast to bf16
 for the package. The stages are the ones whose run produced the shipped weights (their
 ``training.json`` configs are in docs/organism_runs/ and the package; a test holds the two
-equal), and a re-run of the same stages on an H200 gave all 195 tensors bit for bit
+equal), and this runner on an H200 reproduced all 195 tensors bit for bit
 (docs/organism.md).
 
     stage 1: dense training, 1400-step schedule stopped at step 607: a 256-token sliding
