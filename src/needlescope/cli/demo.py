@@ -34,7 +34,7 @@ def demo_command(
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from needlescope.dsa.emulate import Numerics, load_patch
+    from needlescope.dsa.emulate import Numerics
     from needlescope.organism.demo import DemoConfig, run_organism_demo
     from needlescope.run.config import parse_int_list
 
@@ -47,8 +47,6 @@ def demo_command(
         trials=trials,
         device=device,
     )
-    if cfg.patch is not None:
-        load_patch(cfg.patch)  # a bad patch fails here, not inside the deployment server
     if out.exists():
         shutil.rmtree(out)
     console = Console()

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from needlescope.dsa.emulate import Numerics
+from needlescope.dsa.emulate import Numerics, load_patch
 from needlescope.errors import BadInput
 from needlescope.report.diagnosis import write_diagnosis
 from needlescope.run.config import ProbeConfig
@@ -89,6 +89,8 @@ class DemoConfig:
             raise BadInput(f"trials must be >= 1, got {self.trials}")
         if self.concurrency < 1:
             raise BadInput(f"concurrency must be >= 1, got {self.concurrency}")
+        if self.patch is not None:
+            load_patch(self.patch)  # a bad patch fails here, not inside the deployment server
 
     @property
     def setting(self) -> Setting:

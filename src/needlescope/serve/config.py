@@ -73,6 +73,7 @@ class ServeConfig:
         if self.index_topk is not None and self.index_topk < 1:
             raise BadInput(f"--index-topk must be a positive integer; got {self.index_topk}")
         if self.patch is not None:
+            # needlescope.dsa's package init imports torch; this module stays importable without it.
             from needlescope.dsa.faults import resolve_patch
 
             try:

@@ -5,9 +5,9 @@ undo), shipped so that a fault can be rehearsed end to end: serve the organism w
 it, and check that ``needlescope indexer rank`` / ``diff`` point at it. Name one anywhere a
 patch file is accepted as ``fault:NAME``, e.g. ``needlescope serve --patch fault:indexer_key_slot``.
 
-Measured on the organism (docs/organism.md): ``indexer_key_slot`` at fp8 keys and
-``index_topk`` 64 drops multiturn recall at 4K by ~46 points; ``indexer_key_positions`` and
-``indexer_fp8_no_scale`` leave it unchanged.
+Measured on the organism at fp8 keys and ``index_topk`` 64 (docs/faults.md): multiturn recall
+at 4K falls from 0.99 to 0.14 under ``indexer_page_table`` and to 0.53 under
+``indexer_key_slot``; ``indexer_key_positions`` and ``indexer_fp8_no_scale`` leave it unchanged.
 """
 
 from __future__ import annotations
