@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml constraints.txt
 install: $(STAMP)
 
 demo: $(STAMP)
-	HF_HUB_OFFLINE=1 $(BIN)/needlescope demo --out demo-out
+	PYTHONPATH=$(CURDIR)/src HF_HUB_OFFLINE=1 $(BIN)/needlescope demo --out demo-out
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests bench
@@ -26,7 +26,7 @@ format: $(STAMP)
 	$(BIN)/ruff check --fix src tests bench
 
 test: $(STAMP) lint
-	HF_HUB_OFFLINE=1 $(BIN)/pytest -q -n 2 tests
+	PYTHONPATH=$(CURDIR)/src HF_HUB_OFFLINE=1 $(BIN)/pytest -q -n 2 tests
 
 clean:
 	rm -rf $(VENV) demo-out
