@@ -10,7 +10,8 @@ the shipped numbers in docs/organism.md come from ``needlescope probe`` against
         --lengths 256,1024,2048,4096 --depths 0,25,50,75,100 --trials 20 --out recall.json
 
 A setting may add ``:rot``/``:norot`` (Hadamard rotation) and ``@PATCH`` (a file or ``fault:NAME``),
-e.g. ``pt64:fp8_e4m3:fp32:64@fault:indexer_page_table``.
+e.g. ``pt64:fp8_e4m3:fp32:64@fault:indexer_page_table``. A patch is applied once per setting; when it
+returns no undo, the next setting loads a fresh model instead of inheriting the patched one.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 
 from needlescope.cases.assemble import CaseSpec, build_cases
 from needlescope.cases.scoring import score_answer
-from needlescope.dsa.emulate import Numerics, emulate
+from needlescope.dsa.emulate import Numerics, apply_patch_once, emulate, patched_for_good
 from needlescope.organism.bundle import load_bundle, trained_value_digits
 
 
@@ -114,14 +115,22 @@ def main() -> None:
         numerics = Numerics(index_k=k, index_q=q, index_topk=int(topk), hadamard=hadamard)
         t1 = time.time()
         cells: dict[str, list[int]] = {}
-        with emulate(model, numerics, patch=patch or None):
-            for group in by_len.values():
-                for c, ans in zip(
-                    group, _answers(model, tokenizer, group, args.device, args.batch, 12), strict=True
-                ):
-                    cell = cells.setdefault(f"{c.length}:{c.depth:g}", [0, 0])
-                    cell[0] += int(score_answer(ans, c.expected))
-                    cell[1] += 1
+        if patched_for_good(model):
+            # The previous setting's patch returned no undo: it would leak into this one.
+            model = load_bundle(args.model, device=args.device)[0]
+        with emulate(model, numerics):
+            undo = apply_patch_once(model, patch) if patch else None
+            try:
+                for group in by_len.values():
+                    for c, ans in zip(
+                        group, _answers(model, tokenizer, group, args.device, args.batch, 12), strict=True
+                    ):
+                        cell = cells.setdefault(f"{c.length}:{c.depth:g}", [0, 0])
+                        cell[0] += int(score_answer(ans, c.expected))
+                        cell[1] += 1
+            finally:
+                if undo is not None:
+                    undo()
         per_len: dict[str, list[int]] = {}
         for key, (hit, n) in cells.items():
             agg = per_len.setdefault(key.split(":")[0], [0, 0])

@@ -21,6 +21,7 @@ from needlescope.dsa.diff import (  # noqa: E402
 )
 from needlescope.dsa.emulate import Numerics, csa_indexers  # noqa: E402
 from needlescope.dsa.prompt import needle_token_span, render_prompt  # noqa: E402
+from needlescope.errors import BadInput  # noqa: E402
 from needlescope.organism.bundle import load_bundle, save_random  # noqa: E402
 from needlescope.schema import check_schema  # noqa: E402
 
@@ -46,11 +47,10 @@ def tiny(tmp_path_factory):
 @pytest.fixture(scope="module")
 def pair(tiny):
     ref, tok, _ = load_bundle(tiny)
-    cand, _, _ = load_bundle(tiny)
     prompt = render_prompt(tok, [{"role": "user", "content": _prompt_text()}])
     span = needle_token_span(prompt, NEEDLE)
     ids = torch.tensor([prompt.input_ids])
-    return ref, cand, ids, span
+    return ref, lambda: load_bundle(tiny)[0], ids, span
 
 
 def _patch(tmp_path, body: str):
@@ -65,7 +65,8 @@ def _by_name(result: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def noop_result(pair, tmp_path_factory):
-    ref, cand, ids, span = pair
+    ref, fresh, ids, span = pair
+    cand = fresh()
     patch = _patch(tmp_path_factory.mktemp("noop"), "def apply(model):\n    return None\n")
     return localize(ref, cand, ids, numerics=Numerics(), patch=patch, needle_span=span)
 
@@ -103,7 +104,8 @@ def test_forward_order_and_hc_streams(pair, noop_result):
 
 
 def test_scaled_mlp_is_the_first_divergent_module(pair, tmp_path):
-    ref, cand, ids, span = pair
+    ref, fresh, ids, span = pair
+    cand = fresh()
     patch = _patch(
         tmp_path,
         """
@@ -124,10 +126,14 @@ def test_scaled_mlp_is_the_first_divergent_module(pair, tmp_path):
     # The hook is gone afterwards: the candidate runs clean again.
     again = localize(ref, cand, ids, numerics=Numerics(), patch=_patch(tmp_path, "def apply(m):\n    pass\n"))
     assert again["first_divergent_module"] is None
+    # That patch returned no undo: the candidate is marked and may not be reused.
+    with pytest.raises(BadInput, match="no undo"):
+        localize(ref, cand, ids, numerics=Numerics(index_k="bf16"))
 
 
 def test_buggy_scorer_is_found_in_its_indexer(pair, tmp_path):
-    ref, cand, ids, span = pair
+    ref, fresh, ids, span = pair
+    cand = fresh()
     patch = _patch(
         tmp_path,
         """
@@ -154,7 +160,8 @@ def test_buggy_scorer_is_found_in_its_indexer(pair, tmp_path):
 
 
 def test_fp4_diverges_inside_a_csa_attention(pair):
-    ref, cand, ids, span = pair
+    ref, fresh, ids, span = pair
+    cand = fresh()
     result = localize(
         ref, cand, ids, numerics=Numerics(index_k="fp4_e2m1", index_q="fp4_e2m1"), needle_span=span
     )

@@ -146,3 +146,80 @@ def test_tiny_grid_with_generation_reports_answer_recall(tiny):
     (run,) = res["runs"]
     assert isinstance(run["answer"], str) and isinstance(run["answer_correct"], bool)
     assert "/" in render_sweep_md(res)
+    lo, hi = cell["answer_recall_ci95"]
+    assert lo <= cell["answer_recall"] <= hi and res["judged_by"] == "answer_recall"
+    assert any("answer recall" in v for v in res["verdict"])
+
+
+def _scale_patch(tmp_path, log):
+    # Not idempotent and no undo: multiplies every router's routed scale in place, and logs
+    # the scale it found, so the test can see how often and on what it was applied.
+    path = tmp_path / "routed_scale.py"
+    path.write_text(
+        "def apply(model):\n"
+        "    for name, mod in model.named_modules():\n"
+        "        if hasattr(mod, 'routed_scaling_factor'):\n"
+        f"            open({str(log)!r}, 'a').write(f'{{id(model)}} {{mod.routed_scaling_factor}}\\n')\n"
+        "            mod.routed_scaling_factor = mod.routed_scaling_factor * 1.5\n"
+    )
+    return path
+
+
+def test_patch_without_undo_is_applied_once_per_model(tiny, tmp_path):
+    model, tok = tiny
+    path = save_random(tmp_path / "fresh", seed=2, **TINY)
+    log = tmp_path / "applied.log"
+    cfg = SweepConfig(
+        lengths=(128,),
+        index_topk=(2, 64),
+        kind="single",
+        depths=(30.0, 70.0),
+        generate=False,
+        patch=str(_scale_patch(tmp_path, log)),
+    )
+    loaded = []
+
+    def reload():
+        loaded.append(load_bundle(path)[0])
+        return loaded[-1]
+
+    res = run_sweep(reload(), tok, cfg, reload=reload)
+    validate_sweep(res)
+    lines = log.read_text().split("\n")[:-1]
+    seen = {}
+    for line in lines:
+        owner, scale = line.split()
+        seen.setdefault(owner, []).append(float(scale))
+    # One application per setting, each on its own fresh model, each finding the unpatched scale.
+    assert len(seen) == 2 == len(loaded) and len(res["runs"]) == 4
+    original = model.config.routed_scaling_factor
+    assert all(s == original for scales in seen.values() for s in scales)
+    # Without a way to reload, a second setting is refused rather than run on a patched model.
+    with pytest.raises(BadInput, match="no undo"):
+        run_sweep(load_bundle(path)[0], tok, cfg)
+
+
+def test_footnote_and_verdict_follow_the_k_actually_used(tiny, tmp_path):
+    model, tok = tiny
+    # The patch doubles every indexer's k inside the run (and undoes it): at length 128 (32
+    # entries) index_topk 16 becomes 32, which covers every entry, so the cell is starred.
+    patch = tmp_path / "double_k.py"
+    patch.write_text(
+        "from needlescope.dsa.emulate import csa_indexers\n"
+        "def apply(model):\n"
+        "    idx = [i for _, i in csa_indexers(model)]\n"
+        "    for i in idx:\n"
+        "        i.index_topk *= 2\n"
+        "    def undo():\n"
+        "        for i in idx:\n"
+        "            i.index_topk //= 2\n"
+        "    return undo\n"
+    )
+    cfg = SweepConfig(lengths=(128,), index_topk=(16,), kind="single", generate=False, patch=str(patch))
+    res = run_sweep(model, tok, cfg)
+    (cell,) = res["cells"]
+    assert cell["k_used"] == 32 and res["runs"][0]["k_used"] == 32
+    assert " *" in render_sweep_md(res) and "actually used" in render_sweep_md(res)
+    plain = run_sweep(model, tok, SweepConfig(lengths=(128,), index_topk=(16,), kind="single", generate=False))
+    assert plain["cells"][0]["k_used"] == 16 and " *" not in render_sweep_md(plain)
+    assert res["judged_by"] == "selection_rate"

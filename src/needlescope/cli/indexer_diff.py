@@ -12,6 +12,7 @@ from pathlib import Path
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from needlescope.cli.indexer import indexer_app
 from needlescope.errors import BadInput, ProbeError
@@ -47,14 +48,23 @@ def diff_command(
         None, "--index-topk", help="index_topk for both runs (default: the checkpoint's)."
     ),
     patch: Path = typer.Option(None, "--patch", help=_PATCH_HELP),
-    growth: float = typer.Option(4.0, "--growth", help="Error growth a module may add per step (>= 1)."),
+    growth: float = typer.Option(
+        None,
+        "--growth",
+        help="Fixed error growth per module (>= 1), overriding the calibrated budgets (default: calibrate).",
+    ),
+    allow: list[str] = typer.Option(
+        None,
+        "--allow",
+        help="PATTERN=bf16|fp16: modules (fnmatch on the name) declared to run at a reduced precision; repeatable.",
+    ),
 ) -> None:
     """Run reference and candidate side by side and name the first module that diverges too much."""
     import torch
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    from needlescope.dsa.diff import diff_to_json, localize, render_diff_md
+    from needlescope.dsa.diff import diff_to_json, localize, parse_allow, render_diff_md
     from needlescope.dsa.emulate import REFERENCE, Numerics, load_patch
     from needlescope.dsa.prompt import needle_token_span, read_prompt_file, render_prompt
     from needlescope.organism.bundle import load_bundle, require_deepseek_v4, resolve_model_dir
@@ -67,8 +77,9 @@ def diff_command(
             "the candidate equals the reference; give candidate numerics (--index-k/--index-q/--score-dtype) "
             "or a --patch FILE"
         )
-    if growth < 1:
+    if growth is not None and growth < 1:
         raise BadInput(f"--growth must be >= 1, got {growth}")
+    allowed = parse_allow(allow)
     path = resolve_model_dir(model)
     require_deepseek_v4(path)
     messages = read_prompt_file(prompt)
@@ -82,18 +93,33 @@ def diff_command(
         raise BadInput(f"the tokenizer of {str(path)!r} renders the prompt differently when loaded twice")
     ids = torch.tensor([rendered.input_ids])
     result = localize(
-        reference, candidate, ids, numerics=numerics, patch=patch, needle_span=span, growth=growth
+        reference,
+        candidate,
+        ids,
+        numerics=numerics,
+        patch=patch,
+        needle_span=span,
+        growth=growth,
+        allow=allowed,
     )
     _write(out, "diff.json", diff_to_json(result))
     _write(out, "diff.md", render_diff_md(result))
     first = result["first_divergent_module"]
-    console.print(f"first divergent module: [bold]{first or 'none'}[/]")
+    # Module names hold "[call 2]": user data is escaped so rich markup cannot eat it.
+    console.print(f"first divergent module: [bold]{escape(first or 'none')}[/]")
+    if first is None:
+        console.print(result["summary"])
+    for m in result["modules"]:
+        if m["verdict"] in ("diverges", "reduced precision, within its rounding", "within precision"):
+            console.print(f"  {escape(m['module'])}: {m['verdict']}")
     for r in result["layers"]:
         console.print(
-            f"layer {r['layer']}: top-k overlap {r['topk_overlap']:.3f}, needle rank "
+            f"layer {r['layer']}: top-k overlap {r['topk_overlap']:.3f} ({r['positions_changed']}/"
+            f"{r['positions']} positions changed), needle rank "
             f"{r['needle_rank_reference']} -> {r['needle_rank_candidate']}"
+            + ("" if r["rank_consistent"] else " (rank and selection disagree)")
         )
-    console.print(f"wrote {out}/diff.json, diff.md")
+    console.print(f"wrote {escape(str(out))}/diff.json, diff.md")
 
 
 def _load_tokenizer(name: str):
@@ -219,7 +245,7 @@ def capture_command(
     for r in layers:
         first = r["selected_at_first_answer"]
         console.print(f"layer {r['layer']}: needle selected at first answer position: {first}")
-    console.print(f"wrote {out}/capture.json, capture.md")
+    console.print(f"wrote {escape(str(out))}/capture.json, capture.md")
 
 
 @indexer_app.command("synthetic")
@@ -273,4 +299,4 @@ def synthetic_command(
     md = render_synthetic_md(result)
     _write(out, "synthetic.md", md)
     console.print(md, markup=False, highlight=False, soft_wrap=True)
-    console.print(f"wrote {out}/synthetic.json, synthetic.md")
+    console.print(f"wrote {escape(str(out))}/synthetic.json, synthetic.md")

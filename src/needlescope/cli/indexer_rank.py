@@ -13,6 +13,7 @@ from pathlib import Path
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from needlescope.cli.indexer import indexer_app
@@ -190,12 +191,12 @@ def _render_rank_summary(dumps: list[dict], label: str, stab: dict | None) -> No
         for layer in d["layers"]:
             if not layer["positions"]:
                 table.add_row(
-                    d["label"], str(d["prompt_tokens"]), str(layer["layer"]), "-", "-", "-", "window"
+                    escape(d["label"]), str(d["prompt_tokens"]), str(layer["layer"]), "-", "-", "-", "window"
                 )
                 continue
             p = layer["positions"][0]
             table.add_row(
-                d["label"],
+                escape(d["label"]),
                 str(d["prompt_tokens"]),
                 str(layer["layer"]),
                 str(p["best_rank"]),
@@ -208,7 +209,7 @@ def _render_rank_summary(dumps: list[dict], label: str, stab: dict | None) -> No
         for d, one in zip(dumps, stab.get("prompts", [stab]), strict=True):
             s = one["summary"]
             console.print(
-                f"{d['label']} vs reference: mean top-k recall {s['mean_recall']:.4f}, "
+                f"{escape(d['label'])} vs reference: mean top-k recall {s['mean_recall']:.4f}, "
                 f"{s['changed_positions']}/{s['rows']} rows changed, {s['needle_flips']} needle flips"
             )
 
@@ -277,11 +278,18 @@ def sweep_command(
         def on_progress(done: int, total: int) -> None:
             progress.update(task, completed=done, total=total)
 
-        result = run_sweep(mdl, tokenizer, cfg, model_label=str(path), on_progress=on_progress)
+        result = run_sweep(
+            mdl,
+            tokenizer,
+            cfg,
+            model_label=str(path),
+            on_progress=on_progress,
+            reload=lambda: _load_v4(model, device)[0],
+        )
     validate_sweep(result)
     out.mkdir(parents=True, exist_ok=True)
     _write_json(out / "sweep.json", result)
     (out / "sweep.md").write_text(render_sweep_md(result), encoding="utf-8")
     for line in result["verdict"]:
-        console.print(f"- {line}")
-    console.print(f"wrote {out}/sweep.json, sweep.md")
+        console.print(f"- {escape(line)}")
+    console.print(f"wrote {escape(str(out))}/sweep.json, sweep.md")

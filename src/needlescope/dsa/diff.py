@@ -2,87 +2,86 @@
 
 The reference and the candidate are the same weights loaded twice. The reference runs with
 fp32 indexer numerics (``Numerics(index_topk=candidate.index_topk)``: ``index_topk`` is a
-selection setting, not a precision, so both sides select the same number of entries); the
-candidate runs under ``emulate(candidate, numerics, patch=...)``. Forward hooks on every
-sub-module record the module's first output tensor (the output itself, or the first tensor
-of a tuple or of a ``ModelOutput``) and every floating-point tensor among its inputs
-(positional and keyword, looking two levels into tuples, lists and dicts). Rows are listed
-in the order the hooks fire in the reference run: a module fires when it *returns*, so
-children come before their parent and every module after the modules that produced its
-inputs. A module called several times per forward (rotary embeddings) gets one row per
-call, ``name[call 2]`` and so on. Two extra probes per decoder layer measure the
-hyper-connection residual streams ``[B, S, hc_mult, hidden]``:
-``model.layers.N.hc_streams_in`` (recorded when the layer starts) and the decoder layer's
-own row ``model.layers.N`` (its output, the streams leaving it).
+selection setting, not a precision); the candidate runs under ``emulate(candidate, numerics,
+patch=...)``. ``needlescope.dsa.replay.Recorder`` records every module call of both runs
+(what its caller passed in, what its forward saw, its whole output, the call it ran inside).
+Rows are listed in the order calls return in the reference run (children before their
+parent); a module called several times gets ``name[call 2]``, ...; each decoder layer adds a
+probe ``model.layers.N.hc_streams_in`` of the streams entering it.
 
-Error measures (all norm-wise, over the whole tensor, in float64):
+**The budget rule: a module answers for its own code, measured from its own inputs.** For
+every module call the reference module is replayed on the *candidate's* inputs, with every
+module it calls stubbed to return the candidate's recorded output (``replay.replay_own``).
 
-* ``rel_err = ||cand - ref|| / ||ref||`` for floating outputs (entries equal in both, such
-  as matching ``-inf``, count as zero difference; 0/0 is 0, x/0 is inf);
-* for a ``DeepseekV4Indexer`` (its output is the top-k index tensor) ``rel_err = 1 - recall``:
-  the fraction of the reference's selected entries the candidate did not select, averaged
-  over query rows with at least one selection;
-* for any other integer output, the fraction of elements that differ.
+* ``own_err`` = the larger of (a) the candidate's output against the replay's and (b) the
+  largest error between what the candidate's code and the reference code handed to a callee.
+  Error that first appears between a module's inputs and its callees' inputs (keys roped or
+  quantised in the indexer's plain code) or after its last callee (masking, scaling or
+  buffering of the scores before the top-k) is therefore the module's own; error that
+  arrives through its inputs or callees never is.
+* ``own_budget``, what the module's configured numerics explain: ``4 u`` of its output dtype
+  (fp32 ``2**-24``); for an indexer scorer under emulated numerics, ``margin x`` the move of
+  the reference scorer when its queries and keys get noise of the size of this call's measured
+  quantisation errors ``eps_q``, ``eps_k``, plus ``margin x u_acc``; for a module of reduced
+  precision ``p`` (detected: every value of a candidate output tensor round-trips exactly
+  through ``p`` while the replay's does not, or the inputs its forward saw were rounded to
+  ``p`` by its own pre-hooks; or declared with ``allow``), ``margin x u_p`` plus, when its
+  inputs are rounded, ``margin x`` its move under input noise of relative size ``u_p``.
+  ``p`` is bf16 (``2**-8``) when values round-trip through it, else fp16 (``2**-11``).
 
-``expected_rel_err``, what the candidate's precision explains, is a *local* rule: a module
-is expected to pass on the error it receives and add at most the rounding of the numerics
-it computes in::
+**The calibrated propagation budget.** ``rel_err`` (candidate against reference output) is
+compared with ``expected_rel_err``: ``margin x`` how far the reference module's output moves
+when each of its floating inputs gets Gaussian noise of the size of the error that input
+actually carries (``replay.calibrate``: an empirical condition number, ``draws`` seeded
+draws, ``margin`` 4 by default), and at least ``4 u``. Only modules that amplify
+(``rel_err > max(in_err, 4 u)``) are calibrated; for the others ``expected_rel_err`` is
+``max(in_err, 4 u)``. A fixed ``growth`` replaces every calibration (``growth x in_err``, the
+scorer's ``growth x (eps_q + eps_k + u_acc)``, ``growth x u_p`` per rounding). For an
+indexer the propagation budget is also at least the fraction of selections that score noise
+of the scorer's budget could swap (``swappable_fraction``).
 
-    expected = max(growth * in_err, floor)
+**Verdicts** (``verdict``), in this order:
 
-* ``in_err``: the largest ``rel_err`` among the module's floating inputs (candidate vs
-  reference inputs, measured at the module). An error that arrives is never blamed on the
-  module it arrives at, only amplification beyond ``growth`` (default 4) is.
-* ``floor`` for ordinary modules: ``growth * u`` with ``u`` the unit roundoff of the
-  output dtype (fp32 2**-24, bf16 2**-8, fp16 2**-11).
-* ``floor`` for an indexer scorer (the one op the emulated numerics change):
-  ``growth * (eps_q + eps_k + u_acc)``, where ``eps_q`` and ``eps_k`` are the *measured*
-  norm-wise quantisation errors of this call's own queries and keys under the candidate's
-  quantisers (after the Hadamard rotation when it applies) and ``u_acc`` is the unit
-  roundoff of the score dtype. So fp4 keys may move the scores by up to about 4x their
-  own rounding error without being flagged, while a patched scorer running at fp32
-  numerics is flagged as soon as it differs.
-* ``floor`` for an indexer's selection: the fraction of reference selections that score
-  noise of the scorer's ``expected_rel_err`` could swap. Per query row t with
-  ``v_t > k`` visible entries, ``delta_t = expected(scorer) * max_s |I_ref(t, s)|``; a selected
-  entry is at risk when its reference score is within ``2 delta_t`` of the best unselected
-  one, an unselected entry is a contender when within ``2 delta_t`` of the k-th score; the
-  row can lose at most ``min(at_risk, contenders)`` of its k selections. The floor is the
-  mean of that fraction over rows.
+* ``"diverges"``: ``own_err > own_budget``; the module's own code moved its output (or its
+  callees' inputs) more than its numerics explain. ``exceeds`` is true exactly here.
+* ``"reduced precision, within its rounding"``: own error above ``4 u`` but within the
+  budget of a detected or declared reduced precision.
+* ``"within precision"``: an indexer scorer whose own error the emulated numerics explain.
+* ``"explained"``: its own code reproduces the candidate from the candidate's inputs and
+  callee outputs, yet its output moved more than ``expected_rel_err``: the movement comes
+  from justified changes upstream (an attention reading a top-k set that changed within
+  precision, a router flipping a near tie).
+* ``"ok"``: within its propagation budget. Probes (``hc_streams_in``) get ``"probe"``.
 
-``exceeds = rel_err > expected_rel_err``, except that a module one of whose own sub-modules
-already exceeds is not flagged again (its ``inner_divergent`` names that sub-module, the more
-precise location; a decoder layer is never blamed for its attention's divergence).
-``first_divergent_module`` is the first exceeding row in forward order, or null. The streams-in probes only measure (their ``in_err`` is their
-own error), so they never exceed. A discrete choice downstream of a clean input (an
-attention reading a different top-k set, a router picking another expert) shows as an
-exceeding module: its output moved more than its input error and its own rounding explain.
-That is the event this command localises.
+``first_divergent_module`` is the first ``"diverges"`` row, or null, and then ``summary``
+says ``"no module diverges beyond what its precision explains"``. ``inner_divergent`` names
+the first diverging module inside a row (informational: a parent is judged by its own code).
 
-Per CSA layer: ``topk_overlap`` is the mean over all query positions (rows with at least one
-reference selection) of |cand ∩ ref| / |ref| over valid (non -1) entries, and the needle's
-best rank (``rankdump.needle_rank_stats``: 1 + non-needle visible entries scoring >= the
-best needle entry) in the reference and the candidate scores at the last prompt position
-(the query that produces the first answer token). A rank is null when no needle entry is
-visible there yet.
+Per CSA layer: the candidate's and reference's selections compared as sets
+(``selection_error``: mean over rows of |A Δ B| / |A ∪ B|, so additions count as drops do;
+``topk_overlap = 1 - selection_error``; ``positions_changed`` = rows whose set changed), and
+the needle's rank at the last prompt position **in the scores the top-k call actually
+ranked** (``IndexerCapture`` keeps them): 1 + non-needle entries with a finite score >= the
+best needle entry's; ``k`` is the k that call used. ``rank_consistent`` checks that a rank
+<= k means selected.
 
-``diff.json`` schema (``DIFF_SCHEMA``; keys beyond these may be added)::
+``diff.json`` schema (``DIFF_SCHEMA``)::
 
     {"modules": [{"module": str, "kind": "module" | "indexer_selection" | "hc_streams_in"
                   | "hc_streams_out", "type": str, "rel_err": float, "in_err": float,
-                  "expected_rel_err": float, "exceeds": bool,
-                  "inner_divergent": str | null}, ...],                  # forward order
-     "first_divergent_module": str | null,
-     "layers": [{"layer": int, "index_topk": int, "topk_overlap": float,
-                 "positions_changed": int, "positions": int,
-                 "needle_entries": [int], "needle_rank_reference": int | null,
-                 "needle_rank_candidate": int | null,
-                 "needle_selected_reference": bool | null, "needle_selected_candidate": bool | null}],
-     "numerics": {"index_k": str, "index_q": str, "score_dtype": str, "index_topk": int | null,
-                  "hadamard": bool | null},
-     "reference_numerics": {...same keys...},
-     "patch": str | null, "prompt_tokens": int, "needle_token_span": [int, int] | null,
-     "query_pos": int, "growth": float,
+                  "expected_rel_err": float, "calibrated": bool, "own_err": float | null,
+                  "own_budget": float | null, "precision": "bf16" | "fp16" | null,
+                  "verdict": str, "exceeds": bool, "inner_divergent": str | null}, ...],
+     "first_divergent_module": str | null, "summary": str,
+     "layers": [{"layer": int, "index_topk": int, "k_reference": int | null,
+                 "k_candidate": int | null, "topk_overlap": float, "selection_error": float,
+                 "positions_changed": int, "positions": int, "needle_entries": [int],
+                 "needle_rank_reference": int | null, "needle_rank_candidate": int | null,
+                 "needle_selected_reference": bool | null, "needle_selected_candidate": bool | null,
+                 "rank_consistent": bool}],
+     "numerics": {...}, "reference_numerics": {...}, "patch": str | null,
+     "prompt_tokens": int, "needle_token_span": [int, int] | null, "query_pos": int,
+     "growth": float | null, "margin": float, "draws": int, "allow": {str: str},
      "unmatched": {"reference_only": [str], "candidate_only": [str]}}
 
 Non-finite numbers are written as JSON strings ``"inf"`` / ``"nan"`` by ``diff_to_json``.
@@ -90,67 +89,128 @@ Non-finite numbers are written as JSON strings ``"inf"`` / ``"nan"`` by ``diff_t
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import math
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 
-from needlescope.dsa.emulate import SCORE_DTYPES, IndexerCapture, Numerics, csa_indexers, emulate
+from needlescope.dsa.emulate import (
+    SCORE_DTYPES,
+    IndexerCapture,
+    Numerics,
+    check_unpatched,
+    csa_indexers,
+    emulate,
+)
 from needlescope.dsa.prompt import covering_entries
 from needlescope.dsa.quant import get_quantizer, hadamard_128
-from needlescope.dsa.rankdump import needle_rank_stats, selected_in
+from needlescope.dsa.rankdump import selected_in
+from needlescope.dsa.replay import (
+    INDEXER,
+    Call,
+    Recorder,
+    calibrate,
+    membership,
+    rel_err,
+    replay_own,
+    roundtrips,
+    selection_error,
+    tensors,
+)
+from needlescope.errors import BadInput
 
 __all__ = [
-    "DEFAULT_GROWTH",
+    "DEFAULT_MARGIN",
+    "DEFAULT_DRAWS",
     "DIFF_SCHEMA",
+    "PRECISION_DTYPES",
+    "NO_DIVERGENCE",
     "unit_roundoff",
     "rel_err",
+    "selection_error",
     "selection_recall",
     "swappable_fraction",
+    "parse_allow",
     "localize",
     "diff_to_json",
     "render_diff_md",
 ]
 
-DEFAULT_GROWTH = 4.0
+DEFAULT_MARGIN = 4.0
+DEFAULT_DRAWS = 2
+FLOOR_FACTOR = 4.0
+NO_DIVERGENCE = "no module diverges beyond what its precision explains"
 _SCORER = "DeepseekV4IndexerScorer"
-_INDEXER = "DeepseekV4Indexer"
-_DECODER = "DeepseekV4DecoderLayer"
+PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+"""Reduced precisions a module may be detected at or declared with (``allow``), coarsest first."""
 
+_NUM = {"type": ["number", "string"]}
 DIFF_SCHEMA: dict = {
     "type": "object",
-    "required": ["modules", "first_divergent_module", "layers", "numerics", "patch", "prompt_tokens"],
+    "required": [
+        "modules",
+        "first_divergent_module",
+        "summary",
+        "layers",
+        "numerics",
+        "patch",
+        "prompt_tokens",
+    ],
     "properties": {
         "modules": {
             "type": "array",
             "items": {
                 "type": "object",
-                "required": ["module", "rel_err", "expected_rel_err", "exceeds"],
+                "required": [
+                    "module",
+                    "rel_err",
+                    "expected_rel_err",
+                    "own_err",
+                    "own_budget",
+                    "verdict",
+                    "exceeds",
+                ],
                 "properties": {
                     "module": {"type": "string"},
                     "kind": {"type": "string"},
                     "type": {"type": "string"},
-                    "rel_err": {"type": ["number", "string"]},
-                    "in_err": {"type": ["number", "string"]},
-                    "expected_rel_err": {"type": ["number", "string"]},
+                    "rel_err": _NUM,
+                    "in_err": _NUM,
+                    "expected_rel_err": _NUM,
+                    "own_err": {"type": ["number", "string", "null"]},
+                    "own_budget": {"type": ["number", "string", "null"]},
+                    "precision": {"type": ["string", "null"]},
+                    "verdict": {"type": "string"},
                     "exceeds": {"type": "boolean"},
                 },
             },
         },
         "first_divergent_module": {"type": ["string", "null"]},
+        "summary": {"type": "string"},
         "layers": {
             "type": "array",
             "items": {
                 "type": "object",
-                "required": ["layer", "topk_overlap", "needle_rank_reference", "needle_rank_candidate"],
+                "required": [
+                    "layer",
+                    "topk_overlap",
+                    "selection_error",
+                    "positions_changed",
+                    "needle_rank_reference",
+                    "needle_rank_candidate",
+                    "rank_consistent",
+                ],
                 "properties": {
                     "layer": {"type": "integer"},
                     "topk_overlap": {"type": "number"},
+                    "selection_error": {"type": "number"},
+                    "positions_changed": {"type": "integer"},
                     "needle_rank_reference": {"type": ["integer", "null"]},
                     "needle_rank_candidate": {"type": ["integer", "null"]},
+                    "rank_consistent": {"type": "boolean"},
                 },
             },
         },
@@ -174,59 +234,25 @@ def unit_roundoff(dtype: torch.dtype) -> float:
     return _UNIT_ROUNDOFF.get(dtype, 0.0)
 
 
-def rel_err(cand: torch.Tensor, ref: torch.Tensor) -> float:
-    """||cand - ref|| / ||ref|| in float64 over whole tensors of one shape.
-
-    Equal entries (also equal infinities) contribute zero difference; a finite/non-finite
-    mismatch or a shape mismatch gives inf. Non-finite reference entries are left out of
-    ||ref||. Integer tensors: the fraction of differing elements.
-    """
-    if cand.shape != ref.shape:
-        return math.inf
-    if ref.numel() == 0:
-        return 0.0
-    if not (ref.is_floating_point() or ref.is_complex()):
-        return float((cand.to(ref.device) != ref).double().mean())
-    a, b = cand.detach().to(ref.device).double(), ref.detach().double()
-    same = a == b
-    if bool((~same & ~(torch.isfinite(a) & torch.isfinite(b))).any()):
-        return math.inf
-    diff = torch.where(same, torch.zeros_like(a), a - b)
-    num = float(diff.norm())
-    den = float(torch.where(torch.isfinite(b), b, torch.zeros_like(b)).norm())
-    if num == 0.0:
-        return 0.0
-    return num / den if den > 0 else math.inf
-
-
 def selection_recall(cand: torch.Tensor, ref: torch.Tensor) -> tuple[float, int, int]:
     """Top-k set recall of ``ref`` by ``cand``: (mean recall, rows changed, rows counted).
 
-    cand, ref: [N, k] (or [..., k], flattened to rows) entry indices, -1 = no entry. Rows
-    where ``ref`` has no valid entry are skipped. Recall of a row = |cand ∩ ref| / |ref|;
-    a row is changed when the two valid sets differ. Memory O(N * L), L = largest index + 1.
+    cand, ref: [N, k] entry indices, -1 = no entry. Rows where ``ref`` has no valid entry are
+    skipped. Recall counts drops only; ``selection_error`` counts additions too.
     """
     r = ref.reshape(-1, ref.shape[-1]).long()
     c = cand.reshape(-1, cand.shape[-1]).long().to(r.device)
     if r.shape[0] != c.shape[0]:
         raise ValueError(f"cand has {c.shape[0]} rows, ref has {r.shape[0]}")
     L = int(max(int(r.max()) if r.numel() else -1, int(c.max()) if c.numel() else -1)) + 1
-    mask_r, mask_c = _membership(r, L), _membership(c, L)  # [N, L]
-    n_ref = mask_r.sum(-1)  # [N]
+    mask_r, mask_c = membership(r, L), membership(c, L)  # [N, L]
+    n_ref = mask_r.sum(-1)
     rows = n_ref > 0
     if not bool(rows.any()):
         return 1.0, 0, 0
-    both = (mask_r & mask_c).sum(-1)  # [N]
-    recall = both[rows].double() / n_ref[rows].double()
+    recall = (mask_r & mask_c).sum(-1)[rows].double() / n_ref[rows].double()
     changed = (mask_r != mask_c).any(-1) & rows
     return float(recall.mean()), int(changed.sum()), int(rows.sum())
-
-
-def _membership(idx: torch.Tensor, L: int) -> torch.Tensor:
-    """Bool [N, L]: entry l is among row n's indices (-1 ignored). idx: [N, k]."""
-    out = torch.zeros(idx.shape[0], L + 1, dtype=torch.bool, device=idx.device)
-    out.scatter_(1, torch.where(idx >= 0, idx, torch.full_like(idx, L)), True)
-    return out[:, :L]
 
 
 def swappable_fraction(scores: torch.Tensor, visible: torch.Tensor, k: int, delta: torch.Tensor) -> float:
@@ -254,101 +280,21 @@ def swappable_fraction(scores: torch.Tensor, visible: torch.Tensor, k: int, delt
     return float(frac[active].mean()) if bool(active.any()) else 0.0
 
 
-# ---------------------------------------------------------------------------- recording
-
-
-def _float_tensors(obj, depth: int = 0) -> Iterator[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        if obj.is_floating_point():
-            yield obj
-    elif depth < 3 and isinstance(obj, (tuple, list)):
-        for x in obj:
-            yield from _float_tensors(x, depth + 1)
-    elif depth < 3 and isinstance(obj, dict):
-        for key in sorted(obj, key=str):
-            yield from _float_tensors(obj[key], depth + 1)
-
-
-def _first_tensor(out) -> torch.Tensor | None:
-    """The output itself, or the first tensor of a tuple/list or of a ``ModelOutput``-style mapping."""
-    if isinstance(out, torch.Tensor):
-        return out
-    items = out.values() if isinstance(out, Mapping) else out if isinstance(out, (tuple, list)) else ()
-    return next((x for x in items if isinstance(x, torch.Tensor)), None)
-
-
-@dataclass
-class _Row:
-    key: str
-    kind: str
-    type: str
-    out: torch.Tensor | None
-    inputs: list[torch.Tensor] = field(default_factory=list)
-    positions: torch.Tensor | None = None  # [B, S], indexers only
-
-
-class _Recorder:
-    """Forward hooks on every named sub-module of a model; rows in hook-firing order."""
-
-    def __init__(self, model: torch.nn.Module):
-        self.model = model
-        self.rows: list[_Row] = []
-        self._calls: dict[str, int] = {}
-        self._handles: list = []
-
-    def _key(self, name: str) -> str:
-        n = self._calls.get(name, 0) + 1
-        self._calls[name] = n
-        return name if n == 1 else f"{name}[call {n}]"
-
-    def _post(self, name: str, mod: torch.nn.Module):
-        tname = type(mod).__name__
-
-        def hook(module, args, kwargs, output):
-            out = _first_tensor(output)
-            kind = "module"
-            if tname == _INDEXER:
-                kind = "indexer_selection"
-            elif tname == _DECODER:
-                kind = "hc_streams_out"
-            row = _Row(
-                key=self._key(name),
-                kind=kind,
-                type=tname,
-                out=None if out is None else out.detach(),
-                inputs=[t.detach() for t in _float_tensors((args, kwargs))],
+def parse_allow(specs) -> dict[str, str]:
+    """``["model.layers.*.attn_hc=bf16", ...]`` -> {pattern: precision}; BadInput on a bad entry."""
+    out: dict[str, str] = {}
+    for spec in specs or ():
+        pattern, sep, prec = str(spec).partition("=")
+        if not sep or not pattern or prec not in PRECISION_DTYPES:
+            raise BadInput(
+                f"--allow {spec!r} is not PATTERN=PRECISION; PRECISION is one of {', '.join(PRECISION_DTYPES)}, "
+                "e.g. --allow 'model.layers.*.attn_hc=bf16'"
             )
-            if tname == _INDEXER:
-                pos = args[2] if len(args) > 2 else kwargs["position_ids"]
-                row.positions = pos.detach()
-            self.rows.append(row)
-
-        return hook
-
-    def _pre(self, name: str):
-        def hook(module, args, kwargs):
-            hs = args[0] if args else kwargs["hidden_states"]
-            key = self._key(f"{name}.hc_streams_in")
-            self.rows.append(_Row(key=key, kind="hc_streams_in", type="streams", out=hs.detach(), inputs=[]))
-
-        return hook
-
-    def __enter__(self) -> _Recorder:
-        for name, mod in self.model.named_modules():
-            if not name:
-                continue
-            if type(mod).__name__ == _DECODER:
-                self._handles.append(mod.register_forward_pre_hook(self._pre(name), with_kwargs=True))
-            self._handles.append(mod.register_forward_hook(self._post(name, mod), with_kwargs=True))
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
+        out[pattern] = prec
+    return out
 
 
-# ---------------------------------------------------------------------------- comparison
+# ---------------------------------------------------------------------------- judging one call
 
 
 def _quant_error(x: torch.Tensor, name: str, rotate: bool) -> float:
@@ -358,74 +304,162 @@ def _quant_error(x: torch.Tensor, name: str, rotate: bool) -> float:
     return rel_err(get_quantizer(name)(x32), x32)
 
 
-def _visible(positions: torch.Tensor, ratio: int) -> torch.Tensor:
-    return (positions.reshape(-1).long() + 1) // ratio  # [N]
+def _base(key: str) -> str:
+    return key.rsplit("[call ", 1)[0] if key.endswith("]") else key
+
+
+def _reduced_precision(cand: Call, replayed, declared: str | None) -> tuple[str | None, bool]:
+    """(coarsest reduced precision the candidate's output or forward inputs show, inputs rounded?)."""
+    found, inputs = [], False
+    if declared is not None:
+        found.append(declared)
+        inputs = True
+    outs = [t for t in tensors(cand.output) if t.is_floating_point()]
+    reps = [t for t in tensors(replayed) if t.is_floating_point()]
+    for name, dt in PRECISION_DTYPES.items():
+        if any(roundtrips(c, dt) and not roundtrips(r, dt) for c, r in zip(outs, reps)):
+            found.append(name)
+        if any(
+            s.shape == c.shape and not torch.equal(s, c) and roundtrips(s, dt)
+            for s, c in zip(cand.seen, cand.inputs)
+        ):
+            found.append(name)
+            inputs = True
+    if not found:
+        return None, False
+    return max(found, key=lambda n: unit_roundoff(PRECISION_DTYPES[n])), inputs
+
+
+class _Judge:
+    """Budgets and verdicts for the calls of one reference/candidate pair."""
+
+    def __init__(
+        self, reference, numerics: Numerics, growth, margin: float, draws: int, allow: dict[str, str]
+    ):
+        self.reference, self.numerics, self.growth = reference, numerics, growth
+        self.margin, self.draws, self.allow = margin, draws, allow
+
+    def _calibrated(self, ref: Call, sizes: list[float], selection: bool = False) -> float:
+        return calibrate(self.reference, ref, sizes, draws=self.draws, selection=selection)
+
+    def own(self, ref: Call, cand: Call, callees: list[Call], floor: float) -> dict:
+        """own_err, own_budget, precision and the own part of the verdict of one module call."""
+        is_indexer = ref.type == INDEXER
+        out_err, in_err, replayed = replay_own(self.reference, cand, callees, selection=is_indexer)
+        own_err = max(out_err, in_err)
+        declared = next(
+            (p for pat, p in self.allow.items() if fnmatch.fnmatchcase(_base(ref.key), pat)), None
+        )
+        precision, inputs_rounded = declared, declared is not None
+        if own_err > floor:  # only then can a reduced precision matter
+            precision, inputs_rounded = _reduced_precision(cand, replayed, declared)
+        budget, label = floor, None
+        n = self.numerics
+        emulated = (n.index_k, n.index_q, n.score_dtype) != ("fp32", "fp32", "fp32")
+        if ref.type == _SCORER and emulated and len(cand.inputs) >= 2:
+            q, k = cand.inputs[0], cand.inputs[1]
+            rotate = self.numerics.rotates and q.shape[-1] == 128
+            eps_q, eps_k = (
+                _quant_error(q, self.numerics.index_q, rotate),
+                _quant_error(k, self.numerics.index_k, rotate),
+            )
+            u_acc = unit_roundoff(SCORE_DTYPES[self.numerics.score_dtype])
+            if self.growth is not None:
+                budget = max(floor, self.growth * (eps_q + eps_k + u_acc))
+            else:
+                moved = self._calibrated(ref, [eps_q, eps_k] + [0.0] * (len(ref.inputs) - 2))
+                budget = max(floor, self.margin * (moved + u_acc))
+            label = "within precision"
+        if precision is not None:
+            u_p = unit_roundoff(PRECISION_DTYPES[precision])
+            if self.growth is not None:
+                p_budget = self.growth * u_p * (2 if inputs_rounded else 1)
+            else:
+                moved = self._calibrated(ref, [u_p] * len(ref.inputs), is_indexer) if inputs_rounded else 0.0
+                p_budget = self.margin * (u_p + moved)
+            budget = max(budget, p_budget)
+            label = "reduced precision, within its rounding"
+        if own_err > budget:
+            verdict = "diverges"
+        elif own_err > floor and label is not None:
+            verdict = label
+        else:
+            verdict = None  # decided by the propagation budget
+        return {"own_err": own_err, "own_budget": budget, "precision": precision, "verdict": verdict}
+
+    def expected(self, ref: Call, cand: Call, err: float, floor: float) -> tuple[float, float, bool]:
+        """(in_err, expected_rel_err, calibrated) of one call: the propagation budget."""
+        pairs = list(zip(cand.inputs, ref.inputs))
+        sizes = [rel_err(c, r) for c, r in pairs]
+        in_err = max(sizes, default=0.0) if len(cand.inputs) == len(ref.inputs) else math.inf
+        if in_err == 0.0 or not math.isfinite(in_err):
+            return in_err, max(floor, in_err), False
+        if self.growth is not None:
+            return in_err, max(floor, self.growth * in_err), False
+        if err <= max(in_err, floor):
+            return in_err, max(floor, in_err), False
+        moved = self._calibrated(ref, sizes, ref.type == INDEXER)
+        return in_err, max(floor, self.margin * moved), True
+
+
+def _selection_floor(ref: Call, scorer: Call | None, scorer_budget: float, ratio: int) -> float:
+    """Fraction of the reference's selections that score noise of the scorer's budget could swap."""
+    if scorer is None or scorer.out is None or scorer_budget <= 0:
+        return 0.0
+    s = scorer.out.reshape(-1, scorer.out.shape[-1]).float()  # [N, L]
+    positions = ref.args[2] if len(ref.args) > 2 else ref.kwargs.get("position_ids")
+    if positions is None:
+        return 0.0
+    vis = ((positions.reshape(-1).long() + 1) // ratio).to(s.device).clamp_max(s.shape[-1])
+    ar = torch.arange(s.shape[-1], device=s.device).view(1, -1)
+    scale = s.masked_fill(ar >= vis.view(-1, 1), 0.0).abs().amax(-1)
+    k = int(ref.out.shape[-1]) if ref.out is not None else 1
+    return swappable_fraction(s, vis, k, scorer_budget * scale)
 
 
 def _compare(
-    ref_rows: list[_Row],
-    cand_rows: list[_Row],
-    numerics: Numerics,
-    growth: float,
-    ratio: int,
-    topk_of: dict[str, int],
+    ref_rows: list[Call], cand_rows: list[Call], judge: _Judge, ratio: int
 ) -> tuple[list[dict], dict]:
     cand_by_key = {r.key: r for r in cand_rows}
     ref_by_key = {r.key: r for r in ref_rows}
+    callees: dict[str, list[Call]] = {}
+    for r in cand_rows:
+        if r.parent is not None and r.kind != "hc_streams_in":
+            callees.setdefault(r.parent, []).append(r)
     out: list[dict] = []
-    expected_of: dict[str, float] = {}
+    budget_of: dict[str, float] = {}
     for ref in ref_rows:
         cand = cand_by_key.get(ref.key)
         if cand is None:
             continue
-        if ref.kind == "indexer_selection" and ref.out is not None and cand.out is not None:
-            recall, _, _ = selection_recall(cand.out, ref.out)
-            err = 1.0 - recall
-        elif ref.out is None or cand.out is None:
+        is_indexer = ref.kind == "indexer_selection"
+        if ref.out is None or cand.out is None:
             err = 0.0 if ref.out is None and cand.out is None else math.inf
+        elif is_indexer:
+            err = selection_error(cand.out, ref.out)[0]
         else:
             err = rel_err(cand.out, ref.out)
-        pairs = list(zip(cand.inputs, ref.inputs))
-        in_err = max((rel_err(c, r) for c, r in pairs), default=0.0)
-        if len(cand.inputs) != len(ref.inputs):
-            in_err = math.inf
+        floor = FLOOR_FACTOR * (unit_roundoff(ref.out.dtype) if ref.out is not None else 0.0)
+        row = {"module": ref.key, "kind": ref.kind, "type": ref.type, "rel_err": err}
         if ref.kind == "hc_streams_in":
-            in_err = err
-        u = unit_roundoff(ref.out.dtype) if ref.out is not None else 0.0
-        floor = growth * u
-        if ref.type == _SCORER and len(cand.inputs) >= 2:
-            q, k = cand.inputs[0], cand.inputs[1]
-            rotate = numerics.rotates and q.shape[-1] == 128
-            eps = _quant_error(q, numerics.index_q, rotate) + _quant_error(k, numerics.index_k, rotate)
-            floor = growth * (eps + unit_roundoff(SCORE_DTYPES[numerics.score_dtype]))
-        elif ref.kind == "indexer_selection":
+            row.update(in_err=err, expected_rel_err=err, calibrated=False, own_err=None, own_budget=None)
+            row.update(precision=None, verdict="probe")
+            out.append(row)
+            continue
+        own = judge.own(ref, cand, callees.get(cand.key, []), floor)
+        budget_of[ref.key] = own["own_budget"]
+        in_err, expected, calibrated = judge.expected(ref, cand, err, floor)
+        if is_indexer:
             scorer_key = _child_key(ref.key, "scorer")
-            scorer_exp = expected_of.get(scorer_key, 0.0)
-            ref_scorer = ref_by_key.get(scorer_key)
-            if ref_scorer is not None and ref_scorer.out is not None and ref.positions is not None:
-                s = ref_scorer.out.reshape(-1, ref_scorer.out.shape[-1]).float()  # [N, L]
-                vis = _visible(ref.positions.to(s.device), ratio).clamp_max(s.shape[-1])
-                ar = torch.arange(s.shape[-1], device=s.device).view(1, -1)
-                scale = s.masked_fill(ar >= vis.view(-1, 1), 0.0).abs().amax(-1)  # [N]
-                k = topk_of.get(ref.key, ref.out.shape[-1])
-                floor = swappable_fraction(s, vis, k, scorer_exp * scale)
-            else:
-                floor = 0.0
-        expected = max(growth * in_err, floor)
-        expected_of[ref.key] = expected
-        out.append(
-            {
-                "module": ref.key,
-                "kind": ref.kind,
-                "type": ref.type,
-                "rel_err": err,
-                "in_err": in_err,
-                "expected_rel_err": expected,
-                "exceeds": bool(err > expected),
-            }
-        )
-    _defer_to_descendants(out)
-    ref_keys = {r.key for r in ref_rows}
+            sel = _selection_floor(ref, ref_by_key.get(scorer_key), budget_of.get(scorer_key, 0.0), ratio)
+            expected = max(expected, sel)
+        verdict = own.pop("verdict") or ("explained" if err > expected else "ok")
+        row.update(in_err=in_err, expected_rel_err=expected, calibrated=calibrated, **own, verdict=verdict)
+        out.append(row)
+    for row in out:
+        row["exceeds"] = row["verdict"] == "diverges"
+    _inner_divergent(out)
+    ref_keys = set(ref_by_key)
     unmatched = {
         "reference_only": [r.key for r in ref_rows if r.key not in cand_by_key],
         "candidate_only": [r.key for r in cand_rows if r.key not in ref_keys],
@@ -433,23 +467,14 @@ def _compare(
     return out, unmatched
 
 
-def _base(key: str) -> str:
-    return key.rsplit("[call ", 1)[0] if key.endswith("]") else key
-
-
-def _defer_to_descendants(rows: list[dict]) -> None:
-    """Unflag a module whose own sub-modules already exceeded: they are the more precise location."""
+def _inner_divergent(rows: list[dict]) -> None:
+    """Name, on each row, the first diverging module inside it (rows are in return order)."""
     flagged: list[str] = []
     for row in rows:
-        row["inner_divergent"] = None
-        if not row["exceeds"]:
-            continue
         prefix = _base(row["module"]) + "."
-        inner = next((f for f in flagged if f.startswith(prefix)), None)
-        flagged.append(row["module"])
-        if inner is not None:
-            row["exceeds"] = False
-            row["inner_divergent"] = inner
+        row["inner_divergent"] = next((f for f in flagged if f.startswith(prefix)), None)
+        if row["exceeds"]:
+            flagged.append(row["module"])
 
 
 def _child_key(key: str, child: str) -> str:
@@ -460,20 +485,72 @@ def _child_key(key: str, child: str) -> str:
     return f"{key}.{child}"
 
 
-def _needle_rank(capture: IndexerCapture, layer: int, query_pos: int, entries: list[int], k: int, ratio: int):
-    positions, scores = capture.score_rows(layer)
-    hits = (positions == query_pos).nonzero()
-    if len(hits) == 0:
-        return None, None, []
-    i = int(hits[0])
+# ---------------------------------------------------------------------------- per CSA layer
+
+
+def needle_rank(scores: torch.Tensor, needle_entries: list[int]) -> int | None:
+    """1 + non-needle entries with a finite score >= the best needle entry's (None: no needle entry scored).
+
+    scores: [L] the row the top-k call ranked (entries it could not pick are -inf).
+    """
+    ne = [e for e in needle_entries if e < scores.shape[0] and math.isfinite(float(scores[e]))]
+    if not ne:
+        return None
+    best = scores[ne].max()
+    others = torch.ones_like(scores, dtype=torch.bool)
+    others[ne] = False
+    return 1 + int((torch.isfinite(scores) & others & (scores >= best)).sum())
+
+
+def _needle_side(cap: IndexerCapture, layer: int, query_pos: int, entries: list[int], ratio: int):
+    """(rank, selected, visible needle entries, k) of one run at ``query_pos``."""
     visible = (query_pos + 1) // ratio
     ne = [e for e in entries if e < visible]
-    if not ne or visible < 1:
-        return None, None, ne
-    stats = needle_rank_stats(scores[i], visible, ne, k)
-    pos, topk = capture.rows(layer, k)
+    calls = [c for c in cap.calls if c.layer == layer]
+    k = max((c.k for c in calls if c.k is not None), default=None)
+    positions, rows = cap.score_rows(layer)
+    hits = (positions == query_pos).nonzero()
+    if not ne or len(hits) == 0:
+        return None, None, ne, k
+    i = int(hits[0])
+    width = max(int(c.topk.shape[-1]) for c in calls)
+    pos, topk = cap.rows(layer, width)
     sel = selected_in(topk[int((pos == query_pos).nonzero()[0])], ne)
-    return stats.best_rank, sel, ne
+    return needle_rank(rows[i], ne), sel, ne, k
+
+
+def _layer_rows(layers, ref_cap, cand_cap, entries, query_pos, ratio, topk_by_layer) -> list[dict]:
+    out = []
+    for layer in layers:
+        width = max(int(c.topk.shape[-1]) for c in ref_cap.calls + cand_cap.calls if c.layer == layer)
+        _, ref_topk = ref_cap.rows(layer, width)
+        _, cand_topk = cand_cap.rows(layer, width)
+        err, changed, counted = selection_error(cand_topk, ref_topk)
+        rr, rs, ne, k_ref = _needle_side(ref_cap, layer, query_pos, entries, ratio)
+        cr, cs, _, k_cand = _needle_side(cand_cap, layer, query_pos, entries, ratio)
+        consistent = all(
+            rank is None or k is None or rank > k or bool(sel)
+            for rank, sel, k in ((rr, rs, k_ref), (cr, cs, k_cand))
+        )
+        out.append(
+            {
+                "layer": layer,
+                "index_topk": topk_by_layer[layer],
+                "k_reference": k_ref,
+                "k_candidate": k_cand,
+                "topk_overlap": 1.0 - err,
+                "selection_error": err,
+                "positions_changed": changed,
+                "positions": counted,
+                "needle_entries": ne,
+                "needle_rank_reference": rr,
+                "needle_rank_candidate": cr,
+                "needle_selected_reference": rs,
+                "needle_selected_candidate": cs,
+                "rank_consistent": consistent,
+            }
+        )
+    return out
 
 
 def localize(
@@ -484,72 +561,51 @@ def localize(
     numerics: Numerics,
     patch: str | Path | None = None,
     needle_span: tuple[int, int] | None = None,
-    growth: float = DEFAULT_GROWTH,
+    growth: float | None = None,
+    margin: float = DEFAULT_MARGIN,
+    draws: int = DEFAULT_DRAWS,
+    allow: Mapping[str, str] | None = None,
     reference_numerics: Numerics | None = None,
 ) -> dict:
     """Run both models on ``input_ids`` [1, T] and return the ``diff.json`` object (module docstring).
 
     ``reference`` and ``candidate`` must be two separately loaded copies of the same
-    checkpoint (the candidate may be patched in place while the context is open).
+    checkpoint; the candidate is patched (once) while the run lasts. ``growth`` replaces the
+    calibration by a fixed factor; ``allow`` maps module-name patterns (fnmatch) to a reduced
+    precision the module is declared to run at. Cost: two forwards, one replay (about one
+    forward), and per amplifying module ``draws`` forwards of that module.
     """
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise ValueError(f"input_ids must be [1, T], got shape {tuple(input_ids.shape)}")
-    if not growth >= 1.0:
-        raise ValueError(f"growth must be >= 1, got {growth}")
+    if growth is not None and not growth >= 1.0:
+        raise BadInput(f"growth must be >= 1, got {growth}")
+    if not margin >= 1.0 or draws < 1:
+        raise BadInput(f"margin must be >= 1 and draws >= 1, got {margin} and {draws}")
+    allow = dict(allow or {})
+    parse_allow([f"{k}={v}" for k, v in allow.items()])
+    check_unpatched(candidate)
     ref_num = reference_numerics or Numerics(index_topk=numerics.index_topk)
     T = int(input_ids.shape[1])
     ref_cap, cand_cap = IndexerCapture(keep_scores=True), IndexerCapture(keep_scores=True)
     ratio = csa_indexers(reference)[0][1].compress_rate
     with torch.no_grad():
-        with emulate(reference, ref_num, capture=ref_cap) as layers, _Recorder(reference) as rec_ref:
+        with emulate(reference, ref_num, capture=ref_cap) as layers, Recorder(reference) as rec_ref:
             topk_by_layer = {layer: int(idx.index_topk) for layer, idx in csa_indexers(reference)}
-            topk_of = {
-                name: int(mod.index_topk)
-                for name, mod in reference.named_modules()
-                if type(mod).__name__ == _INDEXER
-            }
             reference(input_ids=input_ids.to(_device(reference)), use_cache=False)
-        with emulate(candidate, numerics, capture=cand_cap, patch=patch), _Recorder(candidate) as rec_cand:
-            cand_topk_by_layer = {layer: int(idx.index_topk) for layer, idx in csa_indexers(candidate)}
+        with emulate(candidate, numerics, capture=cand_cap, patch=patch), Recorder(candidate) as rec_cand:
             candidate(input_ids=input_ids.to(_device(candidate)), use_cache=False)
-    modules, unmatched = _compare(rec_ref.rows, rec_cand.rows, numerics, growth, ratio, topk_of)
+        # Replays and calibrations run the reference with the scorer it was recorded with.
+        with emulate(reference, ref_num, capture=IndexerCapture(keep_scores=True)):
+            judge = _Judge(reference, numerics, growth, margin, draws, allow)
+            modules, unmatched = _compare(rec_ref.rows, rec_cand.rows, judge, ratio)
     first = next((m["module"] for m in modules if m["exceeds"]), None)
-
     query_pos = T - 1
     entries = covering_entries(needle_span, ratio) if needle_span is not None else []
-    layer_rows = []
-    for layer in layers:
-        k, k_cand = topk_by_layer[layer], cand_topk_by_layer.get(layer, topk_by_layer[layer])
-        _, ref_topk = ref_cap.rows(layer, k)
-        _, cand_topk = cand_cap.rows(layer, k_cand)
-        recall, changed, counted = selection_recall(cand_topk, ref_topk)
-        row = {
-            "layer": layer,
-            "index_topk": k,
-            "topk_overlap": recall,
-            "positions_changed": changed,
-            "positions": counted,
-            "needle_entries": [],
-            "needle_rank_reference": None,
-            "needle_rank_candidate": None,
-            "needle_selected_reference": None,
-            "needle_selected_candidate": None,
-        }
-        if entries:
-            rr, rs, ne = _needle_rank(ref_cap, layer, query_pos, entries, k, ratio)
-            cr, cs, _ = _needle_rank(cand_cap, layer, query_pos, entries, k_cand, ratio)
-            row.update(
-                needle_entries=ne,
-                needle_rank_reference=rr,
-                needle_rank_candidate=cr,
-                needle_selected_reference=rs,
-                needle_selected_candidate=cs,
-            )
-        layer_rows.append(row)
     return {
         "modules": modules,
         "first_divergent_module": first,
-        "layers": layer_rows,
+        "summary": NO_DIVERGENCE if first is None else f"first divergent module: {first}",
+        "layers": _layer_rows(layers, ref_cap, cand_cap, entries, query_pos, ratio, topk_by_layer),
         "numerics": numerics.to_dict(),
         "reference_numerics": ref_num.to_dict(),
         "patch": None if patch is None else str(patch),
@@ -557,6 +613,9 @@ def localize(
         "needle_token_span": None if needle_span is None else [int(needle_span[0]), int(needle_span[1])],
         "query_pos": query_pos,
         "growth": growth,
+        "margin": margin,
+        "draws": draws,
+        "allow": allow,
         "unmatched": unmatched,
     }
 
@@ -594,41 +653,50 @@ def _fmt(x) -> str:
 
 
 def render_diff_md(obj: dict, *, top: int = 15) -> str:
-    """Markdown summary: verdict, per-layer indexer table, the first exceeding modules, largest errors."""
+    """Markdown summary: verdict, per-layer indexer table, judged modules, largest errors."""
     num = obj["numerics"]
+    budget = (
+        f"growth factor {obj['growth']}"
+        if obj.get("growth") is not None
+        else (f"calibrated budgets (margin {obj.get('margin')}, {obj.get('draws')} draws)")
+    )
+    allow = ", ".join(f"`{k}={v}`" for k, v in (obj.get("allow") or {}).items()) or "none"
     lines = [
         "# Differential localization",
         "",
         f"Candidate numerics: keys `{num['index_k']}`, queries `{num['index_q']}`, scores `{num['score_dtype']}`, "
         f"index_topk `{num['index_topk'] if num['index_topk'] is not None else 'checkpoint'}`; "
-        f"patch: `{obj['patch'] or 'none'}`. Prompt: {obj['prompt_tokens']} tokens; growth factor {obj['growth']}.",
+        f"patch: `{obj['patch'] or 'none'}`. Prompt: {obj['prompt_tokens']} tokens; {budget}; allowed: {allow}.",
         "",
     ]
     first = obj["first_divergent_module"]
     if first is None:
-        lines.append("**No module diverges beyond what its precision explains.**")
+        lines.append(f"**{obj['summary'][0].upper()}{obj['summary'][1:]}.**")
     else:
         m = next(m for m in obj["modules"] if m["module"] == first)
         lines.append(
-            f"**First divergent module: `{first}`** ({m['type']}): rel_err {_fmt(m['rel_err'])} vs expected "
-            f"{_fmt(m['expected_rel_err'])} (input error {_fmt(m['in_err'])})."
+            f"**First divergent module: `{first}`** ({m['type']}): its own code moves its output by "
+            f"{_fmt(m['own_err'])} against a budget of {_fmt(m['own_budget'])} (output error {_fmt(m['rel_err'])}, "
+            f"input error {_fmt(m['in_err'])})."
         )
     lines += [
         "",
         "## Indexer per CSA layer",
         "",
-        "| layer | index_topk | top-k overlap | positions changed | needle rank (ref) | needle rank (cand) | selected (ref / cand) |",
-        "|---|---|---|---|---|---|---|",
+        "| layer | k (ref / cand) | top-k overlap | positions changed | needle rank (ref) | needle rank (cand) "
+        "| selected (ref / cand) | rank consistent |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in obj["layers"]:
         lines.append(
-            f"| {r['layer']} | {r['index_topk']} | {_fmt(r['topk_overlap'])} | {r['positions_changed']}/{r['positions']} "
-            f"| {_fmt(r['needle_rank_reference'])} | {_fmt(r['needle_rank_candidate'])} "
-            f"| {_fmt(r['needle_selected_reference'])} / {_fmt(r['needle_selected_candidate'])} |"
+            f"| {r['layer']} | {_fmt(r['k_reference'])} / {_fmt(r['k_candidate'])} | {_fmt(r['topk_overlap'])} "
+            f"| {r['positions_changed']}/{r['positions']} | {_fmt(r['needle_rank_reference'])} "
+            f"| {_fmt(r['needle_rank_candidate'])} | {_fmt(r['needle_selected_reference'])} / "
+            f"{_fmt(r['needle_selected_candidate'])} | {'yes' if r['rank_consistent'] else '**no**'} |"
         )
-    exceeding = [m for m in obj["modules"] if m["exceeds"]]
-    lines += ["", f"## Exceeding modules ({len(exceeding)} of {len(obj['modules'])}, first {top})", ""]
-    lines += _module_table(exceeding[:top])
+    judged = [m for m in obj["modules"] if m["verdict"] not in ("ok", "probe")]
+    lines += ["", f"## Modules not simply ok ({len(judged)} of {len(obj['modules'])}, first {top})", ""]
+    lines += _module_table(judged[:top])
     worst = sorted(
         (m for m in obj["modules"] if isinstance(m["rel_err"], float)), key=lambda m: -m["rel_err"]
     )[:top]
@@ -647,10 +715,13 @@ def render_diff_md(obj: dict, *, top: int = 15) -> str:
 def _module_table(rows: list[dict]) -> list[str]:
     if not rows:
         return ["(none)"]
-    out = ["| module | type | rel_err | input err | expected | exceeds |", "|---|---|---|---|---|---|"]
+    out = [
+        "| module | type | rel_err | input err | expected | own err | own budget | verdict |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for m in rows:
         out.append(
             f"| `{m['module']}` | {m['type']} | {_fmt(m['rel_err'])} | {_fmt(m['in_err'])} "
-            f"| {_fmt(m['expected_rel_err'])} | {'yes' if m['exceeds'] else 'no'} |"
+            f"| {_fmt(m['expected_rel_err'])} | {_fmt(m['own_err'])} | {_fmt(m['own_budget'])} | {m['verdict']} |"
         )
     return out

@@ -20,12 +20,19 @@ entry's quantiser depends only on that entry: decode steps with a KV cache see t
 keys as a single prefill.
 
 ``IndexerCapture`` records, per CSA layer and forward call, the query positions, the
-selected entries and (optionally) the full score rows, so that prefill and every decode
-step of a generation can be replayed as SGLang's ``indexer_topk`` capture.
+selected entries, the ``k`` the top-k was called with and (optionally) the full score rows,
+so that prefill and every decode step of a generation can be replayed as SGLang's
+``indexer_topk`` capture. The kept scores are the tensor the indexer's ``topk`` call actually
+ranked (after its own masking, scaling or buffering), read with a torch function mode for
+the duration of the indexer's forward; only when no ``topk`` call is seen (a patch that
+selects another way) are they the scorer's output with future entries at ``-inf``.
 
 A user patch (``--patch FILE.py``, or a built-in ``fault:NAME`` of ``needlescope.dsa.faults``)
 is a Python file defining ``apply(model)``; it may return a zero-argument callable that undoes
-it, which ``emulate`` calls on exit. ``wrap_scorers`` is the helper most patches need.
+it, which ``emulate`` calls on exit. ``wrap_scorers`` is the helper most patches need. A patch
+is applied exactly once per model instance (``apply_patch_once``): a patch that returns no
+undo leaves the model changed for good, so the model is marked and any later ``emulate`` on
+it is refused; load a fresh model instead.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from needlescope.dsa.quant import get_quantizer, hadamard_128
 from needlescope.dsa.reference import NO_ENTRY, lightning_scores
@@ -48,6 +56,9 @@ __all__ = [
     "REFERENCE",
     "IndexerCall",
     "IndexerCapture",
+    "apply_patch_once",
+    "check_unpatched",
+    "patched_for_good",
     "csa_indexers",
     "emulate",
     "load_patch",
@@ -108,7 +119,8 @@ class IndexerCall:
     layer: int
     positions: torch.Tensor  # [B, S] absolute query positions
     topk: torch.Tensor  # [B, S, k'] selected entries, -1 padded, k' = min(index_topk, L)
-    scores: torch.Tensor | None = None  # [B, S, L] fp32, future entries -inf (keep_scores only)
+    scores: torch.Tensor | None = None  # [B, S, L] fp32, what topk ranked (keep_scores only)
+    k: int | None = None  # the k the indexer's topk call used (None: no topk call seen)
 
 
 @dataclass
@@ -119,6 +131,8 @@ class IndexerCapture:
     calls: list[IndexerCall] = field(default_factory=list)
     # Scores of the scorer call in flight, per layer, until its indexer returns the top-k.
     _pending: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+    # The topk-watching mode of the indexer call in flight, per layer.
+    _modes: dict[int, _TopkInput] = field(default_factory=dict, repr=False)
 
     def layers(self) -> list[int]:
         """The CSA layer indices seen, ascending."""
@@ -127,6 +141,11 @@ class IndexerCapture:
     def clear(self) -> None:
         self.calls.clear()
         self._pending.clear()
+
+    def k_used(self) -> int | None:
+        """The largest k any recorded indexer call passed to its topk (None if none was seen)."""
+        ks = [c.k for c in self.calls if c.k is not None]
+        return max(ks) if ks else None
 
     def rows(self, layer: int, width: int, batch_index: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """(positions [N], topk [N, width]) over all calls of ``layer`` in call order, -1 padded.
@@ -200,6 +219,39 @@ def wrap_scorers(model: torch.nn.Module, wrap: Callable[[Callable], Callable]) -
     return undo
 
 
+_PATCHED_FOR_GOOD = "_needlescope_patched_for_good"
+
+
+def apply_patch_once(model: torch.nn.Module, patch: str | Path) -> Callable[[], None] | None:
+    """Apply ``patch`` to ``model``; returns its undo, or None when the patch gave none.
+
+    A patch without an undo changes the model for good (a routed scale multiplied in place
+    compounds if applied again), so the model is marked and ``emulate`` refuses it from then on.
+    Raises BadInput when ``model`` already carries such a patch.
+    """
+    check_unpatched(model)
+    undo = load_patch(patch)(model)
+    if callable(undo):
+        return undo
+    setattr(model, _PATCHED_FOR_GOOD, str(patch))
+    return None
+
+
+def patched_for_good(model: torch.nn.Module) -> str | None:
+    """The patch without an undo that was applied to ``model``, or None."""
+    return getattr(model, _PATCHED_FOR_GOOD, None)
+
+
+def check_unpatched(model: torch.nn.Module) -> None:
+    """BadInput if a patch without an undo was applied to ``model`` (it can no longer be reused)."""
+    spec = patched_for_good(model)
+    if spec is not None:
+        raise BadInput(
+            f"this model instance already carries patch {spec!r}, which returned no undo; "
+            "load a fresh model for each run (or make apply(model) return its undo)"
+        )
+
+
 def load_patch(path: str | Path) -> Callable[[torch.nn.Module], object]:
     """The ``apply(model)`` function of a patch file (or a built-in ``fault:NAME``).
 
@@ -262,7 +314,9 @@ def emulate(
     Yields the CSA layer indices. Everything is undone on exit, also on error.
     """
     indexers = csa_indexers(model)
-    apply_patch = load_patch(patch) if patch is not None else None
+    check_unpatched(model)
+    if patch is not None:
+        load_patch(patch)  # fail on a bad patch file before touching the model
     saved: list[tuple[torch.nn.Module, int]] = []
     handles = []
     undo_patch = None
@@ -277,9 +331,14 @@ def emulate(
             if numerics != REFERENCE or stash is not None:
                 idx.scorer.forward = _scorer_forward(idx.scorer, numerics, stash)
             if capture is not None:
-                handles.append(idx.register_forward_hook(_capture_hook(layer, capture), with_kwargs=True))
-        if apply_patch is not None:
-            undo_patch = apply_patch(model)
+                handles.append(idx.register_forward_pre_hook(_watch_topk(layer, capture)))
+                handles.append(
+                    idx.register_forward_hook(
+                        _capture_hook(layer, capture), with_kwargs=True, always_call=True
+                    )
+                )
+        if patch is not None:
+            undo_patch = apply_patch_once(model, patch)
         yield [layer for layer, _ in indexers]
     finally:
         if callable(undo_patch):
@@ -291,14 +350,51 @@ def emulate(
             idx.scorer.__dict__.pop("forward", None)
 
 
+class _TopkInput(TorchFunctionMode):
+    """Records the input and k of the last ``topk`` call made while the mode is active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scores: torch.Tensor | None = None
+        self.k: int | None = None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.topk or func is torch.Tensor.topk:
+            self.scores = args[0]
+            self.k = int(args[1] if len(args) > 1 else kwargs["k"])
+        return func(*args, **kwargs)
+
+
+def _watch_topk(layer: int, capture: IndexerCapture) -> Callable:
+    def hook(module, args):
+        mode = _TopkInput()
+        mode.__enter__()
+        capture._modes[layer] = mode
+
+    return hook
+
+
 def _capture_hook(layer: int, capture: IndexerCapture) -> Callable:
     def hook(module, args, kwargs, output):
+        mode = capture._modes.pop(layer, None)
+        if mode is not None:
+            mode.__exit__(None, None, None)
+        if output is None:  # the forward raised; always_call only closes the mode
+            return
         position_ids = args[2] if len(args) > 2 else kwargs["position_ids"]
         capture.calls.append(
-            IndexerCall(layer=layer, positions=position_ids.detach().cpu(), topk=output.detach().cpu())
+            IndexerCall(
+                layer=layer,
+                positions=position_ids.detach().cpu(),
+                topk=output.detach().cpu(),
+                k=None if mode is None else mode.k,
+            )
         )
         pending = capture._pending.pop(layer, None)
-        if pending is not None:
+        if mode is not None and mode.scores is not None and capture.keep_scores:
+            capture.calls[-1].scores = mode.scores.detach().float().cpu()
+        elif pending is not None:
             pos = position_ids.to(pending.device)
             L = pending.shape[-1]
             vis = (pos + 1) // module.compress_rate  # [B, S]

@@ -47,6 +47,7 @@ A multi-prompt dump is the first prompt's dump with ``prompts`` listing every pr
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -262,8 +263,13 @@ def rank_dump(
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
     expected: Sequence[str] | None = None,
     label: str = "",
+    capture: IndexerCapture | None = None,
 ) -> dict:
     """Run ``model`` on ``messages`` under ``numerics`` (and ``patch``) and dump the needle's ranks.
+
+    ``capture``: the caller already runs ``model`` inside ``emulate(model, numerics,
+    capture=capture)`` with ``patch`` applied once (a sweep runs many prompts on one patched
+    model); the capture is cleared and reused, and ``numerics``/``patch`` are only recorded.
 
     The needle is given as text (its first and only occurrence in the rendered prompt) or as an
     explicit [start, end) token span. ``query_positions=None`` runs greedy generation for up to
@@ -292,9 +298,14 @@ def rank_dump(
             raise BadInput(f"query positions must lie in 0..{P - 1} (the prompt), got {bad or 'none'}")
 
     ids = torch.tensor([prompt.input_ids], device=next(model.parameters()).device)
-    capture = IndexerCapture(keep_scores=True)
     generated: list[int] = []
-    with torch.no_grad(), emulate(model, numerics, capture=capture, patch=patch) as layers:
+    if capture is None:
+        capture = IndexerCapture(keep_scores=True)
+        context = emulate(model, numerics, capture=capture, patch=patch)
+    else:
+        capture.clear()
+        context = nullcontext([layer for layer, _ in csa_indexers(model)])
+    with torch.no_grad(), context as layers:
         indexer = csa_indexers(model)[0][1]
         index_topk = int(indexer.index_topk)
         ratio = int(indexer.compress_rate)

@@ -58,9 +58,19 @@ import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+
+from needlescope.analysis.stats import wilson_interval
 from needlescope.cases.assemble import CaseSpec, build_cases
 from needlescope.cases.needles import VALUE_DIGITS
-from needlescope.dsa.emulate import SCORE_DTYPES, Numerics
+from needlescope.dsa.emulate import (
+    SCORE_DTYPES,
+    IndexerCapture,
+    Numerics,
+    apply_patch_once,
+    emulate,
+    patched_for_good,
+)
 from needlescope.dsa.prompt import render_prompt
 from needlescope.dsa.quant import get_quantizer
 from needlescope.dsa.rankdump import DEFAULT_MAX_NEW_TOKENS, rank_dump
@@ -303,8 +313,12 @@ def cheapest_setting(
     return min(ok, key=lambda sr: setting_cost(sr[0])) if ok else None
 
 
-def _first_answer_layers(dump: dict) -> list[dict]:
-    """Per CSA layer, the record at the first answer position (last prompt position), if visible."""
+def _first_answer_layers(dump: dict, k_used: int) -> list[dict]:
+    """Per CSA layer, the record at the first answer position (last prompt position), if visible.
+
+    ``rank_consistent`` is false when the needle's rank says it is inside the top-``k_used``
+    but it was not selected (the ranked scores are not the ones the top-k used).
+    """
     first = dump["prompt_tokens"] - 1
     out = []
     for layer in dump["layers"]:
@@ -316,6 +330,7 @@ def _first_answer_layers(dump: dict) -> list[dict]:
                         "selected": p["selected"],
                         "best_rank": p["best_rank"],
                         "margin_frac": p["margin_frac"],
+                        "rank_consistent": p["best_rank"] > k_used or bool(p["selected"]),
                     }
                 )
     return out
@@ -345,6 +360,7 @@ def summarize_runs(runs: list[dict], layers: list[int], generate: bool) -> list[
                 }
             )
         correct = sum(bool(r["answer_correct"]) for r in rs) if generate else None
+        ks = [r["k_used"] for r in rs if r.get("k_used") is not None]
         cells.append(
             {
                 "index_k": k,
@@ -358,6 +374,11 @@ def summarize_runs(runs: list[dict], layers: list[int], generate: bool) -> list[
                 "selection_rate": (sel / len(scored)) if scored else None,
                 "answers_correct": correct,
                 "answer_recall": (correct / len(rs)) if generate and rs else None,
+                "answer_recall_ci95": list(wilson_interval(correct, len(rs))) if generate and rs else None,
+                "k_used": max(ks) if ks else topk,
+                "rank_inconsistent": sum(
+                    not lay.get("rank_consistent", True) for r in rs for lay in r["layers"]
+                ),
                 "per_layer": per_layer,
             }
         )
@@ -369,13 +390,19 @@ def _fmt_setting(k: str, q: str, topk: int | None = None) -> str:
     return s if topk is None else f"{s} index_topk={topk}"
 
 
-def _verdict(cfg: SweepConfig, settings: list[dict], cheapest, baseline: Setting) -> list[str]:
+def _verdict(cfg: SweepConfig, settings: list[dict], cheapest, baseline: Setting, metric: str) -> list[str]:
+    """Verdict lines, judged by ``metric`` (answer recall with generation), selection beside it."""
     by = {(s["index_k"], s["index_q"], s["index_topk"]): s for s in settings}
     bk, bq, btopk = baseline
+    what = "answer recall" if metric == "answer_recall" else "selection"
     lines = []
 
     def reach(s: dict) -> str:
-        return f"to {s['restored_to']} tokens" if s["restored_to"] is not None else "at no tested length"
+        judged = f"to {s['restored_to']} tokens" if s["restored_to"] is not None else "at no tested length"
+        if metric != "answer_recall":
+            return judged
+        sel = s["selection_restored_to"]
+        return f"{judged} (selection {f'to {sel} tokens' if sel is not None else 'at no tested length'})"
 
     base_reach = by[baseline]["restored_to"]
 
@@ -385,29 +412,32 @@ def _verdict(cfg: SweepConfig, settings: list[dict], cheapest, baseline: Setting
             return ""
         return " (no further than the baseline)"
 
-    lines.append(f"baseline {_fmt_setting(bk, bq, btopk)} keeps selection {reach(by[baseline])}")
+    lines.append(f"baseline {_fmt_setting(bk, bq, btopk)} keeps {what} {reach(by[baseline])}")
     for k, q in itertools.product(cfg.index_k, cfg.index_q):
         if (k, q) != (bk, bq):
             s = by[(k, q, btopk)]
-            lines.append(
-                f"{_fmt_setting(k, q)} (index_topk {btopk}) restores selection {reach(s)}{vs_base(s)}"
-            )
+            lines.append(f"{_fmt_setting(k, q)} (index_topk {btopk}) restores {what} {reach(s)}{vs_base(s)}")
     for topk in sorted(cfg.index_topk):
         if topk != btopk:
             s = by[(bk, bq, topk)]
-            lines.append(
-                f"index_topk {topk} ({_fmt_setting(bk, bq)}) restores selection {reach(s)}{vs_base(s)}"
-            )
+            lines.append(f"index_topk {topk} ({_fmt_setting(bk, bq)}) restores {what} {reach(s)}{vs_base(s)}")
     target = cfg.target
     if cheapest is None:
-        lines.append(f"no setting in the grid reaches selection rate {cfg.target_rate:g} at {target} tokens")
+        lines.append(f"no setting in the grid reaches {what} {cfg.target_rate:g} at {target} tokens")
     else:
         (k, q, topk), rate = cheapest
+        s = by[(k, q, topk)]
+        detail = f"{what} {rate:.2f}"
+        if s["ci95_at_target"] is not None:
+            lo, hi = s["ci95_at_target"]
+            detail += f" [95% CI {lo:.2f}-{hi:.2f}]"
+        if metric == "answer_recall" and s["selection_rate_at_target"] is not None:
+            detail += f", selection {s['selection_rate_at_target']:.2f}"
         lines.append(
-            f"cheapest setting restoring selection at {target} tokens (rate >= {cfg.target_rate:g}): "
-            f"{_fmt_setting(k, q, topk)} (rate {rate:.2f})"
+            f"cheapest setting restoring {what} at {target} tokens ({what} >= {cfg.target_rate:g}): "
+            f"{_fmt_setting(k, q, topk)} ({detail})"
         )
-        r = by[(k, q, topk)]["restored_to"]
+        r = s["restored_to"]
         if r is None or r < target:
             lines.append(
                 f"note: {_fmt_setting(k, q, topk)} falls below {cfg.target_rate:g} at a shorter length "
@@ -423,10 +453,15 @@ def run_sweep(
     *,
     model_label: str = "",
     on_progress: Callable[[int, int], None] | None = None,
+    reload: Callable[[], torch.nn.Module] | None = None,
 ) -> dict:
     """Run the sweep grid on ``model``; returns a dict following ``SWEEP_SCHEMA``.
 
-    ``on_progress(done, total)`` is called after each (case, setting) run.
+    The patch (``cfg.patch``) is applied exactly once per setting and model instance, and
+    every case of the setting runs on that one patched model. A patch that returns its undo
+    is undone after the setting and the model is reused; one that returns no undo leaves the
+    model changed, so the next setting runs on a fresh model from ``reload()`` (BadInput when
+    no ``reload`` is given). ``on_progress(done, total)`` is called after each (case, setting) run.
     """
 
     def count_tokens(messages: list[dict]) -> int:
@@ -437,48 +472,68 @@ def run_sweep(
     total = len(cases) * len(grid)
     runs: list[dict] = []
     layers: set[int] = set()
-    for k, q, topk in grid:
+    for i, (k, q, topk) in enumerate(grid):
+        if i > 0 and patched_for_good(model):
+            if reload is None:
+                raise BadInput(
+                    f"patch {cfg.patch!r} returned no undo, so each setting needs a fresh model; "
+                    "give run_sweep a reload callable (the CLI does)"
+                )
+            model = reload()
         numerics = Numerics(index_k=k, index_q=q, score_dtype=cfg.score_dtype, index_topk=topk)
-        for case in cases:
-            dump = rank_dump(
-                model,
-                tokenizer,
-                case.messages,
-                needle=case.needle,
-                numerics=numerics,
-                patch=cfg.patch,
-                query_positions=None if cfg.generate else [count_tokens(case.messages) - 1],
-                max_new_tokens=cfg.max_new_tokens,
-                expected=case.expected if cfg.generate else None,
-                label=case.case_id,
-            )
-            layers.update(layer["layer"] for layer in dump["layers"])
-            recs = _first_answer_layers(dump)
-            runs.append(
-                {
-                    "case_id": case.case_id,
-                    "length": case.length,
-                    "depth": case.depth,
-                    "trial": case.trial,
-                    "prompt_tokens": dump["prompt_tokens"],
-                    "index_k": k,
-                    "index_q": q,
-                    "index_topk": topk,
-                    "selected": all(r["selected"] for r in recs) if recs else None,
-                    "layers": recs,
-                    "answer": dump["generated_text"] if cfg.generate else None,
-                    "answer_correct": dump["answer_correct"] if cfg.generate else None,
-                }
-            )
-            if on_progress is not None:
-                on_progress(len(runs), total)
+        capture = IndexerCapture(keep_scores=True)
+        with torch.no_grad(), emulate(model, numerics, capture=capture):
+            undo = apply_patch_once(model, cfg.patch) if cfg.patch is not None else None
+            try:
+                for case in cases:
+                    dump = rank_dump(
+                        model,
+                        tokenizer,
+                        case.messages,
+                        needle=case.needle,
+                        numerics=numerics,
+                        patch=cfg.patch,
+                        query_positions=None if cfg.generate else [count_tokens(case.messages) - 1],
+                        max_new_tokens=cfg.max_new_tokens,
+                        expected=case.expected if cfg.generate else None,
+                        label=case.case_id,
+                        capture=capture,
+                    )
+                    layers.update(layer["layer"] for layer in dump["layers"])
+                    k_used = capture.k_used()
+                    recs = _first_answer_layers(dump, k_used if k_used is not None else topk)
+                    runs.append(
+                        {
+                            "case_id": case.case_id,
+                            "length": case.length,
+                            "depth": case.depth,
+                            "trial": case.trial,
+                            "prompt_tokens": dump["prompt_tokens"],
+                            "index_k": k,
+                            "index_q": q,
+                            "index_topk": topk,
+                            "k_used": k_used,
+                            "selected": all(r["selected"] for r in recs) if recs else None,
+                            "layers": recs,
+                            "answer": dump["generated_text"] if cfg.generate else None,
+                            "answer_correct": dump["answer_correct"] if cfg.generate else None,
+                        }
+                    )
+                    if on_progress is not None:
+                        on_progress(len(runs), total)
+            finally:
+                if undo is not None:
+                    undo()
 
     cells = summarize_runs(runs, sorted(layers), cfg.generate)
-    rate = {(c["index_k"], c["index_q"], c["index_topk"], c["length"]): c["selection_rate"] for c in cells}
+    metric = "answer_recall" if cfg.generate else "selection_rate"
+    by_cell = {(c["index_k"], c["index_q"], c["index_topk"], c["length"]): c for c in cells}
+    rate = {key: c[metric] for key, c in by_cell.items()}
     target = cfg.target
     settings = []
     for rank, s in enumerate(grid):
         rates = {length: rate[(*s, length)] for length in cfg.lengths}
+        sel = {length: by_cell[(*s, length)]["selection_rate"] for length in cfg.lengths}
         settings.append(
             {
                 "index_k": s[0],
@@ -487,6 +542,9 @@ def run_sweep(
                 "cost_rank": rank,
                 "restored_to": restored_to(rates, cfg.target_rate),
                 "rate_at_target": rates[target],
+                "ci95_at_target": by_cell[(*s, target)]["answer_recall_ci95"],
+                "selection_restored_to": restored_to(sel, cfg.target_rate),
+                "selection_rate_at_target": sel[target],
             }
         )
     cheapest = cheapest_setting({s: rate[(*s, target)] for s in grid}, cfg.target_rate)
@@ -507,6 +565,7 @@ def run_sweep(
         "target_length": target,
         "target_rate": cfg.target_rate,
         "generate": cfg.generate,
+        "judged_by": metric,
         "patch": cfg.patch,
         "settings": settings,
         "cells": cells,
@@ -522,7 +581,7 @@ def run_sweep(
             }
         ),
         "baseline": {"index_k": baseline[0], "index_q": baseline[1], "index_topk": baseline[2]},
-        "verdict": _verdict(cfg, settings, cheapest, baseline),
+        "verdict": _verdict(cfg, settings, cheapest, baseline, metric),
     }
 
 
@@ -543,10 +602,12 @@ def _pct(x: float | None) -> str:
 def render_sweep_md(obj: dict) -> str:
     """Markdown summary of sweep.json: verdict, then a rate table per setting × length."""
     lengths = obj["lengths"]
+    judged = obj.get("judged_by", "answer_recall" if obj["generate"] else "selection_rate")
+    what = "answer recall" if judged == "answer_recall" else "needle selection rate"
     lines = [
         f"# needlescope indexer sweep: {obj['model'] or 'model'} ({obj['kind']})",
         "",
-        f"Target: selection rate >= {obj['target_rate']:g} at {obj['target_length']} tokens. "
+        f"Target: {what} >= {obj['target_rate']:g} at {obj['target_length']} tokens. "
         f"Scores accumulated in {obj.get('score_dtype', 'fp32')}. A case counts as selected when every CSA "
         "layer that can see the needle has a needle entry in its top-k at the first answer position.",
         "",
@@ -560,6 +621,7 @@ def render_sweep_md(obj: dict) -> str:
         "|---|---|" + "---|" * len(lengths),
     ]
     cell = {(c["index_k"], c["index_q"], c["index_topk"], c["length"]): c for c in obj["cells"]}
+    starred = inconsistent = False
     for s in obj["settings"]:
         key = (s["index_k"], s["index_q"], s["index_topk"])
         vals = []
@@ -573,13 +635,25 @@ def render_sweep_md(obj: dict) -> str:
                 v += f" / {_pct(c['answer_recall'])}"
             if c["unscored"]:
                 v += f" ({c['unscored']} unscored)"
-            if key[2] >= n // 4:
+            if c.get("k_used", key[2]) >= n // 4:
                 v += " *"
+                starred = True
+            if c.get("rank_inconsistent"):
+                v += " !"
+                inconsistent = True
             vals.append(v)
         reach = s["restored_to"] if s["restored_to"] is not None else "none"
         lines.append(f"| {_fmt_setting(*key)} | {reach} | " + " | ".join(vals) + " |")
-    lines += [
-        "",
-        "`*`: index_topk >= length/4, so every visible entry fits in the top-k and selection is trivial.",
-    ]
+    if starred:
+        lines += [
+            "",
+            "`*`: the k the indexer actually used is >= length/4, so every visible entry fits in the top-k "
+            "and selection is trivial.",
+        ]
+    if inconsistent:
+        lines += [
+            "",
+            "`!`: a needle rank within k while the needle was not selected; the ranked scores disagree with "
+            "the selection (see runs[].layers[].rank_consistent).",
+        ]
     return "\n".join(lines) + "\n"
