@@ -71,6 +71,38 @@ def apply(model):
     return lambda: idx.__dict__.pop("forward", None)
 '''
 
+# After the top-k: the step that marks picks beyond the visible entries as -1 is off by one and
+# also discards the newest visible entry. Drops one entry per row at any index_topk.
+POST_TOPK_VALIDITY = f'''
+import torch
+from torch.overrides import TorchFunctionMode
+
+
+class OffByOne(TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.seen = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.__ge__:
+            self.seen += 1
+            if self.seen == 2:  # the validity check, after the future mask's comparison
+                return func(args[0], args[1] - 1)
+        return func(*args, **(kwargs or {{}}))
+
+
+def apply(model):
+    idx = model.get_submodule("{INDEXER}")
+    inner = idx.forward
+
+    def forward(*args, **kwargs):
+        with OffByOne():
+            return inner(*args, **kwargs)
+
+    idx.forward = forward
+    return lambda: idx.__dict__.pop("forward", None)
+'''
+
 # Visibility off by one: each query also sees the entry that is still being compressed (a
 # future entry). Adds one entry to every selection that has room; drops none where k covers all.
 VISIBILITY = f'''
@@ -131,17 +163,27 @@ def apply(model):
 """
 
 
+_SAME = object()
+
+
 @dataclass(frozen=True)
 class Planted:
     name: str
     body: str
     expect: str | None
     reduced: tuple[str, ...] = ()
+    # When index_topk covers every entry, a fault that only reorders scores before the top-k
+    # changes no selection: it is harmless there, and nothing may be flagged.
+    expect_full_k: object = _SAME
+
+    def expected(self, full_k: bool) -> str | None:
+        return self.expect if not full_k or self.expect_full_k is _SAME else self.expect_full_k
 
 
 PLANTED = (
     Planted("plain_code_in_indexer", PLAIN_CODE, INDEXER),
-    Planted("post_scorer", POST_SCORER, INDEXER),
+    Planted("post_scorer", POST_SCORER, INDEXER, expect_full_k=None),
+    Planted("post_topk_validity", POST_TOPK_VALIDITY, INDEXER),
     Planted("visibility_leak", VISIBILITY, INDEXER),
     Planted(
         "bf16_hc_inputs_and_attention_output",

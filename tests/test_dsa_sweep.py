@@ -220,6 +220,8 @@ def test_footnote_and_verdict_follow_the_k_actually_used(tiny, tmp_path):
     (cell,) = res["cells"]
     assert cell["k_used"] == 32 and res["runs"][0]["k_used"] == 32
     assert " *" in render_sweep_md(res) and "actually used" in render_sweep_md(res)
-    plain = run_sweep(model, tok, SweepConfig(lengths=(128,), index_topk=(16,), kind="single", generate=False))
+    plain = run_sweep(
+        model, tok, SweepConfig(lengths=(128,), index_topk=(16,), kind="single", generate=False)
+    )
     assert plain["cells"][0]["k_used"] == 16 and " *" not in render_sweep_md(plain)
     assert res["judged_by"] == "selection_rate"

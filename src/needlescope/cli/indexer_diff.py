@@ -106,12 +106,12 @@ def diff_command(
     _write(out, "diff.md", render_diff_md(result))
     first = result["first_divergent_module"]
     # Module names hold "[call 2]": user data is escaped so rich markup cannot eat it.
-    console.print(f"first divergent module: [bold]{escape(first or 'none')}[/]")
+    console.print(f"first divergent module: [bold]{escape(first or 'none')}[/]", soft_wrap=True)
     if first is None:
         console.print(result["summary"])
     for m in result["modules"]:
         if m["verdict"] in ("diverges", "reduced precision, within its rounding", "within precision"):
-            console.print(f"  {escape(m['module'])}: {m['verdict']}")
+            console.print(f"  {escape(m['module'])}: {m['verdict']}", soft_wrap=True)
     for r in result["layers"]:
         console.print(
             f"layer {r['layer']}: top-k overlap {r['topk_overlap']:.3f} ({r['positions_changed']}/"

@@ -33,9 +33,10 @@ module it calls stubbed to return the candidate's recorded output (``replay.repl
 compared with ``expected_rel_err``: ``margin x`` how far the reference module's output moves
 when each of its floating inputs gets Gaussian noise of the size of the error that input
 actually carries (``replay.calibrate``: an empirical condition number, ``draws`` seeded
-draws, ``margin`` 4 by default), and at least ``4 u``. Only modules that amplify
-(``rel_err > max(in_err, 4 u)``) are calibrated; for the others ``expected_rel_err`` is
-``max(in_err, 4 u)``. A fixed ``growth`` replaces every calibration (``growth x in_err``, the
+draws, ``margin`` 4 by default), and at least ``4 u``. Only modules whose output error
+exceeds ``margin x in_err`` are calibrated (the amplifiers: routers near ties, attention
+reading a changed selection, Sinkhorn mixing); for the others ``expected_rel_err`` is
+``max(margin x in_err, 4 u)``. A fixed ``growth`` replaces every calibration (``growth x in_err``, the
 scorer's ``growth x (eps_q + eps_k + u_acc)``, ``growth x u_p`` per rounding). For an
 indexer the propagation budget is also at least the fraction of selections that score noise
 of the scorer's budget could swap (``swappable_fraction``).
@@ -90,13 +91,13 @@ Non-finite numbers are written as JSON strings ``"inf"`` / ``"nan"`` by ``diff_t
 from __future__ import annotations
 
 import fnmatch
-import json
 import math
 from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 
+from needlescope.dsa.diff_md import diff_to_json, render_diff_md
 from needlescope.dsa.emulate import (
     SCORE_DTYPES,
     IndexerCapture,
@@ -396,8 +397,8 @@ class _Judge:
             return in_err, max(floor, in_err), False
         if self.growth is not None:
             return in_err, max(floor, self.growth * in_err), False
-        if err <= max(in_err, floor):
-            return in_err, max(floor, in_err), False
+        if err <= self.margin * in_err:  # within the fixed rule: no need to pay for a calibration
+            return in_err, max(floor, self.margin * in_err), False
         moved = self._calibrated(ref, sizes, ref.type == INDEXER)
         return in_err, max(floor, self.margin * moved), True
 
@@ -439,7 +440,10 @@ def _compare(
             err = selection_error(cand.out, ref.out)[0]
         else:
             err = rel_err(cand.out, ref.out)
-        floor = FLOOR_FACTOR * (unit_roundoff(ref.out.dtype) if ref.out is not None else 0.0)
+        # Integer outputs (selections) are compared exactly; what their module hands its
+        # callees is floating, so it gets the fp32 floor.
+        dtype = ref.out.dtype if ref.out is not None and ref.out.is_floating_point() else torch.float32
+        floor = FLOOR_FACTOR * unit_roundoff(dtype)
         row = {"module": ref.key, "kind": ref.kind, "type": ref.type, "rel_err": err}
         if ref.kind == "hc_streams_in":
             row.update(in_err=err, expected_rel_err=err, calibrated=False, own_err=None, own_budget=None)
@@ -622,106 +626,3 @@ def localize(
 
 def _device(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
-
-
-# ---------------------------------------------------------------------------- output
-
-
-def _finite(x):
-    if isinstance(x, float) and not math.isfinite(x):
-        return "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")
-    if isinstance(x, dict):
-        return {k: _finite(v) for k, v in x.items()}
-    if isinstance(x, list):
-        return [_finite(v) for v in x]
-    return x
-
-
-def diff_to_json(obj: dict) -> str:
-    """``diff.json`` text: strict JSON, non-finite floats written as strings."""
-    return json.dumps(_finite(obj), indent=2, allow_nan=False)
-
-
-def _fmt(x) -> str:
-    if isinstance(x, str):
-        return x
-    if x is None:
-        return "-"
-    if isinstance(x, float):
-        return "0" if x == 0 else f"{x:.3g}"
-    return str(x)
-
-
-def render_diff_md(obj: dict, *, top: int = 15) -> str:
-    """Markdown summary: verdict, per-layer indexer table, judged modules, largest errors."""
-    num = obj["numerics"]
-    budget = (
-        f"growth factor {obj['growth']}"
-        if obj.get("growth") is not None
-        else (f"calibrated budgets (margin {obj.get('margin')}, {obj.get('draws')} draws)")
-    )
-    allow = ", ".join(f"`{k}={v}`" for k, v in (obj.get("allow") or {}).items()) or "none"
-    lines = [
-        "# Differential localization",
-        "",
-        f"Candidate numerics: keys `{num['index_k']}`, queries `{num['index_q']}`, scores `{num['score_dtype']}`, "
-        f"index_topk `{num['index_topk'] if num['index_topk'] is not None else 'checkpoint'}`; "
-        f"patch: `{obj['patch'] or 'none'}`. Prompt: {obj['prompt_tokens']} tokens; {budget}; allowed: {allow}.",
-        "",
-    ]
-    first = obj["first_divergent_module"]
-    if first is None:
-        lines.append(f"**{obj['summary'][0].upper()}{obj['summary'][1:]}.**")
-    else:
-        m = next(m for m in obj["modules"] if m["module"] == first)
-        lines.append(
-            f"**First divergent module: `{first}`** ({m['type']}): its own code moves its output by "
-            f"{_fmt(m['own_err'])} against a budget of {_fmt(m['own_budget'])} (output error {_fmt(m['rel_err'])}, "
-            f"input error {_fmt(m['in_err'])})."
-        )
-    lines += [
-        "",
-        "## Indexer per CSA layer",
-        "",
-        "| layer | k (ref / cand) | top-k overlap | positions changed | needle rank (ref) | needle rank (cand) "
-        "| selected (ref / cand) | rank consistent |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for r in obj["layers"]:
-        lines.append(
-            f"| {r['layer']} | {_fmt(r['k_reference'])} / {_fmt(r['k_candidate'])} | {_fmt(r['topk_overlap'])} "
-            f"| {r['positions_changed']}/{r['positions']} | {_fmt(r['needle_rank_reference'])} "
-            f"| {_fmt(r['needle_rank_candidate'])} | {_fmt(r['needle_selected_reference'])} / "
-            f"{_fmt(r['needle_selected_candidate'])} | {'yes' if r['rank_consistent'] else '**no**'} |"
-        )
-    judged = [m for m in obj["modules"] if m["verdict"] not in ("ok", "probe")]
-    lines += ["", f"## Modules not simply ok ({len(judged)} of {len(obj['modules'])}, first {top})", ""]
-    lines += _module_table(judged[:top])
-    worst = sorted(
-        (m for m in obj["modules"] if isinstance(m["rel_err"], float)), key=lambda m: -m["rel_err"]
-    )[:top]
-    lines += ["", f"## Largest relative errors (top {top})", ""]
-    lines += _module_table(worst)
-    um = obj.get("unmatched", {})
-    if um.get("reference_only") or um.get("candidate_only"):
-        lines += [
-            "",
-            f"Unmatched module calls: reference only {um.get('reference_only')}, "
-            f"candidate only {um.get('candidate_only')}.",
-        ]
-    return "\n".join(lines) + "\n"
-
-
-def _module_table(rows: list[dict]) -> list[str]:
-    if not rows:
-        return ["(none)"]
-    out = [
-        "| module | type | rel_err | input err | expected | own err | own budget | verdict |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for m in rows:
-        out.append(
-            f"| `{m['module']}` | {m['type']} | {_fmt(m['rel_err'])} | {_fmt(m['in_err'])} "
-            f"| {_fmt(m['expected_rel_err'])} | {_fmt(m['own_err'])} | {_fmt(m['own_budget'])} | {m['verdict']} |"
-        )
-    return out

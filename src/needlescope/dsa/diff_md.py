@@ -1,0 +1,108 @@
+"""``diff.json`` text and ``diff.md``: the written forms of ``needlescope.dsa.diff.localize``'s result."""
+
+from __future__ import annotations
+
+import json
+import math
+
+__all__ = ["diff_to_json", "render_diff_md"]
+
+
+def _finite(x):
+    if isinstance(x, float) and not math.isfinite(x):
+        return "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_finite(v) for v in x]
+    return x
+
+
+def diff_to_json(obj: dict) -> str:
+    """``diff.json`` text: strict JSON, non-finite floats written as strings."""
+    return json.dumps(_finite(obj), indent=2, allow_nan=False)
+
+
+def _fmt(x) -> str:
+    if isinstance(x, str):
+        return x
+    if x is None:
+        return "-"
+    if isinstance(x, float):
+        return "0" if x == 0 else f"{x:.3g}"
+    return str(x)
+
+
+def render_diff_md(obj: dict, *, top: int = 15) -> str:
+    """Markdown summary: verdict, per-layer indexer table, judged modules, largest errors."""
+    num = obj["numerics"]
+    budget = (
+        f"growth factor {obj['growth']}"
+        if obj.get("growth") is not None
+        else (f"calibrated budgets (margin {obj.get('margin')}, {obj.get('draws')} draws)")
+    )
+    allow = ", ".join(f"`{k}={v}`" for k, v in (obj.get("allow") or {}).items()) or "none"
+    lines = [
+        "# Differential localization",
+        "",
+        f"Candidate numerics: keys `{num['index_k']}`, queries `{num['index_q']}`, scores `{num['score_dtype']}`, "
+        f"index_topk `{num['index_topk'] if num['index_topk'] is not None else 'checkpoint'}`; "
+        f"patch: `{obj['patch'] or 'none'}`. Prompt: {obj['prompt_tokens']} tokens; {budget}; allowed: {allow}.",
+        "",
+    ]
+    first = obj["first_divergent_module"]
+    if first is None:
+        lines.append(f"**{obj['summary'][0].upper()}{obj['summary'][1:]}.**")
+    else:
+        m = next(m for m in obj["modules"] if m["module"] == first)
+        lines.append(
+            f"**First divergent module: `{first}`** ({m['type']}): its own code moves its output by "
+            f"{_fmt(m['own_err'])} against a budget of {_fmt(m['own_budget'])} (output error {_fmt(m['rel_err'])}, "
+            f"input error {_fmt(m['in_err'])})."
+        )
+    lines += [
+        "",
+        "## Indexer per CSA layer",
+        "",
+        "| layer | k (ref / cand) | top-k overlap | positions changed | needle rank (ref) | needle rank (cand) "
+        "| selected (ref / cand) | rank consistent |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in obj["layers"]:
+        lines.append(
+            f"| {r['layer']} | {_fmt(r['k_reference'])} / {_fmt(r['k_candidate'])} | {_fmt(r['topk_overlap'])} "
+            f"| {r['positions_changed']}/{r['positions']} | {_fmt(r['needle_rank_reference'])} "
+            f"| {_fmt(r['needle_rank_candidate'])} | {_fmt(r['needle_selected_reference'])} / "
+            f"{_fmt(r['needle_selected_candidate'])} | {'yes' if r['rank_consistent'] else '**no**'} |"
+        )
+    judged = [m for m in obj["modules"] if m["verdict"] not in ("ok", "probe")]
+    lines += ["", f"## Modules not simply ok ({len(judged)} of {len(obj['modules'])}, first {top})", ""]
+    lines += _module_table(judged[:top])
+    worst = sorted(
+        (m for m in obj["modules"] if isinstance(m["rel_err"], float)), key=lambda m: -m["rel_err"]
+    )[:top]
+    lines += ["", f"## Largest relative errors (top {top})", ""]
+    lines += _module_table(worst)
+    um = obj.get("unmatched", {})
+    if um.get("reference_only") or um.get("candidate_only"):
+        lines += [
+            "",
+            f"Unmatched module calls: reference only {um.get('reference_only')}, "
+            f"candidate only {um.get('candidate_only')}.",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def _module_table(rows: list[dict]) -> list[str]:
+    if not rows:
+        return ["(none)"]
+    out = [
+        "| module | type | rel_err | input err | expected | own err | own budget | verdict |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for m in rows:
+        out.append(
+            f"| `{m['module']}` | {m['type']} | {_fmt(m['rel_err'])} | {_fmt(m['in_err'])} "
+            f"| {_fmt(m['expected_rel_err'])} | {_fmt(m['own_err'])} | {_fmt(m['own_budget'])} | {m['verdict']} |"
+        )
+    return out
