@@ -51,9 +51,14 @@ def hc_mix_bf16(model: torch.nn.Module) -> Callable[[], None]:
 
         mod.forward = forward
         undo.append(mod)
+    return _restorer(undo)
+
+
+def _restorer(mods: list[torch.nn.Module]) -> Callable[[], None]:
+    """The undo of instance-level ``forward`` overrides on ``mods``."""
 
     def restore() -> None:
-        for mod in undo:
+        for mod in mods:
             mod.__dict__.pop("forward", None)
 
     return restore
@@ -73,12 +78,7 @@ def routed_scale_twice(model: torch.nn.Module) -> Callable[[], None]:
 
         mod.forward = forward
         undo.append(mod)
-
-    def restore() -> None:
-        for mod in undo:
-            mod.__dict__.pop("forward", None)
-
-    return restore
+    return _restorer(undo)
 
 
 def attn_out_bf16(model: torch.nn.Module) -> Callable[[], None]:
