@@ -14,6 +14,27 @@ from dataclasses import dataclass
 # Layer 1 is the organism's first CSA layer; its indexer is the one these faults break.
 INDEXER = "model.layers.1.self_attn.compressor.indexer"
 
+
+def _under_mode(mode: str, body: str) -> str:
+    """A patch body: ``body`` defines the torch function mode ``mode``; the indexer's forward runs under it."""
+    return (
+        body
+        + f'''
+
+def apply(model):
+    idx = model.get_submodule("{INDEXER}")
+    inner = idx.forward
+
+    def forward(*args, **kwargs):
+        with {mode}():
+            return inner(*args, **kwargs)
+
+    idx.forward = forward
+    return lambda: idx.__dict__.pop("forward", None)
+'''
+    )
+
+
 # The indexer's own code, between its inputs and its scorer: ropes the compressed keys (and
 # queries) the wrong way round. No sub-module changes; the scorer is handed other keys.
 PLAIN_CODE = f'''
@@ -40,14 +61,16 @@ def apply(model):
 
 # After the scorer, before the top-k: a "recency buffer" that boosts the last 16 visible
 # entries of each row by the row's score spread, in the indexer's own code.
-POST_SCORER = f'''
+POST_SCORER = _under_mode(
+    "Boost",
+    """
 import torch
 from torch.overrides import TorchFunctionMode
 
 
 class Boost(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {{}}
+        kwargs = kwargs or {}
         if func is torch.Tensor.topk:
             s = args[0]
             finite = torch.isfinite(s)
@@ -58,22 +81,14 @@ class Boost(TorchFunctionMode):
             args = (s, *args[1:])
         return func(*args, **kwargs)
 
-
-def apply(model):
-    idx = model.get_submodule("{INDEXER}")
-    inner = idx.forward
-
-    def forward(*args, **kwargs):
-        with Boost():
-            return inner(*args, **kwargs)
-
-    idx.forward = forward
-    return lambda: idx.__dict__.pop("forward", None)
-'''
+""",
+)
 
 # After the top-k: the step that marks picks beyond the visible entries as -1 is off by one and
 # also discards the newest visible entry. Drops one entry per row at any index_topk.
-POST_TOPK_VALIDITY = f'''
+POST_TOPK_VALIDITY = _under_mode(
+    "OffByOne",
+    """
 import torch
 from torch.overrides import TorchFunctionMode
 
@@ -84,51 +99,33 @@ class OffByOne(TorchFunctionMode):
         self.seen = 0
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func is torch.Tensor.__ge__:
+        if func in (torch.Tensor.__ge__, torch.Tensor.ge):
             self.seen += 1
             if self.seen == 2:  # the validity check, after the future mask's comparison
                 return func(args[0], args[1] - 1)
-        return func(*args, **(kwargs or {{}}))
+        return func(*args, **(kwargs or {}))
 
-
-def apply(model):
-    idx = model.get_submodule("{INDEXER}")
-    inner = idx.forward
-
-    def forward(*args, **kwargs):
-        with OffByOne():
-            return inner(*args, **kwargs)
-
-    idx.forward = forward
-    return lambda: idx.__dict__.pop("forward", None)
-'''
+""",
+)
 
 # Visibility off by one: each query also sees the entry that is still being compressed (a
 # future entry). Adds one entry to every selection that has room; drops none where k covers all.
-VISIBILITY = f'''
+VISIBILITY = _under_mode(
+    "Leak",
+    """
 import torch
 from torch.overrides import TorchFunctionMode
 
 
 class Leak(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {{}}))
+        out = func(*args, **(kwargs or {}))
         if func is torch.Tensor.__floordiv__:
             return out + 1
         return out
 
-
-def apply(model):
-    idx = model.get_submodule("{INDEXER}")
-    inner = idx.forward
-
-    def forward(*args, **kwargs):
-        with Leak():
-            return inner(*args, **kwargs)
-
-    idx.forward = forward
-    return lambda: idx.__dict__.pop("forward", None)
-'''
+""",
+)
 
 # Benign: every hyper-connection's input streams and every attention output rounded to bf16.
 BF16_ROUNDING = """
@@ -189,7 +186,9 @@ PLANTED = (
         "bf16_hc_inputs_and_attention_output",
         BF16_ROUNDING,
         None,
-        ("model.layers.0.attn_hc", "model.layers.0.ffn_hc", "model.layers.0.self_attn"),
+        # Layer 0's streams are the embeddings, already bf16 values in the shipped weights, so
+        # rounding them changes nothing; layer 1 is the first whose inputs really get rounded.
+        ("model.layers.1.attn_hc", "model.layers.1.ffn_hc", "model.layers.1.self_attn"),
     ),
     Planted("routed_scale_no_undo", ROUTED_SCALE, "model.layers.0.mlp.gate"),
 )

@@ -18,37 +18,27 @@ Definitions:
   case was scored). ``per_layer`` gives, per CSA layer, the same fraction over the cases where
   that layer could see the needle, plus the median best rank and mean margin_frac there.
 * **answer_recall** (only with generation) = cases whose greedy answer contains every expected
-  value (``cases.scoring.score_answer``) / cases.
-* A setting **restores selection to** length L when its rate is >= ``target_rate`` at L and at
-  every shorter tested length (lengths whose rate is null do not break the run); null when
-  the shortest length already fails.
+  value (``cases.scoring.score_answer``) / cases, with its 95% Wilson interval.
+* Fixes are **judged by answer recall** when generating (``judged_by``), by selection otherwise.
+  A setting **restores** to length L when its judged rate is >= ``target_rate`` at L and at every
+  shorter tested length (null rates do not break the run); ``selection_restored_to`` is the same
+  for selection. ``cheapest`` is the cheapest setting whose judged rate at ``target_length`` is
+  >= ``target_rate``.
 * **Cost order** (cheapest first): smaller ``index_topk``, then fewer key + query bits
   (fp4_e2m1 4 < fp8_e4m3 = fp8_e4m3_block128 8 < bf16 = fp16 16 < fp32 32), then fewer key
-  bits. ``cheapest`` is the cheapest setting whose rate at ``target_length`` is >=
-  ``target_rate``.
+  bits.
 * The **baseline** is the cheapest precision pair at the smallest index_topk of the grid; the
   verdict names, per axis, how far each other precision pair (at the baseline index_topk) and
-  each other index_topk (at the baseline precision) restores selection.
+  each other index_topk (at the baseline precision) restores recall (selection beside it).
+* The patch is applied exactly once per setting and model instance (``run_sweep``'s docstring).
+  ``k_used`` is the k the indexer's topk calls used; a rank taken from the scores that topk
+  ranked and a selection that disagree (rank <= k, not selected) are counted in
+  ``rank_inconsistent``.
 
-``sweep.json`` schema (``SWEEP_SCHEMA``)::
-
-    {"model": str, "kind": str, "lengths": [int], "depths": [float], "trials": int, "seed": int,
-     "value_digits": int, "score_dtype": str, "target_length": int, "target_rate": float, "generate": bool,
-     "patch": str | null,
-     "settings": [{"index_k": str, "index_q": str, "index_topk": int, "cost_rank": int,
-                   "restored_to": int | null, "rate_at_target": float | null}],
-     "cells": [{"index_k": str, "index_q": str, "index_topk": int, "length": int, "cases": int,
-                "scored": int, "unscored": int, "selected": int, "selection_rate": float | null,
-                "answers_correct": int | null, "answer_recall": float | null,
-                "per_layer": [{"layer": int, "n": int, "selected": int, "rate": float | null,
-                               "median_best_rank": float | null, "mean_margin_frac": float | null}]}],
-     "runs": [{"case_id": str, "length": int, "depth": float, "trial": int, "prompt_tokens": int,
-               "index_k": str, "index_q": str, "index_topk": int, "selected": bool | null,
-               "layers": [{"layer": int, "selected": bool, "best_rank": int, "margin_frac": float}],
-               "answer": str | null, "answer_correct": bool | null}],
-     "cheapest": {"index_k": str, "index_q": str, "index_topk": int, "rate": float} | null,
-     "baseline": {"index_k": str, "index_q": str, "index_topk": int},
-     "verdict": [str]}
+``sweep.json`` schema (``SWEEP_SCHEMA``): see docs/dsa_rankdump.md, "sweep.json schema"; the
+keys ``judged_by``, ``settings[].ci95_at_target``, ``selection_restored_to``,
+``selection_rate_at_target``, ``cells[].answer_recall_ci95``, ``k_used``, ``rank_inconsistent``,
+``runs[].k_used`` and ``runs[].layers[].rank_consistent`` are written by this version.
 """
 
 from __future__ import annotations
