@@ -45,14 +45,19 @@ NO_ENTRY = -1
 """Sentinel index in ``topk_indices`` output: "no entry" (fewer than k visible)."""
 
 
-def visible_entries(t: int, ratio: int = 4) -> int:
-    """Number of compressed entries visible to the query at position ``t``: (t+1)//ratio."""
+def visible_entries(t, ratio: int = 4):
+    """Number of compressed entries visible to the query at position ``t``: (t+1)//ratio.
+
+    The one statement of the visibility rule: entry ``s`` (covering tokens ``ratio*s ..
+    ratio*s + ratio - 1``) is complete, hence scoreable, once the query has seen its last token.
+    ``t`` is an int or an integer tensor of positions (then the result is a tensor of that shape).
+    """
     return (t + 1) // ratio
 
 
 def visibility_mask(T: int, L: int, ratio: int = 4) -> torch.Tensor:
     """Bool [T, L]: entry i is visible to query t iff i < (t+1)//ratio."""
-    vis = (torch.arange(T) + 1) // ratio  # [T]
+    vis = visible_entries(torch.arange(T), ratio)  # [T]
     return torch.arange(L).view(1, L) < vis.view(T, 1)  # [T, L]
 
 
@@ -172,7 +177,7 @@ def indexer_scores(
     T, L = q.shape[0], k.shape[0]
     scores = lightning_scores(q, k, w, scale=scale, weight_scale=weight_scale, acc_dtype=acc_dtype)
     pos = torch.arange(T, device=q.device) if positions is None else positions.to(q.device)
-    vis = (pos + 1) // ratio  # [T]
+    vis = visible_entries(pos, ratio)  # [T]
     future = torch.arange(L, device=q.device).view(1, L) >= vis.view(T, 1)  # [T, L]
     return scores.masked_fill(future, float("-inf"))
 
