@@ -112,7 +112,7 @@ def _broken_checkpoints(model, tmp_path):
         (corrupt / f.name).write_bytes(f.read_bytes())
     weights = corrupt / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
-    return {"is not valid JSON": not_json, "not a readable safetensors file": corrupt}
+    return {"is not readable JSON": not_json, "not a readable safetensors file": corrupt}
 
 
 def test_rank_dump_refuses_broken_checkpoints_and_outputs_with_one_line(bundle, tmp_path, run_cli):

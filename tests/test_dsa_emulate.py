@@ -116,3 +116,35 @@ def test_bad_numerics_are_rejected():
         Setting(score_dtype="fp16")
     with pytest.raises(BadInput, match="positive"):
         Setting(index_topk=0)
+
+
+@torch.no_grad()
+def test_exit_restores_a_scorer_override_installed_before_it(model):
+    _, indexer = csa_indexers(model)[0]
+    outer = indexer.scorer.forward  # the class's bound method
+
+    def earlier(q, kv, h):
+        return outer(q, kv, h)
+
+    indexer.scorer.forward = earlier
+    try:
+        with emulate(model, Setting(index_k="fp8_e4m3", index_topk=3)):
+            assert indexer.scorer.forward is not earlier
+        assert indexer.scorer.__dict__["forward"] is earlier
+    finally:
+        del indexer.scorer.forward
+
+
+def test_a_patch_file_executes_once_per_process_and_again_when_rewritten(model, tmp_path):
+    runs = tmp_path / "runs"
+    patch = tmp_path / "p.py"
+    body = f"open({str(runs)!r}, 'a').write('x')\ndef apply(model):\n    return None\n"
+    patch.write_text(body)
+    for _ in range(3):
+        with emulate(model, REFERENCE.with_(patch=patch)):
+            pass
+    assert runs.read_text() == "x"
+    patch.write_text(body + "# changed\n")
+    with emulate(model, REFERENCE.with_(patch=patch)):
+        pass
+    assert runs.read_text() == "xx"

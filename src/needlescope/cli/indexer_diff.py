@@ -23,11 +23,14 @@ from needlescope.cli.setting_options import (
     with_patch,
 )
 from needlescope.errors import BadInput
+from needlescope.investigate.capture import CaptureConfig
 from needlescope.paths import check_out_dir
 from needlescope.run.config import parse_float_list, parse_int_list
 from needlescope.setting import REFERENCE
 
 console = Console()
+# Flag defaults come from the library's config (investigate.capture imports no torch).
+_CAPTURE = CaptureConfig(url="", prompt=Path(), needle="")
 
 
 def _write(out: Path, name: str, text: str) -> Path:
@@ -106,7 +109,7 @@ def capture_command(
         Path("capture-out"), "--out", help="Output directory (capture.json, capture.md)."
     ),
     tokenizer: str = typer.Option(
-        "organism",
+        _CAPTURE.tokenizer,
         "--tokenizer",
         help="'organism' or a local checkpoint dir: renders the chat template and finds the needle's tokens; "
         "the token ids are sent as input_ids so the server sees exactly these tokens.",
@@ -118,13 +121,13 @@ def capture_command(
         "--layer-ids",
         help="Model layer id of each capture layer, e.g. 2,4,6 (default: from the config).",
     ),
-    max_new_tokens: int = typer.Option(16, "--max-new-tokens"),
-    timeout: float = typer.Option(600.0, "--timeout", help="Request timeout in seconds."),
+    max_new_tokens: int = typer.Option(_CAPTURE.max_new_tokens, "--max-new-tokens"),
+    timeout: float = typer.Option(_CAPTURE.timeout, "--timeout", help="Request timeout in seconds."),
 ) -> None:
     """Ask a live SGLang server for its indexer top-k and report whether the needle was selected."""
     from needlescope.investigate import capture
 
-    cfg = capture.CaptureConfig(
+    cfg = CaptureConfig(
         url=sglang,
         prompt=prompt,
         needle=needle,

@@ -32,12 +32,13 @@ from needlescope.serve.config import (
 )
 
 err_console = Console(stderr=True)
+_DEFAULTS = ServeConfig()  # every flag's default is the config's own
 
 
 def serve_command(
     ctx: typer.Context,
     model: str = typer.Option(
-        "organism", "--model", help="'organism' or a local transformers checkpoint dir."
+        _DEFAULTS.model, "--model", help="'organism' or a local transformers checkpoint dir."
     ),
     index_k: IndexK = None,
     index_q: IndexQ = None,
@@ -63,8 +64,8 @@ def serve_command(
         help="Budget of batch x prompt length per prefill.",
     ),
     served_model_name: str = typer.Option(None, "--served-model-name", help="Name in /v1/models."),
-    device: str = typer.Option("cpu", "--device", help="cpu | cuda | cuda:N"),
-    threads: int = typer.Option(1, "--threads", help="torch intra-op threads."),
+    device: str = typer.Option(_DEFAULTS.device, "--device", help="cpu | cuda | cuda:N"),
+    threads: int = typer.Option(_DEFAULTS.threads, "--threads", help="torch intra-op threads."),
     config_json: str = typer.Option(
         None, "--config-json", help="The whole ServeConfig as JSON (instead of every other flag)."
     ),

@@ -21,6 +21,7 @@ from transformers.utils import logging as hf_logging
 
 from needlescope.cases.needles import VALUE_DIGITS
 from needlescope.errors import BadInput
+from needlescope.paths import read_json_object
 
 __all__ = [
     "ORGANISM",
@@ -65,15 +66,7 @@ def read_config(path: Path) -> dict:
     cfg_path = Path(path) / "config.json"
     if not cfg_path.is_file():
         raise BadInput(f"{str(path)!r} has no config.json; it is not a transformers checkpoint directory")
-    try:
-        cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise BadInput(
-            f"{str(cfg_path)!r} is not valid JSON ({exc}); restore the checkpoint's config.json"
-        ) from None
-    if not isinstance(cfg, dict):
-        raise BadInput(f"{str(cfg_path)!r} must hold a JSON object, got {type(cfg).__name__}")
-    return cfg
+    return read_json_object(cfg_path, "restore the checkpoint's config.json")
 
 
 def check_weights(path: Path) -> None:

@@ -4,7 +4,8 @@ Pure functions over tensors; no modules, no I/O. Mirrors transformers'
 ``DeepseekV4Indexer`` (models/deepseek_v4/modeling_deepseek_v4.py, v5.23) so that
 parity holds bit-for-bit up to fp32 rounding.
 
-Places where transformers deviates from the design doc (docs: dsv4_attention.md §2):
+Places where transformers deviates from DeepSeek's reference inference code and SGLang's
+indexer (the deployments whose numerics ``needlescope.dsa.emulate`` imitates):
 
 * No Hadamard rotation and no FP4/FP8 simulation of q or k in transformers. Ref and
   SGLang rotate + quantise; transformers keeps both in the model dtype. A rotation
@@ -17,8 +18,8 @@ Places where transformers deviates from the design doc (docs: dsv4_attention.md 
 * Gated pooling: ``sum(kv * softmax(gate).to(kv.dtype))`` then RMSNorm; the softmax is
   fp32 but the products/sum run in the kv dtype (bf16 in a bf16 model).
 * Causality uses a -inf mask on entries ``i >= (t+1)//4`` and then ``topk`` with
-  ``k = min(index_topk, L)``; masked picks become -1. The design doc's
-  "rows with len <= k emit 0..len-1" shortcut (SGLang) is not in transformers: it
+  ``k = min(index_topk, L)``; masked picks become -1. SGLang's
+  "rows with len <= k emit 0..len-1" shortcut is not in transformers: it
   emits the visible entries in score order. As sets they are identical.
 * Head weights use ``hidden_states`` (the attn-normed x), not q_lora, with
   ``c = index_head_dim**-0.5 * index_n_heads**-0.5``; ``index_head_dim**-0.5`` is

@@ -58,6 +58,7 @@ import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from needlescope.analysis.curve import longest_passing
 from needlescope.cases.assemble import CaseSpec, build_cases
 from needlescope.cases.needles import VALUE_DIGITS
 from needlescope.dsa.prompt import render_prompt
@@ -290,15 +291,7 @@ def setting_cost(setting: Setting) -> tuple:
 
 def restored_to(rates: dict[int, float | None], target_rate: float) -> int | None:
     """Longest length L with rate >= target_rate at L and every shorter length (None rates skipped)."""
-    best = None
-    for length in sorted(rates):
-        r = rates[length]
-        if r is None:
-            continue
-        if r < target_rate:
-            break
-        best = length
-    return best
+    return longest_passing(rates.items(), target_rate)
 
 
 def cheapest_setting(
