@@ -145,9 +145,14 @@ def test_serve_refuses_a_corrupt_checkpoint_with_one_line(bundle, tmp_path, run_
 def test_child_server_gets_its_whole_setting_as_json(bundle):
     model, _ = bundle
     setting = Setting(index_k="fp8_e4m3", index_topk=4, hadamard=True, patch="fault:indexer_key_slot")
-    with ServerProcess(ServeConfig(model=str(model), port=0, setting=setting)) as srv:
-        info = httpx.get(srv.url + "/get_server_info", timeout=30).json()
+    cfg = ServeConfig(model=str(model), port=0, setting=setting, api_key="sekrit-key")
+    with ServerProcess(cfg) as srv:
+        assert "sekrit-key" not in " ".join(srv.argv)  # the key travels in the environment
+        assert httpx.get(srv.url + "/get_server_info", timeout=30).status_code == 401
+        auth = {"Authorization": "Bearer sekrit-key"}
+        info = httpx.get(srv.url + "/get_server_info", headers=auth, timeout=30).json()
     assert Setting.from_json({k: info["args"][k] for k in setting.to_json()}) == setting
+    assert info["args"]["api_key"] is True
     assert info["index_topk"] == 4 and info["patch"] == "fault:indexer_key_slot"
 
 

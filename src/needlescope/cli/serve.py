@@ -23,6 +23,7 @@ from needlescope.cli.setting_options import (
 from needlescope.errors import BadInput
 from needlescope.serve.config import (
     DEFAULT_HOST,
+    DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_NEW_TOKENS,
     DEFAULT_MAX_PREFILL_TOKENS,
     DEFAULT_MAX_QUEUED,
@@ -66,8 +67,23 @@ def serve_command(
     served_model_name: str = typer.Option(None, "--served-model-name", help="Name in /v1/models."),
     device: str = typer.Option(_DEFAULTS.device, "--device", help="cpu | cuda | cuda:N"),
     threads: int = typer.Option(_DEFAULTS.threads, "--threads", help="torch intra-op threads."),
+    api_key: str = typer.Option(
+        None,
+        "--api-key",
+        envvar="NEEDLESCOPE_API_KEY",
+        show_default=False,
+        help="Require 'Authorization: Bearer KEY' on every route but /health (never logged).",
+    ),
+    expose_paths: bool = typer.Option(
+        False, "--expose-paths", help="Show absolute paths in /get_server_info and /v1/models."
+    ),
+    max_body_bytes: int = typer.Option(
+        DEFAULT_MAX_BODY_BYTES, "--max-body-bytes", help="Larger request bodies get HTTP 413."
+    ),
     config_json: str = typer.Option(
-        None, "--config-json", help="The whole ServeConfig as JSON (instead of every other flag)."
+        None,
+        "--config-json",
+        help="The whole ServeConfig as JSON instead of every other flag (the key stays in NEEDLESCOPE_API_KEY).",
     ),
 ) -> None:
     """Serve a model over OpenAI-compatible and SGLang-native HTTP; prints 'READY PORT' when listening."""
@@ -75,13 +91,19 @@ def serve_command(
         given = [
             p.opts[0]
             for p in ctx.command.params
-            if p.name != "config_json" and ctx.get_parameter_source(p.name).name != "DEFAULT"
+            if p.name not in ("config_json", "api_key") and ctx.get_parameter_source(p.name).name != "DEFAULT"
         ]
         if given:
             raise BadInput(f"--config-json replaces every other flag; drop {', '.join(given)}")
-        cfg = ServeConfig.from_json(config_json)
+        cfg = ServeConfig.from_json(config_json).with_api_key(api_key)
     else:
         cfg = _config_from_flags(**{k: v for k, v in ctx.params.items() if k != "config_json"})
+    if cfg.exposed_without_key:
+        err_console.print(
+            f"WARNING: listening on {cfg.host} without an API key; anyone who can reach it can use it "
+            "(set --api-key or NEEDLESCOPE_API_KEY)",
+            highlight=False,
+        )
     _serve(cfg)
 
 

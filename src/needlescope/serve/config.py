@@ -6,13 +6,15 @@ The indexer configuration is one ``needlescope.setting.Setting`` (numerics and p
 error, because there is no indexer to apply it to.
 
 A child server is started with its ``ServeConfig`` as JSON (``to_json`` / ``from_json``,
-``needlescope serve --config-json``), so nothing is lost across the process boundary.
+``needlescope serve --config-json``), so nothing is lost across the process boundary. The API
+key is the one field JSON never carries: a command line is visible to every local user, so
+``serve.launch.ServerProcess`` hands it to the child in ``NEEDLESCOPE_API_KEY`` instead.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 from needlescope.errors import BadInput
@@ -26,6 +28,8 @@ DEFAULT_MAX_RUNNING = 8
 DEFAULT_MAX_QUEUED = 64
 DEFAULT_MAX_NEW_TOKENS = 512
 DEFAULT_MAX_PREFILL_TOKENS = 8192
+DEFAULT_MAX_BODY_BYTES = 4 * 2**20
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 DEVICES = ("cpu", "cuda")
 
 
@@ -55,6 +59,13 @@ class ServeConfig:
     threads: int = 1
     """torch intra-op threads. One is fastest for the toy organism (dispatch-bound, and it leaves
     cores free for the HTTP loop and for other processes)."""
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    """Largest request body accepted; a larger one gets HTTP 413 before it is read."""
+    api_key: str | None = field(default=None, repr=False)
+    """When set, every route but /health needs ``Authorization: Bearer KEY``. Never logged,
+    never echoed (``to_dict`` says only whether one is set), never in ``to_json``."""
+    expose_paths: bool = False
+    """Show absolute filesystem paths (the model directory) in /get_server_info and /v1/models."""
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -77,6 +88,10 @@ class ServeConfig:
             )
         if self.threads < 1:
             raise BadInput(f"--threads must be at least 1; got {self.threads}")
+        if self.max_body_bytes < 1024:
+            raise BadInput(f"--max-body-bytes must be at least 1024; got {self.max_body_bytes}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise BadInput("--api-key (or NEEDLESCOPE_API_KEY) is empty; give a key or leave it unset")
 
     @property
     def model_name(self) -> str:
@@ -84,19 +99,32 @@ class ServeConfig:
             return self.served_model_name
         return self.model if self.model == "organism" else Path(self.model).resolve().name
 
+    @property
+    def exposed_without_key(self) -> bool:
+        """Whether the server would listen beyond loopback with no API key."""
+        return self.host not in LOOPBACK_HOSTS and self.api_key is None
+
     def to_dict(self) -> dict:
         """Flat form echoed by ``/get_server_info`` as ``args``: the setting's fields inline
-        (``None`` each when no setting was given), ``patch`` as its spec."""
+        (``None`` each when no setting was given), ``patch`` as its spec, the API key replaced by
+        whether one is set, and the model directory by its name unless ``expose_paths``."""
         d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "setting"}
+        d["api_key"] = self.api_key is not None
+        if not self.expose_paths and self.model != "organism":
+            d["model"] = Path(self.model).name
         names = ("index_k", "index_q", "score_dtype", "index_topk", "hadamard", "patch")
         setting = self.setting.to_json() if self.setting is not None else dict.fromkeys(names)
         return {**d, **setting}
 
     def to_json(self) -> str:
-        """The whole config as JSON text; ``from_json`` gives an equal config back."""
-        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        """Every field but ``api_key`` as JSON text; ``from_json`` gives an equal config back
+        (``with_api_key`` restores the key from where the caller keeps it)."""
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "api_key"}
         d["setting"] = None if self.setting is None else self.setting.to_json()
         return json.dumps(d)
+
+    def with_api_key(self, api_key: str | None) -> ServeConfig:
+        return replace(self, api_key=api_key)
 
     @classmethod
     def from_json(cls, text: str) -> ServeConfig:
@@ -107,7 +135,7 @@ class ServeConfig:
             raise BadInput(f"--config-json is not valid JSON: {exc}") from None
         if not isinstance(obj, dict):
             raise BadInput("--config-json must be a JSON object of ServeConfig fields")
-        unknown = set(obj) - {f.name for f in fields(cls)}
+        unknown = set(obj) - {f.name for f in fields(cls) if f.name != "api_key"}
         if unknown:
             raise BadInput(f"--config-json has unknown field(s) {', '.join(sorted(unknown))}")
         if obj.get("setting") is not None:

@@ -8,11 +8,13 @@ manager, stops the process on exit.
 ``ServerProcess(ServeConfig(model=DIR, port=0))`` is ``needlescope serve`` started with the
 whole config as JSON (``python -m needlescope.cli.main serve --config-json ...``), so the
 child runs exactly that config, setting and patch included; ``ServerProcess(["--model", DIR])``
-passes flags instead (tests of the flags themselves). It waits for ``/health``.
+passes flags instead (tests of the flags themselves). It waits for ``/health``. An API key
+travels in the child's ``NEEDLESCOPE_API_KEY``, never in its arguments.
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
@@ -38,8 +40,10 @@ class ChildServer:
         health_path: str | None = None,
         timeout: float = 120.0,
         host: str = "127.0.0.1",
+        env: dict[str, str] | None = None,
     ) -> None:
         self.argv = list(argv)
+        self.env = env
         self.health_path = health_path
         self.timeout = timeout
         self.host = host
@@ -65,7 +69,9 @@ class ChildServer:
         return " ".join(self.argv[1:4])
 
     def start(self) -> ChildServer:
-        self.proc = subprocess.Popen(self.argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            self.argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=self.env
+        )
         # Drain stderr continuously so a chatty server never blocks on a full pipe.
         threading.Thread(target=self._drain, daemon=True).start()
         line = self.proc.stdout.readline() if self.proc.stdout else ""
@@ -121,8 +127,14 @@ class ServerProcess(ChildServer):
     def __init__(
         self, config: ServeConfig | Sequence[str], *, timeout: float = 120.0, host: str = "127.0.0.1"
     ) -> None:
-        args = ["--config-json", config.to_json()] if isinstance(config, ServeConfig) else list(config)
-        super().__init__([*SERVE_ARGV, *args], health_path="/health", timeout=timeout, host=host)
+        env = None
+        if isinstance(config, ServeConfig):
+            args = ["--config-json", config.to_json()]
+            if config.api_key is not None:  # never on a command line, which every local user can read
+                env = {**os.environ, "NEEDLESCOPE_API_KEY": config.api_key}
+        else:
+            args = list(config)
+        super().__init__([*SERVE_ARGV, *args], health_path="/health", timeout=timeout, host=host, env=env)
         self.args = args
 
     @property
