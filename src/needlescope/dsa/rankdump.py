@@ -298,41 +298,7 @@ def rank_dump(
             positions = list(query_positions)
 
     entries = covering_entries((start, end), ratio=ratio, overlap=True)
-    out_layers = []
-    for layer in layers:
-        score_pos, score_rows = capture.score_rows(layer)
-        topk_pos, topk_rows = capture.rows(layer, width=index_topk)
-        row_of = {int(p): i for i, p in enumerate(score_pos.tolist())}
-        if len(row_of) != len(score_rows) or not torch.equal(score_pos, topk_pos):
-            raise RuntimeError(
-                f"layer {layer}: captured positions repeat or disagree between scores and top-k"
-            )
-        recs, unseen = [], []
-        for t in positions:
-            if t not in row_of:
-                raise RuntimeError(f"layer {layer}: no indexer row was captured for query position {t}")
-            i = row_of[t]
-            visible = visible_entries(t, ratio)
-            ne = [e for e in entries if e < visible]
-            if not ne:
-                unseen.append(t)
-                continue
-            st = needle_rank_stats(score_rows[i], visible, ne, index_topk)
-            recs.append(
-                {
-                    "query_pos": t,
-                    "visible_entries": visible,
-                    "needle_entries": ne,
-                    "best_rank": st.best_rank,
-                    "ties": st.ties,
-                    "needle_score": st.needle_score,
-                    "cutoff_score": st.cutoff_score,
-                    "margin": st.margin,
-                    "margin_frac": st.margin_frac,
-                    "selected": selected_in(topk_rows[i], ne),
-                }
-            )
-        out_layers.append({"layer": layer, "needle_not_visible": unseen, "positions": recs})
+    out_layers = [_layer_record(capture, layer, positions, entries, index_topk, ratio) for layer in layers]
 
     answer_ids = [t for t in generated if t != tokenizer.eos_token_id]
     text = tokenizer.decode(answer_ids, skip_special_tokens=True) if generated else ""
@@ -357,6 +323,48 @@ def rank_dump(
         "label": label,
         "layers": out_layers,
     }
+
+
+def _layer_record(
+    capture: IndexerCapture,
+    layer: int,
+    positions: Sequence[int],
+    entries: Sequence[int],
+    index_topk: int,
+    ratio: int,
+) -> dict:
+    """One ``layers[]`` record of the schema: the needle's rank at each query position of ``layer``."""
+    score_pos, score_rows = capture.score_rows(layer)
+    topk_pos, topk_rows = capture.rows(layer, width=index_topk)
+    row_of = {int(p): i for i, p in enumerate(score_pos.tolist())}
+    if len(row_of) != len(score_rows) or not torch.equal(score_pos, topk_pos):
+        raise RuntimeError(f"layer {layer}: captured positions repeat or disagree between scores and top-k")
+    recs, unseen = [], []
+    for t in positions:
+        if t not in row_of:
+            raise RuntimeError(f"layer {layer}: no indexer row was captured for query position {t}")
+        i = row_of[t]
+        visible = visible_entries(t, ratio)
+        ne = [e for e in entries if e < visible]
+        if not ne:
+            unseen.append(t)
+            continue
+        st = needle_rank_stats(score_rows[i], visible, ne, index_topk)
+        recs.append(
+            {
+                "query_pos": t,
+                "visible_entries": visible,
+                "needle_entries": ne,
+                "best_rank": st.best_rank,
+                "ties": st.ties,
+                "needle_score": st.needle_score,
+                "cutoff_score": st.cutoff_score,
+                "margin": st.margin,
+                "margin_frac": st.margin_frac,
+                "selected": selected_in(topk_rows[i], ne),
+            }
+        )
+    return {"layer": layer, "needle_not_visible": unseen, "positions": recs}
 
 
 def combine_dumps(dumps: Sequence[dict]) -> dict:

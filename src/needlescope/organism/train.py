@@ -319,7 +319,13 @@ def _set_topk(model, k: int) -> None:
 def train(
     cfg: TrainConfig, out: Path, *, device: str = "cuda", on_log: Callable[[dict], None] | None = None
 ) -> dict:
-    """Train the organism per ``cfg`` and save the checkpoint + ``training.json`` to ``out``."""
+    """Train the organism per ``cfg`` and save the checkpoint + ``training.json`` to ``out``.
+
+    One function on purpose (over 80 lines): it is the recorded recipe's loop, whose order of
+    seeded draws (weights, data, dropout-free steps) must stay exactly as run so that the shipped
+    weights reproduce bit for bit; the pieces with their own logic (losses, eval, data) are
+    already separate functions.
+    """
     t0 = time.monotonic()
     torch.manual_seed(cfg.seed)
     # A continued checkpoint keeps its own tokenizer: token ids must match its embeddings.
