@@ -13,6 +13,7 @@ from needlescope.cli.indexer import indexer_app
 from needlescope.cli.organism import organism_app
 from needlescope.cli.probe import probe_command
 from needlescope.cli.serve import serve_command
+from needlescope.cli.watch import canary_command, health_command
 from needlescope.errors import BadInput
 
 app = typer.Typer(
@@ -26,6 +27,8 @@ app.command("demo")(demo_command)
 app.add_typer(organism_app, name="organism")
 app.add_typer(indexer_app, name="indexer")
 app.command("serve")(serve_command)
+app.command("health")(health_command)
+app.command("canary")(canary_command)
 
 err_console = Console(stderr=True)
 
