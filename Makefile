@@ -9,7 +9,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -c constraints.txt torch==2.13.0
-	$(BIN)/pip install -q -c constraints.txt -e '.[model,dev]'
+	$(BIN)/pip install -q -c constraints.txt -e '.[model,dev,gpu]'
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -6,7 +6,6 @@ from needlescope.targets.provenance import collect_provenance, strip_secrets
 from needlescope.targets.tokenize import (
     LocalTokenCounter,
     ServerTokenCounter,
-    default_chat_render,
     detect_server_tokenizer,
 )
 
@@ -16,7 +15,6 @@ __all__ = [
     "LocalTokenCounter",
     "ServerTokenCounter",
     "collect_provenance",
-    "default_chat_render",
     "detect_server_tokenizer",
     "normalize_base_url",
     "preflight",
