@@ -92,6 +92,12 @@ def engine():
         garbage_every=0,
         slow_every=0,
         slow_s=0.0,
+        api_key=None,
+        models="ok",
+        no_tokenize=0,
+        trained_value_digits=0,
+        max_concurrent=0,
+        die_after=0,
     )
     Handler.state = scripted_server.State(opts)
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
@@ -556,3 +562,46 @@ def test_watch_is_core_and_imports_no_torch():
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.stdout.strip() == "False", done.stderr
+
+
+def sse(*chunks: object) -> bytes:
+    return b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"
+
+
+@pytest.mark.parametrize(
+    "stream, expected",
+    [
+        (
+            sse({"choices": [{"delta": {"content": "4173"}}]}, {"choices": [{"delta": {"content": "559"}}]}),
+            "hit",
+        ),
+        (sse({"choices": [{"delta": {"content": "12"}}]}, {"error": {"message": "engine died"}}), "protocol"),
+        (sse({"usage": {"prompt_tokens": 3}}), "protocol"),
+        (b"data: {not json\n\n", "protocol"),
+    ],
+)
+def test_streamed_answers_are_assembled_and_broken_streams_are_errors(stream, expected):
+    # A mock transport supplements the organism test (which streams for real): odd streams on demand.
+    from needlescope.cases import Case
+    from needlescope.targets import ChatTarget
+    from needlescope.watch.probe import RecordingTransport, probe_case
+
+    async def pieces():  # in small pieces, so lines are split across reads as on a socket
+        for i in range(0, len(stream), 7):
+            yield stream[i : i + 7]
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=pieces())
+
+    case = Case("c", "single", 10, 0.0, 0, [{"role": "user", "content": "q"}], ["4173559"], "q", "n", "g", 10)
+
+    async def go():
+        recorder = RecordingTransport(httpx.MockTransport(handler))
+        async with ChatTarget(
+            "http://127.0.0.1:1", "m", retries=0, retry_budget_s=0, transport=recorder
+        ) as target:
+            return await probe_case(target, recorder, case, max_tokens=8, extra_body={})
+
+    outcome = asyncio.run(go())
+    assert (outcome.error or outcome.detail) == expected
+    assert (outcome.ttft_s is not None) == (expected == "hit" or stream.startswith(b'data: {"choices"'))

@@ -239,7 +239,13 @@ class Canary:
             self.queue_limit = await asyncio.to_thread(self._advertised_queue_limit)
         self._targets = [
             ChatTarget(
-                self.v1, self.model, api_key=cfg.api_key, timeout=cfg.timeout_s, retries=0, transport=rec
+                self.v1,
+                self.model,
+                api_key=cfg.api_key,
+                timeout=cfg.timeout_s,
+                retries=0,
+                retry_budget_s=0,  # a refusal is an observation here, not something to wait out
+                transport=rec,
             )
             for rec in self._recorders
         ]

@@ -90,7 +90,13 @@ async def _run(cfg: HealthConfig) -> dict:
             else:
                 recorder = RecordingTransport()
                 async with ChatTarget(
-                    v1, model, api_key=cfg.api_key, timeout=cfg.timeout_s, retries=0, transport=recorder
+                    v1,
+                    model,
+                    api_key=cfg.api_key,
+                    timeout=cfg.timeout_s,
+                    retries=0,
+                    retry_budget_s=0,
+                    transport=recorder,
                 ) as target:
                     checks.append(await _chat(target, cfg))
                     checks.append(await _needle(target, recorder, root, model, cfg))

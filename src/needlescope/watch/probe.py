@@ -77,8 +77,13 @@ class RecordingTransport(httpx.AsyncBaseTransport):
         return httpx.Response(200, json=body, request=request)
 
     async def _assemble(self, resp: httpx.Response, start: float) -> dict:
-        """The chat.completion object an SSE stream of chat.completion.chunk objects adds up to."""
+        """The chat.completion object an SSE stream of chat.completion.chunk objects adds up to.
+
+        A stream that reports an error, or ends without a completion chunk, becomes a body without
+        choices, which ChatTarget refuses as a protocol violation: a failed request, never a miss.
+        """
         text: list[str] = []
+        seen = False
         reasoning: list[str] = []
         finish = None
         usage = None
@@ -96,8 +101,10 @@ class RecordingTransport(httpx.AsyncBaseTransport):
                 try:
                     chunk = json.loads(data)
                 except ValueError:
-                    # A broken stream is the server's fault: ChatTarget reports the invalid body.
                     return {"error": f"invalid SSE chunk: {data[:100]}"}
+                if not isinstance(chunk, dict) or "error" in chunk:
+                    return {"error": f"the stream reported an error: {data[:200]}"}
+                seen = seen or bool(chunk.get("choices"))
                 usage = chunk.get("usage") or usage
                 for choice in chunk.get("choices") or []:
                     delta = choice.get("delta") or {}
@@ -110,6 +117,8 @@ class RecordingTransport(httpx.AsyncBaseTransport):
                                 self.ttft_s = time.monotonic() - start
                             sink.append(part)
                     finish = choice.get("finish_reason") or finish
+        if not seen:
+            return {"error": "the stream ended without a completion chunk"}
         message = {"role": "assistant", "content": "".join(text)}
         if reasoning:
             message["reasoning_content"] = "".join(reasoning)
