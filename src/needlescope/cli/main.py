@@ -8,6 +8,7 @@ import typer
 from rich.console import Console
 
 from needlescope.cli import indexer_diff, indexer_rank  # noqa: F401  (they register their commands)
+from needlescope.cli.compare import compare_command
 from needlescope.cli.demo import demo_command
 from needlescope.cli.indexer import indexer_app
 from needlescope.cli.organism import organism_app
@@ -23,6 +24,7 @@ app = typer.Typer(
 )
 app.command("probe")(probe_command)
 app.command("demo")(demo_command)
+app.command("compare")(compare_command)
 app.add_typer(organism_app, name="organism")
 app.add_typer(indexer_app, name="indexer")
 app.command("serve")(serve_command)
