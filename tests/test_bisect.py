@@ -10,7 +10,9 @@ from needlescope.run.config import ProbeConfig
 
 
 def _cfg(url: str, out, lengths: tuple[int, int]) -> ProbeConfig:
-    return ProbeConfig(base_urls=(url,), model="scripted", lengths=lengths, depths=(0, 100), trials=1, out=out)
+    return ProbeConfig(
+        base_urls=(url,), model="scripted", lengths=lengths, depths=(0, 100), trials=1, out=out
+    )
 
 
 def test_bisection_finds_a_planted_boundary_to_the_resolution(scripted_server, tmp_path):

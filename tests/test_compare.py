@@ -7,7 +7,6 @@ import json
 import math
 import subprocess
 import sys
-from pathlib import Path
 
 from needlescope.analysis.paired import Pair, compare_pairs
 from needlescope.cases import CaseSpec, build_cases, score_answer
@@ -41,7 +40,15 @@ def test_compare_detects_a_planted_regression(scripted_server, tmp_path):
     for name in ("report.md", "delta_heatmap.png", "pairs.jsonl"):
         assert (tmp_path / name).stat().st_size > 0
     # The same verdict from the two finished runs.
-    again = cli("compare", "--a-run", str(tmp_path / "a"), "--b-run", str(tmp_path / "b"), "--out", str(tmp_path / "re"))
+    again = cli(
+        "compare",
+        "--a-run",
+        str(tmp_path / "a"),
+        "--b-run",
+        str(tmp_path / "b"),
+        "--out",
+        str(tmp_path / "re"),
+    )
     assert again.returncode == 0, again.stderr
     assert json.loads((tmp_path / "re" / "compare.json").read_text()) == compare
 
@@ -69,7 +76,9 @@ def test_identical_noisy_servers_false_positive_rate_within_nominal(scripted_ser
 
     async def side(url: str, store: ResultStore) -> None:
         async with ChatTarget(url, "scripted", retries=0) as target:
-            await run_cases(cases, target, store, concurrency=8, max_tokens=8, extra_body=None, score=score_answer)
+            await run_cases(
+                cases, target, store, concurrency=8, max_tokens=8, extra_body=None, score=score_answer
+            )
 
     for rep in range(reps):
         stores = [ResultStore(tmp_path / f"{rep}{s}.sqlite") for s in "ab"]
@@ -77,7 +86,13 @@ def test_identical_noisy_servers_false_positive_rate_within_nominal(scripted_ser
             asyncio.run(side(url, store))
         res_a, res_b = ({r["case_id"]: r for r in st.results()} for st in stores)
         pairs = [
-            Pair(c["case_id"], c["length"], c["depth"], bool(res_a[c["case_id"]]["correct"]), bool(res_b[c["case_id"]]["correct"]))
+            Pair(
+                c["case_id"],
+                c["length"],
+                c["depth"],
+                bool(res_a[c["case_id"]]["correct"]),
+                bool(res_b[c["case_id"]]["correct"]),
+            )
             for c in cases
         ]
         result = compare_pairs(pairs, n_boot=200)
@@ -92,13 +107,40 @@ def test_compare_refuses_runs_with_different_case_sets(scripted_server, tmp_path
     url = scripted_server()
     grid = ["--lengths", "200", "--depths", "0,100", "--trials", "1"]
     for name, seed in (("x", "0"), ("y", "1")):
-        res = cli("probe", "--base-url", url, "--model", "scripted", "--out", str(tmp_path / name), *grid, "--seed", seed)
+        res = cli(
+            "probe",
+            "--base-url",
+            url,
+            "--model",
+            "scripted",
+            "--out",
+            str(tmp_path / name),
+            *grid,
+            "--seed",
+            seed,
+        )
         assert res.returncode == 0, res.stderr
-    res = cli("compare", "--a-run", str(tmp_path / "x"), "--b-run", str(tmp_path / "y"), "--out", str(tmp_path / "c"))
+    res = cli(
+        "compare",
+        "--a-run",
+        str(tmp_path / "x"),
+        "--b-run",
+        str(tmp_path / "y"),
+        "--out",
+        str(tmp_path / "c"),
+    )
     assert res.returncode == 2
     assert "do not share a case set: case single-L200-D0-T0 differs" in res.stderr
     assert "Traceback" not in res.stderr
-    bad = cli("compare", "--a-run", str(tmp_path / "x"), "--b-run", str(tmp_path / "nope"), "--out", str(tmp_path / "d"))
+    bad = cli(
+        "compare",
+        "--a-run",
+        str(tmp_path / "x"),
+        "--b-run",
+        str(tmp_path / "nope"),
+        "--out",
+        str(tmp_path / "d"),
+    )
     assert bad.returncode == 2 and "holds no results.sqlite" in bad.stderr
     both = cli("compare", "--a", url, "--a-run", str(tmp_path / "x"), "--out", str(tmp_path / "e"))
     assert both.returncode == 2 and "either --a URL --b URL" in both.stderr

@@ -116,7 +116,12 @@ def test_bootstrap_interval_covers_the_mean():
     ],
 )
 def test_classify_each_kind(answer, finish, reasoning, category):
-    messages = [{"role": "user", "content": "The code of the red fox is 5550001. The code of the blue fox is 4173559."}]
+    messages = [
+        {
+            "role": "user",
+            "content": "The code of the red fox is 5550001. The code of the blue fox is 4173559.",
+        }
+    ]
     fail = classify(
         answer=answer, expected=["4173559"], finish_reason=finish, reasoning=reasoning, messages=messages
     )
@@ -136,7 +141,12 @@ def test_summarize_failures_counts_and_keeps_errors_apart():
     rows = [
         {"status": "error", "case_id": "e"},
         {"status": "ok", "correct": True, "case_id": "c"},
-        {"status": "ok", "correct": False, "case_id": "m", "failure": {"category": "near_miss", "value": "1"}},
+        {
+            "status": "ok",
+            "correct": False,
+            "case_id": "m",
+            "failure": {"category": "near_miss", "value": "1"},
+        },
     ]
     s = summarize_failures(rows)
     assert s["errors"] == 1 and s["misses"] == 1 and s["counts"]["near_miss"] == 1
@@ -164,3 +174,12 @@ def test_boundaries_from_server_info():
     info = {"index_topk": 64, "args": {"compress_rates": {"csa": 4, "hca": 128}}, "page_size": 64}
     assert boundaries_from_server_info(info) == [4, 64, 128, 256, 8192]
     assert boundaries_from_server_info({"window": 500}) == [500]
+
+
+def test_check_same_models_names_the_odd_endpoint():
+    from needlescope.analysis.endpoints import check_same_models
+    from needlescope.errors import BadInput
+
+    check_same_models({"http://a": ["m"], "http://b": ["m"]})
+    with pytest.raises(BadInput, match="http://b serves m, x but http://a serves m"):
+        check_same_models({"http://a": ["m"], "http://b": ["x", "m"]})

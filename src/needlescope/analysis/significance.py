@@ -48,9 +48,7 @@ def fisher_exact(a: int, b: int, c: int, d: int) -> float:
     lo, hi = max(0, row1 + col1 - n), min(row1, col1)
     observed = _hypergeom_pmf(a, row1, col1, n)
     # Relative tolerance so tables equal to the observed one up to rounding count as "as extreme".
-    p = sum(
-        q for x in range(lo, hi + 1) if (q := _hypergeom_pmf(x, row1, col1, n)) <= observed * (1 + 1e-7)
-    )
+    p = sum(q for x in range(lo, hi + 1) if (q := _hypergeom_pmf(x, row1, col1, n)) <= observed * (1 + 1e-7))
     return min(1.0, p)
 
 

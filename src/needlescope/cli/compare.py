@@ -44,7 +44,9 @@ def compare_command(
     resume: bool = typer.Option(False, "--resume", help="Continue an interrupted live comparison in --out."),
     alpha: float = typer.Option(0.05, "--alpha", help="Significance level after Holm correction."),
     power_drop: float = typer.Option(0.10, "--power-drop", help="Drop whose power a null verdict states."),
-    buckets: str = typer.Option(None, "--buckets", help="Bucket lower bounds in tokens (default: one per length)."),
+    buckets: str = typer.Option(
+        None, "--buckets", help="Bucket lower bounds in tokens (default: one per length)."
+    ),
 ) -> None:
     """Compare recall of B against A on identical prompts: per cell and per length, exact tests."""
     if not 0 < alpha < 1:

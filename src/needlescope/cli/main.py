@@ -13,6 +13,7 @@ from needlescope.cli.demo import demo_command
 from needlescope.cli.indexer import indexer_app
 from needlescope.cli.organism import organism_app
 from needlescope.cli.probe import probe_command
+from needlescope.cli.replay import replay_command
 from needlescope.cli.serve import serve_command
 from needlescope.errors import BadInput
 
@@ -25,6 +26,7 @@ app = typer.Typer(
 app.command("probe")(probe_command)
 app.command("demo")(demo_command)
 app.command("compare")(compare_command)
+app.command("replay")(replay_command)
 app.add_typer(organism_app, name="organism")
 app.add_typer(indexer_app, name="indexer")
 app.command("serve")(serve_command)

@@ -137,7 +137,9 @@ def _markdown(s: dict) -> str:
     lines += ["## Lengths tested", "", "| length | phase | recall | 95% CI | n |", "|---|---|---|---|---|"]
     for p in s["points"]:
         rec = "-" if p["recall"] is None else f"{p['recall']:.2f}"
-        lines.append(f"| {p['length']} | {p['phase']} | {rec} | [{p['ci_low']:.2f}, {p['ci_high']:.2f}] | {p['n']} |")
+        lines.append(
+            f"| {p['length']} | {p['phase']} | {rec} | [{p['ci_low']:.2f}, {p['ci_high']:.2f}] | {p['n']} |"
+        )
     return "\n".join(lines) + "\n"
 
 

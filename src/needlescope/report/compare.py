@@ -101,7 +101,9 @@ def _markdown(compare: dict, cells: list[dict], sides: dict, unpaired: int, alph
         "|---|---|---|---|---|---|---|---|",
     ]
     for b in compare["buckets"]:
-        span = str(b["length_lo"]) if b["length_lo"] == b["length_hi"] else f"{b['length_lo']}-{b['length_hi']}"
+        span = (
+            str(b["length_lo"]) if b["length_lo"] == b["length_hi"] else f"{b['length_lo']}-{b['length_hi']}"
+        )
         lines.append(
             f"| {span} | {b['n']} | {b['recall_a']:.2f} | {b['recall_b']:.2f} | {b['delta']:+.2f} "
             f"| [{b['ci_low']:+.2f}, {b['ci_high']:+.2f}] | {b['p_value']:.2g} | {b['p_holm']:.2g} |"

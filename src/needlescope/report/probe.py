@@ -8,6 +8,7 @@ from pathlib import Path
 
 from ..analysis.curve import Cell, cliff, effective_length, pooled_recall
 from ..schema import check_schema
+from .breakdown import ENDPOINTS_SCHEMA, FAILURES_SCHEMA, endpoint_lines, failure_lines
 
 __all__ = ["SUMMARY_SCHEMA", "validate_summary", "write_probe_outputs"]
 
@@ -50,6 +51,8 @@ SUMMARY_SCHEMA: dict = {
         "provenance": {"type": "object"},
         "errors_total": {"type": "integer"},
         "length_mismatches": {"type": "integer"},
+        "failures": FAILURES_SCHEMA,
+        "endpoints": ENDPOINTS_SCHEMA,
     },
 }
 
@@ -122,6 +125,10 @@ def _markdown(summary: dict, cells: list[Cell], notes: list[str]) -> str:
     lines += ["", "| length | pooled recall | n |", "|---|---|---|"]
     for length, (k, n) in pooled_recall(cells).items():
         lines.append(f"| {length} | {k / n if n else 0.0:.3f} | {n} |")
+    if "failures" in summary:
+        lines += [""] + failure_lines(summary["failures"])
+    if "endpoints" in summary:
+        lines += [""] + endpoint_lines(summary["endpoints"])
     if notes:
         lines += ["", "## Notes", ""] + [f"- {n}" for n in notes]
     lines += [
@@ -146,6 +153,8 @@ def write_probe_outputs(
     threshold: float,
     provenance: dict,
     notes: list[str],
+    failures: dict | None = None,
+    endpoints: dict | None = None,
 ) -> dict:
     """Write the four probe outputs into ``out_dir`` and return the summary dict."""
     out_dir = Path(out_dir)
@@ -168,6 +177,8 @@ def write_probe_outputs(
         "provenance": dict(provenance),
         "errors_total": sum(c.errors for c in cells),
         "length_mismatches": mismatches,
+        **({"failures": failures} if failures is not None else {}),
+        **({"endpoints": endpoints} if endpoints is not None else {}),
     }
     validate_summary(summary)
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -75,7 +75,9 @@ class _Bisector:
         self.counter, self.on_event = counter, on_event
         self.trials = cfg.trials
         if bis.ci_width is not None:
-            self.trials = max(cfg.trials, math.ceil(cases_for_ci_width(bis.ci_width, cfg.threshold) / len(cfg.depths)))
+            self.trials = max(
+                cfg.trials, math.ceil(cases_for_ci_width(bis.ci_width, cfg.threshold) / len(cfg.depths))
+            )
         self.phase: dict[int, str] = {}
         self.haystack = cfg.haystack_file.read_text(encoding="utf-8") if cfg.haystack_file else None
 
@@ -151,7 +153,9 @@ async def _search(b: _Bisector, lo: int, hi: int, boundaries: list[int]) -> dict
             tally = await b.evaluate([mid], "bisect")
             k, n = tally.get(mid, (0, 0))
             if n == 0:
-                raise BadInput(f"every request at {mid} tokens failed; the server cannot be bisected, see results")
+                raise BadInput(
+                    f"every request at {mid} tokens failed; the server cannot be bisected, see results"
+                )
             if k / n >= threshold:
                 last_pass = mid
             else:
@@ -176,7 +180,9 @@ def run_bisect(cfg: ProbeConfig, bis: BisectConfig, on_event: Event | None = Non
     on_event = on_event or (lambda _name, _payload: None)
     lo, hi = min(cfg.lengths), max(cfg.lengths)
     if hi - lo < 2:
-        raise BadInput(f"--bisect needs a range: give --lengths LO,HI with HI > LO + 1; got {list(cfg.lengths)}")
+        raise BadInput(
+            f"--bisect needs a range: give --lengths LO,HI with HI > LO + 1; got {list(cfg.lengths)}"
+        )
     roots = [normalize_base_url(u) for u in cfg.base_urls]
     for root, _v1 in roots:
         preflight(root, cfg.model, api_key=cfg.api_key)
@@ -193,13 +199,19 @@ def run_bisect(cfg: ProbeConfig, bis: BisectConfig, on_event: Event | None = Non
     fingerprint = {**cfg.fingerprint(), "bisect": asdict(bis)}
     try:
         if store.get_meta("bisect") not in (None, fingerprint):
-            raise BadInput(f"--resume: the bisection in {cfg.out} was made with other settings; use another --out")
+            raise BadInput(
+                f"--resume: the bisection in {cfg.out} was made with other settings; use another --out"
+            )
         store.put_meta("bisect", fingerprint)
         store.put_meta("provenance", provenance)
 
         async def go() -> tuple[dict, _Bisector]:
             async with ChatTarget(
-                list(cfg.base_urls), cfg.model, api_key=cfg.api_key, timeout=cfg.timeout_s, retries=cfg.retries
+                list(cfg.base_urls),
+                cfg.model,
+                api_key=cfg.api_key,
+                timeout=cfg.timeout_s,
+                retries=cfg.retries,
             ) as target:
                 b = _Bisector(cfg, bis, store, target, counter, on_event)
                 return await _search(b, lo, hi, boundaries), b
@@ -209,8 +221,15 @@ def run_bisect(cfg: ProbeConfig, bis: BisectConfig, on_event: Event | None = Non
         for n, (k, m) in found["tally"].items():
             ci = wilson_interval(k, m)
             points.append(
-                {"length": n, "phase": b.phase.get(n, "?"), "n": m, "correct": k, "recall": k / m if m else None,
-                 "ci_low": ci[0], "ci_high": ci[1]}
+                {
+                    "length": n,
+                    "phase": b.phase.get(n, "?"),
+                    "n": m,
+                    "correct": k,
+                    "recall": k / m if m else None,
+                    "ci_low": ci[0],
+                    "ci_high": ci[1],
+                }
             )
         used = len(store.cases())
         full = full_grid_points(lo, hi, bis.resolution) * b.per_point

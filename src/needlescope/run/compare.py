@@ -65,7 +65,9 @@ def _check_same_cases(cases_a: list[dict], cases_b: list[dict]) -> None:
 _SAME_GRID = "compare runs made from one case set (same --kind, --lengths, --depths, --trials, --seed, --value-digits and tokenizer)"
 
 
-def _pairs(cases: list[dict], res_a: dict[str, dict], res_b: dict[str, dict]) -> tuple[list[Pair], list[dict], int]:
+def _pairs(
+    cases: list[dict], res_a: dict[str, dict], res_b: dict[str, dict]
+) -> tuple[list[Pair], list[dict], int]:
     pairs, rows, unpaired = [], [], 0
     for c in cases:
         ra, rb = res_a.get(c["case_id"]), res_b.get(c["case_id"])
@@ -75,7 +77,9 @@ def _pairs(cases: list[dict], res_a: dict[str, dict], res_b: dict[str, dict]) ->
             # An error on either side says nothing about recall; the pair is left out, and counted.
             unpaired += 1
             continue
-        pair = Pair(c["case_id"], int(c["length"]), float(c["depth"]), bool(ra["correct"]), bool(rb["correct"]))
+        pair = Pair(
+            c["case_id"], int(c["length"]), float(c["depth"]), bool(ra["correct"]), bool(rb["correct"])
+        )
         pairs.append(pair)
         rows.append(
             {
@@ -107,14 +111,19 @@ def compare_runs(
     _check_same_cases(cases_a, cases_b)
     pairs, rows, unpaired = _pairs(cases_a, res_a, res_b)
     if not pairs:
-        raise BadInput(f"no case was scored on both sides ({unpaired} had an error on A or B); nothing to compare")
+        raise BadInput(
+            f"no case was scored on both sides ({unpaired} had an error on A or B); nothing to compare"
+        )
     result = compare_pairs(pairs, alpha=alpha, power_drop=power_drop, bucket_edges=bucket_edges)
     return write_compare_outputs(
         Path(out),
         result,
         pairs=rows,
         unpaired=unpaired,
-        sides={"A": {"run": str(a_dir), "provenance": prov_a}, "B": {"run": str(b_dir), "provenance": prov_b}},
+        sides={
+            "A": {"run": str(a_dir), "provenance": prov_a},
+            "B": {"run": str(b_dir), "provenance": prov_b},
+        },
         alpha=alpha,
     )
 
@@ -151,4 +160,6 @@ def compare_live(
             store.add_cases(cases_a)
     on_event("side", {"side": "B", "base_urls": list(cfg_b.base_urls)})
     run_probe(replace(cfg_b, resume=True), on_event)
-    return compare_runs(cfg_a.out, cfg_b.out, out, alpha=alpha, power_drop=power_drop, bucket_edges=bucket_edges)
+    return compare_runs(
+        cfg_a.out, cfg_b.out, out, alpha=alpha, power_drop=power_drop, bucket_edges=bucket_edges
+    )

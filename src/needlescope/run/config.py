@@ -31,6 +31,8 @@ class ProbeConfig:
     retries: int = 4
     haystack_file: Path | None = None
     value_digits: int = 7
+    bundles: int = 5
+    """Reproducer bundles to write for failing cases (one per failure class first)."""
     api_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -53,6 +55,8 @@ class ProbeConfig:
             raise BadInput(f"--threshold must lie in (0, 1]; got {self.threshold}")
         if not 1 <= self.value_digits <= 12:
             raise BadInput(f"--value-digits must be in 1..12; got {self.value_digits}")
+        if self.bundles < 0:
+            raise BadInput(f"--bundles must be 0 or more; got {self.bundles}")
         if self.haystack_file is not None and not Path(self.haystack_file).is_file():
             raise BadInput(f"--haystack-file {self.haystack_file} does not exist; pass a UTF-8 text file")
 

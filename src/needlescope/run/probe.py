@@ -10,10 +10,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 from needlescope.analysis import cells_from_results
+from needlescope.analysis.endpoints import check_same_models, endpoint_breakdown
+from needlescope.analysis.taxonomy import classify, summarize_failures
 from needlescope.cases import CaseSpec, build_cases, order_for_prefix_cache, score_answer
 from needlescope.errors import BadInput
 from needlescope.report.probe import write_probe_outputs
 from needlescope.run.config import ProbeConfig
+from needlescope.run.replay import write_failure_bundles
 from needlescope.run.scheduler import run_cases
 from needlescope.run.store import ResultStore
 from needlescope.targets import (
@@ -66,8 +69,11 @@ def _open_store(cfg: ProbeConfig) -> ResultStore:
 def run_probe(cfg: ProbeConfig, on_event: Event = _noop) -> dict:
     """Run the probe described by ``cfg`` and return the summary dict written to summary.json."""
     roots = [normalize_base_url(u) for u in cfg.base_urls]
+    served = {}
     for root, _v1 in roots:
-        preflight(root, cfg.model, api_key=cfg.api_key)
+        models = preflight(root, cfg.model, api_key=cfg.api_key)
+        served[root] = [m.get("id") for m in models.get("data", []) if isinstance(m, dict)]
+    check_same_models(served)
     store = _open_store(cfg)
     try:
         if not store.cases():
@@ -135,6 +141,14 @@ def _finish(cfg: ProbeConfig, store: ResultStore, case_dicts: list[dict]) -> dic
             "counted_length": case["counted_length"],
             "expected": case["expected"],
         }
+        if row["status"] == "ok" and not row.get("correct"):
+            row["failure"] = classify(
+                answer=row.get("answer"),
+                expected=case["expected"],
+                finish_reason=row.get("finish_reason"),
+                reasoning=row.get("reasoning"),
+                messages=case["messages"],
+            ).to_dict()
         rows.append(row)
         reported = r.get("prompt_tokens")
         if case["counted_length"] != case["length"]:
@@ -146,6 +160,18 @@ def _finish(cfg: ProbeConfig, store: ResultStore, case_dicts: list[dict]) -> dic
                 f"{case['case_id']}: counted {case['counted_length']} tokens but the server reported usage.prompt_tokens={reported}"
             )
     cells = cells_from_results(rows)
+    provenance = store.get_meta("provenance") or {}
+    write_failure_bundles(
+        cfg.out / "bundles",
+        rows,
+        by_id,
+        model=cfg.model,
+        max_tokens=cfg.max_tokens,
+        extra_body=cfg.extra_body,
+        generation={"seed": cfg.seed, "value_digits": cfg.value_digits},
+        provenance=provenance,
+        limit=cfg.bundles,
+    )
     return write_probe_outputs(
         cfg.out,
         cells=cells,
@@ -153,6 +179,8 @@ def _finish(cfg: ProbeConfig, store: ResultStore, case_dicts: list[dict]) -> dic
         kind=cfg.kind,
         model=cfg.model,
         threshold=cfg.threshold,
-        provenance=store.get_meta("provenance") or {},
+        provenance=provenance,
         notes=notes,
+        failures=summarize_failures(rows),
+        endpoints=endpoint_breakdown(rows),
     )

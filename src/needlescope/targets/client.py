@@ -30,6 +30,8 @@ class ChatResult:
     latency_s: float
     attempts: int
     base_url: str
+    replica: str | None = None
+    """The replica a router says served the request (a header or body field), if it says."""
 
 
 def _headers(api_key: str | None) -> dict[str, str]:
@@ -59,6 +61,22 @@ def _error_message(resp: httpx.Response) -> str:
             return str(err.get("message") or err.get("detail") or err)[:300]
         return str(err)[:300]
     return str(body)[:300]
+
+
+# Headers and body fields in which routers and servers name the replica that answered.
+_REPLICA_HEADERS = ("x-replica-id", "x-replica", "x-served-by", "x-worker-id", "x-backend-server")
+_REPLICA_FIELDS = ("replica", "replica_id", "worker_id")
+
+
+def _replica(resp: httpx.Response, body: Any) -> str | None:
+    for h in _REPLICA_HEADERS:
+        if resp.headers.get(h):
+            return resp.headers[h]
+    if isinstance(body, dict):
+        for f in _REPLICA_FIELDS:
+            if isinstance(body.get(f), (str, int)) and not isinstance(body.get(f), bool):
+                return str(body[f])
+    return None
 
 
 def _is_overflow(status: int, message: str) -> bool:
@@ -92,6 +110,21 @@ def _parse(body: Any) -> tuple[str, str | None, str | None, int | None, int | No
         prompt_tokens if isinstance(prompt_tokens, int) else None,
         cached if isinstance(cached, int) else None,
     )
+
+
+def chat_payload(
+    model: str, messages: list[dict], max_tokens: int, extra_body: dict | None
+) -> dict[str, Any]:
+    """The exact chat-completions body the probe sends (reproducer bundles store it verbatim)."""
+    payload: dict[str, Any] = {
+        "model": model,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+    }
+    # extra_body is passed through unchanged; it may deliberately override the defaults above.
+    payload.update(extra_body or {})
+    return payload
 
 
 class ChatTarget:
@@ -154,14 +187,7 @@ class ChatTarget:
         max_tokens: int,
         extra_body: dict | None = None,
     ) -> ChatResult:
-        payload: dict[str, Any] = {
-            "model": self.model,
-            "messages": messages,
-            "max_tokens": max_tokens,
-            "temperature": 0,
-        }
-        # extra_body is passed through unchanged; it may deliberately override the defaults above.
-        payload.update(extra_body or {})
+        payload = chat_payload(self.model, messages, max_tokens, extra_body)
         idx = self._pick()
         v1 = self._v1[idx]
         url = v1 + "/chat/completions"
@@ -197,6 +223,7 @@ class ChatTarget:
                             latency_s=time.monotonic() - start,
                             attempts=attempt,
                             base_url=v1,
+                            replica=_replica(resp, body),
                         )
                     message = _error_message(resp)
                     if _is_overflow(resp.status_code, message):
