@@ -38,12 +38,12 @@ def test_cells_from_results_counts_errors_apart():
     ]
     a, b = cells_from_results(rows)
     assert (a.length, a.n, a.correct, a.errors, a.recall) == (100, 2, 1, 1, 0.5)
-    assert (b.length, b.n, b.errors, b.recall, b.ci_low, b.ci_high) == (200, 0, 1, 0.0, 0.0, 1.0)
+    assert (b.length, b.n, b.errors, b.recall, b.ci_low, b.ci_high) == (200, 0, 1, None, 0.0, 1.0)
 
 
 def cell(length, depth, n, k):
     lo, hi = wilson_interval(k, n)
-    return Cell(length, depth, n, k, 0, k / n if n else 0.0, lo, hi)
+    return Cell(length, depth, n, k, 0, k / n if n else None, lo, hi)
 
 
 def test_effective_length_and_cliff():
@@ -59,3 +59,17 @@ def test_effective_length_and_cliff():
     assert cliff(cells) == {"from": 2000, "to": 4000, "drop": pytest.approx(0.4)}
     assert cliff(cells[:2]) is None
     assert cliff([cell(1, 0, 10, 5), cell(2, 0, 10, 5)]) is None
+
+
+def test_lengths_with_no_scored_case_make_no_false_cliff_or_effective_length():
+    # Seen: a server killed mid-run gave "effective length 256, cliff 256 -> 512, drops 1.00".
+    cells = [cell(256, 0, 4, 4), cell(512, 0, 0, 0), cell(1024, 0, 4, 4), cell(2048, 0, 0, 0)]
+    assert [c.recall for c in cells] == [1.0, None, 1.0, None]
+    assert cliff(cells) is None
+    assert effective_length(cells, 0.85) == 1024  # 512 is no evidence either way
+    assert effective_length([cell(256, 0, 0, 0)], 0.85) is None
+
+
+def test_every_grid_cell_is_reported_even_without_rows():
+    (a, b) = cells_from_results([{"length": 1, "depth": 0, "status": "ok", "correct": 1}], [(1, 0), (2, 0)])
+    assert (a.recall, b.n, b.recall) == (1.0, 0, None)

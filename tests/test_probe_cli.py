@@ -112,21 +112,79 @@ def test_sigkill_then_resume_loses_and_duplicates_nothing(scripted_server, tmp_p
 
 def test_bad_inputs_exit_2_with_one_clear_line(scripted_server, tmp_path):
     url = scripted_server(window=500)
+    a_file = tmp_path / "a_file"
+    a_file.write_text("not a folder")
+    ok = ["--base-url", url, "--model", "scripted"]
     cases = [
         (["--base-url", "http://127.0.0.1:9", "--model", "scripted"], "cannot reach"),
         (["--base-url", url, "--model", "nope"], "not served"),
-        (["--base-url", url, "--model", "scripted", "--extra-body", "{bad"], "--extra-body"),
-        (["--base-url", url, "--model", "scripted", "--lengths", "5"], "shorter than the needle"),
-        (["--base-url", url, "--model", "scripted", "--kind", "weird"], "--kind"),
-        (["--base-url", url, "--model", "scripted", "--no-such-flag"], "No such option"),
+        ([*ok, "--extra-body", "{bad"], "--extra-body"),
+        ([*ok, "--lengths", "5"], "shorter than the needle"),
+        ([*ok, "--kind", "weird"], "--kind"),
+        ([*ok, "--no-such-flag"], "No such option"),
+        ([*ok, "--timeout", "0"], "--timeout must be a positive"),
+        ([*ok, "--timeout", "-1"], "--timeout must be a positive"),
+        ([*ok, "--max-tokens", "0"], "--max-tokens must be at least 1"),
+        ([*ok, "--resume"], "holds no run to continue"),
+        ([*ok, "--tokenizer", str(tmp_path / "none")], "no tokenizer.json"),
     ]
     for i, (args, needle) in enumerate(cases):
+        out = tmp_path / str(i)
         res = subprocess.run(
-            [*CLI, "probe", *args, "--out", str(tmp_path / str(i))],
-            capture_output=True,
-            text=True,
-            timeout=60,
+            [*CLI, "probe", *args, "--out", str(out)], capture_output=True, text=True, timeout=60
         )
         assert res.returncode == 2, (args, res.stdout, res.stderr)
         assert needle in res.stderr, (args, res.stderr)
         assert "Traceback" not in res.stderr
+        assert res.stdout == "", (args, res.stdout)  # no progress bar before the error
+        if needle != "No such option":  # Click's own usage box aside, the error is one line
+            assert len(res.stderr.strip().splitlines()) == 1, (args, res.stderr)
+        assert not out.exists(), args  # nothing created: no empty results.sqlite to trip a rerun
+
+
+@pytest.mark.parametrize(
+    ("out", "needle"),
+    [("a_file", "is a file, not a folder"), ("a_file/sub", "is a file, so the folder"),
+     ("/proc/needlescope-probe-out", "is not writable")],
+)  # fmt: skip
+def test_unwritable_or_clashing_out_exits_2_before_any_request(tmp_path, out, needle):
+    (tmp_path / "a_file").write_text("x")
+    # The base URL is unreachable: the --out check must come first to be seen at all.
+    res = subprocess.run(
+        [*CLI, "probe", "--base-url", "http://127.0.0.1:9", "--model", "m", "--out", str(tmp_path / out)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert res.returncode == 2 and needle in res.stderr, res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1 and res.stdout == ""
+
+
+def test_a_rejected_input_leaves_no_store_so_the_corrected_rerun_runs(scripted_server, tmp_path):
+    url = scripted_server(window=10_000)
+    bad = probe(url, tmp_path, "--lengths", "5", "--depths", "50", "--trials", "1")
+    assert bad.returncode == 2 and "shorter than the needle" in bad.stderr
+    assert not (tmp_path / "results.sqlite").exists()
+    good = probe(url, tmp_path, "--lengths", "200", "--depths", "50", "--trials", "1")
+    assert good.returncode == 0, good.stderr
+
+
+def test_a_server_that_dies_mid_run_gives_no_data_cells_and_exit_1(scripted_server, tmp_path):
+    # Preflight's one-token chat is chat 1; six probe chats succeed, then the process exits.
+    url = scripted_server(window=10_000, die_after=7)
+    grid = ["--lengths", "200,400,800", "--depths", "0,50", "--trials", "2", "--concurrency", "4"]
+    res = probe(url, tmp_path, *grid, timeout=180)
+    assert res.returncode == 1, (res.stdout, res.stderr)
+    assert "have no scored case" in res.stderr and len(res.stderr.strip().splitlines()) == 1
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    validate_summary(summary)
+    by_len = {}
+    for cell in summary["cells"]:
+        by_len.setdefault(cell["length"], []).append(cell["recall"])
+    assert by_len[200] == [1.0, 1.0] and by_len[800] == [None, None]
+    assert summary["cells_without_data"] >= 2
+    assert summary["effective_length"] in (200, 400)  # never a false cliff to 800
+    assert summary["cliff"] is None
+    rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    errors = [r for r in rows if r["status"] == "error"]
+    assert errors and all(r["attempts"] == 5 for r in errors)  # first try + 4 retries, recorded

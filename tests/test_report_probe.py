@@ -23,7 +23,8 @@ def test_writes_four_files(tmp_path):
     cells = cells_from_results(results)
     summary = write_probe_outputs(
         tmp_path, cells=cells, results=results, kind="single", model="m", threshold=0.9,
-        provenance={"tool": "needlescope"}, notes=["a note"],
+        provenance={"tool": "needlescope"}, notes=["a note"], value_digits=3,
+        value_digits_source="--value-digits",
     )  # fmt: skip
     for name in ("summary.json", "report.md", "heatmap.png", "results.jsonl"):
         assert (tmp_path / name).stat().st_size > 0
@@ -33,6 +34,7 @@ def test_writes_four_files(tmp_path):
     assert summary["effective_length"] == 1000
     assert summary["cliff"]["from"] == 1000 and summary["cliff"]["to"] == 2000
     assert summary["errors_total"] == 3 and summary["length_mismatches"] == 6
+    assert summary["value_digits"] == 3 and summary["cells_without_data"] == 0
     md = (tmp_path / "report.md").read_text()
     assert "WARNING" in md and "3 request(s) failed" in md and "a note" in md
     assert len((tmp_path / "results.jsonl").read_text().splitlines()) == len(results)
@@ -47,3 +49,37 @@ def test_validate_rejects_bad():
     validate_summary(good)
     with pytest.raises(ValueError):
         validate_summary({**good, "effective_length": "100"})
+
+
+def _write(tmp_path, results, cells):
+    return write_probe_outputs(
+        tmp_path, cells=cells, results=results, kind="single", model="m", threshold=0.9, provenance={},
+        notes=[], value_digits=7, value_digits_source="--value-digits",
+    )  # fmt: skip
+
+
+def test_a_cell_where_every_request_failed_is_null_and_drawn_as_no_data(tmp_path):
+    results = [
+        {"case_id": f"c{n}-{t}", "length": n, "depth": 50.0, "counted_length": n,
+         "status": "ok" if n == 256 else "error", "correct": True if n == 256 else None}
+        for n in (256, 512) for t in range(2)
+    ]  # fmt: skip
+    summary = _write(tmp_path, results, cells_from_results(results))
+    validate_summary(json.loads((tmp_path / "summary.json").read_text()))
+    assert [c["recall"] for c in summary["cells"]] == [1.0, None]
+    assert summary["cells_without_data"] == 1 and summary["cliff"] is None
+    md = (tmp_path / "report.md").read_text()
+    assert "| 512 | 50 | no data |" in md and "no scored case" in md
+
+
+def test_server_count_disagreement_is_a_length_mismatch_with_a_warning(tmp_path):
+    # Seen against transformers serve: every case counted 256, the server said 253, and no WARNING.
+    results = [
+        {"case_id": f"c{t}", "length": 256, "depth": 0.0, "counted_length": 256, "prompt_tokens": 253,
+         "status": "ok", "correct": True}
+        for t in range(3)
+    ]  # fmt: skip
+    summary = _write(tmp_path, results, cells_from_results(results))
+    assert summary["length_mismatches"] == 3 and summary["server_length_mismatches"] == 3
+    assert summary["unreachable_lengths"] == 0
+    assert "WARNING: 3 case(s) have a length disagreement" in (tmp_path / "report.md").read_text()

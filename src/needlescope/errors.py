@@ -32,6 +32,7 @@ class ProbeError(NeedlescopeError):
     """A request to the target failed; the run records it as an error."""
 
     kind = "probe_error"
+    attempts: int | None = None  # requests sent before giving up, set by the client that raised it
 
 
 class TransportFailure(ProbeError):

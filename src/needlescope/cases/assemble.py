@@ -20,6 +20,9 @@ CountTokens = Callable[[list[dict]], int]
 # merge across word boundaries, so a target can sit between two adjacent word counts; past this many
 # attempts we accept the closest count and let counted_length say so.
 _LOCAL_SEARCH = 8
+# A filler size: (words, join). ``join`` folds a truncated last sentence into the one before it
+# (FillerStream.words), the one-token knob that reaches lengths a sentence-final period skips over.
+Size = tuple[int, bool]
 _INTRO = "Below is a long text. Read it carefully; a question about it follows at the end.\n\n"
 
 
@@ -116,10 +119,13 @@ class _Group:
         self.kind = spec.kind
         # Multiturn: a few hundred tokens per turn pair reads like a real conversation.
         self.pairs = max(1, min(32, length // 300))
-        self.fitted_n: int | None = None
+        # Multiturn: turn starts, frozen once the size is roughly known so that near the fit only
+        # the last turn grows (proportional cuts move every turn's end, and counts jump about).
+        self.cuts: list[int] | None = None
+        self.fitted: Size | None = None
 
-    def messages(self, n: int, depth: float) -> list[dict]:
-        words = self.stream.words(n)
+    def messages(self, n: int, depth: float, join: bool = False) -> list[dict]:
+        words = self.stream.words(n, join)
         if self.kind == "multiturn":
             return self._multiturn(words, depth)
         inserts = [(f, d.text) for f, d in zip(self.distractor_fracs, self.needles.distractors, strict=True)]
@@ -129,7 +135,10 @@ class _Group:
     def _multiturn(self, words: list[str], depth: float) -> list[dict]:
         slots = 2 * self.pairs
         n = len(words)
-        cuts = [i * n // slots for i in range(slots + 1)]
+        if self.cuts is not None and n > self.cuts[-1]:
+            cuts = [*self.cuts, n]
+        else:
+            cuts = [i * n // slots for i in range(slots + 1)]
         chunks = [list(words[cuts[i] : cuts[i + 1]]) for i in range(slots)]
         for c in chunks:
             if c and not c[-1].endswith((".", "!", "?")):
@@ -174,39 +183,64 @@ def _insert(words: list[str], inserts: list[tuple[float, str]], needle_frac: flo
     return render_words(out)
 
 
-def _closest(count: Callable[[int], int], target: int, candidates: Iterable[int]) -> tuple[int, int]:
-    best: tuple[int, int, int] | None = None  # (distance, n, counted)
-    for n in candidates:
-        if n < 0:
+def _around(n: int, first: Size | None = None) -> list[Size]:
+    """Sizes near ``n`` words, nearest first, each with and without the join knob."""
+    sizes = [first] if first is not None else []
+    for k in range(_LOCAL_SEARCH):
+        for m in (n - k, n + k) if k else (n,):
+            sizes += [(m, False), (m, True)]
+    return sizes
+
+
+def _closest(count: Callable[[Size], int], target: int, candidates: Iterable[Size]) -> tuple[Size, int]:
+    """The first candidate that counts exactly ``target``, else the closest one (first on ties)."""
+    best: tuple[int, Size, int] | None = None  # (distance, size, counted)
+    for size in candidates:
+        if size[0] < 0:
             continue
-        c = count(n)
+        c = count(size)
         if best is None or abs(c - target) < best[0]:
-            best = (abs(c - target), n, c)
+            best = (abs(c - target), size, c)
         if c == target:
             break
     assert best is not None
     return best[1], best[2]
 
 
-def _fit(count: Callable[[int], int], target: int) -> tuple[int, int]:
-    """Find a filler word count whose rendered request counts ``target`` tokens (or the closest)."""
-    base = count(0)
-    hi = max(1, target - base)
-    while count(hi) < target:
-        hi *= 2
-    lo = 0  # count(lo) < target <= count(hi) is the invariant (count(0) <= target checked earlier)
-    if base >= target:
-        return 0, base
+def _fit(count: Callable[[Size], int], target: int, start: int = 0) -> tuple[Size, int]:
+    """A filler size from ``start`` words up whose request counts ``target`` tokens (or the closest).
+
+    Bisection on the word count (counts grow with it) brackets the target; the local search then
+    tries both knob settings around the bracket, since a sentence-final period can step over it.
+    """
+
+    def words(n: int) -> int:
+        return count((n, False))
+
+    if words(start) >= target:
+        return _closest(count, target, _around(start))
+    lo, hi = start, start + max(1, target - words(start))
+    while words(hi) < target:  # invariant: words(lo) < target
+        lo, hi = hi, start + 2 * (hi - start)
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        if count(mid) < target:
+        if words(mid) < target:
             lo = mid
         else:
             hi = mid
-    if count(hi) == target:
-        return hi, target
-    around = [hi, lo] + [x for k in range(1, _LOCAL_SEARCH) for x in (hi + k, lo - k)]
-    return _closest(count, target, around)
+    return _closest(count, target, _around(hi))
+
+
+def _counter(g: _Group, depth: float, count_tokens: CountTokens) -> Callable[[Size], int]:
+    """Memoised token count of ``g``'s request at ``depth`` for a filler size."""
+    memo: dict[Size, int] = {}
+
+    def count(size: Size) -> int:
+        if size not in memo:
+            memo[size] = count_tokens(g.messages(size[0], depth, size[1]))
+        return memo[size]
+
+    return count
 
 
 def build_cases(spec: CaseSpec, count_tokens: CountTokens) -> list[Case]:
@@ -242,23 +276,19 @@ def build_cases(spec: CaseSpec, count_tokens: CountTokens) -> list[Case]:
                 g = group(length, trial)
                 if trial != 0:
                     g.pairs = groups[(length, 0)].pairs
-                memo: dict[int, int] = {}
-
-                def count(n: int, g: _Group = g, depth: float = depth, memo: dict[int, int] = memo) -> int:
-                    if n not in memo:
-                        memo[n] = count_tokens(g.messages(n, depth))
-                    return memo[n]
-
-                if g.fitted_n is None:
-                    n, counted = _fit(count, length)
-                    g.fitted_n = n
+                if g.fitted is None:
+                    size, counted = _fit(_counter(g, depth, count_tokens), length)
+                    if g.kind == "multiturn":
+                        g.cuts = [i * size[0] // (2 * g.pairs) for i in range(2 * g.pairs)]
+                        size, counted = _fit(_counter(g, depth, count_tokens), length, g.cuts[-1] + 1)
+                    g.fitted = size
                 else:
                     # The needle is the same size at every depth, so the fitted size almost always
                     # carries over; only tokenizer seams near the insertion point need a nudge.
-                    c = g.fitted_n
-                    n, counted = _closest(
-                        count, length, [c] + [x for k in range(1, _LOCAL_SEARCH) for x in (c - k, c + k)]
+                    size, counted = _closest(
+                        _counter(g, depth, count_tokens), length, _around(g.fitted[0], g.fitted)
                     )
+                n, join = size
                 ns = g.needles
                 cases.append(
                     Case(
@@ -267,7 +297,7 @@ def build_cases(spec: CaseSpec, count_tokens: CountTokens) -> list[Case]:
                         length=length,
                         depth=float(depth),
                         trial=trial,
-                        messages=g.messages(n, depth),
+                        messages=g.messages(n, depth, join),
                         expected=list(ns.expected),
                         question=ns.question,
                         needle=ns.needle.text,

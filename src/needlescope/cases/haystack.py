@@ -178,6 +178,9 @@ def _sentence(rng: random.Random) -> list[str]:
     return words
 
 
+_ENDS = (".", "!", "?")
+
+
 class FillerStream:
     """An endless, deterministic stream of filler words, sentence-punctuated.
 
@@ -200,7 +203,7 @@ class FillerStream:
         if self._text is not None:
             # User filler is cycled; the end of one pass is forced to be a sentence boundary.
             chunk = list(self._text)
-            if not chunk[-1].endswith((".", "!", "?")):
+            if not chunk[-1].endswith(_ENDS):
                 chunk[-1] += "."
             while True:
                 yield chunk
@@ -208,20 +211,32 @@ class FillerStream:
         while True:
             yield _sentence(self._rng)
 
-    def words(self, n: int) -> list[str]:
+    def words(self, n: int, join: bool = False) -> list[str]:
+        """The first ``n`` words; a truncated final sentence gets a period.
+
+        That forced period makes the token count jump by two (word + period) where the tail starts a
+        new sentence, so some lengths are unreachable by word count alone. ``join=True`` is the
+        exact-length fitter's second knob: it folds a truncated tail into the sentence before it
+        (drops that sentence's period), one token fewer without changing any earlier word.
+        """
         while len(self._buf) < n:
             self._buf.extend(next(self._source))
         out = self._buf[:n]
-        if out and not out[-1].endswith((".", "!", "?")):
+        if out and not out[-1].endswith(_ENDS):
             # A truncated final sentence still ends with a period so it is a sentence boundary.
             out[-1] = out[-1] + "."
+            if join:
+                for i in range(len(out) - 2, -1, -1):
+                    if len(out[i]) > 1 and out[i].endswith(_ENDS):
+                        out[i] = out[i][:-1]
+                        break
         return out
 
 
 def sentence_boundaries(words: list[str]) -> list[int]:
     """Indices i such that a sentence may be inserted before words[i]; includes 0 and len(words)."""
     bounds = [0]
-    bounds += [i + 1 for i, w in enumerate(words) if w.endswith((".", "!", "?")) and i + 1 < len(words)]
+    bounds += [i + 1 for i, w in enumerate(words) if w.endswith(_ENDS) and i + 1 < len(words)]
     if words:
         bounds.append(len(words))
     return bounds
@@ -233,5 +248,5 @@ def render_words(words: list[str]) -> str:
     start = True
     for w in words:
         out.append(w[:1].upper() + w[1:] if start else w)
-        start = w.endswith((".", "!", "?"))
+        start = w.endswith(_ENDS)
     return " ".join(out)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from needlescope.run.config import ProbeConfig, parse_extra_body, parse_float_li
 from needlescope.run.probe import run_probe
 
 console = Console()
+err_console = Console(stderr=True)
 
 
 def probe_command(
@@ -30,7 +32,13 @@ def probe_command(
     out: Path = typer.Option(Path("out"), "--out", help="Output directory."),
     concurrency: int = typer.Option(8, "--concurrency"),
     tokenizer: str = typer.Option(
-        "server", "--tokenizer", help="'server' (its /tokenize) or a tokenizer.json path."
+        "server",
+        "--tokenizer",
+        help="'server' (its /tokenize), or the checkpoint's tokenizer directory (tokenizer.json + "
+        "chat_template.jinja), or its tokenizer.json with the template beside it.",
+    ),
+    chat_template: Path = typer.Option(
+        None, "--chat-template", help="With --tokenizer PATH: the chat template file, if not beside it."
     ),
     extra_body: str = typer.Option(
         None, "--extra-body", help="JSON object merged into each request unchanged."
@@ -41,10 +49,24 @@ def probe_command(
     threshold: float = typer.Option(0.85, "--threshold", help="Recall threshold of the effective length."),
     max_tokens: int = typer.Option(32, "--max-tokens"),
     timeout: float = typer.Option(120.0, "--timeout", help="Per-request timeout in seconds."),
+    retry_budget: float = typer.Option(
+        60.0, "--retry-budget", help="Seconds a request may keep retrying while the server answers 429/503."
+    ),
     haystack_file: Path = typer.Option(
         None, "--haystack-file", help="Filler text to use instead of the generated one."
     ),
-    value_digits: int = typer.Option(7, "--value-digits", help="Digits per needle value."),
+    value_digits: int = typer.Option(
+        None,
+        "--value-digits",
+        help="Digits per needle value; default: the target's advertised trained_value_digits, else 7.",
+    ),
+    api_key: str = typer.Option(
+        None,
+        "--api-key",
+        help="Bearer key for the server (else NEEDLESCOPE_API_KEY or OPENAI_API_KEY); sent on every "
+        "request, never written anywhere.",
+        show_default=False,
+    ),
     bundles: int = typer.Option(5, "--bundles", help="Reproducer bundles to write for failing cases."),
     bisect: bool = typer.Option(
         False, "--bisect", help="Search [min, max] of --lengths for the collapse length instead of a grid."
@@ -71,15 +93,17 @@ def probe_command(
         out=out,
         concurrency=concurrency,
         tokenizer=tokenizer,
+        chat_template=chat_template,
         extra_body=parse_extra_body(extra_body),
         resume=resume,
         threshold=threshold,
         max_tokens=max_tokens,
         timeout_s=timeout,
+        retry_budget_s=retry_budget,
         haystack_file=haystack_file,
         value_digits=value_digits,
         bundles=bundles,
-        api_key=os.environ.get("NEEDLESCOPE_API_KEY") or os.environ.get("OPENAI_API_KEY"),
+        api_key=api_key or os.environ.get("NEEDLESCOPE_API_KEY") or os.environ.get("OPENAI_API_KEY"),
     )
     if bisect:
         bis = BisectConfig(
@@ -91,24 +115,38 @@ def probe_command(
         return
     summary = run_with_progress(cfg)
     render_summary(summary, cfg.out)
+    empty = summary["cells_without_data"]
+    if empty:
+        err_console.print(
+            f"[bold red]error:[/] {empty} of {len(summary['cells'])} cells have no scored case (every "
+            f"request failed or missed its length); see {cfg.out}/report.md and results.jsonl",
+            highlight=False,
+            soft_wrap=True,
+        )
+        raise typer.Exit(1)
 
 
 def run_with_progress(cfg: ProbeConfig) -> dict:
+    """Run the probe; the progress bar appears only once every input has been checked and the
+    cases are built, so a bad input prints its one error line and nothing else."""
     counts = {"ok": 0, "correct": 0, "error": 0}
-    with Progress(
-        TextColumn("[bold]{task.description}"),
+    columns = (
+        TextColumn("[bold]probing"),
         BarColumn(),
         MofNCompleteColumn(),
         TextColumn("recall {task.fields[recall]}  errors {task.fields[errors]}"),
         TimeRemainingColumn(),
-        console=console,
-        transient=False,
-    ) as progress:
-        task = progress.add_task("building cases", total=None, recall="-", errors=0)
+    )
+    with contextlib.ExitStack() as stack:
+        bar: dict = {}
 
         def on_event(name: str, payload: dict) -> None:
             if name == "run_start":
-                progress.update(task, description="probing", total=payload["todo"], completed=0)
+                progress = stack.enter_context(Progress(*columns, console=console, transient=False))
+                bar["p"], bar["task"] = (
+                    progress,
+                    progress.add_task("", total=payload["todo"], recall="-", errors=0),
+                )
             elif name == "result":
                 if payload.get("status") == "ok":
                     counts["ok"] += 1
@@ -116,7 +154,7 @@ def run_with_progress(cfg: ProbeConfig) -> dict:
                 else:
                     counts["error"] += 1
                 recall = f"{counts['correct'] / counts['ok']:.2f}" if counts["ok"] else "-"
-                progress.update(task, advance=1, recall=recall, errors=counts["error"])
+                bar["p"].update(bar["task"], advance=1, recall=recall, errors=counts["error"])
 
         return run_probe(cfg, on_event)
 
@@ -145,6 +183,7 @@ def render_bisect(res: dict, out: Path) -> None:
 def render_summary(summary: dict, out: Path) -> None:
     eff = summary["effective_length"]
     console.print(f"kind [bold]{summary['kind']}[/]  model [bold]{summary['model']}[/]")
+    console.print(f"needle values: {summary['value_digits']} digits, from {summary['value_digits_source']}")
     console.print(
         f"effective length: [bold]{eff if eff is not None else 'none'}[/] (threshold {summary['threshold']})"
     )
@@ -154,6 +193,12 @@ def render_summary(summary: dict, out: Path) -> None:
     errors = sum(cell["errors"] for cell in summary["cells"])
     if errors:
         console.print(f"[yellow]{errors} requests failed and were counted as errors, not misses[/]")
+    if summary["length_mismatches"]:
+        console.print(
+            f"[yellow]WARNING: {summary['length_mismatches']} case(s) have a length disagreement "
+            f"({summary['unreachable_lengths']} unreachable, {summary['server_length_mismatches']} counted "
+            "differently by the server); see report.md[/]"
+        )
     failures = summary.get("failures")
     if failures and failures["misses"]:
         console.print("misses by class: " + ", ".join(f"{k} {v}" for k, v in failures["counts"].items() if v))

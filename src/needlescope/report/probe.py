@@ -33,7 +33,7 @@ SUMMARY_SCHEMA: dict = {
                     "n": {"type": "integer"},
                     "correct": {"type": "integer"},
                     "errors": {"type": "integer"},
-                    "recall": {"type": "number"},
+                    "recall": {"type": ["number", "null"]},
                     "ci_low": {"type": "number"},
                     "ci_high": {"type": "number"},
                 },
@@ -50,7 +50,12 @@ SUMMARY_SCHEMA: dict = {
         },
         "provenance": {"type": "object"},
         "errors_total": {"type": "integer"},
+        "cells_without_data": {"type": "integer"},
         "length_mismatches": {"type": "integer"},
+        "unreachable_lengths": {"type": "integer"},
+        "server_length_mismatches": {"type": "integer"},
+        "value_digits": {"type": "integer"},
+        "value_digits_source": {"type": "string"},
         "failures": FAILURES_SCHEMA,
         "endpoints": ENDPOINTS_SCHEMA,
     },
@@ -77,7 +82,7 @@ def _heatmap(path: Path, cells: list[Cell]) -> None:
         i, j = lengths.index(c.length), depths.index(c.depth)
         if c.n:
             grid[i, j] = c.recall
-        label = f"{c.recall:.2f}\nn={c.n}" if c.n else f"-\nn={c.n}"
+        label = f"{c.recall:.2f}\nn={c.n}" if c.recall is not None else "no data"
         if c.errors:
             label += f"\nerr={c.errors}"
         ax.text(j, i, label, ha="center", va="center", fontsize=7)
@@ -106,11 +111,23 @@ def _markdown(summary: dict, cells: list[Cell], notes: list[str]) -> str:
     lines.append(
         f"**Errors:** {summary['errors_total']} request(s) failed; they are excluded from recall, not counted as misses."
     )
+    lines.append(
+        f"**Needle values:** {summary['value_digits']} digits, from {summary['value_digits_source']}."
+    )
+    if summary["cells_without_data"]:
+        lines += [
+            "",
+            f"> **WARNING: {summary['cells_without_data']} cell(s) have no scored case** (every request failed "
+            "or missed its length): their recall is null, drawn as 'no data', and they are left out of the "
+            "effective length and the cliff.",
+        ]
     if summary["length_mismatches"]:
         lines += [
             "",
-            f"> **WARNING: {summary['length_mismatches']} case(s) did not reach their exact target length**; "
-            "their counted length differs from the nominal one.",
+            f"> **WARNING: {summary['length_mismatches']} case(s) have a length disagreement**: "
+            f"{summary['unreachable_lengths']} did not reach their target length (left out of the analysis), "
+            f"{summary['server_length_mismatches']} were counted differently by the server "
+            "(usage.prompt_tokens). Each is named under Notes.",
         ]
     lines += [
         "",
@@ -118,13 +135,14 @@ def _markdown(summary: dict, cells: list[Cell], notes: list[str]) -> str:
         "|---|---|---|---|---|---|---|",
     ]
     for cell in cells:
+        recall = "no data" if cell.recall is None else f"{cell.recall:.3f}"
         lines.append(
-            f"| {cell.length} | {cell.depth:g} | {cell.recall:.3f} | [{cell.ci_low:.3f}, {cell.ci_high:.3f}] "
+            f"| {cell.length} | {cell.depth:g} | {recall} | [{cell.ci_low:.3f}, {cell.ci_high:.3f}] "
             f"| {cell.n} | {cell.correct} | {cell.errors} |"
         )
     lines += ["", "| length | pooled recall | n |", "|---|---|---|"]
     for length, (k, n) in pooled_recall(cells).items():
-        lines.append(f"| {length} | {k / n if n else 0.0:.3f} | {n} |")
+        lines.append(f"| {length} | {f'{k / n:.3f}' if n else 'no data'} | {n} |")
     if "failures" in summary:
         lines += [""] + failure_lines(summary["failures"])
     if "endpoints" in summary:
@@ -153,6 +171,8 @@ def write_probe_outputs(
     threshold: float,
     provenance: dict,
     notes: list[str],
+    value_digits: int,
+    value_digits_source: str,
     failures: dict | None = None,
     endpoints: dict | None = None,
 ) -> dict:
@@ -160,13 +180,16 @@ def write_probe_outputs(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     cells = sorted(cells, key=lambda c: (c.length, c.depth))
-    mismatches = sum(
-        1
+    unreachable = {
+        r["case_id"]
         for r in results
-        if r.get("counted_length") is not None
-        and r.get("length") is not None
-        and r["counted_length"] != r["length"]
-    )
+        if r.get("counted_length") is not None and r["counted_length"] != r["length"]
+    }
+    server = {
+        r["case_id"]
+        for r in results
+        if r.get("prompt_tokens") is not None and r["prompt_tokens"] != r.get("counted_length")
+    }
     summary = {
         "effective_length": effective_length(cells, threshold),
         "threshold": float(threshold),
@@ -176,7 +199,12 @@ def write_probe_outputs(
         "cliff": cliff(cells),
         "provenance": dict(provenance),
         "errors_total": sum(c.errors for c in cells),
-        "length_mismatches": mismatches,
+        "cells_without_data": sum(1 for c in cells if c.recall is None),
+        "length_mismatches": len(unreachable | server),
+        "unreachable_lengths": len(unreachable),
+        "server_length_mismatches": len(server),
+        "value_digits": int(value_digits),
+        "value_digits_source": value_digits_source,
         **({"failures": failures} if failures is not None else {}),
         **({"endpoints": endpoints} if endpoints is not None else {}),
     }

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from needlescope.analysis.bisect import (
@@ -32,7 +32,7 @@ from needlescope.cases import CaseSpec, build_cases, score_answer
 from needlescope.errors import BadInput
 from needlescope.report.bisect import write_bisect_outputs
 from needlescope.run.config import ProbeConfig
-from needlescope.run.probe import _open_store, _token_counter
+from needlescope.run.probe import STORE_NAME, _token_counter, _value_digits, check_out
 from needlescope.run.scheduler import run_cases
 from needlescope.run.store import ResultStore
 from needlescope.targets import ChatTarget, collect_provenance, normalize_base_url, preflight
@@ -184,6 +184,7 @@ def run_bisect(cfg: ProbeConfig, bis: BisectConfig, on_event: Event | None = Non
             f"--bisect needs a range: give --lengths LO,HI with HI > LO + 1; got {list(cfg.lengths)}"
         )
     roots = [normalize_base_url(u) for u in cfg.base_urls]
+    check_out(cfg.out, cfg.resume)
     for root, _v1 in roots:
         preflight(root, cfg.model, api_key=cfg.api_key)
     provenance = collect_provenance(*roots[0], api_key=cfg.api_key)
@@ -194,9 +195,12 @@ def run_bisect(cfg: ProbeConfig, bis: BisectConfig, on_event: Event | None = Non
         boundaries, source = boundaries_from_server_info(info), "/get_server_info"
     else:
         boundaries, source = [], "none (no --boundaries and no /get_server_info)"
+    digits, _source = _value_digits(cfg, provenance)
+    cfg = replace(cfg, value_digits=digits)
     counter = _token_counter(cfg, roots[0][0])
-    store = _open_store(cfg)
-    fingerprint = {**cfg.fingerprint(), "bisect": asdict(bis)}
+    cfg.out.mkdir(parents=True, exist_ok=True)
+    store = ResultStore(cfg.out / STORE_NAME)
+    fingerprint = {**cfg.fingerprint(digits), "bisect": asdict(bis)}
     try:
         if store.get_meta("bisect") not in (None, fingerprint):
             raise BadInput(
@@ -212,6 +216,8 @@ def run_bisect(cfg: ProbeConfig, bis: BisectConfig, on_event: Event | None = Non
                 api_key=cfg.api_key,
                 timeout=cfg.timeout_s,
                 retries=cfg.retries,
+                retry_budget_s=cfg.retry_budget_s,
+                concurrency=cfg.concurrency,
             ) as target:
                 b = _Bisector(cfg, bis, store, target, counter, on_event)
                 return await _search(b, lo, hi, boundaries), b

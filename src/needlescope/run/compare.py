@@ -152,11 +152,14 @@ def compare_live(
     b_store = cfg_b.out / STORE_NAME
     if not b_store.exists():
         cfg_b.out.mkdir(parents=True, exist_ok=True)
-        cases_a, _res, _prov = load_run(cfg_a.out, "A")
+        with ResultStore(cfg_a.out / STORE_NAME) as store_a:
+            cases_a = store_a.cases()
+            digits = store_a.get_meta("fingerprint")["value_digits"]
         root, v1 = normalize_base_url(cfg_b.base_urls[0])
         with ResultStore(b_store) as store:
-            store.put_meta("fingerprint", cfg_b.fingerprint())
+            store.put_meta("fingerprint", cfg_b.fingerprint(digits))
             store.put_meta("provenance", collect_provenance(root, v1, api_key=cfg_b.api_key))
+            store.put_meta("run_notes", {"value_digits_source": "side A's case set (compare)", "assumed": []})
             store.add_cases(cases_a)
     on_event("side", {"side": "B", "base_urls": list(cfg_b.base_urls)})
     run_probe(replace(cfg_b, resume=True), on_event)

@@ -23,14 +23,17 @@ class ProbeConfig:
     out: Path = Path("out")
     concurrency: int = 8
     tokenizer: str = "server"
+    chat_template: Path | None = None
     extra_body: dict = field(default_factory=dict)
     resume: bool = False
     threshold: float = 0.85
     max_tokens: int = 32
     timeout_s: float = 120.0
     retries: int = 4
+    retry_budget_s: float = 60.0
     haystack_file: Path | None = None
-    value_digits: int = 7
+    # None: the target's advertised trained value length (/get_server_info), else DEFAULT_VALUE_DIGITS.
+    value_digits: int | None = None
     bundles: int = 5
     """Reproducer bundles to write for failing cases (one per failure class first)."""
     api_key: str | None = field(default=None, repr=False)
@@ -53,14 +56,24 @@ class ProbeConfig:
             raise BadInput(f"--concurrency must be at least 1; got {self.concurrency}")
         if not 0 < self.threshold <= 1:
             raise BadInput(f"--threshold must lie in (0, 1]; got {self.threshold}")
-        if not 1 <= self.value_digits <= 12:
+        if self.value_digits is not None and not 1 <= self.value_digits <= 12:
             raise BadInput(f"--value-digits must be in 1..12; got {self.value_digits}")
         if self.bundles < 0:
             raise BadInput(f"--bundles must be 0 or more; got {self.bundles}")
+        if self.max_tokens < 1:
+            raise BadInput(
+                f"--max-tokens must be at least 1 (the answer needs tokens); got {self.max_tokens}"
+            )
+        if not self.timeout_s > 0:
+            raise BadInput(f"--timeout must be a positive number of seconds; got {self.timeout_s:g}")
+        if self.retry_budget_s < 0:
+            raise BadInput(f"--retry-budget must be zero or more seconds; got {self.retry_budget_s:g}")
+        if self.tokenizer == "server" and self.chat_template is not None:
+            raise BadInput("--chat-template goes with --tokenizer PATH; the server applies its own template")
         if self.haystack_file is not None and not Path(self.haystack_file).is_file():
             raise BadInput(f"--haystack-file {self.haystack_file} does not exist; pass a UTF-8 text file")
 
-    def fingerprint(self) -> dict:
+    def fingerprint(self, value_digits: int) -> dict:
         """What must match for --resume to continue a run rather than mix two grids."""
         return {
             "model": self.model,
@@ -69,7 +82,7 @@ class ProbeConfig:
             "depths": list(self.depths),
             "trials": self.trials,
             "seed": self.seed,
-            "value_digits": self.value_digits,
+            "value_digits": value_digits,
         }
 
 

@@ -1,11 +1,14 @@
 """One probe run end to end: preflight, exact-length cases, durable results, analysis, outputs.
 
-The library reports progress through ``on_event(name, payload)`` and never prints; the CLI renders it.
+Every input is validated, the target checked and every case built before anything is written, so a
+bad flag or an unreachable server never leaves a half-made run behind. The library reports progress
+through ``on_event(name, payload)`` and never prints; the CLI renders it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -13,6 +16,7 @@ from needlescope.analysis import cells_from_results
 from needlescope.analysis.endpoints import check_same_models, endpoint_breakdown
 from needlescope.analysis.taxonomy import classify, summarize_failures
 from needlescope.cases import CaseSpec, build_cases, order_for_prefix_cache, score_answer
+from needlescope.cases.needles import VALUE_DIGITS
 from needlescope.errors import BadInput
 from needlescope.report.probe import write_probe_outputs
 from needlescope.run.config import ProbeConfig
@@ -26,11 +30,14 @@ from needlescope.targets import (
     detect_server_tokenizer,
     normalize_base_url,
     preflight,
+    served_models,
 )
 
 Event = Callable[[str, dict], None]
 
 STORE_NAME = "results.sqlite"
+# The key under which a server advertises the value length its checkpoint was trained on.
+TRAINED_DIGITS_KEY = "trained_value_digits"
 
 
 def _noop(_name: str, _payload: dict) -> None:
@@ -39,29 +46,102 @@ def _noop(_name: str, _payload: dict) -> None:
 
 def _token_counter(cfg: ProbeConfig, root: str):
     if cfg.tokenizer == "server":
-        counter = detect_server_tokenizer(root, cfg.model)
+        counter = detect_server_tokenizer(root, cfg.model, api_key=cfg.api_key)
         if counter is None:
             raise BadInput(
-                f"the server at {root} exposes no /tokenize endpoint; pass --tokenizer PATH to a tokenizer.json"
+                f"the server at {root} exposes no /tokenize endpoint; pass --tokenizer PATH to the "
+                "checkpoint's tokenizer directory (tokenizer.json + chat_template.jinja)"
             )
         return counter
-    path = Path(cfg.tokenizer)
-    if not path.is_file():
-        raise BadInput(f"--tokenizer {path} is not a file; pass 'server' or a path to an HF tokenizer.json")
-    return LocalTokenCounter(path)
+    return LocalTokenCounter(cfg.tokenizer, cfg.chat_template)
 
 
-def _open_store(cfg: ProbeConfig) -> ResultStore:
+def check_out(out: Path, resume: bool) -> None:
+    """BadInput, before any request, when ``out`` cannot hold this run; creates nothing."""
+    store = out / STORE_NAME
+    if out.exists() and not out.is_dir():
+        raise BadInput(f"--out {out} is a file, not a folder; choose another --out")
+    if resume and not store.is_file():
+        raise BadInput(
+            f"--resume: {out} holds no run to continue (no {STORE_NAME}); drop --resume to start one"
+        )
+    if not resume and store.exists():
+        raise BadInput(f"{store} already holds a run; pass --resume to continue it or choose another --out")
+    existing = out
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise BadInput(
+            f"--out {out}: {existing} is a file, so the folder cannot be made; choose another --out"
+        )
+    try:
+        # Permission bits lie to root and on read-only mounts; a real (self-deleting) file does not.
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as e:
+        raise BadInput(
+            f"--out {out} is not writable ({e.strerror} in {existing}); choose another --out"
+        ) from None
+
+
+def _value_digits(cfg: ProbeConfig, provenance: dict) -> tuple[int, str]:
+    """Digits per needle value, and where that number came from (for the report)."""
+    if cfg.value_digits is not None:
+        return cfg.value_digits, "--value-digits"
+    info = provenance.get("/get_server_info")
+    advertised = info.get(TRAINED_DIGITS_KEY) if isinstance(info, dict) else None
+    if isinstance(advertised, int) and not isinstance(advertised, bool) and 1 <= advertised <= 12:
+        return advertised, f"the target's /get_server_info {TRAINED_DIGITS_KEY} (no --value-digits given)"
+    return (
+        VALUE_DIGITS,
+        f"the default (no --value-digits given; the target advertises no {TRAINED_DIGITS_KEY})",
+    )
+
+
+def _new_store(cfg: ProbeConfig, root: str, v1: str, assumed: list[str], on_event: Event) -> ResultStore:
+    provenance = collect_provenance(root, v1, api_key=cfg.api_key)
+    digits, source = _value_digits(cfg, provenance)
+    haystack = cfg.haystack_file.read_text(encoding="utf-8") if cfg.haystack_file else None
+    spec = CaseSpec(
+        kind=cfg.kind,
+        lengths=cfg.lengths,
+        depths=cfg.depths,
+        trials=cfg.trials,
+        seed=cfg.seed,
+        haystack_text=haystack,
+        max_answer_tokens=cfg.max_tokens,
+        value_digits=digits,
+    )
+    on_event("cases_start", {"n": len(cfg.lengths) * len(cfg.depths) * cfg.trials})
+    cases = order_for_prefix_cache(build_cases(spec, _token_counter(cfg, root)))
     cfg.out.mkdir(parents=True, exist_ok=True)
     path = cfg.out / STORE_NAME
-    if path.exists() and not cfg.resume:
-        raise BadInput(f"{path} already holds a run; pass --resume to continue it or choose another --out")
     store = ResultStore(path)
+    try:
+        store.put_meta("fingerprint", cfg.fingerprint(digits))
+        store.put_meta("provenance", provenance)
+        store.put_meta("run_notes", {"value_digits_source": source, "assumed": assumed})
+        store.add_cases([c.to_dict() for c in cases])
+    except BaseException:
+        # A store without its cases is not a run; leave nothing that a rerun would trip over.
+        store.close()
+        for suffix in ("", "-wal", "-shm"):
+            Path(str(path) + suffix).unlink(missing_ok=True)
+        raise
+    return store
+
+
+def _resume_store(cfg: ProbeConfig) -> ResultStore:
+    store = ResultStore(cfg.out / STORE_NAME)
     previous = store.get_meta("fingerprint")
-    if previous is not None and previous != cfg.fingerprint():
+    digits = cfg.value_digits if cfg.value_digits is not None else (previous or {}).get("value_digits")
+    if previous is None or not store.cases():
+        store.close()
+        raise BadInput(f"--resume: {cfg.out / STORE_NAME} holds no cases; delete it and start the run again")
+    if previous != cfg.fingerprint(digits):
         store.close()
         raise BadInput(
-            f"--resume: the run in {cfg.out} was made with {previous}, not {cfg.fingerprint()}; use another --out"
+            f"--resume: the run in {cfg.out} was made with {previous}, not {cfg.fingerprint(digits)}; use another --out"
         )
     return store
 
@@ -69,47 +149,32 @@ def _open_store(cfg: ProbeConfig) -> ResultStore:
 def run_probe(cfg: ProbeConfig, on_event: Event = _noop) -> dict:
     """Run the probe described by ``cfg`` and return the summary dict written to summary.json."""
     roots = [normalize_base_url(u) for u in cfg.base_urls]
-    served = {}
-    for root, _v1 in roots:
-        models = preflight(root, cfg.model, api_key=cfg.api_key)
-        served[root] = [m.get("id") for m in models.get("data", []) if isinstance(m, dict)]
-    check_same_models(served)
-    store = _open_store(cfg)
+    check_out(cfg.out, cfg.resume)
+    assumed = [note for root, _v1 in roots for note in preflight(root, cfg.model, api_key=cfg.api_key)]
+    if len(roots) > 1:
+        listed = {root: served_models(root, cfg.api_key) for root, _v1 in roots}
+        check_same_models({root: ids for root, ids in listed.items() if ids is not None})
+    store = _resume_store(cfg) if cfg.resume else _new_store(cfg, *roots[0], assumed, on_event)
     try:
-        if not store.cases():
-            haystack = cfg.haystack_file.read_text(encoding="utf-8") if cfg.haystack_file else None
-            spec = CaseSpec(
-                kind=cfg.kind,
-                lengths=cfg.lengths,
-                depths=cfg.depths,
-                trials=cfg.trials,
-                seed=cfg.seed,
-                haystack_text=haystack,
-                max_answer_tokens=cfg.max_tokens,
-                value_digits=cfg.value_digits,
-            )
-            on_event("cases_start", {"n": len(cfg.lengths) * len(cfg.depths) * cfg.trials})
-            cases = order_for_prefix_cache(build_cases(spec, _token_counter(cfg, roots[0][0])))
-            store.put_meta("fingerprint", cfg.fingerprint())
-            store.put_meta("provenance", collect_provenance(*roots[0]))
-            store.add_cases([c.to_dict() for c in cases])
         case_dicts = store.cases()
         pending = set(store.pending_case_ids())
         todo = [c for c in case_dicts if c["case_id"] in pending]
         on_event("run_start", {"total": len(case_dicts), "todo": len(todo)})
-        asyncio.run(_run(cfg, todo, store, on_event))
-        return _finish(cfg, store, case_dicts)
+        admission = asyncio.run(_run(cfg, todo, store, on_event))
+        return _finish(cfg, store, case_dicts, admission)
     finally:
         store.close()
 
 
-async def _run(cfg: ProbeConfig, todo: list[dict], store: ResultStore, on_event: Event) -> None:
+async def _run(cfg: ProbeConfig, todo: list[dict], store: ResultStore, on_event: Event) -> dict:
     target = ChatTarget(
         list(cfg.base_urls),
         cfg.model,
         api_key=cfg.api_key,
         timeout=cfg.timeout_s,
         retries=cfg.retries,
+        retry_budget_s=cfg.retry_budget_s,
+        concurrency=cfg.concurrency,
     )
     try:
         await run_cases(
@@ -124,12 +189,20 @@ async def _run(cfg: ProbeConfig, todo: list[dict], store: ResultStore, on_event:
         )
     finally:
         await target.aclose()
+    return {"rejections": target.rejections, "lowest_concurrency": target.gate.lowest}
 
 
-def _finish(cfg: ProbeConfig, store: ResultStore, case_dicts: list[dict]) -> dict:
+def _finish(cfg: ProbeConfig, store: ResultStore, case_dicts: list[dict], admission: dict) -> dict:
     by_id = {c["case_id"]: c for c in case_dicts}
+    run_notes = store.get_meta("run_notes") or {}
+    fingerprint = store.get_meta("fingerprint") or {}
     rows = []
-    notes = []
+    notes = list(run_notes.get("assumed", []))
+    if admission["rejections"]:
+        notes.append(
+            f"the server rejected {admission['rejections']} request(s) as busy (429/503); they were retried "
+            f"and concurrency adapted down to {admission['lowest_concurrency']} at its lowest"
+        )
     for r in store.results():
         case = by_id[r["case_id"]]
         row = {
@@ -153,13 +226,16 @@ def _finish(cfg: ProbeConfig, store: ResultStore, case_dicts: list[dict]) -> dic
         reported = r.get("prompt_tokens")
         if case["counted_length"] != case["length"]:
             notes.append(
-                f"{case['case_id']}: requested {case['length']} tokens but the tokenizer counted {case['counted_length']}"
+                f"{case['case_id']}: length {case['length']} is unreachable with this tokenizer (closest "
+                f"{case['counted_length']} tokens); the case is left out of recall, effective length and cliff"
             )
         if reported is not None and reported != case["counted_length"]:
             notes.append(
                 f"{case['case_id']}: counted {case['counted_length']} tokens but the server reported usage.prompt_tokens={reported}"
             )
-    cells = cells_from_results(rows)
+    # A case that missed its length measures some other length: keep it out of the analysis.
+    grid = [(c["length"], c["depth"]) for c in case_dicts]
+    cells = cells_from_results((r for r in rows if r["counted_length"] == r["length"]), grid)
     provenance = store.get_meta("provenance") or {}
     write_failure_bundles(
         cfg.out / "bundles",
@@ -168,7 +244,7 @@ def _finish(cfg: ProbeConfig, store: ResultStore, case_dicts: list[dict]) -> dic
         model=cfg.model,
         max_tokens=cfg.max_tokens,
         extra_body=cfg.extra_body,
-        generation={"seed": cfg.seed, "value_digits": cfg.value_digits},
+        generation={"seed": cfg.seed, "value_digits": fingerprint.get("value_digits", VALUE_DIGITS)},
         provenance=provenance,
         limit=cfg.bundles,
     )
@@ -183,4 +259,6 @@ def _finish(cfg: ProbeConfig, store: ResultStore, case_dicts: list[dict]) -> dic
         notes=notes,
         failures=summarize_failures(rows),
         endpoints=endpoint_breakdown(rows),
+        value_digits=fingerprint.get("value_digits", VALUE_DIGITS),
+        value_digits_source=run_notes.get("value_digits_source", "--value-digits"),
     )

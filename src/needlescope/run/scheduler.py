@@ -25,6 +25,7 @@ async def _one(
     case_id = case["case_id"]
     async with sem:
         start = time.monotonic()
+        res = None
         try:
             res = await target.chat(case["messages"], max_tokens=max_tokens, extra_body=extra_body)
             correct = bool(score(res.text, list(case["expected"])))
@@ -48,6 +49,7 @@ async def _one(
                 "error_kind": e.kind,
                 "error": str(e),
                 "latency_s": time.monotonic() - start,
+                "attempts": e.attempts,
             }
         except asyncio.CancelledError:
             raise
@@ -58,6 +60,7 @@ async def _one(
                 "error_kind": "internal",
                 "error": f"{type(e).__name__}: {e}",
                 "latency_s": time.monotonic() - start,
+                "attempts": None if res is None else res.attempts,
             }
         store.record(case_id, **row)
     if on_result is not None:

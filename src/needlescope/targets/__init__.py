@@ -1,12 +1,11 @@
 """Talking to the inference server under test: chat, preflight, token counting, provenance."""
 
-from needlescope.targets.client import ChatResult, ChatTarget, preflight
+from needlescope.targets.client import ChatResult, ChatTarget, preflight, served_models
 from needlescope.targets.endpoints import normalize_base_url
 from needlescope.targets.provenance import collect_provenance, strip_secrets
 from needlescope.targets.tokenize import (
     LocalTokenCounter,
     ServerTokenCounter,
-    default_chat_render,
     detect_server_tokenizer,
 )
 
@@ -16,9 +15,9 @@ __all__ = [
     "LocalTokenCounter",
     "ServerTokenCounter",
     "collect_provenance",
-    "default_chat_render",
     "detect_server_tokenizer",
     "normalize_base_url",
     "preflight",
+    "served_models",
     "strip_secrets",
 ]

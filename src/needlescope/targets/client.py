@@ -13,11 +13,13 @@ from typing import Any
 
 import httpx
 
-from needlescope.errors import BadInput, ContextOverflow, ProtocolViolation, TransportFailure
-from needlescope.targets.endpoints import normalize_base_url
+from needlescope.errors import BadInput, ContextOverflow, ProbeError, ProtocolViolation, TransportFailure
+from needlescope.targets.endpoints import auth_headers, normalize_base_url
+from needlescope.targets.gate import AdaptiveGate
 
 RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
-_OVERFLOW_WORDS = ("context", "too long", "maximum", "max_model_len", "exceed")
+# "Busy, come back later": retried within a time budget rather than a count, and a sign to send less.
+REJECT_STATUSES = frozenset({429, 503})
 
 
 @dataclass
@@ -32,11 +34,6 @@ class ChatResult:
     base_url: str
     replica: str | None = None
     """The replica a router says served the request (a header or body field), if it says."""
-
-
-def _headers(api_key: str | None) -> dict[str, str]:
-    # The key only ever travels in this header; it is never put in results, logs or messages.
-    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
 def _retry_after(resp: httpx.Response) -> float | None:
@@ -132,6 +129,11 @@ class ChatTarget:
 
     Requests go to the replica with the fewest requests in flight (ties broken round-robin), so
     uneven latency does not pile work on a slow replica.
+
+    Retries: a rejection (429/503) is retried, honouring ``Retry-After`` (plus a little jitter),
+    until ``retry_budget_s`` has passed since the request started; other 5xx, dropped connections
+    and timeouts get ``retries`` more attempts with full-jitter exponential backoff. Every
+    rejection also lowers the number of requests the gate lets into flight (see AdaptiveGate).
     """
 
     def __init__(
@@ -142,6 +144,8 @@ class ChatTarget:
         api_key: str | None = None,
         timeout: float = 120.0,
         retries: int = 4,
+        retry_budget_s: float = 60.0,
+        concurrency: int = 64,
         backoff_base: float = 0.5,
         backoff_max: float = 30.0,
         transport: httpx.AsyncBaseTransport | None = None,
@@ -153,16 +157,19 @@ class ChatTarget:
         self.model = model
         self.timeout = timeout
         self.retries = max(0, retries)
+        self.retry_budget_s = retry_budget_s
         self.backoff_base = backoff_base
         self.backoff_max = backoff_max
+        self.gate = AdaptiveGate(concurrency)
+        self.rejections = 0
         self._in_flight = [0] * len(self._v1)
         self._rr = itertools.count()
         self._client = httpx.AsyncClient(
-            headers=_headers(api_key),
+            headers=auth_headers(api_key),
             timeout=httpx.Timeout(timeout),
             transport=transport,
             # Enough connections for high --concurrency against several replicas.
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=max(64, concurrency)),
         )
 
     @property
@@ -176,7 +183,8 @@ class ChatTarget:
 
     def _backoff(self, attempt: int, retry_after: float | None) -> float:
         if retry_after is not None:
-            return min(retry_after, self.backoff_max)
+            # The server's own estimate, plus a little jitter so waiting clients do not return in step.
+            return min(retry_after + random.uniform(0, 0.1 * retry_after + 0.01), self.backoff_max)
         # Full jitter: spreads retries of many concurrent requests instead of synchronising them.
         return random.uniform(0, min(self.backoff_max, self.backoff_base * 2 ** (attempt - 1)))
 
@@ -187,18 +195,28 @@ class ChatTarget:
         max_tokens: int,
         extra_body: dict | None = None,
     ) -> ChatResult:
+        """One chat completion. A ProbeError raised here carries ``attempts`` (requests sent)."""
         payload = chat_payload(self.model, messages, max_tokens, extra_body)
         idx = self._pick()
-        v1 = self._v1[idx]
-        url = v1 + "/chat/completions"
         start = time.monotonic()
-        last: str = "no attempt made"
-        attempt = 0
         self._in_flight[idx] += 1
+        attempts = [0]
         try:
-            while True:
-                attempt += 1
-                retry_after: float | None = None
+            return await self._attempts(self._v1[idx], payload, start, attempts)
+        except ProbeError as e:
+            e.attempts = attempts[0]
+            raise
+        finally:
+            self._in_flight[idx] -= 1
+
+    async def _attempts(self, v1: str, payload: dict, start: float, attempts: list[int]) -> ChatResult:
+        url = v1 + "/chat/completions"
+        failures = 0  # non-rejection failures, limited by ``retries``
+        while True:
+            attempts[0] += 1
+            retry_after: float | None = None
+            rejected = False
+            async with self.gate:
                 try:
                     resp = await self._client.post(url, json=payload)
                 except httpx.TimeoutException as e:
@@ -207,24 +225,8 @@ class ChatTarget:
                     last = f"{type(e).__name__}: {e}"
                 else:
                     if resp.status_code == 200:
-                        try:
-                            body = resp.json()
-                        except ValueError as e:
-                            raise ProtocolViolation(
-                                f"{url} answered 200 with invalid JSON: {resp.text[:200]!r}"
-                            ) from e
-                        text, reasoning, finish, ptok, cached = _parse(body)
-                        return ChatResult(
-                            text=text,
-                            reasoning=reasoning,
-                            finish_reason=finish,
-                            prompt_tokens=ptok,
-                            cached_tokens=cached,
-                            latency_s=time.monotonic() - start,
-                            attempts=attempt,
-                            base_url=v1,
-                            replica=_replica(resp, body),
-                        )
+                        self.gate.success()
+                        return _result(resp, url, v1, start, attempts[0])
                     message = _error_message(resp)
                     if _is_overflow(resp.status_code, message):
                         raise ContextOverflow(f"{url} refused the prompt ({resp.status_code}): {message}")
@@ -232,11 +234,22 @@ class ChatTarget:
                         raise ProtocolViolation(f"{url} answered HTTP {resp.status_code}: {message}")
                     last = f"HTTP {resp.status_code}: {message}"
                     retry_after = _retry_after(resp)
-                if attempt > self.retries:
-                    raise TransportFailure(f"{url} failed after {attempt} attempts; last: {last}")
-                await asyncio.sleep(self._backoff(attempt, retry_after))
-        finally:
-            self._in_flight[idx] -= 1
+                    rejected = resp.status_code in REJECT_STATUSES
+            if rejected:
+                self.rejections += 1
+                self.gate.rejected()
+                delay = self._backoff(attempts[0], retry_after)
+                if time.monotonic() - start + delay > self.retry_budget_s:
+                    raise TransportFailure(
+                        f"{url} kept rejecting for {time.monotonic() - start:.1f}s ({attempts[0]} attempts, "
+                        f"retry budget {self.retry_budget_s:g}s); last: {last}"
+                    )
+            else:
+                failures += 1
+                if failures > self.retries:
+                    raise TransportFailure(f"{url} failed after {attempts[0]} attempts; last: {last}")
+                delay = self._backoff(failures, retry_after)
+            await asyncio.sleep(delay)
 
     async def aclose(self) -> None:
         await self._client.aclose()
@@ -246,6 +259,25 @@ class ChatTarget:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
+
+
+def _result(resp: httpx.Response, url: str, v1: str, start: float, attempts: int) -> ChatResult:
+    try:
+        body = resp.json()
+    except ValueError as e:
+        raise ProtocolViolation(f"{url} answered 200 with invalid JSON: {resp.text[:200]!r}") from e
+    text, reasoning, finish, ptok, cached = _parse(body)
+    return ChatResult(
+        text=text,
+        reasoning=reasoning,
+        finish_reason=finish,
+        prompt_tokens=ptok,
+        cached_tokens=cached,
+        latency_s=time.monotonic() - start,
+        attempts=attempts,
+        base_url=v1,
+        replica=_replica(resp, body),
+    )
 
 
 def _reason(e: httpx.TransportError) -> str:
@@ -259,6 +291,26 @@ def _reason(e: httpx.TransportError) -> str:
     return f"{type(e).__name__}: {e}"
 
 
+def _model_ids(resp: httpx.Response) -> list[str] | None:
+    """The ids of an OpenAI model list, or None when the answer is not one."""
+    if resp.status_code != 200:
+        return None
+    try:
+        return [m["id"] for m in resp.json()["data"]]
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def served_models(base_url: str, api_key: str | None = None, timeout: float = 5) -> list[str] | None:
+    """The model ids ``/v1/models`` lists, or None when it lists none or cannot be read."""
+    _root, v1 = normalize_base_url(base_url)
+    try:
+        with httpx.Client(headers=auth_headers(api_key), timeout=timeout) as client:
+            return _model_ids(client.get(v1 + "/models")) or None
+    except httpx.TransportError:
+        return None
+
+
 def preflight(
     base_url: str,
     model: str,
@@ -266,13 +318,16 @@ def preflight(
     timeout: float = 5,
     *,
     transport: httpx.BaseTransport | None = None,
-) -> dict:
-    """Check the server is reachable, serves ``model`` and has chat completions; return /v1/models JSON.
+) -> list[str]:
+    """Check the server is reachable, serves ``model`` and has chat completions.
 
-    Raises BadInput with one line saying what is wrong and what to do.
+    Returns what had to be assumed (empty when ``/v1/models`` lists ``model``): some servers
+    (transformers serve) list nothing or fail ``/v1/models`` yet chat fine, so when the list does
+    not show ``model`` a one-token chat with it decides. Raises BadInput with one line saying what
+    is wrong and what to do.
     """
     _root, v1 = normalize_base_url(base_url)
-    with httpx.Client(headers=_headers(api_key), timeout=timeout, transport=transport) as client:
+    with httpx.Client(headers=auth_headers(api_key), timeout=timeout, transport=transport) as client:
         try:
             resp = client.get(v1 + "/models")
         except httpx.TransportError as e:
@@ -281,17 +336,7 @@ def preflight(
             ) from None
         if resp.status_code in (401, 403):
             raise BadInput(f"{v1}/models answered HTTP {resp.status_code}; check --api-key")
-        if resp.status_code != 200:
-            raise BadInput(
-                f"{v1}/models answered HTTP {resp.status_code}; is {base_url} an OpenAI-compatible server? check --base-url"
-            )
-        try:
-            models = resp.json()
-            ids = [m["id"] for m in models["data"]]
-        except (ValueError, KeyError, TypeError):
-            raise BadInput(f"{v1}/models did not return an OpenAI model list; check --base-url") from None
-        if model not in ids:
-            raise BadInput(f"model {model!r} not served at {v1}; available: {', '.join(ids) or '(none)'}")
+        ids = _model_ids(resp)
         try:
             chat = client.post(
                 v1 + "/chat/completions",
@@ -299,8 +344,26 @@ def preflight(
             )
         except httpx.TransportError as e:
             raise BadInput(f"cannot reach {v1}/chat/completions: {_reason(e)}; check --base-url") from None
+    if chat.status_code in (401, 403):
+        raise BadInput(f"{v1}/chat/completions answered HTTP {chat.status_code}; check --api-key")
+    if ids is not None and model in ids:
         if chat.status_code in (404, 405):
             raise BadInput(
                 f"{v1} has no chat completions endpoint (HTTP {chat.status_code}); needlescope needs /v1/chat/completions"
             )
-    return models
+        return []
+    listing = (
+        f"{v1}/models listed no models"
+        if ids == []
+        else f"{v1}/models did not list {model!r}"
+        if ids
+        else f"{v1}/models answered HTTP {resp.status_code} without a model list"
+    )
+    if chat.status_code == 200:
+        return [f"{listing}; a one-token chat with {model!r} worked, so it is assumed to be served"]
+    if ids:
+        raise BadInput(f"model {model!r} not served at {v1}; available: {', '.join(ids)}")
+    raise BadInput(
+        f"{listing}, and a one-token chat with {model!r} failed (HTTP {chat.status_code}: "
+        f"{_error_message(chat)[:120]}); check --base-url and --model"
+    )

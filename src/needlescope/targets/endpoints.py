@@ -20,3 +20,11 @@ def normalize_base_url(url: str) -> tuple[str, str]:
     base = raw.rstrip("/")
     root = base[: -len("/v1")] if base.endswith("/v1") else base
     return root, root + "/v1"
+
+
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    """The header every request to the target carries when a key is set (chat, tokenize, provenance).
+
+    The key only ever travels in this header; it is never put in results, logs or messages.
+    """
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}

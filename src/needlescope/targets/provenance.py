@@ -6,6 +6,8 @@ from typing import Any
 
 import httpx
 
+from needlescope.targets.endpoints import auth_headers
+
 _SECRET_WORDS = ("key", "token", "secret", "password")
 
 # (key under which it is stored, which base URL it hangs off, path)
@@ -47,9 +49,8 @@ def collect_provenance(
     Never raises for a missing or failing endpoint: ``{"status": {path: int | "error: ..."}}`` says what happened.
     """
     out: dict[str, Any] = {"root": root, "status": {}}
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     bases = {"root": root.rstrip("/"), "v1": v1.rstrip("/")}
-    with httpx.Client(headers=headers, timeout=timeout, transport=transport) as client:
+    with httpx.Client(headers=auth_headers(api_key), timeout=timeout, transport=transport) as client:
         for key, base, path in _ENDPOINTS:
             try:
                 resp = client.get(bases[base] + path)

@@ -1,14 +1,13 @@
 """Prompt token counting, preferably by the server itself.
 
-Counting with the server's own tokenizer and chat template gives exact prompt lengths. A local
-``tokenizer.json`` is a fallback: it renders chat with a simple default template, so its counts may
-differ from what the server sees. A run records both its own count and the server's
-``usage.prompt_tokens`` so any difference is visible in the results.
+Counting with the server's own tokenizer and chat template gives exact prompt lengths. For servers
+without a tokenize endpoint, a local copy of the checkpoint's tokenizer and chat template does the
+same offline. A run records both its own count and the server's ``usage.prompt_tokens``, so any
+difference is flagged in the results.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,6 +15,7 @@ from typing import Any
 import httpx
 
 from needlescope.errors import BadInput, ProtocolViolation, TransportFailure
+from needlescope.targets.endpoints import auth_headers
 
 # The form that worked is remembered so later calls skip the probing.
 _FORMS = ("vllm", "sglang", "llamacpp")
@@ -44,8 +44,9 @@ class ServerTokenCounter:
 
     def __post_init__(self) -> None:
         self.root = self.root.rstrip("/")
-        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-        self._client = httpx.Client(headers=headers, timeout=self.timeout, transport=self.transport)
+        self._client = httpx.Client(
+            headers=auth_headers(self.api_key), timeout=self.timeout, transport=self.transport
+        )
 
     def _post(self, path: str, payload: dict) -> Any:
         try:
@@ -117,33 +118,106 @@ def detect_server_tokenizer(
     return None
 
 
-def default_chat_render(messages: list[dict]) -> str:
-    """The local fallback template: ``<|role|>\\ncontent\\n`` per message, then ``<|assistant|>\\n``.
+_TEMPLATE_FILE = "chat_template.jinja"
+_SPECIAL_KEYS = ("bos_token", "eos_token", "pad_token", "unk_token")
 
-    It is not any real model's template, so local counts are approximate; the run also records the
-    server's reported ``usage.prompt_tokens``.
-    """
-    parts = [f"<|{m['role']}|>\n{m.get('content') or ''}\n" for m in messages]
-    return "".join(parts) + "<|assistant|>\n"
+
+def _special(value: Any) -> str | None:
+    # tokenizer_config.json stores a special token as a string or as an AddedToken dict.
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _load_json(path: Path) -> dict:
+    import json
+
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise BadInput(
+            f"{path} is not readable JSON ({e}); pass the checkpoint's tokenizer directory"
+        ) from None
+    if not isinstance(data, dict):
+        raise BadInput(f"{path} is not a JSON object; pass the checkpoint's tokenizer directory")
+    return data
 
 
 class LocalTokenCounter:
-    """Counts tokens with a local HF ``tokenizer.json`` and :func:`default_chat_render`."""
+    """Counts a chat's prompt tokens offline, as the server would: the checkpoint's own chat template
+    (``chat_template.jinja``, else ``tokenizer_config.json``'s ``chat_template``) rendered with the
+    generation prompt, then encoded by its ``tokenizer.json`` without adding special tokens again.
 
-    def __init__(self, path: str | Path, render: Callable[[list[dict]], str] = default_chat_render) -> None:
+    ``path`` is a tokenizer directory or a ``tokenizer.json`` whose template sits beside it;
+    ``chat_template`` names the template file explicitly. Rendering follows transformers'
+    ``apply_chat_template``: a sandboxed Jinja environment with ``trim_blocks``/``lstrip_blocks``,
+    ``raise_exception`` and the special tokens of ``tokenizer_config.json`` as variables.
+    """
+
+    def __init__(self, path: str | Path, chat_template: str | Path | None = None) -> None:
         from tokenizers import Tokenizer  # optional dependency, only needed for local counting
 
         p = Path(path)
-        if p.is_dir():
-            p = p / "tokenizer.json"
-        if not p.is_file():
-            raise BadInput(f"tokenizer file {p} not found; pass a path to an HF tokenizer.json")
+        tok_file = p / "tokenizer.json" if p.is_dir() else p
+        if not tok_file.is_file():
+            raise BadInput(
+                f"--tokenizer {path}: no tokenizer.json there; pass the checkpoint's tokenizer directory "
+                "or its tokenizer.json"
+            )
         try:
-            self._tok = Tokenizer.from_file(str(p))
+            self._tok = Tokenizer.from_file(str(tok_file))
         except Exception as e:  # tokenizers raises a bare Exception on malformed files
-            raise BadInput(f"{p} is not a valid HF tokenizer.json: {e}") from e
-        self.path = p
-        self.render = render
+            raise BadInput(f"{tok_file} is not a valid HF tokenizer.json: {e}") from None
+        folder = tok_file.parent
+        config_file = folder / "tokenizer_config.json"
+        config = _load_json(config_file) if config_file.is_file() else {}
+        if chat_template is not None:
+            template_file: Path | None = Path(chat_template)
+            if not template_file.is_file():
+                raise BadInput(f"--chat-template {chat_template} is not a file; pass a chat_template.jinja")
+            source = template_file.read_text(encoding="utf-8")
+        elif (folder / _TEMPLATE_FILE).is_file():
+            template_file = folder / _TEMPLATE_FILE
+            source = template_file.read_text(encoding="utf-8")
+        elif isinstance(config.get("chat_template"), str):
+            template_file, source = config_file, config["chat_template"]
+        else:
+            raise BadInput(
+                f"no chat template beside {tok_file} (neither {_TEMPLATE_FILE} nor a chat_template in "
+                "tokenizer_config.json); pass --chat-template FILE so counts include the template"
+            )
+        self.path = tok_file
+        self.template_path = template_file
+        self._specials = {k: v for k in _SPECIAL_KEYS if (v := _special(config.get(k))) is not None}
+        self._template = _compile(source, template_file)
+
+    def render(self, messages: list[dict]) -> str:
+        """The prompt text the server's tokenizer sees (with the generation prompt)."""
+        from jinja2 import TemplateError
+
+        try:
+            return self._template.render(messages=messages, add_generation_prompt=True, **self._specials)
+        except TemplateError as e:
+            raise BadInput(f"the chat template {self.template_path} cannot render this chat: {e}") from None
 
     def __call__(self, messages: list[dict]) -> int:
         return len(self._tok.encode(self.render(messages), add_special_tokens=False).ids)
+
+
+def _compile(source: str, where: Path):
+    try:
+        from jinja2 import TemplateError
+        from jinja2.ext import loopcontrols
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError:  # pragma: no cover - jinja2 comes with the dev and model extras
+        raise BadInput("counting with --tokenizer PATH needs jinja2: pip install jinja2") from None
+
+    def raise_exception(message: str) -> None:
+        raise TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.globals["raise_exception"] = raise_exception
+    try:
+        return env.from_string(source)
+    except TemplateError as e:
+        raise BadInput(f"{where} is not a valid Jinja chat template: {e}") from None

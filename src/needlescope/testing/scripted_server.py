@@ -13,12 +13,19 @@ least ``--fault-from`` tokens, when ``--fault-residue M:R`` is given only if its
 and then with probability ``--fault-rate`` (drawn from ``--fault-seed``; 1.0 is deterministic).
 ``--replica-id`` adds an ``X-Replica-Id`` header, as a router in front of replicas might;
 ``--page-size`` is only reported in ``/get_server_info`` (a kernel boundary for bisection).
+
+Peer quirks it can imitate: ``--api-key`` (every route but /health needs the Bearer key),
+``--models empty|error`` (transformers serve lists nothing or fails /v1/models), ``--no-tokenize``,
+``--trained-value-digits N`` (advertised in /get_server_info), ``--max-concurrent K`` (an admission
+queue: chats beyond K in flight get 503 with Retry-After) and ``--die-after N`` (the process exits
+after N chats, like a crashed server).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import re
 import sys
@@ -92,6 +99,8 @@ class State:
         self.opts = opts
         self.lock = threading.Lock()
         self.n_chat = 0
+        self.in_flight = 0
+        self.rejected = 0
         self.history: list[list[str]] = []
         self.rng = random.Random(opts.fault_seed)
 
@@ -152,13 +161,26 @@ class Handler(BaseHTTPRequestHandler):
         n = int(self.headers.get("Content-Length") or 0)
         return json.loads(self.rfile.read(n) or b"{}")
 
+    def _authorized(self) -> bool:
+        key = self.state.opts.api_key
+        if not key or self.path == "/health" or self.headers.get("Authorization") == f"Bearer {key}":
+            return True
+        self._send(401, {"error": {"message": "missing or wrong API key; pass --api-key"}})
+        return False
+
     def do_GET(self) -> None:
         o = self.state.opts
-        if self.path == "/v1/models":
-            self._send(
-                200,
-                {"object": "list", "data": [{"id": o.model, "object": "model", "max_model_len": o.max_len}]},
+        if not self._authorized():
+            return
+        if self.path == "/v1/models" and o.models == "error":
+            self._send(500, {"error": {"message": "cannot list models"}})
+        elif self.path == "/v1/models":
+            listed = (
+                []
+                if o.models == "empty"
+                else [{"id": o.model, "object": "model", "max_model_len": o.max_len}]
             )
+            self._send(200, {"object": "list", "data": listed})
         elif self.path == "/get_server_info":
             self._send(
                 200,
@@ -169,6 +191,7 @@ class Handler(BaseHTTPRequestHandler):
                     **({"page_size": o.page_size} if o.page_size else {}),
                     "api_key": "sk-should-be-stripped",
                     "nested": {"hf_token": "hf_secret", "ok": 1},
+                    **({"trained_value_digits": o.trained_value_digits} if o.trained_value_digits else {}),
                 },
             )
         elif self.path == "/health":
@@ -182,9 +205,11 @@ class Handler(BaseHTTPRequestHandler):
         except ValueError:
             self._send(400, {"error": {"message": "invalid JSON body"}})
             return
+        if not self._authorized():
+            return
         if self.path == "/v1/chat/completions":
-            self._chat(body)
-        elif self.path == "/tokenize":
+            self._admitted_chat(body)
+        elif self.path == "/tokenize" and not self.state.opts.no_tokenize:
             if "messages" in body:
                 words = render_words(body["messages"], body.get("add_generation_prompt", True))
             else:
@@ -200,9 +225,26 @@ class Handler(BaseHTTPRequestHandler):
         else:
             self._send(404, {"error": {"message": f"no route {self.path}"}})
 
+    def _admitted_chat(self, body: dict) -> None:
+        st = self.state
+        with st.lock:
+            full = bool(st.opts.max_concurrent) and st.in_flight >= st.opts.max_concurrent
+            st.rejected += full
+            st.in_flight += not full
+        if full:
+            self._send(503, {"error": {"message": "admission queue full"}}, {"Retry-After": "0.05"})
+            return
+        try:
+            self._chat(body)
+        finally:
+            with st.lock:
+                st.in_flight -= 1
+
     def _chat(self, body: dict) -> None:
         o = self.state.opts
         n = self.state.next_chat()
+        if o.die_after and n > o.die_after:
+            os._exit(1)  # a crash: no answer, the connection drops, nothing listens any more
         if o.model != body.get("model"):
             self._send(404, {"error": {"message": f"model {body.get('model')!r} not found"}})
             return
@@ -285,6 +327,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--fault-seed", type=int, default=0)
     p.add_argument("--replica-id", default=None)
     p.add_argument("--page-size", type=int, default=0, help="reported in /get_server_info only")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--models", choices=("ok", "empty", "error"), default="ok")
+    p.add_argument("--no-tokenize", type=int, default=0, help="1: answer /tokenize with 404")
+    p.add_argument("--trained-value-digits", type=int, default=0)
+    p.add_argument("--max-concurrent", type=int, default=0)
+    p.add_argument("--die-after", type=int, default=0)
     opts = p.parse_args(argv)
     Handler.state = State(opts)
     server = ThreadingHTTPServer(("127.0.0.1", opts.port), Handler)
