@@ -10,7 +10,8 @@ import typer
 from rich.console import Console
 
 from needlescope.errors import BadInput
-from needlescope.run.compare import compare_live, compare_runs
+from needlescope.investigate.compare import compare_live
+from needlescope.run.compare import compare_runs
 from needlescope.run.config import ProbeConfig, parse_extra_body, parse_float_list, parse_int_list
 
 console = Console()

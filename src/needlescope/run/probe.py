@@ -150,7 +150,11 @@ def run_probe(cfg: ProbeConfig, on_event: Event = _noop) -> dict:
     """Run the probe described by ``cfg`` and return the summary dict written to summary.json."""
     roots = [normalize_base_url(u) for u in cfg.base_urls]
     check_out(cfg.out, cfg.resume)
-    assumed = [note for root, _v1 in roots for note in preflight(root, cfg.model, api_key=cfg.api_key)]
+    # The test chat may be a cold server's first request (CPU warm-up); allow it more than 5 s.
+    wait = min(cfg.timeout_s, 30.0)
+    assumed = [
+        n for root, _v1 in roots for n in preflight(root, cfg.model, api_key=cfg.api_key, timeout=wait)
+    ]
     if len(roots) > 1:
         listed = {root: served_models(root, cfg.api_key) for root, _v1 in roots}
         check_same_models({root: ids for root, ids in listed.items() if ids is not None})

@@ -334,9 +334,12 @@ def preflight(
             raise BadInput(
                 f"cannot reach {v1}: {_reason(e)}; is the server running? check --base-url"
             ) from None
-        if resp.status_code in (401, 403):
-            raise BadInput(f"{v1}/models answered HTTP {resp.status_code}; check --api-key")
-        ids = _model_ids(resp)
+    if resp.status_code in (401, 403):
+        raise BadInput(f"{v1}/models answered HTTP {resp.status_code}; check --api-key")
+    ids = _model_ids(resp)
+    # A new connection: uvicorn closes one after an unhandled 500 (transformers serve's /v1/models
+    # offline), and reusing it races that close ("connection reset by peer").
+    with httpx.Client(headers=auth_headers(api_key), timeout=timeout, transport=transport) as client:
         try:
             chat = client.post(
                 v1 + "/chat/completions",
