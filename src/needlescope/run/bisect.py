@@ -32,10 +32,10 @@ from needlescope.cases import CaseSpec, build_cases, score_answer
 from needlescope.errors import BadInput
 from needlescope.report.bisect import write_bisect_outputs
 from needlescope.run.config import ProbeConfig
-from needlescope.run.probe import STORE_NAME, _token_counter, _value_digits, check_out
+from needlescope.run.probe import STORE_NAME, _token_counter, _value_digits, chat_target, check_out
 from needlescope.run.scheduler import run_cases
 from needlescope.run.store import ResultStore
-from needlescope.targets import ChatTarget, collect_provenance, normalize_base_url, preflight
+from needlescope.targets import collect_provenance, normalize_base_url, preflight
 
 __all__ = ["BisectConfig", "run_bisect"]
 
@@ -210,15 +210,7 @@ def run_bisect(cfg: ProbeConfig, bis: BisectConfig, on_event: Event | None = Non
         store.put_meta("provenance", provenance)
 
         async def go() -> tuple[dict, _Bisector]:
-            async with ChatTarget(
-                list(cfg.base_urls),
-                cfg.model,
-                api_key=cfg.api_key,
-                timeout=cfg.timeout_s,
-                retries=cfg.retries,
-                retry_budget_s=cfg.retry_budget_s,
-                concurrency=cfg.concurrency,
-            ) as target:
+            async with chat_target(cfg) as target:
                 b = _Bisector(cfg, bis, store, target, counter, on_event)
                 return await _search(b, lo, hi, boundaries), b
 

@@ -170,8 +170,9 @@ def run_probe(cfg: ProbeConfig, on_event: Event = _noop) -> dict:
         store.close()
 
 
-async def _run(cfg: ProbeConfig, todo: list[dict], store: ResultStore, on_event: Event) -> dict:
-    target = ChatTarget(
+def chat_target(cfg: ProbeConfig) -> ChatTarget:
+    """The client a probe (or a bisection) of ``cfg`` sends its cases through."""
+    return ChatTarget(
         list(cfg.base_urls),
         cfg.model,
         api_key=cfg.api_key,
@@ -180,6 +181,10 @@ async def _run(cfg: ProbeConfig, todo: list[dict], store: ResultStore, on_event:
         retry_budget_s=cfg.retry_budget_s,
         concurrency=cfg.concurrency,
     )
+
+
+async def _run(cfg: ProbeConfig, todo: list[dict], store: ResultStore, on_event: Event) -> dict:
+    target = chat_target(cfg)
     try:
         await run_cases(
             todo,
