@@ -1,0 +1,242 @@
+"""Triton kernels for the lightning-indexer logits (prefill: contiguous keys; decode: paged keys).
+
+``I[t, s] = scale_k[s] * sum_h w[t, h] * ReLU(q[t, h] . k[s])``, fp32 accumulation, -inf outside
+each query's range. Imported lazily by ``needlescope.kernels`` (needs the ``[gpu]`` extra).
+
+Matrix products: fp8 x fp8 runs natively on the tensor cores (``NATIVE_FP8``); otherwise both
+operands go to bf16, which is exact for e4m3 codes. Under ``TRITON_INTERPRET=1`` the operands go
+to fp32 with ``input_precision="ieee"``: Triton 3.6's interpreter keeps bf16 as raw uint16 bit
+patterns and its ``tl.dot`` multiplies those integers (``create_dot`` in
+triton/runtime/interpreter.py converts only 8-bit floats), so a bf16 dot is garbage there.
+Products of bf16-representable values are exact in fp32, so the math is the same.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from needlescope.kernels.layout import ContiguousKeys, PagedKeys
+
+__all__ = ["prefill_logits", "paged_logits", "INTERPRET"]
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def _scores(q, k, NATIVE_FP8: tl.constexpr, IEEE: tl.constexpr):
+    """q [M, D], k [N, D] -> q @ k^T [M, N] fp32."""
+    if NATIVE_FP8:
+        return tl.dot(q, tl.trans(k))
+    elif IEEE:
+        return tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+    else:
+        return tl.dot(q.to(tl.bfloat16), tl.trans(k.to(tl.bfloat16)))
+
+
+@triton.jit
+def _paged_kernel(
+    q_ptr,  # [B, H, D] codes
+    w_ptr,  # [B, H] fp32
+    vals_ptr,  # fp8 page bytes viewed as float8 (FP8) or bf16 [P, 64, D]
+    scales_ptr,  # same fp8 pages viewed as fp32 (unused for bf16)
+    bt_ptr,  # int32 [B, max_pages]
+    lens_ptr,  # int32 [B]
+    out_ptr,  # fp32 [B, width]
+    H,
+    bt_stride,
+    out_stride,
+    D: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    PAGES_PER_PROG: tl.constexpr,
+    FP8: tl.constexpr,
+    NATIVE_FP8: tl.constexpr,
+    IEEE: tl.constexpr,
+    FAULT_PAGE_TABLE: tl.constexpr,
+    FAULT_KEY_SLOT: tl.constexpr,
+):
+    b = tl.program_id(0)
+    chunk = tl.program_id(1)
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, D)
+    offs_e = tl.arange(0, 64)  # SGLang's page: layout.PAGE_ENTRIES entries
+    hmask = offs_h < H
+    q = tl.load(q_ptr + b * H * D + offs_h[:, None] * D + offs_d[None, :], mask=hmask[:, None], other=0.0)
+    w = tl.load(w_ptr + b * H + offs_h, mask=hmask, other=0.0)
+    n = tl.load(lens_ptr + b)
+    for i in range(PAGES_PER_PROG):
+        page = chunk * PAGES_PER_PROG + i
+        ent = page * 64 + offs_e  # logical entries of this page
+        valid = ent < n
+        # No branch on the page: masked loads move no bytes, and a branch-free loop pipelines.
+        if FAULT_KEY_SLOT or FAULT_PAGE_TABLE:  # debug variants: gather entry by entry
+            src = ent
+            if FAULT_KEY_SLOT:
+                src = tl.maximum(ent - 1, 0)
+            if FAULT_PAGE_TABLE:
+                phys = (src // 64).to(tl.int64)
+            else:
+                phys = tl.load(bt_ptr + b * bt_stride + src // 64, mask=valid, other=0).to(tl.int64)
+            slot = src % 64
+        else:  # one page: its 64 entries are contiguous, so the loads are wide
+            phys = tl.load(bt_ptr + b * bt_stride + page, mask=page * 64 < n, other=0).to(tl.int64)
+            slot = offs_e
+        if FP8:
+            kp = vals_ptr + phys * (64 * (D + 4)) + slot * D
+            k = tl.load(kp[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
+            sc = tl.load(scales_ptr + phys * (16 * (D + 4)) + 16 * D + slot, mask=valid, other=0.0)
+        else:
+            kp = vals_ptr + (phys * 64 + slot) * D
+            k = tl.load(kp[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
+            sc = tl.full([64], 1.0, tl.float32)
+        # Entries as the MMA's rows, heads as its columns: the head sum stays inside each warp.
+        s = _scores(k, q, NATIVE_FP8, IEEE)  # [64, BLOCK_H]
+        logit = tl.sum(tl.maximum(s, 0.0) * w[None, :], axis=1) * sc
+        logit = tl.where(valid, logit, float("-inf"))
+        tl.store(out_ptr + b.to(tl.int64) * out_stride + ent, logit, mask=ent < out_stride)
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr,  # [T, H, D] codes
+    w_ptr,  # [T, H] fp32
+    k_ptr,  # [N, D] codes
+    ks_ptr,  # [N] fp32
+    starts_ptr,  # int32 [T]
+    ends_ptr,  # int32 [T]
+    out_ptr,  # fp32 [T, N]
+    T,
+    N,
+    H,
+    D: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NATIVE_FP8: tl.constexpr,
+    IEEE: tl.constexpr,
+    FAULT_KEY_SLOT: tl.constexpr,
+):
+    pid_t = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D)
+    tmask = offs_t < T
+    nmask = offs_n < N
+    st = tl.load(starts_ptr + offs_t, mask=tmask, other=2147483647)
+    en = tl.load(ends_ptr + offs_t, mask=tmask, other=0)
+    # Tiles outside every row's range cost one store of -inf (causal prefill skips about half).
+    if (pid_n * BLOCK_N < tl.max(en)) & ((pid_n + 1) * BLOCK_N > tl.min(st)):
+        src = offs_n
+        if FAULT_KEY_SLOT:
+            src = tl.maximum(offs_n - 1, 0)
+        k = tl.load(k_ptr + src[:, None] * D + offs_d[None, :], mask=nmask[:, None], other=0.0)
+        sc = tl.load(ks_ptr + src, mask=nmask, other=0.0)
+        acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+        for h in range(H):
+            qh = tl.load(
+                q_ptr + offs_t[:, None] * (H * D) + h * D + offs_d[None, :], mask=tmask[:, None], other=0.0
+            )
+            wh = tl.load(w_ptr + offs_t * H + h, mask=tmask, other=0.0)
+            acc += tl.maximum(_scores(qh, k, NATIVE_FP8, IEEE), 0.0) * wh[:, None]
+        acc = acc * sc[None, :]
+        inside = (offs_n[None, :] >= st[:, None]) & (offs_n[None, :] < en[:, None])
+        acc = tl.where(inside, acc, float("-inf"))
+    else:
+        acc = tl.full([BLOCK_T, BLOCK_N], float("-inf"), tl.float32)
+    out = out_ptr + offs_t[:, None].to(tl.int64) * N + offs_n[None, :]
+    tl.store(out, acc, mask=tmask[:, None] & nmask[None, :])
+
+
+def _modes(q: torch.Tensor, key_fp8: bool, native_fp8: bool) -> dict:
+    both_fp8 = key_fp8 and q.dtype == torch.float8_e4m3fn
+    return {"NATIVE_FP8": bool(both_fp8 and native_fp8 and not INTERPRET), "IEEE": INTERPRET}
+
+
+def paged_logits(
+    q: torch.Tensor,
+    w: torch.Tensor,
+    paged: PagedKeys,
+    context_lens: torch.Tensor,
+    *,
+    fault: str | None = None,
+    pages_per_prog: int = 8,
+    native_fp8: bool = True,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """q [B, H, D] codes, w [B, H] fp32, context_lens int32 [B] -> logits fp32 [B, width] (into ``out`` if given)."""
+    B, H, D = q.shape
+    width = paged.width
+    out = torch.empty(B, width, dtype=torch.float32, device=q.device) if out is None else out
+    fp8 = paged.key_dtype == "fp8_e4m3"
+    vals = paged.data.view(torch.float8_e4m3fn) if fp8 else paged.data
+    scales = paged.data.view(torch.float32) if fp8 else paged.data
+    grid = (B, triton.cdiv(paged.block_table.shape[1], pages_per_prog))
+    _paged_kernel[grid](
+        q.contiguous(),
+        w.float().contiguous(),
+        vals,
+        scales,
+        paged.block_table,
+        context_lens.to(torch.int32).contiguous(),
+        out,
+        H,
+        paged.block_table.stride(0),
+        width,
+        D=D,
+        BLOCK_H=max(16, triton.next_power_of_2(H)),
+        PAGES_PER_PROG=pages_per_prog,
+        FP8=fp8,
+        FAULT_PAGE_TABLE=fault == "indexer_page_table",
+        FAULT_KEY_SLOT=fault == "indexer_key_slot",
+        num_warps=num_warps,
+        num_stages=num_stages,
+        **_modes(q, fp8, native_fp8),
+    )
+    return out
+
+
+def prefill_logits(
+    q: torch.Tensor,
+    w: torch.Tensor,
+    keys: ContiguousKeys,
+    starts: torch.Tensor,
+    ends: torch.Tensor,
+    *,
+    fault: str | None = None,
+    block_t: int = 64,
+    block_n: int = 128,
+    native_fp8: bool = True,
+    num_warps: int = 8,
+    num_stages: int = 3,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """q [T, H, D] codes, w [T, H] fp32, keys N entries, starts/ends int32 [T] -> logits fp32 [T, N] (into ``out`` if given)."""
+    T, H, D = q.shape
+    N = keys.codes.shape[0]
+    out = torch.empty(T, N, dtype=torch.float32, device=q.device) if out is None else out
+    grid = (triton.cdiv(T, block_t), triton.cdiv(N, block_n))
+    _prefill_kernel[grid](
+        q.contiguous(),
+        w.float().contiguous(),
+        keys.codes.contiguous(),
+        keys.scales.contiguous(),
+        starts.to(torch.int32).contiguous(),
+        ends.to(torch.int32).contiguous(),
+        out,
+        T,
+        N,
+        H,
+        D=D,
+        BLOCK_T=block_t,
+        BLOCK_N=block_n,
+        FAULT_KEY_SLOT=fault == "indexer_key_slot",
+        num_warps=num_warps,
+        num_stages=num_stages,
+        **_modes(q, keys.key_dtype == "fp8_e4m3", native_fp8),
+    )
+    return out

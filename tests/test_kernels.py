@@ -1,0 +1,206 @@
+"""Triton indexer kernels against the reference math on the same quantized inputs.
+
+On a machine without CUDA these run the Triton kernels under Triton's interpreter
+(TRITON_INTERPRET=1, set here before the kernels are imported) at small shapes. On a GPU,
+``NEEDLESCOPE_KERNEL_SHAPES=full`` runs the same checks at full shapes (H=64, D=128, rows up to
+256K, k = 512/1024/2048): ``bench/indexer_gpu.sh`` does that on the H200.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+pytest.importorskip("triton")
+
+from needlescope.dsa.reference import topk_indices  # noqa: E402
+from needlescope.errors import BadInput  # noqa: E402
+from needlescope.kernels import (  # noqa: E402
+    KERNEL_FAULTS,
+    indexer_logits,
+    indexer_topk,
+    page_keys,
+    quantize_keys,
+    quantize_queries,
+    resolve_kernel,
+    triton_logits,
+    triton_topk,
+)
+from needlescope.kernels.reference import logits_reference, paged_logits_reference, topk_reference  # noqa: E402
+
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+FULL = os.environ.get("NEEDLESCOPE_KERNEL_SHAPES") == "full"
+# (rows, row length, k values, heads, dim, queries, keys, pages per request)
+SHAPES = (
+    {
+        "rows": 8,
+        "length": 262_144,
+        "ks": (512, 1024, 2048),
+        "H": 64,
+        "D": 128,
+        "T": 96,
+        "N": 4_096,
+        "pages": 512,
+    }
+    if FULL
+    else {"rows": 5, "length": 1_500, "ks": (16, 512), "H": 6, "D": 64, "T": 7, "N": 300, "pages": 5}
+)
+POISON_IDX = -7
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator(device=DEV).manual_seed(seed)
+
+
+def _ranges(rows: int, length: int, k: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ragged [start, end) rows: full, empty, below k, exactly k, k + 1, random."""
+    st = torch.randint(0, length // 4, (rows,), generator=g, device=DEV)
+    en = torch.randint(length // 2, length + 1, (rows,), generator=g, device=DEV)
+    special = [(0, length), (3, 3), (0, max(k // 2, 1)), (5, 5 + k), (0, k + 1)]
+    for i, (a, b) in enumerate(special[:rows]):
+        st[i], en[i] = a, min(b, length)
+    return st.int(), en.int()
+
+
+# Threshold searches: bisection with the row in registers, bisection over chunks, radix select.
+ALGOS = {
+    "bisect-registers": {"bits": 0},
+    "bisect-chunks": {"bits": 0, "block": 1024},
+    "radix8": {"bits": 8, "block": 1024},
+}
+
+
+@pytest.mark.parametrize("algo", list(ALGOS))
+@pytest.mark.parametrize("ties", [False, True])
+def test_topk_is_exact_with_lower_index_ties(ties: bool, algo: str) -> None:
+    g = _gen(1 + ties)
+    for k in SHAPES["ks"]:
+        R, L = SHAPES["rows"], SHAPES["length"]
+        x = torch.randn(R, L, generator=g, device=DEV)
+        if ties:  # few distinct values: the k-th score is shared by many entries
+            x = (x * 2).round() / 2
+            x[:, ::7] = -0.0
+            x[:, 1::7] = 0.0
+        st, en = _ranges(R, L, k, g)
+        out = torch.full((R, k), POISON_IDX, dtype=torch.int32, device=DEV)
+        triton_topk.topk(x, k, st, en, out=out, **ALGOS[algo])
+        ref = topk_reference(x, k, st, en)
+        assert not (out == POISON_IDX).any(), "an output slot was never written"
+        got, want = out.sort(dim=1).values, ref.sort(dim=1).values
+        assert torch.equal(got, want), (
+            f"k={k}: top-k sets differ in rows {(got != want).any(1).nonzero().flatten().tolist()}"
+        )
+
+
+def test_topk_reference_matches_dsa_reference_without_ties() -> None:
+    g = _gen(3)
+    k = SHAPES["ks"][-1]
+    x = torch.randn(4, 3 * k, generator=g, device=DEV)
+    visible = torch.tensor([3 * k, k, k + 1, 0], device=DEV)
+    ours = topk_reference(x, k, torch.zeros_like(visible), visible).long().sort(1).values
+    theirs = topk_indices(x, k, visible).sort(1).values
+    assert torch.equal(ours, theirs)
+
+
+def _qwk(key_dtype: str, T: int, N: int, g: torch.Generator):
+    H, D = SHAPES["H"], SHAPES["D"]
+    q = torch.randn(T, H, D, generator=g, device=DEV)
+    w = torch.randn(T, H, generator=g, device=DEV)
+    k = torch.randn(N, D, generator=g, device=DEV) * (1 + torch.rand(N, 1, generator=g, device=DEV))
+    qc, wf = quantize_queries(q, w, key_dtype)
+    return qc, wf, quantize_keys(k, key_dtype)
+
+
+def _check_logits(got: torch.Tensor, ref64: torch.Tensor) -> None:
+    assert not got.isnan().any(), "a logit was never written (poison survived)"
+    fin = torch.isfinite(ref64)
+    assert torch.equal(torch.isfinite(got), fin), "-inf pattern differs from the query ranges"
+    assert bool((got[~fin] == float("-inf")).all())
+    err = (got.double()[fin] - ref64[fin]).norm() / ref64[fin].norm()
+    assert err < 1e-3, f"relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("key_dtype", ["bf16", "fp8_e4m3"])
+def test_prefill_logits_match_float64_reference(key_dtype: str) -> None:
+    g = _gen(4)
+    T, N = SHAPES["T"], SHAPES["N"]
+    qc, wf, keys = _qwk(key_dtype, T, N, g)
+    st, en = _ranges(T, N, 16, g)
+    out = torch.full((T, N), float("nan"), device=DEV)
+    triton_logits.prefill_logits(qc, wf, keys, st, en, out=out)
+    _check_logits(out, logits_reference(qc, wf, keys, st, en, dtype=torch.float64))
+
+
+def _paged(key_dtype: str, g: torch.Generator):
+    """A batch whose pages are scattered over a shared pool; request i's entries are keys[:len_i]."""
+    pages = SHAPES["pages"]
+    B = 3
+    qc, wf, keys = _qwk(key_dtype, B, pages * 64, g)
+    pool = B * pages + 3
+    bt = (
+        torch.randperm(pool, generator=torch.Generator().manual_seed(5))[: B * pages]
+        .view(B, pages)
+        .int()
+        .to(DEV)
+    )
+    lens = torch.tensor([pages * 64, 1, pages * 64 - 37], dtype=torch.int32, device=DEV)
+    entry_of = torch.arange(pages * 64, device=DEV).view(1, -1).expand(B, -1)
+    entry_of = torch.where(entry_of < lens.view(-1, 1), entry_of, torch.full_like(entry_of, -1))
+    return qc, wf, keys, page_keys(keys, bt, pool, entry_of), lens
+
+
+@pytest.mark.parametrize("key_dtype", ["bf16", "fp8_e4m3"])
+def test_paged_logits_match_contiguous_reference(key_dtype: str) -> None:
+    qc, wf, keys, paged, lens = _paged(key_dtype, _gen(6))
+    out = torch.full((3, paged.width), float("nan"), device=DEV)
+    triton_logits.paged_logits(qc, wf, paged, lens, out=out)
+    zeros = torch.zeros_like(lens)
+    ref = logits_reference(qc, wf, keys, zeros, lens, dtype=torch.float64)
+    _check_logits(out, ref)
+
+
+@pytest.mark.parametrize("fault", KERNEL_FAULTS)
+def test_kernel_faults_are_the_reference_faults_and_change_the_logits(fault: str) -> None:
+    qc, wf, keys, paged, lens = _paged("fp8_e4m3", _gen(7))
+    got = indexer_logits(qc, wf, paged, context_lens=lens, kernel="triton", fault=fault)
+    _check_logits(got, paged_logits_reference(qc, wf, paged, lens, dtype=torch.float64, fault=fault))
+    healthy = indexer_logits(qc, wf, paged, context_lens=lens, kernel="triton")
+    fin = torch.isfinite(healthy)
+    assert (got[fin] - healthy[fin]).abs().max() > 1e-2, "the fault left the logits unchanged"
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "paged"])
+def test_indexer_topk_triton_equals_reference(layout: str) -> None:
+    g = _gen(8)
+    k = SHAPES["ks"][0]
+    if layout == "paged":
+        qc, wf, _, keys, lens = _paged("fp8_e4m3", g)
+        kw = {"context_lens": lens}
+    else:
+        T, N = SHAPES["T"], SHAPES["N"]
+        qc, wf, keys = _qwk("bf16", T, N, g)
+        st, en = _ranges(T, N, k, g)
+        kw = {"starts": st, "ends": en}
+    got = indexer_topk(qc, wf, keys, k, kernel="triton", **kw)
+    want = indexer_topk(qc, wf, keys, k, kernel="reference", **kw)
+    assert got.dtype == want.dtype == torch.int32
+    assert torch.equal(got.sort(1).values, want.sort(1).values)
+
+
+def test_dispatch_refuses_what_cannot_run() -> None:
+    with pytest.raises(BadInput, match="kernel must be one of"):
+        resolve_kernel("cuda", DEV)
+    assert resolve_kernel("reference", DEV) == "reference"
+    assert resolve_kernel("auto", torch.device("cpu")) == "reference"
+    qc, wf, keys = _qwk("bf16", 2, 64, _gen(9))
+    with pytest.raises(BadInput, match="unknown kernel fault"):
+        indexer_logits(qc, wf, keys, fault="nope")
+    with pytest.raises(BadInput, match="needs a paged cache"):
+        indexer_logits(qc, wf, keys, fault="indexer_page_table")
+    with pytest.raises(BadInput, match="context_lens"):
+        indexer_logits(qc, wf, keys, context_lens=torch.ones(2, dtype=torch.int32))
