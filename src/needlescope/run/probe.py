@@ -98,10 +98,21 @@ def _value_digits(cfg: ProbeConfig, provenance: dict) -> tuple[int, str]:
     )
 
 
+def _read_haystack(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise BadInput(
+            f"--haystack-file {path} is not UTF-8 text (byte {e.start}); pass a UTF-8 text file"
+        ) from None
+    except OSError as e:
+        raise BadInput(f"--haystack-file {path} cannot be read ({e.strerror})") from None
+
+
 def _new_store(cfg: ProbeConfig, root: str, v1: str, assumed: list[str], on_event: Event) -> ResultStore:
     provenance = collect_provenance(root, v1, api_key=cfg.api_key)
     digits, source = _value_digits(cfg, provenance)
-    haystack = cfg.haystack_file.read_text(encoding="utf-8") if cfg.haystack_file else None
+    haystack = _read_haystack(cfg.haystack_file) if cfg.haystack_file else None
     spec = CaseSpec(
         kind=cfg.kind,
         lengths=cfg.lengths,

@@ -164,13 +164,20 @@ class ChatTarget:
         self.rejections = 0
         self._in_flight = [0] * len(self._v1)
         self._rr = itertools.count()
-        self._client = httpx.AsyncClient(
-            headers=auth_headers(api_key),
-            timeout=httpx.Timeout(timeout),
-            transport=transport,
-            # Enough connections for high --concurrency against several replicas.
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=max(64, concurrency)),
-        )
+        # One small client per request slot rather than one client with a big pool: httpcore scans
+        # every pooled connection on each request and response, so a pool of C connections costs
+        # O(C) per request (docs/perf.md has the profile). The gate keeps at most ``concurrency``
+        # attempts in flight, so a free client is always on the stack; LIFO keeps connections warm.
+        self._clients = [
+            httpx.AsyncClient(
+                headers=auth_headers(api_key),
+                timeout=httpx.Timeout(timeout),
+                transport=transport,
+                limits=httpx.Limits(max_connections=None, max_keepalive_connections=len(self._v1)),
+            )
+            for _ in range(self.gate.ceiling)
+        ]
+        self._free = list(self._clients)
 
     @property
     def base_urls(self) -> list[str]:
@@ -217,8 +224,9 @@ class ChatTarget:
             retry_after: float | None = None
             rejected = False
             async with self.gate:
+                client = self._free.pop()
                 try:
-                    resp = await self._client.post(url, json=payload)
+                    resp = await client.post(url, json=payload)
                 except httpx.TimeoutException as e:
                     last = f"timeout after {self.timeout}s ({type(e).__name__})"
                 except httpx.TransportError as e:
@@ -235,6 +243,8 @@ class ChatTarget:
                     last = f"HTTP {resp.status_code}: {message}"
                     retry_after = _retry_after(resp)
                     rejected = resp.status_code in REJECT_STATUSES
+                finally:
+                    self._free.append(client)
             if rejected:
                 self.rejections += 1
                 self.gate.rejected()
@@ -252,7 +262,8 @@ class ChatTarget:
             await asyncio.sleep(delay)
 
     async def aclose(self) -> None:
-        await self._client.aclose()
+        for client in self._clients:
+            await client.aclose()
 
     async def __aenter__(self) -> ChatTarget:
         return self
