@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from needlescope.cases.scoring import score_answer
-from needlescope.dsa.emulate import IndexerCapture, Numerics, csa_indexers, emulate, load_patch
+from needlescope.dsa.emulate import IndexerCapture, csa_indexers, emulate, load_patch
 from needlescope.dsa.prompt import covering_entries, needle_token_span, render_prompt
 from needlescope.dsa.rankdump import needle_rank_stats
 from needlescope.setting import PatchRef, Setting
@@ -74,15 +74,11 @@ def first_wrong_token(tokens: Sequence[str], expected: str) -> int | None:
 @contextmanager
 def applied(model, config: Config, capture: IndexerCapture | None = None) -> Iterator[list[int]]:
     """Apply ``config`` to ``model`` for the block; yields the CSA layer indices."""
-    s = config.setting
-    numerics = Numerics(s.index_k, s.index_q, s.score_dtype, s.index_topk, s.hadamard)
     undos = []
     try:
         for p in config.extra:
-            undos.append(load_patch(p.path)(model))
-        with emulate(
-            model, numerics, capture=capture, patch=None if s.patch is None else s.patch.path
-        ) as layers:
+            undos.append(load_patch(p)(model))
+        with emulate(model, config.setting, capture=capture) as layers:
             yield layers
     finally:
         for undo in reversed(undos):

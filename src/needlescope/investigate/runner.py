@@ -91,8 +91,8 @@ class _Investigation:
         import torch
 
         from needlescope.cases.assemble import CaseSpec, build_cases
+        from needlescope.dsa.checkpoint import load_bundle, resolve_model_dir, trained_value_digits
         from needlescope.dsa.prompt import render_prompt
-        from needlescope.organism.bundle import load_bundle, resolve_model_dir, trained_value_digits
 
         t, sy = self.ledger.target, self.ledger.symptom
         try:
@@ -196,7 +196,7 @@ class _Investigation:
             self.progress("questions", n + 1, len(suspects), s.id)
 
     def _checkpoint_dir(self) -> Path | None:
-        from needlescope.organism.bundle import resolve_model_dir
+        from needlescope.dsa.checkpoint import resolve_model_dir
 
         try:
             return resolve_model_dir(self.ledger.target.model)

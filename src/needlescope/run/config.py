@@ -1,4 +1,6 @@
-"""Typed, validated configuration of one probe run. Each default is defined here once."""
+"""Typed, validated configuration of one probe run.
+
+The library's defaults live on ``ProbeConfig``; the case kinds are ``cases.assemble.KINDS``."""
 
 from __future__ import annotations
 
@@ -6,9 +8,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from needlescope.cases.assemble import KINDS
 from needlescope.errors import BadInput
-
-KINDS = ("single", "multikey", "multivalue", "multiturn")
 
 
 @dataclass(frozen=True)
