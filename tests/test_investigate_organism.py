@@ -83,7 +83,7 @@ def plant_ledger(directory, planted: str) -> str:
 
 @pytest.fixture(scope="module")
 def organism():
-    from needlescope.organism.bundle import load_bundle
+    from needlescope.dsa.checkpoint import load_bundle
 
     model, tokenizer, _ = load_bundle("organism")
     return model, tokenizer
