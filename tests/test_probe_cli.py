@@ -114,6 +114,8 @@ def test_bad_inputs_exit_2_with_one_clear_line(scripted_server, tmp_path):
     url = scripted_server(window=500)
     a_file = tmp_path / "a_file"
     a_file.write_text("not a folder")
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes("Caf\u00e9 au lait. ".encode("latin-1") * 50)
     ok = ["--base-url", url, "--model", "scripted"]
     cases = [
         (["--base-url", "http://127.0.0.1:9", "--model", "scripted"], "cannot reach"),
@@ -127,6 +129,7 @@ def test_bad_inputs_exit_2_with_one_clear_line(scripted_server, tmp_path):
         ([*ok, "--max-tokens", "0"], "--max-tokens must be at least 1"),
         ([*ok, "--resume"], "holds no run to continue"),
         ([*ok, "--tokenizer", str(tmp_path / "none")], "no tokenizer.json"),
+        ([*ok, "--haystack-file", str(latin1)], "is not UTF-8 text"),
     ]
     for i, (args, needle) in enumerate(cases):
         out = tmp_path / str(i)
