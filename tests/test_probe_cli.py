@@ -64,7 +64,10 @@ def test_exact_lengths_for_each_kind(scripted_server, tmp_path, kind):
 def test_faults_are_errors_not_misses(scripted_server, tmp_path):
     url = scripted_server(window=10_000, fail_every=3, fail_status=500, garbage_every=7)
     res = probe(url, tmp_path, *GRID, "--kind", "single")
-    assert res.returncode == 0, res.stderr
+    # Garbage is not retried, so both cases of one cell may draw it (which ones depends on how
+    # requests interleave): that cell has no data and the run exits 1 by design, still writing
+    # its outputs.
+    assert res.returncode == 0 or "have no scored case" in res.stderr, res.stderr
     summary = json.loads((tmp_path / "summary.json").read_text())
     cells = summary["cells"]
     # A window covering everything means every scored case is correct; failures must be errors.
