@@ -98,6 +98,13 @@ def engine():
         trained_value_digits=0,
         max_concurrent=0,
         die_after=0,
+        fault=None,
+        fault_from=0,
+        fault_residue=None,
+        fault_rate=1.0,
+        fault_seed=0,
+        replica_id=None,
+        page_size=0,
     )
     Handler.state = scripted_server.State(opts)
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
