@@ -7,6 +7,7 @@ artifact against its documented schema before it lands. The layer sits above ``d
 - ``demo``: serve a checkpoint twice (reference and deployment ``Setting``), probe both, explain.
 - ``explain``: rank-dump the failing case of two probes, try fixes, write DIAGNOSIS.md.
 - ``rankdump``: the rank-dump workflow over several prompts, with optional selection stability.
+- ``compare``: probe A, send B A's exact case set, compare the two runs (paired A/B).
 - ``capture``: ask a live SGLang server for its indexer top-k and assemble ``capture.json``.
 - the investigation itself (ledger, questions, verdicts, signature, state, runner): see their modules.
 """
