@@ -240,6 +240,11 @@ def sweep_command(
         None, "--patch", help="Python file defining apply(model), or a built-in fault:NAME."
     ),
     device: str = typer.Option("cpu", "--device", help="cpu | cuda | cuda:N"),
+    kernel: str = typer.Option(
+        "auto",
+        "--kernel",
+        help="Indexer scoring: auto (Triton on CUDA where it applies) | reference | triton.",
+    ),
     out: Path = typer.Option(..., "--out", help="Output directory."),
 ) -> None:
     """Grid of precision x index_topk x length: needle selection rate, answer recall, cheapest fix."""
@@ -247,6 +252,7 @@ def sweep_command(
 
     from needlescope.dsa.emulate import load_patch
     from needlescope.dsa.sweep import SweepConfig, render_sweep_md, run_sweep, validate_sweep
+    from needlescope.kernels.scoring import kernel_backend
     from needlescope.organism.bundle import resolve_model_dir, trained_value_digits
 
     cfg = SweepConfig(
@@ -277,7 +283,8 @@ def sweep_command(
         def on_progress(done: int, total: int) -> None:
             progress.update(task, completed=done, total=total)
 
-        result = run_sweep(mdl, tokenizer, cfg, model_label=str(path), on_progress=on_progress)
+        with kernel_backend(kernel, device):
+            result = run_sweep(mdl, tokenizer, cfg, model_label=str(path), on_progress=on_progress)
     validate_sweep(result)
     out.mkdir(parents=True, exist_ok=True)
     _write_json(out / "sweep.json", result)

@@ -26,6 +26,10 @@ step of a generation can be replayed as SGLang's ``indexer_topk`` capture.
 A user patch (``--patch FILE.py``, or a built-in ``fault:NAME`` of ``needlescope.dsa.faults``)
 is a Python file defining ``apply(model)``; it may return a zero-argument callable that undoes
 it, which ``emulate`` calls on exit. ``wrap_scorers`` is the helper most patches need.
+
+``scores_backend(factory)`` swaps the scoring math for the calls entered inside it: ``factory``
+maps (index_k, index_q) to a function with ``lightning_scores``' signature (the Triton kernels:
+``needlescope.kernels.scoring.scores_factory``). ``dsa`` never imports the kernels itself.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from __future__ import annotations
 import importlib.util
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -51,10 +56,32 @@ __all__ = [
     "csa_indexers",
     "emulate",
     "load_patch",
+    "scores_backend",
+    "scoring_function",
     "wrap_scorers",
 ]
 
 SCORE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+ScoresFactory = Callable[[str, str], Callable[..., torch.Tensor]]
+_BACKEND: ContextVar[ScoresFactory | None] = ContextVar("needlescope_scores_backend", default=None)
+
+
+@contextmanager
+def scores_backend(factory: ScoresFactory | None) -> Iterator[None]:
+    """Inside the block, score with ``factory(index_k, index_q)`` instead of ``lightning_scores``
+    (None keeps the reference). Read when ``emulate`` is entered and by ``dsa.synthetic``."""
+    token = _BACKEND.set(factory)
+    try:
+        yield
+    finally:
+        _BACKEND.reset(token)
+
+
+def scoring_function(index_k: str, index_q: str) -> Callable[..., torch.Tensor]:
+    """The scorer in force for these precisions: the backend's, else ``lightning_scores``."""
+    factory = _BACKEND.get()
+    return lightning_scores if factory is None else factory(index_k, index_q)
 
 
 @dataclass(frozen=True)
@@ -223,6 +250,7 @@ def load_patch(path: str | Path) -> Callable[[torch.nn.Module], object]:
 
 
 def _scorer_forward(scorer: torch.nn.Module, numerics: Numerics, stash: Callable | None) -> Callable:
+    scores_fn = scoring_function(numerics.index_k, numerics.index_q)
     quant_k = get_quantizer(numerics.index_k)
     quant_q = get_quantizer(numerics.index_q)
     acc = SCORE_DTYPES[numerics.score_dtype]
@@ -233,7 +261,7 @@ def _scorer_forward(scorer: torch.nn.Module, numerics: Numerics, stash: Callable
         if numerics.rotates:
             q32, k32 = hadamard_128(q32), hadamard_128(k32)
         w = scorer.weights_proj(hidden_states).float()  # [B, S, H]
-        scores = lightning_scores(
+        scores = scores_fn(
             quant_q(q32),
             quant_k(k32),
             w,
@@ -274,7 +302,7 @@ def emulate(
             stash = None
             if capture is not None and capture.keep_scores:
                 stash = _stasher(layer, capture)
-            if numerics != REFERENCE or stash is not None:
+            if numerics != REFERENCE or stash is not None or _BACKEND.get() is not None:
                 idx.scorer.forward = _scorer_forward(idx.scorer, numerics, stash)
             if capture is not None:
                 handles.append(idx.register_forward_hook(_capture_hook(layer, capture), with_kwargs=True))
