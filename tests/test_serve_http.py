@@ -364,3 +364,65 @@ def test_probe_cli_against_the_server(server, tmp_path):
         assert row["counted_length"] == row["length"] == row["prompt_tokens"]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["model"] == NAME
+
+
+def test_generate_returns_only_the_indexer_topk_rows_asked_for(server):
+    body = {
+        "text": WORDS,
+        "sampling_params": {"max_new_tokens": 3, "temperature": 0},
+        "return_indexer_topk": True,
+    }
+    full = httpx.post(server.url + "/generate", json=body, timeout=60).json()["meta_info"]
+    rows = np.frombuffer(base64.b64decode(full["indexer_topk"]), "<i4").reshape(full["indexer_topk_shape"])
+    last = httpx.post(server.url + "/generate", json={**body, "indexer_topk_last": 2}, timeout=60).json()[
+        "meta_info"
+    ]
+    assert last["indexer_topk_shape"] == [2, *full["indexer_topk_shape"][1:]]
+    assert last["indexer_topk_positions"] == [len(rows) - 2, len(rows) - 1]
+    got = np.frombuffer(base64.b64decode(last["indexer_topk"]), "<i4").reshape(last["indexer_topk_shape"])
+    np.testing.assert_array_equal(got, rows[-2:])
+    picked = httpx.post(
+        server.url + "/generate", json={**body, "indexer_topk_positions": [0, 5]}, timeout=60
+    ).json()
+    got = np.frombuffer(base64.b64decode(picked["meta_info"]["indexer_topk"]), "<i4")
+    np.testing.assert_array_equal(got.reshape(2, *rows.shape[1:]), rows[[0, 5]])
+    r = httpx.post(server.url + "/generate", json={**body, "indexer_topk_positions": [10**6]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "indexer_topk_positions"
+
+
+def test_echo_scores_the_prompt_as_decoding_scored_the_answer(client, server):
+    ids = httpx.post(server.url + "/tokenize", json={"prompt": WORDS}).json()["tokens"]
+    gen = client.completions.create(
+        model=NAME, prompt=[ids], max_tokens=4, temperature=0, logprobs=0, extra_body={"ignore_eos": True}
+    )
+    out_ids = httpx.post(
+        server.url + "/tokenize", json={"prompt": gen.choices[0].text, "add_special_tokens": False}
+    ).json()["tokens"]
+    whole = ids + out_ids
+    echo = client.completions.create(model=NAME, prompt=[whole], max_tokens=0, echo=True, logprobs=2)
+    lp = echo.choices[0].logprobs
+    assert echo.usage.completion_tokens == 0 and len(lp.token_logprobs) == len(whole)
+    assert lp.token_logprobs[0] is None and all(v <= 0 for v in lp.token_logprobs[1:])
+    if out_ids and len(out_ids) == len(gen.choices[0].logprobs.token_logprobs):
+        # teacher-forced scores of the answer = the scores it was decoded with (cache vs one pass: ~1e-2)
+        assert lp.token_logprobs[len(ids) :] == pytest.approx(
+            gen.choices[0].logprobs.token_logprobs, abs=2e-2
+        )
+    vllm = httpx.post(
+        server.url + "/v1/completions",
+        json={"model": NAME, "prompt": whole, "max_tokens": 1, "prompt_logprobs": 1},
+    ).json()["choices"][0]["prompt_logprobs"]
+    assert vllm[0] is None and len(vllm) == len(whole)
+    for t, entry in zip(whole[1:], vllm[1:]):
+        assert str(t) in entry and entry[str(t)]["rank"] >= 1
+    assert [e[str(t)]["logprob"] for t, e in zip(whole[1:], vllm[1:])] == pytest.approx(
+        lp.token_logprobs[1:], abs=1e-5
+    )
+
+
+def test_tokenizer_info_serves_the_chat_template(server, ckpt):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(ckpt)
+    info = httpx.get(server.url + "/tokenizer_info").json()
+    assert info["chat_template"] == tok.chat_template and info["eos_token"] == tok.eos_token

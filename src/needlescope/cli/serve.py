@@ -7,6 +7,7 @@ from rich.console import Console
 
 from needlescope.serve.config import (
     DEFAULT_HOST,
+    DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_NEW_TOKENS,
     DEFAULT_MAX_PREFILL_TOKENS,
     DEFAULT_MAX_QUEUED,
@@ -50,6 +51,19 @@ def serve_command(
     served_model_name: str = typer.Option(None, "--served-model-name", help="Name in /v1/models."),
     device: str = typer.Option("cpu", "--device", help="cpu | cuda | cuda:N"),
     threads: int = typer.Option(1, "--threads", help="torch intra-op threads."),
+    api_key: str = typer.Option(
+        None,
+        "--api-key",
+        envvar="NEEDLESCOPE_API_KEY",
+        show_default=False,
+        help="Require 'Authorization: Bearer KEY' on every route but /health (never logged).",
+    ),
+    expose_paths: bool = typer.Option(
+        False, "--expose-paths", help="Show absolute paths in /get_server_info and /v1/models."
+    ),
+    max_body_bytes: int = typer.Option(
+        DEFAULT_MAX_BODY_BYTES, "--max-body-bytes", help="Larger request bodies get HTTP 413."
+    ),
 ) -> None:
     """Serve a model over OpenAI-compatible and SGLang-native HTTP; prints 'READY PORT' when listening."""
     cfg = ServeConfig(
@@ -68,7 +82,16 @@ def serve_command(
         max_prefill_tokens=max_prefill_tokens,
         device=device,
         threads=threads,
+        api_key=api_key,
+        expose_paths=expose_paths,
+        max_body_bytes=max_body_bytes,
     )
+    if cfg.exposed_without_key:
+        err_console.print(
+            f"WARNING: listening on {cfg.host} without an API key; anyone who can reach it can use it "
+            "(set --api-key or NEEDLESCOPE_API_KEY)",
+            highlight=False,
+        )
     from transformers.utils import logging as hf_logging
 
     from needlescope.serve.app import run_server

@@ -20,15 +20,12 @@ from collections import deque
 from collections.abc import Callable, Hashable
 from typing import Generic, TypeVar
 
+from needlescope.serve.errors import Overloaded, ShuttingDown
 from needlescope.serve.metrics import ServeMetrics
 
 __all__ = ["Overloaded", "Admission"]
 
 T = TypeVar("T")
-
-
-class Overloaded(Exception):
-    """The waiting queue is full; the request was not admitted."""
 
 
 class Admission(Generic[T]):
@@ -56,10 +53,10 @@ class Admission(Generic[T]):
             self.metrics.set_load(len(self._waiting), self._running)
 
     def submit(self, item: T) -> None:
-        """Admit ``item`` or raise ``Overloaded``; never blocks."""
+        """Admit ``item`` or raise ``Overloaded`` (``ShuttingDown`` once closed); never blocks."""
         with self._cond:
             if self._closed:
-                raise Overloaded("the server is shutting down")
+                raise ShuttingDown("the server is shutting down")
             if len(self._waiting) >= self.max_queued:
                 if self.metrics is not None:
                     self.metrics.rejected.inc()

@@ -8,7 +8,7 @@ an error, because there is no indexer to apply it to.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from needlescope.errors import BadInput
@@ -21,6 +21,8 @@ DEFAULT_MAX_RUNNING = 8
 DEFAULT_MAX_QUEUED = 64
 DEFAULT_MAX_NEW_TOKENS = 512
 DEFAULT_MAX_PREFILL_TOKENS = 8192
+DEFAULT_MAX_BODY_BYTES = 4 * 2**20
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 DEVICES = ("cpu", "cuda")
 
 
@@ -54,6 +56,13 @@ class ServeConfig:
     threads: int = 1
     """torch intra-op threads. One is fastest for the toy organism (dispatch-bound, and it leaves
     cores free for the HTTP loop and for other processes)."""
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    """Largest request body accepted; a larger one gets HTTP 413 before it is read."""
+    api_key: str | None = field(default=None, repr=False)
+    """When set, every route but /health needs ``Authorization: Bearer KEY``. Never logged,
+    never echoed (``to_dict`` says only whether one is set)."""
+    expose_paths: bool = False
+    """Show absolute filesystem paths (the model directory) in /get_server_info and /v1/models."""
 
     def __post_init__(self) -> None:
         # Imported here so that importing the CLI (which imports this module) does not import torch.
@@ -96,6 +105,10 @@ class ServeConfig:
             )
         if self.threads < 1:
             raise BadInput(f"--threads must be at least 1; got {self.threads}")
+        if self.max_body_bytes < 1024:
+            raise BadInput(f"--max-body-bytes must be at least 1024; got {self.max_body_bytes}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise BadInput("--api-key (or NEEDLESCOPE_API_KEY) is empty; give a key or leave it unset")
 
     @property
     def sets_numerics(self) -> bool:
@@ -110,5 +123,16 @@ class ServeConfig:
             return self.served_model_name
         return self.model if self.model == "organism" else Path(self.model).resolve().name
 
+    @property
+    def exposed_without_key(self) -> bool:
+        """Whether the server would listen beyond loopback with no API key."""
+        return self.host not in LOOPBACK_HOSTS and self.api_key is None
+
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The fields as given, the API key replaced by whether one is set, and the model
+        directory by its name unless ``expose_paths``."""
+        out = asdict(self)
+        out["api_key"] = self.api_key is not None
+        if not self.expose_paths and self.model != "organism":
+            out["model"] = Path(self.model).name
+        return out

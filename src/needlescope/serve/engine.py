@@ -24,23 +24,31 @@ Scheduling (why it looks like this):
   (batch key ``None``), with the ``IndexerCapture`` that is attached for the server's lifetime
   recording prefill and every decode step.
 
-Only the worker thread touches the model and its own copy of the tokenizer; the HTTP loop
-encodes prompts with the other copy. Results go back through ``GenRequest.emit``, which hands
-events to the request's asyncio queue on the loop thread.
+- **Failures stay with their request.** Sampling, rendering and capture run per row inside
+  their own ``try``: a row that fails gets its own ``GenerationFailed`` and leaves the batch,
+  its neighbours carry on. Only a forward pass that raises (a fault of the model, not of any
+  request: every value was validated before admission) fails the rows of its batch.
+- **Prompt logprobs** (``echo``, ``prompt_logprobs``) need the logits of every prompt position,
+  so such requests batch only with each other and their prefill keeps all logits.
+
+Only the worker thread touches the model and its own copy of the tokenizer; the HTTP side
+encodes prompts with the other copy (``serve.tokens``, on its own thread). Results go back
+through ``GenRequest.emit``, which hands events to the request's asyncio queue on the loop
+thread. The engine raises and emits engine errors (``serve.errors``); it knows nothing of HTTP.
 """
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import copy
+import json
 import logging
 import random
 import threading
 import time
-import uuid
 from contextlib import ExitStack
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -52,102 +60,32 @@ from needlescope.errors import BadInput
 from needlescope.organism.bundle import load_bundle
 from needlescope.serve.admission import Admission
 from needlescope.serve.config import ServeConfig
+from needlescope.serve.errors import BadValue, GenerationFailed, ShuttingDown
 from needlescope.serve.metrics import ServeMetrics
-from needlescope.serve.protocol import ApiError
+from needlescope.serve.requests import Delta, Final, GenRequest, TokenOut, TopkRows
+from needlescope.serve.sampling import SamplingParams, make_sampling, pick
+from needlescope.serve.tokens import Tokens
 
-__all__ = ["SamplingParams", "TokenOut", "Delta", "Final", "GenRequest", "Engine", "encode_indexer_topk"]
+__all__ = ["Engine", "encode_indexer_topk"]
 
 log = logging.getLogger("needlescope.serve")
-
-MAX_STOP_STRINGS = 16
-MAX_TOP_LOGPROBS = 20
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """Per-request decoding settings, already validated (``Engine.sampling``)."""
-
-    max_new_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    ignore_eos: bool = False
-    logprobs: int | None = None
-    """None: no logprobs; 0: the chosen token's; n: also the n most likely tokens."""
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-
-@dataclass
-class TokenOut:
-    """One generated token: id, its text piece, and its log-probability (when asked for)."""
-
-    id: int
-    text: str
-    logprob: float | None = None
-    top: list[tuple[int, str, float]] | None = None
-
-
-@dataclass
-class Delta:
-    """Streamed progress: newly visible text and the tokens generated since the last delta."""
-
-    text: str
-    tokens: list[TokenOut]
-
-
-@dataclass
-class Final:
-    finish_reason: str
-    text: str
-    output_ids: list[int]
-    tokens: list[TokenOut]
-    prompt_tokens: int
-    matched_stop: str | int | None = None
-    indexer_topk: str | None = None
-    indexer_topk_shape: tuple[int, int, int] | None = None
-
-    @property
-    def completion_tokens(self) -> int:
-        return len(self.output_ids)
-
-
-class GenRequest:
-    """A request travelling from the HTTP loop to the engine thread and back."""
-
-    def __init__(
-        self,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        *,
-        stream: bool = False,
-        capture: bool = False,
-        loop: asyncio.AbstractEventLoop | None = None,
-    ) -> None:
-        self.rid = uuid.uuid4().hex
-        self.prompt_ids = prompt_ids
-        self.params = params
-        self.stream = stream
-        self.capture = capture
-        self.loop = loop or asyncio.get_running_loop()
-        self.events: asyncio.Queue = asyncio.Queue()
-        self.cancelled = False
-        self.admitted_at = time.monotonic()
-
-    def emit(self, event: Delta | Final | ApiError) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
-        except RuntimeError:  # the loop is closed: the server is shutting down
-            pass
 
 
 def encode_indexer_topk(topk: torch.Tensor) -> str:
     """SGLang's encoding: base64 of the little-endian int32 bytes of ``topk`` [N, layers, k]."""
     return base64.b64encode(np.ascontiguousarray(topk.numpy().astype("<i4")).tobytes()).decode("ascii")
+
+
+def _trained_value_digits(path: Path) -> int | None:
+    """Digits per needle value the checkpoint was trained on (its ``training.json``), if recorded."""
+    record = path / "training.json"
+    if not record.is_file():
+        return None
+    try:
+        digits = json.loads(record.read_text()).get("config", {}).get("value_digits")
+    except (json.JSONDecodeError, AttributeError):
+        return None
+    return digits if isinstance(digits, int) else None
 
 
 @dataclass
@@ -163,6 +101,7 @@ class _Row:
     unsent_tokens: list[TokenOut] = field(default_factory=list)
     finish_reason: str | None = None
     matched_stop: str | int | None = None
+    prompt_logprobs: list[TokenOut] | None = None
 
 
 class Engine:
@@ -206,6 +145,8 @@ class Engine:
         self.eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         if self.tokenizer.eos_token_id is not None:
             self.eos_ids.add(self.tokenizer.eos_token_id)
+        self.tokens = Tokens(self.tokenizer, self.context_length)
+        self.trained_value_digits = _trained_value_digits(self.path)
         self.admission: Admission[GenRequest] = Admission(
             cfg.max_running_requests, cfg.max_queued_requests, self.metrics
         )
@@ -221,9 +162,10 @@ class Engine:
     def close(self) -> None:
         self._stopping = True
         for req in self.admission.close():
-            req.emit(ApiError(503, "the server is shutting down", type="server_error", code="shutting_down"))
+            req.emit(ShuttingDown("the server is shutting down"))
         if self._thread.is_alive():
             self._thread.join(timeout=30)
+        self.tokens.close()
         self._stack.close()
 
     # ---- what the HTTP layer asks ------------------------------------------------------------
@@ -233,7 +175,7 @@ class Engine:
         n = self.numerics
         return {
             "model": self.cfg.model_name,
-            "model_path": str(self.path),
+            "model_path": str(self.path) if self.cfg.expose_paths else None,
             "architecture": self.architecture,
             "index_k": n.index_k if n else "none",
             "index_q": n.index_q if n else "none",
@@ -243,14 +185,17 @@ class Engine:
             "csa_layers": self.csa_layers,
             "num_indexer_layers": len(self.csa_layers),
             "patch": self.cfg.patch,
+            "trained_value_digits": self.trained_value_digits,
             "max_queued_requests": self.cfg.max_queued_requests,
             "max_running_requests": self.cfg.max_running_requests,
             "max_new_tokens": self.cfg.max_new_tokens,
             "max_prefill_tokens": self.cfg.max_prefill_tokens,
+            "max_body_bytes": self.cfg.max_body_bytes,
             "context_length": self.context_length,
             "enable_return_indexer_topk": self.is_v4,
             "prefix_cache": False,
             "batching": "static batches of equal prompt length",
+            "auth": self.cfg.api_key is not None,
             "needlescope_version": __version__,
             "torch_version": torch.__version__,
             "transformers_version": _transformers_version(),
@@ -258,99 +203,23 @@ class Engine:
             "threads": self.cfg.threads,
         }
 
-    def chat_ids(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of ``messages`` rendered with the checkpoint's chat template (HTTP loop thread)."""
-        try:
-            text = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt
-            )
-        except Exception as exc:  # jinja raises TemplateError (e.g. unknown role) and friends
-            raise ApiError(400, f"cannot apply the chat template: {exc}", param="messages") from exc
-        return self.text_ids(text, add_special_tokens=False)
-
-    def text_ids(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
-
-    def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
-
-    def check_ids(self, ids: list[int], param: str) -> None:
-        vocab = len(self.tokenizer)
-        bad = [i for i in ids if not 0 <= i < vocab]
-        if bad:
-            raise ApiError(400, f"token ids out of range 0..{vocab - 1}: {bad[:8]}", param=param)
-
-    def sampling(
-        self,
-        prompt_len: int,
-        *,
-        max_tokens: int | None,
-        max_tokens_param: str = "max_tokens",
-        default_max_tokens: int | None = None,
-        prompt_param: str = "messages",
-        temperature: float | None,
-        top_p: float | None,
-        top_k: int | None,
-        seed: int | None,
-        stop: str | list[str] | None,
-        ignore_eos: bool = False,
-        logprobs: int | None = None,
-    ) -> SamplingParams:
-        """Validate request settings against the model and server; ApiError(400) names the field.
-
-        ``max_tokens=None`` means ``default_max_tokens`` (or ``--max-new-tokens``), clamped to the
-        room left in the context; a given ``max_tokens`` that does not fit is an error.
-        """
-        if max_tokens is not None and max_tokens < 1:
-            raise ApiError(
-                400, f"{max_tokens_param} must be at least 1; got {max_tokens}", param=max_tokens_param
-            )
-        if prompt_len < 1:
-            raise ApiError(400, "the prompt is empty", param=prompt_param)
-        ctx = self.context_length
-        if prompt_len >= ctx or (max_tokens is not None and prompt_len + max_tokens > ctx):
-            asked = "" if max_tokens is None else f" and {max_tokens} for the completion"
-            raise ApiError(
-                400,
-                f"This model's maximum context length is {ctx} tokens. However, you requested "
-                f"{prompt_len + (max_tokens or 0)} tokens ({prompt_len} in the prompt{asked}). "
-                "Please reduce the length of the prompt or the completion.",
-                param=prompt_param,
-                code="context_length_exceeded",
-            )
-        cap = self.cfg.max_new_tokens
-        if max_tokens is not None and max_tokens > cap:
-            raise ApiError(
-                400,
-                f"{max_tokens_param}={max_tokens} exceeds this server's --max-new-tokens {cap}",
-                param=max_tokens_param,
-            )
-        temperature = 1.0 if temperature is None else float(temperature)
-        if not 0.0 <= temperature <= 2.0:
-            raise ApiError(400, f"temperature must be in [0, 2]; got {temperature}", param="temperature")
-        top_p = 1.0 if top_p is None else float(top_p)
-        if not 0.0 < top_p <= 1.0:
-            raise ApiError(400, f"top_p must be in (0, 1]; got {top_p}", param="top_p")
-        top_k = 0 if top_k is None or top_k == -1 else int(top_k)
-        if top_k < 0:
-            raise ApiError(400, f"top_k must be -1, 0 or positive; got {top_k}", param="top_k")
-        stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
-        if len(stops) > MAX_STOP_STRINGS or any(not s for s in stops):
-            raise ApiError(400, f"stop must be up to {MAX_STOP_STRINGS} non-empty strings", param="stop")
-        if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
-            raise ApiError(
-                400, f"top logprobs must be in 0..{MAX_TOP_LOGPROBS}; got {logprobs}", param="logprobs"
-            )
-        return SamplingParams(
-            max_new_tokens=min(max_tokens or default_max_tokens or cap, cap, ctx - prompt_len),
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            seed=seed,
-            stop=stops,
-            ignore_eos=ignore_eos,
-            logprobs=logprobs,
+    def sampling(self, prompt_len: int, **kw) -> SamplingParams:
+        """``make_sampling`` against this model's context and vocabulary and the server's cap."""
+        return make_sampling(
+            prompt_len,
+            context_length=self.context_length,
+            vocab_size=self.tokens.vocab_size,
+            cap=self.cfg.max_new_tokens,
+            **kw,
         )
+
+    def check_capture(self, rows: TopkRows, prompt_len: int, params: SamplingParams) -> None:
+        """BadValue unless an indexer top-k capture is possible here and its payload is bounded."""
+        if not self.is_v4:
+            raise BadValue(
+                "return_indexer_topk", f"needs a DeepSeek-V4 model; this server runs a {self.architecture}"
+            )
+        rows.check(prompt_len + params.max_new_tokens - 1, len(self.csa_layers), self.index_topk)
 
     def submit(self, req: GenRequest) -> None:
         """Admit ``req`` (raises ``Overloaded`` when the queue is full)."""
@@ -365,7 +234,9 @@ class Engine:
 
     @staticmethod
     def _batch_key(req: GenRequest):
-        return None if req.capture else len(req.prompt_ids)
+        if req.capture is not None:
+            return None
+        return len(req.prompt_ids), req.params.prompt_logprobs is not None
 
     def _loop(self) -> None:
         while not self._stopping:
@@ -377,15 +248,11 @@ class Engine:
             done: set[str] = set()
             try:
                 self._run_batch(batch, done)
-            except Exception as exc:  # a failing forward must not take the server down
+            except Exception as exc:  # a failing forward pass must not take the server down
                 log.exception("batch of %d failed", len(batch))
                 for req in batch:
                     if req.rid not in done:
-                        req.emit(
-                            ApiError(
-                                500, f"generation failed: {type(exc).__name__}: {exc}", type="server_error"
-                            )
-                        )
+                        req.emit(GenerationFailed(f"generation failed: {type(exc).__name__}: {exc}"))
             finally:
                 self.admission.finish(len(batch) - len(done))
                 if self.capture is not None:
@@ -398,13 +265,32 @@ class Engine:
             gen.manual_seed(req.params.seed if req.params.seed is not None else random.getrandbits(63))
         return _Row(req=req, gen=gen)
 
-    def _forward(self, ids: torch.Tensor, start: int, cache: DynamicCache) -> torch.Tensor:
+    def _forward(self, ids: torch.Tensor, start: int, cache: DynamicCache, keep: int = 1) -> torch.Tensor:
+        """Logits [B, keep or S, V] (float32, on the CPU) of the last ``keep`` positions (0: all)."""
         B, S = ids.shape
         pos = torch.arange(start, start + S, device=ids.device).unsqueeze(0).expand(B, -1)
         out = self.model(
-            input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True, logits_to_keep=1
+            input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True, logits_to_keep=keep
         )
-        return out.logits[:, -1].float().cpu()  # [B, V]
+        return out.logits.float().cpu()
+
+    def _finish(self, row: _Row, done: set[str], event: Final | GenerationFailed | None) -> None:
+        """Answer ``row`` (unless its client left) and count it out of the running batch."""
+        if event is not None and not row.req.cancelled:
+            row.req.emit(event)
+        done.add(row.req.rid)
+        self.admission.finish(1)
+        self.metrics.e2e.observe(time.monotonic() - row.req.admitted_at)
+
+    def _isolated(self, row: _Row, done: set[str], what: str, fn, *args) -> bool:
+        """Run ``fn(*args)`` for one row; on an exception fail that row alone. True if it ran."""
+        try:
+            fn(*args)
+            return True
+        except Exception as exc:
+            log.exception("request %s failed while %s", row.req.rid, what)
+            self._finish(row, done, GenerationFailed(f"{what} failed: {type(exc).__name__}: {exc}"))
+            return False
 
     @torch.inference_mode()
     def _run_batch(self, batch: list[GenRequest], done: set[str]) -> None:
@@ -419,6 +305,7 @@ class Engine:
             return
         capture = rows[0].req.capture
         P = len(rows[0].req.prompt_ids)
+        want_prompt = rows[0].req.params.prompt_logprobs is not None
         if self.capture is not None:
             self.capture.clear()
         device = self.cfg.device
@@ -426,74 +313,78 @@ class Engine:
         cache = DynamicCache(config=self.model.config)
         self.metrics.batch_size.observe(len(rows))
         self.metrics.prompt_tokens.inc(len(rows) * P)
-        logits = self._forward(ids, 0, cache)
+        logits = self._forward(ids, 0, cache, keep=0 if want_prompt else 1)
+        if want_prompt:
+            rows = [
+                r
+                for i, r in enumerate(rows)
+                if self._isolated(r, done, "scoring the prompt", self._score_prompt, r, logits[i])
+            ]
         step = P
-        while True:
-            if self.capture is not None and not capture:
+        logits = logits[:, -1]
+        while rows:
+            if self.capture is not None and capture is None:
                 self.capture.clear()
             keep = []
             for i, row in enumerate(rows):
-                self._advance(row, logits[i])
+                if row.req.params.max_new_tokens > 0 and not self._isolated(
+                    row, done, "sampling", self._advance, row, logits[i]
+                ):
+                    continue
+                if row.req.params.max_new_tokens == 0:
+                    row.finish_reason = "length"
                 if row.finish_reason is None and not row.req.cancelled:
                     keep.append(i)
                     continue
-                if not row.req.cancelled:
-                    row.req.emit(self._final(row, capture))
-                done.add(row.req.rid)
-                self.admission.finish(1)
-                self.metrics.e2e.observe(time.monotonic() - row.req.admitted_at)
+                if row.req.cancelled:
+                    self._finish(row, done, None)
+                else:
+                    self._isolated(row, done, "rendering the answer", self._answer, row, capture, done)
             if not keep:
                 return
             if len(keep) < len(rows):
                 cache.reorder_cache(torch.tensor(keep, dtype=torch.long, device=device))
                 rows = [rows[i] for i in keep]
             nxt = torch.tensor([[r.output_ids[-1]] for r in rows], dtype=torch.long, device=device)
-            logits = self._forward(nxt, step, cache)
+            logits = self._forward(nxt, step, cache)[:, -1]
             step += 1
 
-    def _sample(self, logits: torch.Tensor, row: _Row) -> int:
-        p = row.req.params
-        if p.greedy:
-            return int(torch.argmax(logits))
-        x = logits / p.temperature
-        if p.top_k:
-            kth = torch.topk(x, min(p.top_k, x.numel())).values[-1]
-            x = x.masked_fill(x < kth, float("-inf"))
-        if p.top_p < 1.0:
-            sorted_x, order = torch.sort(x, descending=True)
-            probs = torch.softmax(sorted_x, dim=-1)
-            # drop a token when the mass before it already reaches top_p (keeps at least one)
-            drop = (torch.cumsum(probs, dim=-1) - probs) >= p.top_p
-            x = x.scatter(0, order[drop], float("-inf"))
-        return int(torch.multinomial(torch.softmax(x, dim=-1), 1, generator=row.gen))
+    def _answer(self, row: _Row, capture: TopkRows | None, done: set[str]) -> None:
+        self._finish(row, done, self._final(row, capture))
 
     def _advance(self, row: _Row, logits: torch.Tensor) -> None:
         """Sample one token for ``row``, update its text, check stops, stream a delta."""
         req, p = row.req, row.req.params
-        tok = self._sample(logits, row)
+        early = len(row.output_ids) < p.min_tokens
+        banned = () if not early else tuple(p.stop_token_ids) + (() if p.ignore_eos else tuple(self.eos_ids))
+        seen = None
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(req.prompt_ids + row.output_ids, dtype=torch.long)
+        tok = pick(logits, p, seen, banned, row.gen)
         if not row.output_ids:
             self.metrics.ttft.observe(time.monotonic() - req.admitted_at)
         row.output_ids.append(tok)
         self.metrics.generation_tokens.inc()
         text = self._decoder.decode(row.output_ids, skip_special_tokens=True)
+        stop_id = tok in p.stop_token_ids and not early
+        if stop_id:
+            text = row.text  # a stop token's text is not part of the answer
         piece = text[len(row.text) :] if text.startswith(row.text) else text
-        out = TokenOut(id=tok, text=piece)
+        special = tok in self.tokens.special_ids
+        out = TokenOut(id=tok, text=piece, shown=self._piece(row.output_ids[:-1], tok) if special else piece)
         if p.logprobs is not None:
-            lp = torch.log_softmax(logits, dim=-1)
-            out.logprob = float(lp[tok])
-            if p.logprobs:
-                top = torch.topk(lp, p.logprobs)
-                out.top = [
-                    (int(i), self._piece(row, int(i)), float(v)) for v, i in zip(top.values, top.indices)
-                ]
+            self._score(out, logits, p.logprobs, row.output_ids[:-1])
         row.tokens.append(out)
         row.unsent_tokens.append(out)
         row.text = text
         visible = len(text)
-        if not p.ignore_eos and tok in self.eos_ids:
+        if (not p.ignore_eos and tok in self.eos_ids) or stop_id:
             row.finish_reason, row.matched_stop = "stop", tok
         else:
-            cut = _find_stop(text, p.stop, start=max(0, row.sent - max((len(s) for s in p.stop), default=0)))
+            cut = None
+            if not early:
+                start = max(0, row.sent - max((len(s) for s in p.stop), default=0))
+                cut = _find_stop(text, p.stop, start=start)
             if cut is not None:
                 visible, row.matched_stop = cut
                 row.text = text[:visible]
@@ -507,16 +398,40 @@ class Engine:
             row.sent = visible
             row.unsent_tokens = []
 
-    def _piece(self, row: _Row, tok: int) -> str:
-        """Text of ``tok`` as the next token after the row's previous one (keeps leading spaces)."""
-        if len(row.output_ids) < 2:
-            return self._decoder.decode([tok], skip_special_tokens=False)
-        prev = row.output_ids[-2]
-        before = self._decoder.decode([prev], skip_special_tokens=False)
-        both = self._decoder.decode([prev, tok], skip_special_tokens=False)
-        return both[len(before) :] if both.startswith(before) else both
+    def _score(self, out: TokenOut, logits: torch.Tensor, top: int, before: list[int]) -> None:
+        """Fill ``out``'s logprob, rank and ``top`` alternatives from ``logits`` [V] (the model's own)."""
+        lp = torch.log_softmax(logits, dim=-1)
+        out.logprob = float(lp[out.id])
+        out.rank = int((lp > lp[out.id]).sum()) + 1
+        if top:
+            best = torch.topk(lp, top)
+            out.top = [
+                (int(i), self._piece(before, int(i)), float(v)) for v, i in zip(best.values, best.indices)
+            ]
 
-    def _final(self, row: _Row, capture: bool) -> Final:
+    def _score_prompt(self, row: _Row, logits: torch.Tensor) -> None:
+        """Prompt logprobs of ``row`` from its prefill ``logits`` [P, V] (the first token has none)."""
+        ids = row.req.prompt_ids
+        top = row.req.params.prompt_logprobs or 0
+        first = self._piece([], ids[0])
+        scored = [TokenOut(id=ids[0], text=first, shown=first)]
+        for t in range(1, len(ids)):
+            shown = self._piece(ids[:t], ids[t])
+            out = TokenOut(id=ids[t], text=shown, shown=shown)
+            self._score(out, logits[t - 1], top, ids[:t])
+            scored.append(out)
+        row.prompt_logprobs = scored
+
+    def _piece(self, before: list[int], tok: int) -> str:
+        """Text of ``tok`` after the token ids ``before`` (keeps leading spaces; special tokens shown)."""
+        if not before:
+            return self._decoder.decode([tok], skip_special_tokens=False)
+        prev = before[-1]
+        head = self._decoder.decode([prev], skip_special_tokens=False)
+        both = self._decoder.decode([prev, tok], skip_special_tokens=False)
+        return both[len(head) :] if both.startswith(head) else both
+
+    def _final(self, row: _Row, capture: TopkRows | None) -> Final:
         final = Final(
             finish_reason=row.finish_reason or "abort",
             text=row.text,
@@ -524,11 +439,15 @@ class Engine:
             tokens=row.tokens,
             prompt_tokens=len(row.req.prompt_ids),
             matched_stop=row.matched_stop,
+            prompt_logprobs=row.prompt_logprobs,
         )
-        if capture and self.capture is not None:
-            topk = self._indexer_topk(final.prompt_tokens + final.completion_tokens - 1)
+        if capture is not None and self.capture is not None:
+            positions = capture.pick(final.prompt_tokens + final.completion_tokens - 1)
+            topk = self._indexer_topk(final.prompt_tokens + final.completion_tokens - 1)[positions]
             final.indexer_topk = encode_indexer_topk(topk)
             final.indexer_topk_shape = tuple(topk.shape)
+            if capture.selected:
+                final.indexer_topk_positions = positions
         return final
 
     def _indexer_topk(self, n_rows: int) -> torch.Tensor:

@@ -1,20 +1,23 @@
-"""Wire models of the server: OpenAI requests, SGLang ``/generate``, vLLM ``/tokenize``, errors.
+"""Wire models of the server: OpenAI requests, SGLang ``/generate``, vLLM ``/tokenize``, responses.
 
-Request models accept unknown fields (clients send many vendor extras) but the server logs
-their names, so a field that silently does nothing is visible in the log. Every error
-leaves as the OpenAI envelope ``{"error": {"message", "type", "param", "code"}}``.
+Types are strict, as OpenAI's are: an integer field refuses ``true`` and ``1.0``, a number
+field refuses ``true``, ``"1"``, NaN and infinities, a boolean refuses ``1``. Request models
+accept unknown fields (clients send many vendor extras) and the server logs their names, so a
+field that silently does nothing is visible in the log. Known parameters that would change the
+output but are not implemented are declared here and refused when they carry anything but
+their neutral value (``REFUSED``); docs/serve.md lists every parameter and what happens to it.
+The response models document the OpenAPI schema (and the API fuzz checks every response
+against it).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AllowInfNan, BaseModel, ConfigDict, Field, Strict, StrictBool, StrictInt, StrictStr
 
 __all__ = [
-    "ApiError",
-    "error_body",
     "ChatMessage",
     "ChatCompletionRequest",
     "CompletionRequest",
@@ -23,56 +26,33 @@ __all__ = [
     "TokenizeRequest",
     "DetokenizeRequest",
     "StreamOptions",
+    "REFUSED",
+    "refused_values",
 ]
 
 log = logging.getLogger("needlescope.serve")
 
-
-class ApiError(Exception):
-    """An error answered to the client; ``status`` is the HTTP status."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type
-        self.param = param
-        self.code = code
-
-    def body(self) -> dict:
-        return error_body(self.message, type=self.type, param=self.param, code=self.code)
-
-
-def error_body(message: str, *, type: str, param: str | None = None, code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+Number = Annotated[float, Strict(), AllowInfNan(False)]
+"""A JSON number (an integer is fine), never a boolean, string, NaN or infinity."""
+TokenId = StrictInt
 
 
 class _Wire(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    @model_validator(mode="after")
-    def _log_extras(self):
+    def model_post_init(self, _context: Any) -> None:
         if self.model_extra:
             log.warning("%s: ignoring unknown fields %s", type(self).__name__, sorted(self.model_extra))
-        return self
 
 
 class TextPart(_Wire):
     type: Literal["text"] = "text"
-    text: str
+    text: StrictStr
 
 
 class ChatMessage(_Wire):
-    role: str
-    content: str | list[TextPart] | None = None
+    role: StrictStr
+    content: StrictStr | list[TextPart] | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -83,78 +63,273 @@ class ChatMessage(_Wire):
 
 
 class StreamOptions(_Wire):
-    include_usage: bool = False
+    include_usage: StrictBool | None = False
+
+
+# Parameters that change the output and that this server does not implement: refused (400,
+# naming the parameter) unless absent, null, or the value listed (which means "off").
+REFUSED: dict[str, tuple[Any, ...]] = {
+    "presence_penalty": (0,),
+    "frequency_penalty": (0,),
+    "response_format": ({"type": "text"},),
+    "tools": ([],),
+    "tool_choice": ("none",),
+    "functions": ([],),
+    "function_call": ("none",),
+    "best_of": (1,),
+    "suffix": ("",),
+    "use_beam_search": (False,),
+    "length_penalty": (1,),
+    "include_stop_str_in_output": (False,),
+    "skip_special_tokens": (True,),
+    "truncate_prompt_tokens": (),
+    "guided_json": (),
+    "guided_regex": (),
+    "guided_choice": (),
+    "guided_grammar": (),
+    "structured_outputs": (),
+    "audio": (),
+    "prediction": (),
+    "reasoning_effort": (),
+    "web_search_options": (),
+    "logits_processors": (),
+}
+
+
+def refused_values(body: BaseModel) -> list[tuple[str, Any]]:
+    """(name, value) of every refused parameter ``body`` carries with a non-neutral value."""
+    extra = body.model_extra or {}
+    out = []
+    for name, neutral in REFUSED.items():
+        value = getattr(body, name, None) if name in type(body).model_fields else extra.get(name)
+        if value is not None and value not in neutral:
+            out.append((name, value))
+    return out
 
 
 class _Sampling(_Wire):
-    """Fields shared by chat and text completions."""
+    """Fields shared by chat and text completions (OpenAI's, then vLLM's extensions)."""
 
-    model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None  # vLLM/SGLang extension
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stream: bool = False
+    model: StrictStr | None = None
+    max_tokens: StrictInt | None = None
+    temperature: Number | None = None
+    top_p: Number | None = None
+    seed: StrictInt | None = Field(None, description="any integer; reduced modulo 2**63")
+    stop: StrictStr | list[StrictStr] | None = None
+    stream: StrictBool | None = False
     stream_options: StreamOptions | None = None
-    n: int = 1
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    ignore_eos: bool = False  # vLLM/SGLang extension
+    n: StrictInt | None = Field(None, description="null or 1")
+    logit_bias: dict[str, Number] | None = Field(
+        None, description="token id (as a string) -> bias in [-100, 100]"
+    )
+    user: StrictStr | None = None
+    # vLLM / SGLang extensions, implemented
+    top_k: StrictInt | None = None
+    min_p: Number | None = None
+    repetition_penalty: Number | None = None
+    min_tokens: StrictInt | None = None
+    stop_token_ids: list[TokenId] | None = None
+    ignore_eos: StrictBool | None = False
+    # declared so the schema names them; refused unless neutral (REFUSED)
+    presence_penalty: Number | None = None
+    frequency_penalty: Number | None = None
+    best_of: StrictInt | None = None
+    response_format: dict[str, Any] | None = None
 
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
-    add_generation_prompt: bool = True  # vLLM extension
+    max_completion_tokens: StrictInt | None = None
+    logprobs: StrictBool | None = False
+    top_logprobs: StrictInt | None = None
+    add_generation_prompt: StrictBool | None = True  # vLLM extension
+    tools: list[Any] | None = None
+    tool_choice: Any = None
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str] | list[int]
-    logprobs: int | None = None
-    echo: bool = False
+    prompt: StrictStr | list[StrictStr] | list[TokenId] | list[list[TokenId]] = Field(
+        description="a string, a one-element list of strings, token ids, or a one-element list of token-id lists"
+    )
+    logprobs: StrictInt | None = None
+    echo: StrictBool | None = False
+    prompt_logprobs: StrictInt | None = Field(
+        None, description="vLLM: log-probabilities of the prompt tokens"
+    )
+    suffix: StrictStr | None = None
 
 
 class GenerateSamplingParams(_Wire):
-    max_new_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    stop: str | list[str] | None = None
-    ignore_eos: bool = False
-    seed: int | None = None  # SGLang calls it sampling_seed; both are read
-    sampling_seed: int | None = None
+    max_new_tokens: StrictInt | None = None
+    temperature: Number | None = None
+    top_p: Number | None = None
+    top_k: StrictInt | None = None
+    min_p: Number | None = None
+    repetition_penalty: Number | None = None
+    min_new_tokens: StrictInt | None = None
+    stop: StrictStr | list[StrictStr] | None = None
+    stop_token_ids: list[TokenId] | None = None
+    ignore_eos: StrictBool | None = False
+    seed: StrictInt | None = None  # SGLang calls it sampling_seed; both are read
+    sampling_seed: StrictInt | None = None
+    frequency_penalty: Number | None = None
+    presence_penalty: Number | None = None
 
 
 class GenerateRequest(_Wire):
     """SGLang's native ``/generate`` (one prompt per request)."""
 
-    text: str | None = None
-    input_ids: list[int] | None = None
-    sampling_params: GenerateSamplingParams = Field(default_factory=GenerateSamplingParams)
-    return_indexer_topk: bool = False
-    return_logprob: bool = False
-    stream: bool = False
+    text: StrictStr | None = None
+    input_ids: list[TokenId] | None = None
+    sampling_params: GenerateSamplingParams | None = None
+    return_logprob: StrictBool | None = False
+    return_indexer_topk: StrictBool | None = False
+    indexer_topk_positions: list[StrictInt] | None = Field(
+        None, description="positions whose indexer top-k rows to return (default: every fed position)"
+    )
+    indexer_topk_last: StrictInt | None = Field(None, description="return only the last N rows")
+    stream: StrictBool | None = False
 
 
 class TokenizeRequest(_Wire):
     """vLLM's ``/tokenize``: either ``prompt`` or chat ``messages``."""
 
-    model: str | None = None
-    prompt: str | None = None
+    model: StrictStr | None = None
+    prompt: StrictStr | None = None
     messages: list[ChatMessage] | None = None
-    add_generation_prompt: bool = True
-    add_special_tokens: bool | None = None
-    return_token_strs: bool = False
+    add_generation_prompt: StrictBool | None = True
+    add_special_tokens: StrictBool | None = None
+    return_token_strs: StrictBool | None = False
 
 
 class DetokenizeRequest(_Wire):
-    model: str | None = None
+    model: StrictStr | None = None
+    tokens: list[TokenId]
+
+
+# ---- responses (the OpenAPI schema; extra keys allowed so they stay honest about vendor fields) ----
+
+
+class _Out(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class ErrorDetail(_Out):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(_Out):
+    error: ErrorDetail
+
+
+class PromptTokensDetails(_Out):
+    cached_tokens: int
+
+
+class Usage(_Out):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class TopLogprob(_Out):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(_Out):
+    content: list[ChatTokenLogprob]
+
+
+class ChatMessageOut(_Out):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(_Out):
+    index: int
+    message: ChatMessageOut
+    logprobs: ChatLogprobs | None
+    finish_reason: Literal["stop", "length", "abort"]
+
+
+class ChatCompletion(_Out):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class CompletionLogprobs(_Out):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(_Out):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: Literal["stop", "length", "abort"]
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None
+
+
+class Completion(_Out):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class ModelCard(_Out):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    root: str
+    max_model_len: int
+
+
+class ModelList(_Out):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class TokenizeResponse(_Out):
+    count: int
+    max_model_len: int
     tokens: list[int]
+    token_strs: list[str] | None = None
 
 
-def dump(model: BaseModel) -> dict[str, Any]:
-    return model.model_dump(exclude_none=True)
+class DetokenizeResponse(_Out):
+    prompt: str
+
+
+class GenerateResponse(_Out):
+    text: str
+    output_ids: list[int]
+    meta_info: dict[str, Any]
+
+
+class Health(_Out):
+    status: Literal["ok"]
+
+
+class Version(_Out):
+    version: str
+    server: str

@@ -1,0 +1,150 @@
+"""What travels between the HTTP loop and the engine thread: a request in, events out.
+
+A ``GenRequest`` is built by a route, admitted, and answered through its asyncio queue with
+``Delta`` (streamed progress), then one ``Final`` or one ``EngineError``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass
+
+from needlescope.serve.errors import BadValue, EngineError
+from needlescope.serve.sampling import SamplingParams
+
+__all__ = [
+    "TokenOut",
+    "Delta",
+    "Final",
+    "TopkRows",
+    "GenRequest",
+    "MAX_INDEXER_TOPK_BYTES",
+    "indexer_topk_bytes",
+]
+
+MAX_INDEXER_TOPK_BYTES = 16 * 2**20
+"""Cap on the raw int32 bytes of one ``indexer_topk`` payload (base64 adds a third)."""
+
+
+def indexer_topk_bytes(rows: int, layers: int, index_topk: int) -> int:
+    """Raw bytes of an ``indexer_topk`` payload: 4 x rows x CSA layers x index_topk."""
+    return 4 * rows * layers * index_topk
+
+
+@dataclass
+class TokenOut:
+    """One token with its log-probability: ``text`` is its share of the answer's text (``""``
+    for a special token, which the answer leaves out), ``shown`` how logprobs render it (a
+    special token as its own string, the same way for the chosen token and the alternatives)."""
+
+    id: int
+    text: str
+    shown: str
+    logprob: float | None = None
+    top: list[tuple[int, str, float]] | None = None
+    rank: int | None = None
+
+
+@dataclass
+class Delta:
+    """Streamed progress: newly visible text and the tokens generated since the last delta."""
+
+    text: str
+    tokens: list[TokenOut]
+
+
+@dataclass
+class Final:
+    finish_reason: str
+    text: str
+    output_ids: list[int]
+    tokens: list[TokenOut]
+    prompt_tokens: int
+    matched_stop: str | int | None = None
+    prompt_logprobs: list[TokenOut] | None = None
+    """Every prompt token scored (the first one has ``logprob`` None), when asked for."""
+    indexer_topk: str | None = None
+    indexer_topk_shape: tuple[int, int, int] | None = None
+    indexer_topk_positions: list[int] | None = None
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.output_ids)
+
+
+@dataclass(frozen=True)
+class TopkRows:
+    """Which rows of the indexer top-k capture to return: explicit ``positions``, the ``last``
+    N, or (neither) every fed position. ``selected`` says whether the caller chose."""
+
+    positions: tuple[int, ...] | None = None
+    last: int | None = None
+
+    @property
+    def selected(self) -> bool:
+        return self.positions is not None or self.last is not None
+
+    def check(self, max_rows: int, layers: int, index_topk: int) -> None:
+        """BadValue unless the rows are valid for at most ``max_rows`` fed positions and the
+        payload stays under ``MAX_INDEXER_TOPK_BYTES``."""
+        if self.positions is not None and self.last is not None:
+            raise BadValue("indexer_topk_positions", "and indexer_topk_last exclude each other; give one")
+        if self.positions is not None:
+            if not self.positions or any(not 0 <= p < max_rows for p in self.positions):
+                raise BadValue(
+                    "indexer_topk_positions", f"must be a non-empty list of positions in 0..{max_rows - 1}"
+                )
+            rows = len(self.positions)
+        elif self.last is not None:
+            if self.last < 1:
+                raise BadValue("indexer_topk_last", f"must be at least 1; got {self.last}")
+            rows = min(self.last, max_rows)
+        else:
+            rows = max_rows
+        size = indexer_topk_bytes(rows, layers, index_topk)
+        if size > MAX_INDEXER_TOPK_BYTES:
+            raise BadValue(
+                "return_indexer_topk",
+                f"would return up to {rows} rows x {layers} layers x {index_topk} = {size} bytes, over the "
+                f"{MAX_INDEXER_TOPK_BYTES}-byte cap; choose rows with indexer_topk_last or "
+                "indexer_topk_positions, or lower max_new_tokens",
+            )
+
+    def pick(self, n_rows: int) -> list[int]:
+        """The positions to return out of ``n_rows`` fed ones (explicit ones past the end dropped)."""
+        if self.positions is not None:
+            return [p for p in self.positions if p < n_rows]
+        if self.last is not None:
+            return list(range(max(0, n_rows - self.last), n_rows))
+        return list(range(n_rows))
+
+
+class GenRequest:
+    """A request travelling from the HTTP loop to the engine thread and back."""
+
+    def __init__(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        *,
+        stream: bool = False,
+        capture: TopkRows | None = None,
+        loop: asyncio.AbstractEventLoop | None = None,
+    ) -> None:
+        self.rid = uuid.uuid4().hex
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.stream = stream
+        self.capture = capture
+        self.loop = loop or asyncio.get_running_loop()
+        self.events: asyncio.Queue = asyncio.Queue()
+        self.cancelled = False
+        self.admitted_at = time.monotonic()
+
+    def emit(self, event: Delta | Final | EngineError) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        except RuntimeError:  # the loop is closed: the server is shutting down
+            pass

@@ -1,0 +1,58 @@
+"""The engine in-process (no HTTP): a failing row stays alone, the indexer top-k payload is bounded."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from needlescope.organism.bundle import save_random
+from needlescope.serve.config import ServeConfig
+from needlescope.serve.engine import Engine
+from needlescope.serve.errors import BadValue, GenerationFailed
+from needlescope.serve.requests import MAX_INDEXER_TOPK_BYTES, Final, GenRequest, TopkRows, indexer_topk_bytes
+from needlescope.serve.sampling import SamplingParams
+
+SMALL = dict(hidden_size=64, q_lora_rank=32, o_lora_rank=32, moe_intermediate_size=64, index_topk=8)
+
+
+def test_a_row_that_fails_while_sampling_fails_alone_and_its_batch_neighbours_finish(tmp_path):
+    engine = Engine(ServeConfig(model=str(save_random(tmp_path, seed=4, **SMALL)), max_running_requests=4))
+    prompt = list(range(5, 25))
+    # Built past validation on purpose: a logit bias on a token id the model does not have makes
+    # this row's sampler raise (IndexError) on its first step.
+    bad = SamplingParams(max_new_tokens=3, logit_bias={10**9: 1.0}, seed=1)
+    good = SamplingParams(max_new_tokens=3, temperature=0.0)
+
+    async def run():
+        reqs = [GenRequest(prompt, good), GenRequest(prompt, bad), GenRequest(prompt, good)]
+        for r in reqs:
+            engine.submit(r)  # all waiting before the worker starts: one batch of three
+        engine.start()
+        return [await asyncio.wait_for(r.events.get(), timeout=120) for r in reqs]
+
+    try:
+        first, failed, third = asyncio.run(run())
+    finally:
+        engine.close()
+    assert isinstance(failed, GenerationFailed) and "sampling" in str(failed)
+    assert isinstance(first, Final) and isinstance(third, Final)
+    assert first.completion_tokens == third.completion_tokens == 3
+    assert first.output_ids == third.output_ids
+    assert engine.metrics.batch_size._sum.get() == 3  # they did share one batch
+    assert engine.admission.running == 0
+
+
+def test_indexer_topk_rows_are_bounded_and_selectable():
+    layers, k = 8, 512
+    assert indexer_topk_bytes(2000, layers, k) == 4 * 2000 * layers * k
+    with pytest.raises(BadValue) as e:
+        TopkRows().check(2000, layers, k)  # 32 MB of int32 by default: over the cap
+    assert e.value.field == "return_indexer_topk" and str(MAX_INDEXER_TOPK_BYTES) in e.value.detail
+    TopkRows(last=64).check(2000, layers, k)
+    assert TopkRows(last=3).pick(10) == [7, 8, 9]
+    assert TopkRows(positions=(0, 4, 12)).pick(10) == [0, 4]
+    with pytest.raises(BadValue):
+        TopkRows(positions=(2000,)).check(2000, layers, k)
+    with pytest.raises(BadValue):
+        TopkRows(positions=(1,), last=1).check(2000, layers, k)
