@@ -82,3 +82,40 @@ def test_backend_choice_and_refusals() -> None:
         from needlescope.dsa.emulate import scoring_function
 
         assert scoring_function("bf16", "bf16").__name__ == "lightning_scores"
+
+
+def test_serve_with_the_triton_kernel_answers_like_the_reference(tmp_path) -> None:
+    """Two real servers on loopback (official openai client): --kernel triton and --kernel reference."""
+    import openai
+
+    from needlescope.serve.launch import ServerProcess
+
+    ckpt = save_random(
+        tmp_path / "m", seed=1, hidden_size=64, moe_intermediate_size=64, max_position_embeddings=512
+    )
+    common = ["--model", str(ckpt), "--port", "0", "--index-k", "fp8_e4m3", "--index-q", "fp8_e4m3"]
+    prompt = "the river ran past the old mill and the baker sold bread to every child in the town "
+    answers = []
+    for kernel in ("triton", "reference"):
+        with (
+            ServerProcess([*common, "--index-topk", "4", "--kernel", kernel]) as srv,
+            openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=120) as client,
+        ):
+            r = client.chat.completions.create(
+                model=client.models.list().data[0].id,
+                messages=[{"role": "user", "content": prompt}],
+                max_tokens=4,
+                temperature=0,
+            )
+            answers.append((r.choices[0].message.content, r.usage.prompt_tokens, r.usage.completion_tokens))
+    assert answers[0] == answers[1]
+    assert answers[0][2] == 4
+
+
+def test_serve_refuses_a_kernel_fault_without_the_triton_kernel() -> None:
+    from needlescope.serve.config import ServeConfig
+
+    with pytest.raises(BadInput, match="--kernel-fault needs --kernel triton"):
+        ServeConfig(model="organism", kernel_fault="indexer_key_slot")
+    with pytest.raises(BadInput, match="--kernel must be one of"):
+        ServeConfig(model="organism", kernel="fast")

@@ -51,6 +51,17 @@ def serve_command(
     served_model_name: str = typer.Option(None, "--served-model-name", help="Name in /v1/models."),
     device: str = typer.Option("cpu", "--device", help="cpu | cuda | cuda:N"),
     threads: int = typer.Option(1, "--threads", help="torch intra-op threads."),
+    kernel: str = typer.Option(
+        "auto",
+        "--kernel",
+        help="Indexer scoring: auto (Triton on CUDA where it applies) | reference | triton.",
+    ),
+    kernel_fault: str = typer.Option(
+        None,
+        "--kernel-fault",
+        hidden=True,
+        help="Debug: run a kernel fault (indexer_key_slot) in the Triton kernel.",
+    ),
     api_key: str = typer.Option(
         None,
         "--api-key",
@@ -81,6 +92,8 @@ def serve_command(
         max_new_tokens=max_new_tokens,
         max_prefill_tokens=max_prefill_tokens,
         device=device,
+        kernel=kernel,
+        kernel_fault=kernel_fault,
         threads=threads,
         api_key=api_key,
         expose_paths=expose_paths,

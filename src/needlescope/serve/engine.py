@@ -129,9 +129,13 @@ class Engine:
                 index_topk=cfg.index_topk,
             )
             self.capture = IndexerCapture()
-            self.csa_layers = self._stack.enter_context(
-                emulate(self.model, self.numerics, capture=self.capture, patch=cfg.patch)
-            )
+            from needlescope.kernels.scoring import kernel_backend
+
+            # The scorers that emulate installs keep the backend in force when entering them.
+            with kernel_backend(cfg.kernel, cfg.device, cfg.kernel_fault):
+                self.csa_layers = self._stack.enter_context(
+                    emulate(self.model, self.numerics, capture=self.capture, patch=cfg.patch)
+                )
             self.index_topk = cfg.index_topk or int(mcfg.index_topk)
         elif cfg.sets_numerics:
             raise BadInput(
