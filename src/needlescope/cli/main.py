@@ -8,8 +8,10 @@ import typer
 from rich.console import Console
 
 from needlescope.cli import indexer_diff, indexer_rank  # noqa: F401  (they register their commands)
+from needlescope.cli.audit import audit_command
 from needlescope.cli.demo import demo_command
 from needlescope.cli.indexer import indexer_app
+from needlescope.cli.investigate import investigate_app
 from needlescope.cli.organism import organism_app
 from needlescope.cli.probe import probe_command
 from needlescope.cli.serve import serve_command
@@ -26,6 +28,8 @@ app.command("demo")(demo_command)
 app.add_typer(organism_app, name="organism")
 app.add_typer(indexer_app, name="indexer")
 app.command("serve")(serve_command)
+app.add_typer(investigate_app, name="investigate")
+app.command("audit")(audit_command)
 
 err_console = Console(stderr=True)
 

@@ -1,0 +1,1 @@
+"""Numerics audit: op-level microtests of reduced-precision or rewritten ops against fp32."""

@@ -1,0 +1,319 @@
+"""Numerics audit: op-level microtests of a candidate op against the fp32 reference, on
+activations captured from the model on a real prompt, plus compounding (the candidate
+substituted at every layer, final logits compared).
+
+Each check returns ``{"check", "metrics": [{"metric", "value", "threshold"}], "flagged": bool,
+"why": str}``. The thresholds and why they are where they are:
+
+* ``hc_mix_bf16``: relative Frobenius error, max abs error, min cosine and the error in units
+  of bf16 rounding (2^-8) of the mixing GEMM over every hyper-connection module; compounding:
+  next-token top-1 agreement over all prompt positions and mean KL(ref || cand). **Flagged**
+  when top-1 agreement < ``TOP1_MIN`` (0.99: a flip on more than 1% of positions shows in
+  greedy answers) or mean KL > ``KL_MAX`` (1e-3 nats).
+* ``routed_scale``: the routed-expert scale actually applied, measured as the mean per-token
+  sum of the router's output weights (they are normalised to 1 before scaling), against
+  ``routed_scaling_factor`` from config.json. **Flagged** when they differ by more than 0.1%
+  (the scale is a constant: any deviation is a bug); the reason says 0, missing (1.0), double
+  (factor^2) or other.
+* ``decode_splitk_bf16``: attention outputs merged in bf16 (``substitutes.attn_out_bf16``);
+  op error in bf16 units and compounding as for ``hc_mix_bf16``, same thresholds.
+* ``indexer_scores_bf16``: indexer scores accumulated in bf16 against fp32 on the captured
+  queries and keys: relative error and top-k set overlap at the candidate's ``index_topk``
+  (mean over query rows that see more entries than k). **Flagged** when overlap <
+  ``OVERLAP_MIN`` (0.99).
+* ``index_keys_fp8``: scores with fp8 e4m3 keys against fp32, and for comparison bf16 keys
+  and the Hadamard-rotated fp4 keys the model was trained with: top-k overlap each.
+  **Flagged** when fp8's overlap is below fp4's by more than 0.01 (fp8 is then worse than
+  the precision the model tolerates by training).
+* ``index_topk``: the top-k the reference needs: the largest best-needle rank at the first
+  answer position over the reference's measured cases. **Flagged** when the candidate's
+  ``index_topk`` is smaller.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+
+from needlescope.audit.substitutes import attn_out_bf16, hc_mix_bf16, hc_modules
+from needlescope.dsa.emulate import csa_indexers
+from needlescope.dsa.quant import get_quantizer, hadamard_128
+from needlescope.dsa.reference import lightning_scores
+
+__all__ = ["CHECKS", "TOP1_MIN", "KL_MAX", "OVERLAP_MIN", "BF16_UNIT", "run_check"]
+
+TOP1_MIN = 0.99
+KL_MAX = 1e-3
+OVERLAP_MIN = 0.99
+BF16_UNIT = 2.0**-8
+
+
+def _m(metric: str, value: float, threshold: float | None = None) -> dict:
+    return {"metric": metric, "value": float(value), "threshold": threshold}
+
+
+def _err(ref: torch.Tensor, cand: torch.Tensor) -> tuple[float, float, float]:
+    ref, cand = ref.double().flatten(), cand.double().flatten()
+    rel = float((cand - ref).norm() / ref.norm().clamp_min(1e-30))
+    return rel, float((cand - ref).abs().max()), float(F.cosine_similarity(ref, cand, dim=0))
+
+
+@torch.no_grad()
+def _logits(model, ids: torch.Tensor) -> torch.Tensor:
+    return model(ids, use_cache=False).logits[0].float()  # [S, V]
+
+
+def compounding(model, ids: torch.Tensor, substitute) -> list[dict]:
+    """Top-1 agreement and mean KL of the final logits with ``substitute`` in every layer."""
+    ref = _logits(model, ids)
+    undo = substitute(model)
+    try:
+        cand = _logits(model, ids)
+    finally:
+        undo()
+    top1 = float((ref.argmax(-1) == cand.argmax(-1)).float().mean())
+    kl = float(
+        F.kl_div(cand.log_softmax(-1), ref.log_softmax(-1), log_target=True, reduction="none").sum(-1).mean()
+    )
+    return [_m("compounded top-1 agreement", top1, TOP1_MIN), _m("compounded mean KL (nats)", kl, KL_MAX)]
+
+
+def _flag_compound(metrics: list[dict]) -> bool:
+    top1 = next(m["value"] for m in metrics if m["metric"] == "compounded top-1 agreement")
+    kl = next(m["value"] for m in metrics if m["metric"].startswith("compounded mean KL"))
+    return top1 < TOP1_MIN or kl > KL_MAX
+
+
+@contextmanager
+def _capture_inputs(modules: list[torch.nn.Module]):
+    got: dict[int, tuple] = {}
+    handles = [
+        m.register_forward_pre_hook(
+            lambda mod, args, kw, _i=i: got.setdefault(_i, (args, kw)), with_kwargs=True
+        )
+        for i, m in enumerate(modules)
+    ]
+    try:
+        yield got
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def check_hc_mix_bf16(model, ids, ctx) -> dict:
+    mods = [m for _, m in hc_modules(model)]
+    with _capture_inputs(mods) as got, torch.no_grad():
+        model(ids, use_cache=False)
+    rels, maxs, coss = [], [], []
+    for i, mod in enumerate(mods):
+        (streams,), _ = got[i][0], got[i][1]
+        flat = mod.input_norm(streams.reshape(*streams.shape[:2], -1).float())
+        ref = F.linear(flat, mod.fn.float())
+        cand = F.linear(flat.bfloat16().float(), mod.fn.bfloat16().float())
+        r, mx, c = _err(ref, cand)
+        rels.append(r), maxs.append(mx), coss.append(c)
+    metrics = [
+        _m("mixing GEMM max relative Frobenius error", max(rels)),
+        _m("mixing GEMM max abs error", max(maxs)),
+        _m("mixing GEMM min cosine", min(coss)),
+        _m("mixing GEMM error in bf16 units", max(rels) / BF16_UNIT),
+        *compounding(model, ids, hc_mix_bf16),
+    ]
+    flagged = _flag_compound(metrics)
+    return {
+        "metrics": metrics,
+        "flagged": flagged,
+        "why": "compounded top-1 agreement and KL against 0.99 / 1e-3",
+    }
+
+
+def check_decode_splitk_bf16(model, ids, ctx) -> dict:
+    mods = [m for _, m in model.named_modules() if type(m).__name__ == "DeepseekV4Attention"]
+    outs: list[torch.Tensor] = []
+    handles = [m.register_forward_hook(lambda mod, a, o: outs.append(o[0].detach())) for m in mods]
+    try:
+        with torch.no_grad():
+            model(ids, use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    rels = [_err(o, o.bfloat16().float())[0] for o in outs]
+    metrics = [
+        _m("attention output max relative error (bf16 merge)", max(rels)),
+        _m("attention output error in bf16 units", max(rels) / BF16_UNIT),
+        *compounding(model, ids, attn_out_bf16),
+    ]
+    return {
+        "metrics": metrics,
+        "flagged": _flag_compound(metrics),
+        "why": "compounded top-1 agreement and KL against 0.99 / 1e-3",
+    }
+
+
+def check_routed_scale(model, ids, ctx) -> dict:
+    expected = float(model.config.routed_scaling_factor)
+    sums: list[torch.Tensor] = []
+    gates = [
+        m
+        for _, m in model.named_modules()
+        if type(m).__name__ in ("DeepseekV4TopKRouter", "DeepseekV4HashRouter")
+    ]
+    handles = [
+        g.register_forward_hook(lambda mod, a, o: sums.append(o[1].detach().float().sum(-1))) for g in gates
+    ]
+    undo = ctx["apply_candidate"](model)
+    try:
+        with torch.no_grad():
+            model(ids, use_cache=False)
+    finally:
+        undo()
+        for h in handles:
+            h.remove()
+    eff = float(torch.cat(sums).mean())
+    rel = abs(eff / expected - 1.0)
+    kind = "as configured"
+    if rel > 1e-3:
+        if abs(eff) < 1e-6:
+            kind = "zero"
+        elif abs(eff - 1.0) < 1e-3 * expected:
+            kind = "missing (1.0)"
+        elif abs(eff / expected**2 - 1.0) < 1e-3:
+            kind = "applied twice (factor^2)"
+        else:
+            kind = "other"
+    metrics = [
+        _m("routed_scaling_factor in config", expected),
+        _m("effective routed scale (mean sum of routed weights)", eff),
+        _m("relative deviation", rel, 1e-3),
+    ]
+    return {
+        "metrics": metrics,
+        "flagged": rel > 1e-3,
+        "why": f"effective scale {eff:.4g} vs {expected:.4g}: {kind}",
+    }
+
+
+def _indexer_inputs(
+    model, ids
+) -> list[tuple[torch.nn.Module, torch.Tensor, torch.Tensor, torch.Tensor, int]]:
+    idx = [m for _, m in csa_indexers(model)]
+    with _capture_inputs([m.scorer for m in idx]) as got, torch.no_grad():
+        model(ids, use_cache=False)
+    out = []
+    for i, m in enumerate(idx):
+        args, kw = got[i]
+        q, kv, hs = (list(args) + [kw.get(k) for k in ("q", "compressed_kv", "hidden_states")][len(args) :])[
+            :3
+        ]
+        out.append((m.scorer, q.float(), kv.float(), hs, int(m.compress_rate)))
+    return out
+
+
+def _scores(scorer, q, k, hs, acc=torch.float32) -> torch.Tensor:
+    w = scorer.weights_proj(hs).float()
+    return lightning_scores(
+        q, k, w, scale=scorer.softmax_scale, weight_scale=scorer.weights_scaling, acc_dtype=acc
+    ).float()
+
+
+def _overlap(ref: torch.Tensor, cand: torch.Tensor, k: int, ratio: int) -> float:
+    """Mean top-k set overlap over query rows that see more than k entries (causal visibility)."""
+    S, L = ref.shape[-2:]
+    fracs = []
+    for t in range(S):
+        v = min((t + 1) // ratio, L)
+        if v <= k:
+            continue
+        a = set(ref[0, t, :v].topk(k).indices.tolist())
+        b = set(cand[0, t, :v].topk(k).indices.tolist())
+        fracs.append(len(a & b) / k)
+    return sum(fracs) / len(fracs) if fracs else 1.0
+
+
+def check_indexer_scores_bf16(model, ids, ctx) -> dict:
+    k = ctx["candidate_topk"]
+    rels, overlaps = [], []
+    with torch.no_grad():
+        for scorer, q, kv, hs, ratio in _indexer_inputs(model, ids):
+            ref, cand = _scores(scorer, q, kv, hs), _scores(scorer, q, kv, hs, torch.bfloat16)
+            rels.append(_err(ref, cand)[0])
+            overlaps.append(_overlap(ref, cand, k, ratio))
+    metrics = [
+        _m("score max relative error", max(rels)),
+        _m("score error in bf16 units", max(rels) / BF16_UNIT),
+        _m(f"top-{k} set overlap (min over CSA layers)", min(overlaps), OVERLAP_MIN),
+    ]
+    return {
+        "metrics": metrics,
+        "flagged": min(overlaps) < OVERLAP_MIN,
+        "why": f"top-{k} overlap against {OVERLAP_MIN}",
+    }
+
+
+def check_index_keys_fp8(model, ids, ctx) -> dict:
+    k = ctx["candidate_topk"]
+    res: dict[str, list[float]] = {"fp8_e4m3": [], "bf16": [], "fp4_e2m1": []}
+    with torch.no_grad():
+        for scorer, q, kv, hs, ratio in _indexer_inputs(model, ids):
+            ref = _scores(scorer, q, kv, hs)
+            for name in res:
+                if name == "fp4_e2m1":  # trained numerics: rotate, then quantise both sides
+                    qq, kk = get_quantizer(name)(hadamard_128(q)), get_quantizer(name)(hadamard_128(kv))
+                else:
+                    qq, kk = q, get_quantizer(name)(kv)
+                res[name].append(_overlap(ref, _scores(scorer, qq, kk, hs), k, ratio))
+    worst = {name: min(v) for name, v in res.items()}
+    metrics = [_m(f"top-{k} overlap with fp32, {name} keys", v) for name, v in worst.items()]
+    margin = worst["fp4_e2m1"] - worst["fp8_e4m3"]
+    metrics.append(_m("fp4 (trained) overlap minus fp8 overlap", margin, 0.01))
+    return {
+        "metrics": metrics,
+        "flagged": margin > 0.01,
+        "why": f"fp8 keys keep {worst['fp8_e4m3']:.3f} of the fp32 top-{k}, the trained fp4 keys {worst['fp4_e2m1']:.3f}",
+    }
+
+
+def check_index_topk(model, ids, ctx) -> dict:
+    ranks = [
+        layer["best_rank"]
+        for r in ctx["reference_records"]
+        if r["analysed_token"] == 0
+        for layer in r["layers"]
+    ]
+    k = ctx["candidate_topk"]
+    if not ranks:
+        return {"metrics": [], "flagged": False, "why": "no reference ranks measured"}
+    needed = max(ranks)
+    metrics = [
+        _m("largest best-needle rank under the reference (first answer token)", needed),
+        _m("candidate index_topk", k, float(needed)),
+    ]
+    return {
+        "metrics": metrics,
+        "flagged": k < needed,
+        "why": f"the reference needs top-{needed}; the candidate keeps top-{k}",
+    }
+
+
+CHECKS = {
+    "hc_mix_bf16": check_hc_mix_bf16,
+    "routed_scale": check_routed_scale,
+    "decode_splitk_bf16": check_decode_splitk_bf16,
+    "indexer_scores_bf16": check_indexer_scores_bf16,
+    "index_keys_fp8": check_index_keys_fp8,
+    "index_topk": check_index_topk,
+}
+
+
+def run_check(name: str, model, ids: torch.Tensor, ctx: dict) -> dict:
+    """Run built-in check ``name`` on prompt ``ids`` [1, S]; ``ctx`` gives ``candidate_topk``,
+    ``reference_records`` and ``apply_candidate(model) -> undo``."""
+    with torch.no_grad():
+        out = CHECKS[name](model, ids, ctx)
+    for m in out["metrics"]:
+        if not math.isfinite(m["value"]):
+            out["flagged"] = True
+    return {"check": name, **out}

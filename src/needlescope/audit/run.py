@@ -1,0 +1,42 @@
+"""``audit_checkpoint``: run built-in checks on one probe prompt of a checkpoint."""
+
+from __future__ import annotations
+
+import torch
+
+from needlescope.audit.checks import run_check
+from needlescope.setting import Setting
+
+__all__ = ["audit_checkpoint"]
+
+
+def audit_checkpoint(model_name: str, checks: list[str], candidate: Setting, length: int) -> list[dict]:
+    """Results of ``checks`` on a multiturn case of ``length`` tokens (``run_check`` records)."""
+    from needlescope.cases.assemble import CaseSpec, build_cases
+    from needlescope.dsa.emulate import Numerics, emulate
+    from needlescope.dsa.prompt import render_prompt
+    from needlescope.organism.bundle import load_bundle, resolve_model_dir, trained_value_digits
+
+    path = resolve_model_dir(model_name)
+    model, tokenizer, _ = load_bundle(path)
+    spec = CaseSpec(
+        kind="multiturn",
+        lengths=(length,),
+        depths=(50.0,),
+        trials=1,
+        seed=0,
+        value_digits=trained_value_digits(path),
+    )
+    case = build_cases(spec, lambda m: len(render_prompt(tokenizer, m).input_ids))[0]
+    ids = torch.tensor([render_prompt(tokenizer, case.messages).input_ids])
+    topk = candidate.index_topk or int(model.config.index_topk)
+
+    def apply_candidate(m):
+        c = candidate
+        numerics = Numerics(c.index_k, c.index_q, c.score_dtype, c.index_topk, c.hadamard)
+        cm = emulate(m, numerics, patch=None if c.patch is None else c.patch.path)
+        cm.__enter__()
+        return lambda: cm.__exit__(None, None, None)
+
+    ctx = {"candidate_topk": topk, "reference_records": [], "apply_candidate": apply_candidate}
+    return [run_check(name, model, ids, ctx) for name in checks]

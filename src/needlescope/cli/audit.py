@@ -1,0 +1,62 @@
+"""``needlescope audit``: the built-in numerics checks on a checkpoint, one probe prompt.
+
+Runs each named check (``needlescope.audit.checks``) on a multiturn probe case of
+``--length`` tokens and prints every metric with its threshold; ``--out FILE`` writes them as
+JSON (``[{"check", "metrics": [{"metric", "value", "threshold"}], "flagged", "why"}]``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+
+def audit_command(
+    model: str = typer.Option("organism", "--model", help="'organism' or a DeepSeek-V4 checkpoint dir."),
+    checks: str = typer.Option(
+        "hc_mix_bf16,routed_scale,decode_splitk_bf16,indexer_scores_bf16,index_keys_fp8",
+        "--checks",
+        help="Comma-separated built-in checks.",
+    ),
+    candidate: str = typer.Option(
+        "k=fp8_e4m3 topk=64",
+        "--candidate",
+        help="The candidate Setting (its index_topk and patch are audited).",
+    ),
+    length: int = typer.Option(
+        1024, "--length", help="Tokens of the probe prompt the activations come from."
+    ),
+    out: Path = typer.Option(None, "--out", help="Write the results as JSON here."),
+) -> None:
+    """Op-level microtests and compounding of reduced-precision ops against the fp32 reference."""
+    from needlescope.audit.checks import CHECKS
+    from needlescope.errors import BadInput
+
+    names = [c.strip() for c in checks.split(",") if c.strip()]
+    unknown = [c for c in names if c not in CHECKS or c == "index_topk"]
+    if unknown:
+        raise BadInput(
+            f"unknown check(s) {', '.join(unknown)}; choose from {', '.join(c for c in CHECKS if c != 'index_topk')}"
+        )
+    from needlescope.audit.run import audit_checkpoint
+    from needlescope.setting import Setting
+
+    results = audit_checkpoint(model, names, Setting.parse(candidate), length)
+    console = Console()
+    table = Table("check", "metric", "value", "threshold", "flagged")
+    for r in results:
+        for m in r["metrics"]:
+            thr = "-" if m["threshold"] is None else f"{m['threshold']:g}"
+            table.add_row(escape(r["check"]), escape(m["metric"]), f"{m['value']:.4g}", thr, "")
+        table.add_row(
+            escape(r["check"]), escape(r["why"]), "", "", "[bold red]yes[/]" if r["flagged"] else "no"
+        )
+    console.print(table)
+    if out is not None:
+        out.write_text(json.dumps(results, indent=1), encoding="utf-8")
+        console.print(f"wrote {escape(str(out))}")

@@ -1,0 +1,76 @@
+"""``needlescope investigate init|run``: the investigation ledger and its run.
+
+``init [DIR]`` writes the commented example ledger (the original DeepSeek-V4-Flash
+investigation replayed on the organism) with its env file and patch files. ``run LEDGER --out
+DIR`` runs it (resumable: run it again after Ctrl-C or a crash), with a progress bar per
+phase, and writes ``verdicts.json``, ``DIAGNOSIS.md`` and ``DIAGNOSIS.html`` into DIR.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+investigate_app = typer.Typer(no_args_is_help=True, help="From measurements to a causal verdict.")
+console = Console()
+
+
+@investigate_app.command("init")
+def init_command(
+    directory: Path = typer.Argument(Path("."), help="Where to write investigation.toml and its files."),
+    force: bool = typer.Option(False, "--force", help="Overwrite existing files."),
+) -> None:
+    """Write the example ledger (the original investigation, on the organism)."""
+    from needlescope.investigate.example import EXAMPLE_FILES, write_example
+
+    path = write_example(directory, force=force)
+    for name in EXAMPLE_FILES:
+        console.print(f"wrote {escape(str(Path(directory) / name))}")
+    console.print(f"next: needlescope investigate run {escape(str(path))} --out investigation-out")
+
+
+def run_investigation_cli(ledger: Path, out: Path) -> Path:
+    """Run with a progress bar per phase; returns DIAGNOSIS.md's path (shared with ``demo``)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from needlescope.investigate.diagnosis import write_reports
+    from needlescope.investigate.runner import run_investigation
+
+    with Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+    ) as progress:
+        tasks: dict[str, int] = {}
+
+        def on_progress(phase: str, done: int, total: int, what: str) -> None:
+            if phase not in tasks:
+                tasks[phase] = progress.add_task(escape(phase), total=total)
+            progress.update(tasks[phase], completed=done, description=escape(f"{phase} {what}"[:90]))
+
+        run_investigation(ledger, out, on_progress)
+    md, _ = write_reports(out)
+    return md
+
+
+@investigate_app.command("run")
+def run_command(
+    ledger: Path = typer.Argument(..., help="The ledger (investigation.toml)."),
+    out: Path = typer.Option(..., "--out", help="Run directory (kept; a second run resumes it)."),
+) -> None:
+    """Run the ledger: cheap questions, symptom, checks in tier order, fixes, verdicts, DIAGNOSIS."""
+    import json
+
+    md = run_investigation_cli(ledger, out)
+    verdicts = json.loads((out / "verdicts.json").read_text(encoding="utf-8"))
+    for s in verdicts["suspects"]:
+        console.print(
+            f"  tier {s['tier']} {escape(s['id'])}: [bold]{s['verdict']}[/] - {escape(s['reason'])}"
+        )
+    console.print(f"root cause: [bold]{escape(str(verdicts['root_cause']))}[/]")
+    console.print(f"wrote {escape(str(out / 'verdicts.json'))}, {escape(str(md))} and DIAGNOSIS.html")

@@ -1,0 +1,1 @@
+"""The investigation layer: multi-step workflows from measurements to a causal verdict."""

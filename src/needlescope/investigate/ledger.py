@@ -1,0 +1,406 @@
+"""The investigation ledger (``investigation.toml``): target, symptom and suspects, validated.
+
+A ledger is written by the user (``needlescope investigate init`` writes a commented example,
+``EXAMPLE_LEDGER``). ``load_ledger(path)`` parses and validates it; every error is a
+``BadInput`` naming the file, the line, what was found and what was expected. Unknown question
+and check types are refused up front, before anything runs.
+
+Structure (paths are relative to the ledger's directory)::
+
+    [target]
+    model = "organism"                  # reference checkpoint: 'organism' or a DeepSeek-V4 dir
+    device = "cpu"
+    threads = 2                         # torch threads for the in-process measurements
+    reference = "k=fp32 q=fp32 acc=fp32 topk=cfg"        # a Setting (needlescope.setting)
+    candidate = "k=fp8_e4m3 q=fp32 acc=fp32 topk=64 patch=fault:indexer_page_table"
+    extra_patches = []                  # more candidate patch files (not indexer-scorer patches)
+    endpoint = ""                       # a live server (server_info questions); "" = none
+    env_file = ""                       # the deployment's env file (env questions)
+
+    [symptom]
+    kind = "multiturn"                  # probe spec, measured in-process on the reference checkpoint
+    lengths = [256, 512, 1024]
+    depths = [0, 50, 100]
+    trials = 2
+    seed = 0
+
+    [[suspects]]
+    id = "index_keys_fp8"
+    tier = 2
+    hypothesis = "fp8 index keys flip near-margin entries out of the top-k"
+    setting = "k=fp8_e4m3"              # the suspect is these Setting fields ...
+    # patch = "patches/x.py"            # ... or this patch file (or fault:NAME)
+    checks = ["audit:index_keys_fp8", "ablation"]
+    [[suspects.questions]]
+    type = "env"                        # env | server_info | checkpoint_dtype | config | source
+    name = "SGLANG_FP8_PAGED_MQA_LOGITS_TORCH"
+
+A suspect is *present* in the candidate when the candidate carries its patch, or when the
+candidate's value of every field its ``setting`` names equals the suspect's value (and differs
+from the reference's). Its **removal** from the candidate puts those fields back to the
+reference's values (or drops the patch); its **addition** to the reference sets them (or
+applies the patch).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import tomllib
+
+from needlescope.errors import BadInput
+from needlescope.setting import PatchRef, Setting
+
+__all__ = [
+    "QUESTION_TYPES",
+    "CHECK_TYPES",
+    "AUDIT_CHECKS",
+    "SETTING_KEYS",
+    "Question",
+    "Suspect",
+    "Target",
+    "Symptom",
+    "Ledger",
+    "load_ledger",
+    "parse_ledger",
+    "partial_setting",
+]
+
+QUESTION_TYPES: dict[str, tuple[str, ...]] = {
+    # type -> required keys (besides "type"); optional for all: "expect", "means_absent"
+    "env": ("name",),
+    "server_info": ("field",),
+    "checkpoint_dtype": ("pattern",),
+    "config": ("key",),
+    "source": ("path", "pattern"),
+}
+"""Cheap question types and the keys each needs."""
+
+AUDIT_CHECKS = (
+    "hc_mix_bf16",
+    "routed_scale",
+    "decode_splitk_bf16",
+    "indexer_scores_bf16",
+    "index_keys_fp8",
+    "index_topk",
+)
+"""Built-in numerics checks (``needlescope.audit``)."""
+
+CHECK_TYPES = ("ablation", *(f"audit:{name}" for name in AUDIT_CHECKS))
+"""Check types a suspect may list: the causal ablation and each audit check."""
+
+SETTING_KEYS = {
+    "k": "index_k",
+    "q": "index_q",
+    "acc": "score_dtype",
+    "topk": "index_topk",
+    "hadamard": "hadamard",
+}
+"""Keys of the Setting text form a suspect's ``setting`` may name."""
+
+_ID = re.compile(r"^[a-z0-9][a-z0-9_]*$")
+
+
+@dataclass(frozen=True)
+class Question:
+    """A cheap question: one value read without running the model."""
+
+    type: str
+    params: dict
+    expect: str | None = None
+    means_absent: str | None = None
+    """When the answer (as text) equals this, the suspect is not in the deployment."""
+
+
+@dataclass(frozen=True)
+class Suspect:
+    id: str
+    tier: int
+    hypothesis: str
+    checks: tuple[str, ...]
+    questions: tuple[Question, ...] = ()
+    patch: PatchRef | None = None
+    setting_fields: tuple[tuple[str, object], ...] = ()
+    """(Setting field name, value) pairs, e.g. (("index_k", "fp8_e4m3"),)."""
+    line: int = 0
+
+    def kind(self) -> str:
+        return "patch" if self.patch is not None else "setting"
+
+
+@dataclass(frozen=True)
+class Target:
+    model: str
+    reference: Setting
+    candidate: Setting
+    extra_patches: tuple[PatchRef, ...] = ()
+    device: str = "cpu"
+    threads: int = 2
+    endpoint: str | None = None
+    env_file: Path | None = None
+
+
+@dataclass(frozen=True)
+class Symptom:
+    kind: str = "multiturn"
+    lengths: tuple[int, ...] = (256, 512, 1024)
+    depths: tuple[float, ...] = (0.0, 50.0, 100.0)
+    trials: int = 2
+    seed: int = 0
+    max_new_tokens: int = 8
+
+    def to_json(self) -> dict:
+        return {
+            "kind": self.kind,
+            "lengths": list(self.lengths),
+            "depths": list(self.depths),
+            "trials": self.trials,
+            "seed": self.seed,
+        }
+
+
+@dataclass(frozen=True)
+class Ledger:
+    path: Path
+    target: Target
+    symptom: Symptom
+    suspects: tuple[Suspect, ...] = field(default=())
+
+    def ordered_suspects(self) -> list[Suspect]:
+        """Suspects in tier order (stable within a tier)."""
+        return sorted(self.suspects, key=lambda s: s.tier)
+
+
+class _Where:
+    """Finds the line of a table or key in the ledger text, for error messages."""
+
+    def __init__(self, path: Path, text: str):
+        self.path, self.lines = path, text.splitlines()
+
+    def suspect_line(self, index: int) -> int:
+        seen = -1
+        for i, line in enumerate(self.lines, 1):
+            if line.strip().startswith("[[suspects]]"):
+                seen += 1
+                if seen == index:
+                    return i
+        return 1
+
+    def table_line(self, name: str) -> int:
+        return next((i for i, ln in enumerate(self.lines, 1) if ln.strip() == f"[{name}]"), 1)
+
+    def key_line(self, key: str, after: int = 1) -> int:
+        pat = re.compile(rf"^\s*{re.escape(key)}\s*=")
+        for i in range(max(after, 1), len(self.lines) + 1):
+            if pat.match(self.lines[i - 1]):
+                return i
+        return after
+
+    def error(self, line: int, what: str) -> BadInput:
+        return BadInput(f"{self.path}:{line}: {what}")
+
+
+def partial_setting(text: str) -> tuple[tuple[str, object], ...]:
+    """The (field, value) pairs of a partial Setting text such as ``"k=fp8_e4m3 topk=64"``."""
+    names = []
+    for token in text.split():
+        key = token.partition("=")[0]
+        if key not in SETTING_KEYS:
+            raise BadInput(f"setting key {key!r} is not one of {', '.join(SETTING_KEYS)} (e.g. 'k=fp8_e4m3')")
+        names.append(SETTING_KEYS[key])
+    if not names:
+        raise BadInput("empty setting; name at least one field, e.g. 'k=fp8_e4m3'")
+    full = Setting.parse(text)  # validates every value
+    return tuple((n, getattr(full, n)) for n in names)
+
+
+def _expect(where: _Where, line: int, table: dict, key: str, typ, what: str, default=None):
+    if key not in table:
+        if default is not None:
+            return default
+        raise where.error(line, f"missing key {key!r}; expected {what}")
+    value = table[key]
+    if typ is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, typ) or isinstance(value, bool) and typ is not bool:
+        raise where.error(where.key_line(key, line), f"{key} = {value!r}; expected {what}")
+    return value
+
+
+def _patch(where: _Where, line: int, spec: str, base: Path) -> PatchRef:
+    if not spec.startswith("fault:") and not Path(spec).is_absolute():
+        spec = str(base / spec)
+    try:
+        return PatchRef.resolve(spec)
+    except BadInput as exc:
+        raise where.error(line, str(exc)) from None
+
+
+def _setting(where: _Where, line: int, text: str, base: Path) -> Setting:
+    try:
+        parsed = Setting.parse(" ".join(t for t in text.split() if not t.startswith("patch=")))
+    except BadInput as exc:
+        raise where.error(line, str(exc)) from None
+    patches = [t.partition("=")[2] for t in text.split() if t.startswith("patch=")]
+    return parsed.with_(patch=_patch(where, line, patches[0], base)) if patches else parsed
+
+
+def _question(where: _Where, line: int, q: dict) -> Question:
+    if not isinstance(q, dict):
+        raise where.error(line, "a question must be a table ([[suspects.questions]])")
+    qtype = q.get("type")
+    if qtype not in QUESTION_TYPES:
+        raise where.error(
+            where.key_line("type", line),
+            f"unknown question type {qtype!r}; expected one of {', '.join(QUESTION_TYPES)}",
+        )
+    for key in QUESTION_TYPES[qtype]:
+        _expect(
+            where, line, q, key, str, f"a string ({qtype} questions need {', '.join(QUESTION_TYPES[qtype])})"
+        )
+    params = {k: v for k, v in q.items() if k not in ("type", "expect", "means_absent")}
+    return Question(
+        type=qtype,
+        params=params,
+        expect=None if q.get("expect") is None else str(q["expect"]),
+        means_absent=None if q.get("means_absent") is None else str(q["means_absent"]),
+    )
+
+
+def _suspect(where: _Where, index: int, s: dict, base: Path) -> Suspect:
+    line = where.suspect_line(index)
+    sid = _expect(where, line, s, "id", str, "a lower-case identifier such as 'index_keys_fp8'")
+    if not _ID.match(sid):
+        raise where.error(
+            where.key_line("id", line), f"id = {sid!r}; expected lower-case letters, digits, '_'"
+        )
+    tier = _expect(where, line, s, "tier", int, "an integer risk tier (1 = most likely)")
+    hyp = _expect(where, line, s, "hypothesis", str, "a sentence saying what the suspect would do")
+    checks = s.get("checks", [])
+    if not isinstance(checks, list) or not all(isinstance(c, str) for c in checks):
+        raise where.error(where.key_line("checks", line), "checks must be a list of strings")
+    for c in checks:
+        if c not in CHECK_TYPES:
+            raise where.error(
+                where.key_line("checks", line),
+                f"unknown check type {c!r}; expected one of {', '.join(CHECK_TYPES)}",
+            )
+    has_patch, has_setting = "patch" in s, "setting" in s
+    if has_patch == has_setting:
+        raise where.error(line, f'suspect {sid!r} needs exactly one of patch = "FILE" or setting = "k=..."')
+    patch = setting_fields = None
+    if has_patch:
+        patch = _patch(
+            where,
+            where.key_line("patch", line),
+            _expect(where, line, s, "patch", str, "a file or fault:NAME"),
+            base,
+        )
+    else:
+        text = _expect(where, line, s, "setting", str, "Setting fields such as 'k=fp8_e4m3'")
+        try:
+            setting_fields = partial_setting(text)
+        except BadInput as exc:
+            raise where.error(where.key_line("setting", line), str(exc)) from None
+    questions = s.get("questions", [])
+    if not isinstance(questions, list):
+        raise where.error(line, "questions must be an array of tables ([[suspects.questions]])")
+    unknown = set(s) - {"id", "tier", "hypothesis", "checks", "patch", "setting", "questions"}
+    if unknown:
+        raise where.error(line, f"unknown key(s) {', '.join(sorted(unknown))} in suspect {sid!r}")
+    return Suspect(
+        id=sid,
+        tier=tier,
+        hypothesis=hyp,
+        checks=tuple(checks),
+        questions=tuple(_question(where, line, q) for q in questions),
+        patch=patch,
+        setting_fields=setting_fields or (),
+        line=line,
+    )
+
+
+def parse_ledger(text: str, path: Path) -> Ledger:
+    """Parse ledger ``text`` read from ``path``; BadInput ``FILE:LINE: what`` on any error."""
+    where = _Where(path, text)
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        m = re.search(r"line (\d+)", str(exc))
+        raise where.error(int(m.group(1)) if m else 1, f"not valid TOML: {exc}") from None
+    base = path.parent
+    for section in ("target", "symptom"):
+        if not isinstance(raw.get(section), dict):
+            raise where.error(1, f"missing [{section}] table")
+    unknown = set(raw) - {"target", "symptom", "suspects"}
+    if unknown:
+        raise where.error(
+            1, f"unknown top-level key(s) {', '.join(sorted(unknown))}; expected target, symptom, suspects"
+        )
+    t = raw["target"]
+    tl = where.table_line("target")
+    env_file = t.get("env_file") or None
+    target = Target(
+        model=_expect(where, tl, t, "model", str, "'organism' or a checkpoint directory"),
+        reference=_setting(
+            where,
+            where.key_line("reference", tl),
+            _expect(where, tl, t, "reference", str, "a Setting", "k=fp32"),
+            base,
+        ),
+        candidate=_setting(
+            where,
+            where.key_line("candidate", tl),
+            _expect(where, tl, t, "candidate", str, "a Setting such as 'k=fp8_e4m3 topk=64'"),
+            base,
+        ),
+        extra_patches=tuple(
+            _patch(where, where.key_line("extra_patches", tl), p, base) for p in t.get("extra_patches", [])
+        ),
+        device=_expect(where, tl, t, "device", str, "cpu | cuda | cuda:N", "cpu"),
+        threads=_expect(where, tl, t, "threads", int, "a positive integer", 2),
+        endpoint=t.get("endpoint") or None,
+        env_file=None if env_file is None else (base / env_file),
+    )
+    if target.threads < 1:
+        raise where.error(where.key_line("threads", tl), f"threads = {target.threads}; expected >= 1")
+    sy = raw["symptom"]
+    sl = where.table_line("symptom")
+    lengths = _expect(where, sl, sy, "lengths", list, "a list of token lengths such as [256, 512, 1024]")
+    depths = _expect(where, sl, sy, "depths", list, "a list of depth percents such as [0, 50, 100]", [50])
+    if not lengths or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in lengths):
+        raise where.error(where.key_line("lengths", sl), f"lengths = {lengths!r}; expected positive integers")
+    if not all(isinstance(d, (int, float)) and 0 <= d <= 100 for d in depths):
+        raise where.error(where.key_line("depths", sl), f"depths = {depths!r}; expected percents in 0..100")
+    symptom = Symptom(
+        kind=_expect(where, sl, sy, "kind", str, "a case kind such as 'multiturn'", "multiturn"),
+        lengths=tuple(lengths),
+        depths=tuple(float(d) for d in depths),
+        trials=_expect(where, sl, sy, "trials", int, "a positive integer", 1),
+        seed=_expect(where, sl, sy, "seed", int, "an integer", 0) if "seed" in sy else 0,
+        max_new_tokens=_expect(where, sl, sy, "max_new_tokens", int, "a positive integer", 8),
+    )
+    if symptom.trials < 1:
+        raise where.error(where.key_line("trials", sl), f"trials = {symptom.trials}; expected >= 1")
+    suspects_raw = raw.get("suspects", [])
+    if not isinstance(suspects_raw, list) or not suspects_raw:
+        raise where.error(1, "no suspects; add at least one [[suspects]] table")
+    suspects = tuple(_suspect(where, i, s, base) for i, s in enumerate(suspects_raw))
+    ids = [s.id for s in suspects]
+    dup = sorted({i for i in ids if ids.count(i) > 1})
+    if dup:
+        raise where.error(
+            where.suspect_line(ids.index(dup[0], ids.index(dup[0]) + 1)),
+            f"suspect id {dup[0]!r} appears twice",
+        )
+    return Ledger(path=path, target=target, symptom=symptom, suspects=suspects)
+
+
+def load_ledger(path: str | Path) -> Ledger:
+    """Read and validate ``path``; BadInput if it is missing or malformed."""
+    p = Path(path)
+    if not p.is_file():
+        raise BadInput(f"ledger {str(p)!r} does not exist; write one with 'needlescope investigate init'")
+    return parse_ledger(p.read_text(encoding="utf-8"), p.resolve())

@@ -1,0 +1,180 @@
+"""In-process measurements of one configuration on probe cases: the answer, and the needle's
+rank in every CSA layer at the position that produced the first wrong answer token.
+
+A ``Config`` is a ``Setting`` (numerics plus at most one indexer patch, applied by
+``needlescope.dsa.emulate``) plus extra patch files applied around it (model-level patches
+such as a bf16 hyper-connection GEMM; they must not wrap the indexer scorer, whose forward
+``emulate`` owns).
+
+``measure_case`` runs greedy decoding under the config with an ``IndexerCapture`` and returns
+one record (``CASE_RECORD_KEYS``)::
+
+    {"case_id", "length", "depth", "trial", "prompt_tokens", "expected": [str], "answer": str,
+     "correct": bool, "analysed_token": int, "analysed_source": str, "index_topk": int,
+     "compress_ratio": int,
+     "layers": [{"layer": int, "query_pos": int, "visible": int, "needle_visible": int,
+                 "needle_selected": int, "best_rank": int, "selected": bool}]}
+
+``analysed_token`` is the index of the first wrong answer token (the answer compared token by
+token with the expected value, digits and words as the tokenizer splits them); the first
+answer token when the answer is right (``analysed_source = "first answer token (answer
+correct)"``) or empty (``"first answer token (answer empty)"``). A layer that cannot see any
+needle entry at that position is left out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+
+import torch
+
+from needlescope.cases.scoring import score_answer
+from needlescope.dsa.emulate import IndexerCapture, Numerics, csa_indexers, emulate, load_patch
+from needlescope.dsa.prompt import covering_entries, needle_token_span, render_prompt
+from needlescope.dsa.rankdump import needle_rank_stats
+from needlescope.setting import PatchRef, Setting
+
+__all__ = ["Config", "measure_case", "final_logits", "first_wrong_token", "applied"]
+
+
+@dataclass(frozen=True)
+class Config:
+    """A setting to measure plus extra (non-scorer) patches."""
+
+    setting: Setting
+    extra: tuple[PatchRef, ...] = ()
+
+    def label(self) -> str:
+        return self.setting.label() + "".join(f" +{p.spec}" for p in self.extra)
+
+    def to_json(self) -> dict:
+        return {
+            "setting": self.setting.to_json(),
+            "extra_patches": [p.spec for p in self.extra],
+            "label": self.label(),
+        }
+
+
+def first_wrong_token(tokens: Sequence[str], expected: str) -> int | None:
+    """Index of the first decoded answer token that breaks the expected text (spaces ignored),
+    None when every token fits (the answer is a prefix of, or equal to, ``expected``)."""
+    want = "".join(expected.split())
+    got = ""
+    for i, tok in enumerate(tokens):
+        got += "".join(tok.split())
+        if not want.startswith(got) and not got.startswith(want):
+            return i
+        if got.startswith(want) and len(got) > len(want):
+            return i
+    return None
+
+
+@contextmanager
+def applied(model, config: Config, capture: IndexerCapture | None = None) -> Iterator[list[int]]:
+    """Apply ``config`` to ``model`` for the block; yields the CSA layer indices."""
+    s = config.setting
+    numerics = Numerics(s.index_k, s.index_q, s.score_dtype, s.index_topk, s.hadamard)
+    undos = []
+    try:
+        for p in config.extra:
+            undos.append(load_patch(p.path)(model))
+        with emulate(
+            model, numerics, capture=capture, patch=None if s.patch is None else s.patch.path
+        ) as layers:
+            yield layers
+    finally:
+        for undo in reversed(undos):
+            if callable(undo):
+                undo()
+
+
+def _ids(model, tokenizer, messages: list[dict]) -> tuple[list[int], torch.Tensor]:
+    prompt = render_prompt(tokenizer, messages)
+    ids = torch.tensor([prompt.input_ids], device=next(model.parameters()).device)
+    return prompt, ids
+
+
+@torch.no_grad()
+def measure_case(model, tokenizer, case, config: Config, *, max_new_tokens: int = 8) -> dict:
+    """One record for ``case`` (a ``cases.assemble.Case``) under ``config``; see the module docstring."""
+    prompt, ids = _ids(model, tokenizer, case.messages)
+    P = len(prompt.input_ids)
+    span = needle_token_span(prompt, case.needle)
+    capture = IndexerCapture(keep_scores=True)
+    eos = tokenizer.eos_token_id
+    with applied(model, config, capture) as layers:
+        k = int(csa_indexers(model)[0][1].index_topk)
+        ratio = int(csa_indexers(model)[0][1].compress_rate)
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=eos,
+            pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos,
+        )
+    generated = [t for t in out[0, P:].tolist() if t != eos]
+    pieces = [tokenizer.decode([t], skip_special_tokens=True) for t in generated]
+    answer = "".join(tokenizer.decode(generated, skip_special_tokens=True))
+    correct = bool(generated) and score_answer(answer, list(case.expected))
+    if not generated:
+        tok_i, source = 0, "first answer token (answer empty)"
+    elif correct:
+        tok_i, source = 0, "first answer token (answer correct)"
+    else:
+        wrong = first_wrong_token(pieces, " ".join(case.expected))
+        tok_i, source = (
+            (wrong, "first wrong answer token")
+            if wrong is not None
+            else (0, "first answer token (answer incomplete)")
+        )
+    t = P - 1 + tok_i
+    entries = covering_entries(span, ratio=ratio, overlap=True)
+    recs = []
+    for layer in layers:
+        score_pos, score_rows = capture.score_rows(layer)
+        topk_pos, topk_rows = capture.rows(layer, width=k)
+        row = {int(p): i for i, p in enumerate(score_pos.tolist())}[t]
+        visible = (t + 1) // ratio
+        ne = [e for e in entries if e < visible]
+        if not ne:
+            continue
+        st = needle_rank_stats(score_rows[row], visible, ne, k)
+        chosen = {int(x) for x in topk_rows[row].tolist() if x >= 0}
+        n_sel = sum(1 for e in ne if e in chosen)
+        recs.append(
+            {
+                "layer": layer,
+                "query_pos": t,
+                "visible": visible,
+                "needle_visible": len(ne),
+                "needle_selected": n_sel,
+                "best_rank": st.best_rank,
+                "selected": n_sel > 0,
+            }
+        )
+    return {
+        "case_id": case.case_id,
+        "length": case.length,
+        "depth": float(case.depth),
+        "trial": case.trial,
+        "prompt_tokens": P,
+        "expected": list(case.expected),
+        "answer": answer,
+        "correct": bool(correct),
+        "analysed_token": tok_i,
+        "analysed_source": source,
+        "index_topk": k,
+        "compress_ratio": ratio,
+        "layers": recs,
+    }
+
+
+@torch.no_grad()
+def final_logits(model, tokenizer, messages: list[dict], config: Config | None) -> torch.Tensor:
+    """Logits [V] (fp32) at the last prompt position under ``config`` (None: the model as loaded)."""
+    _, ids = _ids(model, tokenizer, messages)
+    with nullcontext() if config is None else applied(model, config):
+        return model(ids, use_cache=False).logits[0, -1].float().cpu()

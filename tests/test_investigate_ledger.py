@@ -1,0 +1,94 @@
+"""The investigation ledger: the example parses; malformed ledgers name file and line and exit 2."""
+
+from __future__ import annotations
+
+import pytest
+
+from needlescope.errors import BadInput
+from needlescope.investigate.example import EXAMPLE_LEDGER, write_example
+from needlescope.investigate.ledger import load_ledger, parse_ledger
+
+
+def test_example_ledger_parses(tmp_path):
+    ledger = load_ledger(write_example(tmp_path))
+    assert len(ledger.suspects) == 8
+    assert sorted({s.tier for s in ledger.suspects}) == [1, 2, 3]
+    assert [s.tier for s in ledger.ordered_suspects()] == sorted(s.tier for s in ledger.suspects)
+    by = {s.id: s for s in ledger.suspects}
+    assert by["index_keys_fp8"].setting_fields == (("index_k", "fp8_e4m3"),)
+    assert by["index_topk"].setting_fields == (("index_topk", 64),)
+    assert by["triton_paged_indexer"].patch.spec == "fault:indexer_page_table"
+    assert by["hc_mix_bf16"].patch.path == (tmp_path / "patches" / "hc_mix_bf16.py").resolve()
+    assert ledger.target.candidate.index_topk == 64 and ledger.target.candidate.patch.is_fault
+
+
+def _bad(tmp_path, text: str) -> str:
+    path = tmp_path / "investigation.toml"
+    write_example(tmp_path, force=True)
+    path.write_text(text)
+    with pytest.raises(BadInput) as exc:
+        load_ledger(path)
+    return str(exc.value)
+
+
+def test_toml_syntax_error_names_the_line(tmp_path):
+    text = EXAMPLE_LEDGER.replace('id = "routed_scaling"', 'id = "routed_scaling')
+    line = text.splitlines().index('id = "routed_scaling') + 1
+    msg = _bad(tmp_path, text)
+    assert f"investigation.toml:{line}:" in msg and "not valid TOML" in msg
+
+
+def test_unknown_question_type_is_refused_with_its_line(tmp_path):
+    text = EXAMPLE_LEDGER.replace('type = "config"               # Q2', 'type = "registry"             # Q2')
+    line = next(i for i, ln in enumerate(text.splitlines(), 1) if ln.startswith('type = "registry"'))
+    msg = _bad(tmp_path, text)
+    assert f":{line}:" in msg and "unknown question type 'registry'" in msg and "server_info" in msg
+
+
+def test_unknown_check_type_is_refused(tmp_path):
+    msg = _bad(tmp_path, EXAMPLE_LEDGER.replace('checks = ["audit:routed_scale"]', 'checks = ["audit:nope"]'))
+    assert "unknown check type 'audit:nope'" in msg and "ablation" in msg
+
+
+def test_missing_key_and_duplicate_id(tmp_path):
+    msg = _bad(
+        tmp_path, EXAMPLE_LEDGER.replace('hypothesis = "the rewritten MoE', 'hypo = "the rewritten MoE')
+    )
+    assert "missing key 'hypothesis'" in msg or "unknown key" in msg
+    msg = _bad(tmp_path, EXAMPLE_LEDGER.replace('id = "decode_splitk"', 'id = "hc_mix_bf16"'))
+    assert "appears twice" in msg
+
+
+def test_bad_setting_and_patch(tmp_path):
+    assert "fp7" in _bad(tmp_path, EXAMPLE_LEDGER.replace('setting = "k=fp8_e4m3"', 'setting = "k=fp7"'))
+    assert "does not exist" in _bad(
+        tmp_path, EXAMPLE_LEDGER.replace("patches/hc_mix_bf16.py", "patches/missing.py")
+    )
+    assert "needs exactly one of patch" in _bad(
+        tmp_path,
+        EXAMPLE_LEDGER.replace(
+            'setting = "acc=bf16"', 'setting = "acc=bf16"\npatch = "fault:indexer_key_slot"'
+        ),
+    )
+
+
+def test_parse_needs_target_and_suspects(tmp_path):
+    with pytest.raises(BadInput, match="missing \\[target\\]"):
+        parse_ledger("[symptom]\nlengths=[256]\n", tmp_path / "x.toml")
+
+
+def test_cli_malformed_ledger_exits_2(tmp_path, run_cli):
+    write_example(tmp_path)
+    (tmp_path / "investigation.toml").write_text(EXAMPLE_LEDGER.replace("tier = 2", 'tier = "two"', 1))
+    code, _, err = run_cli(
+        "investigate", "run", str(tmp_path / "investigation.toml"), "--out", str(tmp_path / "o")
+    )
+    assert code == 2 and "investigation.toml:" in err and "tier" in err
+
+
+def test_cli_init_writes_and_refuses_to_overwrite(tmp_path, run_cli):
+    code, out, _ = run_cli("investigate", "init", str(tmp_path))
+    assert code == 0 and (tmp_path / "investigation.toml").read_text() == EXAMPLE_LEDGER
+    assert (tmp_path / "patches" / "routed_scale_twice.py").is_file()
+    code, _, err = run_cli("investigate", "init", str(tmp_path))
+    assert code == 2 and "--force" in err

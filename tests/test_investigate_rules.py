@@ -1,0 +1,179 @@
+"""Pure rules: rank percentile, the uniformity test, collapse vs top-k, verdicts, fix labels."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from needlescope.investigate.signature import (
+    collapse_runs,
+    layer_ranking,
+    rank_percentile,
+    signature,
+    tracks_topk,
+)
+from needlescope.investigate.verdicts import (
+    classify_fix,
+    paired,
+    resolve_root_cause,
+    suspect_verdict,
+    validate_verdicts,
+)
+
+
+def test_rank_percentile_is_uniform_under_a_random_ranking():
+    rng = random.Random(0)
+    us = []
+    for _ in range(4000):
+        v, m = 128, 5
+        order = rng.sample(range(v), v)
+        needle = set(range(m))
+        j = next(i for i, e in enumerate(order) if e in needle)
+        us.append(rank_percentile(j + 1, v, m))
+    assert abs(sum(us) / len(us) - 0.5) < 0.02
+    assert abs(sum(u < 0.25 for u in us) / len(us) - 0.25) < 0.03
+    assert rank_percentile(1, 128, 5) < 0.03
+    with pytest.raises(ValueError):
+        rank_percentile(200, 128, 5)
+
+
+def _rec(ranks, correct=False, layer=1, visible=256):
+    return {
+        "correct": correct,
+        "analysed_source": "first wrong answer token"
+        if not correct
+        else "first answer token (answer correct)",
+        "analysed_token": 1 if not correct else 0,
+        "index_topk": 64,
+        "layers": [{"layer": layer, "best_rank": r, "visible": visible, "needle_visible": 5} for r in ranks],
+    }
+
+
+def test_layer_ranking_separates_uniform_from_informative():
+    rng = random.Random(1)
+    uniform = [_rec([rng.randint(1, 200)]) for _ in range(20)]
+    top = [_rec([rng.randint(1, 3)]) for _ in range(20)]
+    assert layer_ranking(uniform)[0]["uninformative"] is True
+    got = layer_ranking(top)[0]
+    assert got["uninformative"] is False and got["p_value"] < 0.05 and got["population"].startswith("failing")
+    few = layer_ranking([_rec([100])] * 3)
+    assert few == [] or few[0]["uninformative"] is False
+
+
+def test_collapse_tracks_topk():
+    runs = [
+        {"index_topk": 64, "compress_ratio": 4, "recall": {"256": 1.0, "512": 0.4, "1024": 0.1}},
+        {"index_topk": 128, "compress_ratio": 4, "recall": {"256": 1.0, "512": 1.0, "1024": 0.3}},
+    ]
+    out = collapse_runs(runs)
+    assert [r["consistent"] for r in out] == [True, True] and tracks_topk(out)
+    assert out[0]["last_holding"] == 256 and out[0]["first_collapsed"] == 512
+    runs[1]["recall"]["1024"] = 1.0
+    assert not tracks_topk(collapse_runs(runs))  # 1024 > 512 holds: the collapse did not track
+    rng = random.Random(2)
+    fired = signature(
+        [_rec([rng.randint(1, 200)]) for _ in range(20)],
+        runs[:1] + [{**runs[1], "recall": {"256": 1.0, "512": 1.0, "1024": 0.3}}],
+    )
+    assert fired["uninformative_ranking"] is True
+
+
+def test_paired_and_verdict_rules():
+    with_s = {f"c{i}": i % 2 == 0 for i in range(20)}  # 10 right
+    without = {f"c{i}": True for i in range(20)}
+    pair = paired(with_s, without)
+    assert (pair["b"], pair["c"], pair["n"]) == (10, 0, 20) and pair["p"] < 0.01
+    kw = dict(absent_by_question=None, blocked=[], ran_checks=1)
+    assert suspect_verdict(present=True, pair=pair, divergence=0.0, **kw)[0] == "implicated"
+    same = paired(without, without)
+    assert suspect_verdict(present=True, pair=same, divergence=0.2, **kw)[0] == "diverges_no_effect"
+    assert suspect_verdict(present=True, pair=same, divergence=0.0, **kw)[0] == "exonerated"
+    weak = paired({"a": False, "b": False, "c": True}, {"a": True, "b": True, "c": True})
+    assert suspect_verdict(present=True, pair=weak, divergence=0.0, **kw)[0] == "inconclusive"
+    assert (
+        suspect_verdict(
+            present=True, pair=None, divergence=None, absent_by_question=None, blocked=["x: no"], ran_checks=0
+        )[0]
+        == "blocked"
+    )
+    assert (
+        suspect_verdict(
+            present=True,
+            pair=pair,
+            divergence=None,
+            absent_by_question="env X answered '1'",
+            blocked=[],
+            ran_checks=0,
+        )[0]
+        == "exonerated"
+    )
+
+
+def test_root_cause_and_workaround():
+    strong = {"b": 10, "c": 0, "p": 0.002, "n": 20, "recall_with": 0.5, "recall_without": 1.0}
+    sus = [
+        {
+            "id": "page_table",
+            "verdict": "implicated",
+            "present": True,
+            "changes_topk": False,
+            "pair": strong,
+            "reason": "r",
+        },
+        {
+            "id": "index_topk",
+            "verdict": "implicated",
+            "present": True,
+            "changes_topk": True,
+            "pair": strong,
+            "reason": "r",
+        },
+        {
+            "id": "fp8",
+            "verdict": "exonerated",
+            "present": True,
+            "changes_topk": False,
+            "pair": strong,
+            "reason": "r",
+        },
+    ]
+    assert resolve_root_cause(sus, signature_fires=True) == "page_table"
+    assert sus[1]["verdict"] == "exonerated" and "workaround" in sus[1]["reason"]
+    alone = [dict(sus[1], verdict="implicated", reason="r")]
+    assert resolve_root_cause(alone, signature_fires=False) == "index_topk"
+    alone = [dict(sus[1], verdict="implicated", reason="r")]
+    assert resolve_root_cause(alone, signature_fires=True) is None and alone[0]["verdict"] == "inconclusive"
+    assert (
+        classify_fix(strong, removes="page_table", root_cause="page_table", keeps_topk=True)
+        == "root-cause fix"
+    )
+    assert classify_fix(strong, removes=None, root_cause="page_table", keeps_topk=False) == "workaround"
+    assert (
+        classify_fix(
+            {**strong, "b": 1, "p": 1.0}, removes="page_table", root_cause="page_table", keeps_topk=True
+        )
+        == "no effect"
+    )
+
+
+def test_verdicts_schema():
+    ok = {
+        "symptom": {},
+        "root_cause": None,
+        "signature": {"uninformative_ranking": False, "layers": [], "collapse_vs_topk": []},
+        "suspects": [
+            {
+                "id": "a",
+                "tier": 1,
+                "verdict": "exonerated",
+                "reason": "",
+                "evidence": [{"check": "x", "metric": "m", "value": 1.0, "threshold": None}],
+            }
+        ],
+    }
+    validate_verdicts(ok)
+    with pytest.raises(ValueError, match="verdict"):
+        validate_verdicts({**ok, "suspects": [{**ok["suspects"][0], "verdict": "guilty"}]})
+    with pytest.raises(ValueError, match="root_cause"):
+        validate_verdicts({**ok, "root_cause": "b"})
