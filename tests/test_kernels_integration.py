@@ -7,13 +7,8 @@ dimensions). Here the kernels run under TRITON_INTERPRET=1 at small sizes.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
 
 pytest.importorskip("triton")
 
