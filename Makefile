@@ -14,8 +14,12 @@ $(STAMP): pyproject.toml constraints.txt
 
 install: $(STAMP)
 
+# The investigation of the organism's deployment-like setting (fp8 keys, top-64, page-table
+# fault): the example ledger, run from scratch; ends with demo-out/DIAGNOSIS.md and .html.
 demo: $(STAMP)
-	PYTHONPATH=$(CURDIR)/src HF_HUB_OFFLINE=1 $(BIN)/needlescope demo --out demo-out
+	rm -rf demo-out
+	PYTHONPATH=$(CURDIR)/src HF_HUB_OFFLINE=1 $(BIN)/needlescope investigate init demo-out
+	PYTHONPATH=$(CURDIR)/src HF_HUB_OFFLINE=1 $(BIN)/needlescope investigate run demo-out/investigation.toml --out demo-out
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests bench

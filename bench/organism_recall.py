@@ -23,8 +23,9 @@ import torch
 
 from needlescope.cases.assemble import CaseSpec, build_cases
 from needlescope.cases.scoring import score_answer
-from needlescope.dsa.emulate import Numerics, emulate
-from needlescope.organism.bundle import load_bundle, trained_value_digits
+from needlescope.dsa.checkpoint import load_bundle, trained_value_digits
+from needlescope.dsa.emulate import emulate
+from needlescope.setting import Setting  # noqa: E402
 
 
 def _count(tokenizer):
@@ -111,10 +112,10 @@ def main() -> None:
         setting, _, patch = setting.partition("@")
         name, k, q, topk, *rot = setting.split(":")
         hadamard = {"rot": True, "norot": False}[rot[0]] if rot else None
-        numerics = Numerics(index_k=k, index_q=q, index_topk=int(topk), hadamard=hadamard)
+        numerics = Setting(index_k=k, index_q=q, index_topk=int(topk), hadamard=hadamard, patch=patch or None)
         t1 = time.time()
         cells: dict[str, list[int]] = {}
-        with emulate(model, numerics, patch=patch or None):
+        with emulate(model, numerics):
             for group in by_len.values():
                 for c, ans in zip(
                     group, _answers(model, tokenizer, group, args.device, args.batch, 12), strict=True

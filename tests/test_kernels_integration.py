@@ -12,11 +12,13 @@ import torch
 
 pytest.importorskip("triton")
 
-from needlescope.dsa.emulate import IndexerCapture, Numerics, emulate, scores_backend  # noqa: E402
+from needlescope.organism.bundle import load_bundle, save_random  # noqa: E402
+
+from needlescope.dsa.emulate import IndexerCapture, emulate, scores_backend  # noqa: E402
 from needlescope.dsa.synthetic import SyntheticConfig, parse_precisions, run_synthetic  # noqa: E402
 from needlescope.errors import BadInput  # noqa: E402
 from needlescope.kernels.scoring import kernel_backend, scores_factory  # noqa: E402
-from needlescope.organism.bundle import load_bundle, save_random  # noqa: E402
+from needlescope.setting import Setting  # noqa: E402
 
 
 def _strip(result: dict) -> list[dict]:
@@ -45,7 +47,7 @@ def test_model_indexer_scores_and_selections_match_through_the_kernel(tmp_path) 
     path = save_random(tmp_path / "m", seed=0, hidden_size=64, moe_intermediate_size=64)
     model, _, _ = load_bundle(path)
     ids = torch.randint(10, 3000, (1, 96), generator=torch.Generator().manual_seed(1))
-    numerics = Numerics(index_k="fp8_e4m3", index_q="fp8_e4m3", index_topk=4)
+    numerics = Setting(index_k="fp8_e4m3", index_q="fp8_e4m3", index_topk=4)
     runs = []
     for factory in (None, scores_factory("triton")):
         cap = IndexerCapture(keep_scores=True)

@@ -9,11 +9,13 @@ from rich.console import Console
 
 from needlescope.cli import indexer_diff, indexer_rank  # noqa: F401  (they register their commands)
 from needlescope.cli.audit import audit_command
+from needlescope.cli.compare import compare_command
 from needlescope.cli.demo import demo_command
 from needlescope.cli.indexer import indexer_app
 from needlescope.cli.investigate import investigate_app
 from needlescope.cli.organism import organism_app
 from needlescope.cli.probe import probe_command
+from needlescope.cli.replay import replay_command
 from needlescope.cli.serve import serve_command
 from needlescope.errors import BadInput
 
@@ -25,6 +27,8 @@ app = typer.Typer(
 )
 app.command("probe")(probe_command)
 app.command("demo")(demo_command)
+app.command("compare")(compare_command)
+app.command("replay")(replay_command)
 app.add_typer(organism_app, name="organism")
 app.add_typer(indexer_app, name="indexer")
 app.command("serve")(serve_command)

@@ -1,9 +1,9 @@
 """Differential localization: run a reference and a candidate model on one prompt, find where they part.
 
 The reference and the candidate are the same weights loaded twice. The reference runs with
-fp32 indexer numerics (``Numerics(index_topk=candidate.index_topk)``: ``index_topk`` is a
+fp32 indexer numerics (``Setting(index_topk=candidate.index_topk)``: ``index_topk`` is a
 selection setting, not a precision, so both sides select the same number of entries); the
-candidate runs under ``emulate(candidate, numerics, patch=...)``. Forward hooks on every
+candidate runs under ``emulate(candidate, setting)`` (its numerics and its patch). Forward hooks on every
 sub-module record the module's first output tensor (the output itself, or the first tensor
 of a tuple or of a ``ModelOutput``) and every floating-point tensor among its inputs
 (positional and keyword, looking two levels into tuples, lists and dicts). Rows are listed
@@ -94,14 +94,16 @@ import json
 import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
-from needlescope.dsa.emulate import SCORE_DTYPES, IndexerCapture, Numerics, csa_indexers, emulate
+from needlescope.dsa.emulate import ACC_DTYPES, IndexerCapture, csa_indexers, emulate
 from needlescope.dsa.prompt import covering_entries
 from needlescope.dsa.quant import get_quantizer, hadamard_128
 from needlescope.dsa.rankdump import needle_rank_stats, selected_in
+from needlescope.dsa.reference import visible_entries
+from needlescope.schema import check_schema
+from needlescope.setting import Setting
 
 __all__ = [
     "DEFAULT_GROWTH",
@@ -113,6 +115,7 @@ __all__ = [
     "localize",
     "diff_to_json",
     "render_diff_md",
+    "validate_diff",
 ]
 
 DEFAULT_GROWTH = 4.0
@@ -359,13 +362,13 @@ def _quant_error(x: torch.Tensor, name: str, rotate: bool) -> float:
 
 
 def _visible(positions: torch.Tensor, ratio: int) -> torch.Tensor:
-    return (positions.reshape(-1).long() + 1) // ratio  # [N]
+    return visible_entries(positions.reshape(-1).long(), ratio)  # [N]
 
 
 def _compare(
     ref_rows: list[_Row],
     cand_rows: list[_Row],
-    numerics: Numerics,
+    numerics: Setting,
     growth: float,
     ratio: int,
     topk_of: dict[str, int],
@@ -397,7 +400,7 @@ def _compare(
             q, k = cand.inputs[0], cand.inputs[1]
             rotate = numerics.rotates and q.shape[-1] == 128
             eps = _quant_error(q, numerics.index_q, rotate) + _quant_error(k, numerics.index_k, rotate)
-            floor = growth * (eps + unit_roundoff(SCORE_DTYPES[numerics.score_dtype]))
+            floor = growth * (eps + unit_roundoff(ACC_DTYPES[numerics.score_dtype]))
         elif ref.kind == "indexer_selection":
             scorer_key = _child_key(ref.key, "scorer")
             scorer_exp = expected_of.get(scorer_key, 0.0)
@@ -466,7 +469,7 @@ def _needle_rank(capture: IndexerCapture, layer: int, query_pos: int, entries: l
     if len(hits) == 0:
         return None, None, []
     i = int(hits[0])
-    visible = (query_pos + 1) // ratio
+    visible = visible_entries(query_pos, ratio)
     ne = [e for e in entries if e < visible]
     if not ne or visible < 1:
         return None, None, ne
@@ -481,11 +484,10 @@ def localize(
     candidate: torch.nn.Module,
     input_ids: torch.Tensor,
     *,
-    numerics: Numerics,
-    patch: str | Path | None = None,
+    setting: Setting,
     needle_span: tuple[int, int] | None = None,
     growth: float = DEFAULT_GROWTH,
-    reference_numerics: Numerics | None = None,
+    reference_setting: Setting | None = None,
 ) -> dict:
     """Run both models on ``input_ids`` [1, T] and return the ``diff.json`` object (module docstring).
 
@@ -496,7 +498,8 @@ def localize(
         raise ValueError(f"input_ids must be [1, T], got shape {tuple(input_ids.shape)}")
     if not growth >= 1.0:
         raise ValueError(f"growth must be >= 1, got {growth}")
-    ref_num = reference_numerics or Numerics(index_topk=numerics.index_topk)
+    numerics = setting
+    ref_num = reference_setting or Setting(index_topk=setting.index_topk)
     T = int(input_ids.shape[1])
     ref_cap, cand_cap = IndexerCapture(keep_scores=True), IndexerCapture(keep_scores=True)
     ratio = csa_indexers(reference)[0][1].compress_rate
@@ -509,7 +512,7 @@ def localize(
                 if type(mod).__name__ == _INDEXER
             }
             reference(input_ids=input_ids.to(_device(reference)), use_cache=False)
-        with emulate(candidate, numerics, capture=cand_cap, patch=patch), _Recorder(candidate) as rec_cand:
+        with emulate(candidate, setting, capture=cand_cap), _Recorder(candidate) as rec_cand:
             cand_topk_by_layer = {layer: int(idx.index_topk) for layer, idx in csa_indexers(candidate)}
             candidate(input_ids=input_ids.to(_device(candidate)), use_cache=False)
     modules, unmatched = _compare(rec_ref.rows, rec_cand.rows, numerics, growth, ratio, topk_of)
@@ -550,9 +553,9 @@ def localize(
         "modules": modules,
         "first_divergent_module": first,
         "layers": layer_rows,
-        "numerics": numerics.to_dict(),
-        "reference_numerics": ref_num.to_dict(),
-        "patch": None if patch is None else str(patch),
+        "numerics": numerics.numerics_json(),
+        "reference_numerics": ref_num.numerics_json(),
+        "patch": None if setting.patch is None else setting.patch.spec,
         "prompt_tokens": T,
         "needle_token_span": None if needle_span is None else [int(needle_span[0]), int(needle_span[1])],
         "query_pos": query_pos,
@@ -576,6 +579,11 @@ def _finite(x):
     if isinstance(x, list):
         return [_finite(v) for v in x]
     return x
+
+
+def validate_diff(obj: dict) -> None:
+    """Raise ValueError unless ``obj`` (as ``localize`` returns it) follows DIFF_SCHEMA."""
+    check_schema(obj, DIFF_SCHEMA, "diff")
 
 
 def diff_to_json(obj: dict) -> str:

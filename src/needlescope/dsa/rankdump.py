@@ -53,10 +53,12 @@ from pathlib import Path
 import torch
 
 from needlescope.cases.scoring import score_answer
-from needlescope.dsa.emulate import REFERENCE, IndexerCapture, Numerics, csa_indexers, emulate
-from needlescope.dsa.prompt import covering_entries, needle_token_span, render_prompt
+from needlescope.dsa.emulate import IndexerCapture, csa_indexers, emulate
+from needlescope.dsa.prompt import covering_entries, render_prompt, resolve_needle_span
+from needlescope.dsa.reference import visible_entries
 from needlescope.errors import BadInput
 from needlescope.schema import check_schema
+from needlescope.setting import REFERENCE, Setting
 
 __all__ = [
     "DEFAULT_MAX_NEW_TOKENS",
@@ -256,14 +258,13 @@ def rank_dump(
     *,
     needle: str | None = None,
     needle_span: tuple[int, int] | None = None,
-    numerics: Numerics = REFERENCE,
-    patch: str | Path | None = None,
+    setting: Setting = REFERENCE,
     query_positions: Sequence[int] | None = None,
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
     expected: Sequence[str] | None = None,
     label: str = "",
 ) -> dict:
-    """Run ``model`` on ``messages`` under ``numerics`` (and ``patch``) and dump the needle's ranks.
+    """Run ``model`` on ``messages`` under ``setting`` (numerics and patch) and dump the needle's ranks.
 
     The needle is given as text (its first and only occurrence in the rendered prompt) or as an
     explicit [start, end) token span. ``query_positions=None`` runs greedy generation for up to
@@ -273,16 +274,7 @@ def rank_dump(
     """
     prompt = render_prompt(tokenizer, messages)
     P = len(prompt.input_ids)
-    if needle_span is not None:
-        start, end = (int(needle_span[0]), int(needle_span[1]))
-        if not 0 <= start < end <= P:
-            raise BadInput(
-                f"needle span {start}:{end} is not a non-empty token range inside the {P}-token prompt"
-            )
-    elif needle is not None:
-        start, end = needle_token_span(prompt, needle)
-    else:
-        raise BadInput("give the needle as text (--needle) or as a token span (--needle-span START:END)")
+    start, end = resolve_needle_span(prompt, needle, needle_span)
     if max_new_tokens < 1:
         raise BadInput(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if query_positions is not None:
@@ -294,7 +286,7 @@ def rank_dump(
     ids = torch.tensor([prompt.input_ids], device=next(model.parameters()).device)
     capture = IndexerCapture(keep_scores=True)
     generated: list[int] = []
-    with torch.no_grad(), emulate(model, numerics, capture=capture, patch=patch) as layers:
+    with torch.no_grad(), emulate(model, setting, capture=capture) as layers:
         indexer = csa_indexers(model)[0][1]
         index_topk = int(indexer.index_topk)
         ratio = int(indexer.compress_rate)
@@ -320,7 +312,7 @@ def rank_dump(
             if t not in row_of:
                 raise RuntimeError(f"layer {layer}: no indexer row was captured for query position {t}")
             i = row_of[t]
-            visible = (t + 1) // ratio
+            visible = visible_entries(t, ratio)
             ne = [e for e in entries if e < visible]
             if not ne:
                 unseen.append(t)
@@ -347,10 +339,10 @@ def rank_dump(
     return {
         "index_topk": index_topk,
         "numerics": {
-            "index_k": numerics.index_k,
-            "index_q": numerics.index_q,
-            "score_dtype": numerics.score_dtype,
-            "hadamard": numerics.rotates,
+            "index_k": setting.index_k,
+            "index_q": setting.index_q,
+            "score_dtype": setting.score_dtype,
+            "hadamard": setting.rotates,
         },
         "prompt_tokens": P,
         "needle_token_span": [start, end],
@@ -361,7 +353,7 @@ def rank_dump(
         "answer_correct": (
             score_answer(text, list(expected)) if expected is not None and generated else None
         ),
-        "patch": str(patch) if patch is not None else None,
+        "patch": None if setting.patch is None else setting.patch.spec,
         "label": label,
         "layers": out_layers,
     }

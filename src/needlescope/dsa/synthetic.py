@@ -25,9 +25,9 @@ cutoff, so small margins probe the selection boundary). A negative margin plants
 below its reference point.
 
 For each precision triple (``index_k``, ``index_q``, ``score_dtype``, names of
-``quant.QUANTIZERS`` and ``emulate.SCORE_DTYPES``) the same trial is re-scored with
+``setting.PRECISIONS`` and ``setting.SCORE_DTYPES``) the same trial is re-scored with
 fake-quantised keys and queries (Hadamard-rotated first whenever a side is fp4, as
-``emulate.Numerics`` does) and the needle's rank is counted pessimistically: 1 + the number
+``Setting.rotates`` says) and the needle's rank is counted pessimistically: 1 + the number
 of distractors scoring >= the needle. It is kept when rank <= k. Trials are seeded
 (from ``seed``, the trial number and L), so a grid is reproducible for one device and chunk size.
 
@@ -54,12 +54,15 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from needlescope.analysis.stats import wilson_interval
-from needlescope.dsa.emulate import SCORE_DTYPES, Numerics, scoring_function
+from needlescope.dsa.emulate import ACC_DTYPES, scoring_function
 from needlescope.dsa.quant import get_quantizer, hadamard_128
 from needlescope.dsa.reference import lightning_scores
 from needlescope.errors import BadInput
+from needlescope.schema import check_schema
+from needlescope.setting import Setting
 
 __all__ = [
+    "validate_synthetic",
     "Precision",
     "SyntheticConfig",
     "SYNTHETIC_SCHEMA",
@@ -97,8 +100,8 @@ SYNTHETIC_SCHEMA: dict = {
 }
 
 
-# A precision is an indexer ``Numerics`` whose ``index_topk`` synthetic mode sets itself.
-Precision = Numerics
+# A precision is an indexer ``Setting`` whose ``index_topk`` synthetic mode sets itself.
+Precision = Setting
 
 
 def parse_precisions(text: str) -> tuple[Precision, ...]:
@@ -283,7 +286,7 @@ def make_trial(cfg: SyntheticConfig, entries: int, margin: float, trial: int) ->
 def needle_rank(trial: Trial, precision: Precision) -> torch.Tensor:
     """Pessimistic 1-based rank [T] of the needle under ``precision``: 1 + distractors scoring >= it."""
     qz, kz = get_quantizer(precision.index_q), get_quantizer(precision.index_k)
-    acc = SCORE_DTYPES[precision.score_dtype]
+    acc = ACC_DTYPES[precision.score_dtype]
     q = trial.q
     if precision.rotates:
         q = hadamard_128(q)
@@ -379,3 +382,8 @@ def render_synthetic_md(obj: dict) -> str:
         lines.append("")
     lines.append(f"Elapsed {obj.get('elapsed_s', 0):.2f} s.")
     return "\n".join(lines) + "\n"
+
+
+def validate_synthetic(obj: dict) -> None:
+    """Raise ValueError unless ``obj`` follows SYNTHETIC_SCHEMA."""
+    check_schema(obj, SYNTHETIC_SCHEMA, "synthetic")
