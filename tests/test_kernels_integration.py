@@ -12,13 +12,13 @@ import torch
 
 pytest.importorskip("triton")
 
-from needlescope.organism.bundle import load_bundle, save_random  # noqa: E402
-
+from needlescope.dsa.checkpoint import load_bundle  # noqa: E402
 from needlescope.dsa.emulate import IndexerCapture, emulate, scores_backend  # noqa: E402
 from needlescope.dsa.synthetic import SyntheticConfig, parse_precisions, run_synthetic  # noqa: E402
 from needlescope.errors import BadInput  # noqa: E402
 from needlescope.kernels.scoring import kernel_backend, scores_factory  # noqa: E402
 from needlescope.setting import Setting  # noqa: E402
+from needlescope.testing.checkpoints import save_random  # noqa: E402
 
 
 def _strip(result: dict) -> list[dict]:
