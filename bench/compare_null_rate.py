@@ -83,6 +83,8 @@ def main() -> None:
                 discordant += sum(x.a != x.b for x in pairs)
                 for st in stores:
                     st.close()
+                if (rep + 1) % 10 == 0:
+                    print(f"after {rep + 1} repetitions: {positives} false positive(s)", flush=True)
     finally:
         for proc in (pa, pb):
             proc.kill()

@@ -17,6 +17,7 @@ from needlescope.cli.organism import organism_app
 from needlescope.cli.probe import probe_command
 from needlescope.cli.replay import replay_command
 from needlescope.cli.serve import serve_command
+from needlescope.cli.watch import canary_command, health_command
 from needlescope.errors import BadInput
 
 app = typer.Typer(
@@ -34,6 +35,8 @@ app.add_typer(indexer_app, name="indexer")
 app.command("serve")(serve_command)
 app.add_typer(investigate_app, name="investigate")
 app.command("audit")(audit_command)
+app.command("health")(health_command)
+app.command("canary")(canary_command)
 
 err_console = Console(stderr=True)
 
