@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 import pytest
 
 from needlescope.serve.launch import ChildServer
 from needlescope.testing.servers import scripted
+
+# The Triton kernels run under Triton's interpreter in CI (no GPU). Triton reads this when it is
+# first imported (transformers may import it early), so it is set here, before any test module;
+# bench/indexer_gpu.sh sets NEEDLESCOPE_KERNEL_SHAPES=full to run them compiled on a GPU instead.
+if os.environ.get("NEEDLESCOPE_KERNEL_SHAPES") != "full":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture

@@ -168,6 +168,11 @@ def synthetic_command(
     seed: int = typer.Option(0, "--seed"),
     chunk: int = typer.Option(16384, "--chunk", help="Entries scored per chunk (bounds memory)."),
     device: str = typer.Option("cpu", "--device", help="cpu | cuda"),
+    kernel: str = typer.Option(
+        "auto",
+        "--kernel",
+        help="Scoring: auto (Triton on CUDA for bf16/fp8 precisions) | reference | triton.",
+    ),
     out: Path = typer.Option(Path("synthetic-out"), "--out", help="Output directory (synthetic.json, .md)."),
 ) -> None:
     """Plant a needle among random keys at real dimensions; measure how often each precision keeps it."""
@@ -178,6 +183,7 @@ def synthetic_command(
         run_synthetic,
         validate_synthetic,
     )
+    from needlescope.kernels.scoring import kernel_backend
 
     cfg = SyntheticConfig(
         entries=parse_int_list(entries, "--entries"),
@@ -195,7 +201,8 @@ def synthetic_command(
         device=device,
     )
     check_out_dir(out)
-    result = run_synthetic(cfg)
+    with kernel_backend(kernel, device):
+        result = run_synthetic(cfg)
     validate_synthetic(result)
     _write(out, "synthetic.json", json.dumps(result, indent=2))
     md = render_synthetic_md(result)

@@ -167,6 +167,11 @@ def sweep_command(
     ),
     patch: Patch = None,
     device: str = typer.Option("cpu", "--device", help="cpu | cuda | cuda:N"),
+    kernel: str = typer.Option(
+        "auto",
+        "--kernel",
+        help="Indexer scoring: auto (Triton on CUDA where it applies) | reference | triton.",
+    ),
     out: Path = typer.Option(..., "--out", help="Output directory."),
 ) -> None:
     """Grid of precision x index_topk x length: needle selection rate, answer recall, cheapest fix."""
@@ -179,6 +184,7 @@ def sweep_command(
         trained_value_digits,
     )
     from needlescope.dsa.sweep import SweepConfig, render_sweep_md, run_sweep, validate_sweep
+    from needlescope.kernels.scoring import kernel_backend
 
     cfg = SweepConfig(
         lengths=parse_int_list(lengths, "--lengths"),
@@ -208,7 +214,8 @@ def sweep_command(
         def on_progress(done: int, total: int) -> None:
             progress.update(task, completed=done, total=total)
 
-        result = run_sweep(mdl, tokenizer, cfg, model_label=str(path), on_progress=on_progress)
+        with kernel_backend(kernel, device):
+            result = run_sweep(mdl, tokenizer, cfg, model_label=str(path), on_progress=on_progress)
     validate_sweep(result)
     out.mkdir(parents=True, exist_ok=True)
     (out / "sweep.json").write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")

@@ -67,6 +67,17 @@ def serve_command(
     served_model_name: str = typer.Option(None, "--served-model-name", help="Name in /v1/models."),
     device: str = typer.Option(_DEFAULTS.device, "--device", help="cpu | cuda | cuda:N"),
     threads: int = typer.Option(_DEFAULTS.threads, "--threads", help="torch intra-op threads."),
+    kernel: str = typer.Option(
+        _DEFAULTS.kernel,
+        "--kernel",
+        help="Indexer scoring: auto (Triton on CUDA where it applies) | reference | triton.",
+    ),
+    kernel_fault: str = typer.Option(
+        None,
+        "--kernel-fault",
+        hidden=True,
+        help="Debug: run a kernel fault (indexer_key_slot) in the Triton kernel.",
+    ),
     api_key: str = typer.Option(
         None,
         "--api-key",

@@ -30,6 +30,10 @@ zero-argument callable that undoes it, which ``emulate`` calls on exit. ``wrap_s
 helper most patches need. A patch file runs arbitrary Python with the caller's rights; its
 module body executes exactly once per process (``load_patch`` caches it by file), however many
 times a setting carrying it is applied.
+
+``scores_backend(factory)`` swaps the scoring math for the calls entered inside it: ``factory``
+maps (index_k, index_q) to a function with ``lightning_scores``' signature (the Triton kernels:
+``needlescope.kernels.scoring.scores_factory``). ``dsa`` never imports the kernels itself.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ import hashlib
 import importlib.util
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 import torch
@@ -55,11 +60,33 @@ __all__ = [
     "csa_indexers",
     "emulate",
     "load_patch",
+    "scores_backend",
+    "scoring_function",
     "wrap_scorers",
 ]
 
 ACC_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 """torch dtype of each ``needlescope.setting.SCORE_DTYPES`` name."""
+
+ScoresFactory = Callable[[str, str], Callable[..., torch.Tensor]]
+_BACKEND: ContextVar[ScoresFactory | None] = ContextVar("needlescope_scores_backend", default=None)
+
+
+@contextmanager
+def scores_backend(factory: ScoresFactory | None) -> Iterator[None]:
+    """Inside the block, score with ``factory(index_k, index_q)`` instead of ``lightning_scores``
+    (None keeps the reference). Read when ``emulate`` is entered and by ``dsa.synthetic``."""
+    token = _BACKEND.set(factory)
+    try:
+        yield
+    finally:
+        _BACKEND.reset(token)
+
+
+def scoring_function(index_k: str, index_q: str) -> Callable[..., torch.Tensor]:
+    """The scorer in force for these precisions: the backend's, else ``lightning_scores``."""
+    factory = _BACKEND.get()
+    return lightning_scores if factory is None else factory(index_k, index_q)
 
 
 @dataclass
@@ -192,6 +219,7 @@ def load_patch(patch: PatchRef | str) -> Callable[[torch.nn.Module], object]:
 
 
 def _scorer_forward(scorer: torch.nn.Module, setting: Setting, stash: Callable | None) -> Callable:
+    scores_fn = scoring_function(setting.index_k, setting.index_q)
     quant_k = get_quantizer(setting.index_k)
     quant_q = get_quantizer(setting.index_q)
     acc = ACC_DTYPES[setting.score_dtype]
@@ -202,7 +230,7 @@ def _scorer_forward(scorer: torch.nn.Module, setting: Setting, stash: Callable |
         if setting.rotates:
             q32, k32 = hadamard_128(q32), hadamard_128(k32)
         w = scorer.weights_proj(hidden_states).float()  # [B, S, H]
-        scores = lightning_scores(
+        scores = scores_fn(
             quant_q(q32),
             quant_k(k32),
             w,
@@ -243,7 +271,7 @@ def emulate(
             stash = None
             if capture is not None and capture.keep_scores:
                 stash = _stasher(layer, capture)
-            if emulated or stash is not None:
+            if emulated or stash is not None or _BACKEND.get() is not None:
                 idx.scorer.forward = _scorer_forward(idx.scorer, setting, stash)
             if capture is not None:
                 handles.append(idx.register_forward_hook(_capture_hook(layer, capture), with_kwargs=True))

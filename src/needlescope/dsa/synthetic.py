@@ -54,7 +54,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from needlescope.analysis.stats import wilson_interval
-from needlescope.dsa.emulate import ACC_DTYPES
+from needlescope.dsa.emulate import ACC_DTYPES, scoring_function
 from needlescope.dsa.quant import get_quantizer, hadamard_128
 from needlescope.dsa.reference import lightning_scores
 from needlescope.errors import BadInput
@@ -218,11 +218,13 @@ def _scale(H: int, D: int) -> tuple[float, float]:
     return D**-0.5, H**-0.5
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
-    """q [T, H, D], k [c, D], w [T, H] -> fp32 scores [T, c]."""
+def _scores(
+    q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, acc: torch.dtype, fn=lightning_scores
+) -> torch.Tensor:
+    """q [T, H, D], k [c, D], w [T, H] -> fp32 scores [T, c] (``fn``: lightning_scores or a kernel backend)."""
     H, D = q.shape[-2], q.shape[-1]
     scale, wscale = _scale(H, D)
-    return lightning_scores(q, k, w, scale=scale, weight_scale=wscale, acc_dtype=acc).float()
+    return fn(q, k, w, scale=scale, weight_scale=wscale, acc_dtype=acc).float()
 
 
 def _row_stats(trial_q, trial_w, chunks, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -293,10 +295,11 @@ def needle_rank(trial: Trial, precision: Precision) -> torch.Tensor:
     def keys(k: torch.Tensor) -> torch.Tensor:
         return kz(hadamard_128(k) if precision.rotates else k)
 
-    needle_score = _scores(q, keys(trial.needle_key.view(1, -1)), trial.w, acc)[:, 0]  # [T]
+    fn = scoring_function(precision.index_k, precision.index_q)  # the kernels under scores_backend
+    needle_score = _scores(q, keys(trial.needle_key.view(1, -1)), trial.w, acc, fn)[:, 0]  # [T]
     above = torch.zeros_like(needle_score, dtype=torch.long)
     for start, kc in trial.key_chunks():
-        s = _scores(q, keys(kc), trial.w, acc)  # [T, c]
+        s = _scores(q, keys(kc), trial.w, acc, fn)  # [T, c]
         ge = s >= needle_score.view(-1, 1)
         if start <= trial.needle_index < start + kc.shape[0]:
             ge[:, trial.needle_index - start] = False

@@ -56,6 +56,10 @@ class ServeConfig:
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     """Cap on generated tokens per request (also the default when a request gives none)."""
     device: str = "cpu"
+    kernel: str = "auto"
+    """Indexer scoring: auto (Triton on CUDA where the precisions allow) | reference | triton."""
+    kernel_fault: str | None = None
+    """Debug: run a kernel fault of ``needlescope.kernels.KERNEL_FAULTS`` (needs kernel=triton)."""
     threads: int = 1
     """torch intra-op threads. One is fastest for the toy organism (dispatch-bound, and it leaves
     cores free for the HTTP loop and for other processes)."""
@@ -88,6 +92,14 @@ class ServeConfig:
             )
         if self.threads < 1:
             raise BadInput(f"--threads must be at least 1; got {self.threads}")
+        from needlescope.kernels import KERNEL_FAULTS, KERNELS
+
+        if self.kernel not in KERNELS:
+            raise BadInput(f"--kernel must be one of {', '.join(KERNELS)}; got {self.kernel!r}")
+        if self.kernel_fault is not None and (
+            self.kernel != "triton" or self.kernel_fault not in KERNEL_FAULTS
+        ):
+            raise BadInput(f"--kernel-fault needs --kernel triton and one of {', '.join(KERNEL_FAULTS)}")
         if self.max_body_bytes < 1024:
             raise BadInput(f"--max-body-bytes must be at least 1024; got {self.max_body_bytes}")
         if self.api_key is not None and not self.api_key.strip():

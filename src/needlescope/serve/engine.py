@@ -125,9 +125,13 @@ class Engine:
         if self.is_v4:
             self.numerics = cfg.setting or REFERENCE
             self.capture = IndexerCapture()
-            self.csa_layers = self._stack.enter_context(
-                emulate(self.model, self.numerics, capture=self.capture)
-            )
+            from needlescope.kernels.scoring import kernel_backend
+
+            # The scorers that emulate installs keep the backend in force when entering them.
+            with kernel_backend(cfg.kernel, cfg.device, cfg.kernel_fault):
+                self.csa_layers = self._stack.enter_context(
+                    emulate(self.model, self.numerics, capture=self.capture)
+                )
             self.index_topk = self.numerics.index_topk or int(mcfg.index_topk)
         elif cfg.setting is not None:
             raise BadInput(
