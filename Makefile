@@ -14,8 +14,12 @@ $(STAMP): pyproject.toml constraints.txt
 
 install: $(STAMP)
 
+# The investigation of the organism's deployment-like setting (fp8 keys, top-64, page-table
+# fault): the example ledger, run from scratch; ends with demo-out/DIAGNOSIS.md and .html.
 demo: $(STAMP)
-	PYTHONPATH=$(CURDIR)/src HF_HUB_OFFLINE=1 $(BIN)/needlescope demo --out demo-out
+	rm -rf demo-out
+	PYTHONPATH=$(CURDIR)/src HF_HUB_OFFLINE=1 $(BIN)/needlescope investigate init demo-out
+	PYTHONPATH=$(CURDIR)/src HF_HUB_OFFLINE=1 $(BIN)/needlescope investigate run demo-out/investigation.toml --out demo-out
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests bench
@@ -25,12 +29,13 @@ format: $(STAMP)
 	$(BIN)/ruff format src tests bench
 	$(BIN)/ruff check --fix src tests bench
 
-# System packages the tests need (headless Chromium screenshots DIAGNOSIS.html); skipped when present.
-DEB_PACKAGES := chromium
+# System packages the tests need, skipped when present: headless Chromium screenshots
+# DIAGNOSIS.html; Debian's prometheus (and its promtool) scrapes the canary in the watch tests.
+DEB_PACKAGES := chromium prometheus
 deps:
-	@command -v chromium >/dev/null 2>&1 || { \
+	@command -v chromium >/dev/null 2>&1 && command -v prometheus >/dev/null 2>&1 && command -v promtool >/dev/null 2>&1 || { \
 		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
-		$$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq $(DEB_PACKAGES); }
+		$$SUDO apt-get update -qq && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(DEB_PACKAGES); }
 
 test: $(STAMP) deps lint
 	PYTHONPATH=$(CURDIR)/src HF_HUB_OFFLINE=1 $(BIN)/pytest -q -n 2 tests

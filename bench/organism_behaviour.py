@@ -22,21 +22,20 @@ from pathlib import Path
 import httpx
 import torch
 
-from needlescope.dsa.emulate import Numerics
-from needlescope.organism.bundle import resolve_model_dir, trained_value_digits
-from needlescope.organism.demo import Setting, default_fixes, explain_failure, serve_args
+from needlescope.dsa.checkpoint import resolve_model_dir, trained_value_digits
+from needlescope.investigate import explain
 from needlescope.report.diagnosis import recall_by_length
 from needlescope.run.config import ProbeConfig, parse_float_list, parse_int_list
 from needlescope.run.probe import run_probe
+from needlescope.serve.config import ServeConfig
 from needlescope.serve.launch import ServerProcess
+from needlescope.setting import Setting
 
 
-def _setting(spec: str) -> tuple[str, Numerics | None, str | None]:
+def _setting(spec: str) -> tuple[str, Setting]:
     spec, _, patch = spec.partition("@")
     name, k, topk = spec.split(":")
-    if k == "fp32" and topk == "-":
-        return name, None, patch or None
-    return name, Numerics(index_k=k, index_topk=None if topk == "-" else int(topk)), patch or None
+    return name, Setting(index_k=k, index_topk=None if topk == "-" else int(topk), patch=patch or None)
 
 
 def main() -> None:
@@ -70,14 +69,21 @@ def main() -> None:
     }
     setting_of = {}
     for spec in args.settings:
-        name, numerics, patch = _setting(spec)
-        setting_of[name] = Setting(numerics or Numerics(), patch)
+        name, setting = _setting(spec)
+        setting_of[name] = setting
         t0 = time.monotonic()
-        extra = ["--max-running-requests", str(args.concurrency), "--max-queued-requests", "4096"]
-        extra += ["--max-prefill-tokens", "65536"]
-        with ServerProcess(
-            serve_args(str(path), numerics, 4, args.device, patch) + extra, timeout=300
-        ) as srv:
+        cfg = ServeConfig(
+            model=str(path),
+            served_model_name="organism",
+            setting=setting,
+            port=0,
+            threads=4,
+            device=args.device,
+            max_running_requests=args.concurrency,
+            max_queued_requests=4096,
+            max_prefill_tokens=65536,
+        )
+        with ServerProcess(cfg, timeout=300) as srv:
             info = httpx.get(f"{srv.url}/get_server_info", timeout=30).json()
             summary = run_probe(
                 ProbeConfig(
@@ -109,16 +115,16 @@ def main() -> None:
         reference = args.settings[0].split(":")[0]
         deployment = setting_of[args.explain]
         (args.out / "explain").mkdir(exist_ok=True)
-        explain_failure(
-            path,
-            args.out / "explain",
+        ecfg = explain.ExplainConfig(
+            model=path,
             reference_dir=args.out / reference,
             deployment_dir=args.out / args.explain,
             deployment=deployment,
-            fixes=default_fixes(deployment),
-            on_phase=lambda name, info: print("phase", name, info, flush=True),
+            fixes=explain.default_fixes(deployment),
             device=args.device,
         )
+        result = explain.run(ecfg, lambda name, info: print("phase", name, info, flush=True))
+        explain.write(result, args.out / "explain")
 
 
 if __name__ == "__main__":

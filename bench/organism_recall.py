@@ -24,8 +24,9 @@ import torch
 
 from needlescope.cases.assemble import CaseSpec, build_cases
 from needlescope.cases.scoring import score_answer
-from needlescope.dsa.emulate import Numerics, apply_patch_once, emulate, patched_for_good
-from needlescope.organism.bundle import load_bundle, trained_value_digits
+from needlescope.dsa.checkpoint import load_bundle, trained_value_digits
+from needlescope.dsa.emulate import emulate, patched_for_good
+from needlescope.setting import Setting  # noqa: E402
 
 
 def _count(tokenizer):
@@ -112,25 +113,21 @@ def main() -> None:
         setting, _, patch = setting.partition("@")
         name, k, q, topk, *rot = setting.split(":")
         hadamard = {"rot": True, "norot": False}[rot[0]] if rot else None
-        numerics = Numerics(index_k=k, index_q=q, index_topk=int(topk), hadamard=hadamard)
+        numerics = Setting(index_k=k, index_q=q, index_topk=int(topk), hadamard=hadamard, patch=patch or None)
         t1 = time.time()
         cells: dict[str, list[int]] = {}
         if patched_for_good(model):
-            # The previous setting's patch returned no undo: it would leak into this one.
+            # The previous setting's patch returned no undo (emulate applied it once and marked
+            # the model): it would leak into this setting, so load a fresh model.
             model = load_bundle(args.model, device=args.device)[0]
         with emulate(model, numerics):
-            undo = apply_patch_once(model, patch) if patch else None
-            try:
-                for group in by_len.values():
-                    for c, ans in zip(
-                        group, _answers(model, tokenizer, group, args.device, args.batch, 12), strict=True
-                    ):
-                        cell = cells.setdefault(f"{c.length}:{c.depth:g}", [0, 0])
-                        cell[0] += int(score_answer(ans, c.expected))
-                        cell[1] += 1
-            finally:
-                if undo is not None:
-                    undo()
+            for group in by_len.values():
+                for c, ans in zip(
+                    group, _answers(model, tokenizer, group, args.device, args.batch, 12), strict=True
+                ):
+                    cell = cells.setdefault(f"{c.length}:{c.depth:g}", [0, 0])
+                    cell[0] += int(score_answer(ans, c.expected))
+                    cell[1] += 1
         per_len: dict[str, list[int]] = {}
         for key, (hit, n) in cells.items():
             agg = per_len.setdefault(key.split(":")[0], [0, 0])

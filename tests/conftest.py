@@ -2,39 +2,38 @@
 
 from __future__ import annotations
 
-import subprocess
+import os
 import sys
 
 import pytest
+
+from needlescope.serve.launch import ChildServer
+from needlescope.testing.servers import scripted
+
+# The Triton kernels run under Triton's interpreter in CI (no GPU). Triton reads this when it is
+# first imported (transformers may import it early), so it is set here, before any test module;
+# bench/indexer_gpu.sh sets NEEDLESCOPE_KERNEL_SHAPES=full to run them compiled on a GPU instead.
+if os.environ.get("NEEDLESCOPE_KERNEL_SHAPES") != "full":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture
 def scripted_server():
     """Factory: ``scripted_server(window=500, fail_every=3, ...)`` -> "http://127.0.0.1:PORT".
 
-    Keyword options map to the server's flags (underscores become dashes). All started servers
-    are killed at teardown.
+    Keyword options map to the server's flags (``needlescope.testing.servers.scripted``). All
+    started servers are stopped at teardown.
     """
-    procs: list[subprocess.Popen] = []
+    started: list[ChildServer] = []
 
     def start(**opts: object) -> str:
-        opts.setdefault("window", 10_000)
-        args = [sys.executable, "-m", "needlescope.testing.scripted_server", "--port", "0"]
-        for k, v in opts.items():
-            args += ["--" + k.replace("_", "-"), str(v)]
-        proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        procs.append(proc)
-        line = proc.stdout.readline() if proc.stdout else ""
-        if not line.startswith("READY "):
-            proc.kill()
-            err = proc.stderr.read() if proc.stderr else ""
-            raise RuntimeError(f"scripted server did not start: {line!r} {err}")
-        return f"http://127.0.0.1:{int(line.split()[1])}"
+        server = scripted(**opts)
+        started.append(server)
+        return server.start().url
 
     yield start
-    for proc in procs:
-        proc.kill()
-        proc.wait(timeout=10)
+    for server in started:
+        server.stop()
 
 
 @pytest.fixture

@@ -16,8 +16,8 @@ from needlescope.dsa.prompt import render_prompt  # noqa: E402
 from needlescope.dsa.rankdump import validate_rankdump  # noqa: E402
 from needlescope.dsa.stability import validate_stability  # noqa: E402
 from needlescope.dsa.sweep import validate_sweep  # noqa: E402
-from needlescope.organism.bundle import save_random  # noqa: E402
 from needlescope.organism.config import TINY_OVERRIDES  # noqa: E402
+from needlescope.testing.checkpoints import save_random  # noqa: E402
 
 CLI = [sys.executable, "-m", "needlescope.cli.main", "indexer"]
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
@@ -132,7 +132,15 @@ def test_bad_inputs_exit_2_with_one_line(bundle, tmp_path):
     no_apply.write_text("def not_apply(model):\n    return None\n")
     base = ["rank-dump", "--prompt", str(prompts[0]), "--out", str(tmp_path / "o")]
     cases = {
-        "unknown quantizer 'fp5'": [*base, "--model", str(model), "--needle", NEEDLE, "--index-k", "fp5"],
+        "unknown key precision (index_k) 'fp5'": [
+            *base,
+            "--model",
+            str(model),
+            "--needle",
+            NEEDLE,
+            "--index-k",
+            "fp5",
+        ],
         "not found": [*base, "--model", str(model), "--needle", "The secret code of the blue whale is 1."],
         "'llama'": [*base, "--model", str(llama), "--needle", NEEDLE],
         "apply(model)": [*base, "--model", str(model), "--needle", NEEDLE, "--patch", str(no_apply)],

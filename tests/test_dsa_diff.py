@@ -11,6 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from needlescope.cases.haystack import VOCABULARY  # noqa: E402
+from needlescope.dsa.checkpoint import load_bundle  # noqa: E402
 from needlescope.dsa.diff import (  # noqa: E402
     DIFF_SCHEMA,
     localize,
@@ -20,11 +21,12 @@ from needlescope.dsa.diff import (  # noqa: E402
     selection_recall,
     swappable_fraction,
 )
-from needlescope.dsa.emulate import Numerics, csa_indexers  # noqa: E402
+from needlescope.dsa.emulate import csa_indexers  # noqa: E402
 from needlescope.dsa.prompt import needle_token_span, render_prompt  # noqa: E402
 from needlescope.errors import BadInput  # noqa: E402
-from needlescope.organism.bundle import load_bundle, save_random  # noqa: E402
 from needlescope.schema import check_schema  # noqa: E402
+from needlescope.setting import Setting  # noqa: E402
+from needlescope.testing.checkpoints import save_random  # noqa: E402
 
 NEEDLE = "The secret code is 4815927."
 
@@ -69,7 +71,7 @@ def noop_result(pair, tmp_path_factory):
     ref, fresh, ids, span = pair
     cand = fresh()
     patch = _patch(tmp_path_factory.mktemp("noop"), "def apply(model):\n    return None\n")
-    return localize(ref, cand, ids, numerics=Numerics(), patch=patch, needle_span=span)
+    return localize(ref, cand, ids, setting=Setting(patch=patch), needle_span=span)
 
 
 def test_noop_patch_is_bit_identical(noop_result):
@@ -115,7 +117,7 @@ def test_scaled_mlp_is_the_first_divergent_module(pair, tmp_path):
             return handle.remove
         """,
     )
-    result = localize(ref, cand, ids, numerics=Numerics(), patch=patch, needle_span=span)
+    result = localize(ref, cand, ids, setting=Setting(patch=patch), needle_span=span)
     assert result["first_divergent_module"] == "model.layers.3.mlp"
     names = [m["module"] for m in result["modules"]]
     at = names.index("model.layers.3.mlp")
@@ -125,11 +127,11 @@ def test_scaled_mlp_is_the_first_divergent_module(pair, tmp_path):
     # Layer 3's indexer runs before its MLP, so every CSA layer still selects identically.
     assert all(r["topk_overlap"] == 1.0 for r in result["layers"])
     # The hook is gone afterwards: the candidate runs clean again.
-    again = localize(ref, cand, ids, numerics=Numerics(), patch=_patch(tmp_path, "def apply(m):\n    pass\n"))
+    again = localize(ref, cand, ids, setting=Setting(patch=_patch(tmp_path, "def apply(m):\n    pass\n")))
     assert again["first_divergent_module"] is None
     # That patch returned no undo: the candidate is marked and may not be reused.
     with pytest.raises(BadInput, match="no undo"):
-        localize(ref, cand, ids, numerics=Numerics(index_k="bf16"))
+        localize(ref, cand, ids, setting=Setting(index_k="bf16"))
 
 
 def test_buggy_scorer_is_found_in_its_indexer(pair, tmp_path):
@@ -153,7 +155,7 @@ def test_buggy_scorer_is_found_in_its_indexer(pair, tmp_path):
             return undo
         """,
     )
-    result = localize(ref, cand, ids, numerics=Numerics(), patch=patch, needle_span=span)
+    result = localize(ref, cand, ids, setting=Setting(patch=patch), needle_span=span)
     assert result["first_divergent_module"] == "model.layers.3.self_attn.compressor.indexer.scorer"
     layers = {r["layer"]: r for r in result["layers"]}
     assert layers[1]["topk_overlap"] == 1.0
@@ -164,7 +166,7 @@ def test_fp4_is_within_precision_and_what_reads_it_is_explained(pair):
     ref, fresh, ids, span = pair
     cand = fresh()
     result = localize(
-        ref, cand, ids, numerics=Numerics(index_k="fp4_e2m1", index_q="fp4_e2m1"), needle_span=span
+        ref, cand, ids, setting=Setting(index_k="fp4_e2m1", index_q="fp4_e2m1"), needle_span=span
     )
     csa = [layer for layer, _ in csa_indexers(ref)]
     # Emulated precision is not a fault: nothing diverges, and the summary says so.
@@ -253,7 +255,7 @@ def test_cli_diff_writes_json_and_md(tiny, tmp_path, run_cli):
 @pytest.mark.parametrize(
     "extra, needle, fragment",
     [
-        (["--index-k", "fp8_e5m2"], NEEDLE, "unknown quantizer"),
+        (["--index-k", "fp8_e5m2"], NEEDLE, "unknown key precision"),
         (["--index-k", "fp8_e4m3"], "a needle that is not there", "not found"),
         ([], NEEDLE, "candidate equals the reference"),
         (["--score-dtype", "fp64"], NEEDLE, "unknown score dtype"),

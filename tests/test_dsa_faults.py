@@ -6,11 +6,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from needlescope.dsa.emulate import IndexerCapture, Numerics, csa_indexers, emulate  # noqa: E402
+from needlescope.dsa.checkpoint import load_bundle  # noqa: E402
+from needlescope.dsa.emulate import IndexerCapture, csa_indexers, emulate  # noqa: E402
 from needlescope.dsa.faults import fault_names, resolve_patch  # noqa: E402
 from needlescope.dsa.faults.indexer_page_table import scrambled_slots  # noqa: E402
 from needlescope.errors import BadInput  # noqa: E402
-from needlescope.organism.bundle import load_bundle, save_random  # noqa: E402
+from needlescope.setting import Setting  # noqa: E402
+from needlescope.testing.checkpoints import save_random  # noqa: E402
 
 FAULTS = ["indexer_fp8_no_scale", "indexer_key_positions", "indexer_key_slot", "indexer_page_table"]
 T = 160  # 40 compressed entries: pages 0 and 1 swap, the partial page 2 stays
@@ -33,7 +35,7 @@ def _ids(seed: int = 0) -> torch.Tensor:
 def _last_row_scores(model, patch=None) -> dict[int, torch.Tensor]:
     """Per CSA layer, the fp8 indexer scores of the last prompt position (every entry visible)."""
     cap = IndexerCapture(keep_scores=True)
-    with emulate(model, Numerics(index_k="fp8_e4m3", index_topk=4), capture=cap, patch=patch) as layers:
+    with emulate(model, Setting(index_k="fp8_e4m3", index_topk=4, patch=patch), capture=cap) as layers:
         model(_ids())
     return {layer: cap.score_rows(layer)[1][-1] for layer in layers}
 
@@ -41,7 +43,7 @@ def _last_row_scores(model, patch=None) -> dict[int, torch.Tensor]:
 def test_fault_names_resolve_and_bad_names_say_what_exists(tmp_path):
     assert fault_names() == FAULTS
     assert resolve_patch("fault:indexer_page_table").name == "indexer_page_table.py"
-    with pytest.raises(BadInput, match="built-in faults: indexer_fp8_no_scale"):
+    with pytest.raises(BadInput, match="Built-in faults: indexer_fp8_no_scale"):
         resolve_patch("fault:indexer_typo")
     with pytest.raises(BadInput, match="does not exist"):
         resolve_patch(tmp_path / "missing.py")

@@ -14,10 +14,10 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from needlescope.cases.assemble import CaseSpec, build_cases  # noqa: E402
+from needlescope.dsa.checkpoint import load_bundle  # noqa: E402
 from needlescope.dsa.diff import NO_DIVERGENCE, localize  # noqa: E402
-from needlescope.dsa.emulate import Numerics  # noqa: E402
 from needlescope.dsa.prompt import needle_token_span, render_prompt  # noqa: E402
-from needlescope.organism.bundle import load_bundle  # noqa: E402
+from needlescope.setting import Setting  # noqa: E402
 from planted_faults import INDEXER, PLANTED, Planted  # noqa: E402
 
 LENGTH = 512
@@ -55,8 +55,7 @@ def test_planted_fault_is_localized(organism, tmp_path, planted: Planted, index_
         ref,
         load_bundle("organism")[0],
         ids,
-        numerics=Numerics(index_topk=index_topk),
-        patch=patch,
+        setting=Setting(index_topk=index_topk, patch=patch),
         needle_span=span,
     )
     expect = planted.expected(full_k=index_topk is None)
@@ -88,7 +87,7 @@ def test_fp8_keys_are_explained_not_divergent(organism):
         ref,
         load_bundle("organism")[0],
         ids,
-        numerics=Numerics(index_k="fp8_e4m3", index_topk=64),
+        setting=Setting(index_k="fp8_e4m3", index_topk=64),
         needle_span=span,
     )
     assert result["first_divergent_module"] is None and result["summary"] == NO_DIVERGENCE

@@ -11,7 +11,8 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from needlescope.cases.assemble import CaseSpec, build_cases  # noqa: E402
-from needlescope.dsa.emulate import IndexerCapture, Numerics, emulate  # noqa: E402
+from needlescope.dsa.checkpoint import load_bundle  # noqa: E402
+from needlescope.dsa.emulate import IndexerCapture, emulate  # noqa: E402
 from needlescope.dsa.prompt import covering_entries, needle_token_span, render_prompt  # noqa: E402
 from needlescope.dsa.rankdump import (  # noqa: E402
     answer_positions,
@@ -26,8 +27,9 @@ from needlescope.dsa.rankdump import (  # noqa: E402
 )
 from needlescope.dsa.reference import topk_indices  # noqa: E402
 from needlescope.errors import BadInput  # noqa: E402
-from needlescope.organism.bundle import load_bundle, save_random  # noqa: E402
 from needlescope.organism.config import TINY_OVERRIDES  # noqa: E402
+from needlescope.setting import Setting  # noqa: E402
+from needlescope.testing.checkpoints import save_random  # noqa: E402
 
 TINY = TINY_OVERRIDES
 
@@ -163,7 +165,7 @@ def explicit_dumps(tiny):
             tok,
             case.messages,
             needle=case.needle,
-            numerics=Numerics(index_topk=k),
+            setting=Setting(index_topk=k),
             query_positions=positions,
         )
     return positions, out
@@ -190,7 +192,7 @@ def test_selected_matches_the_captured_topk(tiny, explicit_dumps):
     d = dumps[6]
     capture = IndexerCapture()
     ids = torch.tensor([render_prompt(tok, case.messages).input_ids])
-    with torch.no_grad(), emulate(model, Numerics(index_topk=6), capture=capture):
+    with torch.no_grad(), emulate(model, Setting(index_topk=6), capture=capture):
         model(ids, use_cache=False)
     seen = 0
     for layer in d["layers"]:
@@ -237,7 +239,7 @@ def test_answer_positions_dump_generates_and_scores(tiny):
         tok,
         case.messages,
         needle=case.needle,
-        numerics=Numerics(index_k="fp4_e2m1", index_q="fp4_e2m1", index_topk=8),
+        setting=Setting(index_k="fp4_e2m1", index_q="fp4_e2m1", index_topk=8),
         max_new_tokens=3,
         expected=case.expected,
         label="tiny",

@@ -7,7 +7,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from needlescope.cases.assemble import CaseSpec, build_cases  # noqa: E402
-from needlescope.dsa.emulate import Numerics  # noqa: E402
+from needlescope.dsa.checkpoint import load_bundle  # noqa: E402
 from needlescope.dsa.prompt import render_prompt  # noqa: E402
 from needlescope.dsa.stability import (  # noqa: E402
     changed_rows,
@@ -18,8 +18,9 @@ from needlescope.dsa.stability import (  # noqa: E402
     selection_stability,
     validate_stability,
 )
-from needlescope.organism.bundle import load_bundle, save_random  # noqa: E402
 from needlescope.organism.config import TINY_OVERRIDES  # noqa: E402
+from needlescope.setting import Setting  # noqa: E402
+from needlescope.testing.checkpoints import save_random  # noqa: E402
 
 TINY = TINY_OVERRIDES
 
@@ -87,7 +88,7 @@ def tiny(tmp_path_factory):
 
 def test_reference_against_itself_is_perfectly_stable(tiny):
     model, tok, case = tiny
-    ref = Numerics(index_topk=8)
+    ref = Setting(index_topk=8)
     s = selection_stability(model, tok, case.messages, needle=case.needle, reference=ref, candidate=ref)
     validate_stability(s)
     assert [layer["layer"] for layer in s["layers"]] == [1, 3]
@@ -105,8 +106,8 @@ def test_fp4_emulation_moves_the_selection(tiny):
         tok,
         case.messages,
         needle=case.needle,
-        reference=Numerics(index_topk=8),
-        candidate=Numerics(index_k="fp4_e2m1", index_q="fp4_e2m1", index_topk=8),
+        reference=Setting(index_topk=8),
+        candidate=Setting(index_k="fp4_e2m1", index_q="fp4_e2m1", index_topk=8),
     )
     validate_stability(s)
     assert s["candidate"]["index_k"] == "fp4_e2m1" and s["reference"]["index_k"] == "fp32"

@@ -6,6 +6,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from needlescope.dsa.checkpoint import load_bundle  # noqa: E402
 from needlescope.dsa.sweep import (  # noqa: E402
     SweepConfig,
     cheapest_setting,
@@ -17,24 +18,29 @@ from needlescope.dsa.sweep import (  # noqa: E402
     validate_sweep,
 )
 from needlescope.errors import BadInput  # noqa: E402
-from needlescope.organism.bundle import load_bundle, save_random  # noqa: E402
 from needlescope.organism.config import TINY_OVERRIDES  # noqa: E402
+from needlescope.setting import Setting  # noqa: E402
+from needlescope.testing.checkpoints import save_random  # noqa: E402
 
 TINY = TINY_OVERRIDES
 
 
+def _S(k: str, q: str, topk: int) -> Setting:
+    return Setting(index_k=k, index_q=q, index_topk=topk)
+
+
 def test_cost_order_topk_first_then_bits():
     settings = [
-        ("fp32", "fp32", 16),
-        ("fp4_e2m1", "fp4_e2m1", 32),
-        ("fp4_e2m1", "fp4_e2m1", 16),
-        ("bf16", "fp8_e4m3", 16),
+        _S("fp32", "fp32", 16),
+        _S("fp4_e2m1", "fp4_e2m1", 32),
+        _S("fp4_e2m1", "fp4_e2m1", 16),
+        _S("bf16", "fp8_e4m3", 16),
     ]
     assert sorted(settings, key=setting_cost) == [
-        ("fp4_e2m1", "fp4_e2m1", 16),
-        ("bf16", "fp8_e4m3", 16),
-        ("fp32", "fp32", 16),
-        ("fp4_e2m1", "fp4_e2m1", 32),
+        _S("fp4_e2m1", "fp4_e2m1", 16),
+        _S("bf16", "fp8_e4m3", 16),
+        _S("fp32", "fp32", 16),
+        _S("fp4_e2m1", "fp4_e2m1", 32),
     ]
 
 
@@ -45,10 +51,14 @@ def test_restored_to_is_the_longest_unbroken_run():
 
 
 def test_cheapest_setting_among_those_reaching_the_target():
-    rates = {("fp4_e2m1", "fp4_e2m1", 16): 0.5, ("bf16", "bf16", 16): 0.95, ("fp4_e2m1", "fp4_e2m1", 64): 1.0}
-    assert cheapest_setting(rates, 0.9) == (("bf16", "bf16", 16), 0.95)
-    assert cheapest_setting(rates, 0.99) == (("fp4_e2m1", "fp4_e2m1", 64), 1.0)
-    assert cheapest_setting({("fp32", "fp32", 8): None}, 0.5) is None
+    rates = {
+        _S("fp4_e2m1", "fp4_e2m1", 16): 0.5,
+        _S("bf16", "bf16", 16): 0.95,
+        _S("fp4_e2m1", "fp4_e2m1", 64): 1.0,
+    }
+    assert cheapest_setting(rates, 0.9) == (_S("bf16", "bf16", 16), 0.95)
+    assert cheapest_setting(rates, 0.99) == (_S("fp4_e2m1", "fp4_e2m1", 64), 1.0)
+    assert cheapest_setting({_S("fp32", "fp32", 8): None}, 0.5) is None
 
 
 def _run(case, length, selected, layers, correct=None):
@@ -82,7 +92,7 @@ def test_summarize_runs_excludes_unscored_cases_from_the_rate():
 @pytest.mark.parametrize(
     "kwargs,match",
     [
-        (dict(index_k=("fp5",)), "unknown quantizer"),
+        (dict(index_k=("fp5",)), "unknown key precision"),
         (dict(score_dtype="fp64"), "score dtype"),
         (dict(target_length=999), "target length"),
         (dict(index_topk=(8, 8)), "duplicates"),
@@ -129,7 +139,9 @@ def test_tiny_grid_without_generation(tiny):
     rates = {(s["index_k"], s["index_q"], s["index_topk"]): s["rate_at_target"] for s in res["settings"]}
     key = (ch["index_k"], ch["index_q"], ch["index_topk"])
     assert rates[key] >= 0.9
-    assert all(r is None or r < 0.9 for s, r in rates.items() if setting_cost(s) < setting_cost(key))
+    assert all(
+        r is None or r < 0.9 for s, r in rates.items() if setting_cost(_S(*s)) < setting_cost(_S(*key))
+    )
     assert res["baseline"] == {"index_k": "fp4_e2m1", "index_q": "fp32", "index_topk": 2}
     assert any("cheapest setting" in v for v in res["verdict"])
     md = render_sweep_md(res)

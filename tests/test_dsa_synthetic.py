@@ -129,4 +129,4 @@ def test_cli_synthetic(tmp_path, run_cli):
     assert obj["config"]["entries"] == [512] and len(obj["results"]) == 4
     assert (out / "synthetic.md").read_text().startswith("# Synthetic")
     code, _, err = run_cli("indexer", "synthetic", "--precisions", "fp5", "--out", str(out))
-    assert code == 2 and "unknown quantizer" in err and len(err.strip().splitlines()) == 1
+    assert code == 2 and "unknown key precision" in err and len(err.strip().splitlines()) == 1

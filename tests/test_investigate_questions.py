@@ -9,9 +9,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from needlescope.dsa.checkpoint import shipped_dir
 from needlescope.investigate.ledger import Question
 from needlescope.investigate.questions import QuestionContext, answer
-from needlescope.organism.bundle import shipped_dir
 
 
 def ctx(tmp_path, **kw):

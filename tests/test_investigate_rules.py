@@ -88,6 +88,8 @@ def test_paired_and_verdict_rules():
     assert suspect_verdict(present=True, pair=pair, divergence=0.0, **kw)[0] == "implicated"
     same = paired(without, without)
     assert suspect_verdict(present=True, pair=same, divergence=0.2, **kw)[0] == "diverges_no_effect"
+    two_of_ten = paired({f"c{i}": i >= 2 for i in range(10)}, {f"c{i}": True for i in range(10)})
+    assert suspect_verdict(present=True, pair=two_of_ten, divergence=0.2, **kw)[0] == "inconclusive"
     assert suspect_verdict(present=True, pair=same, divergence=0.0, **kw)[0] == "exonerated"
     weak = paired({"a": False, "b": False, "c": True}, {"a": True, "b": True, "c": True})
     assert suspect_verdict(present=True, pair=weak, divergence=0.0, **kw)[0] == "inconclusive"
@@ -177,3 +179,12 @@ def test_verdicts_schema():
         validate_verdicts({**ok, "suspects": [{**ok["suspects"][0], "verdict": "guilty"}]})
     with pytest.raises(ValueError, match="root_cause"):
         validate_verdicts({**ok, "root_cause": "b"})
+
+
+def test_first_wrong_token():
+    from needlescope.investigate.measure import first_wrong_token
+
+    assert first_wrong_token(["4", "3", "7"], "439") == 2  # the demo's 437 for 439: the third digit
+    assert first_wrong_token(["4", "3", "9"], "439") is None
+    assert first_wrong_token(["5"], "439") == 0
+    assert first_wrong_token(["4", "3", "9", "1"], "439") == 3

@@ -1,7 +1,7 @@
 """Triton indexer kernels against the reference math on the same quantized inputs.
 
 On a machine without CUDA these run the Triton kernels under Triton's interpreter
-(TRITON_INTERPRET=1, set here before the kernels are imported) at small shapes. On a GPU,
+(TRITON_INTERPRET=1, set by tests/conftest.py before triton is imported) at small shapes. On a GPU,
 ``NEEDLESCOPE_KERNEL_SHAPES=full`` runs the same checks at full shapes (H=64, D=128, rows up to
 256K, k = 512/1024/2048): ``bench/indexer_gpu.sh`` does that on the H200.
 """
@@ -12,9 +12,6 @@ import os
 
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
 
 pytest.importorskip("triton")
 

@@ -10,12 +10,13 @@ import pytest
 pytest.importorskip("torch")
 
 from needlescope.cases.assemble import KINDS, CaseSpec, build_cases  # noqa: E402
+from needlescope.dsa.checkpoint import load_bundle, require_deepseek_v4, resolve_model_dir  # noqa: E402
 from needlescope.errors import BadInput  # noqa: E402
-from needlescope.organism.bundle import load_bundle, require_deepseek_v4, resolve_model_dir, save_random  # noqa: E402
 from needlescope.organism.config import DENSE_TOPK  # noqa: E402
 from needlescope.organism.data import IGNORE, TRAIN_KINDS, DataSpec, encode_chat, make_example  # noqa: E402
 from needlescope.organism.tokenizer import build_tokenizer  # noqa: E402
 from needlescope.organism.train import TrainConfig, _caps, _digits, train  # noqa: E402
+from needlescope.testing.checkpoints import save_random  # noqa: E402
 
 
 @pytest.fixture(scope="module")

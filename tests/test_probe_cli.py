@@ -64,7 +64,10 @@ def test_exact_lengths_for_each_kind(scripted_server, tmp_path, kind):
 def test_faults_are_errors_not_misses(scripted_server, tmp_path):
     url = scripted_server(window=10_000, fail_every=3, fail_status=500, garbage_every=7)
     res = probe(url, tmp_path, *GRID, "--kind", "single")
-    assert res.returncode == 0, res.stderr
+    # Garbage is not retried, so both cases of one cell may draw it (which ones depends on how
+    # requests interleave): that cell has no data and the run exits 1 by design, still writing
+    # its outputs.
+    assert res.returncode == 0 or "have no scored case" in res.stderr, res.stderr
     summary = json.loads((tmp_path / "summary.json").read_text())
     cells = summary["cells"]
     # A window covering everything means every scored case is correct; failures must be errors.
@@ -114,6 +117,8 @@ def test_bad_inputs_exit_2_with_one_clear_line(scripted_server, tmp_path):
     url = scripted_server(window=500)
     a_file = tmp_path / "a_file"
     a_file.write_text("not a folder")
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes("Caf\u00e9 au lait. ".encode("latin-1") * 50)
     ok = ["--base-url", url, "--model", "scripted"]
     cases = [
         (["--base-url", "http://127.0.0.1:9", "--model", "scripted"], "cannot reach"),
@@ -127,6 +132,7 @@ def test_bad_inputs_exit_2_with_one_clear_line(scripted_server, tmp_path):
         ([*ok, "--max-tokens", "0"], "--max-tokens must be at least 1"),
         ([*ok, "--resume"], "holds no run to continue"),
         ([*ok, "--tokenizer", str(tmp_path / "none")], "no tokenizer.json"),
+        ([*ok, "--haystack-file", str(latin1)], "is not UTF-8 text"),
     ]
     for i, (args, needle) in enumerate(cases):
         out = tmp_path / str(i)

@@ -21,25 +21,46 @@ from needlescope.serve.config import ServeConfig
 from needlescope.serve.engine import Engine, _find_stop, _held_back, encode_indexer_topk
 from needlescope.serve.launch import SERVE_ARGV, ServerProcess
 from needlescope.serve.metrics import ServeMetrics
+from needlescope.setting import Setting
 
 
 @pytest.mark.parametrize(
     "field, value, words",
     [
-        ("index_k", "fp7", "unknown quantizer"),
-        ("score_dtype", "fp64", "--score-dtype"),
-        ("index_topk", 0, "--index-topk"),
         ("port", 70000, "--port"),
         ("max_queued_requests", 0, "--max-queued-requests"),
         ("max_running_requests", 0, "--max-running-requests"),
         ("device", "tpu", "--device"),
-        ("patch", "/no/such/patch.py", "--patch"),
-        ("patch", "fault:nope", "--patch: unknown fault 'nope'; built-in faults: "),
     ],
 )
 def test_config_rejects_bad_values_naming_the_flag(field, value, words):
     with pytest.raises(BadInput, match=words):
         ServeConfig(**{field: value})
+
+
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        (["--index-k", "fp7"], "unknown key precision"),
+        (["--score-dtype", "fp64"], "unknown score dtype"),
+        (["--index-topk", "0"], "index_topk must be a positive integer"),
+        (["--patch", "/no/such/patch.py"], "does not exist"),
+        (["--patch", "fault:nope"], "unknown fault 'nope'"),
+    ],
+)
+def test_serve_setting_flags_are_refused_with_one_line(run_cli, flags, words):
+    code, _, err = run_cli("serve", "--model", "organism", *flags)
+    assert code == 2 and words in err and len(err.strip().splitlines()) == 1
+
+
+def test_config_round_trips_through_json_with_its_setting():
+    cfg = ServeConfig(
+        model="organism", port=0, threads=2, setting=Setting.parse("k=fp8_e4m3 hadamard=on topk=8")
+    )
+    again = ServeConfig.from_json(cfg.to_json())
+    assert again == cfg and again.setting.hadamard is True
+    with pytest.raises(BadInput, match="unknown field"):
+        ServeConfig.from_json('{"model": "organism", "index_k": "fp8_e4m3"}')
 
 
 def test_admission_bounds_waiting_and_batches_by_key():
@@ -114,7 +135,7 @@ def llama_dir(tmp_path_factory):
 
 def test_non_v4_checkpoint_rejects_indexer_numerics(llama_dir):
     with pytest.raises(BadInput, match="no lightning indexer"):
-        Engine(ServeConfig(model=str(llama_dir), index_k="fp8_e4m3"))
+        Engine(ServeConfig(model=str(llama_dir), setting=Setting(index_k="fp8_e4m3")))
 
 
 def test_non_v4_checkpoint_is_served_without_an_indexer(llama_dir):
@@ -159,7 +180,7 @@ def apply(model):
 
 
 def test_patch_is_applied_for_the_servers_lifetime(tmp_path):
-    from needlescope.organism.bundle import save_random
+    from needlescope.testing.checkpoints import save_random
 
     patched_topk = 2
     ckpt = save_random(

@@ -6,12 +6,12 @@ import asyncio
 
 import pytest
 
-from needlescope.organism.bundle import save_random
 from needlescope.serve.config import ServeConfig
 from needlescope.serve.engine import Engine
 from needlescope.serve.errors import BadValue, GenerationFailed
 from needlescope.serve.requests import MAX_INDEXER_TOPK_BYTES, Final, GenRequest, TopkRows, indexer_topk_bytes
 from needlescope.serve.sampling import SamplingParams
+from needlescope.testing.checkpoints import save_random
 
 SMALL = dict(hidden_size=64, q_lora_rank=32, o_lora_rank=32, moe_intermediate_size=64, index_topk=8)
 

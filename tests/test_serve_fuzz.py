@@ -22,8 +22,8 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from needlescope.organism.bundle import save_random
 from needlescope.serve.launch import ServerProcess
+from needlescope.testing.checkpoints import save_random
 
 SMALL = dict(hidden_size=32, q_lora_rank=16, o_lora_rank=16, moe_intermediate_size=32, index_topk=4)
 EXAMPLES = 12  # per operation and mode: about 400 requests in all, well inside the CI budget

@@ -11,8 +11,8 @@ import httpx
 import openai
 import pytest
 
-from needlescope.organism.bundle import save_random
 from needlescope.serve.launch import ServerProcess
+from needlescope.testing.checkpoints import save_random
 
 SMALL = dict(
     hidden_size=64,

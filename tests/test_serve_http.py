@@ -20,9 +20,11 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from needlescope.dsa.emulate import IndexerCapture, Numerics, emulate
-from needlescope.organism.bundle import load_bundle, save_random
+from needlescope.dsa.checkpoint import load_bundle
+from needlescope.dsa.emulate import IndexerCapture, emulate
 from needlescope.serve.launch import ServerProcess
+from needlescope.setting import Setting  # noqa: E402
+from needlescope.testing.checkpoints import save_random
 
 SMALL = dict(
     hidden_size=64,
@@ -272,7 +274,7 @@ def test_generate_indexer_topk_matches_in_process_capture(server, ckpt):
     model, tok, _ = load_bundle(ckpt)
     ids = torch.tensor([tok(WORDS)["input_ids"]])
     cap = IndexerCapture()
-    with emulate(model, Numerics(index_topk=SERVED_TOPK), capture=cap) as layers, torch.inference_mode():
+    with emulate(model, Setting(index_topk=SERVED_TOPK), capture=cap) as layers, torch.inference_mode():
         gen = model.generate(ids, max_new_tokens=n_new, do_sample=False)
     assert P == ids.shape[1]
     assert out["output_ids"] == gen[0, P:].tolist()

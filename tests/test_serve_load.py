@@ -13,8 +13,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from needlescope.organism.bundle import save_random
 from needlescope.serve.launch import ServerProcess
+from needlescope.testing.checkpoints import save_random
 
 SMALL = dict(hidden_size=64, q_lora_rank=32, o_lora_rank=32, moe_intermediate_size=64, index_topk=8)
 QUEUED, RUNNING, BURST = 2, 1, 40

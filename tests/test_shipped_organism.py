@@ -8,7 +8,7 @@ torch = pytest.importorskip("torch")
 
 from needlescope.cases.assemble import CaseSpec, build_cases  # noqa: E402
 from needlescope.cases.scoring import score_answer  # noqa: E402
-from needlescope.organism.bundle import load_bundle, trained_value_digits  # noqa: E402
+from needlescope.dsa.checkpoint import load_bundle, trained_value_digits  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -203,6 +203,10 @@ class Setting:
             fields[name] = value
         return cls(**fields)
 
+    def numerics_json(self) -> dict:
+        """The numerics alone (``to_json`` without ``patch``), as artifacts record them."""
+        return {k: v for k, v in self.to_json().items() if k != "patch"}
+
     def to_json(self) -> dict:
         """JSON form: every field; ``patch`` is the spec string or null."""
         return {

@@ -7,7 +7,15 @@ from dataclasses import dataclass
 
 from .stats import wilson_interval
 
-__all__ = ["Cell", "cells_from_results", "pooled_recall", "effective_length", "cliff"]
+__all__ = [
+    "Cell",
+    "cells_from_results",
+    "pool_by_length",
+    "pooled_recall",
+    "longest_passing",
+    "effective_length",
+    "cliff",
+]
 
 
 @dataclass(frozen=True)
@@ -48,14 +56,39 @@ def cells_from_results(rows: Iterable[dict], grid: Iterable[tuple[int, float]] =
     return out
 
 
+def pool_by_length(counts: Iterable[tuple[int, int, int]]) -> dict[int, tuple[int, int]]:
+    """(length, correct, n) triples -> length -> (correct, n) summed, by ascending length.
+
+    The one pooling over depths: of ``Cell`` objects (``pooled_recall``) and of ``summary.json``
+    cells (``report.diagnosis.recall_by_length``).
+    """
+    pooled: dict[int, list[int]] = {}
+    for length, correct, n in counts:
+        p = pooled.setdefault(length, [0, 0])
+        p[0] += correct
+        p[1] += n
+    return {k: (v[0], v[1]) for k, v in sorted(pooled.items())}
+
+
 def pooled_recall(cells: Iterable[Cell]) -> dict[int, tuple[int, int]]:
     """length -> (correct, n) pooled over depths (n is 0 where no case of that length was scored)."""
-    pooled: dict[int, list[int]] = {}
-    for c in cells:
-        p = pooled.setdefault(c.length, [0, 0])
-        p[0] += c.correct
-        p[1] += c.n
-    return {k: (v[0], v[1]) for k, v in sorted(pooled.items())}
+    return pool_by_length((c.length, c.correct, c.n) for c in cells)
+
+
+def longest_passing(rates: Iterable[tuple[int, float | None]], threshold: float) -> int | None:
+    """Largest length L whose rate, and that of every shorter length, is >= ``threshold``.
+
+    ``rates`` are (length, rate) pairs; a None rate (no data) neither extends nor ends the run.
+    The one definition behind the probe's effective length and the sweep's ``restored_to``.
+    """
+    best = None
+    for length, rate in sorted(rates):
+        if rate is None:
+            continue
+        if rate < threshold:
+            break
+        best = length
+    return best
 
 
 def _rates(cells: Iterable[Cell]) -> list[tuple[int, float]]:
@@ -68,12 +101,7 @@ def effective_length(cells: Iterable[Cell], threshold: float) -> int | None:
 
     Lengths without a scored case are skipped (neither extend nor end the run of passing lengths).
     """
-    best = None
-    for length, rate in _rates(cells):
-        if rate < threshold:
-            break
-        best = length
-    return best
+    return longest_passing(_rates(cells), threshold)
 
 
 def cliff(cells: Iterable[Cell]) -> dict | None:

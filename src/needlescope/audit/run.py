@@ -13,9 +13,9 @@ __all__ = ["audit_checkpoint"]
 def audit_checkpoint(model_name: str, checks: list[str], candidate: Setting, length: int) -> list[dict]:
     """Results of ``checks`` on a multiturn case of ``length`` tokens (``run_check`` records)."""
     from needlescope.cases.assemble import CaseSpec, build_cases
-    from needlescope.dsa.emulate import Numerics, emulate
+    from needlescope.dsa.checkpoint import load_bundle, resolve_model_dir, trained_value_digits
+    from needlescope.dsa.emulate import emulate
     from needlescope.dsa.prompt import render_prompt
-    from needlescope.organism.bundle import load_bundle, resolve_model_dir, trained_value_digits
 
     path = resolve_model_dir(model_name)
     model, tokenizer, _ = load_bundle(path)
@@ -32,9 +32,7 @@ def audit_checkpoint(model_name: str, checks: list[str], candidate: Setting, len
     topk = candidate.index_topk or int(model.config.index_topk)
 
     def apply_candidate(m):
-        c = candidate
-        numerics = Numerics(c.index_k, c.index_q, c.score_dtype, c.index_topk, c.hadamard)
-        cm = emulate(m, numerics, patch=None if c.patch is None else c.patch.path)
+        cm = emulate(m, candidate)
         cm.__enter__()
         return lambda: cm.__exit__(None, None, None)
 

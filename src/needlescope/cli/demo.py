@@ -1,54 +1,67 @@
 """``needlescope demo``: the main job on the embedded default, the shipped organism.
 
 Serves the checkpoint (``--model``, default ``organism``) twice, with reference indexer numerics
-and with a deployment-like setting (fp8 keys, ``index_topk`` 64, the built-in
-``fault:indexer_page_table``), probes both with multiturn needles, rank-dumps the failing
-case, tries the fixes and writes ``DIAGNOSIS.md`` (``needlescope.organism.demo``). A progress
-bar advances through the six phases.
+and with a deployment-like setting (by default ``needlescope.investigate.demo.DEPLOYMENT``: fp8
+keys, ``index_topk`` 64, the built-in ``fault:indexer_page_table``), probes both with multiturn
+needles, rank-dumps the failing case, tries the fixes and writes ``DIAGNOSIS.md``
+(``needlescope.investigate.demo``). Every input is checked before anything is written, and
+``--out`` is replaced only when it is an earlier demo output. A progress bar advances through
+the six phases.
 """
 
 from __future__ import annotations
 
-import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import typer
 
+from needlescope.cli.setting_options import PATCH_HELP, numerics_from_flags, with_patch
+from needlescope.investigate.demo import DEPLOYMENT, MARKER, DemoConfig
+
 PHASES = ("serve", "probe reference", "probe deployment", "rank dump", "fixes", "report")
 
 
+def _default(name: str):
+    return DemoConfig.__dataclass_fields__[name].default
+
+
 def demo_command(
-    out: Path = typer.Option(Path("demo-out"), "--out", help="Output directory (replaced)."),
-    model: str = typer.Option("organism", "--model", help="'organism' or a DeepSeek-V4 checkpoint dir."),
-    deploy_index_k: str = typer.Option("fp8_e4m3", help="Deployment-like index-key precision."),
-    deploy_index_topk: int = typer.Option(64, help="Deployment-like index_topk."),
-    deploy_patch: str = typer.Option(
-        "fault:indexer_page_table",
-        help="Patch of the deployment-like server: a Python file, a built-in fault:NAME, or 'none'.",
+    out: Path = typer.Option(
+        Path("demo-out"),
+        "--out",
+        help=f"Output directory; replaced only when it is an earlier demo output (holds {MARKER}).",
     ),
-    lengths: str = typer.Option("256,512,1024", help="Probe lengths (comma-separated)."),
-    trials: int = typer.Option(2, help="Trials per cell."),
-    device: str = typer.Option("cpu", help="cpu | cuda | cuda:N"),
+    model: str = typer.Option("organism", "--model", help="'organism' or a DeepSeek-V4 checkpoint dir."),
+    deploy_index_k: str = typer.Option(DEPLOYMENT.index_k, help="Deployment-like index-key precision."),
+    deploy_index_topk: int = typer.Option(DEPLOYMENT.index_topk, help="Deployment-like index_topk."),
+    deploy_patch: str = typer.Option(
+        DEPLOYMENT.patch.spec, help=f"Patch of the deployment-like server, or 'none'. {PATCH_HELP}"
+    ),
+    lengths: str = typer.Option(
+        ",".join(map(str, _default("lengths"))), help="Probe lengths (comma-separated)."
+    ),
+    trials: int = typer.Option(_default("trials"), help="Trials per cell."),
+    device: str = typer.Option(_default("device"), help="cpu | cuda | cuda:N"),
 ) -> None:
     """Probe the organism under reference and deployment numerics and explain the difference."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from needlescope.dsa.emulate import Numerics
-    from needlescope.organism.demo import DemoConfig, run_organism_demo
+    from needlescope.investigate import demo
     from needlescope.run.config import parse_int_list
 
+    deployment = numerics_from_flags(deploy_index_k, None, None, deploy_index_topk)
     cfg = DemoConfig(
         model=model,
         out=out,
-        deployment=Numerics(index_k=deploy_index_k, index_topk=deploy_index_topk),
-        patch=None if deploy_patch == "none" else deploy_patch,
+        deployment=deployment,
         lengths=tuple(parse_int_list(lengths, "--lengths")),
         trials=trials,
         device=device,
     )
-    if out.exists():
-        shutil.rmtree(out)
+    # The patch is resolved after every other flag; demo.run checks the model and --out, then runs it.
+    cfg = replace(cfg, deployment=with_patch(deployment, None if deploy_patch == "none" else deploy_patch))
     console = Console()
     with Progress(
         TextColumn("[bold]{task.description}"),
@@ -64,7 +77,7 @@ def demo_command(
             detail = " ".join(f"{k}={v}" for k, v in info.items())
             progress.update(task, completed=done, description=f"{name} {detail}".strip())
 
-        path = run_organism_demo(cfg, phase)
+        path = demo.run(cfg, phase)
         progress.update(task, completed=len(PHASES), description="done")
     console.print(path.read_text(encoding="utf-8"), highlight=False, markup=False)
     console.print(f"wrote {out}/DIAGNOSIS.md")

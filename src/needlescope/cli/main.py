@@ -9,12 +9,15 @@ from rich.console import Console
 
 from needlescope.cli import indexer_diff, indexer_rank  # noqa: F401  (they register their commands)
 from needlescope.cli.audit import audit_command
+from needlescope.cli.compare import compare_command
 from needlescope.cli.demo import demo_command
 from needlescope.cli.indexer import indexer_app
 from needlescope.cli.investigate import investigate_app
 from needlescope.cli.organism import organism_app
 from needlescope.cli.probe import probe_command
+from needlescope.cli.replay import replay_command
 from needlescope.cli.serve import serve_command
+from needlescope.cli.watch import canary_command, health_command
 from needlescope.errors import BadInput
 
 app = typer.Typer(
@@ -25,11 +28,15 @@ app = typer.Typer(
 )
 app.command("probe")(probe_command)
 app.command("demo")(demo_command)
+app.command("compare")(compare_command)
+app.command("replay")(replay_command)
 app.add_typer(organism_app, name="organism")
 app.add_typer(indexer_app, name="indexer")
 app.command("serve")(serve_command)
 app.add_typer(investigate_app, name="investigate")
 app.command("audit")(audit_command)
+app.command("health")(health_command)
+app.command("canary")(canary_command)
 
 err_console = Console(stderr=True)
 

@@ -10,6 +10,8 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from needlescope.report.bisect import residue_lines
+from needlescope.run.bisect import BisectConfig, run_bisect
 from needlescope.run.config import ProbeConfig, parse_extra_body, parse_float_list, parse_int_list
 from needlescope.run.probe import run_probe
 
@@ -65,6 +67,19 @@ def probe_command(
         "request, never written anywhere.",
         show_default=False,
     ),
+    bundles: int = typer.Option(5, "--bundles", help="Reproducer bundles to write for failing cases."),
+    bisect: bool = typer.Option(
+        False, "--bisect", help="Search [min, max] of --lengths for the collapse length instead of a grid."
+    ),
+    resolution: int = typer.Option(16, "--resolution", help="--bisect: bracket width to stop at, in tokens."),
+    ci_width: float = typer.Option(
+        None, "--ci-width", help="--bisect: raise trials until a 95% CI near the threshold is this wide."
+    ),
+    boundaries: str = typer.Option(
+        None,
+        "--boundaries",
+        help="--bisect: kernel lengths (e.g. 4,64,128,256); default from /get_server_info.",
+    ),
 ) -> None:
     """Measure needle recall across lengths and depths and find where it collapses."""
     cfg = ProbeConfig(
@@ -87,8 +102,17 @@ def probe_command(
         retry_budget_s=retry_budget,
         haystack_file=haystack_file,
         value_digits=value_digits,
+        bundles=bundles,
         api_key=api_key or os.environ.get("NEEDLESCOPE_API_KEY") or os.environ.get("OPENAI_API_KEY"),
     )
+    if bisect:
+        bis = BisectConfig(
+            resolution=resolution,
+            ci_width=ci_width,
+            boundaries=parse_int_list(boundaries, "--boundaries") if boundaries is not None else None,
+        )
+        render_bisect(run_bisect(cfg, bis, _bisect_events), cfg.out)
+        return
     summary = run_with_progress(cfg)
     render_summary(summary, cfg.out)
     empty = summary["cells_without_data"]
@@ -135,6 +159,27 @@ def run_with_progress(cfg: ProbeConfig) -> dict:
         return run_probe(cfg, on_event)
 
 
+def _bisect_events(name: str, payload: dict) -> None:
+    if name == "bisect_step" and payload["lengths"]:
+        console.print(
+            f"{payload['phase']}: {', '.join(map(str, payload['lengths']))} tokens ({payload['requests']} requests)"
+        )
+
+
+def render_bisect(res: dict, out: Path) -> None:
+    console.print(f"[bold]{res['message']}[/]")
+    for line in residue_lines(res["residue"]):
+        console.print(line, highlight=False)
+    console.print(
+        f"requests: {res['requests_used']} vs {res['full_grid_requests']} for a full grid at {res['resolution']} "
+        f"tokens ({100 * res['request_ratio']:.1f}%)"
+    )
+    console.print(f"wrote {out}/bisect.json, bisect.md, results.jsonl")
+    if not res["bracketed"] and not any(r["flagged"] for r in res["residue"]):
+        # Nothing found in the range: the user's range is wrong for this server.
+        raise typer.Exit(2)
+
+
 def render_summary(summary: dict, out: Path) -> None:
     eff = summary["effective_length"]
     console.print(f"kind [bold]{summary['kind']}[/]  model [bold]{summary['model']}[/]")
@@ -154,4 +199,10 @@ def render_summary(summary: dict, out: Path) -> None:
             f"({summary['unreachable_lengths']} unreachable, {summary['server_length_mismatches']} counted "
             "differently by the server); see report.md[/]"
         )
+    failures = summary.get("failures")
+    if failures and failures["misses"]:
+        console.print("misses by class: " + ", ".join(f"{k} {v}" for k, v in failures["counts"].items() if v))
+    endpoints = summary.get("endpoints")
+    if endpoints and endpoints["differs"]:
+        console.print(f"[red]differs from the other endpoints: {', '.join(endpoints['differs'])}[/]")
     console.print(f"wrote {out}/summary.json, report.md, heatmap.png, results.jsonl")

@@ -1,10 +1,26 @@
-"""``needlescope serve``: the reference server for the organism or a local checkpoint."""
+"""``needlescope serve``: the reference server for the organism or a local checkpoint.
+
+``--config-json`` starts it from a whole ``ServeConfig`` (``ServeConfig.to_json``), which is how
+a parent process (the demo, tests) starts a child server without rebuilding flags from values.
+"""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import typer
 from rich.console import Console
 
+from needlescope.cli.setting_options import (
+    IndexK,
+    IndexQ,
+    IndexTopk,
+    Patch,
+    ScoreDtype,
+    numerics_from_flags,
+    with_patch,
+)
+from needlescope.errors import BadInput
 from needlescope.serve.config import (
     DEFAULT_HOST,
     DEFAULT_MAX_BODY_BYTES,
@@ -17,19 +33,19 @@ from needlescope.serve.config import (
 )
 
 err_console = Console(stderr=True)
+_DEFAULTS = ServeConfig()  # every flag's default is the config's own
 
 
 def serve_command(
+    ctx: typer.Context,
     model: str = typer.Option(
-        "organism", "--model", help="'organism' or a local transformers checkpoint dir."
+        _DEFAULTS.model, "--model", help="'organism' or a local transformers checkpoint dir."
     ),
-    index_k: str = typer.Option(None, "--index-k", help="Index-key precision (fp32, bf16, fp8_e4m3, ...)."),
-    index_q: str = typer.Option(None, "--index-q", help="Index-query precision."),
-    score_dtype: str = typer.Option(None, "--score-dtype", help="Indexer score accumulation: fp32 | bf16."),
-    index_topk: int = typer.Option(None, "--index-topk", help="Indexer top-k (default: the checkpoint's)."),
-    patch: str = typer.Option(
-        None, "--patch", help="Python file defining apply(model), or a built-in fault:NAME."
-    ),
+    index_k: IndexK = None,
+    index_q: IndexQ = None,
+    score_dtype: ScoreDtype = None,
+    index_topk: IndexTopk = None,
+    patch: Patch = None,
     host: str = typer.Option(DEFAULT_HOST, "--host"),
     port: int = typer.Option(DEFAULT_PORT, "--port", help="0 picks a free port."),
     max_queued_requests: int = typer.Option(
@@ -49,8 +65,19 @@ def serve_command(
         help="Budget of batch x prompt length per prefill.",
     ),
     served_model_name: str = typer.Option(None, "--served-model-name", help="Name in /v1/models."),
-    device: str = typer.Option("cpu", "--device", help="cpu | cuda | cuda:N"),
-    threads: int = typer.Option(1, "--threads", help="torch intra-op threads."),
+    device: str = typer.Option(_DEFAULTS.device, "--device", help="cpu | cuda | cuda:N"),
+    threads: int = typer.Option(_DEFAULTS.threads, "--threads", help="torch intra-op threads."),
+    kernel: str = typer.Option(
+        _DEFAULTS.kernel,
+        "--kernel",
+        help="Indexer scoring: auto (Triton on CUDA where it applies) | reference | triton.",
+    ),
+    kernel_fault: str = typer.Option(
+        None,
+        "--kernel-fault",
+        hidden=True,
+        help="Debug: run a kernel fault (indexer_key_slot) in the Triton kernel.",
+    ),
     api_key: str = typer.Option(
         None,
         "--api-key",
@@ -64,34 +91,44 @@ def serve_command(
     max_body_bytes: int = typer.Option(
         DEFAULT_MAX_BODY_BYTES, "--max-body-bytes", help="Larger request bodies get HTTP 413."
     ),
+    config_json: str = typer.Option(
+        None,
+        "--config-json",
+        help="The whole ServeConfig as JSON instead of every other flag (the key stays in NEEDLESCOPE_API_KEY).",
+    ),
 ) -> None:
     """Serve a model over OpenAI-compatible and SGLang-native HTTP; prints 'READY PORT' when listening."""
-    cfg = ServeConfig(
-        model=model,
-        served_model_name=served_model_name,
-        index_k=index_k,
-        index_q=index_q,
-        score_dtype=score_dtype,
-        index_topk=index_topk,
-        patch=patch,
-        host=host,
-        port=port,
-        max_queued_requests=max_queued_requests,
-        max_running_requests=max_running_requests,
-        max_new_tokens=max_new_tokens,
-        max_prefill_tokens=max_prefill_tokens,
-        device=device,
-        threads=threads,
-        api_key=api_key,
-        expose_paths=expose_paths,
-        max_body_bytes=max_body_bytes,
-    )
+    if config_json is not None:
+        given = [
+            p.opts[0]
+            for p in ctx.command.params
+            if p.name not in ("config_json", "api_key") and ctx.get_parameter_source(p.name).name != "DEFAULT"
+        ]
+        if given:
+            raise BadInput(f"--config-json replaces every other flag; drop {', '.join(given)}")
+        cfg = ServeConfig.from_json(config_json).with_api_key(api_key)
+    else:
+        cfg = _config_from_flags(**{k: v for k, v in ctx.params.items() if k != "config_json"})
     if cfg.exposed_without_key:
         err_console.print(
             f"WARNING: listening on {cfg.host} without an API key; anyone who can reach it can use it "
             "(set --api-key or NEEDLESCOPE_API_KEY)",
             highlight=False,
         )
+    _serve(cfg)
+
+
+def _config_from_flags(*, index_k, index_q, score_dtype, index_topk, patch, **rest) -> ServeConfig:
+    """ServeConfig from the flags; a setting only when a numerics flag or --patch was given."""
+    wants_setting = any(v is not None for v in (index_k, index_q, score_dtype, index_topk, patch))
+    cfg = ServeConfig(**rest)
+    if not wants_setting:
+        return cfg
+    setting = numerics_from_flags(index_k, index_q, score_dtype, index_topk)
+    return replace(cfg, setting=with_patch(setting, patch))  # the patch is resolved last
+
+
+def _serve(cfg: ServeConfig) -> None:
     from transformers.utils import logging as hf_logging
 
     from needlescope.serve.app import run_server

@@ -1,6 +1,8 @@
 """DeepSeek-V4 sparse attention (DSA) lightning-indexer reference math and fake quant.
 
-Needs torch (the ``[model]`` extra); nothing outside ``needlescope.dsa`` imports torch.
+Needs torch (the ``[model]`` extra). The torch-free layers (``setting``, ``cases``, ``analysis``,
+``targets``, ``report``, ``run``) never import it (``tests/test_import_direction.py``); ``dsa``,
+``organism``, ``serve``, ``investigate`` and the commands that run a model do.
 """
 
 from needlescope.dsa.quant import QUANTIZERS, get_quantizer, hadamard_128, quantize_query_fp8_per_head

@@ -36,9 +36,12 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from needlescope.dsa.reference import visible_entries
 from needlescope.errors import BadInput, ProtocolViolation
+from needlescope.schema import check_schema
 
 __all__ = [
+    "validate_capture",
     "CAPTURE_SCHEMA",
     "decode_indexer_topk",
     "decode_capture",
@@ -180,7 +183,7 @@ def capture_report(
         for t in answer_positions:
             row = topk[t, j]
             valid = row[row >= 0]
-            visible = (t + 1) // ratio
+            visible = visible_entries(t, ratio)
             # SGLang clamps each row's length to >= 1 (FlashMLA), so a row with no visible entry
             # may still carry entry 0; anything beyond that is not a request-local index.
             if valid.size and int(valid.max()) >= max(visible, 1):
@@ -237,3 +240,8 @@ def render_capture_md(obj: dict) -> str:
             f"| {'-' if rate is None else f'{rate:.2f}'} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def validate_capture(obj: dict) -> None:
+    """Raise ValueError unless ``obj`` follows CAPTURE_SCHEMA."""
+    check_schema(obj, CAPTURE_SCHEMA, "capture")

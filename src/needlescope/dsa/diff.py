@@ -1,9 +1,8 @@
 """Differential localization: run a reference and a candidate model on one prompt, find where they part.
 
 The reference and the candidate are the same weights loaded twice. The reference runs with
-fp32 indexer numerics (``Numerics(index_topk=candidate.index_topk)``: ``index_topk`` is a
-selection setting, not a precision); the candidate runs under ``emulate(candidate, numerics,
-patch=...)``. ``needlescope.dsa.replay.Recorder`` records every module call of both runs
+fp32 indexer numerics (``Setting(index_topk=candidate.index_topk)``: ``index_topk`` is a
+selection setting, not a precision); the candidate runs under ``emulate(candidate, setting)``. ``needlescope.dsa.replay.Recorder`` records every module call of both runs
 (what its caller passed in, what its forward saw, its whole output, the call it ran inside).
 Rows are listed in the order calls return in the reference run (children before their
 parent); a module called several times gets ``name[call 2]``, ...; each decoder layer adds a
@@ -93,15 +92,13 @@ from __future__ import annotations
 import fnmatch
 import math
 from collections.abc import Mapping
-from pathlib import Path
 
 import torch
 
 from needlescope.dsa.diff_md import diff_to_json, render_diff_md
 from needlescope.dsa.emulate import (
-    SCORE_DTYPES,
+    ACC_DTYPES,
     IndexerCapture,
-    Numerics,
     check_unpatched,
     csa_indexers,
     emulate,
@@ -122,6 +119,8 @@ from needlescope.dsa.replay import (
     tensors,
 )
 from needlescope.errors import BadInput
+from needlescope.schema import check_schema
+from needlescope.setting import Setting
 
 __all__ = [
     "DEFAULT_MARGIN",
@@ -136,6 +135,7 @@ __all__ = [
     "swappable_fraction",
     "parse_allow",
     "localize",
+    "validate_diff",
     "diff_to_json",
     "render_diff_md",
 ]
@@ -335,7 +335,7 @@ class _Judge:
     """Budgets and verdicts for the calls of one reference/candidate pair."""
 
     def __init__(
-        self, reference, numerics: Numerics, growth, margin: float, draws: int, allow: dict[str, str]
+        self, reference, numerics: Setting, growth, margin: float, draws: int, allow: dict[str, str]
     ):
         self.reference, self.numerics, self.growth = reference, numerics, growth
         self.margin, self.draws, self.allow = margin, draws, allow
@@ -364,7 +364,7 @@ class _Judge:
                 _quant_error(q, self.numerics.index_q, rotate),
                 _quant_error(k, self.numerics.index_k, rotate),
             )
-            u_acc = unit_roundoff(SCORE_DTYPES[self.numerics.score_dtype])
+            u_acc = unit_roundoff(ACC_DTYPES[self.numerics.score_dtype])
             if self.growth is not None:
                 budget = max(floor, self.growth * (eps_q + eps_k + u_acc))
             else:
@@ -562,14 +562,13 @@ def localize(
     candidate: torch.nn.Module,
     input_ids: torch.Tensor,
     *,
-    numerics: Numerics,
-    patch: str | Path | None = None,
+    setting: Setting,
     needle_span: tuple[int, int] | None = None,
     growth: float | None = None,
     margin: float = DEFAULT_MARGIN,
     draws: int = DEFAULT_DRAWS,
     allow: Mapping[str, str] | None = None,
-    reference_numerics: Numerics | None = None,
+    reference_setting: Setting | None = None,
 ) -> dict:
     """Run both models on ``input_ids`` [1, T] and return the ``diff.json`` object (module docstring).
 
@@ -588,7 +587,8 @@ def localize(
     allow = dict(allow or {})
     parse_allow([f"{k}={v}" for k, v in allow.items()])
     check_unpatched(candidate)
-    ref_num = reference_numerics or Numerics(index_topk=numerics.index_topk)
+    numerics = setting
+    ref_num = reference_setting or Setting(index_topk=setting.index_topk)
     T = int(input_ids.shape[1])
     ref_cap, cand_cap = IndexerCapture(keep_scores=True), IndexerCapture(keep_scores=True)
     ratio = csa_indexers(reference)[0][1].compress_rate
@@ -596,7 +596,7 @@ def localize(
         with emulate(reference, ref_num, capture=ref_cap) as layers, Recorder(reference) as rec_ref:
             topk_by_layer = {layer: int(idx.index_topk) for layer, idx in csa_indexers(reference)}
             reference(input_ids=input_ids.to(_device(reference)), use_cache=False)
-        with emulate(candidate, numerics, capture=cand_cap, patch=patch), Recorder(candidate) as rec_cand:
+        with emulate(candidate, setting, capture=cand_cap), Recorder(candidate) as rec_cand:
             candidate(input_ids=input_ids.to(_device(candidate)), use_cache=False)
         # Replays and calibrations run the reference with the scorer it was recorded with.
         with emulate(reference, ref_num, capture=IndexerCapture(keep_scores=True)):
@@ -610,9 +610,9 @@ def localize(
         "first_divergent_module": first,
         "summary": NO_DIVERGENCE if first is None else f"first divergent module: {first}",
         "layers": _layer_rows(layers, ref_cap, cand_cap, entries, query_pos, ratio, topk_by_layer),
-        "numerics": numerics.to_dict(),
-        "reference_numerics": ref_num.to_dict(),
-        "patch": None if patch is None else str(patch),
+        "numerics": numerics.numerics_json(),
+        "reference_numerics": ref_num.numerics_json(),
+        "patch": None if setting.patch is None else setting.patch.spec,
         "prompt_tokens": T,
         "needle_token_span": None if needle_span is None else [int(needle_span[0]), int(needle_span[1])],
         "query_pos": query_pos,
@@ -626,3 +626,8 @@ def localize(
 
 def _device(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
+
+
+def validate_diff(obj: dict) -> None:
+    """Raise ValueError unless ``obj`` (as ``localize`` returns it) follows DIFF_SCHEMA."""
+    check_schema(obj, DIFF_SCHEMA, "diff")

@@ -1,9 +1,10 @@
 """Run a loaded transformers DeepSeek-V4 model with emulated indexer numerics, and capture it.
 
-``emulate(model, Numerics(index_k="fp8_e4m3", index_topk=512))`` swaps, for the duration of
+``emulate(model, Setting(index_k="fp8_e4m3", index_topk=512))`` swaps, for the duration of
 a ``with`` block, the scoring function of every ``DeepseekV4IndexerScorer`` instance (never
-transformers' source files) and overrides each indexer's ``index_topk``. On exit the
-original bound methods and attributes are restored.
+transformers' source files), overrides each indexer's ``index_topk`` and applies the setting's
+patch. On exit every attribute is restored to what it was on entry, including an instance
+``forward`` someone else had installed before.
 
 The emulated score of query t and compressed entry s is
 
@@ -20,96 +21,76 @@ entry's quantiser depends only on that entry: decode steps with a KV cache see t
 keys as a single prefill.
 
 ``IndexerCapture`` records, per CSA layer and forward call, the query positions, the
-selected entries, the ``k`` the top-k was called with and (optionally) the full score rows,
-so that prefill and every decode step of a generation can be replayed as SGLang's
-``indexer_topk`` capture. The kept scores are the tensor the indexer's ``topk`` call actually
-ranked (after its own masking, scaling or buffering), read with a torch function mode for
-the duration of the indexer's forward; only when no ``topk`` call is seen (a patch that
-selects another way) are they the scorer's output with future entries at ``-inf``.
+selected entries and (optionally) the full score rows, so that prefill and every decode
+step of a generation can be replayed as SGLang's ``indexer_topk`` capture.
 
-A user patch (``--patch FILE.py``, or a built-in ``fault:NAME`` of ``needlescope.dsa.faults``)
-is a Python file defining ``apply(model)``; it may return a zero-argument callable that undoes
-it, which ``emulate`` calls on exit. ``wrap_scorers`` is the helper most patches need. A patch
-is applied exactly once per model instance (``apply_patch_once``): a patch that returns no
-undo leaves the model changed for good, so the model is marked and any later ``emulate`` on
-it is refused; load a fresh model instead.
+A user patch (``Setting.patch``: ``--patch FILE.py``, or a built-in ``fault:NAME`` of
+``needlescope.dsa.faults``) is a Python file defining ``apply(model)``; it may return a
+zero-argument callable that undoes it, which ``emulate`` calls on exit. ``wrap_scorers`` is the
+helper most patches need. A patch file runs arbitrary Python with the caller's rights; its
+module body executes exactly once per process (``load_patch`` caches it by file), however many
+times a setting carrying it is applied.
+
+``scores_backend(factory)`` swaps the scoring math for the calls entered inside it: ``factory``
+maps (index_k, index_q) to a function with ``lightning_scores``' signature (the Triton kernels:
+``needlescope.kernels.scoring.scores_factory``). ``dsa`` never imports the kernels itself.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from contextvars import ContextVar
+from dataclasses import dataclass, field
 
 import torch
 from torch.overrides import TorchFunctionMode
 
 from needlescope.dsa.quant import get_quantizer, hadamard_128
-from needlescope.dsa.reference import NO_ENTRY, lightning_scores
+from needlescope.dsa.reference import NO_ENTRY, lightning_scores, visible_entries
 from needlescope.errors import BadInput
+from needlescope.setting import REFERENCE, PatchRef, Setting
 
 __all__ = [
-    "SCORE_DTYPES",
-    "Numerics",
-    "REFERENCE",
-    "IndexerCall",
-    "IndexerCapture",
+    "ACC_DTYPES",
     "apply_patch_once",
     "check_unpatched",
     "patched_for_good",
+    "REFERENCE",
+    "IndexerCall",
+    "IndexerCapture",
     "csa_indexers",
     "emulate",
     "load_patch",
+    "scores_backend",
+    "scoring_function",
     "wrap_scorers",
 ]
 
-SCORE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+ACC_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+"""torch dtype of each ``needlescope.setting.SCORE_DTYPES`` name."""
+
+ScoresFactory = Callable[[str, str], Callable[..., torch.Tensor]]
+_BACKEND: ContextVar[ScoresFactory | None] = ContextVar("needlescope_scores_backend", default=None)
 
 
-@dataclass(frozen=True)
-class Numerics:
-    """Indexer numerics to emulate. ``index_topk=None`` keeps the checkpoint's value.
-
-    ``hadamard=None`` rotates exactly when a side is ``fp4_e2m1`` (the trained QAT numerics
-    rotate before quantising; for fp8 SGLang rotates too, and the rotation itself is exact,
-    so it only changes what the quantiser sees).
-    """
-
-    index_k: str = "fp32"
-    index_q: str = "fp32"
-    score_dtype: str = "fp32"
-    index_topk: int | None = None
-    hadamard: bool | None = None
-
-    def __post_init__(self) -> None:
-        get_quantizer(self.index_k)
-        get_quantizer(self.index_q)
-        if self.score_dtype not in SCORE_DTYPES:
-            raise BadInput(
-                f"unknown score dtype {self.score_dtype!r}; allowed values: {', '.join(SCORE_DTYPES)}"
-            )
-        if self.index_topk is not None and (isinstance(self.index_topk, bool) or self.index_topk < 1):
-            raise BadInput(f"index_topk must be a positive integer, got {self.index_topk!r}")
-
-    @property
-    def rotates(self) -> bool:
-        if self.hadamard is not None:
-            return self.hadamard
-        return "fp4_e2m1" in (self.index_k, self.index_q)
-
-    def label(self) -> str:
-        """Short human label, e.g. ``k=fp8_e4m3 q=fp32 acc=fp32 topk=512``."""
-        topk = "cfg" if self.index_topk is None else str(self.index_topk)
-        return f"k={self.index_k} q={self.index_q} acc={self.score_dtype} topk={topk}"
-
-    def to_dict(self) -> dict:
-        return asdict(self)
+@contextmanager
+def scores_backend(factory: ScoresFactory | None) -> Iterator[None]:
+    """Inside the block, score with ``factory(index_k, index_q)`` instead of ``lightning_scores``
+    (None keeps the reference). Read when ``emulate`` is entered and by ``dsa.synthetic``."""
+    token = _BACKEND.set(factory)
+    try:
+        yield
+    finally:
+        _BACKEND.reset(token)
 
 
-REFERENCE = Numerics()
-"""fp32 keys, queries and scores; the checkpoint's own ``index_topk``."""
+def scoring_function(index_k: str, index_q: str) -> Callable[..., torch.Tensor]:
+    """The scorer in force for these precisions: the backend's, else ``lightning_scores``."""
+    factory = _BACKEND.get()
+    return lightning_scores if factory is None else factory(index_k, index_q)
 
 
 @dataclass
@@ -219,11 +200,14 @@ def wrap_scorers(model: torch.nn.Module, wrap: Callable[[Callable], Callable]) -
     return undo
 
 
+_LOADED_PATCHES: dict[tuple[str, str], Callable[[torch.nn.Module], object]] = {}
+
+
 _PATCHED_FOR_GOOD = "_needlescope_patched_for_good"
 
 
-def apply_patch_once(model: torch.nn.Module, patch: str | Path) -> Callable[[], None] | None:
-    """Apply ``patch`` to ``model``; returns its undo, or None when the patch gave none.
+def apply_patch_once(model: torch.nn.Module, patch) -> Callable[[], None] | None:
+    """Apply ``patch`` (a PatchRef or path) to ``model``; returns its undo, or None when it gave none.
 
     A patch without an undo changes the model for good (a routed scale multiplied in place
     compounds if applied again), so the model is marked and ``emulate`` refuses it from then on.
@@ -252,40 +236,46 @@ def check_unpatched(model: torch.nn.Module) -> None:
         )
 
 
-def load_patch(path: str | Path) -> Callable[[torch.nn.Module], object]:
+def load_patch(patch: PatchRef | str) -> Callable[[torch.nn.Module], object]:
     """The ``apply(model)`` function of a patch file (or a built-in ``fault:NAME``).
 
-    BadInput if the file is missing, fails to import, or has no callable ``apply``.
+    The file's module body executes at most once per process: later calls for the same file
+    with the same contents return the same function (a file rewritten in between is a new
+    patch). BadInput if the file fails to import or has no callable ``apply``.
     """
-    from needlescope.dsa.faults import resolve_patch
-
-    path = resolve_patch(path)
-    spec = importlib.util.spec_from_file_location(f"needlescope_patch_{path.stem}", path)
+    ref = patch if isinstance(patch, PatchRef) else PatchRef.resolve(patch)
+    key = str(ref.path)
+    cache_key = (key, hashlib.sha256(ref.path.read_bytes()).hexdigest())
+    if cache_key in _LOADED_PATCHES:
+        return _LOADED_PATCHES[cache_key]
+    spec = importlib.util.spec_from_file_location(f"needlescope_patch_{ref.path.stem}", ref.path)
     if spec is None or spec.loader is None:
-        raise BadInput(f"patch file {str(path)!r} cannot be imported as Python")
+        raise BadInput(f"patch file {key!r} cannot be imported as Python")
     module = importlib.util.module_from_spec(spec)
     try:
         spec.loader.exec_module(module)
     except Exception as exc:
-        raise BadInput(f"patch file {str(path)!r} failed to import: {type(exc).__name__}: {exc}") from exc
+        raise BadInput(f"patch file {key!r} failed to import: {type(exc).__name__}: {exc}") from exc
     fn = getattr(module, "apply", None)
     if not callable(fn):
-        raise BadInput(f"patch file {str(path)!r} does not define a function apply(model)")
+        raise BadInput(f"patch file {key!r} does not define a function apply(model)")
+    _LOADED_PATCHES[cache_key] = fn
     return fn
 
 
-def _scorer_forward(scorer: torch.nn.Module, numerics: Numerics, stash: Callable | None) -> Callable:
-    quant_k = get_quantizer(numerics.index_k)
-    quant_q = get_quantizer(numerics.index_q)
-    acc = SCORE_DTYPES[numerics.score_dtype]
+def _scorer_forward(scorer: torch.nn.Module, setting: Setting, stash: Callable | None) -> Callable:
+    scores_fn = scoring_function(setting.index_k, setting.index_q)
+    quant_k = get_quantizer(setting.index_k)
+    quant_q = get_quantizer(setting.index_q)
+    acc = ACC_DTYPES[setting.score_dtype]
 
     def forward(q: torch.Tensor, compressed_kv: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         # q [B, S, H, D], compressed_kv [B, L, D], hidden_states [B, S, hidden] -> [B, S, L] fp32
         q32, k32 = q.float(), compressed_kv.float()
-        if numerics.rotates:
+        if setting.rotates:
             q32, k32 = hadamard_128(q32), hadamard_128(k32)
         w = scorer.weights_proj(hidden_states).float()  # [B, S, H]
-        scores = lightning_scores(
+        scores = scores_fn(
             quant_q(q32),
             quant_k(k32),
             w,
@@ -304,32 +294,32 @@ def _scorer_forward(scorer: torch.nn.Module, numerics: Numerics, stash: Callable
 @contextmanager
 def emulate(
     model: torch.nn.Module,
-    numerics: Numerics = REFERENCE,
+    setting: Setting = REFERENCE,
     *,
     capture: IndexerCapture | None = None,
-    patch: str | Path | None = None,
 ) -> Iterator[list[int]]:
-    """Apply ``numerics`` (and an optional user patch) to every CSA indexer of ``model``.
+    """Apply ``setting`` (numerics and its patch, if any) to every CSA indexer of ``model``.
 
     Yields the CSA layer indices. Everything is undone on exit, also on error.
     """
     indexers = csa_indexers(model)
     check_unpatched(model)
-    if patch is not None:
-        load_patch(patch)  # fail on a bad patch file before touching the model
-    saved: list[tuple[torch.nn.Module, int]] = []
+    if setting.patch is not None:
+        load_patch(setting.patch)  # fail on a bad patch file before touching the model
+    emulated = setting.numerics_only != REFERENCE
+    saved: list[tuple[torch.nn.Module, int, Callable | None]] = []
     handles = []
     undo_patch = None
     try:
         for layer, idx in indexers:
-            saved.append((idx, idx.index_topk))
-            if numerics.index_topk is not None:
-                idx.index_topk = numerics.index_topk
+            saved.append((idx, idx.index_topk, idx.scorer.__dict__.get("forward")))
+            if setting.index_topk is not None:
+                idx.index_topk = setting.index_topk
             stash = None
             if capture is not None and capture.keep_scores:
                 stash = _stasher(layer, capture)
-            if numerics != REFERENCE or stash is not None:
-                idx.scorer.forward = _scorer_forward(idx.scorer, numerics, stash)
+            if emulated or stash is not None or _BACKEND.get() is not None:
+                idx.scorer.forward = _scorer_forward(idx.scorer, setting, stash)
             if capture is not None:
                 handles.append(idx.register_forward_pre_hook(_watch_topk(layer, capture)))
                 handles.append(
@@ -337,17 +327,20 @@ def emulate(
                         _capture_hook(layer, capture), with_kwargs=True, always_call=True
                     )
                 )
-        if patch is not None:
-            undo_patch = apply_patch_once(model, patch)
+        if setting.patch is not None:
+            undo_patch = apply_patch_once(model, setting.patch)
         yield [layer for layer, _ in indexers]
     finally:
         if callable(undo_patch):
             undo_patch()
         for h in handles:
             h.remove()
-        for idx, topk in saved:
+        for idx, topk, own_forward in saved:
             idx.index_topk = topk
-            idx.scorer.__dict__.pop("forward", None)
+            if own_forward is None:
+                idx.scorer.__dict__.pop("forward", None)
+            else:
+                idx.scorer.forward = own_forward
 
 
 class _TopkInput(TorchFunctionMode):
@@ -397,7 +390,7 @@ def _capture_hook(layer: int, capture: IndexerCapture) -> Callable:
         elif pending is not None:
             pos = position_ids.to(pending.device)
             L = pending.shape[-1]
-            vis = (pos + 1) // module.compress_rate  # [B, S]
+            vis = visible_entries(pos, module.compress_rate)  # [B, S]
             future = torch.arange(L, device=pending.device).view(1, 1, L) >= vis.unsqueeze(-1)
             capture.calls[-1].scores = pending.masked_fill(future, float("-inf")).cpu()
 

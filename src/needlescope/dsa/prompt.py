@@ -13,7 +13,18 @@ from pathlib import Path
 
 from needlescope.errors import BadInput
 
-__all__ = ["Prompt", "read_prompt_file", "render_prompt", "needle_token_span", "covering_entries"]
+__all__ = [
+    "ROLES",
+    "Prompt",
+    "read_prompt_file",
+    "render_prompt",
+    "needle_token_span",
+    "resolve_needle_span",
+    "covering_entries",
+]
+
+ROLES = ("system", "user", "assistant")
+"""Message roles a prompt file may use (the chat templates of DeepSeek-V4 checkpoints render these)."""
 
 
 @dataclass(frozen=True)
@@ -44,6 +55,12 @@ def read_prompt_file(path: str | Path) -> list[dict]:
         ):
             raise BadInput(
                 f"prompt file {str(path)!r} must be a JSON list of {{'role': str, 'content': str}} messages"
+            )
+        unknown = sorted({m["role"] for m in messages} - set(ROLES))
+        if unknown:
+            raise BadInput(
+                f"prompt file {str(path)!r} uses unknown role(s) {', '.join(map(repr, unknown))}; "
+                f"allowed roles: {', '.join(ROLES)}"
             )
         return messages
     return [{"role": "user", "content": raw}]
@@ -80,6 +97,24 @@ def needle_token_span(prompt: Prompt, needle: str) -> tuple[int, int]:
     if not toks:
         raise BadInput(f"needle {needle[:60]!r} covers no tokens of the prompt")
     return toks[0], toks[-1] + 1
+
+
+def resolve_needle_span(
+    prompt: Prompt, needle: str | None = None, needle_span: tuple[int, int] | None = None
+) -> tuple[int, int]:
+    """[start, end) token span of the needle, from an explicit span (checked against the prompt)
+    or from its text (``needle_token_span``); BadInput when neither is given or the span is outside."""
+    n = len(prompt.input_ids)
+    if needle_span is not None:
+        start, end = int(needle_span[0]), int(needle_span[1])
+        if not 0 <= start < end <= n:
+            raise BadInput(
+                f"needle span {start}:{end} is not a non-empty token range inside the {n}-token prompt"
+            )
+        return start, end
+    if needle is not None:
+        return needle_token_span(prompt, needle)
+    raise BadInput("give the needle as text (--needle) or as a token span (--needle-span START:END)")
 
 
 def covering_entries(span: tuple[int, int], ratio: int = 4, *, overlap: bool = True) -> list[int]:

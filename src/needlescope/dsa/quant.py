@@ -15,12 +15,12 @@ values are exactly representable in the target format (math in fp32). Formats:
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Callable
 
 import torch
 
 from needlescope.errors import BadInput
+from needlescope.setting import check_precision
 
 __all__ = [
     "FP8_MAX",
@@ -99,6 +99,7 @@ def quantize_fp4_e2m1(x: torch.Tensor) -> torch.Tensor:
     return (_fp4_round(xb / s) * s).reshape(x.shape).to(x.dtype)
 
 
+# Exactly the names of ``needlescope.setting.PRECISIONS`` (tested), which holds their bit widths.
 QUANTIZERS: dict[str, Quantizer] = {
     "fp32": _cast(torch.float32),
     "bf16": _cast(torch.bfloat16),
@@ -111,12 +112,7 @@ QUANTIZERS: dict[str, Quantizer] = {
 
 def get_quantizer(name: str) -> Quantizer:
     """The fake-quant function registered as ``name``; BadInput (with suggestions) otherwise."""
-    try:
-        return QUANTIZERS[name]
-    except KeyError:
-        close = difflib.get_close_matches(name, list(QUANTIZERS), n=3)
-        hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
-        raise BadInput(f"unknown quantizer {name!r}.{hint} Available: {', '.join(QUANTIZERS)}") from None
+    return QUANTIZERS[check_precision(name, "quantizer")]
 
 
 def hadamard_128(x: torch.Tensor) -> torch.Tensor:

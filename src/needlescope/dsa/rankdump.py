@@ -54,10 +54,12 @@ from pathlib import Path
 import torch
 
 from needlescope.cases.scoring import score_answer
-from needlescope.dsa.emulate import REFERENCE, IndexerCapture, Numerics, csa_indexers, emulate
-from needlescope.dsa.prompt import covering_entries, needle_token_span, render_prompt
+from needlescope.dsa.emulate import IndexerCapture, csa_indexers, emulate
+from needlescope.dsa.prompt import covering_entries, render_prompt, resolve_needle_span
+from needlescope.dsa.reference import visible_entries
 from needlescope.errors import BadInput
 from needlescope.schema import check_schema
+from needlescope.setting import REFERENCE, Setting
 
 __all__ = [
     "DEFAULT_MAX_NEW_TOKENS",
@@ -257,19 +259,18 @@ def rank_dump(
     *,
     needle: str | None = None,
     needle_span: tuple[int, int] | None = None,
-    numerics: Numerics = REFERENCE,
-    patch: str | Path | None = None,
+    setting: Setting = REFERENCE,
     query_positions: Sequence[int] | None = None,
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
     expected: Sequence[str] | None = None,
     label: str = "",
     capture: IndexerCapture | None = None,
 ) -> dict:
-    """Run ``model`` on ``messages`` under ``numerics`` (and ``patch``) and dump the needle's ranks.
+    """Run ``model`` on ``messages`` under ``setting`` (numerics and patch) and dump the needle's ranks.
 
     ``capture``: the caller already runs ``model`` inside ``emulate(model, numerics,
-    capture=capture)`` with ``patch`` applied once (a sweep runs many prompts on one patched
-    model); the capture is cleared and reused, and ``numerics``/``patch`` are only recorded.
+    capture=capture)`` with the setting's patch applied once (a sweep runs many prompts on one
+    patched model); the capture is cleared and reused, and ``setting`` is only recorded.
 
     The needle is given as text (its first and only occurrence in the rendered prompt) or as an
     explicit [start, end) token span. ``query_positions=None`` runs greedy generation for up to
@@ -279,16 +280,7 @@ def rank_dump(
     """
     prompt = render_prompt(tokenizer, messages)
     P = len(prompt.input_ids)
-    if needle_span is not None:
-        start, end = (int(needle_span[0]), int(needle_span[1]))
-        if not 0 <= start < end <= P:
-            raise BadInput(
-                f"needle span {start}:{end} is not a non-empty token range inside the {P}-token prompt"
-            )
-    elif needle is not None:
-        start, end = needle_token_span(prompt, needle)
-    else:
-        raise BadInput("give the needle as text (--needle) or as a token span (--needle-span START:END)")
+    start, end = resolve_needle_span(prompt, needle, needle_span)
     if max_new_tokens < 1:
         raise BadInput(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if query_positions is not None:
@@ -301,7 +293,7 @@ def rank_dump(
     generated: list[int] = []
     if capture is None:
         capture = IndexerCapture(keep_scores=True)
-        context = emulate(model, numerics, capture=capture, patch=patch)
+        context = emulate(model, setting, capture=capture)
     else:
         capture.clear()
         context = nullcontext([layer for layer, _ in csa_indexers(model)])
@@ -317,51 +309,17 @@ def rank_dump(
             positions = list(query_positions)
 
     entries = covering_entries((start, end), ratio=ratio, overlap=True)
-    out_layers = []
-    for layer in layers:
-        score_pos, score_rows = capture.score_rows(layer)
-        topk_pos, topk_rows = capture.rows(layer, width=index_topk)
-        row_of = {int(p): i for i, p in enumerate(score_pos.tolist())}
-        if len(row_of) != len(score_rows) or not torch.equal(score_pos, topk_pos):
-            raise RuntimeError(
-                f"layer {layer}: captured positions repeat or disagree between scores and top-k"
-            )
-        recs, unseen = [], []
-        for t in positions:
-            if t not in row_of:
-                raise RuntimeError(f"layer {layer}: no indexer row was captured for query position {t}")
-            i = row_of[t]
-            visible = (t + 1) // ratio
-            ne = [e for e in entries if e < visible]
-            if not ne:
-                unseen.append(t)
-                continue
-            st = needle_rank_stats(score_rows[i], visible, ne, index_topk)
-            recs.append(
-                {
-                    "query_pos": t,
-                    "visible_entries": visible,
-                    "needle_entries": ne,
-                    "best_rank": st.best_rank,
-                    "ties": st.ties,
-                    "needle_score": st.needle_score,
-                    "cutoff_score": st.cutoff_score,
-                    "margin": st.margin,
-                    "margin_frac": st.margin_frac,
-                    "selected": selected_in(topk_rows[i], ne),
-                }
-            )
-        out_layers.append({"layer": layer, "needle_not_visible": unseen, "positions": recs})
+    out_layers = [_layer_record(capture, layer, positions, entries, index_topk, ratio) for layer in layers]
 
     answer_ids = [t for t in generated if t != tokenizer.eos_token_id]
     text = tokenizer.decode(answer_ids, skip_special_tokens=True) if generated else ""
     return {
         "index_topk": index_topk,
         "numerics": {
-            "index_k": numerics.index_k,
-            "index_q": numerics.index_q,
-            "score_dtype": numerics.score_dtype,
-            "hadamard": numerics.rotates,
+            "index_k": setting.index_k,
+            "index_q": setting.index_q,
+            "score_dtype": setting.score_dtype,
+            "hadamard": setting.rotates,
         },
         "prompt_tokens": P,
         "needle_token_span": [start, end],
@@ -372,10 +330,52 @@ def rank_dump(
         "answer_correct": (
             score_answer(text, list(expected)) if expected is not None and generated else None
         ),
-        "patch": str(patch) if patch is not None else None,
+        "patch": None if setting.patch is None else setting.patch.spec,
         "label": label,
         "layers": out_layers,
     }
+
+
+def _layer_record(
+    capture: IndexerCapture,
+    layer: int,
+    positions: Sequence[int],
+    entries: Sequence[int],
+    index_topk: int,
+    ratio: int,
+) -> dict:
+    """One ``layers[]`` record of the schema: the needle's rank at each query position of ``layer``."""
+    score_pos, score_rows = capture.score_rows(layer)
+    topk_pos, topk_rows = capture.rows(layer, width=index_topk)
+    row_of = {int(p): i for i, p in enumerate(score_pos.tolist())}
+    if len(row_of) != len(score_rows) or not torch.equal(score_pos, topk_pos):
+        raise RuntimeError(f"layer {layer}: captured positions repeat or disagree between scores and top-k")
+    recs, unseen = [], []
+    for t in positions:
+        if t not in row_of:
+            raise RuntimeError(f"layer {layer}: no indexer row was captured for query position {t}")
+        i = row_of[t]
+        visible = visible_entries(t, ratio)
+        ne = [e for e in entries if e < visible]
+        if not ne:
+            unseen.append(t)
+            continue
+        st = needle_rank_stats(score_rows[i], visible, ne, index_topk)
+        recs.append(
+            {
+                "query_pos": t,
+                "visible_entries": visible,
+                "needle_entries": ne,
+                "best_rank": st.best_rank,
+                "ties": st.ties,
+                "needle_score": st.needle_score,
+                "cutoff_score": st.cutoff_score,
+                "margin": st.margin,
+                "margin_frac": st.margin_frac,
+                "selected": selected_in(topk_rows[i], ne),
+            }
+        )
+    return {"layer": layer, "needle_not_visible": unseen, "positions": recs}
 
 
 def combine_dumps(dumps: Sequence[dict]) -> dict:

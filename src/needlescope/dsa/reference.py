@@ -4,7 +4,8 @@ Pure functions over tensors; no modules, no I/O. Mirrors transformers'
 ``DeepseekV4Indexer`` (models/deepseek_v4/modeling_deepseek_v4.py, v5.23) so that
 parity holds bit-for-bit up to fp32 rounding.
 
-Places where transformers deviates from the design doc (docs: dsv4_attention.md §2):
+Places where transformers deviates from DeepSeek's reference inference code and SGLang's
+indexer (the deployments whose numerics ``needlescope.dsa.emulate`` imitates):
 
 * No Hadamard rotation and no FP4/FP8 simulation of q or k in transformers. Ref and
   SGLang rotate + quantise; transformers keeps both in the model dtype. A rotation
@@ -17,8 +18,8 @@ Places where transformers deviates from the design doc (docs: dsv4_attention.md 
 * Gated pooling: ``sum(kv * softmax(gate).to(kv.dtype))`` then RMSNorm; the softmax is
   fp32 but the products/sum run in the kv dtype (bf16 in a bf16 model).
 * Causality uses a -inf mask on entries ``i >= (t+1)//4`` and then ``topk`` with
-  ``k = min(index_topk, L)``; masked picks become -1. The design doc's
-  "rows with len <= k emit 0..len-1" shortcut (SGLang) is not in transformers: it
+  ``k = min(index_topk, L)``; masked picks become -1. SGLang's
+  "rows with len <= k emit 0..len-1" shortcut is not in transformers: it
   emits the visible entries in score order. As sets they are identical.
 * Head weights use ``hidden_states`` (the attn-normed x), not q_lora, with
   ``c = index_head_dim**-0.5 * index_n_heads**-0.5``; ``index_head_dim**-0.5`` is
@@ -45,14 +46,19 @@ NO_ENTRY = -1
 """Sentinel index in ``topk_indices`` output: "no entry" (fewer than k visible)."""
 
 
-def visible_entries(t: int, ratio: int = 4) -> int:
-    """Number of compressed entries visible to the query at position ``t``: (t+1)//ratio."""
+def visible_entries(t, ratio: int = 4):
+    """Number of compressed entries visible to the query at position ``t``: (t+1)//ratio.
+
+    The one statement of the visibility rule: entry ``s`` (covering tokens ``ratio*s ..
+    ratio*s + ratio - 1``) is complete, hence scoreable, once the query has seen its last token.
+    ``t`` is an int or an integer tensor of positions (then the result is a tensor of that shape).
+    """
     return (t + 1) // ratio
 
 
 def visibility_mask(T: int, L: int, ratio: int = 4) -> torch.Tensor:
     """Bool [T, L]: entry i is visible to query t iff i < (t+1)//ratio."""
-    vis = (torch.arange(T) + 1) // ratio  # [T]
+    vis = visible_entries(torch.arange(T), ratio)  # [T]
     return torch.arange(L).view(1, L) < vis.view(T, 1)  # [T, L]
 
 
@@ -172,7 +178,7 @@ def indexer_scores(
     T, L = q.shape[0], k.shape[0]
     scores = lightning_scores(q, k, w, scale=scale, weight_scale=weight_scale, acc_dtype=acc_dtype)
     pos = torch.arange(T, device=q.device) if positions is None else positions.to(q.device)
-    vis = (pos + 1) // ratio  # [T]
+    vis = visible_entries(pos, ratio)  # [T]
     future = torch.arange(L, device=q.device).view(1, L) >= vis.view(T, 1)  # [T, L]
     return scores.masked_fill(future, float("-inf"))
 

@@ -28,14 +28,15 @@ tokens. Per CSA layer, over the rows with at least one visible entry:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from pathlib import Path
 
 import torch
 
-from needlescope.dsa.emulate import REFERENCE, IndexerCapture, Numerics, csa_indexers, emulate
-from needlescope.dsa.prompt import covering_entries, needle_token_span, render_prompt
+from needlescope.dsa.emulate import IndexerCapture, csa_indexers, emulate
+from needlescope.dsa.prompt import covering_entries, render_prompt, resolve_needle_span
+from needlescope.dsa.reference import visible_entries
 from needlescope.errors import BadInput
 from needlescope.schema import check_schema
+from needlescope.setting import REFERENCE, Setting
 
 __all__ = [
     "STABILITY_SCHEMA",
@@ -192,7 +193,7 @@ def compare_topk(
 
     Rows with no visible entry ((t+1)//ratio == 0) are dropped before any statistic.
     """
-    vis = (positions.long() + 1) // ratio  # [N]
+    vis = visible_entries(positions.long(), ratio)  # [N]
     keep = vis > 0
     positions, ref, other, vis = positions[keep], ref[keep], other[keep], vis[keep]
     rec = reference_recall(ref, other)  # [N]
@@ -212,9 +213,9 @@ def compare_topk(
     }
 
 
-def _prefill_topk(model, ids: torch.Tensor, numerics: Numerics, patch) -> tuple[dict, int, int]:
+def _prefill_topk(model, ids: torch.Tensor, setting: Setting) -> tuple[dict, int, int]:
     capture = IndexerCapture(keep_scores=False)
-    with torch.no_grad(), emulate(model, numerics, capture=capture, patch=patch) as layers:
+    with torch.no_grad(), emulate(model, setting, capture=capture) as layers:
         indexer = csa_indexers(model)[0][1]
         k, ratio = int(indexer.index_topk), int(indexer.compress_rate)
         model(ids.to(next(model.parameters()).device), use_cache=False)
@@ -228,35 +229,24 @@ def selection_stability(
     *,
     needle: str | None = None,
     needle_span: tuple[int, int] | None = None,
-    reference: Numerics = REFERENCE,
-    candidate: Numerics,
+    reference: Setting = REFERENCE,
+    candidate: Setting,
     candidate_model=None,
-    reference_patch: str | Path | None = None,
-    candidate_patch: str | Path | None = None,
     reference_label: str = "",
     candidate_label: str = "",
 ) -> dict:
-    """Compare the top-k sets of ``reference`` and ``candidate`` numerics on one prompt.
+    """Compare the top-k sets of the ``reference`` and ``candidate`` settings on one prompt.
 
     ``candidate_model`` (default: ``model``) compares two models with the same tokenizer and
     CSA layers. Returns a dict following ``STABILITY_SCHEMA``.
     """
     prompt = render_prompt(tokenizer, messages)
     P = len(prompt.input_ids)
-    if needle_span is not None:
-        span = (int(needle_span[0]), int(needle_span[1]))
-        if not 0 <= span[0] < span[1] <= P:
-            raise BadInput(
-                f"needle span {span[0]}:{span[1]} is not a token range inside the {P}-token prompt"
-            )
-    elif needle is not None:
-        span = needle_token_span(prompt, needle)
-    else:
-        raise BadInput("give the needle as text or as a token span")
+    span = resolve_needle_span(prompt, needle, needle_span)
     ids = torch.tensor([prompt.input_ids])
-    ref_rows, ref_k, ratio = _prefill_topk(model, ids, reference, reference_patch)
+    ref_rows, ref_k, ratio = _prefill_topk(model, ids, reference)
     cand_rows, cand_k, _ = _prefill_topk(
-        candidate_model if candidate_model is not None else model, ids, candidate, candidate_patch
+        candidate_model if candidate_model is not None else model, ids, candidate
     )
     if sorted(ref_rows) != sorted(cand_rows):
         raise BadInput(f"the two models have different CSA layers: {sorted(ref_rows)} vs {sorted(cand_rows)}")
@@ -269,20 +259,20 @@ def selection_stability(
             raise RuntimeError(f"layer {layer}: the two runs captured different query positions")
         layers.append(compare_topk(layer, pos, r, c, ref_k=ref_k, needle_entries=entries, ratio=ratio))
 
-    def side(n: Numerics, k: int, patch, label: str) -> dict:
+    def side(n: Setting, k: int, label: str) -> dict:
         return {
             "index_k": n.index_k,
             "index_q": n.index_q,
             "score_dtype": n.score_dtype,
             "index_topk": k,
-            "patch": str(patch) if patch is not None else None,
+            "patch": None if n.patch is None else n.patch.spec,
             "model": label,
         }
 
     rows = sum(lay["rows"] for lay in layers)
     return {
-        "reference": side(reference, ref_k, reference_patch, reference_label),
-        "candidate": side(candidate, cand_k, candidate_patch, candidate_label),
+        "reference": side(reference, ref_k, reference_label),
+        "candidate": side(candidate, cand_k, candidate_label),
         "prompt_tokens": P,
         "needle_token_span": [span[0], span[1]],
         "needle_entries": entries,

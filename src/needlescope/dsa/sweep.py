@@ -50,25 +50,23 @@ from dataclasses import dataclass
 
 import torch
 
+from needlescope.analysis.curve import longest_passing
 from needlescope.analysis.stats import wilson_interval
 from needlescope.cases.assemble import CaseSpec, build_cases
 from needlescope.cases.needles import VALUE_DIGITS
 from needlescope.dsa.emulate import (
-    SCORE_DTYPES,
     IndexerCapture,
-    Numerics,
     apply_patch_once,
     emulate,
     patched_for_good,
 )
 from needlescope.dsa.prompt import render_prompt
-from needlescope.dsa.quant import get_quantizer
 from needlescope.dsa.rankdump import DEFAULT_MAX_NEW_TOKENS, rank_dump
 from needlescope.errors import BadInput
 from needlescope.schema import check_schema
+from needlescope.setting import PRECISIONS, PatchRef, Setting, check_precision, check_score_dtype
 
 __all__ = [
-    "PRECISION_BITS",
     "SWEEP_SCHEMA",
     "SweepConfig",
     "setting_cost",
@@ -80,10 +78,11 @@ __all__ = [
     "render_sweep_md",
 ]
 
-PRECISION_BITS = {"fp4_e2m1": 4, "fp8_e4m3": 8, "fp8_e4m3_block128": 8, "bf16": 16, "fp16": 16, "fp32": 32}
-"""Bits per element of each quantizer: the precision cost order of the sweep."""
 
-Setting = tuple[str, str, int]  # (index_k, index_q, index_topk)
+def _key(s: Setting) -> tuple[str, str, int]:
+    """(index_k, index_q, index_topk): what varies across the grid; cells and runs are keyed by it."""
+    return (s.index_k, s.index_q, s.index_topk)
+
 
 _NUM_OR_NULL = {"type": ["number", "null"]}
 _INT_OR_NULL = {"type": ["integer", "null"]}
@@ -227,7 +226,8 @@ class SweepConfig:
     generate: bool = True
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     value_digits: int = VALUE_DIGITS
-    patch: str | None = None
+    patch: PatchRef | None = None
+    """Applied to every grid point (a spec string is resolved; the file is not executed here)."""
 
     def __post_init__(self) -> None:
         for name in ("index_k", "index_q", "index_topk", "lengths"):
@@ -236,12 +236,13 @@ class SweepConfig:
                 raise BadInput(f"{name} is empty; give at least one value")
             if len(set(vals)) != len(vals):
                 raise BadInput(f"{name} contains duplicates: {list(vals)}")
-        for name in (*self.index_k, *self.index_q):
-            get_quantizer(name)
-        if self.score_dtype not in SCORE_DTYPES:
-            raise BadInput(
-                f"unknown score dtype {self.score_dtype!r}; allowed values: {', '.join(SCORE_DTYPES)}"
-            )
+        for name in self.index_k:
+            check_precision(name, "key precision (index_k)")
+        for name in self.index_q:
+            check_precision(name, "query precision (index_q)")
+        check_score_dtype(self.score_dtype)
+        if isinstance(self.patch, str):
+            object.__setattr__(self, "patch", PatchRef.resolve(self.patch))
         bad = [k for k in self.index_topk if isinstance(k, bool) or not isinstance(k, int) or k < 1]
         if bad:
             raise BadInput(f"index_topk values must be positive integers, got {bad}")
@@ -271,28 +272,25 @@ class SweepConfig:
         return self.target_length if self.target_length is not None else max(self.lengths)
 
     def settings(self) -> list[Setting]:
-        """Every (index_k, index_q, index_topk) of the grid, cheapest first."""
+        """Every (index_k, index_q, index_topk) of the grid as a ``Setting`` (with the sweep's
+        score dtype and patch), cheapest first."""
         grid = itertools.product(self.index_k, self.index_q, self.index_topk)
-        return sorted(grid, key=setting_cost)
+        settings = [
+            Setting(index_k=k, index_q=q, score_dtype=self.score_dtype, index_topk=topk, patch=self.patch)
+            for k, q, topk in grid
+        ]
+        return sorted(settings, key=setting_cost)
 
 
 def setting_cost(setting: Setting) -> tuple:
     """Sort key of the cost order: index_topk, then key + query bits, then key bits, then names."""
-    k, q, topk = setting
-    return (topk, PRECISION_BITS[k] + PRECISION_BITS[q], PRECISION_BITS[k], k, q)
+    k, q, topk = _key(setting)
+    return (topk, PRECISIONS[k] + PRECISIONS[q], PRECISIONS[k], k, q)
 
 
 def restored_to(rates: dict[int, float | None], target_rate: float) -> int | None:
     """Longest length L with rate >= target_rate at L and every shorter length (None rates skipped)."""
-    best = None
-    for length in sorted(rates):
-        r = rates[length]
-        if r is None:
-            continue
-        if r < target_rate:
-            break
-        best = length
-    return best
+    return longest_passing(rates.items(), target_rate)
 
 
 def cheapest_setting(
@@ -383,7 +381,8 @@ def _fmt_setting(k: str, q: str, topk: int | None = None) -> str:
 def _verdict(cfg: SweepConfig, settings: list[dict], cheapest, baseline: Setting, metric: str) -> list[str]:
     """Verdict lines, judged by ``metric`` (answer recall with generation), selection beside it."""
     by = {(s["index_k"], s["index_q"], s["index_topk"]): s for s in settings}
-    bk, bq, btopk = baseline
+    base = _key(baseline)
+    bk, bq, btopk = base
     what = "answer recall" if metric == "answer_recall" else "selection"
     lines = []
 
@@ -394,7 +393,7 @@ def _verdict(cfg: SweepConfig, settings: list[dict], cheapest, baseline: Setting
         sel = s["selection_restored_to"]
         return f"{judged} (selection {f'to {sel} tokens' if sel is not None else 'at no tested length'})"
 
-    base_reach = by[baseline]["restored_to"]
+    base_reach = by[base]["restored_to"]
 
     def vs_base(s: dict) -> str:
         r = s["restored_to"]
@@ -402,7 +401,7 @@ def _verdict(cfg: SweepConfig, settings: list[dict], cheapest, baseline: Setting
             return ""
         return " (no further than the baseline)"
 
-    lines.append(f"baseline {_fmt_setting(bk, bq, btopk)} keeps {what} {reach(by[baseline])}")
+    lines.append(f"baseline {_fmt_setting(bk, bq, btopk)} keeps {what} {reach(by[base])}")
     for k, q in itertools.product(cfg.index_k, cfg.index_q):
         if (k, q) != (bk, bq):
             s = by[(k, q, btopk)]
@@ -415,7 +414,7 @@ def _verdict(cfg: SweepConfig, settings: list[dict], cheapest, baseline: Setting
     if cheapest is None:
         lines.append(f"no setting in the grid reaches {what} {cfg.target_rate:g} at {target} tokens")
     else:
-        (k, q, topk), rate = cheapest
+        (k, q, topk), rate = _key(cheapest[0]), cheapest[1]
         s = by[(k, q, topk)]
         detail = f"{what} {rate:.2f}"
         if s["ci95_at_target"] is not None:
@@ -462,17 +461,17 @@ def run_sweep(
     total = len(cases) * len(grid)
     runs: list[dict] = []
     layers: set[int] = set()
-    for i, (k, q, topk) in enumerate(grid):
+    for i, setting in enumerate(grid):
+        k, q, topk = _key(setting)
         if i > 0 and patched_for_good(model):
             if reload is None:
                 raise BadInput(
-                    f"patch {cfg.patch!r} returned no undo, so each setting needs a fresh model; "
+                    f"patch {str(cfg.patch)!r} returned no undo, so each setting needs a fresh model; "
                     "give run_sweep a reload callable (the CLI does)"
                 )
             model = reload()
-        numerics = Numerics(index_k=k, index_q=q, score_dtype=cfg.score_dtype, index_topk=topk)
         capture = IndexerCapture(keep_scores=True)
-        with torch.no_grad(), emulate(model, numerics, capture=capture):
+        with torch.no_grad(), emulate(model, setting.numerics_only, capture=capture):
             undo = apply_patch_once(model, cfg.patch) if cfg.patch is not None else None
             try:
                 for case in cases:
@@ -481,8 +480,7 @@ def run_sweep(
                         tokenizer,
                         case.messages,
                         needle=case.needle,
-                        numerics=numerics,
-                        patch=cfg.patch,
+                        setting=setting,
                         query_positions=None if cfg.generate else [count_tokens(case.messages) - 1],
                         max_new_tokens=cfg.max_new_tokens,
                         expected=case.expected if cfg.generate else None,
@@ -522,27 +520,28 @@ def run_sweep(
     target = cfg.target
     settings = []
     for rank, s in enumerate(grid):
-        rates = {length: rate[(*s, length)] for length in cfg.lengths}
-        sel = {length: by_cell[(*s, length)]["selection_rate"] for length in cfg.lengths}
+        rates = {length: rate[(*_key(s), length)] for length in cfg.lengths}
+        sel = {length: by_cell[(*_key(s), length)]["selection_rate"] for length in cfg.lengths}
         settings.append(
             {
-                "index_k": s[0],
-                "index_q": s[1],
-                "index_topk": s[2],
+                "index_k": s.index_k,
+                "index_q": s.index_q,
+                "index_topk": s.index_topk,
                 "cost_rank": rank,
                 "restored_to": restored_to(rates, cfg.target_rate),
                 "rate_at_target": rates[target],
-                "ci95_at_target": by_cell[(*s, target)]["answer_recall_ci95"],
+                "ci95_at_target": by_cell[(*_key(s), target)]["answer_recall_ci95"],
                 "selection_restored_to": restored_to(sel, cfg.target_rate),
                 "selection_rate_at_target": sel[target],
             }
         )
-    cheapest = cheapest_setting({s: rate[(*s, target)] for s in grid}, cfg.target_rate)
+    cheapest = cheapest_setting({s: rate[(*_key(s), target)] for s in grid}, cfg.target_rate)
     precisions = sorted(
         itertools.product(cfg.index_k, cfg.index_q),
-        key=lambda kq: (PRECISION_BITS[kq[0]] + PRECISION_BITS[kq[1]], PRECISION_BITS[kq[0]], kq),
+        key=lambda kq: (PRECISIONS[kq[0]] + PRECISIONS[kq[1]], PRECISIONS[kq[0]], kq),
     )
-    baseline: Setting = (*precisions[0], min(cfg.index_topk))
+    bk, bq = precisions[0]
+    baseline = Setting(bk, bq, cfg.score_dtype, min(cfg.index_topk), patch=cfg.patch)
     return {
         "model": model_label,
         "kind": cfg.kind,
@@ -556,7 +555,7 @@ def run_sweep(
         "target_rate": cfg.target_rate,
         "generate": cfg.generate,
         "judged_by": metric,
-        "patch": cfg.patch,
+        "patch": None if cfg.patch is None else cfg.patch.spec,
         "settings": settings,
         "cells": cells,
         "runs": runs,
@@ -564,13 +563,13 @@ def run_sweep(
             None
             if cheapest is None
             else {
-                "index_k": cheapest[0][0],
-                "index_q": cheapest[0][1],
-                "index_topk": cheapest[0][2],
+                "index_k": cheapest[0].index_k,
+                "index_q": cheapest[0].index_q,
+                "index_topk": cheapest[0].index_topk,
                 "rate": cheapest[1],
             }
         ),
-        "baseline": {"index_k": baseline[0], "index_q": baseline[1], "index_topk": baseline[2]},
+        "baseline": {"index_k": bk, "index_q": bq, "index_topk": baseline.index_topk},
         "verdict": _verdict(cfg, settings, cheapest, baseline, metric),
     }
 

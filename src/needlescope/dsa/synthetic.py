@@ -25,9 +25,9 @@ cutoff, so small margins probe the selection boundary). A negative margin plants
 below its reference point.
 
 For each precision triple (``index_k``, ``index_q``, ``score_dtype``, names of
-``quant.QUANTIZERS`` and ``emulate.SCORE_DTYPES``) the same trial is re-scored with
+``setting.PRECISIONS`` and ``setting.SCORE_DTYPES``) the same trial is re-scored with
 fake-quantised keys and queries (Hadamard-rotated first whenever a side is fp4, as
-``emulate.Numerics`` does) and the needle's rank is counted pessimistically: 1 + the number
+``Setting.rotates`` says) and the needle's rank is counted pessimistically: 1 + the number
 of distractors scoring >= the needle. It is kept when rank <= k. Trials are seeded
 (from ``seed``, the trial number and L), so a grid is reproducible for one device and chunk size.
 
@@ -54,12 +54,15 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from needlescope.analysis.stats import wilson_interval
-from needlescope.dsa.emulate import SCORE_DTYPES, Numerics
+from needlescope.dsa.emulate import ACC_DTYPES, scoring_function
 from needlescope.dsa.quant import get_quantizer, hadamard_128
 from needlescope.dsa.reference import lightning_scores
 from needlescope.errors import BadInput
+from needlescope.schema import check_schema
+from needlescope.setting import Setting
 
 __all__ = [
+    "validate_synthetic",
     "Precision",
     "SyntheticConfig",
     "SYNTHETIC_SCHEMA",
@@ -97,8 +100,8 @@ SYNTHETIC_SCHEMA: dict = {
 }
 
 
-# A precision is an indexer ``Numerics`` whose ``index_topk`` synthetic mode sets itself.
-Precision = Numerics
+# A precision is an indexer ``Setting`` whose ``index_topk`` synthetic mode sets itself.
+Precision = Setting
 
 
 def parse_precisions(text: str) -> tuple[Precision, ...]:
@@ -215,11 +218,13 @@ def _scale(H: int, D: int) -> tuple[float, float]:
     return D**-0.5, H**-0.5
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
-    """q [T, H, D], k [c, D], w [T, H] -> fp32 scores [T, c]."""
+def _scores(
+    q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, acc: torch.dtype, fn=lightning_scores
+) -> torch.Tensor:
+    """q [T, H, D], k [c, D], w [T, H] -> fp32 scores [T, c] (``fn``: lightning_scores or a kernel backend)."""
     H, D = q.shape[-2], q.shape[-1]
     scale, wscale = _scale(H, D)
-    return lightning_scores(q, k, w, scale=scale, weight_scale=wscale, acc_dtype=acc).float()
+    return fn(q, k, w, scale=scale, weight_scale=wscale, acc_dtype=acc).float()
 
 
 def _row_stats(trial_q, trial_w, chunks, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -281,7 +286,7 @@ def make_trial(cfg: SyntheticConfig, entries: int, margin: float, trial: int) ->
 def needle_rank(trial: Trial, precision: Precision) -> torch.Tensor:
     """Pessimistic 1-based rank [T] of the needle under ``precision``: 1 + distractors scoring >= it."""
     qz, kz = get_quantizer(precision.index_q), get_quantizer(precision.index_k)
-    acc = SCORE_DTYPES[precision.score_dtype]
+    acc = ACC_DTYPES[precision.score_dtype]
     q = trial.q
     if precision.rotates:
         q = hadamard_128(q)
@@ -290,10 +295,11 @@ def needle_rank(trial: Trial, precision: Precision) -> torch.Tensor:
     def keys(k: torch.Tensor) -> torch.Tensor:
         return kz(hadamard_128(k) if precision.rotates else k)
 
-    needle_score = _scores(q, keys(trial.needle_key.view(1, -1)), trial.w, acc)[:, 0]  # [T]
+    fn = scoring_function(precision.index_k, precision.index_q)  # the kernels under scores_backend
+    needle_score = _scores(q, keys(trial.needle_key.view(1, -1)), trial.w, acc, fn)[:, 0]  # [T]
     above = torch.zeros_like(needle_score, dtype=torch.long)
     for start, kc in trial.key_chunks():
-        s = _scores(q, keys(kc), trial.w, acc)  # [T, c]
+        s = _scores(q, keys(kc), trial.w, acc, fn)  # [T, c]
         ge = s >= needle_score.view(-1, 1)
         if start <= trial.needle_index < start + kc.shape[0]:
             ge[:, trial.needle_index - start] = False
@@ -376,3 +382,8 @@ def render_synthetic_md(obj: dict) -> str:
         lines.append("")
     lines.append(f"Elapsed {obj.get('elapsed_s', 0):.2f} s.")
     return "\n".join(lines) + "\n"
+
+
+def validate_synthetic(obj: dict) -> None:
+    """Raise ValueError unless ``obj`` follows SYNTHETIC_SCHEMA."""
+    check_schema(obj, SYNTHETIC_SCHEMA, "synthetic")

@@ -109,7 +109,10 @@ def diagnosis_blocks(inv: dict, images: list[tuple[str, str]]) -> list[tuple]:
     if root:
         s = by_id[root]
         b.append(
-            ("p", f"**{root}** (tier {s['tier']}: {s['hypothesis']}). Decisive measurement: {s['reason']}.")
+            (
+                "p",
+                f"**{root}** (`{s['maps_to']}`; tier {s['tier']}: {s['hypothesis']}). Decisive measurement: {s['reason']}.",
+            )
         )
     else:
         b.append(("p", "No suspect in the ledger is implicated as the root cause."))

@@ -45,13 +45,17 @@ applies the patch).
 from __future__ import annotations
 
 import re
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import tomllib
-
 from needlescope.errors import BadInput
 from needlescope.setting import PatchRef, Setting
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
 
 __all__ = [
     "QUESTION_TYPES",

@@ -31,12 +31,12 @@ from dataclasses import dataclass
 import torch
 
 from needlescope.cases.scoring import score_answer
-from needlescope.dsa.emulate import IndexerCapture, Numerics, csa_indexers, emulate, load_patch
+from needlescope.dsa.emulate import IndexerCapture, csa_indexers, emulate, load_patch
 from needlescope.dsa.prompt import covering_entries, needle_token_span, render_prompt
 from needlescope.dsa.rankdump import needle_rank_stats
 from needlescope.setting import PatchRef, Setting
 
-__all__ = ["Config", "measure_case", "final_logits", "first_wrong_token", "applied"]
+__all__ = ["Config", "measure_case", "measure_cases", "final_logits", "first_wrong_token", "applied"]
 
 
 @dataclass(frozen=True)
@@ -74,15 +74,11 @@ def first_wrong_token(tokens: Sequence[str], expected: str) -> int | None:
 @contextmanager
 def applied(model, config: Config, capture: IndexerCapture | None = None) -> Iterator[list[int]]:
     """Apply ``config`` to ``model`` for the block; yields the CSA layer indices."""
-    s = config.setting
-    numerics = Numerics(s.index_k, s.index_q, s.score_dtype, s.index_topk, s.hadamard)
     undos = []
     try:
         for p in config.extra:
-            undos.append(load_patch(p.path)(model))
-        with emulate(
-            model, numerics, capture=capture, patch=None if s.patch is None else s.patch.path
-        ) as layers:
+            undos.append(load_patch(p)(model))
+        with emulate(model, config.setting, capture=capture) as layers:
             yield layers
     finally:
         for undo in reversed(undos):
@@ -96,12 +92,23 @@ def _ids(model, tokenizer, messages: list[dict]) -> tuple[list[int], torch.Tenso
     return prompt, ids
 
 
-@torch.no_grad()
 def measure_case(model, tokenizer, case, config: Config, *, max_new_tokens: int = 8) -> dict:
     """One record for ``case`` (a ``cases.assemble.Case``) under ``config``; see the module docstring."""
-    prompt, ids = _ids(model, tokenizer, case.messages)
-    P = len(prompt.input_ids)
-    span = needle_token_span(prompt, case.needle)
+    return measure_cases(model, tokenizer, [case], config, max_new_tokens=max_new_tokens)[0]
+
+
+@torch.no_grad()
+def measure_cases(
+    model, tokenizer, cases: Sequence, config: Config, *, max_new_tokens: int = 8
+) -> list[dict]:
+    """Records for ``cases`` under ``config``, decoded as one batch: every case's prompt must have
+    the same token count (V4's compressors would pool padding into entries, so batches are never
+    padded). Greedy decoding is per row, so a batch gives the same answers as one case at a time."""
+    prompts = [render_prompt(tokenizer, c.messages) for c in cases]
+    P = len(prompts[0].input_ids)
+    if any(len(p.input_ids) != P for p in prompts):
+        raise ValueError("a batch needs prompts of one token length")
+    ids = torch.tensor([p.input_ids for p in prompts], device=next(model.parameters()).device)
     capture = IndexerCapture(keep_scores=True)
     eos = tokenizer.eos_token_id
     with applied(model, config, capture) as layers:
@@ -115,9 +122,22 @@ def measure_case(model, tokenizer, case, config: Config, *, max_new_tokens: int 
             eos_token_id=eos,
             pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos,
         )
-    generated = [t for t in out[0, P:].tolist() if t != eos]
+    return [
+        _record(case, prompt, out[b, P:].tolist(), tokenizer, capture, layers, b, k, ratio)
+        for b, (case, prompt) in enumerate(zip(cases, prompts, strict=True))
+    ]
+
+
+def _record(case, prompt, tokens: list[int], tokenizer, capture, layers, b: int, k: int, ratio: int) -> dict:
+    P = len(prompt.input_ids)
+    eos = tokenizer.eos_token_id
+    generated = []
+    for t in tokens:
+        if t == eos:
+            break
+        generated.append(t)
     pieces = [tokenizer.decode([t], skip_special_tokens=True) for t in generated]
-    answer = "".join(tokenizer.decode(generated, skip_special_tokens=True))
+    answer = tokenizer.decode(generated, skip_special_tokens=True)
     correct = bool(generated) and score_answer(answer, list(case.expected))
     if not generated:
         tok_i, source = 0, "first answer token (answer empty)"
@@ -131,11 +151,11 @@ def measure_case(model, tokenizer, case, config: Config, *, max_new_tokens: int 
             else (0, "first answer token (answer incomplete)")
         )
     t = P - 1 + tok_i
-    entries = covering_entries(span, ratio=ratio, overlap=True)
+    entries = covering_entries(needle_token_span(prompt, case.needle), ratio=ratio, overlap=True)
     recs = []
     for layer in layers:
-        score_pos, score_rows = capture.score_rows(layer)
-        topk_pos, topk_rows = capture.rows(layer, width=k)
+        score_pos, score_rows = capture.score_rows(layer, b)
+        _, topk_rows = capture.rows(layer, width=k, batch_index=b)
         row = {int(p): i for i, p in enumerate(score_pos.tolist())}[t]
         visible = (t + 1) // ratio
         ne = [e for e in entries if e < visible]

@@ -42,6 +42,8 @@ from needlescope.setting import Setting
 
 __all__ = ["run_investigation", "INVESTIGATION_KEYS", "PHASES"]
 
+BATCH = 8
+"""Cases of one prompt length decoded together (unpadded batches; same answers as one at a time)."""
 PHASES = ("questions", "symptom", "checks", "fixes", "verdicts")
 INVESTIGATION_KEYS = ("ledger", "target", "symptom", "configs", "suspects", "fixes", "explained", "verdicts")
 Progress = Callable[[str, int, int, str], None]
@@ -89,8 +91,8 @@ class _Investigation:
         import torch
 
         from needlescope.cases.assemble import CaseSpec, build_cases
+        from needlescope.dsa.checkpoint import load_bundle, resolve_model_dir, trained_value_digits
         from needlescope.dsa.prompt import render_prompt
-        from needlescope.organism.bundle import load_bundle, resolve_model_dir, trained_value_digits
 
         t, sy = self.ledger.target, self.ledger.symptom
         try:
@@ -109,9 +111,12 @@ class _Investigation:
             value_digits=trained_value_digits(path),
         )
         self.cases = build_cases(spec, lambda m: len(render_prompt(self.tokenizer, m).input_ids))
+        self.prompt_len = {
+            c.case_id: len(render_prompt(self.tokenizer, c.messages).input_ids) for c in self.cases
+        }
 
     def measure(self, name: str, config) -> list[dict]:
-        from needlescope.investigate.measure import measure_case
+        from needlescope.investigate.measure import measure_cases
 
         self.configs[name] = config.to_json()
         # A configuration already measured under another name (a removal that equals the
@@ -122,18 +127,24 @@ class _Investigation:
             for r in self.state.records(same[0]):
                 self.state.append_record(name, r)
             done = {r["case_id"]: r for r in self.state.records(name)}
-        for i, case in enumerate(self.cases):
+        todo: dict[int, list] = {}
+        for case in self.cases:
             if case.case_id not in done:
-                rec = measure_case(
+                todo.setdefault(self.prompt_len[case.case_id], []).append(case)
+        self.progress(f"measure {name}", len(done), len(self.cases), config.label())
+        for _, group in sorted(todo.items()):
+            for i in range(0, len(group), BATCH):
+                recs = measure_cases(
                     self.model,
                     self.tokenizer,
-                    case,
+                    group[i : i + BATCH],
                     config,
                     max_new_tokens=self.ledger.symptom.max_new_tokens,
                 )
-                self.state.append_record(name, rec)
-                done[case.case_id] = rec
-            self.progress(f"measure {name}", i + 1, len(self.cases), config.label())
+                for rec in recs:
+                    self.state.append_record(name, rec)
+                    done[rec["case_id"]] = rec
+                self.progress(f"measure {name}", len(done), len(self.cases), config.label())
         return [done[c.case_id] for c in self.cases]
 
     @staticmethod
@@ -185,7 +196,7 @@ class _Investigation:
             self.progress("questions", n + 1, len(suspects), s.id)
 
     def _checkpoint_dir(self) -> Path | None:
-        from needlescope.organism.bundle import resolve_model_dir
+        from needlescope.dsa.checkpoint import resolve_model_dir
 
         try:
             return resolve_model_dir(self.ledger.target.model)
@@ -276,6 +287,9 @@ class _Investigation:
             "id": s.id,
             "tier": s.tier,
             "hypothesis": s.hypothesis,
+            "maps_to": s.patch.spec
+            if s.patch is not None
+            else " ".join(f"{f}={v}" for f, v in s.setting_fields),
             "present": present,
             "changes_topk": any(f == "index_topk" for f, _ in s.setting_fields),
             "verdict": verdict,

@@ -11,12 +11,12 @@ Per suspect, in this order:
 2. **exonerated** (not in the deployment): a cheap question's answer equals its
    ``means_absent`` value, or the suspect is absent from the candidate and no ablation ran.
 3. **implicated**: ``p < ALPHA`` and ``b > c`` (the suspect costs recall, paired).
-4. **diverges_no_effect**: not implicated, and adding it alone to the reference moves the final
-   logits at the answer position by a relative Frobenius error above ``DIVERGE_REL`` (fp32 CPU
-   runs of identical code are bit-identical, so anything above this is a real numerical
-   change): "diverges, no recall effect at the lengths tested", both numbers given.
-5. **exonerated**: not implicated, and the paired recall change ``|b - c| / n`` is at most
-   ``SMALL_EFFECT``.
+4. **diverges_no_effect**: not implicated, the paired recall change ``|b - c| / n`` is at most
+   ``SMALL_EFFECT``, and adding it alone to the reference moves the final logits at the answer
+   position by a relative Frobenius error above ``DIVERGE_REL`` (fp32 CPU runs of identical
+   code are bit-identical, so anything above this is a real numerical change): "diverges, no
+   recall effect at the lengths tested", both numbers given.
+5. **exonerated**: not implicated, the change is at most ``SMALL_EFFECT`` and nothing diverges.
 6. **inconclusive**: otherwise (a change larger than ``SMALL_EFFECT`` that the cases cannot
    confirm; run more cases).
 
@@ -164,12 +164,12 @@ def suspect_verdict(
     )
     if restores(pair):
         return "implicated", counts
-    if divergence is not None and divergence > DIVERGE_REL:
-        return "diverges_no_effect", (
-            f"diverges, no recall effect at the lengths tested: final-logit relative error {divergence:.3g} "
-            f"(> {DIVERGE_REL:g}) when added alone to the reference; {counts}"
-        )
     if pair["n"] and abs(pair["b"] - pair["c"]) / pair["n"] <= SMALL_EFFECT:
+        if divergence is not None and divergence > DIVERGE_REL:
+            return "diverges_no_effect", (
+                f"diverges, no recall effect at the lengths tested: final-logit relative error "
+                f"{divergence:.3g} (> {DIVERGE_REL:g}) when added alone to the reference; {counts}"
+            )
         return "exonerated", counts
     return (
         "inconclusive",

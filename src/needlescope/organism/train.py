@@ -34,8 +34,9 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoTokenizer, DeepseekV4ForCausalLM
 
+from needlescope.dsa.checkpoint import quiet_transformers
 from needlescope.dsa.emulate import csa_indexers
-from needlescope.organism.bundle import quiet_transformers
+from needlescope.dsa.reference import visible_entries
 from needlescope.organism.config import DENSE_TOPK, init_hash_routing, organism_config
 from needlescope.organism.data import IGNORE, DataSpec, make_example
 from needlescope.organism.tokenizer import build_tokenizer
@@ -202,7 +203,7 @@ class _Taps:
         for layer, mass in self.attn.items():
             scores = self.scores[layer]
             B, S, L = scores.shape
-            vis = (torch.arange(S, device=scores.device) + 1) // ratio  # [S]
+            vis = visible_entries(torch.arange(S, device=scores.device), ratio)  # [S]
             visible = torch.arange(L, device=scores.device).view(1, L) < vis.view(S, 1)  # [S, L]
             logq = scores.masked_fill(~visible, float("-inf")).log_softmax(-1)
             row_mass = mass.sum(-1)  # [B, S]
@@ -318,7 +319,13 @@ def _set_topk(model, k: int) -> None:
 def train(
     cfg: TrainConfig, out: Path, *, device: str = "cuda", on_log: Callable[[dict], None] | None = None
 ) -> dict:
-    """Train the organism per ``cfg`` and save the checkpoint + ``training.json`` to ``out``."""
+    """Train the organism per ``cfg`` and save the checkpoint + ``training.json`` to ``out``.
+
+    One function on purpose (over 80 lines): it is the recorded recipe's loop, whose order of
+    seeded draws (weights, data, dropout-free steps) must stay exactly as run so that the shipped
+    weights reproduce bit for bit; the pieces with their own logic (losses, eval, data) are
+    already separate functions.
+    """
     t0 = time.monotonic()
     torch.manual_seed(cfg.seed)
     # A continued checkpoint keeps its own tokenizer: token ids must match its embeddings.

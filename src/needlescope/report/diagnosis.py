@@ -10,17 +10,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from needlescope.analysis.curve import pool_by_length
+
 __all__ = ["write_diagnosis", "render_diagnosis", "recall_by_length"]
 
 
 def recall_by_length(summary: dict) -> dict[int, float]:
     """Recall per length of a probe summary (``SUMMARY_SCHEMA``), pooled over depths."""
-    agg: dict[int, list[int]] = {}
-    for c in summary["cells"]:
-        a = agg.setdefault(c["length"], [0, 0])
-        a[0] += c["correct"]
-        a[1] += c["n"]
-    return {n: (a[0] / a[1] if a[1] else float("nan")) for n, a in sorted(agg.items())}
+    pooled = pool_by_length((c["length"], c["correct"], c["n"]) for c in summary["cells"])
+    return {length: (k / n if n else float("nan")) for length, (k, n) in pooled.items()}
 
 
 def _fmt_len(x: int | None) -> str:

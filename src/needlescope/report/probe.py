@@ -8,6 +8,7 @@ from pathlib import Path
 
 from ..analysis.curve import Cell, cliff, effective_length, pooled_recall
 from ..schema import check_schema
+from .breakdown import ENDPOINTS_SCHEMA, FAILURES_SCHEMA, endpoint_lines, failure_lines
 
 __all__ = ["SUMMARY_SCHEMA", "validate_summary", "write_probe_outputs"]
 
@@ -55,6 +56,8 @@ SUMMARY_SCHEMA: dict = {
         "server_length_mismatches": {"type": "integer"},
         "value_digits": {"type": "integer"},
         "value_digits_source": {"type": "string"},
+        "failures": FAILURES_SCHEMA,
+        "endpoints": ENDPOINTS_SCHEMA,
     },
 }
 
@@ -140,6 +143,10 @@ def _markdown(summary: dict, cells: list[Cell], notes: list[str]) -> str:
     lines += ["", "| length | pooled recall | n |", "|---|---|---|"]
     for length, (k, n) in pooled_recall(cells).items():
         lines.append(f"| {length} | {f'{k / n:.3f}' if n else 'no data'} | {n} |")
+    if "failures" in summary:
+        lines += [""] + failure_lines(summary["failures"])
+    if "endpoints" in summary:
+        lines += [""] + endpoint_lines(summary["endpoints"])
     if notes:
         lines += ["", "## Notes", ""] + [f"- {n}" for n in notes]
     lines += [
@@ -166,6 +173,8 @@ def write_probe_outputs(
     notes: list[str],
     value_digits: int,
     value_digits_source: str,
+    failures: dict | None = None,
+    endpoints: dict | None = None,
 ) -> dict:
     """Write the four probe outputs into ``out_dir`` and return the summary dict."""
     out_dir = Path(out_dir)
@@ -196,6 +205,8 @@ def write_probe_outputs(
         "server_length_mismatches": len(server),
         "value_digits": int(value_digits),
         "value_digits_source": value_digits_source,
+        **({"failures": failures} if failures is not None else {}),
+        **({"endpoints": endpoints} if endpoints is not None else {}),
     }
     validate_summary(summary)
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

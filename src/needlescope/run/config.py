@@ -1,4 +1,6 @@
-"""Typed, validated configuration of one probe run. Each default is defined here once."""
+"""Typed, validated configuration of one probe run.
+
+The library's defaults live on ``ProbeConfig``; the case kinds are ``cases.assemble.KINDS``."""
 
 from __future__ import annotations
 
@@ -6,9 +8,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from needlescope.cases.assemble import KINDS
 from needlescope.errors import BadInput
-
-KINDS = ("single", "multikey", "multivalue", "multiturn")
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,8 @@ class ProbeConfig:
     haystack_file: Path | None = None
     # None: the target's advertised trained value length (/get_server_info), else DEFAULT_VALUE_DIGITS.
     value_digits: int | None = None
+    bundles: int = 5
+    """Reproducer bundles to write for failing cases (one per failure class first)."""
     api_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -56,6 +59,8 @@ class ProbeConfig:
             raise BadInput(f"--threshold must lie in (0, 1]; got {self.threshold}")
         if self.value_digits is not None and not 1 <= self.value_digits <= 12:
             raise BadInput(f"--value-digits must be in 1..12; got {self.value_digits}")
+        if self.bundles < 0:
+            raise BadInput(f"--bundles must be 0 or more; got {self.bundles}")
         if self.max_tokens < 1:
             raise BadInput(
                 f"--max-tokens must be at least 1 (the answer needs tokens); got {self.max_tokens}"

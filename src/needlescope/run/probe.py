@@ -13,11 +13,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 from needlescope.analysis import cells_from_results
+from needlescope.analysis.endpoints import check_same_models, endpoint_breakdown
+from needlescope.analysis.taxonomy import classify, summarize_failures
 from needlescope.cases import CaseSpec, build_cases, order_for_prefix_cache, score_answer
 from needlescope.cases.needles import VALUE_DIGITS
 from needlescope.errors import BadInput
 from needlescope.report.probe import write_probe_outputs
 from needlescope.run.config import ProbeConfig
+from needlescope.run.replay import write_failure_bundles
 from needlescope.run.scheduler import run_cases
 from needlescope.run.store import ResultStore
 from needlescope.targets import (
@@ -27,6 +30,7 @@ from needlescope.targets import (
     detect_server_tokenizer,
     normalize_base_url,
     preflight,
+    served_models,
 )
 
 Event = Callable[[str, dict], None]
@@ -94,10 +98,21 @@ def _value_digits(cfg: ProbeConfig, provenance: dict) -> tuple[int, str]:
     )
 
 
+def _read_haystack(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise BadInput(
+            f"--haystack-file {path} is not UTF-8 text (byte {e.start}); pass a UTF-8 text file"
+        ) from None
+    except OSError as e:
+        raise BadInput(f"--haystack-file {path} cannot be read ({e.strerror})") from None
+
+
 def _new_store(cfg: ProbeConfig, root: str, v1: str, assumed: list[str], on_event: Event) -> ResultStore:
     provenance = collect_provenance(root, v1, api_key=cfg.api_key)
     digits, source = _value_digits(cfg, provenance)
-    haystack = cfg.haystack_file.read_text(encoding="utf-8") if cfg.haystack_file else None
+    haystack = _read_haystack(cfg.haystack_file) if cfg.haystack_file else None
     spec = CaseSpec(
         kind=cfg.kind,
         lengths=cfg.lengths,
@@ -151,6 +166,9 @@ def run_probe(cfg: ProbeConfig, on_event: Event = _noop) -> dict:
     assumed = [
         n for root, _v1 in roots for n in preflight(root, cfg.model, api_key=cfg.api_key, timeout=wait)
     ]
+    if len(roots) > 1:
+        listed = {root: served_models(root, cfg.api_key) for root, _v1 in roots}
+        check_same_models({root: ids for root, ids in listed.items() if ids is not None})
     store = _resume_store(cfg) if cfg.resume else _new_store(cfg, *roots[0], assumed, on_event)
     try:
         case_dicts = store.cases()
@@ -163,8 +181,9 @@ def run_probe(cfg: ProbeConfig, on_event: Event = _noop) -> dict:
         store.close()
 
 
-async def _run(cfg: ProbeConfig, todo: list[dict], store: ResultStore, on_event: Event) -> dict:
-    target = ChatTarget(
+def chat_target(cfg: ProbeConfig) -> ChatTarget:
+    """The client a probe (or a bisection) of ``cfg`` sends its cases through."""
+    return ChatTarget(
         list(cfg.base_urls),
         cfg.model,
         api_key=cfg.api_key,
@@ -173,6 +192,10 @@ async def _run(cfg: ProbeConfig, todo: list[dict], store: ResultStore, on_event:
         retry_budget_s=cfg.retry_budget_s,
         concurrency=cfg.concurrency,
     )
+
+
+async def _run(cfg: ProbeConfig, todo: list[dict], store: ResultStore, on_event: Event) -> dict:
+    target = chat_target(cfg)
     try:
         await run_cases(
             todo,
@@ -211,6 +234,14 @@ def _finish(cfg: ProbeConfig, store: ResultStore, case_dicts: list[dict], admiss
             "counted_length": case["counted_length"],
             "expected": case["expected"],
         }
+        if row["status"] == "ok" and not row.get("correct"):
+            row["failure"] = classify(
+                answer=row.get("answer"),
+                expected=case["expected"],
+                finish_reason=row.get("finish_reason"),
+                reasoning=row.get("reasoning"),
+                messages=case["messages"],
+            ).to_dict()
         rows.append(row)
         reported = r.get("prompt_tokens")
         if case["counted_length"] != case["length"]:
@@ -225,6 +256,18 @@ def _finish(cfg: ProbeConfig, store: ResultStore, case_dicts: list[dict], admiss
     # A case that missed its length measures some other length: keep it out of the analysis.
     grid = [(c["length"], c["depth"]) for c in case_dicts]
     cells = cells_from_results((r for r in rows if r["counted_length"] == r["length"]), grid)
+    provenance = store.get_meta("provenance") or {}
+    write_failure_bundles(
+        cfg.out / "bundles",
+        rows,
+        by_id,
+        model=cfg.model,
+        max_tokens=cfg.max_tokens,
+        extra_body=cfg.extra_body,
+        generation={"seed": cfg.seed, "value_digits": fingerprint.get("value_digits", VALUE_DIGITS)},
+        provenance=provenance,
+        limit=cfg.bundles,
+    )
     return write_probe_outputs(
         cfg.out,
         cells=cells,
@@ -232,8 +275,10 @@ def _finish(cfg: ProbeConfig, store: ResultStore, case_dicts: list[dict], admiss
         kind=cfg.kind,
         model=cfg.model,
         threshold=cfg.threshold,
-        provenance=store.get_meta("provenance") or {},
+        provenance=provenance,
         notes=notes,
+        failures=summarize_failures(rows),
+        endpoints=endpoint_breakdown(rows),
         value_digits=fingerprint.get("value_digits", VALUE_DIGITS),
         value_digits_source=run_notes.get("value_digits_source", "--value-digits"),
     )

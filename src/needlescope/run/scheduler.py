@@ -40,6 +40,7 @@ async def _one(
                 "latency_s": res.latency_s,
                 "attempts": res.attempts,
                 "base_url": res.base_url,
+                "replica": res.replica,
             }
         except ProbeError as e:
             # A failed request says nothing about recall: it is an error, never a miss.

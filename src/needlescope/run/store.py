@@ -32,7 +32,8 @@ CREATE TABLE IF NOT EXISTS results(
     error_kind TEXT,
     error TEXT,
     base_url TEXT,
-    finished_at REAL
+    finished_at REAL,
+    replica TEXT
 );
 """
 
@@ -50,6 +51,7 @@ RESULT_FIELDS = (
     "error",
     "base_url",
     "finished_at",
+    "replica",
 )
 
 
@@ -64,6 +66,9 @@ class ResultStore:
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.execute("PRAGMA busy_timeout=5000")
             self._db.executescript(_SCHEMA)
+            cols = {row[1] for row in self._db.execute("PRAGMA table_info(results)")}
+            if "replica" not in cols:  # a store written before replicas were recorded
+                self._db.execute("ALTER TABLE results ADD COLUMN replica TEXT")
         except sqlite3.DatabaseError as e:
             raise BadInput(f"{self.path} is not a usable needlescope results database: {e}") from e
 

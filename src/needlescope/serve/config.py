@@ -1,17 +1,24 @@
 """``ServeConfig``: everything ``needlescope serve`` runs with, validated once.
 
-Numerics fields (``index_k``, ``index_q``, ``score_dtype``, ``index_topk``, ``patch``) are
-``None`` when not given. For a DeepSeek-V4 checkpoint ``None`` means the reference numerics
-(fp32, the checkpoint's own ``index_topk``, no patch); for any other checkpoint setting one is
-an error, because there is no indexer to apply it to.
+The indexer configuration is one ``needlescope.setting.Setting`` (numerics and patch), or
+``None`` when none was asked for. For a DeepSeek-V4 checkpoint ``None`` means the reference
+(fp32, the checkpoint's own ``index_topk``, no patch); for any other checkpoint a setting is an
+error, because there is no indexer to apply it to.
+
+A child server is started with its ``ServeConfig`` as JSON (``to_json`` / ``from_json``,
+``needlescope serve --config-json``), so nothing is lost across the process boundary. The API
+key is the one field JSON never carries: a command line is visible to every local user, so
+``serve.launch.ServerProcess`` hands it to the child in ``NEEDLESCOPE_API_KEY`` instead.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+import json
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 from needlescope.errors import BadInput
+from needlescope.setting import Setting
 
 __all__ = ["DEFAULT_PORT", "ServeConfig"]
 
@@ -34,12 +41,8 @@ class ServeConfig:
     """``organism`` (the shipped checkpoint) or a local transformers checkpoint directory."""
     served_model_name: str | None = None
     """Name in ``/v1/models`` and the ``model`` field requests must carry; default: ``model``'s name."""
-    index_k: str | None = None
-    index_q: str | None = None
-    score_dtype: str | None = None
-    index_topk: int | None = None
-    patch: str | None = None
-    """Python file defining ``apply(model)``, applied for the server's lifetime."""
+    setting: Setting | None = None
+    """Indexer numerics and patch, applied for the server's lifetime; ``None``: the checkpoint's own."""
     host: str = DEFAULT_HOST
     port: int = DEFAULT_PORT
     """0 picks a free port (the READY line says which)."""
@@ -53,6 +56,10 @@ class ServeConfig:
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     """Cap on generated tokens per request (also the default when a request gives none)."""
     device: str = "cpu"
+    kernel: str = "auto"
+    """Indexer scoring: auto (Triton on CUDA where the precisions allow) | reference | triton."""
+    kernel_fault: str | None = None
+    """Debug: run a kernel fault of ``needlescope.kernels.KERNEL_FAULTS`` (needs kernel=triton)."""
     threads: int = 1
     """torch intra-op threads. One is fastest for the toy organism (dispatch-bound, and it leaves
     cores free for the HTTP loop and for other processes)."""
@@ -60,35 +67,15 @@ class ServeConfig:
     """Largest request body accepted; a larger one gets HTTP 413 before it is read."""
     api_key: str | None = field(default=None, repr=False)
     """When set, every route but /health needs ``Authorization: Bearer KEY``. Never logged,
-    never echoed (``to_dict`` says only whether one is set)."""
+    never echoed (``to_dict`` says only whether one is set), never in ``to_json``."""
     expose_paths: bool = False
     """Show absolute filesystem paths (the model directory) in /get_server_info and /v1/models."""
 
     def __post_init__(self) -> None:
-        # Imported here so that importing the CLI (which imports this module) does not import torch.
-        from needlescope.dsa.emulate import SCORE_DTYPES
-        from needlescope.dsa.quant import get_quantizer
-
         if not self.model:
             raise BadInput("--model must be 'organism' or a checkpoint directory, got an empty string")
-        for name in ("index_k", "index_q"):
-            value = getattr(self, name)
-            if value is not None:
-                get_quantizer(value)
-        if self.score_dtype is not None and self.score_dtype not in SCORE_DTYPES:
-            raise BadInput(
-                f"--score-dtype must be one of {', '.join(SCORE_DTYPES)}; got {self.score_dtype!r}"
-            )
-        if self.index_topk is not None and self.index_topk < 1:
-            raise BadInput(f"--index-topk must be a positive integer; got {self.index_topk}")
-        if self.patch is not None:
-            # needlescope.dsa's package init imports torch; this module stays importable without it.
-            from needlescope.dsa.faults import resolve_patch
-
-            try:
-                resolve_patch(self.patch)
-            except BadInput as exc:
-                raise BadInput(f"--patch: {exc}") from None
+        if self.setting is not None and not isinstance(self.setting, Setting):
+            raise BadInput(f"setting must be a needlescope Setting, got {type(self.setting).__name__}")
         if not 0 <= self.port <= 65535:
             raise BadInput(f"--port must be in 0..65535; got {self.port}")
         if self.max_running_requests < 1:
@@ -105,17 +92,18 @@ class ServeConfig:
             )
         if self.threads < 1:
             raise BadInput(f"--threads must be at least 1; got {self.threads}")
+        from needlescope.kernels import KERNEL_FAULTS, KERNELS
+
+        if self.kernel not in KERNELS:
+            raise BadInput(f"--kernel must be one of {', '.join(KERNELS)}; got {self.kernel!r}")
+        if self.kernel_fault is not None and (
+            self.kernel != "triton" or self.kernel_fault not in KERNEL_FAULTS
+        ):
+            raise BadInput(f"--kernel-fault needs --kernel triton and one of {', '.join(KERNEL_FAULTS)}")
         if self.max_body_bytes < 1024:
             raise BadInput(f"--max-body-bytes must be at least 1024; got {self.max_body_bytes}")
         if self.api_key is not None and not self.api_key.strip():
             raise BadInput("--api-key (or NEEDLESCOPE_API_KEY) is empty; give a key or leave it unset")
-
-    @property
-    def sets_numerics(self) -> bool:
-        """Whether any indexer numerics or a patch was asked for."""
-        return any(
-            v is not None for v in (self.index_k, self.index_q, self.score_dtype, self.index_topk, self.patch)
-        )
 
     @property
     def model_name(self) -> str:
@@ -129,10 +117,39 @@ class ServeConfig:
         return self.host not in LOOPBACK_HOSTS and self.api_key is None
 
     def to_dict(self) -> dict:
-        """The fields as given, the API key replaced by whether one is set, and the model
-        directory by its name unless ``expose_paths``."""
-        out = asdict(self)
-        out["api_key"] = self.api_key is not None
+        """Flat form echoed by ``/get_server_info`` as ``args``: the setting's fields inline
+        (``None`` each when no setting was given), ``patch`` as its spec, the API key replaced by
+        whether one is set, and the model directory by its name unless ``expose_paths``."""
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "setting"}
+        d["api_key"] = self.api_key is not None
         if not self.expose_paths and self.model != "organism":
-            out["model"] = Path(self.model).name
-        return out
+            d["model"] = Path(self.model).name
+        names = ("index_k", "index_q", "score_dtype", "index_topk", "hadamard", "patch")
+        setting = self.setting.to_json() if self.setting is not None else dict.fromkeys(names)
+        return {**d, **setting}
+
+    def to_json(self) -> str:
+        """Every field but ``api_key`` as JSON text; ``from_json`` gives an equal config back
+        (``with_api_key`` restores the key from where the caller keeps it)."""
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "api_key"}
+        d["setting"] = None if self.setting is None else self.setting.to_json()
+        return json.dumps(d)
+
+    def with_api_key(self, api_key: str | None) -> ServeConfig:
+        return replace(self, api_key=api_key)
+
+    @classmethod
+    def from_json(cls, text: str) -> ServeConfig:
+        """Inverse of ``to_json``; BadInput for text that is not a JSON object of known fields."""
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise BadInput(f"--config-json is not valid JSON: {exc}") from None
+        if not isinstance(obj, dict):
+            raise BadInput("--config-json must be a JSON object of ServeConfig fields")
+        unknown = set(obj) - {f.name for f in fields(cls) if f.name != "api_key"}
+        if unknown:
+            raise BadInput(f"--config-json has unknown field(s) {', '.join(sorted(unknown))}")
+        if obj.get("setting") is not None:
+            obj["setting"] = Setting.from_json(obj["setting"])
+        return cls(**obj)

@@ -55,9 +55,9 @@ import torch
 from transformers import DynamicCache
 
 from needlescope import __version__
-from needlescope.dsa.emulate import IndexerCapture, Numerics, emulate
+from needlescope.dsa.checkpoint import load_bundle
+from needlescope.dsa.emulate import IndexerCapture, emulate
 from needlescope.errors import BadInput
-from needlescope.organism.bundle import load_bundle
 from needlescope.serve.admission import Admission
 from needlescope.serve.config import ServeConfig
 from needlescope.serve.errors import BadValue, GenerationFailed, ShuttingDown
@@ -65,6 +65,7 @@ from needlescope.serve.metrics import ServeMetrics
 from needlescope.serve.requests import Delta, Final, GenRequest, TokenOut, TopkRows
 from needlescope.serve.sampling import SamplingParams, make_sampling, pick
 from needlescope.serve.tokens import Tokens
+from needlescope.setting import REFERENCE, Setting
 
 __all__ = ["Engine", "encode_indexer_topk"]
 
@@ -119,21 +120,20 @@ class Engine:
         self._stack = ExitStack()
         self.capture: IndexerCapture | None = None
         self.csa_layers: list[int] = []
-        self.numerics: Numerics | None = None
+        self.numerics: Setting | None = None
         self.index_topk = 0
         if self.is_v4:
-            self.numerics = Numerics(
-                index_k=cfg.index_k or "fp32",
-                index_q=cfg.index_q or "fp32",
-                score_dtype=cfg.score_dtype or "fp32",
-                index_topk=cfg.index_topk,
-            )
+            self.numerics = cfg.setting or REFERENCE
             self.capture = IndexerCapture()
-            self.csa_layers = self._stack.enter_context(
-                emulate(self.model, self.numerics, capture=self.capture, patch=cfg.patch)
-            )
-            self.index_topk = cfg.index_topk or int(mcfg.index_topk)
-        elif cfg.sets_numerics:
+            from needlescope.kernels.scoring import kernel_backend
+
+            # The scorers that emulate installs keep the backend in force when entering them.
+            with kernel_backend(cfg.kernel, cfg.device, cfg.kernel_fault):
+                self.csa_layers = self._stack.enter_context(
+                    emulate(self.model, self.numerics, capture=self.capture)
+                )
+            self.index_topk = self.numerics.index_topk or int(mcfg.index_topk)
+        elif cfg.setting is not None:
             raise BadInput(
                 f"{str(self.path)!r} is a {getattr(mcfg, 'model_type', '?')!r} checkpoint with no lightning "
                 "indexer; --index-k, --index-q, --score-dtype, --index-topk and --patch need a DeepSeek-V4 model"
@@ -184,7 +184,7 @@ class Engine:
             "checkpoint_index_topk": int(getattr(self.model.config, "index_topk", 0) or 0),
             "csa_layers": self.csa_layers,
             "num_indexer_layers": len(self.csa_layers),
-            "patch": self.cfg.patch,
+            "patch": n.patch.spec if n and n.patch else None,
             "trained_value_digits": self.trained_value_digits,
             "max_queued_requests": self.cfg.max_queued_requests,
             "max_running_requests": self.cfg.max_running_requests,

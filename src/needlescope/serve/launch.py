@@ -1,12 +1,20 @@
-"""Start ``needlescope serve`` as a child process and wait until it answers (tests, demo, bench).
+"""Start a server as a child process and wait until it answers (the demo, tests, bench).
 
-``ServerProcess(["--model", DIR, "--port", "0"])`` runs the real CLI
-(``python -m needlescope.cli.main serve ...``), reads its ``READY <port>`` line, then polls
-``/health`` until it answers 200. Used as a context manager it kills the server on exit.
+Both of needlescope's servers announce themselves the same way: the first line on stdout is
+``READY <port>``. ``ChildServer(argv)`` runs ``argv``, reads that line (the one implementation
+of the handshake), optionally polls a health path until it answers 200, and, used as a context
+manager, stops the process on exit.
+
+``ServerProcess(ServeConfig(model=DIR, port=0))`` is ``needlescope serve`` started with the
+whole config as JSON (``python -m needlescope.cli.main serve --config-json ...``), so the
+child runs exactly that config, setting and patch included; ``ServerProcess(["--model", DIR])``
+passes flags instead (tests of the flags themselves). It waits for ``/health``. An API key
+travels in the child's ``NEEDLESCOPE_API_KEY``, never in its arguments.
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
@@ -15,14 +23,28 @@ from collections.abc import Sequence
 
 import httpx
 
-__all__ = ["SERVE_ARGV", "ServerProcess"]
+from needlescope.serve.config import ServeConfig
+
+__all__ = ["SERVE_ARGV", "ChildServer", "ServerProcess"]
 
 SERVE_ARGV = (sys.executable, "-m", "needlescope.cli.main", "serve")
 
 
-class ServerProcess:
-    def __init__(self, args: Sequence[str], *, timeout: float = 120.0, host: str = "127.0.0.1") -> None:
-        self.args = list(args)
+class ChildServer:
+    """A child process that prints ``READY <port>`` when it listens on ``host``."""
+
+    def __init__(
+        self,
+        argv: Sequence[str],
+        *,
+        health_path: str | None = None,
+        timeout: float = 120.0,
+        host: str = "127.0.0.1",
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.argv = list(argv)
+        self.env = env
+        self.health_path = health_path
         self.timeout = timeout
         self.host = host
         self.proc: subprocess.Popen | None = None
@@ -42,9 +64,13 @@ class ServerProcess:
     def stderr(self) -> str:
         return "".join(self._stderr)
 
-    def start(self) -> ServerProcess:
+    @property
+    def name(self) -> str:
+        return " ".join(self.argv[1:4])
+
+    def start(self) -> ChildServer:
         self.proc = subprocess.Popen(
-            [*SERVE_ARGV, *self.args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            self.argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=self.env
         )
         # Drain stderr continuously so a chatty server never blocks on a full pipe.
         threading.Thread(target=self._drain, daemon=True).start()
@@ -53,19 +79,25 @@ class ServerProcess:
             self.proc.wait(timeout=30)
             time.sleep(0.2)
             raise RuntimeError(
-                f"needlescope serve did not start (exit {self.proc.returncode}, said {line!r}): {self.stderr[-2000:]}"
+                f"{self.name} did not start (exit {self.proc.returncode}, said {line!r}): {self.stderr[-2000:]}"
             )
         self.port = int(line.split()[1])
+        if self.health_path is not None:
+            self._wait_healthy()
+        return self
+
+    def _wait_healthy(self) -> None:
+        assert self.proc is not None
         deadline = time.monotonic() + self.timeout
         while True:
             try:
-                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
-                    return self
+                if httpx.get(self.url + self.health_path, timeout=5).status_code == 200:
+                    return
             except httpx.HTTPError:
                 pass
             if time.monotonic() > deadline or self.proc.poll() is not None:
                 self.stop()
-                raise RuntimeError(f"needlescope serve never became healthy: {self.stderr[-2000:]}")
+                raise RuntimeError(f"{self.name} never became healthy: {self.stderr[-2000:]}")
             time.sleep(0.1)
 
     def _drain(self) -> None:
@@ -82,8 +114,33 @@ class ServerProcess:
                 self.proc.kill()
                 self.proc.wait(timeout=10)
 
-    def __enter__(self) -> ServerProcess:
+    def __enter__(self) -> ChildServer:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+class ServerProcess(ChildServer):
+    """``needlescope serve`` as a child: from a ``ServeConfig`` (as JSON) or from flags."""
+
+    def __init__(
+        self, config: ServeConfig | Sequence[str], *, timeout: float = 120.0, host: str = "127.0.0.1"
+    ) -> None:
+        env = None
+        if isinstance(config, ServeConfig):
+            args = ["--config-json", config.to_json()]
+            if config.api_key is not None:  # never on a command line, which every local user can read
+                env = {**os.environ, "NEEDLESCOPE_API_KEY": config.api_key}
+        else:
+            args = list(config)
+        super().__init__([*SERVE_ARGV, *args], health_path="/health", timeout=timeout, host=host, env=env)
+        self.args = args
+
+    @property
+    def name(self) -> str:
+        return "needlescope serve"
+
+    def __enter__(self) -> ServerProcess:
+        self.start()
+        return self

@@ -32,6 +32,8 @@ class ChatResult:
     latency_s: float
     attempts: int
     base_url: str
+    replica: str | None = None
+    """The replica a router says served the request (a header or body field), if it says."""
 
 
 def _retry_after(resp: httpx.Response) -> float | None:
@@ -56,6 +58,22 @@ def _error_message(resp: httpx.Response) -> str:
             return str(err.get("message") or err.get("detail") or err)[:300]
         return str(err)[:300]
     return str(body)[:300]
+
+
+# Headers and body fields in which routers and servers name the replica that answered.
+_REPLICA_HEADERS = ("x-replica-id", "x-replica", "x-served-by", "x-worker-id", "x-backend-server")
+_REPLICA_FIELDS = ("replica", "replica_id", "worker_id")
+
+
+def _replica(resp: httpx.Response, body: Any) -> str | None:
+    for h in _REPLICA_HEADERS:
+        if resp.headers.get(h):
+            return resp.headers[h]
+    if isinstance(body, dict):
+        for f in _REPLICA_FIELDS:
+            if isinstance(body.get(f), (str, int)) and not isinstance(body.get(f), bool):
+                return str(body[f])
+    return None
 
 
 def _is_overflow(status: int, message: str) -> bool:
@@ -89,6 +107,21 @@ def _parse(body: Any) -> tuple[str, str | None, str | None, int | None, int | No
         prompt_tokens if isinstance(prompt_tokens, int) else None,
         cached if isinstance(cached, int) else None,
     )
+
+
+def chat_payload(
+    model: str, messages: list[dict], max_tokens: int, extra_body: dict | None
+) -> dict[str, Any]:
+    """The exact chat-completions body the probe sends (reproducer bundles store it verbatim)."""
+    payload: dict[str, Any] = {
+        "model": model,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+    }
+    # extra_body is passed through unchanged; it may deliberately override the defaults above.
+    payload.update(extra_body or {})
+    return payload
 
 
 class ChatTarget:
@@ -131,13 +164,20 @@ class ChatTarget:
         self.rejections = 0
         self._in_flight = [0] * len(self._v1)
         self._rr = itertools.count()
-        self._client = httpx.AsyncClient(
-            headers=auth_headers(api_key),
-            timeout=httpx.Timeout(timeout),
-            transport=transport,
-            # Enough connections for high --concurrency against several replicas.
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=max(64, concurrency)),
-        )
+        # One small client per request slot rather than one client with a big pool: httpcore scans
+        # every pooled connection on each request and response, so a pool of C connections costs
+        # O(C) per request (docs/perf.md has the profile). The gate keeps at most ``concurrency``
+        # attempts in flight, so a free client is always on the stack; LIFO keeps connections warm.
+        self._clients = [
+            httpx.AsyncClient(
+                headers=auth_headers(api_key),
+                timeout=httpx.Timeout(timeout),
+                transport=transport,
+                limits=httpx.Limits(max_connections=None, max_keepalive_connections=len(self._v1)),
+            )
+            for _ in range(self.gate.ceiling)
+        ]
+        self._free = list(self._clients)
 
     @property
     def base_urls(self) -> list[str]:
@@ -163,14 +203,7 @@ class ChatTarget:
         extra_body: dict | None = None,
     ) -> ChatResult:
         """One chat completion. A ProbeError raised here carries ``attempts`` (requests sent)."""
-        payload: dict[str, Any] = {
-            "model": self.model,
-            "messages": messages,
-            "max_tokens": max_tokens,
-            "temperature": 0,
-        }
-        # extra_body is passed through unchanged; it may deliberately override the defaults above.
-        payload.update(extra_body or {})
+        payload = chat_payload(self.model, messages, max_tokens, extra_body)
         idx = self._pick()
         start = time.monotonic()
         self._in_flight[idx] += 1
@@ -191,8 +224,9 @@ class ChatTarget:
             retry_after: float | None = None
             rejected = False
             async with self.gate:
+                client = self._free.pop()
                 try:
-                    resp = await self._client.post(url, json=payload)
+                    resp = await client.post(url, json=payload)
                 except httpx.TimeoutException as e:
                     last = f"timeout after {self.timeout}s ({type(e).__name__})"
                 except httpx.TransportError as e:
@@ -209,6 +243,8 @@ class ChatTarget:
                     last = f"HTTP {resp.status_code}: {message}"
                     retry_after = _retry_after(resp)
                     rejected = resp.status_code in REJECT_STATUSES
+                finally:
+                    self._free.append(client)
             if rejected:
                 self.rejections += 1
                 self.gate.rejected()
@@ -226,7 +262,8 @@ class ChatTarget:
             await asyncio.sleep(delay)
 
     async def aclose(self) -> None:
-        await self._client.aclose()
+        for client in self._clients:
+            await client.aclose()
 
     async def __aenter__(self) -> ChatTarget:
         return self
@@ -250,6 +287,7 @@ def _result(resp: httpx.Response, url: str, v1: str, start: float, attempts: int
         latency_s=time.monotonic() - start,
         attempts=attempts,
         base_url=v1,
+        replica=_replica(resp, body),
     )
 
 
@@ -271,6 +309,16 @@ def _model_ids(resp: httpx.Response) -> list[str] | None:
     try:
         return [m["id"] for m in resp.json()["data"]]
     except (ValueError, KeyError, TypeError):
+        return None
+
+
+def served_models(base_url: str, api_key: str | None = None, timeout: float = 5) -> list[str] | None:
+    """The model ids ``/v1/models`` lists, or None when it lists none or cannot be read."""
+    _root, v1 = normalize_base_url(base_url)
+    try:
+        with httpx.Client(headers=auth_headers(api_key), timeout=timeout) as client:
+            return _model_ids(client.get(v1 + "/models")) or None
+    except httpx.TransportError:
         return None
 
 

@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 
 from needlescope.errors import BadInput, ProtocolViolation, TransportFailure
+from needlescope.paths import read_json_object
 from needlescope.targets.endpoints import auth_headers
 
 # The form that worked is remembered so later calls skip the probing.
@@ -130,17 +131,7 @@ def _special(value: Any) -> str | None:
 
 
 def _load_json(path: Path) -> dict:
-    import json
-
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise BadInput(
-            f"{path} is not readable JSON ({e}); pass the checkpoint's tokenizer directory"
-        ) from None
-    if not isinstance(data, dict):
-        raise BadInput(f"{path} is not a JSON object; pass the checkpoint's tokenizer directory")
-    return data
+    return read_json_object(path, "pass the checkpoint's tokenizer directory")
 
 
 class LocalTokenCounter:

@@ -6,6 +6,14 @@ only when its fact "The <key> is <digits>." lies within the LAST ``--window`` wo
 
     python -m needlescope.testing.scripted_server --port 0 --window 500 [--fail-every 3 --fail-status 500] ...
 
+Planted answer faults (this instance only, so replicas can differ): ``--fault KIND`` turns a right
+answer into one failure kind of the taxonomy (``near_miss``, ``partial``, ``distractor``,
+``refusal``, ``empty``, ``length``, ``reasoning``, ``unrelated``). It fires when the prompt has at
+least ``--fault-from`` tokens, when ``--fault-residue M:R`` is given only if its length is R mod M,
+and then with probability ``--fault-rate`` (drawn from ``--fault-seed``; 1.0 is deterministic).
+``--replica-id`` adds an ``X-Replica-Id`` header, as a router in front of replicas might;
+``--page-size`` is only reported in ``/get_server_info`` (a kernel boundary for bisection).
+
 Peer quirks it can imitate: ``--api-key`` (every route but /health needs the Bearer key),
 ``--models empty|error`` (transformers serve lists nothing or fails /v1/models), ``--no-tokenize``,
 ``--trained-value-digits N`` (advertised in /get_server_info), ``--max-concurrent K`` (an admission
@@ -18,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import re
 import sys
 import threading
@@ -28,6 +37,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 QUESTION = re.compile(r"what\s+(?:is|are)\s+(?:all\s+)?the\s+(.+?)\s*\?", re.IGNORECASE)
 # The value list after "<key> is|are": "12345", or "1, 2 and 3" for multivalue.
 VALUES = r"(\d+(?:\s*(?:,|and|,\s*and)\s+\d+)*)"
+# Any stated fact: used to answer with another key's value (the distractor fault).
+ANY_FACT = re.compile(r"\bis\s+(\d+)\.", re.IGNORECASE)
+FAULTS = ("near_miss", "partial", "distractor", "refusal", "empty", "length", "reasoning", "unrelated")
 
 
 def render_words(messages: list[dict], add_generation_prompt: bool = True) -> list[str]:
@@ -56,6 +68,32 @@ def answer(messages: list[dict], window: int) -> str:
     return ", ".join(values) if values else "I don't know"
 
 
+def _shift(digits: str) -> str:
+    return "".join(str((int(c) + 5) % 10) for c in digits)
+
+
+def planted(fault: str, right: str, messages: list[dict]) -> tuple[str, str | None, str]:
+    """(content, reasoning_content, finish_reason) of fault ``fault`` applied to the right answer."""
+    value = right.split(",")[0].strip()
+    if fault == "near_miss":  # the last digit wrong: edit distance 1
+        return value[:-1] + str((int(value[-1]) + 1) % 10), None, "stop"
+    if fault == "partial":  # the first three digits right, then wrong
+        return value[:3] + _shift(value[3:]) + "1", None, "stop"
+    if fault == "distractor":
+        text = " ".join(m.get("content") or "" for m in messages)
+        others = [v for v in ANY_FACT.findall(text) if v not in right]
+        return (others[0] if others else "The river was calm."), None, "stop"
+    if fault == "refusal":
+        return "I could not find that information in the text.", None, "stop"
+    if fault == "empty":
+        return "", None, "stop"
+    if fault == "length":
+        return value[:1], None, "length"
+    if fault == "reasoning":
+        return "", "Let me go through the text and find the code that was", "length"
+    return "The weather in the valley was pleasant that morning.", None, "stop"
+
+
 class State:
     def __init__(self, opts: argparse.Namespace) -> None:
         self.opts = opts
@@ -64,6 +102,20 @@ class State:
         self.in_flight = 0
         self.rejected = 0
         self.history: list[list[str]] = []
+        self.rng = random.Random(opts.fault_seed)
+
+    def fault_fires(self, n_tokens: int) -> bool:
+        o = self.opts
+        if o.fault is None or n_tokens < o.fault_from:
+            return False
+        if o.fault_residue is not None:
+            mod, res = o.fault_residue
+            if n_tokens % mod != res:
+                return False
+        if o.fault_rate >= 1.0:
+            return True
+        with self.lock:
+            return self.rng.random() < o.fault_rate
 
     def next_chat(self) -> int:
         with self.lock:
@@ -88,6 +140,9 @@ class State:
 class Handler(BaseHTTPRequestHandler):
     state: State
     protocol_version = "HTTP/1.1"
+    # Headers and body go out in two writes; with Nagle on, the body waits for the client's delayed
+    # ACK (about 40 ms a request on Linux loopback).
+    disable_nagle_algorithm = True
 
     def log_message(self, *args: object) -> None:  # quiet: tests read only READY from stdout
         return
@@ -133,6 +188,7 @@ class Handler(BaseHTTPRequestHandler):
                     "model_path": o.model,
                     "context_length": o.max_len,
                     "window": o.window,
+                    **({"page_size": o.page_size} if o.page_size else {}),
                     "api_key": "sk-should-be-stripped",
                     "nested": {"hf_token": "hf_secret", "ok": 1},
                     **({"trained_value_digits": o.trained_value_digits} if o.trained_value_digits else {}),
@@ -218,6 +274,9 @@ class Handler(BaseHTTPRequestHandler):
             )
             return
         text = answer(messages, o.window)
+        reasoning, finish = None, "stop"
+        if text[:1].isdigit() and self.state.fault_fires(len(words)):
+            text, reasoning, finish = planted(o.fault, text, messages)
         self._send(
             200,
             {
@@ -227,8 +286,8 @@ class Handler(BaseHTTPRequestHandler):
                 "choices": [
                     {
                         "index": 0,
-                        "finish_reason": "stop",
-                        "message": {"role": "assistant", "content": text, "reasoning_content": None},
+                        "finish_reason": finish,
+                        "message": {"role": "assistant", "content": text, "reasoning_content": reasoning},
                     }
                 ],
                 "usage": {
@@ -238,7 +297,15 @@ class Handler(BaseHTTPRequestHandler):
                     "prompt_tokens_details": {"cached_tokens": self.state.cached(words)},
                 },
             },
+            {"X-Replica-Id": o.replica_id} if o.replica_id else None,
         )
+
+
+def _residue(text: str) -> tuple[int, int]:
+    mod, res = (int(x) for x in text.split(":"))
+    if mod < 1 or not 0 <= res < mod:
+        raise argparse.ArgumentTypeError(f"--fault-residue M:R needs 0 <= R < M; got {text!r}")
+    return mod, res
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -253,6 +320,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--slow-every", type=int, default=0)
     p.add_argument("--slow-s", type=float, default=1.0)
     p.add_argument("--garbage-every", type=int, default=0)
+    p.add_argument("--fault", choices=FAULTS, default=None)
+    p.add_argument("--fault-from", type=int, default=0)
+    p.add_argument("--fault-residue", type=_residue, default=None, help="M:R")
+    p.add_argument("--fault-rate", type=float, default=1.0)
+    p.add_argument("--fault-seed", type=int, default=0)
+    p.add_argument("--replica-id", default=None)
+    p.add_argument("--page-size", type=int, default=0, help="reported in /get_server_info only")
     p.add_argument("--api-key", default=None)
     p.add_argument("--models", choices=("ok", "empty", "error"), default="ok")
     p.add_argument("--no-tokenize", type=int, default=0, help="1: answer /tokenize with 404")

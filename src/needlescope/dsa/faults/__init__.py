@@ -4,6 +4,7 @@ Each module here is an ordinary ``--patch`` file (it defines ``apply(model)`` an
 undo), shipped so that a fault can be rehearsed end to end: serve the organism with one, probe
 it, and check that ``needlescope indexer rank`` / ``diff`` point at it. Name one anywhere a
 patch file is accepted as ``fault:NAME``, e.g. ``needlescope serve --patch fault:indexer_key_slot``.
+Names resolve through ``needlescope.setting.PatchRef`` (the one place that knows them).
 
 Measured on the organism at fp8 keys and ``index_topk`` 64 (docs/faults.md): multiturn recall
 at 4K falls from 0.99 to 0.14 under ``indexer_page_table`` and to 0.53 under
@@ -14,17 +15,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from needlescope.errors import BadInput
+from needlescope.setting import FAULT_PREFIX, PatchRef, fault_names
 
 __all__ = ["FAULT_PREFIX", "fault_names", "resolve_patch"]
-
-FAULT_PREFIX = "fault:"
-_DIR = Path(__file__).parent
-
-
-def fault_names() -> list[str]:
-    """Names of the built-in faults, sorted."""
-    return sorted(p.stem for p in _DIR.glob("*.py") if p.stem != "__init__")
 
 
 def resolve_patch(spec: str | Path) -> Path:
@@ -32,13 +25,4 @@ def resolve_patch(spec: str | Path) -> Path:
 
     Raises BadInput for an unknown fault name or a path that is not a file.
     """
-    text = str(spec)
-    if text.startswith(FAULT_PREFIX):
-        name = text[len(FAULT_PREFIX) :]
-        if name not in fault_names():
-            raise BadInput(f"unknown fault {name!r}; built-in faults: {', '.join(fault_names())}")
-        return _DIR / f"{name}.py"
-    path = Path(text)
-    if not path.is_file():
-        raise BadInput(f"patch file {text!r} does not exist; pass a Python file or fault:NAME")
-    return path
+    return PatchRef.resolve(spec).path

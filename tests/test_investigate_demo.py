@@ -1,4 +1,4 @@
-"""The organism demo end to end on a tiny random DeepSeek-V4 (real servers, real probe)."""
+"""The demo end to end on a tiny random DeepSeek-V4 (real servers, real probe), and its input checks."""
 
 from __future__ import annotations
 
@@ -10,17 +10,18 @@ import pytest
 
 pytest.importorskip("torch")
 
-from needlescope.dsa.emulate import Numerics  # noqa: E402
 from needlescope.dsa.rankdump import validate_rankdump  # noqa: E402
-from needlescope.organism.bundle import save_random  # noqa: E402
-from needlescope.organism.demo import (  # noqa: E402
-    Setting,
+from needlescope.investigate.demo import MARKER  # noqa: E402
+from needlescope.investigate.explain import (  # noqa: E402
     default_fixes,
     pick_case_to_explain,
     pick_failing_case,
+    validate_fixes,
 )
 from needlescope.report.diagnosis import render_diagnosis  # noqa: E402
 from needlescope.report.probe import validate_summary  # noqa: E402
+from needlescope.setting import Setting  # noqa: E402
+from needlescope.testing.checkpoints import save_random  # noqa: E402
 
 
 def _row(case_id, length, depth, correct, status="ok"):
@@ -54,31 +55,54 @@ def test_without_a_deployment_miss_the_longest_case_is_explained():
         pick_case_to_explain(rows, [_row("e", 512, 0, None, status="error")])
 
 
-def test_demo_on_a_random_checkpoint_writes_a_diagnosis(tmp_path):
-    model = save_random(tmp_path / "model", seed=0, hidden_size=64, moe_intermediate_size=64)
+# The page-table fault, from a user file that records each execution of its body (one line per process).
+COUNTING_PATCH = """
+import os
+from pathlib import Path
+
+with open(Path(__file__).with_suffix(".runs"), "a") as f:
+    f.write(f"{os.getpid()}\\n")
+
+from needlescope.dsa.faults.indexer_page_table import apply  # noqa: E402,F401
+"""
+
+
+def _demo(model, out, *extra: str) -> subprocess.CompletedProcess:
+    argv = [sys.executable, "-m", "needlescope.cli.main", "demo", "--model", str(model), "--out", str(out)]
+    return subprocess.run([*argv, *extra], capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    return save_random(
+        tmp_path_factory.mktemp("demo_model"), seed=0, hidden_size=64, moe_intermediate_size=64
+    )
+
+
+def test_demo_on_a_random_checkpoint_writes_a_diagnosis_and_runs_its_patch_once_per_process(
+    tmp_path, tiny_model
+):
+    model = tiny_model
     out = tmp_path / "demo"
-    res = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "needlescope.cli.main",
-            "demo",
-            "--model",
-            str(model),
-            "--out",
-            str(out),
-            "--lengths",
-            "200,400",
-            "--trials",
-            "1",
-            "--deploy-index-topk",
-            "8",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
+    patch = tmp_path / "counting_patch.py"
+    patch.write_text(COUNTING_PATCH)
+    res = _demo(
+        model,
+        out,
+        "--lengths",
+        "200,400",
+        "--trials",
+        "1",
+        "--deploy-index-topk",
+        "8",
+        "--deploy-patch",
+        str(patch),
     )
     assert res.returncode == 0, res.stderr[-2000:]
+    # The demo process (fail-fast check, rank dump, 4 fixes) and the deployment server each ran it once.
+    runs = patch.with_suffix(".runs").read_text().split()
+    assert len(runs) == len(set(runs)) == 2
+    assert (out / MARKER).is_file()
     for name in ("reference", "deployment"):
         summary = json.loads((out / name / "summary.json").read_text())
         validate_summary(summary)
@@ -87,10 +111,11 @@ def test_demo_on_a_random_checkpoint_writes_a_diagnosis(tmp_path):
     dump = json.loads((out / "rankdump.json").read_text())
     validate_rankdump(dump)
     assert dump["index_topk"] == 8 and dump["numerics"]["index_k"] == "fp8_e4m3"
-    assert dump["patch"] == "fault:indexer_page_table"
+    assert dump["patch"] == str(patch)
     fixes = json.loads((out / "fixes.json").read_text())
+    validate_fixes(fixes)
     assert [f["numerics"]["index_topk"] for f in fixes["fixes"]] == [8, 16, 32, 16, 8]
-    assert [f["patch"] for f in fixes["fixes"]] == ["fault:indexer_page_table"] * 4 + [None]
+    assert [f["patch"] for f in fixes["fixes"]] == [str(patch)] * 4 + [None]
     text = (out / "DIAGNOSIS.md").read_text()
     for heading in (
         "## Where recall collapses",
@@ -102,16 +127,16 @@ def test_demo_on_a_random_checkpoint_writes_a_diagnosis(tmp_path):
 
 
 def test_default_fixes_try_the_deployment_without_its_patch_last():
-    plain = default_fixes(Setting(Numerics(index_k="fp8_e4m3", index_topk=64)))
-    assert [(f.numerics.index_k, f.numerics.index_topk, f.patch) for f in plain] == [
+    plain = default_fixes(Setting(index_k="fp8_e4m3", index_topk=64))
+    assert [(f.index_k, f.index_topk, f.patch) for f in plain] == [
         ("bf16", 64, None),
         ("fp8_e4m3", 128, None),
         ("fp8_e4m3", 256, None),
         ("bf16", 128, None),
     ]
-    patched = default_fixes(Setting(Numerics(index_k="fp8_e4m3", index_topk=64), "fault:indexer_key_slot"))
-    assert patched[-1] == Setting(Numerics(index_k="fp8_e4m3", index_topk=64))
-    assert {f.patch for f in patched[:-1]} == {"fault:indexer_key_slot"}
+    patched = default_fixes(Setting(index_k="fp8_e4m3", index_topk=64, patch="fault:indexer_key_slot"))
+    assert patched[-1] == Setting(index_k="fp8_e4m3", index_topk=64)
+    assert {f.patch.spec for f in patched[:-1]} == {"fault:indexer_key_slot"}
 
 
 def _summary(recall: float) -> dict:
@@ -179,3 +204,41 @@ def test_demo_with_an_unknown_fault_exits_2_before_serving(tmp_path):
     assert res.returncode == 2
     assert "unknown fault 'nope'" in res.stderr and len(res.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "o").exists()
+
+
+def test_demo_refuses_to_replace_a_directory_it_did_not_write(tmp_path, tiny_model):
+    out = tmp_path / "precious"
+    out.mkdir()
+    (out / "thesis.tex").write_text("years of work")
+    res = _demo(tiny_model, out, "--lengths", "200")
+    assert res.returncode == 2 and "not an earlier demo output" in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1
+    assert (out / "thesis.tex").read_text() == "years of work"
+
+
+def test_demo_checks_the_model_before_touching_out(tmp_path):
+    out = tmp_path / "old-demo"
+    out.mkdir()
+    (out / MARKER).write_text("")
+    (out / "DIAGNOSIS.md").write_text("earlier run")
+    res = _demo(tmp_path / "typo", out)
+    assert res.returncode == 2 and "does not exist" in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1
+    assert (out / "DIAGNOSIS.md").read_text() == "earlier run"
+
+
+def test_demo_refuses_an_out_that_is_a_file_or_inside_the_checkpoint(tmp_path, tiny_model):
+    clash = tmp_path / "file"
+    clash.write_text("x")
+    for out, words in ((clash, "is not a directory"), (tiny_model / "sub", "overlaps the checkpoint")):
+        res = _demo(tiny_model, out)
+        assert res.returncode == 2 and words in res.stderr, res.stderr
+    assert clash.read_text() == "x"
+
+
+def test_demo_runs_no_patch_when_another_input_is_bad(tmp_path):
+    patch = tmp_path / "counting_patch.py"
+    patch.write_text(COUNTING_PATCH)
+    res = _demo(tmp_path / "typo", tmp_path / "out", "--deploy-patch", str(patch))
+    assert res.returncode == 2 and "does not exist" in res.stderr
+    assert not patch.with_suffix(".runs").exists() and not (tmp_path / "out").exists()

@@ -1,0 +1,174 @@
+"""How an answer failed: a class for every miss, with the evidence that put it there.
+
+Classes, checked in this order (the first that applies wins):
+
+- ``reasoning_exhausted``: no answer, ``finish_reason=length`` and reasoning text present (thinking
+  consumed ``max_tokens``);
+- ``empty_or_length``: no answer, or ``finish_reason=length`` (the answer was cut off);
+- ``distractor``: the answer gives another value stated in the prompt (which value, at which depth);
+- ``near_miss``: a number at edit distance 1-2 from the expected value (the wrong-digit class);
+- ``partial``: a number that starts with a right prefix and then goes wrong (first wrong position),
+  or, for several expected values, some but not all of them;
+- ``refusal``: "not found", "I don't know" and the like;
+- ``unrelated``: anything else (a fluent answer about something else).
+
+A request that failed is ``error`` and never a miss; a right answer has no class. Pure functions.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+
+__all__ = ["CLASSES", "Failure", "classify", "edit_distance", "summarize_failures", "prompt_values"]
+
+CLASSES = (
+    "distractor",
+    "near_miss",
+    "partial",
+    "refusal",
+    "empty_or_length",
+    "reasoning_exhausted",
+    "unrelated",
+)
+_NUMBER = re.compile(r"\d+")
+_REFUSAL = re.compile(
+    r"\b(?:don'?t know|do not know|not (?:found|mentioned|stated|provided|given|present)|"
+    r"no (?:information|mention|such)|cannot|can'?t|unable|could not|couldn'?t|sorry|unknown|"
+    r"there is no|isn'?t (?:mentioned|stated))\b",
+    re.IGNORECASE,
+)
+
+
+@dataclass(frozen=True)
+class Failure:
+    """The class of one miss and its evidence (fields not relevant to the class stay None)."""
+
+    category: str
+    value: str | None = None
+    """The wrong value the answer gave (distractor, near miss, partial)."""
+    distractor_depth: float | None = None
+    """Where the distractor value stands in the prompt, in percent of its characters."""
+    edit_distance: int | None = None
+    first_wrong: int | None = None
+    """0-based position of the first wrong digit of a partial (or near-miss) value."""
+    detail: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if v not in (None, {})}
+
+
+def edit_distance(a: str, b: str) -> int:
+    """Levenshtein distance (insertions, deletions and substitutions cost 1)."""
+    prev = list(range(len(b) + 1))
+    for i, ca in enumerate(a, 1):
+        cur = [i]
+        for j, cb in enumerate(b, 1):
+            cur.append(min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (ca != cb)))
+        prev = cur
+    return prev[-1]
+
+
+def _first_wrong(value: str, expected: str) -> int:
+    for i, (x, y) in enumerate(zip(value, expected)):
+        if x != y:
+            return i
+    return min(len(value), len(expected))
+
+
+def prompt_values(messages: Sequence[dict]) -> list[tuple[str, float]]:
+    """Every number stated in the prompt with its depth (percent of the prompt's characters).
+
+    The generated filler has no digits, so numbers in the prompt are needle and distractor values.
+    """
+    texts = [str(m.get("content") or "") for m in messages]
+    total = sum(len(t) + 1 for t in texts) or 1
+    out = []
+    offset = 0
+    for t in texts:
+        for m in _NUMBER.finditer(t):
+            out.append((m.group(), 100.0 * (offset + m.start()) / total))
+        offset += len(t) + 1
+    return out
+
+
+def classify(
+    *,
+    answer: str | None,
+    expected: Sequence[str],
+    finish_reason: str | None = None,
+    reasoning: str | None = None,
+    messages: Sequence[dict] = (),
+) -> Failure:
+    """The failure class of a scored miss (call it only for ok rows that are not correct)."""
+    text = (answer or "").strip()
+    if not text:
+        if finish_reason == "length" and (reasoning or "").strip():
+            return Failure("reasoning_exhausted", detail={"reasoning_chars": len(reasoning or "")})
+        return Failure("empty_or_length", detail={"finish_reason": finish_reason})
+    if finish_reason == "length":
+        return Failure("empty_or_length", detail={"finish_reason": "length"})
+    numbers = _NUMBER.findall(text)
+    expected = [e.strip() for e in expected]
+    wrong = [x for x in numbers if x not in expected]
+    stated = {}
+    for v, depth in prompt_values(messages):
+        stated.setdefault(v, depth)
+    for x in wrong:
+        if x in stated:
+            return Failure("distractor", value=x, distractor_depth=round(stated[x], 2))
+    for x in wrong:
+        for e in expected:
+            d = edit_distance(x, e)
+            if 1 <= d <= 2:
+                return Failure("near_miss", value=x, edit_distance=d, first_wrong=_first_wrong(x, e))
+    for x in wrong:
+        for e in expected:
+            pos = _first_wrong(x, e)
+            if pos > 0:
+                return Failure("partial", value=x, edit_distance=edit_distance(x, e), first_wrong=pos)
+    found = [e for e in expected if e in numbers]
+    if found:
+        return Failure("partial", detail={"values_found": len(found), "values_expected": len(expected)})
+    if _REFUSAL.search(text):
+        return Failure("refusal")
+    return Failure("unrelated")
+
+
+def summarize_failures(rows: Iterable[dict], *, examples_per_class: int = 3) -> dict:
+    """Counts per class, errors apart, and a few examples per class from rows with a ``failure``.
+
+    Rows are result rows: ``status``, ``correct``, ``case_id``, ``answer``, ``expected`` and, for
+    misses, ``failure`` (a :meth:`Failure.to_dict`).
+    """
+    counts = dict.fromkeys(CLASSES, 0)
+    examples: dict[str, list[dict]] = {c: [] for c in CLASSES}
+    errors = misses = 0
+    for r in rows:
+        if r.get("status") != "ok":
+            errors += 1
+            continue
+        fail = r.get("failure")
+        if r.get("correct") or not fail:
+            continue
+        misses += 1
+        cat = fail["category"]
+        counts[cat] += 1
+        if len(examples[cat]) < examples_per_class:
+            examples[cat].append(
+                {
+                    "case_id": r.get("case_id"),
+                    "length": r.get("length"),
+                    "depth": r.get("depth"),
+                    "expected": list(r.get("expected") or []),
+                    "answer": (r.get("answer") or "")[:200],
+                    **{k: v for k, v in fail.items() if k != "category"},
+                }
+            )
+    return {
+        "misses": misses,
+        "errors": errors,
+        "counts": counts,
+        "examples": {c: e for c, e in examples.items() if e},
+    }

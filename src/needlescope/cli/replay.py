@@ -1,0 +1,37 @@
+"""``needlescope replay``: re-send a reproducer bundle and say whether its failure reproduces."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import typer
+from rich.console import Console
+
+from needlescope.errors import BadInput
+from needlescope.run.replay import replay_bundle
+
+console = Console()
+
+
+def replay_command(
+    bundle: Path = typer.Argument(..., help="A bundle directory (a probe's bundles/CASE_ID)."),
+    base_url: str = typer.Option(..., "--base-url", help="Server to re-send the request to."),
+    times: int = typer.Option(1, "--times", help="How many times to send it."),
+) -> None:
+    """Re-send a failing case exactly as it was sent and report how often the miss comes back."""
+    if times < 1:
+        raise BadInput(f"--times must be at least 1; got {times}")
+    res = replay_bundle(
+        bundle,
+        base_url,
+        times=times,
+        api_key=os.environ.get("NEEDLESCOPE_API_KEY") or os.environ.get("OPENAI_API_KEY"),
+    )
+    for i, a in enumerate(res["answers"], 1):
+        if a["status"] != "ok":
+            console.print(f"{i}: error: {a['error']}", highlight=False)
+        else:
+            mark = "right" if a["correct"] else a["failure"]["category"]
+            console.print(f"{i}: {a['answer']!r} ({mark})", highlight=False)
+    console.print(f"[bold]{res['case_id']}: {res['verdict']}[/]", highlight=False)

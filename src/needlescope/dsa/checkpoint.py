@@ -1,0 +1,165 @@
+"""Find and load DeepSeek-V4 (or any transformers) checkpoints: a standard HF directory.
+
+A checkpoint directory holds ``config.json``, ``*.safetensors`` weights, the tokenizer files
+(with a chat template) and optionally ``training.json`` (the organism's training record).
+``"organism"`` names the checkpoint shipped in package data. Weights load through safetensors
+only; nothing touches the network. Every way a directory can be unusable (missing, no
+``config.json``, ``config.json`` that is not JSON, no or unreadable safetensors weights) is a
+``BadInput`` with one line, raised before any model work.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers.utils import logging as hf_logging
+
+from needlescope.cases.needles import VALUE_DIGITS
+from needlescope.errors import BadInput
+from needlescope.paths import read_json_object
+
+__all__ = [
+    "ORGANISM",
+    "shipped_dir",
+    "quiet_transformers",
+    "read_config",
+    "resolve_model_dir",
+    "check_weights",
+    "load_bundle",
+    "load_tokenizer",
+    "require_deepseek_v4",
+    "csa_layer_ids",
+    "trained_value_digits",
+]
+
+ORGANISM = "organism"
+
+
+@contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """Silence transformers' progress bars inside the block: the library never prints."""
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+
+
+def shipped_dir() -> Path:
+    """The checkpoint shipped in package data (``needlescope/organism/weights``).
+
+    Computed from the package layout rather than imported, so that ``dsa`` does not depend on
+    ``organism`` (which sits beside it and imports it).
+    """
+    return Path(__file__).resolve().parent.parent / "organism" / "weights"
+
+
+def read_config(path: Path) -> dict:
+    """``path/config.json`` as a dict; BadInput when it is missing or not a JSON object."""
+    cfg_path = Path(path) / "config.json"
+    if not cfg_path.is_file():
+        raise BadInput(f"{str(path)!r} has no config.json; it is not a transformers checkpoint directory")
+    return read_json_object(cfg_path, "restore the checkpoint's config.json")
+
+
+def check_weights(path: Path) -> None:
+    """BadInput unless every ``*.safetensors`` file's header parses (a truncated or foreign file does not)."""
+    from safetensors import safe_open
+
+    for f in sorted(path.glob("*.safetensors")):
+        try:
+            with safe_open(f, framework="pt") as handle:
+                handle.keys()
+        except Exception as exc:  # safetensors raises its own error types and OSError
+            raise BadInput(
+                f"{str(f)!r} is not a readable safetensors file ({type(exc).__name__}: {exc}); "
+                "re-copy or re-save the checkpoint"
+            ) from None
+
+
+def resolve_model_dir(name_or_dir: str | Path) -> Path:
+    """``"organism"`` -> the shipped checkpoint; anything else must be a usable local checkpoint directory."""
+    path = shipped_dir() if str(name_or_dir) == ORGANISM else Path(name_or_dir)
+    if not path.is_dir():
+        raise BadInput(
+            f"model directory {str(path)!r} does not exist; give a local checkpoint directory or 'organism'"
+        )
+    read_config(path)
+    if not any(path.glob("*.safetensors")):
+        raise BadInput(
+            f"{str(path)!r} has no *.safetensors weights; needlescope loads weights through safetensors only"
+        )
+    return path
+
+
+def trained_value_digits(path: Path) -> int:
+    """Digits per needle value to probe ``path`` with: those it was trained on (its
+    ``training.json``), else the probe's default ``VALUE_DIGITS``.
+
+    Probing an organism with longer values than it saw measures copying, not retrieval.
+    """
+    record = path / "training.json"
+    if record.is_file():
+        digits = json.loads(record.read_text()).get("config", {}).get("value_digits")
+        if digits is not None:
+            return digits
+    return VALUE_DIGITS
+
+
+def require_deepseek_v4(path: Path) -> None:
+    """BadInput unless the checkpoint at ``path`` is a DeepSeek-V4 model."""
+    model_type = read_config(path).get("model_type")
+    if model_type != "deepseek_v4":
+        raise BadInput(
+            f"{str(path)!r} is a {model_type!r} checkpoint; this command needs a DeepSeek-V4 (model_type "
+            "'deepseek_v4') checkpoint such as 'organism'"
+        )
+
+
+def csa_layer_ids(config: dict) -> list[int] | None:
+    """Model layer ids of the CSA (lightning-indexer) layers named by a checkpoint's ``config.json``:
+    from ``layer_types`` (transformers) or ``compress_ratios`` (ratio 4, DeepSeek's own format);
+    None when the config names neither."""
+    if isinstance(config.get("layer_types"), list):
+        return [i for i, t in enumerate(config["layer_types"]) if t == "compressed_sparse_attention"]
+    if isinstance(config.get("compress_ratios"), list):
+        n = config.get("num_hidden_layers", len(config["compress_ratios"]))
+        return [i for i, r in enumerate(config["compress_ratios"][:n]) if r == 4]
+    return None
+
+
+def load_tokenizer(path: Path):
+    """The checkpoint's tokenizer; BadInput when it has no chat template (prompts are rendered with it)."""
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    if tokenizer.chat_template is None:
+        raise BadInput(
+            f"{str(path)!r} has a tokenizer without a chat template; add one to tokenizer_config.json"
+        )
+    return tokenizer
+
+
+def load_bundle(name_or_dir: str | Path, *, dtype: torch.dtype = torch.float32, device: str = "cpu"):
+    """(model in eval mode, tokenizer, resolved path). Offline, safetensors only."""
+    path = resolve_model_dir(name_or_dir)
+    check_weights(path)
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    # Eager attention: the V4 attention sinks and the compressor's block bias are only
+    # implemented there, and it returns the attention probabilities the indexer distils from.
+    with quiet_transformers():
+        model = AutoModelForCausalLM.from_pretrained(
+            path,
+            config=config,
+            dtype=dtype,
+            use_safetensors=True,
+            local_files_only=True,
+            attn_implementation="eager",
+        )
+    tokenizer = load_tokenizer(path)
+    return model.to(device).eval(), tokenizer, path

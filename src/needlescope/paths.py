@@ -1,0 +1,47 @@
+"""Files the user points at: output directories and JSON config files, checked before any work.
+
+Torch-free and without side effects: ``check_out_dir`` only inspects the filesystem, and
+``read_json_object`` is the one reader of a JSON config a user hands in (a checkpoint's
+``config.json``, a tokenizer's ``tokenizer_config.json``), so each refuses a broken file the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from needlescope.errors import BadInput
+
+__all__ = ["check_out_dir", "read_json_object"]
+
+
+def check_out_dir(out: str | Path, flag: str = "--out") -> Path:
+    """``out`` as a Path if it is a writable directory or can be created as one; BadInput otherwise.
+
+    Refused: an existing file (or anything that is not a directory), a directory without write
+    permission, and a path whose nearest existing ancestor is not a writable directory.
+    """
+    path = Path(out)
+    if path.exists():
+        if not path.is_dir():
+            raise BadInput(f"{flag} {str(out)!r} exists and is not a directory; choose another path")
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise BadInput(f"{flag} {str(out)!r} is not writable; choose another directory")
+        return path
+    parent = next((p for p in path.absolute().parents if p.exists()), None)
+    if parent is None or not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise BadInput(f"{flag} {str(out)!r} cannot be created: {str(parent)!r} is not a writable directory")
+    return path
+
+
+def read_json_object(path: str | Path, hint: str) -> dict:
+    """The JSON object in ``path``; BadInput (``hint`` says what to do) when it is unreadable,
+    not JSON, or not an object."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise BadInput(f"{path} is not readable JSON ({exc}); {hint}") from None
+    if not isinstance(data, dict):
+        raise BadInput(f"{path} is not a JSON object; {hint}")
+    return data

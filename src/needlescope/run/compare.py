@@ -1,0 +1,123 @@
+"""Paired A/B over two finished probe runs that share a case set (the live workflow that makes
+them is ``investigate.compare``). Runs whose case sets do not hash equal are refused, naming the
+first differing case.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from needlescope.analysis.paired import Pair, compare_pairs
+from needlescope.errors import BadInput
+from needlescope.report.compare import write_compare_outputs
+from needlescope.run.probe import STORE_NAME
+from needlescope.run.store import ResultStore
+
+__all__ = ["case_hash", "load_run", "compare_runs"]
+
+
+def case_hash(case: dict) -> str:
+    """Hash of what is sent and how it is judged: the messages and the expected values."""
+    body = json.dumps(
+        {"messages": case["messages"], "expected": case["expected"]},
+        sort_keys=True,
+        separators=(",", ":"),
+        ensure_ascii=False,
+    )
+    return hashlib.sha256(body.encode("utf-8")).hexdigest()
+
+
+def load_run(run_dir: Path, flag: str) -> tuple[list[dict], dict[str, dict], dict]:
+    """(cases, results by case_id, provenance) of a finished probe directory."""
+    path = Path(run_dir) / STORE_NAME
+    if not path.is_file():
+        raise BadInput(f"{flag} {run_dir} holds no {STORE_NAME}; pass the --out directory of a probe run")
+    with ResultStore(path) as store:
+        cases = store.cases()
+        results = {r["case_id"]: r for r in store.results()}
+        provenance = store.get_meta("provenance") or {}
+    if not cases:
+        raise BadInput(f"{flag} {run_dir} holds no cases; the probe run never started")
+    return cases, results, provenance
+
+
+def _check_same_cases(cases_a: list[dict], cases_b: list[dict]) -> None:
+    by_a = {c["case_id"]: c for c in cases_a}
+    by_b = {c["case_id"]: c for c in cases_b}
+    for cid in sorted(by_a.keys() | by_b.keys()):
+        if cid not in by_b:
+            raise BadInput(f"the runs do not share a case set: case {cid} is in A only; {_SAME_GRID}")
+        if cid not in by_a:
+            raise BadInput(f"the runs do not share a case set: case {cid} is in B only; {_SAME_GRID}")
+        if case_hash(by_a[cid]) != case_hash(by_b[cid]):
+            raise BadInput(
+                f"the runs do not share a case set: case {cid} differs (prompt or expected answer); {_SAME_GRID}"
+            )
+
+
+_SAME_GRID = "compare runs made from one case set (same --kind, --lengths, --depths, --trials, --seed, --value-digits and tokenizer)"
+
+
+def _pairs(
+    cases: list[dict], res_a: dict[str, dict], res_b: dict[str, dict]
+) -> tuple[list[Pair], list[dict], int]:
+    pairs, rows, unpaired = [], [], 0
+    for c in cases:
+        ra, rb = res_a.get(c["case_id"]), res_b.get(c["case_id"])
+        ok_a = ra is not None and ra["status"] == "ok"
+        ok_b = rb is not None and rb["status"] == "ok"
+        if not (ok_a and ok_b):
+            # An error on either side says nothing about recall; the pair is left out, and counted.
+            unpaired += 1
+            continue
+        pair = Pair(
+            c["case_id"], int(c["length"]), float(c["depth"]), bool(ra["correct"]), bool(rb["correct"])
+        )
+        pairs.append(pair)
+        rows.append(
+            {
+                "case_id": c["case_id"],
+                "length": pair.length,
+                "depth": pair.depth,
+                "a_correct": pair.a,
+                "b_correct": pair.b,
+                "a_answer": ra.get("answer"),
+                "b_answer": rb.get("answer"),
+                "expected": list(c["expected"]),
+            }
+        )
+    return pairs, rows, unpaired
+
+
+def compare_runs(
+    a_dir: Path,
+    b_dir: Path,
+    out: Path,
+    *,
+    alpha: float = 0.05,
+    power_drop: float = 0.10,
+    bucket_edges: tuple[int, ...] | None = None,
+) -> dict:
+    """Compare two finished probe runs over their shared case set; write compare outputs to ``out``."""
+    cases_a, res_a, prov_a = load_run(a_dir, "--a-run")
+    cases_b, res_b, prov_b = load_run(b_dir, "--b-run")
+    _check_same_cases(cases_a, cases_b)
+    pairs, rows, unpaired = _pairs(cases_a, res_a, res_b)
+    if not pairs:
+        raise BadInput(
+            f"no case was scored on both sides ({unpaired} had an error on A or B); nothing to compare"
+        )
+    result = compare_pairs(pairs, alpha=alpha, power_drop=power_drop, bucket_edges=bucket_edges)
+    return write_compare_outputs(
+        Path(out),
+        result,
+        pairs=rows,
+        unpaired=unpaired,
+        sides={
+            "A": {"run": str(a_dir), "provenance": prov_a},
+            "B": {"run": str(b_dir), "provenance": prov_b},
+        },
+        alpha=alpha,
+    )

@@ -1,0 +1,307 @@
+"""The recall canary: small probes on a schedule, a rolling window, Prometheus gauges.
+
+A round, every ``interval_s``: GET ``/health`` (up or down), GET the engine's ``/metrics``
+(normalized load, ``watch.engine``; the first round before that learns the engine's admission
+limit from ``/get_server_info`` and builds the cases), then one probe per length, at most ``max_in_flight`` at once.
+Nothing in a round raises for a failing target: a refused connection, a 503 or a garbage body is
+an error of its kind and ``target_up`` says whether the server answered. Cases are built (token-
+exact, through the server's ``/tokenize``) the first time the server answers, so a canary started
+before its target simply waits for it.
+
+Memory is bounded by construction: the window holds ``window`` booleans per length, the cases are
+built once, and every metric has a fixed label set.
+
+Logs (logger ``needlescope.watch``): changes of state at INFO or WARNING; prompts never, answers
+only at DEBUG; the API key never (it lives in request headers only).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+
+import httpx
+
+from needlescope.analysis import cells_from_results, effective_length
+from needlescope.cases import Case
+from needlescope.errors import BadInput
+from needlescope.targets import ChatTarget, collect_provenance, normalize_base_url
+from needlescope.watch.config import CanaryConfig
+from needlescope.watch.engine import UnexpectedFormat, normalize
+from needlescope.watch.metrics import CanaryMetrics
+from needlescope.watch.probe import (
+    STREAM_BODY,
+    Outcome,
+    RecordingTransport,
+    api_headers,
+    build_probe_cases,
+    check_server,
+    probe_case,
+    resolve_model,
+)
+
+__all__ = ["Canary", "RollingWindow", "serve_metrics"]
+
+log = logging.getLogger("needlescope.watch")
+
+
+class RollingWindow:
+    """The last ``size`` scored probes of each length."""
+
+    def __init__(self, lengths: tuple[int, ...], size: int) -> None:
+        self._hits = {n: deque(maxlen=size) for n in lengths}
+
+    def add(self, length: int, correct: bool) -> None:
+        self._hits[length].append(correct)
+
+    def recall(self, length: int) -> float:
+        hits = self._hits[length]
+        return sum(hits) / len(hits) if hits else math.nan
+
+    def effective_length(self, threshold: float) -> float:
+        """As the probe computes it, over the window; 0 if the shortest fails, NaN before any data."""
+        rows = [
+            {"length": n, "depth": 0.0, "status": "ok", "correct": c}
+            for n, hits in self._hits.items()
+            for c in hits
+        ]
+        if not rows:
+            return math.nan
+        eff = effective_length(cells_from_results(rows), threshold)
+        return float(eff or 0)
+
+
+def serve_metrics(metrics: CanaryMetrics, host: str, port: int):
+    """Start the ``/metrics`` HTTP server (daemon thread); return it. Its port: ``server.server_port``."""
+    from prometheus_client import start_http_server
+
+    try:
+        server, _thread = start_http_server(port, addr=host, registry=metrics.registry)
+    except OSError as e:
+        reason = e.strerror or str(e)
+        raise BadInput(f"cannot listen on {host}:{port}: {reason}; pass another --listen HOST:PORT") from None
+    return server
+
+
+class Canary:
+    def __init__(
+        self,
+        cfg: CanaryConfig,
+        metrics: CanaryMetrics,
+        *,
+        transport: httpx.AsyncBaseTransport | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.cfg = cfg
+        self.metrics = metrics
+        self.clock = clock
+        self.root, self.v1 = normalize_base_url(cfg.base_url)
+        self.window = RollingWindow(cfg.lengths, cfg.window)
+        self.model: str | None = cfg.model
+        self.queue_limit: int | None = cfg.queue_limit
+        self._cycles: dict[int, Iterator[Case]] | None = None
+        self._up: bool | None = None
+        self._warned: set[str] = set()
+        self._at_limit_run = 0
+        self._recorders = [RecordingTransport(transport) for _ in range(cfg.max_in_flight)]
+        self._targets: list[ChatTarget] = []
+        self._client = httpx.AsyncClient(
+            headers=api_headers(cfg.api_key), timeout=cfg.timeout_s, transport=transport
+        )
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+        for target in self._targets:
+            await target.aclose()
+
+    async def run(self, stop: asyncio.Event, rounds: int | None = None) -> None:
+        """Run rounds every ``interval_s`` until ``stop`` is set (or ``rounds`` have run)."""
+        loop = asyncio.get_running_loop()
+        due = loop.time()
+        for n in itertools.count(1):
+            # A stop abandons the round in flight: a probe is cheap to lose, a slow shutdown is not.
+            current = asyncio.ensure_future(self.round())
+            stopped = asyncio.ensure_future(stop.wait())
+            await asyncio.wait({current, stopped}, return_when=asyncio.FIRST_COMPLETED)
+            stopped.cancel()
+            if not current.done():
+                current.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await current
+                return
+            current.result()  # a bug in a round surfaces here, not in a lost task
+            if stop.is_set() or (rounds is not None and n >= rounds):
+                return
+            # A round longer than the interval skips the slots it overran instead of bunching up.
+            due = max(due + self.cfg.interval_s, loop.time())
+            try:
+                await asyncio.wait_for(stop.wait(), due - loop.time())
+                return
+            except asyncio.TimeoutError:  # noqa: UP041  (distinct from TimeoutError on 3.10)
+                pass
+
+    async def round(self) -> None:
+        server = await check_server(self._client, self.root, self.v1)
+        if server.error is not None:
+            self._count_error(server)
+            self._set_up(False, server.detail)
+            return
+        try:
+            cycles = await self._cases()
+        except BadInput as e:
+            self._warn_once("cases", f"cannot build probe cases: {e}")
+            cycles = None
+        except (httpx.TransportError, OSError) as e:
+            self._count_error(Outcome(None, "connection", f"{type(e).__name__}: {e}", 0.0))
+            self._set_up(False, "lost the server while building cases")
+            return
+        await self._scrape_engine()
+        if cycles is None:
+            self._set_up(True, "the server answers, but no probe could be built")
+            return
+        gate = asyncio.Semaphore(self.cfg.max_in_flight)
+        free = list(range(self.cfg.max_in_flight))
+
+        async def one(length: int) -> Outcome:
+            async with gate:
+                slot = free.pop()
+                try:
+                    outcome = await probe_case(
+                        self._targets[slot],
+                        self._recorders[slot],
+                        next(cycles[length]),
+                        max_tokens=self.cfg.max_tokens,
+                        extra_body={**STREAM_BODY, **self.cfg.extra_body},
+                    )
+                finally:
+                    free.append(slot)
+                self._record(length, outcome)
+                return outcome
+
+        outcomes = await asyncio.gather(*(one(n) for n in self.cfg.lengths))
+        reached = any(o.error not in ("connection", "timeout") for o in outcomes)
+        self._set_up(reached, "; ".join(o.detail for o in outcomes if o.error))
+        self.metrics.effective_length.set(self.window.effective_length(self.cfg.threshold))
+
+    def _record(self, length: int, outcome: Outcome) -> None:
+        m = self.metrics
+        m.latency.labels("e2e").observe(outcome.e2e_s)
+        if outcome.ttft_s is not None:
+            m.latency.labels("ttft").observe(outcome.ttft_s)
+        if outcome.error is not None:
+            self._count_error(outcome)
+            return
+        self.window.add(length, bool(outcome.correct))
+        m.recall.labels(str(length)).set(self.window.recall(length))
+        m.probes.labels(str(length), "hit" if outcome.correct else "miss").inc()
+        m.last_success.set(self.clock())
+        log.debug("length %d: %s, answer %r", length, outcome.detail, outcome.answer[:200])
+
+    def _count_error(self, outcome: Outcome) -> None:
+        self.metrics.errors.labels(outcome.error).inc()
+        log.debug("probe error (%s): %s", outcome.error, outcome.detail)
+
+    def _set_up(self, up: bool, detail: str) -> None:
+        self.metrics.target_up.set(1 if up else 0)
+        if up != self._up:
+            if up:
+                log.info("target %s is up (model %s)", self.root, self.model or "not yet known")
+            else:
+                log.warning("target %s is down: %s", self.root, detail)
+        self._up = up
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning(message)
+
+    async def _cases(self) -> dict[int, Iterator[Case]]:
+        if self._cycles is not None:
+            return self._cycles
+        cfg = self.cfg
+        self.model = await resolve_model(self._client, self.v1, cfg.model)
+        cases = await asyncio.to_thread(
+            build_probe_cases,
+            cfg,
+            self.root,
+            self.model,
+            lengths=cfg.lengths,
+            depths=cfg.depths,
+            trials=cfg.trials,
+        )
+        if self.queue_limit is None:
+            self.queue_limit = await asyncio.to_thread(self._advertised_queue_limit)
+        self._targets = [
+            ChatTarget(
+                self.v1,
+                self.model,
+                api_key=cfg.api_key,
+                timeout=cfg.timeout_s,
+                retries=0,
+                retry_budget_s=0,  # a refusal is an observation here, not something to wait out
+                transport=rec,
+            )
+            for rec in self._recorders
+        ]
+        # Rotate depths before trials, so consecutive probes of a length sit at different depths.
+        by_length = {
+            n: sorted((c for c in cases if c.length == n), key=lambda c: (c.trial, c.depth))
+            for n in cfg.lengths
+        }
+        self._cycles = {n: itertools.cycle(cs) for n, cs in by_length.items()}
+        log.info("built %d probe cases for model %s at lengths %s", len(cases), self.model, list(cfg.lengths))
+        return self._cycles
+
+    def _advertised_queue_limit(self) -> int | None:
+        info = collect_provenance(self.root, self.v1, api_key=self.cfg.api_key).get("/get_server_info")
+        if not isinstance(info, dict):
+            return None
+        args = info.get("args") if isinstance(info.get("args"), dict) else {}
+        limit = info.get("max_queued_requests", args.get("max_queued_requests"))
+        return limit if isinstance(limit, int) and limit > 0 else None
+
+    async def _scrape_engine(self) -> None:
+        m = self.metrics
+        url = self.root + "/metrics"
+        try:
+            resp = await self._client.get(url)
+        except httpx.TransportError as e:
+            self._warn_once("metrics-transport", f"engine metrics at {url} failed: {type(e).__name__}")
+            return
+        if resp.status_code == 404:
+            self._warn_once("metrics-404", f"the engine has no {url}; engine gauges stay empty")
+            return
+        try:
+            if resp.status_code != 200:
+                raise UnexpectedFormat(f"HTTP {resp.status_code}")
+            load = normalize(resp.text)
+        except UnexpectedFormat as e:
+            self._warn_once(f"metrics-format-{str(e)[:40]}", f"ignoring engine metrics at {url}: {e}")
+            for gauge in (m.engine_queue, m.engine_running, m.engine_kv, m.engine_at_limit):
+                gauge.set(math.nan)
+            return
+        nan = math.nan
+        m.engine_queue.set(load.queue_depth if load.queue_depth is not None else nan)
+        m.engine_running.set(load.running if load.running is not None else nan)
+        m.engine_kv.set(load.kv_cache_usage if load.kv_cache_usage is not None else nan)
+        if self.queue_limit is None or load.queue_depth is None:
+            m.engine_at_limit.set(nan)
+            return
+        m.engine_limit.set(self.queue_limit)
+        at_limit = load.queue_depth >= self.queue_limit
+        m.engine_at_limit.set(1 if at_limit else 0)
+        self._at_limit_run = self._at_limit_run + 1 if at_limit else 0
+        if self._at_limit_run == self.cfg.at_limit_scrapes:
+            log.warning(
+                "the %s engine queue has sat at its admission limit (%d) for %d scrapes; "
+                "requests beyond it are refused",
+                load.engine,
+                self.queue_limit,
+                self._at_limit_run,
+            )

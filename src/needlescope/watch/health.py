@@ -1,0 +1,145 @@
+"""``needlescope health``: a smoke test of a serving deployment, for readiness probes and cron.
+
+Three checks, in order, each with its latency:
+
+- ``server``: ``GET /health`` (or ``/v1/models`` where there is no ``/health``) answers 200;
+- ``chat``: one tiny chat completion asked to answer with the word HEALTHY. A model that answers
+  something else is up but does not follow the instruction: status ``warn``, not ``fail``;
+- ``needle``: one needle probe at a short length, built and scored as the probe does.
+
+A check is ``ok``, ``warn``, ``fail`` or ``skip`` (the server did not answer, so the later checks
+were not tried). The deployment is healthy when no check failed or was skipped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import asdict, dataclass
+
+import httpx
+
+from needlescope.cases.scoring import normalize_tokens
+from needlescope.errors import BadInput, ProbeError
+from needlescope.schema import check_schema
+from needlescope.targets import ChatTarget, normalize_base_url
+from needlescope.watch.config import HealthConfig
+from needlescope.watch.probe import (
+    RecordingTransport,
+    api_headers,
+    build_probe_cases,
+    check_server,
+    probe_case,
+    resolve_model,
+)
+
+__all__ = ["HEALTH_PROMPT", "HEALTH_SCHEMA", "Check", "run_health"]
+
+HEALTH_PROMPT = "This is a health check. Reply with the single word HEALTHY and nothing else."
+
+HEALTH_SCHEMA = {
+    "type": "object",
+    "required": ["healthy", "base_url", "model", "checks"],
+    "properties": {
+        "healthy": {"type": "boolean"},
+        "base_url": {"type": "string"},
+        "model": {"type": ["string", "null"]},
+        "checks": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["name", "status", "latency_s", "detail"],
+                "properties": {
+                    "name": {"type": "string"},
+                    "status": {"type": "string"},
+                    "latency_s": {"type": ["number", "null"]},
+                    "detail": {"type": "string"},
+                },
+            },
+        },
+    },
+}
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    status: str
+    """ok | warn | fail | skip"""
+    latency_s: float | None
+    detail: str
+
+
+def run_health(cfg: HealthConfig) -> dict:
+    """Run the checks; return the report (``HEALTH_SCHEMA``). Never raises for a failing server."""
+    return asyncio.run(_run(cfg))
+
+
+async def _run(cfg: HealthConfig) -> dict:
+    root, v1 = normalize_base_url(cfg.base_url)
+    model = cfg.model
+    async with httpx.AsyncClient(headers=api_headers(cfg.api_key), timeout=cfg.timeout_s) as client:
+        server = await check_server(client, root, v1)
+        checks = [Check("server", "ok" if server.error is None else "fail", server.e2e_s, server.detail)]
+        if server.error is not None:
+            checks += [Check(n, "skip", None, "the server did not answer") for n in ("chat", "needle")]
+        else:
+            try:
+                model = await resolve_model(client, v1, model)
+            except (BadInput, httpx.TransportError) as e:
+                checks += [Check(n, "fail", None, f"no model to ask: {e}") for n in ("chat", "needle")]
+            else:
+                recorder = RecordingTransport()
+                async with ChatTarget(
+                    v1,
+                    model,
+                    api_key=cfg.api_key,
+                    timeout=cfg.timeout_s,
+                    retries=0,
+                    retry_budget_s=0,
+                    transport=recorder,
+                ) as target:
+                    checks.append(await _chat(target, cfg))
+                    checks.append(await _needle(target, recorder, root, model, cfg))
+    report = {
+        "healthy": all(c.status in ("ok", "warn") for c in checks),
+        "base_url": cfg.base_url,
+        "model": model,
+        "checks": [asdict(c) for c in checks],
+    }
+    check_schema(report, HEALTH_SCHEMA, "health")
+    return report
+
+
+async def _chat(target: ChatTarget, cfg: HealthConfig) -> Check:
+    try:
+        result = await target.chat(
+            [{"role": "user", "content": HEALTH_PROMPT}], max_tokens=8, extra_body=cfg.extra_body
+        )
+    except ProbeError as e:
+        return Check("chat", "fail", None, str(e))
+    if "healthy" in normalize_tokens(result.text):
+        return Check("chat", "ok", result.latency_s, "answered HEALTHY")
+    return Check(
+        "chat",
+        "warn",
+        result.latency_s,
+        f"answered {result.text[:40]!r}, not HEALTHY: the model is up but does not follow this instruction",
+    )
+
+
+async def _needle(
+    target: ChatTarget, recorder: RecordingTransport, root: str, model: str, cfg: HealthConfig
+) -> Check:
+    try:
+        (case,) = await asyncio.to_thread(
+            build_probe_cases, cfg, root, model, lengths=(cfg.length,), depths=(cfg.depth,), trials=1
+        )
+    except (BadInput, ProbeError) as e:
+        return Check("needle", "fail", None, f"cannot build the needle case: {e}")
+    outcome = await probe_case(target, recorder, case, max_tokens=cfg.max_tokens, extra_body=cfg.extra_body)
+    where = f"{cfg.length} tokens, depth {cfg.depth:g}%"
+    if outcome.error is not None:
+        return Check("needle", "fail", outcome.e2e_s, f"{outcome.error}: {outcome.detail}")
+    if not outcome.correct:
+        return Check("needle", "fail", outcome.e2e_s, f"missed the needle at {where}")
+    return Check("needle", "ok", outcome.e2e_s, f"recalled the needle at {where}")

@@ -1,0 +1,231 @@
+"""One watch probe, built from the probe's own parts: its cases, its chat client, its scoring.
+
+What watching adds is what a single request can tell about the server:
+
+- ``RecordingTransport`` sits under ``targets.ChatTarget`` and notes each answer's HTTP status or
+  the transport failure, so an error gets its kind from facts, not from message text. When the
+  server streams (the canary asks for ``stream: true``) it notes the time to the first token and
+  hands ChatTarget the assembled completion, so the client parses it as it parses any answer.
+- ``error_kind`` names what went wrong: ``timeout``, ``connection``, ``admission`` (429 or 503,
+  the engine refused to queue it), ``5xx``, or ``protocol`` (any other refusal or a bad body).
+- ``check_server`` and ``resolve_model`` are the two GETs health and canary share.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from needlescope.cases import Case, CaseSpec, build_cases, score_answer
+from needlescope.errors import BadInput, ProbeError
+from needlescope.targets import ChatTarget, LocalTokenCounter, detect_server_tokenizer
+from needlescope.watch.config import TargetConfig
+
+__all__ = [
+    "ERROR_KINDS",
+    "STREAM_BODY",
+    "Outcome",
+    "RecordingTransport",
+    "api_headers",
+    "build_probe_cases",
+    "check_server",
+    "error_kind",
+    "probe_case",
+    "resolve_model",
+]
+
+ERROR_KINDS = ("timeout", "connection", "admission", "5xx", "protocol")
+# What the canary merges into each chat request to see the first token arrive.
+STREAM_BODY = {"stream": True, "stream_options": {"include_usage": True}}
+
+
+def api_headers(api_key: str | None) -> dict[str, str]:
+    # The key travels in this header only; nothing here logs or stores headers.
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+class RecordingTransport(httpx.AsyncBaseTransport):
+    """Forwards to a real transport; keeps the last status, failure and time to first token."""
+
+    def __init__(self, inner: httpx.AsyncBaseTransport | None = None) -> None:
+        self._inner = inner or httpx.AsyncHTTPTransport()
+        self.status: int | None = None
+        self.failure: httpx.TransportError | None = None
+        self.ttft_s: float | None = None
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        self.status, self.failure, self.ttft_s = None, None, None
+        start = time.monotonic()
+        try:
+            resp = await self._inner.handle_async_request(request)
+            self.status = resp.status_code
+            if resp.status_code != 200 or not resp.headers.get("content-type", "").startswith(
+                "text/event-stream"
+            ):
+                return resp
+            try:
+                body = await self._assemble(resp, start)
+            finally:
+                await resp.aclose()
+        except httpx.TransportError as e:
+            self.failure = e
+            raise
+        return httpx.Response(200, json=body, request=request)
+
+    async def _assemble(self, resp: httpx.Response, start: float) -> dict:
+        """The chat.completion object an SSE stream of chat.completion.chunk objects adds up to.
+
+        A stream that reports an error, or ends without a completion chunk, becomes a body without
+        choices, which ChatTarget refuses as a protocol violation: a failed request, never a miss.
+        """
+        text: list[str] = []
+        seen = False
+        reasoning: list[str] = []
+        finish = None
+        usage = None
+        buffer = ""
+        async for piece in resp.aiter_raw():
+            buffer += piece.decode("utf-8", errors="replace")
+            *lines, buffer = buffer.split("\n")
+            for line in lines:
+                data = line.strip()
+                if not data.startswith("data:"):
+                    continue
+                data = data[len("data:") :].strip()
+                if data == "[DONE]":
+                    continue
+                try:
+                    chunk = json.loads(data)
+                except ValueError:
+                    return {"error": f"invalid SSE chunk: {data[:100]}"}
+                if not isinstance(chunk, dict) or "error" in chunk:
+                    return {"error": f"the stream reported an error: {data[:200]}"}
+                seen = seen or bool(chunk.get("choices"))
+                usage = chunk.get("usage") or usage
+                for choice in chunk.get("choices") or []:
+                    delta = choice.get("delta") or {}
+                    for part, sink in (
+                        (delta.get("content"), text),
+                        (delta.get("reasoning_content"), reasoning),
+                    ):
+                        if part:
+                            if self.ttft_s is None:
+                                self.ttft_s = time.monotonic() - start
+                            sink.append(part)
+                    finish = choice.get("finish_reason") or finish
+        if not seen:
+            return {"error": "the stream ended without a completion chunk"}
+        message = {"role": "assistant", "content": "".join(text)}
+        if reasoning:
+            message["reasoning_content"] = "".join(reasoning)
+        return {"choices": [{"index": 0, "message": message, "finish_reason": finish}], "usage": usage}
+
+
+def error_kind(status: int | None, failure: BaseException | None) -> str:
+    """One of ``ERROR_KINDS`` for a request that answered ``status`` or failed with ``failure``."""
+    if isinstance(failure, httpx.TimeoutException):
+        return "timeout"
+    if failure is not None:
+        return "connection"
+    if status in (429, 503):
+        return "admission"
+    if status is not None and status >= 500:
+        return "5xx"
+    return "protocol"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What one request showed: scored (``correct`` set) or failed (``error`` set, never a miss)."""
+
+    correct: bool | None
+    error: str | None
+    detail: str
+    e2e_s: float
+    ttft_s: float | None = None
+    answer: str = ""
+
+
+async def probe_case(
+    target: ChatTarget, recorder: RecordingTransport, case: Case, *, max_tokens: int, extra_body: dict
+) -> Outcome:
+    """Send ``case`` once (no retries: a failure is an observation) and score the answer."""
+    start = time.monotonic()
+    try:
+        result = await target.chat(case.messages, max_tokens=max_tokens, extra_body=extra_body)
+    except ProbeError as e:
+        kind = error_kind(recorder.status, recorder.failure)
+        return Outcome(None, kind, str(e), time.monotonic() - start, recorder.ttft_s)
+    correct = score_answer(result.text, case.expected)
+    return Outcome(
+        correct, None, "hit" if correct else "miss", result.latency_s, recorder.ttft_s, result.text
+    )
+
+
+async def check_server(client: httpx.AsyncClient, root: str, v1: str) -> Outcome:
+    """GET ``/health``, or ``/v1/models`` where the server has no ``/health``; 200 means up."""
+    start = time.monotonic()
+    path = "/health"
+    try:
+        resp = await client.get(root + path)
+        if resp.status_code in (404, 405):
+            path = "/v1/models"
+            resp = await client.get(v1 + "/models")
+    except httpx.TransportError as e:
+        return Outcome(None, error_kind(None, e), f"GET {path}: {type(e).__name__}", time.monotonic() - start)
+    elapsed = time.monotonic() - start
+    if resp.status_code != 200:
+        return Outcome(None, error_kind(resp.status_code, None), f"GET {path} {resp.status_code}", elapsed)
+    return Outcome(True, None, f"GET {path} 200", elapsed)
+
+
+async def resolve_model(client: httpx.AsyncClient, v1: str, model: str | None) -> str:
+    """``model`` itself, or the first id ``/v1/models`` lists; ProbeError-free: raises BadInput or httpx errors."""
+    if model:
+        return model
+    resp = await client.get(v1 + "/models")
+    try:
+        ids = [m["id"] for m in resp.json()["data"]]
+    except (ValueError, KeyError, TypeError):
+        ids = []
+    if resp.status_code != 200 or not ids:
+        raise BadInput(f"{v1}/models lists no model (HTTP {resp.status_code}); pass --model")
+    return ids[0]
+
+
+def build_probe_cases(
+    cfg: TargetConfig,
+    root: str,
+    model: str,
+    *,
+    lengths: tuple[int, ...],
+    depths: tuple[float, ...],
+    trials: int,
+) -> list[Case]:
+    """Exact-length cases as the probe builds them (blocking: it counts tokens through the server)."""
+    if cfg.tokenizer == "server":
+        counter = detect_server_tokenizer(root, model, api_key=cfg.api_key)
+        if counter is None:
+            raise BadInput(
+                f"the server at {root} exposes no /tokenize endpoint; pass --tokenizer PATH to a tokenizer.json"
+            )
+    else:
+        counter = LocalTokenCounter(Path(cfg.tokenizer))
+    spec = CaseSpec(
+        kind=cfg.kind,
+        lengths=lengths,
+        depths=depths,
+        trials=trials,
+        seed=cfg.seed,
+        max_answer_tokens=cfg.max_tokens,
+        value_digits=cfg.value_digits,
+    )
+    try:
+        return build_cases(spec, counter)
+    finally:
+        if hasattr(counter, "close"):
+            counter.close()

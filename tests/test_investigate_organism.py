@@ -1,0 +1,246 @@
+"""The investigation on the shipped organism, one planted fault at a time (in-process, CPU).
+
+Reference: fp32 indexer at ``index_topk`` 16 (a deployment top-k the organism handles: recall
+1.00 to 4K, docs/organism.md); each candidate is the reference plus exactly one planted fault.
+The planted suspect carries the ablation check; the others are absent from the candidate.
+Cases: multiturn at 256 and 512 tokens (64 and 128 entries, so top-16 selects), 5 depths x 2
+trials (20 cases). One run measures the reference once; later runs copy its records (``_seed_reference``)
+because the cases and the reference setting are identical.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from needlescope.investigate.example import EXAMPLE_FILES, write_example
+from needlescope.investigate.runner import run_investigation
+
+pytest.importorskip("torch")
+
+REFERENCE = "k=fp32 q=fp32 acc=fp32 topk=16"
+SUSPECTS = {
+    # id: (ledger mapping line, candidate = reference + this)
+    "routed_scaling": ('patch = "patches/routed_scale_twice.py"', {"extra": "patches/routed_scale_twice.py"}),
+    "hc_mix_bf16": ('patch = "patches/hc_mix_bf16.py"', {"extra": "patches/hc_mix_bf16.py"}),
+    "index_keys_fp4_norot": (
+        'setting = "k=fp4_e2m1 hadamard=off"',
+        {"setting": "k=fp4_e2m1 hadamard=off topk=16"},
+    ),
+    "index_topk": ('setting = "topk=8"', {"setting": "k=fp32 topk=8"}),
+    "page_table": (
+        'patch = "fault:indexer_page_table"',
+        {"setting": "k=fp32 topk=16 patch=fault:indexer_page_table"},
+    ),
+    "key_slot": (
+        'patch = "fault:indexer_key_slot"',
+        {"setting": "k=fp32 topk=16 patch=fault:indexer_key_slot"},
+    ),
+}
+
+
+def plant_ledger(directory, planted: str) -> str:
+    write_example(directory, force=True)
+    cand = SUSPECTS[planted][1]
+    setting = cand.get("setting", REFERENCE)
+    extra = f'["{cand["extra"]}"]' if "extra" in cand else "[]"
+    lines = [
+        "[target]",
+        'model = "organism"',
+        "threads = 2",
+        f'reference = "{REFERENCE}"',
+        f'candidate = "{setting}"',
+        f"extra_patches = {extra}",
+        "",
+        "[symptom]",
+        'kind = "multiturn"',
+        "lengths = [256, 512]",
+        "depths = [0, 25, 50, 75, 100]",
+        "trials = 2",
+        "max_new_tokens = 6",
+        "",
+    ]
+    for i, (sid, (mapping, _)) in enumerate(SUSPECTS.items()):
+        checks = '["ablation"]' if sid == planted else "[]"
+        lines += [
+            "[[suspects]]",
+            f'id = "{sid}"',
+            f"tier = {1 + i // 2}",
+            f'hypothesis = "{sid} costs recall"',
+            mapping,
+            f"checks = {checks}",
+            "",
+        ]
+    path = directory / "investigation.toml"
+    path.write_text("\n".join(lines))
+    return path
+
+
+@pytest.fixture(scope="module")
+def organism():
+    from needlescope.dsa.checkpoint import load_bundle
+
+    model, tokenizer, _ = load_bundle("organism")
+    return model, tokenizer
+
+
+@pytest.fixture(scope="module")
+def reference_records(tmp_path_factory):
+    return tmp_path_factory.mktemp("ref") / "reference.jsonl"
+
+
+def _seed_reference(out, cache) -> None:
+    if cache.exists():
+        (out / "measure").mkdir(parents=True, exist_ok=True)
+        shutil.copy(cache, out / "measure" / "reference.jsonl")
+
+
+def _run(tmp_path, planted, organism, cache) -> dict:
+    ledger = plant_ledger(tmp_path, planted)
+    out = tmp_path / "out"
+    _seed_reference(out, cache)
+    run_investigation(ledger, out, loaded=organism)
+    if not cache.exists():
+        shutil.copy(out / "measure" / "reference.jsonl", cache)
+    return json.loads((out / "verdicts.json").read_text())
+
+
+# Measured with these 20 cases (2 CPU cores, docs/investigate.md): routed scaling twice and the
+# bf16 hyper-connection GEMM move the logits but not recall; the page-table fault costs 10+
+# cases (p < 0.01); the key-slot fault costs 4 of 20 with none gained (b=4, c=0, exact McNemar
+# p=0.125): too few to implicate, so the rule says "inconclusive: run more cases"; fp4 keys
+# without the rotation and top-8 leave this organism's recall where it was.
+EXPECTED = {
+    "routed_scaling": ("diverges_no_effect",),
+    "hc_mix_bf16": ("diverges_no_effect",),
+    "page_table": ("implicated",),
+    "key_slot": ("inconclusive",),
+    "index_keys_fp4_norot": ("exonerated", "diverges_no_effect"),
+    "index_topk": ("exonerated", "diverges_no_effect"),
+}
+
+
+@pytest.fixture(scope="module")
+def page_table_out(tmp_path_factory, organism, reference_records):
+    d = tmp_path_factory.mktemp("page_table")
+    _run(d, "page_table", organism, reference_records)
+    return d / "out"
+
+
+@pytest.mark.parametrize("planted", list(SUSPECTS))
+def test_one_planted_fault(tmp_path, planted, organism, reference_records, request):
+    if planted == "page_table":
+        v = json.loads((request.getfixturevalue("page_table_out") / "verdicts.json").read_text())
+    else:
+        v = _run(tmp_path, planted, organism, reference_records)
+    by = {s["id"]: s for s in v["suspects"]}
+    for sid, s in by.items():
+        if sid != planted:
+            assert s["verdict"] == "exonerated" and "not in the candidate" in s["reason"], (sid, s)
+    got = by[planted]
+    ev = {e["metric"].split(" (")[0]: e["value"] for e in got["evidence"]}
+    assert "exact McNemar p" in ev, got
+    assert got["verdict"] in EXPECTED[planted], got
+    if planted == "key_slot":
+        assert ev["discordant b"] > ev["discordant c"], got  # it costs recall, just not significantly here
+    if got["verdict"] == "implicated":
+        assert v["root_cause"] == planted
+    else:
+        assert v["root_cause"] is None
+    if planted == "page_table":
+        assert v["signature"]["uninformative_ranking"] is True, v["signature"]
+        assert any(layer["uninformative"] for layer in v["signature"]["layers"])
+    else:
+        assert v["signature"]["uninformative_ranking"] is False, v["signature"]
+
+
+def test_interrupt_and_resume(tmp_path, reference_records):
+    """A real ``needlescope investigate run`` killed mid-measurement resumes without losing or repeating a case."""
+    ledger = plant_ledger(tmp_path, "page_table")
+    out = tmp_path / "out"
+    _seed_reference(out, reference_records)
+    cmd = [sys.executable, "-m", "needlescope.cli.main", "investigate", "run", str(ledger), "--out", str(out)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    cand = out / "measure" / "candidate.jsonl"
+    import time
+
+    deadline = time.time() + 600
+    while time.time() < deadline and (not cand.exists() or not cand.read_text().strip()):
+        if proc.poll() is not None:
+            break
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    proc.wait(timeout=120)
+    before = [json.loads(x)["case_id"] for x in cand.read_text().splitlines()]
+    assert 1 <= len(before) < 20, "the run was not interrupted mid-measurement"
+    state = json.loads((out / "state.json").read_text())
+    assert state["done"]["questions"] is True
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-2000:]
+    after = [json.loads(x)["case_id"] for x in cand.read_text().splitlines()]
+    assert after[: len(before)] == before and len(after) == len(set(after)) == 20
+    v = json.loads((out / "verdicts.json").read_text())
+    assert v["root_cause"] == "page_table"
+    assert (out / "DIAGNOSIS.md").read_text().count("page_table") >= 2
+
+
+def test_diagnosis_html_renders_in_headless_chromium(page_table_out, tmp_path):
+    """DIAGNOSIS.html (plots embedded) screenshotted by Debian's chromium: not blank, plots drawn."""
+    import numpy as np
+    from matplotlib.image import imread
+
+    from needlescope.investigate.diagnosis import write_reports
+
+    md, page = write_reports(page_table_out)
+    text = md.read_text()
+    assert "**page_table**" in text and "root-cause fix" in text and "needle entries selected" in text
+    assert "data:image/png;base64," in page.read_text()
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    assert chromium, "Debian's chromium is missing: run 'make deps'"
+    shot = tmp_path / "shot.png"
+    subprocess.run(
+        [
+            chromium,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--hide-scrollbars",
+            f"--screenshot={shot}",
+            "--window-size=1200,1600",
+            page.as_uri(),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
+    img = imread(shot)[..., :3]  # [H, W, 3] floats in 0..1
+    assert img.shape[0] >= 1000 and img.shape[1] >= 1000
+    ink = (img.min(axis=-1) < 0.8).mean()  # text, table borders, plot lines
+    colour = ((img.max(axis=-1) - img.min(axis=-1)) > 0.3).mean()  # the plots' coloured lines
+    assert ink > 0.01, f"screenshot is (nearly) blank: {ink:.4f} of pixels inked"
+    assert colour > 0.0005, f"no coloured pixels: the embedded plots did not render ({colour:.5f})"
+    assert len(np.unique((img * 255).astype(int).reshape(-1, 3), axis=0)) > 50
+
+
+def test_example_files_are_complete():
+    assert set(EXAMPLE_FILES) >= {"investigation.toml", "deployment.env", "patches/hc_mix_bf16.py"}
+
+
+def test_batched_measurement_equals_one_at_a_time(organism):
+    from needlescope.cases.assemble import CaseSpec, build_cases
+    from needlescope.dsa.prompt import render_prompt
+    from needlescope.investigate.measure import Config, measure_case, measure_cases
+    from needlescope.setting import Setting
+
+    model, tok = organism
+    spec = CaseSpec(kind="multiturn", lengths=(256,), depths=(0.0, 100.0), trials=1, seed=3, value_digits=3)
+    cases = build_cases(spec, lambda m: len(render_prompt(tok, m).input_ids))
+    cfg = Config(Setting.parse("k=fp8_e4m3 topk=16 patch=fault:indexer_page_table"))
+    one = [measure_case(model, tok, c, cfg, max_new_tokens=6) for c in cases]
+    assert measure_cases(model, tok, cases, cfg, max_new_tokens=6) == one
+    assert all(r["layers"] and r["analysed_source"] for r in one)
