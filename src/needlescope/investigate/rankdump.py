@@ -98,6 +98,7 @@ def _check_inputs(cfg: RankDumpConfig) -> tuple[list[list[dict]], Path, Path | N
 def run(cfg: RankDumpConfig) -> RankDumpResult:
     """Rank-dump every prompt (and compare its selection with the reference when asked)."""
     from needlescope.dsa.checkpoint import load_bundle
+    from needlescope.dsa.emulate import patched_for_good
     from needlescope.dsa.rankdump import DEFAULT_MAX_NEW_TOKENS, combine_dumps, rank_dump
     from needlescope.dsa.stability import selection_stability
 
@@ -105,8 +106,14 @@ def run(cfg: RankDumpConfig) -> RankDumpResult:
     model, tokenizer, _ = load_bundle(path, device=cfg.device)
     other = load_bundle(other_path, device=cfg.device)[0] if other_path is not None else None
     kw = dict(needle=cfg.needle, needle_span=cfg.needle_span)
+
+    def usable(m, m_path):
+        # A patch that returned no undo changed ``m`` for good: the next run needs a fresh model.
+        return load_bundle(m_path, device=cfg.device)[0] if patched_for_good(m) else m
+
     dumps, stabs = [], []
     for p, msgs in zip(cfg.prompts, messages, strict=True):
+        model = usable(model, path)
         dumps.append(
             rank_dump(
                 model,
@@ -121,7 +128,11 @@ def run(cfg: RankDumpConfig) -> RankDumpResult:
         )
         if cfg.compares:
             # Reference side: fp32 numerics on --compare-model (or on --model itself).
-            ref_model, ref_path = (other, other_path) if other is not None else (model, path)
+            model = usable(model, path)
+            ref_model, ref_path = (other, other_path) if other is not None else (usable(model, path), path)
+            if ref_model is model and cfg.setting.patch is not None:
+                # The candidate patch may give no undo; the reference must never see it.
+                ref_model = load_bundle(path, device=cfg.device)[0]
             stabs.append(
                 selection_stability(
                     ref_model,
