@@ -362,13 +362,13 @@ def test_server_info_publishes_the_trained_value_length(server):
     from pathlib import Path
 
     import needlescope.organism as organism
-    from needlescope.serve.engine import _trained_value_digits
+    from needlescope.dsa.checkpoint import recorded_value_digits
 
     assert (
         httpx.get(server.url + "/get_server_info").json()["trained_value_digits"] is None
     )  # no training.json
     shipped = Path(organism.__file__).parent / "weights"
-    assert _trained_value_digits(shipped) == 3  # the organism's recipe trains on 3-digit values
+    assert recorded_value_digits(shipped) == 3  # the organism's recipe trains on 3-digit values
 
 
 # ---- item 15: API key, paths ------------------------------------------------------------------

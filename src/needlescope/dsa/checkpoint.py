@@ -99,18 +99,26 @@ def resolve_model_dir(name_or_dir: str | Path) -> Path:
     return path
 
 
+def recorded_value_digits(path: Path) -> int | None:
+    """Digits per needle value the checkpoint was trained on (its ``training.json``), if recorded."""
+    record = path / "training.json"
+    if not record.is_file():
+        return None
+    try:
+        digits = json.loads(record.read_text()).get("config", {}).get("value_digits")
+    except (json.JSONDecodeError, AttributeError):
+        return None
+    return digits if isinstance(digits, int) and not isinstance(digits, bool) else None
+
+
 def trained_value_digits(path: Path) -> int:
-    """Digits per needle value to probe ``path`` with: those it was trained on (its
-    ``training.json``), else the probe's default ``VALUE_DIGITS``.
+    """Digits per needle value to probe ``path`` with: ``recorded_value_digits``, else the
+    probe's default ``VALUE_DIGITS``.
 
     Probing an organism with longer values than it saw measures copying, not retrieval.
     """
-    record = path / "training.json"
-    if record.is_file():
-        digits = json.loads(record.read_text()).get("config", {}).get("value_digits")
-        if digits is not None:
-            return digits
-    return VALUE_DIGITS
+    digits = recorded_value_digits(path)
+    return VALUE_DIGITS if digits is None else digits
 
 
 def require_deepseek_v4(path: Path) -> None:

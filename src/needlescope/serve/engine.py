@@ -41,21 +41,19 @@ from __future__ import annotations
 
 import base64
 import copy
-import json
 import logging
 import random
 import threading
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 import torch
 from transformers import DynamicCache
 
 from needlescope import __version__
-from needlescope.dsa.checkpoint import load_bundle
+from needlescope.dsa.checkpoint import load_bundle, recorded_value_digits
 from needlescope.dsa.emulate import IndexerCapture, emulate
 from needlescope.errors import BadInput
 from needlescope.serve.admission import Admission
@@ -75,18 +73,6 @@ log = logging.getLogger("needlescope.serve")
 def encode_indexer_topk(topk: torch.Tensor) -> str:
     """SGLang's encoding: base64 of the little-endian int32 bytes of ``topk`` [N, layers, k]."""
     return base64.b64encode(np.ascontiguousarray(topk.numpy().astype("<i4")).tobytes()).decode("ascii")
-
-
-def _trained_value_digits(path: Path) -> int | None:
-    """Digits per needle value the checkpoint was trained on (its ``training.json``), if recorded."""
-    record = path / "training.json"
-    if not record.is_file():
-        return None
-    try:
-        digits = json.loads(record.read_text()).get("config", {}).get("value_digits")
-    except (json.JSONDecodeError, AttributeError):
-        return None
-    return digits if isinstance(digits, int) else None
 
 
 @dataclass
@@ -146,7 +132,7 @@ class Engine:
         if self.tokenizer.eos_token_id is not None:
             self.eos_ids.add(self.tokenizer.eos_token_id)
         self.tokens = Tokens(self.tokenizer, self.context_length)
-        self.trained_value_digits = _trained_value_digits(self.path)
+        self.trained_value_digits = recorded_value_digits(self.path)
         self.admission: Admission[GenRequest] = Admission(
             cfg.max_running_requests, cfg.max_queued_requests, self.metrics
         )
