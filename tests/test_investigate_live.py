@@ -84,6 +84,10 @@ def test_live_emulation_implicates_the_planted_fault(tmp_path, live_server, orga
     assert len(live) == 10 and all(r["rows"] for r in live)
     run_investigation(live_ledger(tmp_path, live_server.url), out, loaded=organism)
     assert len((out / "measure" / "live.jsonl").read_text().splitlines()) == 10
+    from needlescope.investigate.diagnosis import write_reports
+
+    md = write_reports(out)[0].read_text()
+    assert "## Live selection vs each suspect's emulation" in md and "**page_table**" in md
 
 
 def test_live_route_refuses_ablation_and_blocks_on_a_dead_endpoint(tmp_path, organism):

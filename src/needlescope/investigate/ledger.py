@@ -13,6 +13,7 @@ Structure (paths are relative to the ledger's directory)::
     threads = 2                         # torch threads for the in-process measurements
     reference = "k=fp32 q=fp32 acc=fp32 topk=cfg"        # a Setting (needlescope.setting)
     candidate = "k=fp8_e4m3 q=fp32 acc=fp32 topk=64 patch=fault:indexer_page_table"
+    # candidate = "live"                # or: the endpoint below IS the candidate (live route)
     extra_patches = []                  # more candidate patch files (not indexer-scorer patches)
     endpoint = ""                       # a live server (server_info questions); "" = none
     env_file = ""                       # the deployment's env file (env questions)
@@ -30,7 +31,7 @@ Structure (paths are relative to the ledger's directory)::
     hypothesis = "fp8 index keys flip near-margin entries out of the top-k"
     setting = "k=fp8_e4m3"              # the suspect is these Setting fields ...
     # patch = "patches/x.py"            # ... or this patch file (or fault:NAME)
-    checks = ["audit:index_keys_fp8", "ablation"]
+    checks = ["audit:index_keys_fp8", "ablation"]   # live route: ["live_emulation"]
     [[suspects.questions]]
     type = "env"                        # env | server_info | checkpoint_dtype | config | source
     name = "SGLANG_FP8_PAGED_MQA_LOGITS_TORCH"
@@ -40,6 +41,10 @@ candidate's value of every field its ``setting`` names equals the suspect's valu
 from the reference's). Its **removal** from the candidate puts those fields back to the
 reference's values (or drops the patch); its **addition** to the reference sets them (or
 applies the patch).
+
+With ``candidate = "live"`` (an ``endpoint`` is then required) nothing can be ablated: a
+suspect's causal check is ``live_emulation``; ``ablation`` there (or ``live_emulation`` with an
+in-process candidate), and ``extra_patches`` with a live candidate, are refused up front.
 """
 
 from __future__ import annotations

@@ -16,7 +16,15 @@ Steps (each recorded in ``state.json`` as it finishes; see ``state.RunState``):
    ``verdicts.json`` (``verdicts.VERDICTS_SCHEMA``) and ``investigation.json`` (everything
    the report needs, ``INVESTIGATION_KEYS``).
 
-A missing checkpoint blocks every model check (with the reason); questions still run.
+A missing checkpoint blocks every model check (with the reason); questions still run. A
+configuration is applied once for all its batches; a patch that returns no undo marks the model,
+which is then reloaded fresh before the next configuration (never reused as if clean).
+Suspects absent from the candidate with no causal check are exonerated on the configuration
+check (``presence_check``) and the cheap questions, and the reason says so.
+
+A ledger with ``candidate = "live"`` takes the live-endpoint route instead
+(``investigate.live``): no ablation is possible, each suspect's emulation in the reference is
+compared with the live indexer capture.
 """
 
 from __future__ import annotations
