@@ -18,16 +18,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from needlescope.cli import setting_options as opt
 from needlescope.cli.indexer import indexer_app
-from needlescope.cli.setting_options import (
-    IndexK,
-    IndexQ,
-    IndexTopk,
-    Patch,
-    ScoreDtype,
-    numerics_from_flags,
-    with_patch,
-)
 from needlescope.errors import BadInput
 from needlescope.investigate.rankdump import RankDumpConfig
 from needlescope.paths import check_out_dir
@@ -64,11 +56,11 @@ def rank_dump_command(
     needle_span: str = typer.Option(
         None, "--needle-span", help="START:END token span of the needle (overrides --needle)."
     ),
-    index_k: IndexK = None,
-    index_q: IndexQ = None,
-    score_dtype: ScoreDtype = None,
-    index_topk: IndexTopk = None,
-    patch: Patch = None,
+    index_k: opt.IndexK = None,
+    index_q: opt.IndexQ = None,
+    score_dtype: opt.ScoreDtype = None,
+    index_topk: opt.IndexTopk = None,
+    patch: opt.Patch = None,
     positions: str = typer.Option(
         None, "--positions", help="Comma-separated query positions (default: the answer positions)."
     ),
@@ -90,7 +82,7 @@ def rank_dump_command(
     """Rank of the needle's compressed entries in every CSA layer at the answer positions."""
     from needlescope.investigate import rankdump
 
-    setting = numerics_from_flags(index_k, index_q, score_dtype, index_topk)
+    setting = opt.numerics_from_flags(index_k, index_q, score_dtype, index_topk)
     cfg = RankDumpConfig(
         model=model,
         prompts=tuple(prompt),
@@ -103,7 +95,7 @@ def rank_dump_command(
         compare_model=compare_model,
     )
     check_out_dir(out)
-    cfg = replace(cfg, setting=with_patch(setting, patch))  # resolved last; it runs when first applied
+    cfg = replace(cfg, setting=opt.with_patch(setting, patch))  # resolved last; it runs when first applied
     result = rankdump.run(cfg)
     written = rankdump.write(result, out)
     _render_rank_summary(result.dumps, setting.label(), result.stability)
@@ -153,7 +145,7 @@ def sweep_command(
     index_q: str = typer.Option(
         REFERENCE.index_q, "--index-q", help="Comma-separated index-query precisions."
     ),
-    score_dtype: ScoreDtype = None,
+    score_dtype: opt.ScoreDtype = None,
     index_topk: str = typer.Option(..., "--index-topk", help="Comma-separated index_topk values."),
     target_length: int = typer.Option(None, "--target-length", help="Length to restore (default: longest)."),
     target_rate: float = typer.Option(0.9, "--target-rate", help="Selection rate that counts as restored."),
@@ -166,7 +158,7 @@ def sweep_command(
         "--value-digits",
         help="Digits per needle value (default: the checkpoint's training.json, else 7).",
     ),
-    patch: Patch = None,
+    patch: opt.Patch = None,
     device: str = typer.Option("cpu", "--device", help="cpu | cuda | cuda:N"),
     kernel: str = typer.Option(
         "auto",
@@ -176,16 +168,8 @@ def sweep_command(
     out: Path = typer.Option(..., "--out", help="Output directory."),
 ) -> None:
     """Grid of precision x index_topk x length: needle selection rate, answer recall, cheapest fix."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-    from needlescope.dsa.checkpoint import (
-        load_bundle,
-        require_deepseek_v4,
-        resolve_model_dir,
-        trained_value_digits,
-    )
-    from needlescope.dsa.sweep import SweepConfig, render_sweep_md, run_sweep, validate_sweep
-    from needlescope.kernels.scoring import kernel_backend
+    from needlescope.dsa.checkpoint import require_deepseek_v4, resolve_model_dir, trained_value_digits
+    from needlescope.dsa.sweep import SweepConfig, render_sweep_md, validate_sweep
 
     cfg = SweepConfig(
         lengths=parse_int_list(lengths, "--lengths"),
@@ -205,7 +189,25 @@ def sweep_command(
     )
     require_deepseek_v4(resolve_model_dir(model))
     check_out_dir(out)
-    cfg = replace(cfg, patch=with_patch(REFERENCE, patch).patch)  # resolved last; runs when first applied
+    cfg = replace(cfg, patch=opt.with_patch(REFERENCE, patch).patch)  # resolved last; runs when first applied
+    result = _sweep_with_progress(model, cfg, device=device, kernel=kernel)
+    validate_sweep(result)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "sweep.json").write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    (out / "sweep.md").write_text(render_sweep_md(result), encoding="utf-8")
+    for line in result["verdict"]:
+        console.print(f"- {escape(line)}")
+    console.print(f"wrote {escape(str(out))}/sweep.json, sweep.md")
+
+
+def _sweep_with_progress(model: str, cfg, *, device: str, kernel: str) -> dict:
+    """Load ``model`` and run the sweep ``cfg`` on it under a progress bar; the ``sweep.json`` body."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from needlescope.dsa.checkpoint import load_bundle
+    from needlescope.dsa.sweep import run_sweep
+    from needlescope.kernels.scoring import kernel_backend
+
     mdl, tokenizer, path = load_bundle(model, device=device)
     with Progress(
         TextColumn("[bold]sweep"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(), console=console
@@ -216,7 +218,7 @@ def sweep_command(
             progress.update(task, completed=done, total=total)
 
         with kernel_backend(kernel, device):
-            result = run_sweep(
+            return run_sweep(
                 mdl,
                 tokenizer,
                 cfg,
@@ -224,10 +226,3 @@ def sweep_command(
                 on_progress=on_progress,
                 reload=lambda: load_bundle(model, device=device)[0],
             )
-    validate_sweep(result)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "sweep.json").write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
-    (out / "sweep.md").write_text(render_sweep_md(result), encoding="utf-8")
-    for line in result["verdict"]:
-        console.print(f"- {escape(line)}")
-    console.print(f"wrote {escape(str(out))}/sweep.json, sweep.md")
