@@ -149,3 +149,29 @@ def test_fp8_keys_margin_change_is_reported_with_its_direction_or_its_power(
     else:
         assert bucket["detectable_shift"] is not None
         assert f"{bucket['detectable_shift']:.2g} nats would be found" in graded["verdict"]
+
+
+def test_resume_scores_only_missing_graded_rows_and_duplicates_none(organism, reference_run, tmp_path):
+    # The state a kill leaves between a case's chat and its scoring request: chats done, some
+    # graded rows missing, one recorded as an error.
+    shutil.copytree(reference_run[0], tmp_path / "a")
+    store = tmp_path / "a" / "results.sqlite"
+    with sqlite3.connect(store) as db:
+        before = dict(db.execute("SELECT case_id, data FROM graded"))
+        gone = sorted(before)[:3]
+        db.execute(f"DELETE FROM graded WHERE case_id IN ({','.join('?' * 2)})", gone[:2])
+        db.execute(
+            "UPDATE graded SET status = 'error', data = 'null', error = 'killed' WHERE case_id = ?", gone[2:]
+        )
+    summary = run_probe(_cfg(organism["ref"], tmp_path / "a", resume=True))
+    with sqlite3.connect(store) as db:
+        after = dict(db.execute("SELECT case_id, data FROM graded WHERE status = 'ok'"))
+        (rows,) = db.execute("SELECT COUNT(*) FROM graded").fetchone()
+    assert rows == len(after) == len(before) == 8 and summary["graded"]["scored"] == 8
+    # The re-scored cases get the scores they had: nothing lost, nothing counted twice.
+    for case_id in gone:
+        assert json.loads(after[case_id])["logprobs"] == pytest.approx(
+            json.loads(before[case_id])["logprobs"], abs=1e-6
+        )
+    lines = (tmp_path / "a" / "results.jsonl").read_text().splitlines()
+    assert len(lines) == 8 and all(json.loads(line)["graded"]["status"] == "ok" for line in lines)

@@ -8,6 +8,7 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
+from needlescope.cli.probe import render_difficulty_level
 from needlescope.cli.probe_options import PROBE_FLAGS, build, option_group
 from needlescope.errors import BadInput
 from needlescope.investigate.compare import compare_live
@@ -66,6 +67,8 @@ def compare_command(
         def on_event(name: str, payload: dict) -> None:
             if name == "side":
                 console.print(f"probing side {payload['side']}: {', '.join(payload['base_urls'])}")
+            elif name == "difficulty_level":
+                render_difficulty_level(payload)
 
         result = compare_live(
             cfg_a, cfg_b, out, alpha=alpha, power_drop=power_drop, bucket_edges=edges, on_event=on_event

@@ -93,11 +93,7 @@ def run_with_progress(cfg: ProbeConfig) -> dict:
 
         def on_event(name: str, payload: dict) -> None:
             if name == "difficulty_level":
-                recall = "no data" if payload["recall"] is None else f"{payload['recall']:.2f}"
-                console.print(
-                    f"difficulty level {payload['level']}: {payload['distractors']} distractors, "
-                    f"{payload['value_digits']}-digit values: reference recall {recall} (n={payload['n']})"
-                )
+                render_difficulty_level(payload)
             elif name == "run_start":
                 if "p" in bar:  # an auto-difficulty level finished; its bar gives way to the next
                     bar["p"].stop()
@@ -116,6 +112,15 @@ def run_with_progress(cfg: ProbeConfig) -> dict:
                 bar["p"].update(bar["task"], advance=1, recall=recall, errors=counts["error"])
 
         return probe_with_difficulty(cfg, on_event)
+
+
+def render_difficulty_level(payload: dict) -> None:
+    """One line per auto-difficulty level tried on the reference."""
+    recall = "no data" if payload["recall"] is None else f"{payload['recall']:.2f}"
+    console.print(
+        f"difficulty level {payload['level']}: {payload['distractors']} distractors, "
+        f"{payload['value_digits']}-digit values: reference recall {recall} (n={payload['n']})"
+    )
 
 
 def _bisect_events(name: str, payload: dict) -> None:

@@ -250,7 +250,7 @@ def difficulty_lines(difficulty: dict) -> list[str]:
     lines = [
         "## Auto-difficulty",
         "",
-        f"Reference recall {verdict} {c['distractors']} distractors, {c['value_digits']}-digit values. "
+        f"Reference recall {verdict} distractors {c['distractors']}, values of {c['value_digits']} digits. "
         f"Order of escalation: {difficulty['order']}.",
         "",
         "| level | distractors | value digits | reference recall | n |",
