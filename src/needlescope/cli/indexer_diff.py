@@ -12,16 +12,8 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from needlescope.cli import setting_options as opt
 from needlescope.cli.indexer import indexer_app
-from needlescope.cli.setting_options import (
-    IndexK,
-    IndexQ,
-    IndexTopk,
-    Patch,
-    ScoreDtype,
-    numerics_from_flags,
-    with_patch,
-)
 from needlescope.errors import BadInput
 from needlescope.investigate.capture import CaptureConfig
 from needlescope.paths import check_out_dir
@@ -46,11 +38,11 @@ def diff_command(
     prompt: Path = typer.Option(..., "--prompt", help="Prompt file: plain text or a JSON messages list."),
     needle: str = typer.Option(..., "--needle", help="The needle's text, as it appears in the prompt."),
     out: Path = typer.Option(Path("diff-out"), "--out", help="Output directory (diff.json, diff.md)."),
-    index_k: IndexK = None,
-    index_q: IndexQ = None,
-    score_dtype: ScoreDtype = None,
-    index_topk: IndexTopk = None,
-    patch: Patch = None,
+    index_k: opt.IndexK = None,
+    index_q: opt.IndexQ = None,
+    score_dtype: opt.ScoreDtype = None,
+    index_topk: opt.IndexTopk = None,
+    patch: opt.Patch = None,
     growth: float = typer.Option(
         None,
         "--growth",
@@ -69,7 +61,7 @@ def diff_command(
     from needlescope.dsa.diff import diff_to_json, localize, parse_allow, render_diff_md, validate_diff
     from needlescope.dsa.prompt import needle_token_span, read_prompt_file, render_prompt
 
-    setting = numerics_from_flags(index_k, index_q, score_dtype, index_topk)
+    setting = opt.numerics_from_flags(index_k, index_q, score_dtype, index_topk)
     if patch is None and setting.with_(index_topk=None) == REFERENCE:
         raise BadInput(
             "the candidate equals the reference; give candidate numerics (--index-k/--index-q/--score-dtype) "
@@ -85,7 +77,7 @@ def diff_command(
     # The needle is checked with the tokenizer alone, before the (slower) model loads.
     rendered = render_prompt(load_tokenizer(path), messages)
     span = needle_token_span(rendered, needle)
-    setting = with_patch(setting, patch)  # resolved last; it runs when the candidate is first patched
+    setting = opt.with_patch(setting, patch)  # resolved last; it runs when the candidate is first patched
     reference, tokenizer, _ = load_bundle(path)
     candidate, _, _ = load_bundle(path)
     if render_prompt(tokenizer, messages).input_ids != rendered.input_ids:

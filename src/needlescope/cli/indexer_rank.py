@@ -17,16 +17,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from needlescope.cli import setting_options as opt
 from needlescope.cli.indexer import indexer_app
-from needlescope.cli.setting_options import (
-    IndexK,
-    IndexQ,
-    IndexTopk,
-    Patch,
-    ScoreDtype,
-    numerics_from_flags,
-    with_patch,
-)
 from needlescope.errors import BadInput
 from needlescope.investigate.rankdump import RankDumpConfig
 from needlescope.paths import check_out_dir
@@ -55,11 +47,11 @@ def rank_dump_command(
     needle_span: str = typer.Option(
         None, "--needle-span", help="START:END token span of the needle (overrides --needle)."
     ),
-    index_k: IndexK = None,
-    index_q: IndexQ = None,
-    score_dtype: ScoreDtype = None,
-    index_topk: IndexTopk = None,
-    patch: Patch = None,
+    index_k: opt.IndexK = None,
+    index_q: opt.IndexQ = None,
+    score_dtype: opt.ScoreDtype = None,
+    index_topk: opt.IndexTopk = None,
+    patch: opt.Patch = None,
     positions: str = typer.Option(
         None, "--positions", help="Comma-separated query positions (default: the answer positions)."
     ),
@@ -81,7 +73,7 @@ def rank_dump_command(
     """Rank of the needle's compressed entries in every CSA layer at the answer positions."""
     from needlescope.investigate import rankdump
 
-    setting = numerics_from_flags(index_k, index_q, score_dtype, index_topk)
+    setting = opt.numerics_from_flags(index_k, index_q, score_dtype, index_topk)
     cfg = RankDumpConfig(
         model=model,
         prompts=tuple(prompt),
@@ -94,7 +86,7 @@ def rank_dump_command(
         compare_model=compare_model,
     )
     check_out_dir(out)
-    cfg = replace(cfg, setting=with_patch(setting, patch))  # resolved last; it runs when first applied
+    cfg = replace(cfg, setting=opt.with_patch(setting, patch))  # resolved last; it runs when first applied
     result = rankdump.run(cfg)
     written = rankdump.write(result, out)
     _render_rank_summary(result.dumps, setting.label(), result.stability)

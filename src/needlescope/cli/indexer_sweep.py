@@ -20,8 +20,8 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from needlescope.cli import setting_options as opt
 from needlescope.cli.indexer import indexer_app
-from needlescope.cli.setting_options import Patch, ScoreDtype, with_patch
 from needlescope.errors import BadInput
 from needlescope.paths import check_out_dir
 from needlescope.run.config import parse_float_list, parse_int_list
@@ -76,7 +76,7 @@ def sweep_command(
     index_q: str = typer.Option(
         REFERENCE.index_q, "--index-q", help="Comma-separated index-query precisions."
     ),
-    score_dtype: ScoreDtype = None,
+    score_dtype: opt.ScoreDtype = None,
     index_topk: str = typer.Option(..., "--index-topk", help="Comma-separated index_topk values."),
     target_length: int = typer.Option(None, "--target-length", help="Length to restore (default: longest)."),
     target_rate: float = typer.Option(None, "--target-rate", help="Selection rate that counts as restored."),
@@ -96,7 +96,7 @@ def sweep_command(
         "--needle-strength",
         help="random-layer only: 1 plants the strongest needle key, 0 a random one (default: RandomLayerConfig's).",
     ),
-    patch: Patch = None,
+    patch: opt.Patch = None,
     device: str = typer.Option("cpu", "--device", help="cpu | cuda | cuda:N"),
     kernel: str = KernelOpt,
     out: Path = typer.Option(..., "--out", help="Output directory."),
@@ -138,7 +138,7 @@ def sweep_command(
             from needlescope.dsa.sweep import run_random_layer_sweep
 
             layer_cfg = RandomLayerConfig(**_given(strength=needle_strength))
-            cfg = replace(cfg, patch=with_patch(REFERENCE, patch).patch)
+            cfg = replace(cfg, patch=opt.with_patch(REFERENCE, patch).patch)
             result = run_random_layer_sweep(cfg, layer_cfg, device=device, on_progress=on_progress)
         else:
             result = _model_sweep(model, cfg, patch, device, value_digits is None, on_progress)
@@ -165,7 +165,7 @@ def _model_sweep(model: str, cfg, patch: str | None, device: str, trained_digits
     if trained_digits:
         cfg = replace(cfg, value_digits=trained_value_digits(path))
     require_deepseek_v4(path)
-    cfg = replace(cfg, patch=with_patch(REFERENCE, patch).patch)  # resolved last; runs when first applied
+    cfg = replace(cfg, patch=opt.with_patch(REFERENCE, patch).patch)  # resolved last; runs when first applied
     mdl, tokenizer, path = load_bundle(model, device=device)
     return run_sweep(
         mdl,

@@ -18,10 +18,13 @@ organism_app = typer.Typer(no_args_is_help=True, help="The model organism: a tin
 console = Console()
 
 
-# Over 80 lines only because of its flag list (one option per recipe knob); the body builds a
-# TrainConfig and calls the library.
+# The options that are not recipe knobs; every other option of ``train`` is a TrainConfig field.
+_RUN_OPTIONS = ("out", "seed", "device", "workers")
+
+
 @organism_app.command("train")
 def train_command(
+    ctx: typer.Context,
     out: Path = typer.Option(..., "--out", help="Directory for the checkpoint and training.json."),
     seed: int = typer.Option(0, help="Seed for weights and data."),
     steps_dense: int = typer.Option(None, help="Dense steps (any recipe flag trains one custom stage)."),
@@ -63,37 +66,12 @@ def train_command(
 
     from needlescope.errors import BadInput
     from needlescope.organism.train import TrainConfig, train
-    from needlescope.run.config import parse_float_list
 
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise BadInput(
             "--device cuda was given but no CUDA GPU is visible; pass --device cpu (slow) or use a GPU"
         )
-    overrides = {
-        k: v
-        for k, v in dict(
-            steps_dense=steps_dense,
-            steps_distil=steps_distil,
-            steps_sparse=steps_sparse,
-            sparse_topk=sparse_topk,
-            tokens_per_batch=tokens_per_batch,
-            max_minutes=max_minutes,
-            dense_stop=dense_stop,
-            lr=lr,
-            init_from=str(init_from) if init_from else None,
-            value_digits=value_digits,
-            value_digits_start=value_digits_start,
-            eval_every=eval_every,
-            wide_window=wide_window,
-            wide_window_frac=wide_window_frac,
-            config_overrides=_overrides(config_override) if config_override else None,
-            min_len=min_len,
-            max_len=max_len,
-            ramp_frac=ramp_frac,
-            kind_weights=parse_float_list(kind_weights, "--kind-weights") if kind_weights else None,
-        ).items()
-        if v is not None
-    }
+    overrides = _recipe_overrides(ctx.params)
 
     def show(entry: dict) -> None:
         console.print(json.dumps(entry), highlight=False, soft_wrap=True)
@@ -115,6 +93,26 @@ def train_command(
 
     record = train(cfg, out, device=device, on_log=show)
     console.print(f"steps {record['steps']}, {record['wall_s']} s -> {out}")
+
+
+def _recipe_overrides(params: dict) -> dict:
+    """TrainConfig fields from the recipe flags that were given (a flag not given is None)."""
+    from needlescope.run.config import parse_float_list
+
+    out = {}
+    for name, value in params.items():
+        if name in _RUN_OPTIONS or value is None:
+            continue
+        if name == "init_from":
+            value = str(value)
+        elif name == "kind_weights":
+            value = parse_float_list(value, "--kind-weights")
+        elif name == "config_override":
+            if not value:  # a repeatable option given no times
+                continue
+            name, value = "config_overrides", _overrides(value)
+        out[name] = value
+    return out
 
 
 def _overrides(items: list[str]) -> dict[str, int]:

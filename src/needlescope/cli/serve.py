@@ -11,15 +11,7 @@ from dataclasses import replace
 import typer
 from rich.console import Console
 
-from needlescope.cli.setting_options import (
-    IndexK,
-    IndexQ,
-    IndexTopk,
-    Patch,
-    ScoreDtype,
-    numerics_from_flags,
-    with_patch,
-)
+from needlescope.cli import setting_options as opt
 from needlescope.errors import BadInput
 from needlescope.serve.config import (
     DEFAULT_HOST,
@@ -41,11 +33,11 @@ def serve_command(
     model: str = typer.Option(
         _DEFAULTS.model, "--model", help="'organism' or a local transformers checkpoint dir."
     ),
-    index_k: IndexK = None,
-    index_q: IndexQ = None,
-    score_dtype: ScoreDtype = None,
-    index_topk: IndexTopk = None,
-    patch: Patch = None,
+    index_k: opt.IndexK = None,
+    index_q: opt.IndexQ = None,
+    score_dtype: opt.ScoreDtype = None,
+    index_topk: opt.IndexTopk = None,
+    patch: opt.Patch = None,
     host: str = typer.Option(DEFAULT_HOST, "--host"),
     port: int = typer.Option(DEFAULT_PORT, "--port", help="0 picks a free port."),
     max_queued_requests: int = typer.Option(
@@ -99,14 +91,7 @@ def serve_command(
 ) -> None:
     """Serve a model over OpenAI-compatible and SGLang-native HTTP; prints 'READY PORT' when listening."""
     if config_json is not None:
-        given = [
-            p.opts[0]
-            for p in ctx.command.params
-            if p.name not in ("config_json", "api_key") and ctx.get_parameter_source(p.name).name != "DEFAULT"
-        ]
-        if given:
-            raise BadInput(f"--config-json replaces every other flag; drop {', '.join(given)}")
-        cfg = ServeConfig.from_json(config_json).with_api_key(api_key)
+        cfg = _config_from_json(ctx, config_json, api_key)
     else:
         cfg = _config_from_flags(**{k: v for k, v in ctx.params.items() if k != "config_json"})
     if cfg.exposed_without_key:
@@ -118,14 +103,26 @@ def serve_command(
     _serve(cfg)
 
 
+def _config_from_json(ctx: typer.Context, config_json: str, api_key: str | None) -> ServeConfig:
+    """ServeConfig from ``--config-json``; BadInput if any other flag but the key was given too."""
+    given = [
+        p.opts[0]
+        for p in ctx.command.params
+        if p.name not in ("config_json", "api_key") and ctx.get_parameter_source(p.name).name != "DEFAULT"
+    ]
+    if given:
+        raise BadInput(f"--config-json replaces every other flag; drop {', '.join(given)}")
+    return ServeConfig.from_json(config_json).with_api_key(api_key)
+
+
 def _config_from_flags(*, index_k, index_q, score_dtype, index_topk, patch, **rest) -> ServeConfig:
     """ServeConfig from the flags; a setting only when a numerics flag or --patch was given."""
     wants_setting = any(v is not None for v in (index_k, index_q, score_dtype, index_topk, patch))
     cfg = ServeConfig(**rest)
     if not wants_setting:
         return cfg
-    setting = numerics_from_flags(index_k, index_q, score_dtype, index_topk)
-    return replace(cfg, setting=with_patch(setting, patch))  # the patch is resolved last
+    setting = opt.numerics_from_flags(index_k, index_q, score_dtype, index_topk)
+    return replace(cfg, setting=opt.with_patch(setting, patch))  # the patch is resolved last
 
 
 def _serve(cfg: ServeConfig) -> None:

@@ -65,26 +65,7 @@ ranked** (``IndexerCapture`` keeps them): 1 + non-needle entries with a finite s
 best needle entry's; ``k`` is the k that call used. ``rank_consistent`` checks that a rank
 <= k means selected.
 
-``diff.json`` schema (``DIFF_SCHEMA``)::
-
-    {"modules": [{"module": str, "kind": "module" | "indexer_selection" | "hc_streams_in"
-                  | "hc_streams_out", "type": str, "rel_err": float, "in_err": float,
-                  "expected_rel_err": float, "calibrated": bool, "own_err": float | null,
-                  "own_budget": float | null, "precision": "bf16" | "fp16" | null,
-                  "verdict": str, "exceeds": bool, "inner_divergent": str | null}, ...],
-     "first_divergent_module": str | null, "summary": str,
-     "layers": [{"layer": int, "index_topk": int, "k_reference": int | null,
-                 "k_candidate": int | null, "topk_overlap": float, "selection_error": float,
-                 "positions_changed": int, "positions": int, "needle_entries": [int],
-                 "needle_rank_reference": int | null, "needle_rank_candidate": int | null,
-                 "needle_selected_reference": bool | null, "needle_selected_candidate": bool | null,
-                 "rank_consistent": bool}],
-     "numerics": {...}, "reference_numerics": {...}, "patch": str | null,
-     "prompt_tokens": int, "needle_token_span": [int, int] | null, "query_pos": int,
-     "growth": float | null, "margin": float, "draws": int, "allow": {str: str},
-     "unmatched": {"reference_only": [str], "candidate_only": [str]}}
-
-Non-finite numbers are written as JSON strings ``"inf"`` / ``"nan"`` by ``diff_to_json``.
+``diff.json``, its schema (``DIFF_SCHEMA``) and ``diff.md`` are written by ``needlescope.dsa.diff_md``.
 """
 
 from __future__ import annotations
@@ -95,7 +76,7 @@ from collections.abc import Mapping
 
 import torch
 
-from needlescope.dsa.diff_md import diff_to_json, render_diff_md
+from needlescope.dsa.diff_md import DIFF_SCHEMA, diff_to_json, render_diff_md, validate_diff
 from needlescope.dsa.emulate import (
     ACC_DTYPES,
     IndexerCapture,
@@ -119,7 +100,6 @@ from needlescope.dsa.replay import (
     tensors,
 )
 from needlescope.errors import BadInput
-from needlescope.schema import check_schema
 from needlescope.setting import Setting
 
 __all__ = [
@@ -147,80 +127,6 @@ NO_DIVERGENCE = "no module diverges beyond what its precision explains"
 _SCORER = "DeepseekV4IndexerScorer"
 PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 """Reduced precisions a module may be detected at or declared with (``allow``), coarsest first."""
-
-_NUM = {"type": ["number", "string"]}
-DIFF_SCHEMA: dict = {
-    "type": "object",
-    "required": [
-        "modules",
-        "first_divergent_module",
-        "summary",
-        "layers",
-        "numerics",
-        "patch",
-        "prompt_tokens",
-    ],
-    "properties": {
-        "modules": {
-            "type": "array",
-            "items": {
-                "type": "object",
-                "required": [
-                    "module",
-                    "rel_err",
-                    "expected_rel_err",
-                    "own_err",
-                    "own_budget",
-                    "verdict",
-                    "exceeds",
-                ],
-                "properties": {
-                    "module": {"type": "string"},
-                    "kind": {"type": "string"},
-                    "type": {"type": "string"},
-                    "rel_err": _NUM,
-                    "in_err": _NUM,
-                    "expected_rel_err": _NUM,
-                    "own_err": {"type": ["number", "string", "null"]},
-                    "own_budget": {"type": ["number", "string", "null"]},
-                    "precision": {"type": ["string", "null"]},
-                    "verdict": {"type": "string"},
-                    "exceeds": {"type": "boolean"},
-                },
-            },
-        },
-        "first_divergent_module": {"type": ["string", "null"]},
-        "summary": {"type": "string"},
-        "layers": {
-            "type": "array",
-            "items": {
-                "type": "object",
-                "required": [
-                    "layer",
-                    "topk_overlap",
-                    "selection_error",
-                    "positions_changed",
-                    "needle_rank_reference",
-                    "needle_rank_candidate",
-                    "rank_consistent",
-                ],
-                "properties": {
-                    "layer": {"type": "integer"},
-                    "topk_overlap": {"type": "number"},
-                    "selection_error": {"type": "number"},
-                    "positions_changed": {"type": "integer"},
-                    "needle_rank_reference": {"type": ["integer", "null"]},
-                    "needle_rank_candidate": {"type": ["integer", "null"]},
-                    "rank_consistent": {"type": "boolean"},
-                },
-            },
-        },
-        "numerics": {"type": "object"},
-        "patch": {"type": ["string", "null"]},
-        "prompt_tokens": {"type": "integer"},
-    },
-}
-"""JSON-Schema-style description of ``diff.json``."""
 
 _UNIT_ROUNDOFF = {
     torch.float64: 2.0**-53,
@@ -626,8 +532,3 @@ def localize(
 
 def _device(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
-
-
-def validate_diff(obj: dict) -> None:
-    """Raise ValueError unless ``obj`` (as ``localize`` returns it) follows DIFF_SCHEMA."""
-    check_schema(obj, DIFF_SCHEMA, "diff")

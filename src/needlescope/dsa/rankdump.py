@@ -252,6 +252,17 @@ def _generate(model, tokenizer, ids: torch.Tensor, max_new_tokens: int) -> list[
     return out[0, ids.shape[1] :].tolist()
 
 
+def _prompt_positions(query_positions: Sequence[int], prompt_tokens: int) -> list[int]:
+    """Sorted distinct query positions, each inside the prompt (BadInput otherwise, or if none)."""
+    positions = sorted(set(int(t) for t in query_positions))
+    bad = [t for t in positions if not 0 <= t < prompt_tokens]
+    if bad or not positions:
+        raise BadInput(
+            f"query positions must lie in 0..{prompt_tokens - 1} (the prompt), got {bad or 'none'}"
+        )
+    return positions
+
+
 def rank_dump(
     model,
     tokenizer,
@@ -284,10 +295,7 @@ def rank_dump(
     if max_new_tokens < 1:
         raise BadInput(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if query_positions is not None:
-        query_positions = sorted(set(int(t) for t in query_positions))
-        bad = [t for t in query_positions if not 0 <= t < P]
-        if bad or not query_positions:
-            raise BadInput(f"query positions must lie in 0..{P - 1} (the prompt), got {bad or 'none'}")
+        query_positions = _prompt_positions(query_positions, P)
 
     ids = torch.tensor([prompt.input_ids], device=next(model.parameters()).device)
     generated: list[int] = []

@@ -25,9 +25,36 @@ import httpx
 
 from needlescope.serve.config import ServeConfig
 
-__all__ = ["SERVE_ARGV", "ChildServer", "ServerProcess"]
+__all__ = ["SERVE_ARGV", "ChildServer", "ServerProcess", "stop_process", "wait_answering"]
 
 SERVE_ARGV = (sys.executable, "-m", "needlescope.cli.main", "serve")
+
+
+def wait_answering(url: str, proc: subprocess.Popen, timeout: float) -> bool:
+    """Poll ``GET url`` until it answers 200 (True), or until ``proc`` exits or ``timeout``
+    seconds pass (False). Connection errors while the child starts up are expected."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if httpx.get(url, timeout=5).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline or proc.poll() is not None:
+            return False
+        time.sleep(0.1)
+
+
+def stop_process(proc: subprocess.Popen, timeout: float = 10.0) -> None:
+    """Terminate ``proc`` if it still runs and wait for it; kill it if it outlives ``timeout``."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=timeout)
 
 
 class ChildServer:
@@ -82,23 +109,12 @@ class ChildServer:
                 f"{self.name} did not start (exit {self.proc.returncode}, said {line!r}): {self.stderr[-2000:]}"
             )
         self.port = int(line.split()[1])
-        if self.health_path is not None:
-            self._wait_healthy()
+        if self.health_path is not None and not wait_answering(
+            self.url + self.health_path, self.proc, self.timeout
+        ):
+            self.stop()
+            raise RuntimeError(f"{self.name} never became healthy: {self.stderr[-2000:]}")
         return self
-
-    def _wait_healthy(self) -> None:
-        assert self.proc is not None
-        deadline = time.monotonic() + self.timeout
-        while True:
-            try:
-                if httpx.get(self.url + self.health_path, timeout=5).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline or self.proc.poll() is not None:
-                self.stop()
-                raise RuntimeError(f"{self.name} never became healthy: {self.stderr[-2000:]}")
-            time.sleep(0.1)
 
     def _drain(self) -> None:
         assert self.proc is not None and self.proc.stderr is not None
@@ -106,13 +122,8 @@ class ChildServer:
             self._stderr.append(line)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
+        if self.proc is not None:
+            stop_process(self.proc)
 
     def __enter__(self) -> ChildServer:
         return self.start()

@@ -95,30 +95,17 @@ def make_sampling(
         raise ContextOverflow(context_length, prompt_len, max_tokens)
     if max_tokens is not None and max_tokens > cap:
         raise BadValue("max_tokens", f"={max_tokens} exceeds this server's --max-new-tokens {cap}")
-    temperature = 1.0 if temperature is None else float(temperature)
-    if not 0.0 <= temperature <= 2.0:
-        raise BadValue("temperature", f"must be in [0, 2]; got {temperature}")
-    top_p = 1.0 if top_p is None else float(top_p)
-    if not 0.0 < top_p <= 1.0:
-        raise BadValue("top_p", f"must be in (0, 1]; got {top_p}")
+    temperature = _in_range("temperature", temperature, 1.0, 0.0, 2.0)
+    top_p = _in_range("top_p", top_p, 1.0, 0.0, 1.0, open_low=True)
     top_k = 0 if top_k is None or top_k == -1 else int(top_k)
     if top_k < 0:
         raise BadValue("top_k", f"must be -1, 0 or positive; got {top_k}")
-    min_p = 0.0 if min_p is None else float(min_p)
-    if not 0.0 <= min_p <= 1.0:
-        raise BadValue("min_p", f"must be in [0, 1]; got {min_p}")
-    repetition_penalty = 1.0 if repetition_penalty is None else float(repetition_penalty)
-    if not 0.0 < repetition_penalty <= 10.0:
-        raise BadValue("repetition_penalty", f"must be in (0, 10]; got {repetition_penalty}")
+    min_p = _in_range("min_p", min_p, 0.0, 0.0, 1.0)
+    repetition_penalty = _in_range("repetition_penalty", repetition_penalty, 1.0, 0.0, 10.0, open_low=True)
     min_tokens = min_tokens or 0
     if min_tokens < 0:
         raise BadValue("min_tokens", f"must be at least 0; got {min_tokens}")
-    stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
-    if len(stops) > MAX_STOP_STRINGS or any(not s for s in stops):
-        raise BadValue("stop", f"must be up to {MAX_STOP_STRINGS} non-empty strings")
-    stop_ids = tuple(stop_token_ids or ())
-    if len(stop_ids) > MAX_STOP_STRINGS or any(not 0 <= t < vocab_size for t in stop_ids):
-        raise BadValue("stop_token_ids", f"must be up to {MAX_STOP_STRINGS} token ids in 0..{vocab_size - 1}")
+    stops, stop_ids = _stops(stop, stop_token_ids, vocab_size)
     bias = _logit_bias(logit_bias or {}, vocab_size)
     for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
         if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:
@@ -141,6 +128,29 @@ def make_sampling(
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
     )
+
+
+def _in_range(
+    name: str, value: float | None, default: float, low: float, high: float, *, open_low: bool = False
+) -> float:
+    """``value`` (``default`` when None) as a float in [low, high], or (low, high] with ``open_low``."""
+    x = default if value is None else float(value)
+    if not (low < x if open_low else low <= x) or x > high:
+        raise BadValue(name, f"must be in {'(' if open_low else '['}{low:g}, {high:g}]; got {x}")
+    return x
+
+
+def _stops(
+    stop: str | list[str] | None, stop_token_ids: list[int] | None, vocab_size: int
+) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """Stop strings and stop token ids as tuples: at most ``MAX_STOP_STRINGS`` of each."""
+    stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    if len(stops) > MAX_STOP_STRINGS or any(not s for s in stops):
+        raise BadValue("stop", f"must be up to {MAX_STOP_STRINGS} non-empty strings")
+    stop_ids = tuple(stop_token_ids or ())
+    if len(stop_ids) > MAX_STOP_STRINGS or any(not 0 <= t < vocab_size for t in stop_ids):
+        raise BadValue("stop_token_ids", f"must be up to {MAX_STOP_STRINGS} token ids in 0..{vocab_size - 1}")
+    return stops, stop_ids
 
 
 def _logit_bias(raw: dict[str, float], vocab_size: int) -> dict[int, float]:

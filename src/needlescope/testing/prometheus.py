@@ -13,12 +13,14 @@ from __future__ import annotations
 import shutil
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import httpx
+
+from needlescope.serve.launch import stop_process, wait_answering
+from needlescope.testing.servers import scripted
 
 __all__ = ["PROMETHEUS", "PrometheusServer", "free_port", "scripted_target"]
 
@@ -33,25 +35,10 @@ def free_port() -> int:
 
 
 def scripted_target(port: int, window: int) -> subprocess.Popen:
-    """``needlescope.testing.scripted_server`` on ``port``, answered once it printed READY."""
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "needlescope.testing.scripted_server",
-            "--port",
-            str(port),
-            "--window",
-            str(window),
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    line = proc.stdout.readline() if proc.stdout else ""
-    if not line.startswith("READY "):
-        proc.kill()
-        raise RuntimeError(f"the scripted server did not start on port {port}: {line!r}")
-    return proc
+    """``needlescope.testing.scripted_server`` on ``port``, returned once it printed READY."""
+    server = scripted(port=port, window=window).start()
+    assert server.proc is not None
+    return server.proc
 
 
 class PrometheusServer:
@@ -80,17 +67,9 @@ class PrometheusServer:
             stderr=subprocess.PIPE,
             text=True,
         )
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(self.url + "/-/ready", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"prometheus did not become ready: {self.proc.stderr.read()[-2000:]}")
-            time.sleep(0.2)
+        if not wait_answering(self.url + "/-/ready", self.proc, timeout=60):
+            self.stop()
+            raise RuntimeError(f"prometheus did not become ready: {self.proc.stderr.read()[-2000:]}")
 
     def query_raw(self, expr: str) -> dict:
         """The API's JSON answer to an instant query."""
@@ -124,9 +103,4 @@ class PrometheusServer:
         raise AssertionError(f"{expr} never satisfied the condition in {timeout}s; last: {result}")
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
+        stop_process(self.proc)

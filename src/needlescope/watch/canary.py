@@ -32,19 +32,11 @@ from needlescope.analysis import cells_from_results, effective_length
 from needlescope.cases import Case
 from needlescope.errors import BadInput
 from needlescope.targets import ChatTarget, collect_provenance, normalize_base_url
+from needlescope.watch import probe
 from needlescope.watch.config import CanaryConfig
 from needlescope.watch.engine import UnexpectedFormat, normalize
 from needlescope.watch.metrics import CanaryMetrics
-from needlescope.watch.probe import (
-    STREAM_BODY,
-    Outcome,
-    RecordingTransport,
-    api_headers,
-    build_probe_cases,
-    check_server,
-    probe_case,
-    resolve_model,
-)
+from needlescope.watch.probe import STREAM_BODY, Outcome, RecordingTransport
 
 __all__ = ["Canary", "RollingWindow", "serve_metrics"]
 
@@ -111,9 +103,7 @@ class Canary:
         self._at_limit_run = 0
         self._recorders = [RecordingTransport(transport) for _ in range(cfg.max_in_flight)]
         self._targets: list[ChatTarget] = []
-        self._client = httpx.AsyncClient(
-            headers=api_headers(cfg.api_key), timeout=cfg.timeout_s, transport=transport
-        )
+        self._client = probe.watch_client(cfg, transport)
 
     async def aclose(self) -> None:
         await self._client.aclose()
@@ -147,7 +137,7 @@ class Canary:
                 pass
 
     async def round(self) -> None:
-        server = await check_server(self._client, self.root, self.v1)
+        server = await probe.check_server(self._client, self.root, self.v1)
         if server.error is not None:
             self._count_error(server)
             self._set_up(False, server.detail)
@@ -172,7 +162,7 @@ class Canary:
             async with gate:
                 slot = free.pop()
                 try:
-                    outcome = await probe_case(
+                    outcome = await probe.probe_case(
                         self._targets[slot],
                         self._recorders[slot],
                         next(cycles[length]),
@@ -225,9 +215,9 @@ class Canary:
         if self._cycles is not None:
             return self._cycles
         cfg = self.cfg
-        self.model = await resolve_model(self._client, self.v1, cfg.model)
+        self.model = await probe.resolve_model(self._client, self.v1, cfg.model)
         cases = await asyncio.to_thread(
-            build_probe_cases,
+            probe.build_probe_cases,
             cfg,
             self.root,
             self.model,
@@ -237,18 +227,7 @@ class Canary:
         )
         if self.queue_limit is None:
             self.queue_limit = await asyncio.to_thread(self._advertised_queue_limit)
-        self._targets = [
-            ChatTarget(
-                self.v1,
-                self.model,
-                api_key=cfg.api_key,
-                timeout=cfg.timeout_s,
-                retries=0,
-                retry_budget_s=0,  # a refusal is an observation here, not something to wait out
-                transport=rec,
-            )
-            for rec in self._recorders
-        ]
+        self._targets = [probe.probe_target(self.v1, self.model, cfg, rec) for rec in self._recorders]
         # Rotate depths before trials, so consecutive probes of a length sit at different depths.
         by_length = {
             n: sorted((c for c in cases if c.length == n), key=lambda c: (c.trial, c.depth))

@@ -22,15 +22,9 @@ from needlescope.cases.scoring import normalize_tokens
 from needlescope.errors import BadInput, ProbeError
 from needlescope.schema import check_schema
 from needlescope.targets import ChatTarget, normalize_base_url
+from needlescope.watch import probe
 from needlescope.watch.config import HealthConfig
-from needlescope.watch.probe import (
-    RecordingTransport,
-    api_headers,
-    build_probe_cases,
-    check_server,
-    probe_case,
-    resolve_model,
-)
+from needlescope.watch.probe import RecordingTransport
 
 __all__ = ["HEALTH_PROMPT", "HEALTH_SCHEMA", "Check", "run_health"]
 
@@ -77,27 +71,19 @@ def run_health(cfg: HealthConfig) -> dict:
 async def _run(cfg: HealthConfig) -> dict:
     root, v1 = normalize_base_url(cfg.base_url)
     model = cfg.model
-    async with httpx.AsyncClient(headers=api_headers(cfg.api_key), timeout=cfg.timeout_s) as client:
-        server = await check_server(client, root, v1)
+    async with probe.watch_client(cfg) as client:
+        server = await probe.check_server(client, root, v1)
         checks = [Check("server", "ok" if server.error is None else "fail", server.e2e_s, server.detail)]
         if server.error is not None:
             checks += [Check(n, "skip", None, "the server did not answer") for n in ("chat", "needle")]
         else:
             try:
-                model = await resolve_model(client, v1, model)
+                model = await probe.resolve_model(client, v1, model)
             except (BadInput, httpx.TransportError) as e:
                 checks += [Check(n, "fail", None, f"no model to ask: {e}") for n in ("chat", "needle")]
             else:
                 recorder = RecordingTransport()
-                async with ChatTarget(
-                    v1,
-                    model,
-                    api_key=cfg.api_key,
-                    timeout=cfg.timeout_s,
-                    retries=0,
-                    retry_budget_s=0,
-                    transport=recorder,
-                ) as target:
+                async with probe.probe_target(v1, model, cfg, recorder) as target:
                     checks.append(await _chat(target, cfg))
                     checks.append(await _needle(target, recorder, root, model, cfg))
     report = {
@@ -132,11 +118,13 @@ async def _needle(
 ) -> Check:
     try:
         (case,) = await asyncio.to_thread(
-            build_probe_cases, cfg, root, model, lengths=(cfg.length,), depths=(cfg.depth,), trials=1
+            probe.build_probe_cases, cfg, root, model, lengths=(cfg.length,), depths=(cfg.depth,), trials=1
         )
     except (BadInput, ProbeError) as e:
         return Check("needle", "fail", None, f"cannot build the needle case: {e}")
-    outcome = await probe_case(target, recorder, case, max_tokens=cfg.max_tokens, extra_body=cfg.extra_body)
+    outcome = await probe.probe_case(
+        target, recorder, case, max_tokens=cfg.max_tokens, extra_body=cfg.extra_body
+    )
     where = f"{cfg.length} tokens, depth {cfg.depth:g}%"
     if outcome.error is not None:
         return Check("needle", "fail", outcome.e2e_s, f"{outcome.error}: {outcome.detail}")

@@ -8,7 +8,8 @@ What watching adds is what a single request can tell about the server:
   hands ChatTarget the assembled completion, so the client parses it as it parses any answer.
 - ``error_kind`` names what went wrong: ``timeout``, ``connection``, ``admission`` (429 or 503,
   the engine refused to queue it), ``5xx``, or ``protocol`` (any other refusal or a bad body).
-- ``check_server`` and ``resolve_model`` are the two GETs health and canary share.
+- ``check_server`` and ``resolve_model`` are the two GETs health and canary share; ``watch_client``
+  makes those GETs and ``probe_target`` sends the chat probes, both with the key's header.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import httpx
 from needlescope.cases import Case, CaseSpec, build_cases, score_answer
 from needlescope.errors import BadInput, ProbeError
 from needlescope.targets import ChatTarget, LocalTokenCounter, detect_server_tokenizer
+from needlescope.targets.endpoints import auth_headers
 from needlescope.watch.config import TargetConfig
 
 __all__ = [
@@ -30,12 +32,13 @@ __all__ = [
     "STREAM_BODY",
     "Outcome",
     "RecordingTransport",
-    "api_headers",
     "build_probe_cases",
     "check_server",
     "error_kind",
     "probe_case",
+    "probe_target",
     "resolve_model",
+    "watch_client",
 ]
 
 ERROR_KINDS = ("timeout", "connection", "admission", "5xx", "protocol")
@@ -43,9 +46,23 @@ ERROR_KINDS = ("timeout", "connection", "admission", "5xx", "protocol")
 STREAM_BODY = {"stream": True, "stream_options": {"include_usage": True}}
 
 
-def api_headers(api_key: str | None) -> dict[str, str]:
-    # The key travels in this header only; nothing here logs or stores headers.
-    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+def watch_client(cfg: TargetConfig, transport: httpx.AsyncBaseTransport | None = None) -> httpx.AsyncClient:
+    """The client of the plain GETs (``/health``, ``/v1/models``, the engine's ``/metrics``)."""
+    return httpx.AsyncClient(headers=auth_headers(cfg.api_key), timeout=cfg.timeout_s, transport=transport)
+
+
+def probe_target(v1: str, model: str, cfg: TargetConfig, transport: RecordingTransport) -> ChatTarget:
+    """The chat client a watch probe goes through. It never retries and never waits out a 503:
+    a refusal is an observation here, not something to wait out."""
+    return ChatTarget(
+        v1,
+        model,
+        api_key=cfg.api_key,
+        timeout=cfg.timeout_s,
+        retries=0,
+        retry_budget_s=0,
+        transport=transport,
+    )
 
 
 class RecordingTransport(httpx.AsyncBaseTransport):

@@ -1,0 +1,212 @@
+"""The graded signal: how surely a model prefers the gold answer, token by token.
+
+Recall saturates (every case right) long before a precision change stops mattering; the margin by
+which the gold token beats its strongest rival keeps moving. Everything here is a pure function
+over numbers a server returned (no I/O, stdlib only), so the probe, ``compare`` and the logprob
+oracle score the same way.
+
+Terms (natural-log units, "nats"):
+- a gold token's **logprob** is the model's log-probability of that token, teacher-forced on the
+  prompt and the gold tokens before it;
+- its **rank** is 1 when no other token is more likely (None when it lies beyond the alternatives
+  the server returned);
+- its **margin** is its logprob minus the best *other* token's: positive when gold wins that
+  position, negative when a rival would be chosen greedily;
+- an answer's **margin** is its smallest token margin (a greedy decode keeps the whole answer only
+  if every token wins), its **gold logprob** the sum of its tokens' logprobs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+__all__ = [
+    "TokenScore",
+    "token_score",
+    "answer_score",
+    "margin_summary",
+    "quantile",
+    "wilcoxon_signed_rank",
+    "paired_differences",
+]
+
+
+@dataclass(frozen=True)
+class TokenScore:
+    """One gold token at its position."""
+
+    logprob: float
+    rank: int | None
+    best_other: float | None
+    """The highest logprob of any other token there; None when the server returned no rival."""
+
+    @property
+    def margin(self) -> float | None:
+        return None if self.best_other is None else self.logprob - self.best_other
+
+
+def token_score(
+    gold: Hashable, logprob: float, alternatives: Mapping[Hashable, float], rank: int | None = None
+) -> TokenScore:
+    """Score gold token ``gold`` (an id or its text) from the top alternatives at its position.
+
+    ``alternatives`` maps tokens to logprobs (the server's top-k there, which may or may not hold
+    ``gold``). ``rank`` is the server's own rank when it gives one; otherwise it is derived, and is
+    None when ``gold`` is not among the alternatives and all of them are likelier (it lies beyond
+    the top-k). The best other is the likeliest alternative that is not ``gold``.
+    """
+    others = [v for k, v in alternatives.items() if k != gold]
+    best = max(others) if others else None
+    if rank is None:
+        ahead = sum(1 for v in others if v > logprob)
+        in_list = gold in alternatives or ahead < len(others)
+        rank = 1 + ahead if in_list else None
+    return TokenScore(logprob=float(logprob), rank=rank, best_other=None if best is None else float(best))
+
+
+def answer_score(tokens: Sequence[TokenScore]) -> dict:
+    """The per-case graded record of one gold answer (its tokens in order).
+
+    ``first_logprob``/``first_rank``: the answer's first token at the answer position;
+    ``gold_logprob``: the teacher-forced log-probability of the whole answer; ``margins``: per token
+    (None where no rival was returned); ``min_margin``: the smallest known token margin.
+    """
+    if not tokens:
+        raise ValueError("a gold answer has at least one token")
+    margins = [t.margin for t in tokens]
+    known = [m for m in margins if m is not None]
+    return {
+        "tokens": len(tokens),
+        "first_logprob": tokens[0].logprob,
+        "first_rank": tokens[0].rank,
+        "gold_logprob": math.fsum(t.logprob for t in tokens),
+        "logprobs": [t.logprob for t in tokens],
+        "ranks": [t.rank for t in tokens],
+        "margins": margins,
+        "min_margin": min(known) if known else None,
+    }
+
+
+def quantile(values: Sequence[float], q: float) -> float:
+    """The ``q`` quantile (0..1) by linear interpolation between order statistics (numpy's default)."""
+    if not values:
+        raise ValueError("quantile of no values")
+    s = sorted(values)
+    pos = q * (len(s) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def margin_summary(scores: Iterable[dict], threshold: float) -> dict:
+    """Aggregate per-case ``answer_score`` records of one group (a cell or a length).
+
+    Token margins: mean, 10/50/90th percentiles and minimum over every answer token; answers:
+    how many were won by less than ``threshold`` nats (lost ones included) and how many lost
+    (margin < 0, a greedy decode would not give the gold answer).
+    """
+    scores = list(scores)
+    tok = [m for s in scores for m in s["margins"] if m is not None]
+    answer = [s["min_margin"] for s in scores if s["min_margin"] is not None]
+    first = [s["first_logprob"] for s in scores]
+    gold = [s["gold_logprob"] for s in scores]
+    ranks = [s["first_rank"] for s in scores]
+
+    def stat(values: list[float], fn) -> float | None:
+        return fn(values) if values else None
+
+    return {
+        "n": len(scores),
+        "first_logprob_mean": stat(first, lambda v: math.fsum(v) / len(v)),
+        "first_rank1": sum(1 for r in ranks if r == 1),
+        "gold_logprob_mean": stat(gold, lambda v: math.fsum(v) / len(v)),
+        "gold_logprob_median": stat(gold, lambda v: quantile(v, 0.5)),
+        "margin_tokens": len(tok),
+        "margin_mean": stat(tok, lambda v: math.fsum(v) / len(v)),
+        "margin_p10": stat(tok, lambda v: quantile(v, 0.1)),
+        "margin_p50": stat(tok, lambda v: quantile(v, 0.5)),
+        "margin_p90": stat(tok, lambda v: quantile(v, 0.9)),
+        "margin_min": stat(tok, min),
+        "answer_margin_median": stat(answer, lambda v: quantile(v, 0.5)),
+        "below_threshold": sum(1 for m in answer if m < threshold),
+        "lost": sum(1 for m in answer if m < 0),
+    }
+
+
+# Exact null distribution up to this many non-zero differences (the DP costs O(n^3)).
+_EXACT_MAX_N = 60
+
+
+def _midranks(values: Sequence[float]) -> list[float]:
+    """Ranks 1..n of ``values`` with ties given their average rank."""
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    ranks = [0.0] * len(values)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            ranks[order[k]] = (i + j) / 2 + 1
+        i = j + 1
+    return ranks
+
+
+def wilcoxon_signed_rank(diffs: Sequence[float], zero_tol: float = 1e-9) -> tuple[int, float, float]:
+    """Two-sided Wilcoxon signed-rank test that paired differences ``diffs`` centre on 0.
+
+    Returns (n_used, W+, p). Differences within ``zero_tol`` of zero are dropped (Wilcoxon's
+    method: a pair the change did not move carries no sign). Ties get midranks. Up to 60
+    non-zero differences the p-value is exact, from the permutation distribution of W+ given the
+    observed ranks (each sign flipped with probability 1/2; midranks doubled to integers); above
+    that, the normal approximation with the tie-corrected variance and a continuity correction.
+    """
+    d = [x for x in diffs if abs(x) > zero_tol]
+    n = len(d)
+    if n == 0:
+        return 0, 0.0, 1.0
+    ranks = _midranks([abs(x) for x in d])
+    w_plus = sum(r for r, x in zip(ranks, d, strict=True) if x > 0)
+    if n <= _EXACT_MAX_N:
+        doubled = [round(2 * r) for r in ranks]
+        dist = [1.0] + [0.0] * sum(doubled)
+        top = 0
+        for r in doubled:
+            top += r
+            for s in range(top, r - 1, -1):
+                dist[s] = 0.5 * (dist[s] + dist[s - r])
+            for s in range(r - 1, -1, -1):
+                dist[s] *= 0.5
+        w2 = round(2 * w_plus)
+        low = math.fsum(dist[: w2 + 1])
+        high = math.fsum(dist[w2:])
+        return n, w_plus, min(1.0, 2 * min(low, high))
+    counts: dict[float, int] = {}
+    for r in ranks:
+        counts[r] = counts.get(r, 0) + 1
+    mean = n * (n + 1) / 4
+    var = n * (n + 1) * (2 * n + 1) / 24 - sum(t**3 - t for t in counts.values()) / 48
+    if var <= 0:
+        return n, w_plus, 1.0
+    z = max(0.0, abs(w_plus - mean) - 0.5) / math.sqrt(var)
+    return n, w_plus, min(1.0, math.erfc(z / math.sqrt(2)))
+
+
+def paired_differences(a: Sequence[float], b: Sequence[float]) -> dict:
+    """B minus A over paired values: n, mean and median difference, and the Wilcoxon test."""
+    if len(a) != len(b):
+        raise ValueError(f"paired values differ in number: {len(a)} vs {len(b)}")
+    diffs = [y - x for x, y in zip(a, b, strict=True)]
+    n_used, w_plus, p = wilcoxon_signed_rank(diffs)
+    return {
+        "n": len(diffs),
+        "n_nonzero": n_used,
+        "a_median": quantile(a, 0.5) if a else None,
+        "b_median": quantile(b, 0.5) if b else None,
+        "delta_mean": math.fsum(diffs) / len(diffs) if diffs else None,
+        "delta_median": quantile(diffs, 0.5) if diffs else None,
+        "w_plus": w_plus,
+        "p_value": p,
+    }
