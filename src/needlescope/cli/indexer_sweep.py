@@ -105,8 +105,6 @@ def sweep_command(
 
     Flags left out take SweepConfig's defaults (lengths 256,1024; depth 50; 1 trial; target rate 0.9).
     """
-    from dataclasses import replace
-
     from needlescope.dsa.random_layer import RANDOM_LAYER, RandomLayerConfig
     from needlescope.dsa.sweep import SweepConfig, render_sweep_md, validate_sweep
     from needlescope.kernels.scoring import kernel_backend
@@ -133,15 +131,9 @@ def sweep_command(
         )
     )
     check_out_dir(out)
+    layer_cfg = RandomLayerConfig(**_given(strength=needle_strength)) if random_layer else None
     with _progress() as on_progress, kernel_backend(kernel, device):
-        if random_layer:
-            from needlescope.dsa.sweep import run_random_layer_sweep
-
-            layer_cfg = RandomLayerConfig(**_given(strength=needle_strength))
-            cfg = replace(cfg, patch=opt.with_patch(REFERENCE, patch).patch)
-            result = run_random_layer_sweep(cfg, layer_cfg, device=device, on_progress=on_progress)
-        else:
-            result = _model_sweep(model, cfg, patch, device, value_digits is None, on_progress)
+        result = _sweep(model, cfg, layer_cfg, patch, device, value_digits is None, on_progress)
     validate_sweep(result)
     _write(out, {"sweep.json": json.dumps(result, indent=2) + "\n", "sweep.md": render_sweep_md(result)})
     for line in result["verdict"]:
@@ -149,8 +141,11 @@ def sweep_command(
     console.print(f"wrote {escape(str(out))}/sweep.json, sweep.md")
 
 
-def _model_sweep(model: str, cfg, patch: str | None, device: str, trained_digits: bool, on_progress) -> dict:
-    """``run_sweep`` on a checkpoint: checked (DeepSeek-V4, needle digits), patched last, then loaded."""
+def _sweep(
+    model: str, cfg, layer_cfg, patch: str | None, device: str, trained_digits: bool, on_progress
+) -> dict:
+    """The sweep on the random layer (``layer_cfg``) or on a checkpoint (checked: DeepSeek-V4, needle
+    digits); the patch is resolved last, then the model is loaded."""
     from dataclasses import replace
 
     from needlescope.dsa.checkpoint import (
@@ -159,8 +154,11 @@ def _model_sweep(model: str, cfg, patch: str | None, device: str, trained_digits
         resolve_model_dir,
         trained_value_digits,
     )
-    from needlescope.dsa.sweep import run_sweep
+    from needlescope.dsa.sweep import run_random_layer_sweep, run_sweep
 
+    if layer_cfg is not None:
+        cfg = replace(cfg, patch=opt.with_patch(REFERENCE, patch).patch)
+        return run_random_layer_sweep(cfg, layer_cfg, device=device, on_progress=on_progress)
     path = resolve_model_dir(model)
     if trained_digits:
         cfg = replace(cfg, value_digits=trained_value_digits(path))

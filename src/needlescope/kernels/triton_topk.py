@@ -107,23 +107,11 @@ def _bisect_threshold(
 ):
     """Same result as ``_radix_threshold`` by bisection on the key bits, one count per bit,
     stopping as soon as exactly K entries lie at or above the candidate. SINGLE: the row fits
-    one BLOCK and stays in registers across the passes.
-
-    A merge (CAND, SINGLE) starts below the bits that its largest and smallest keys share: the
-    threshold lies between them, so it has that prefix too. Candidates are every segment's top
-    entries, close in value, so this skips most of the sign and exponent passes."""
-    t = tl.zeros([], dtype=tl.uint32)
-    bit = tl.full([], 31, tl.int32)
+    one BLOCK and stays in registers across the passes."""
     if SINGLE:
         idx, m, key = _chunk(row, cand, c0, tl.arange(0, BLOCK), L, st, en, CAND)
-        if CAND:
-            hi = tl.max(tl.where(m, key, 0), 0)
-            diff = hi ^ tl.min(tl.where(m, key, 0xFFFFFFFF), 0)
-            bit = tl.full([], -1, tl.int32)
-            for i in tl.static_range(32):  # the highest bit where they differ (-1: all equal)
-                bit = tl.where(((diff >> i) & 1) != 0, i, bit)
-            low = (tl.full([], 1, tl.uint64) << (bit + 1).to(tl.uint64)) - 1  # bits at and below it
-            t = (hi.to(tl.uint64) & ~low).to(tl.uint32)
+    t = tl.zeros([], dtype=tl.uint32)
+    bit = tl.full([], 31, tl.int32)
     while bit >= 0:
         t_try = t | (tl.full([], 1, tl.uint32) << bit.to(tl.uint32))
         if SINGLE:
