@@ -11,6 +11,7 @@ from rich.console import Console
 
 from needlescope.errors import BadInput
 from needlescope.investigate.compare import compare_live
+from needlescope.report.oracle import append_oracle_section, read_oracle
 from needlescope.run.compare import compare_runs
 from needlescope.run.config import ProbeConfig, parse_extra_body, parse_float_list, parse_int_list
 
@@ -48,6 +49,11 @@ def compare_command(
     buckets: str = typer.Option(
         None, "--buckets", help="Bucket lower bounds in tokens (default: one per length)."
     ),
+    oracle: Path = typer.Option(
+        None,
+        "--oracle",
+        help="An oracle.json (needlescope oracle compare) to report beside the recall verdicts.",
+    ),
 ) -> None:
     """Compare recall of B against A on identical prompts: per cell and per length, exact tests."""
     if not 0 < alpha < 1:
@@ -55,6 +61,7 @@ def compare_command(
     if not 0 < power_drop <= 1:
         raise BadInput(f"--power-drop must lie in (0, 1]; got {power_drop}")
     edges = parse_int_list(buckets, "--buckets") if buckets else None
+    oracle_result = read_oracle(oracle) if oracle is not None else None
     live = a is not None or b is not None
     runs = a_run is not None or b_run is not None
     if live == runs:
@@ -98,4 +105,7 @@ def compare_command(
         )
     console.print(f"[bold]{result['verdict']}[/]")
     console.print(f"{result['cases_matched']} cases matched")
+    if oracle_result is not None:
+        append_oracle_section(out / "report.md", oracle_result)
+        console.print(f"logprob oracle: {oracle_result['summary']['verdict']} (section added to report.md)")
     console.print(f"wrote {out}/compare.json, report.md, delta_heatmap.png, pairs.jsonl")
