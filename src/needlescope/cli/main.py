@@ -7,7 +7,7 @@ import sys
 import typer
 from rich.console import Console
 
-from needlescope.cli import indexer_diff, indexer_rank  # noqa: F401  (they register their commands)
+from needlescope.cli import indexer_diff, indexer_rank, indexer_sweep  # noqa: F401  (they register their commands)
 from needlescope.cli.audit import audit_command
 from needlescope.cli.compare import compare_command
 from needlescope.cli.demo import demo_command
