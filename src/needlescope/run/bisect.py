@@ -100,6 +100,7 @@ class _Bisector:
                 haystack_text=self.haystack,
                 max_answer_tokens=self.cfg.max_tokens,
                 value_digits=self.cfg.value_digits,
+                n_distractors=self.cfg.distractors,
             )
             cases = [c.to_dict() for c in build_cases(spec, self.counter)]
             self.store.add_cases([c for c in cases if c["case_id"] not in known])
