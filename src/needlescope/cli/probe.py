@@ -28,7 +28,9 @@ def probe_command(
     model: str = typer.Option(..., "--model", help="Model name as served in /v1/models."),
     out: Path = typer.Option(config_default(ProbeConfig, "out"), "--out", help="Output directory."),
     resume: bool = typer.Option(
-        False, "--resume", help="Continue the run in --out, re-running unfinished cases only."
+        config_default(ProbeConfig, "resume"),
+        "--resume",
+        help="Continue the run in --out, re-running unfinished cases only.",
     ),
     bundles: int = typer.Option(
         config_default(ProbeConfig, "bundles"),
@@ -44,10 +46,12 @@ def probe_command(
         help="--bisect: bracket width to stop at, in tokens.",
     ),
     ci_width: float = typer.Option(
-        None, "--ci-width", help="--bisect: raise trials until a 95% CI near the threshold is this wide."
+        config_default(BisectConfig, "ci_width"),
+        "--ci-width",
+        help="--bisect: raise trials until a 95% CI near the threshold is this wide.",
     ),
     boundaries: str = typer.Option(
-        None,
+        config_default(BisectConfig, "boundaries"),
         "--boundaries",
         help="--bisect: kernel lengths (e.g. 4,64,128,256); default from /get_server_info.",
     ),
