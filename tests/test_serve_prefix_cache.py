@@ -55,3 +55,57 @@ def test_put_keeps_one_row_of_a_batch():
     kept = pc.take(tuple(range(16)), rows=1)
     assert kept.layers[0].keys.shape[0] == 1 and float(kept.layers[0].keys.min()) == 5.0
     assert pc.info()["entries"] == 1 and pc.info()["hit_rows"] == 1
+
+
+def _answers(engine, batches: list[list[list[int]]], params) -> list:
+    """Run ``batches`` of prompts through ``engine`` one after another (a batch's requests wait
+    together, so equal ones share one prefill); the Final of each request, in order."""
+    import asyncio
+
+    from needlescope.serve.requests import GenRequest
+
+    async def run():
+        engine.start()
+        out = []
+        for prompts in batches:
+            reqs = [GenRequest(p, params) for p in prompts]
+            for r in reqs:
+                engine.submit(r)
+            out += [await asyncio.wait_for(r.events.get(), timeout=120) for r in reqs]
+        return out
+
+    try:
+        return asyncio.run(run())
+    finally:
+        engine.close()
+
+
+def test_engine_answers_with_the_cache_equal_answers_without_it_batched_rows_included(tmp_path):
+    """A V4 checkpoint in-process: a cold prompt, then three identical prompts continuing its
+    kept prefix as one batch of three, then a longer prompt continuing it; greedy, token-exact,
+    logprobs within 1e-4 of a server without the cache."""
+    from needlescope.serve.config import ServeConfig
+    from needlescope.serve.engine import Engine
+    from needlescope.serve.sampling import SamplingParams
+    from needlescope.testing.checkpoints import save_random
+
+    ckpt = str(
+        save_random(
+            tmp_path, seed=3, hidden_size=64, q_lora_rank=32, o_lora_rank=32, moe_intermediate_size=64
+        )
+    )
+    params = SamplingParams(max_new_tokens=6, temperature=0.0, logprobs=0)
+    base = list(range(5, 5 + 150))
+    batches = [[base], [base, base, base], [base + [7, 8, 9, 10]]]
+    plain = _answers(Engine(ServeConfig(model=ckpt)), batches, params)
+    cached_engine = Engine(ServeConfig(model=ckpt, prefix_cache_mib=8))
+    cached = _answers(cached_engine, batches, params)
+    assert [f.cached_tokens for f in plain] == [0] * 5
+    assert [f.cached_tokens for f in cached] == [0, 128, 128, 128, 128]
+    for a, b in zip(plain, cached, strict=True):
+        assert a.output_ids == b.output_ids
+        assert max(abs(x.logprob - y.logprob) for x, y in zip(a.tokens, b.tokens, strict=True)) < 1e-4
+    info = cached_engine.prefix.info()
+    assert (info["hit_rows"], info["miss_rows"], info["entries"]) == (4, 1, 1)
+    assert cached_engine.metrics.batch_size._sum.get() == 5  # the three identical ones shared a batch
+    assert cached_engine.metrics.cached_tokens._value.get() == 4 * 128

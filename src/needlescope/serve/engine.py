@@ -361,6 +361,7 @@ class Engine:
             cache, start = self.prefix.take(hit, len(rows)), len(hit)
         for r in rows:
             r.cached_tokens = start
+        self.metrics.cached_tokens.inc(start * len(rows))
         cut = self.prefix.cut(len(req.prompt_ids))
         if cut > start:
             self._forward(ids[:, start:cut], start, cache)
