@@ -236,6 +236,11 @@ def bench_topk(out: dict, quick: bool) -> None:
     variants = [(None, None, None, None), (0, None, None, 0), (8, 8192, 16, 0)]
     variants += [(None, None, None, seg) for seg in (1024, 2048, 4096, 8192, 16384)]
     variants += [(None, None, 4, 2048), (None, None, 4, 1024)]
+    # radix select with 4-bit and 2-bit digits (16 / 4 histogram bins a pass) in both stages
+    variants += [
+        (b, blk, None, seg) for b in (4, 2) for blk, seg in ((4096, 4096), (2048, 2048), (8192, 8192))
+    ]
+    variants += [(4, 8192, None, 0), (4, 32768, 32, 0)]
     res = []
     for R, L, k in cases[:2] if quick else cases:
         x = torch.randn(R, L, generator=g, device=DEV)

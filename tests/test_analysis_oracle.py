@@ -50,3 +50,20 @@ def test_summary_verdicts_order_divergence_first():
     assert summarize([same, same], [True, False])["verdict"] == "divergent"
     s = summarize([same, moved], [True, None])
     assert (s["prompt_ids_equal"], s["prompt_ids_unchecked"], s["close"]) == (1, 1, 1)
+
+
+def test_engine_state_effect_pairs_recall_and_margins_of_right_answers():
+    from needlescope.analysis.engine_state import ArmRow, answer_margin, factor_effect
+
+    steps = [("9", -0.1, {"9": -0.1, "8": -2.6}), ("8", -0.2, {"8": -0.2, "3": -1.0})]
+    assert math.isclose(answer_margin(steps, True), 0.8) and answer_margin(steps, False) is None
+
+    def row(i, correct, margin, toks):
+        return ArmRow(f"c{i}", 512, 50.0, correct, margin, 0, tuple(toks))
+
+    a = [row(0, True, 2.0, "98"), row(1, True, 1.0, "12"), row(2, None, None, ""), row(3, True, 3.0, "55")]
+    b = [row(0, True, 1.5, "98"), row(1, False, None, "13"), row(2, True, 1.0, "77"), row(3, True, 2.0, "55")]
+    e = factor_effect(a, b)
+    assert (e["pairs"], e["errors"], e["recall_a"], e["recall_b"], e["a_only"]) == (3, 1, 1.0, 2 / 3, 1)
+    assert e["margin"]["n"] == 2 and math.isclose(e["margin"]["delta_mean"], -0.75)
+    assert (e["answers_differ"], e["first_differing_tokens"]) == (1, [1])

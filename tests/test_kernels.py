@@ -72,6 +72,7 @@ ALGOS = {
     "radix8": {"bits": 8, "block": 1024},
     "split-bisect": {"segment": 256},  # per-segment candidates, then the merge
     "split-radix8": {"segment": 512, "bits": 8, "block": 256},
+    "split-radix4": {"segment": 256, "bits": 4},
 }
 
 

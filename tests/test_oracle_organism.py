@@ -8,6 +8,7 @@ import json
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import openai
@@ -20,6 +21,32 @@ from needlescope.serve.launch import ServerProcess
 from needlescope.testing.servers import scripted
 
 FAULT = ["--patch", "fault:indexer_page_table", "--index-topk", "16"]
+
+
+@contextmanager
+def _stdlib_server(answer):
+    """A loopback HTTP server whose POSTs ``answer(path, body) -> (status, json)`` handles; yields its /v1 URL."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def do_POST(self):
+            status, body = answer(self.path, json.loads(self.rfile.read(int(self.headers["content-length"]))))
+            data = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}/v1"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
 
 
 @pytest.fixture(scope="module")
@@ -138,26 +165,12 @@ def test_a_server_without_completions_or_logprobs_is_bad_input(prompts, tmp_path
     )
     assert code == 2 and "has no /v1/completions (HTTP 404)" in err, err
 
-    class NoLogprobs(BaseHTTPRequestHandler):
-        def log_message(self, *a):
-            pass
+    def no_logprobs(path: str, body: dict) -> tuple[int, dict]:
+        if path == "/tokenize":
+            return 200, {"tokens": [1, 2, 3], "count": 3}
+        return 200, {"choices": [{"text": " 42", "finish_reason": "length", "logprobs": None}]}
 
-        def do_POST(self):
-            self.rfile.read(int(self.headers["content-length"]))
-            body = {"choices": [{"text": " 42", "finish_reason": "length", "logprobs": None}]}
-            if self.path == "/tokenize":
-                body = {"tokens": [1, 2, 3], "count": 3}
-            data = json.dumps(body).encode()
-            self.send_response(200)
-            self.send_header("content-type", "application/json")
-            self.send_header("content-length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), NoLogprobs)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    try:
-        url = f"http://127.0.0.1:{httpd.server_address[1]}/v1"
+    with _stdlib_server(no_logprobs) as url:
         code, _, err = cli(
             "oracle",
             "export",
@@ -170,8 +183,6 @@ def test_a_server_without_completions_or_logprobs_is_bad_input(prompts, tmp_path
             "--prompts",
             prompts,
         )
-    finally:
-        httpd.shutdown()
     assert code == 2 and "without logprobs" in err, err
     assert "Traceback" not in err and not (tmp_path / "export.json").exists()
 
@@ -202,9 +213,20 @@ def test_engine_state_cache_factor_shows_cached_tokens_in_the_warm_arm_only(serv
     cold, warm = body["factors"]["cache"]["rows"]
     assert cache["pairs"] == 2 and [r["cached_tokens"] for r in cold] == [0, 0]
     assert all(r["cached_tokens"] == 128 for r in warm)  # the 128-token boundary below ~170 tokens
-    assert cache["answers_differ"] == 0 and cache["margin"]["delta"] == 0.0 and cache["recall_delta"] == 0.0
-    assert all(r["margin"] is not None and r["margin"] > 0 for r in cold)
+    assert cache["answers_differ"] == 0 and cache["recall_delta"] == 0.0
+    right = [r for r in cold if r["correct"]]
+    assert right and (cache["margin"]["n"], cache["margin"]["delta_mean"]) == (len(right), 0.0)
+    assert all((r["margin"] is not None and r["margin"] > 0) == r["correct"] for r in cold)
     assert body["factors"]["repeat"]["effect"]["determinism_rate"] == 1.0
+    from needlescope.run.engine_state import EngineStateConfig, run_engine_state
+
+    again = EngineStateConfig(
+        servers["cached"], "organism", factors=("cache",), lengths=(160,), depths=(0.0, 100.0), trials=1
+    )
+    cold_again, warm_again = run_engine_state(again)["factors"]["cache"]["rows"]  # same cases, a new run
+    assert [r["cached_tokens"] for r in cold_again] == [0, 0] and [
+        r["cached_tokens"] for r in warm_again
+    ] == [128, 128]
     assert "| cache | cold vs warm | 2 |" in out
 
 
@@ -265,3 +287,42 @@ def test_compare_puts_the_oracle_verdict_beside_recall(servers, ref_dir, tmp_pat
         str(tmp_path / "missing.json"),
     )
     assert code == 2 and "is not a readable oracle.json" in err
+
+
+def test_without_tokenize_the_echoed_prompt_tokens_stand_in_for_ids(prompts, tmp_path):
+    """A server with no /tokenize: the export records prompt_ids_source 'echo' and compares token texts."""
+
+    def echo_server(path: str, body: dict) -> tuple[int, dict]:
+        if path != "/v1/completions":
+            return 404, {"error": {"message": "no route"}}
+        words = body["prompt"].split()
+        gen = ["a", "b"][: body["max_tokens"]]
+        toks = (words if body["echo"] else []) + gen
+        lps = ([None] + [-1.0] * (len(words) - 1) if body["echo"] else []) + [-0.1] * len(gen)
+        tops = [None if lp is None else {t: lp, "zz": lp - 2} for t, lp in zip(toks, lps, strict=True)]
+        lp = {"tokens": toks, "token_logprobs": lps, "top_logprobs": tops}
+        usage = {"prompt_tokens": len(words), "completion_tokens": len(gen)}
+        return 200, {
+            "choices": [{"text": " ".join(gen), "finish_reason": "length", "logprobs": lp}],
+            "usage": usage,
+        }
+
+    with _stdlib_server(echo_server) as url:
+        body = export(OracleConfig(url, model="m", prompts=prompts))
+        write_export(body, tmp_path)
+        result, _ = compare(tmp_path, OracleConfig(url, model="m"))
+    assert body["prompt_ids_source"] == "echo"
+    first = body["prompts"][0]
+    assert first["prompt_ids"] is None and first["prompt_tokens"] == first["prompt"].split()
+    assert result["summary"]["verdict"] == "identical" and result["summary"]["prompt_ids_equal"] == 2
+
+
+def test_engine_state_on_a_server_without_logprobs_scores_recall_and_no_margin(other_tokenizer, tmp_path):
+    from needlescope.run.engine_state import EngineStateConfig, run_engine_state
+
+    cfg = EngineStateConfig(
+        other_tokenizer, "organism", factors=("cache",), lengths=(200,), depths=(50.0,), trials=2
+    )
+    effect = run_engine_state(cfg)["factors"]["cache"]["effect"]
+    assert (effect["pairs"], effect["recall_a"], effect["recall_b"]) == (2, 1.0, 1.0)
+    assert effect["margin"]["n"] == 0 and effect["cached_tokens_b"] is not None

@@ -2,24 +2,24 @@
 and on the answer's margin. Pure.
 
 Each case is sent in both arms of a factor, so outcomes pair up. Recall uses ``analysis.paired``
-(exact McNemar on the discordant pairs, bootstrap interval of the difference). The margin of an
-answer is its least confident token: the minimum over generated tokens of the chosen token's
-logprob minus the best other alternative's (nats; a greedy answer's margin is >= 0, and a small
-one means a tiny numerical change could flip a token). Its paired difference gets a percentile
-bootstrap interval and a two-sided sign-flip permutation test (exact up to 16 pairs).
+(exact McNemar on the discordant pairs, bootstrap interval of the difference). Margins are scored
+as the probe's graded signal (``analysis.margins``): an answer's margin is its smallest token
+margin, the token's logprob minus its best rival's. Here the tokens are the greedy answer's own,
+so for a right answer they are the gold answer's path and the margin is the gold margin; a wrong
+answer has no gold path in the generation and gets no margin (recall already counts it). Paired
+margin differences get the Wilcoxon signed-rank test (``margins.paired_differences``).
 """
 
 from __future__ import annotations
 
-import itertools
-import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from .margins import answer_score, paired_differences, token_score
 from .oracle import first_difference
 from .paired import Pair, paired_group
 
-__all__ = ["ArmRow", "answer_margin", "paired_mean_delta", "factor_effect"]
+__all__ = ["ArmRow", "answer_margin", "factor_effect"]
 
 
 @dataclass(frozen=True)
@@ -35,59 +35,12 @@ class ArmRow:
     tokens: tuple[str, ...]
 
 
-def answer_margin(steps: Sequence[tuple[str, float, Mapping[str, float]]]) -> float | None:
-    """min over ``(token, logprob, top)`` steps of logprob minus the best other token in ``top``."""
-    margins = []
-    for token, logprob, top in steps:
-        others = [v for t, v in top.items() if t != token]
-        if others:
-            margins.append(logprob - max(others))
-    return min(margins) if margins else None
-
-
-def _sign_flip_p(diffs: Sequence[float], n_perm: int, rng: random.Random) -> float:
-    """Two-sided p of mean(diffs) under random sign flips (exact enumeration up to 16 diffs)."""
-    observed = abs(sum(diffs))
-    if len(diffs) <= 16:
-        flips = itertools.product((1, -1), repeat=len(diffs))
-        total = hits = 0
-        for signs in flips:
-            total += 1
-            hits += abs(sum(s * d for s, d in zip(signs, diffs, strict=True))) >= observed - 1e-12
-        return hits / total
-    hits = sum(
-        abs(sum(d if rng.random() < 0.5 else -d for d in diffs)) >= observed - 1e-12 for _ in range(n_perm)
-    )
-    return (hits + 1) / (n_perm + 1)
-
-
-def paired_mean_delta(
-    a: Sequence[float], b: Sequence[float], *, n_boot: int = 2000, n_perm: int = 10000, seed: int = 0
-) -> dict:
-    """Mean of ``b - a`` over pairs, its bootstrap 95% interval and sign-flip p-value."""
-    diffs = [y - x for x, y in zip(a, b, strict=True)]
-    n = len(diffs)
-    if not n:
-        return {
-            "n": 0,
-            "mean_a": None,
-            "mean_b": None,
-            "delta": None,
-            "ci_low": None,
-            "ci_high": None,
-            "p_value": None,
-        }
-    rng = random.Random(seed)
-    means = sorted(sum(rng.choices(diffs, k=n)) / n for _ in range(n_boot))
-    return {
-        "n": n,
-        "mean_a": sum(a) / n,
-        "mean_b": sum(b) / n,
-        "delta": sum(diffs) / n,
-        "ci_low": means[int(0.025 * (n_boot - 1))],
-        "ci_high": means[int(round(0.975 * (n_boot - 1)))],
-        "p_value": 1.0 if all(d == 0 for d in diffs) else _sign_flip_p(diffs, n_perm, rng),
-    }
+def answer_margin(steps: Sequence[tuple[str, float, Mapping[str, float]]], correct: bool) -> float | None:
+    """The smallest token margin of a right answer's ``(token, logprob, top)`` steps; None for a
+    wrong answer, or when the server returned no rivals."""
+    if not correct or not steps:
+        return None
+    return answer_score([token_score(tok, lp, top) for tok, lp, top in steps])["min_margin"]
 
 
 def factor_effect(arm_a: Sequence[ArmRow], arm_b: Sequence[ArmRow], *, seed: int = 0) -> dict:
@@ -111,7 +64,7 @@ def factor_effect(arm_a: Sequence[ArmRow], arm_b: Sequence[ArmRow], *, seed: int
         "mcnemar_p": g.p_value,
         "a_only": g.a_only,
         "b_only": g.b_only,
-        "margin": paired_mean_delta([m[0] for m in margins], [m[1] for m in margins], seed=seed),
+        "margin": paired_differences([m[0] for m in margins], [m[1] for m in margins]),
         "answers_differ": sum(d is not None for d in diffs),
         "first_differing_tokens": sorted(d for d in diffs if d is not None),
         "cached_tokens_a": _mean([x.cached_tokens for x, _ in ok]),

@@ -25,6 +25,8 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from .margins import token_score
+
 __all__ = [
     "Step",
     "PromptComparison",
@@ -83,9 +85,9 @@ class PromptComparison:
 
 
 def margin(step: Step) -> float | None:
-    """Best minus second-best logprob in ``step.top`` (None with fewer than two alternatives)."""
-    vals = sorted(step.top.values(), reverse=True)
-    return vals[0] - vals[1] if len(vals) >= 2 else None
+    """The chosen token's margin over its best rival in ``step.top`` (``analysis.margins``, the
+    probe's graded signal; for a greedy step, best minus second best); None without a rival."""
+    return token_score(step.token, step.logprob, step.top).margin
 
 
 def first_difference(a: Sequence, b: Sequence) -> int | None:

@@ -246,7 +246,7 @@ def topk(
     """logits fp32 [R, L], starts/ends int32 [R] (clamped to [0, L]) -> int32 [R, k] (module docstring).
 
     ``segment`` splits each row: the exact top-k of every ``segment`` columns in parallel
-    (``block``/``bits``/``num_warps`` tune that stage), then a merge program per row picks the
+    (``block``/``num_warps`` tune that stage, ``bits`` both stages), then a merge program per row picks the
     top-k among those candidates (same threshold search, ties to the lower index: the result
     equals the unsplit one). None: ``split_segment``'s choice; 0: never split.
     ``out`` (int32 [R, k], optional) is written in place; every element gets written.
@@ -267,5 +267,5 @@ def topk(
     S = triton.cdiv(L, segment)
     cand = torch.empty(R, S * k, dtype=torch.int32, device=logits.device)
     _launch(logits, cand, st, en, cand, L, k, (R, S), segment, _search(segment, bits, block, num_warps))
-    _launch(logits, cand, st, en, out, S * k, k, (R, 1), 0, _search(S * k, None, None, None))
+    _launch(logits, cand, st, en, out, S * k, k, (R, 1), 0, _search(S * k, bits, None, None))
     return out

@@ -35,8 +35,12 @@ _EFFECT = {
         "mcnemar_p": {"type": "number"},
         "margin": {
             "type": "object",
-            "required": ["n", "mean_a", "mean_b", "delta", "ci_low", "ci_high", "p_value"],
-            "properties": {k: _NUM for k in ("mean_a", "mean_b", "delta", "ci_low", "ci_high", "p_value")},
+            "required": ["n", "n_nonzero", "a_median", "b_median", "delta_mean", "delta_median", "p_value"],
+            "properties": {
+                "n": {"type": "integer"},
+                "n_nonzero": {"type": "integer"},
+                **{k: _NUM for k in ("a_median", "b_median", "delta_mean", "delta_median", "p_value")},
+            },
         },
         "answers_differ": {"type": "integer"},
         "first_differing_tokens": {"type": "array", "items": {"type": "integer"}},
@@ -84,8 +88,8 @@ def engine_state_markdown(body: dict) -> str:
         f"{', '.join(map(str, body['config']['lengths']))}; each factor changes one thing, the same cases in "
         "both arms (paired).",
         "",
-        "| factor | arms | pairs | recall A | recall B | Δ recall | McNemar p | margin A | margin B | Δ margin "
-        "[95% CI] | p | answers differ | cached tokens A / B |",
+        "| factor | arms | pairs | recall A | recall B | Δ recall | McNemar p | margin A (median) | margin B "
+        "(median) | Δ margin mean / median | Wilcoxon p | answers differ | cached tokens A / B |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, f in body["factors"].items():
@@ -93,8 +97,8 @@ def engine_state_markdown(body: dict) -> str:
         lines.append(
             f"| {name} | {' vs '.join(f['arms'])} | {e['pairs']} | {_f(e['recall_a'], '.2f')} | "
             f"{_f(e['recall_b'], '.2f')} | {e['recall_delta']:+.2f} | {_f(e['mcnemar_p'], '.3g')} | "
-            f"{_f(m['mean_a'])} | {_f(m['mean_b'])} | {_f(m['delta'], '+.2g')} [{_f(m['ci_low'], '+.2g')}, "
-            f"{_f(m['ci_high'], '+.2g')}] | {_f(m['p_value'], '.3g')} | {e['answers_differ']} | "
+            f"{_f(m['a_median'])} | {_f(m['b_median'])} | {_f(m['delta_mean'], '+.2g')} / "
+            f"{_f(m['delta_median'], '+.2g')} | {_f(m['p_value'], '.3g')} | {e['answers_differ']} | "
             f"{_f(e['cached_tokens_a'], '.0f')} / {_f(e['cached_tokens_b'], '.0f')} |"
         )
     rep = body["factors"].get("repeat")

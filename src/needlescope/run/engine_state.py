@@ -21,6 +21,7 @@ short and its arms depend on the server's state, so it is not resumable: a kille
 from __future__ import annotations
 
 import hashlib
+import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -54,6 +55,8 @@ class EngineStateConfig:
     max_tokens: int = 16
     timeout_s: float = 300.0
     api_key: str | None = field(default=None, repr=False)
+    run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    """Seeds the nonces; fresh by default (see ``_nonce``)."""
 
     def __post_init__(self) -> None:
         bad = [f for f in self.factors if f not in FACTORS]
@@ -87,9 +90,11 @@ class EngineStateConfig:
         return d
 
 
-def _nonce(seed: int, factor: str, arm: str, case_id: str) -> str:
-    """Six digits unique to (seed, factor, arm, case); digits are in every tokenizer's vocabulary."""
-    h = hashlib.sha256(f"{seed}/{factor}/{arm}/{case_id}".encode()).hexdigest()
+def _nonce(run: str, factor: str, arm: str, case_id: str) -> str:
+    """Six digits unique to (run, factor, arm, case); digits are in every tokenizer's vocabulary.
+    ``run`` is fresh for every run, so a server that kept an earlier run's prefixes cannot serve
+    this run's cold sends from its cache."""
+    h = hashlib.sha256(f"{run}/{factor}/{arm}/{case_id}".encode()).hexdigest()
     return str(int(h[:12], 16) % 900_000 + 100_000)
 
 
@@ -106,12 +111,13 @@ def _send(target: CompletionsTarget, cfg: EngineStateConfig, case: Case, nonce: 
     except ProbeError:
         return ArmRow(case.case_id, case.length, case.depth, None, None, None, ())
     steps = [(s.token, s.logprob, s.top) for s in done.steps]
+    correct = score_answer(done.text, case.expected)
     return ArmRow(
         case_id=case.case_id,
         length=case.length,
         depth=case.depth,
-        correct=score_answer(done.text, case.expected),
-        margin=answer_margin(steps),
+        correct=correct,
+        margin=answer_margin(steps, correct),
         cached_tokens=done.cached_tokens,
         tokens=tuple(s.token for s in done.steps) or tuple(done.text.split()),
     )
@@ -127,7 +133,7 @@ def _arm(cases: list[Case], send: Callable[[Case], ArmRow], workers: int = 1) ->
 def _cache(target, cfg, cases) -> dict:
     cold, warm = [], []
     for c in cases:
-        nonce = _nonce(cfg.seed, "cache", "both", c.case_id)
+        nonce = _nonce(cfg.run_id, "cache", "both", c.case_id)
         cold.append(_send(target, cfg, c, nonce))
         warm.append(_send(target, cfg, c, nonce))
     return {
@@ -140,7 +146,7 @@ def _cache(target, cfg, cases) -> dict:
 def _warm_up(target, cfg, cases, factor: str) -> Callable[[Case], ArmRow]:
     """Send every case once (not scored) and return the sender of the same bytes, so both arms
     that follow meet the same cache state: warm."""
-    send = lambda c: _send(target, cfg, c, _nonce(cfg.seed, factor, "all", c.case_id))  # noqa: E731
+    send = lambda c: _send(target, cfg, c, _nonce(cfg.run_id, factor, "all", c.case_id))  # noqa: E731
     for c in cases:
         send(c)
     return send
