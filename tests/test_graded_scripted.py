@@ -91,3 +91,13 @@ def test_distractors_are_near_duplicate_keys_in_every_kind():
         noun = case.needle.split()[6].rstrip(".")
         assert text.count(f" {noun} is ") + text.count(f" {noun} are ") == 4, kind
         assert text.count(case.needle) == 1 and case.counted_length == 900
+
+
+def test_bisect_refuses_graded_and_auto_difficulty_before_any_request(run_cli, tmp_path):
+    for flag in ("--graded", "--auto-difficulty"):
+        code, _out, err = run_cli(
+            "probe", "--base-url", "http://127.0.0.1:9", "--model", "m", "--lengths", "100,900",
+            "--bisect", flag, "--out", str(tmp_path / flag),
+        )  # fmt: skip
+        assert code == 2 and "--bisect measures recall only" in err
+        assert not (tmp_path / flag).exists()
