@@ -7,7 +7,8 @@ One command (``python bench/indexer_bench.py --out DIR``) measures, in one run:
   with fp8 and bf16 keys; achieved GB/s, % of the copy; top-k 512 on the result; the torch
   reference (bmm + ReLU + weighted head sum + scale + ``torch.topk``) and the speedup;
 * prefill logits (4K and 8K queries x 8K..64K keys, bf16 and fp8 operands): TFLOP/s, % of matmul;
-* top-k candidates (radix digit width, chunk, warps) on single rows and batches, k = 512/1024/2048;
+* top-k candidates (radix digit width, chunk, warps; rows split over many programs by segment
+  size) on single rows and batches, k = 512/2048, each checked against the unsplit top-k set;
 * DeepGEMM's fp8 logits kernels side by side when ``deep_gemm`` imports (else the reason).
 
 Timing: ``triton.testing.do_bench`` (median, L2 flushed between reps) for logits alone (the
@@ -145,22 +146,22 @@ def bench_decode(cfg: dict, out: dict, quick: bool) -> None:
 
 
 def bench_decode_variants(out: dict) -> None:
-    """Pages per program x warps x pipeline stages at batch 64 x 128K, fp8 and bf16 keys."""
+    """Pages per program x pages per MMA x warps x pipeline stages at batch 64 x 128K, fp8 and bf16 keys."""
     res = []
     for kd in ("fp8_e4m3", "bf16"):
         c = decode_case(64, 131072, kd, seed=1)
         args = (c["q"], c["w"], c["paged"], c["lens"])
-        for ppp in (4, 8, 16, 32):
-            for nw in (4, 8):
-                for ns in (2, 3, 4):
-                    t = med(
-                        partial(
-                            triton_logits.paged_logits, *args, pages_per_prog=ppp, num_warps=nw, num_stages=ns
-                        )
-                    )
-                    res.append(
-                        {"key_dtype": kd, "pages_per_prog": ppp, "num_warps": nw, "num_stages": ns, "us": t}
-                    )
+        for ppp in (8, 16):
+            for ppm in (1, 2):
+                for nw in (4, 8):
+                    for ns in (2, 3):
+                        kw = {"pages_per_prog": ppp, "pages_per_mma": ppm, "num_warps": nw, "num_stages": ns}
+                        try:
+                            t = med(partial(triton_logits.paged_logits, *args, **kw))
+                        except Exception as e:  # a config that does not fit (registers, shared memory)
+                            print(f"decode variant {kw}: {type(e).__name__}: {str(e)[:120]}")
+                            continue
+                        res.append({"key_dtype": kd, **kw, "us": t})
         if kd == "fp8_e4m3":
             t = med(partial(triton_logits.paged_logits, *args, native_fp8=False))
             res.append({"key_dtype": kd, "native_fp8": False, "us": t})
@@ -219,29 +220,87 @@ def bench_prefill(cfg: dict, out: dict, quick: bool) -> None:
 
 
 def bench_topk(out: dict, quick: bool) -> None:
-    """Threshold search (bisection / radix digit width), chunk and warps on single rows and batches."""
+    """One program per row (bisection / radix digit width, chunk, warps) against rows split over
+    many programs (segment size), on single rows and batches."""
     g = torch.Generator(device=DEV).manual_seed(13)
-    cases = [(1, 32768, 512), (1, 32768, 2048), (64, 32768, 2048), (1, 262144, 2048), (8, 262144, 512)]
-    # (bits, block, warps); bits 0 = bisection, None = the defaults (row in registers up to 32K)
-    variants = [(0, None, None), (0, 4096, 8), (0, 8192, 16), (8, 4096, 8), (8, 8192, 16), (11, 4096, 8)]
+    cases = [
+        (1, 32768, 512),
+        (1, 32768, 2048),
+        (64, 32768, 512),
+        (64, 32768, 2048),
+        (1, 262144, 2048),
+        (8, 262144, 512),
+    ]
+    # (bits, block, warps, segment); bits 0 = bisection, None = the defaults; segment 0 = one program
+    # per row, None = triton_topk.split_segment's choice
+    variants = [(None, None, None, None), (0, None, None, 0), (8, 8192, 16, 0)]
+    variants += [(None, None, None, seg) for seg in (1024, 2048, 4096, 8192, 16384)]
+    variants += [(None, None, 4, 2048), (None, None, 4, 1024)]
+    # radix select with 4-bit and 2-bit digits (16 / 4 histogram bins a pass) in both stages
+    variants += [
+        (b, blk, None, seg) for b in (4, 2) for blk, seg in ((4096, 4096), (2048, 2048), (8192, 8192))
+    ]
+    variants += [(4, 8192, None, 0), (4, 32768, 32, 0)]
     res = []
     for R, L, k in cases[:2] if quick else cases:
         x = torch.randn(R, L, generator=g, device=DEV)
         st = torch.zeros(R, dtype=torch.int32, device=DEV)
         en = torch.full((R,), L, dtype=torch.int32, device=DEV)
-        row = {"rows": R, "length": L, "k": k, "variants": []}
-        for bits, block, nw in variants:
+        row = {
+            "rows": R,
+            "length": L,
+            "k": k,
+            "default_segment": triton_topk.split_segment(R, L, k),
+            "variants": [],
+        }
+        want = triton_topk.topk(x, k, st, en, segment=0).sort(1).values
+        for bits, block, nw, seg in variants:
+            if seg and seg < k:  # every segment would pass all its entries on: a merge over > L candidates
+                continue
             try:
-                fn = partial(triton_topk.topk, x, k, st, en, bits=bits, block=block, num_warps=nw)
+                fn = partial(
+                    triton_topk.topk, x, k, st, en, bits=bits, block=block, num_warps=nw, segment=seg
+                )
+                same = bool(torch.equal(fn().sort(1).values, want))  # full-size check beside the tests
                 t = med(fn, graph=True)
             except Exception as e:
-                print(f"topk variant {bits}/{block}/{nw}: {type(e).__name__}: {str(e)[:120]}")
+                print(f"topk variant {bits}/{block}/{nw}/{seg}: {type(e).__name__}: {str(e)[:120]}")
                 continue
-            row["variants"].append({"bits": bits, "block": block, "num_warps": nw, "us": t})
+            row["variants"].append(
+                {"bits": bits, "block": block, "num_warps": nw, "segment": seg, "us": t, "same_set": same}
+            )
         row["torch_topk_us"] = med(partial(torch.topk, x, k, dim=1, sorted=False), graph=True)
+        if L <= 32768:
+            row["stages"] = topk_stages(x, k, st, en)
         res.append(row)
         print(json.dumps(row), flush=True)
     out["topk"] = res
+
+
+def topk_stages(x: torch.Tensor, k: int, st: torch.Tensor, en: torch.Tensor) -> list[dict]:
+    """Where a split top-k spends its time: the per-segment stage alone and the merge alone."""
+    R, L = x.shape
+    res = []
+    for seg in (2048, 4096, 8192):
+        if seg < k or seg >= L:
+            continue
+        S = triton.cdiv(L, seg)
+        cand = torch.empty(R, S * k, dtype=torch.int32, device=DEV)
+        out = torch.empty(R, k, dtype=torch.int32, device=DEV)
+        tune1 = triton_topk._search(seg, None, None, None)
+        tune2 = triton_topk._search(S * k, None, None, None)
+        stage1 = partial(triton_topk._launch, x, cand, st, en, cand, L, k, (R, S), seg, tune1)
+        merge = partial(triton_topk._launch, x, cand, st, en, out, S * k, k, (R, 1), 0, tune2)
+        stage1()
+        res.append(
+            {
+                "segment": seg,
+                "stage1_us": med(stage1, graph=True),
+                "merge_us": med(merge, graph=True),
+                "candidates": S * k,
+            }
+        )
+    return res
 
 
 def bench_deepgemm(out: dict) -> None:
@@ -390,17 +449,32 @@ def render_markdown(out: dict) -> str:
         lines.append("")
     if "topk" in out:
         lines += [
-            "| rows | length | k | default µs | best variant (bits/block/warps) | µs | torch.topk µs |",
-            "|---:|---:|---:|---:|---|---:|---:|",
+            "| rows | length | k | default µs (segment) | one program per row µs | best variant (bits/block/warps/segment) | µs | torch.topk µs |",
+            "|---:|---:|---:|---:|---:|---|---:|---:|",
         ]
         for r in out["topk"]:
-            best = min(r["variants"], key=lambda v: v["us"]) if r["variants"] else None
-            v = f"{best['bits']}/{best['block']}/{best['num_warps']}" if best else "none ran"
-            us = best["us"] if best else float("nan")
-            dflt = next((x["us"] for x in r["variants"] if x["block"] is None), float("nan"))
-            lines.append(
-                f"| {r['rows']} | {r['length']} | {r['k']} | {dflt:.1f} | {v} | {us:.1f} | {r['torch_topk_us']:.1f} |"
+            vs = r["variants"]
+            best = min(vs, key=lambda v: v["us"]) if vs else None
+            v = (
+                f"{best['bits']}/{best['block']}/{best['num_warps']}/{best['segment']}"
+                if best
+                else "none ran"
             )
+            us = best["us"] if best else float("nan")
+            dflt = next((x["us"] for x in vs if x["segment"] is None and x["bits"] is None), float("nan"))
+            one = min((x["us"] for x in vs if x["segment"] == 0), default=float("nan"))
+            bad = [x for x in vs if not x["same_set"]]
+            lines.append(
+                f"| {r['rows']} | {r['length']} | {r['k']} | {dflt:.1f} ({r['default_segment']}) | {one:.1f} | {v} | {us:.1f} "
+                f"| {r['torch_topk_us']:.1f} |" + (f" DIFFERENT SETS: {bad}" if bad else "")
+            )
+        lines.append("")
+        for r in out["topk"]:
+            for st in r.get("stages", []):
+                lines.append(
+                    f"- {r['rows']} x {r['length']}, k={r['k']}, segment {st['segment']}: per-segment stage "
+                    f"{st['stage1_us']:.1f} us, merge over {st['candidates']} candidates {st['merge_us']:.1f} us"
+                )
     return "\n".join(lines)
 
 

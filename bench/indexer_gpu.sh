@@ -1,22 +1,43 @@
 #!/usr/bin/env bash
-# One call on one GPU: environment, kernel correctness at full shapes, then the benchmark.
-# Usage (from the repository root): OUT=/some/dir bash bench/indexer_gpu.sh [--quick] [--skip ...]
-# Optional: wheels in .whl/ (e.g. sgl-deep-gemm, for the side-by-side DeepGEMM timing) are
-# installed into /tmp/site first; nothing else is installed.
+# One call on one GPU: environment, kernel correctness at full shapes, the random-layer sweep at
+# 128K tokens through both kernels, then the benchmark.
+# Usage (from the repository root): OUT=/some/dir [STEPS="tests sweep bench"] bash bench/indexer_gpu.sh [bench args]
+# Optional: wheels in $WHEELS (default .whl/; e.g. transformers for the random layer, sgl-deep-gemm
+# for the side-by-side DeepGEMM timing) are installed into /tmp/site first; nothing else is installed.
 set -uo pipefail
 OUT=${OUT:-$PWD/indexer-gpu-out}
+STEPS=${STEPS:-tests sweep bench}
+WHEELS=${WHEELS:-.whl}
 mkdir -p "$OUT"
 PY=${PY:-python3}
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv | tee "$OUT/env.txt"
-$PY -c "import torch, triton, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)" | tee -a "$OUT/env.txt"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+if ls "$WHEELS"/*.whl >/dev/null 2>&1; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHEELS"/*.whl \
     && export PYTHONPATH=/tmp/site
 fi
-export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-NEEDLESCOPE_KERNEL_SHAPES=full $PY -m pytest -q -p no:cacheprovider tests/test_kernels.py 2>&1 | tee "$OUT/tests.log"
-tests_rc=${PIPESTATUS[0]}
-$PY bench/indexer_bench.py --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log"
-bench_rc=${PIPESTATUS[0]}
-echo "tests rc=$tests_rc bench rc=$bench_rc"
-exit $(( tests_rc || bench_rc ))
+export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+$PY -c "import torch, triton, transformers, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/env.txt"
+rc=0
+if [[ " $STEPS " == *" tests "* ]]; then
+  NEEDLESCOPE_KERNEL_SHAPES=full $PY -m pytest -q -p no:cacheprovider tests/test_kernels.py 2>&1 | tee "$OUT/tests.log"
+  rc=$(( rc || PIPESTATUS[0] ))
+fi
+if [[ " $STEPS " == *" sweep "* ]]; then
+  # `needlescope indexer sweep` on a random full-size DeepSeek-V4-Flash indexer layer (64 heads x 128,
+  # ratio 4, top-512) at 128K tokens, scored by the Triton kernel and then by the torch reference.
+  for kernel in triton reference; do
+    start=$(date +%s%N)
+    $PY -m needlescope.cli.main indexer sweep --model random-layer --device cuda --kernel $kernel \
+      --lengths 32768,131072 --depths 10,50,90 --trials 2 --index-topk 512 \
+      --index-k bf16,fp8_e4m3 --index-q bf16,fp8_e4m3 --needle-strength 0.25 \
+      --out "$OUT/sweep-$kernel" 2>&1 | tee "$OUT/sweep-$kernel.log"
+    rc=$(( rc || PIPESTATUS[0] ))
+    echo "sweep --kernel $kernel wall $(( ($(date +%s%N) - start) / 1000000 )) ms" | tee -a "$OUT/sweep-$kernel.log"
+  done
+fi
+if [[ " $STEPS " == *" bench "* ]]; then
+  $PY bench/indexer_bench.py --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log"
+  rc=$(( rc || PIPESTATUS[0] ))
+fi
+echo "rc=$rc"
+exit $rc

@@ -24,7 +24,9 @@ SMALL = dict(entries=(1024,), heads=8, dim=128, topk=64, trials=4, chunk=256)
 
 
 def test_abs_margin_is_planted_exactly():
-    cfg = SyntheticConfig(**SMALL, margins=(0.25,), margin_unit="abs", margin_ref="best")
+    cfg = SyntheticConfig(
+        **SMALL, margins=(0.25,), margin_unit="abs", margin_ref="best", precisions=(Precision(),)
+    )
     for trial in range(3):
         tr = make_trial(cfg, 1024, 0.25, trial)
         assert tr.margin_abs.shape == (1,)
@@ -84,7 +86,9 @@ def test_chunking_does_not_change_results():
 
 
 def test_several_query_rows_share_keys_and_bound_the_margin():
-    cfg = SyntheticConfig(**dict(SMALL, trials=2), queries=3, margins=(0.3,), margin_unit="abs")
+    cfg = SyntheticConfig(
+        **dict(SMALL, trials=2), queries=3, margins=(0.3,), margin_unit="abs", precisions=(Precision(),)
+    )
     tr = make_trial(cfg, 1024, 0.3, 0)
     assert tr.q.shape == (3, 8, 128) and tr.margin_abs.shape == (3,)
     assert float(tr.margin_abs.min()) == pytest.approx(0.3, rel=1e-4)

@@ -64,11 +64,15 @@ def _ranges(rows: int, length: int, k: int, g: torch.Generator) -> tuple[torch.T
     return st.int(), en.int()
 
 
-# Threshold searches: bisection with the row in registers, bisection over chunks, radix select.
+# Threshold searches: bisection with the row in registers, bisection over chunks, radix select; and
+# rows split over several programs (exact per-segment top-k, then a merge over the candidates).
 ALGOS = {
     "bisect-registers": {"bits": 0},
     "bisect-chunks": {"bits": 0, "block": 1024},
     "radix8": {"bits": 8, "block": 1024},
+    "split-bisect": {"segment": 256},  # per-segment candidates, then the merge
+    "split-radix8": {"segment": 512, "bits": 8, "block": 256},
+    "split-radix4": {"segment": 256, "bits": 4},
 }
 
 
@@ -151,11 +155,12 @@ def _paged(key_dtype: str, g: torch.Generator):
     return qc, wf, keys, page_keys(keys, bt, pool, entry_of), lens
 
 
+@pytest.mark.parametrize("pages_per_mma", [1, 2])
 @pytest.mark.parametrize("key_dtype", ["bf16", "fp8_e4m3"])
-def test_paged_logits_match_contiguous_reference(key_dtype: str) -> None:
+def test_paged_logits_match_contiguous_reference(key_dtype: str, pages_per_mma: int) -> None:
     qc, wf, keys, paged, lens = _paged(key_dtype, _gen(6))
     out = torch.full((3, paged.width), float("nan"), device=DEV)
-    triton_logits.paged_logits(qc, wf, paged, lens, out=out)
+    triton_logits.paged_logits(qc, wf, paged, lens, out=out, pages_per_mma=pages_per_mma)
     zeros = torch.zeros_like(lens)
     ref = logits_reference(qc, wf, keys, zeros, lens, dtype=torch.float64)
     _check_logits(out, ref)

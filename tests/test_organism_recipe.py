@@ -14,6 +14,7 @@ torch = pytest.importorskip("torch")
 
 from safetensors.torch import load_file  # noqa: E402
 
+from needlescope.errors import BadInput  # noqa: E402
 from needlescope.organism.recipe import SHIPPED_STAGES, recipe_configs, train_recipe  # noqa: E402
 from needlescope.organism.train import TrainConfig  # noqa: E402
 
@@ -112,3 +113,30 @@ def test_cli_dispatches_to_the_recipe_or_to_one_stage(tmp_path, monkeypatch):
     kind, cfg = calls[-1]
     assert kind == "stage" and cfg.steps_dense == 5 and cfg.workers == 0 and cfg.seed == 0
     assert SHIPPED_STAGES[0][1].steps_dense != 5
+
+
+def test_cli_recipe_flags_reach_the_stage_config_converted(tmp_path, monkeypatch):
+    """Every recipe flag given becomes its TrainConfig field (paths, KEY=INT and weight lists converted)."""
+    from typer.testing import CliRunner
+
+    import needlescope.organism.train as train_mod
+    from needlescope.cli.main import app
+
+    calls = []
+    monkeypatch.setattr(
+        train_mod, "train", lambda cfg, out, **kw: calls.append(cfg) or {"steps": {}, "wall_s": 0}
+    )
+    args = ["organism", "train", "--out", str(tmp_path), "--device", "cpu", "--lr", "0.002"]
+    args += ["--init-from", str(tmp_path / "init"), "--config-override", "hidden_size=64"]
+    args += ["--config-override", "num_hidden_layers=3", "--kind-weights", "1,2,3,4,5"]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    (cfg,) = calls
+    assert cfg.lr == 0.002 and cfg.init_from == str(tmp_path / "init")
+    assert cfg.config_overrides == {"hidden_size": 64, "num_hidden_layers": 3}
+    assert cfg.kind_weights == (1.0, 2.0, 3.0, 4.0, 5.0)
+    assert cfg.steps_dense == TrainConfig().steps_dense  # a flag not given keeps its default
+    bad = CliRunner().invoke(
+        app, ["organism", "train", "--out", str(tmp_path), "--device", "cpu", "--config-override", "x"]
+    )
+    assert isinstance(bad.exception, BadInput) and "KEY=INT" in str(bad.exception)  # main() maps it to exit 2

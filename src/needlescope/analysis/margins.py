@@ -22,6 +22,9 @@ import math
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from .paired import bucket_of
+from .significance import holm
+
 __all__ = [
     "TokenScore",
     "token_score",
@@ -30,6 +33,9 @@ __all__ = [
     "quantile",
     "wilcoxon_signed_rank",
     "paired_differences",
+    "group_margins",
+    "detectable_shift",
+    "compare_margins",
 ]
 
 
@@ -210,3 +216,125 @@ def paired_differences(a: Sequence[float], b: Sequence[float]) -> dict:
         "w_plus": w_plus,
         "p_value": p,
     }
+
+
+def group_margins(scored: Iterable[tuple[int, float, dict]], threshold: float) -> dict:
+    """``margin_summary`` per (length, depth) cell and per length of ``(length, depth, answer_score)``."""
+    cells: dict[tuple[int, float], list[dict]] = {}
+    lengths: dict[int, list[dict]] = {}
+    for length, depth, score in scored:
+        cells.setdefault((length, depth), []).append(score)
+        lengths.setdefault(length, []).append(score)
+    return {
+        "cells": [
+            {"length": n, "depth": d, **margin_summary(s, threshold)} for (n, d), s in sorted(cells.items())
+        ],
+        "lengths": [{"length": n, **margin_summary(s, threshold)} for n, s in sorted(lengths.items())],
+    }
+
+
+# Asymptotic efficiency of the signed-rank test relative to the paired t-test under normality.
+_WILCOXON_ARE = 3 / math.pi
+_Z_POWER80 = 0.8416212335729143
+
+
+def _z(p: float) -> float:
+    """The standard normal quantile at ``1 - p`` (bisection on erfc; p in (0, 1))."""
+    lo, hi = -10.0, 10.0
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        if 0.5 * math.erfc(mid / math.sqrt(2)) > p:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+def detectable_shift(diffs: Sequence[float], alpha: float) -> float | None:
+    """The shift (nats) the signed-rank test finds with 80% power at two-sided ``alpha``, given
+    the spread of ``diffs``: (z(alpha/2) + z(0.2)) sd / sqrt(ARE n), a normal approximation.
+
+    None when no shift can be found: fewer pairs than the exact test needs to reach ``alpha``
+    at all (its smallest p-value is 2 / 2^n).
+    """
+    n = len(diffs)
+    if n < 2 or 2 * 0.5**n > alpha:
+        return None
+    mean = math.fsum(diffs) / n
+    sd = math.sqrt(math.fsum((d - mean) ** 2 for d in diffs) / (n - 1))
+    return (_z(alpha / 2) + _Z_POWER80) * sd / math.sqrt(_WILCOXON_ARE * n)
+
+
+def compare_margins(pairs: Iterable[tuple[int, dict, dict]], edges: Sequence[int], alpha: float) -> dict:
+    """Paired graded differences (B - A) per length bucket over ``(length, a_score, b_score)``.
+
+    Per bucket: the answer margin's and the gold logprob's paired differences with the Wilcoxon
+    signed-rank test (``paired_differences``), p-values Holm-corrected across buckets, and the
+    margin shift detectable with 80% power at the strictest Holm level (alpha / buckets).
+    """
+    groups: dict[int, list[tuple[int, dict, dict]]] = {}
+    for length, a, b in pairs:
+        groups.setdefault(bucket_of(length, edges), []).append((length, a, b))
+    rows = []
+    level = alpha / max(1, len(groups))
+    for i in sorted(groups):
+        g = groups[i]
+        both = [
+            (a["min_margin"], b["min_margin"])
+            for _, a, b in g
+            if None not in (a["min_margin"], b["min_margin"])
+        ]
+        margin = paired_differences([x for x, _ in both], [y for _, y in both])
+        gold = paired_differences([a["gold_logprob"] for _, a, _ in g], [b["gold_logprob"] for _, _, b in g])
+        rows.append(
+            {
+                "length_lo": min(n for n, _, _ in g),
+                "length_hi": max(n for n, _, _ in g),
+                "n": len(g),
+                "margin": margin,
+                "gold_logprob": gold,
+                "detectable_shift": detectable_shift([y - x for x, y in both], level),
+            }
+        )
+    for key in ("margin", "gold_logprob"):
+        for row, p in zip(rows, holm([r[key]["p_value"] for r in rows]), strict=True):
+            row[key]["p_holm"] = p
+    return {"buckets": rows, "verdict": _margin_verdict(rows, alpha)}
+
+
+def _nats(x: float) -> str:
+    """Two decimals, or two significant digits below 0.1 (a shift of 0.0029 is not 0.00)."""
+    return f"{x:.2f}" if abs(x) >= 0.1 else f"{x:.2g}"
+
+
+def _margin_verdict(rows: list[dict], alpha: float) -> str:
+    lines = []
+    for r in rows:
+        m = r["margin"]
+        if m["n"] and m["p_holm"] < alpha:
+            verb = "thins" if m["delta_median"] < 0 else "widens"
+            span = (
+                str(r["length_lo"])
+                if r["length_lo"] == r["length_hi"]
+                else f"{r['length_lo']}-{r['length_hi']}"
+            )
+            lines.append(
+                f"B {verb} the margin by {_nats(abs(m['delta_median']))} nats at {span} tokens "
+                f"(median paired difference, Wilcoxon p={m['p_holm']:.2g} Holm-corrected; "
+                f"median margin {m['a_median']:.2f} -> {m['b_median']:.2f})"
+            )
+    if lines:
+        return "; ".join(lines)
+    n_min = min((r["margin"]["n"] for r in rows), default=0)
+    if all(r["margin"]["n_nonzero"] == 0 for r in rows):
+        return f"no margin change: B's margins equal A's on every pair ({n_min} pairs in the smallest bucket)"
+    shifts = [r["detectable_shift"] for r in rows]
+    if any(s is None for s in shifts):
+        return (
+            f"no detectable margin change, and too few pairs to detect one ({n_min} in the smallest "
+            "bucket; the exact test needs more pairs to reach the Holm level)"
+        )
+    return (
+        f"no detectable margin change ({n_min} pairs in the smallest bucket; a shift of "
+        f"{max(shifts):.2g} nats would be found with 80% power)"
+    )

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from .significance import holm, mcnemar_power
 from .stats import mcnemar_exact
 
-__all__ = ["Pair", "PairedGroup", "paired_group", "compare_pairs", "bootstrap_delta_ci"]
+__all__ = ["Pair", "PairedGroup", "paired_group", "compare_pairs", "bootstrap_delta_ci", "bucket_of"]
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,7 @@ def paired_group(pairs: Sequence[Pair], *, n_boot: int = 2000, seed: int = 0) ->
     )
 
 
-def _bucket_of(length: int, edges: Sequence[int]) -> int:
+def bucket_of(length: int, edges: Sequence[int]) -> int:
     """Index of the bucket [edges[i], edges[i+1]) holding ``length`` (the last bucket is closed)."""
     for i in range(len(edges) - 1, -1, -1):
         if length >= edges[i]:
@@ -116,7 +116,7 @@ def compare_pairs(
     edges = sorted(set(bucket_edges)) if bucket_edges else sorted({p.length for p in pairs})
     groups: dict[int, list[Pair]] = {}
     for p in pairs:
-        groups.setdefault(_bucket_of(p.length, edges), []).append(p)
+        groups.setdefault(bucket_of(p.length, edges), []).append(p)
     buckets = [paired_group(groups[i], n_boot=n_boot, seed=seed + i) for i in sorted(groups)]
     p_holm = holm([b.p_value for b in buckets])
     rows = []
@@ -135,29 +135,9 @@ def compare_pairs(
                 "p_holm": ph,
             }
         )
-    worse = [r for r in rows if r["p_holm"] < alpha and r["delta"] < 0]
-    better = [r for r in rows if r["p_holm"] < alpha and r["delta"] > 0]
-    regresses_from = min((r["length_lo"] for r in worse), default=None)
-    lines = []
-    if worse:
-        first = min(worse, key=lambda r: r["length_lo"])
-        lines.append(
-            f"B regresses from {regresses_from} tokens (p={first['p_holm']:.2g}, Holm-corrected; "
-            f"recall {first['recall_a']:.2f} -> {first['recall_b']:.2f})"
-        )
-    if better:
-        first = min(better, key=lambda r: r["length_lo"])
-        lines.append(
-            f"B improves from {first['length_lo']} tokens (p={first['p_holm']:.2g}, Holm-corrected; "
-            f"recall {first['recall_a']:.2f} -> {first['recall_b']:.2f})"
-        )
-    if not lines:
-        n_min = min((r["n"] for r in rows), default=0)
-        power = mcnemar_power(n_min, power_drop, alpha / max(1, len(rows)))
-        lines.append(
-            f"no detectable difference (power to detect a {round(100 * power_drop):d}-point drop: "
-            f"{power:.2f} with {n_min} pairs in the smallest bucket)"
-        )
+    regresses_from = min(
+        (r["length_lo"] for r in rows if r["p_holm"] < alpha and r["delta"] < 0), default=None
+    )
     cell_groups: dict[tuple[int, float], list[Pair]] = {}
     for p in pairs:
         cell_groups.setdefault((p.length, p.depth), []).append(p)
@@ -180,7 +160,34 @@ def compare_pairs(
     return {
         "cases_matched": len(pairs),
         "buckets": rows,
-        "verdict": "; ".join(lines),
+        "verdict": _verdict(rows, alpha, power_drop),
         "regresses_from": regresses_from,
         "cells": cells,
     }
+
+
+def _verdict(rows: list[dict], alpha: float, power_drop: float) -> str:
+    """The shortest corrected regression, any corrected improvement, or the power of a null."""
+    worse = [r for r in rows if r["p_holm"] < alpha and r["delta"] < 0]
+    better = [r for r in rows if r["p_holm"] < alpha and r["delta"] > 0]
+    lines = []
+    if worse:
+        first = min(worse, key=lambda r: r["length_lo"])
+        lines.append(
+            f"B regresses from {first['length_lo']} tokens (p={first['p_holm']:.2g}, Holm-corrected; "
+            f"recall {first['recall_a']:.2f} -> {first['recall_b']:.2f})"
+        )
+    if better:
+        first = min(better, key=lambda r: r["length_lo"])
+        lines.append(
+            f"B improves from {first['length_lo']} tokens (p={first['p_holm']:.2g}, Holm-corrected; "
+            f"recall {first['recall_a']:.2f} -> {first['recall_b']:.2f})"
+        )
+    if not lines:
+        n_min = min((r["n"] for r in rows), default=0)
+        power = mcnemar_power(n_min, power_drop, alpha / max(1, len(rows)))
+        lines.append(
+            f"no detectable difference (power to detect a {round(100 * power_drop):d}-point drop: "
+            f"{power:.2f} with {n_min} pairs in the smallest bucket)"
+        )
+    return "; ".join(lines)

@@ -11,9 +11,19 @@ from ..errors import BadInput
 from .haystack import FillerStream, render_words, sentence_boundaries
 from .needles import VALUE_DIGITS, NeedleSet, make_needles
 
-__all__ = ["KINDS", "CaseSpec", "Case", "build_cases", "order_for_prefix_cache"]
+__all__ = [
+    "KINDS",
+    "MAX_DISTRACTORS",
+    "default_distractors",
+    "CaseSpec",
+    "Case",
+    "build_cases",
+    "order_for_prefix_cache",
+]
 
 KINDS = ("single", "multikey", "multivalue", "multiturn")
+# Distinct key adjectives less the needle's own (haystack.KEY_ADJECTIVES).
+MAX_DISTRACTORS = 19
 CountTokens = Callable[[list[dict]], int]
 
 # How far the local search may wander (in filler words) around a candidate filler size. Tokenizers
@@ -36,7 +46,8 @@ class CaseSpec:
     trials: int
     seed: int
     haystack_text: str | None = None
-    n_distractors: int = 4
+    n_distractors: int | None = None
+    """Near-duplicate keys in the prompt; None: the kind's default (``default_distractors``)."""
     n_values: int = 3
     max_answer_tokens: int = 32
     value_digits: int = VALUE_DIGITS
@@ -58,13 +69,13 @@ class CaseSpec:
             raise BadInput(f"depths contain duplicates: {list(self.depths)}")
         if self.trials < 1:
             raise BadInput(f"trials must be >= 1, got {self.trials}")
-        if not 0 <= self.n_distractors <= 19:
-            raise BadInput(f"n_distractors must be in 0..19, got {self.n_distractors}")
+        if not 0 <= self.distractors <= MAX_DISTRACTORS:
+            raise BadInput(f"distractors must be in 0..{MAX_DISTRACTORS}, got {self.n_distractors}")
         if self.n_values < 1:
             raise BadInput(f"n_values must be >= 1, got {self.n_values}")
         if not 1 <= self.value_digits <= 12:
             raise BadInput(f"value_digits must be in 1..12, got {self.value_digits}")
-        needed = max(self.n_distractors, self.n_values) + 1
+        needed = self.distractors + max(1, self.n_values if self.kind == "multivalue" else 1)
         if needed > 9 * 10 ** (self.value_digits - 1):
             raise BadInput(
                 f"{self.value_digits}-digit values cannot give {needed} distinct values; use more digits"
@@ -73,6 +84,15 @@ class CaseSpec:
             raise BadInput(f"max_answer_tokens must be >= 1, got {self.max_answer_tokens}")
         if self.haystack_text is not None and not self.haystack_text.split():
             raise BadInput("the haystack file is empty; give a file with some text or omit it")
+
+    @property
+    def distractors(self) -> int:
+        return default_distractors(self.kind) if self.n_distractors is None else self.n_distractors
+
+
+def default_distractors(kind: str) -> int:
+    """Near-duplicate keys a kind has unless told otherwise: multikey 4, the others none."""
+    return 4 if kind == "multikey" else 0
 
 
 @dataclass(frozen=True)
@@ -110,7 +130,7 @@ class _Group:
         self.needles: NeedleSet = make_needles(
             spec.kind,
             random.Random(base + "|needle"),
-            n_distractors=spec.n_distractors,
+            n_distractors=spec.distractors,
             n_values=spec.n_values,
             value_digits=spec.value_digits,
         )
@@ -132,6 +152,12 @@ class _Group:
         body = _insert(words, inserts, depth / 100.0, self.needles.needle.text)
         return [{"role": "user", "content": f"{_INTRO}{body}\n\n{self.needles.question}"}]
 
+    def _turn(self, frac: float) -> tuple[int, float]:
+        """(user turn, fraction inside it) of a position ``frac`` (0..1) over the user turns."""
+        scaled = frac * self.pairs
+        turn = min(self.pairs - 1, math.floor(scaled))
+        return turn, scaled - turn
+
     def _multiturn(self, words: list[str], depth: float) -> list[dict]:
         slots = 2 * self.pairs
         n = len(words)
@@ -144,14 +170,19 @@ class _Group:
             if c and not c[-1].endswith((".", "!", "?")):
                 c[-1] += "."
         # Depth runs over the user turns: which turn, then where inside it.
-        scaled = depth / 100.0 * self.pairs
-        turn = min(self.pairs - 1, math.floor(scaled))
-        frac = scaled - turn
+        turn, frac = self._turn(depth / 100.0)
+        # Distractors go into user turns by their own fractions, as the needle does by depth.
+        inserts: dict[int, list[tuple[float, str]]] = {}
+        for f, d in zip(self.distractor_fracs, self.needles.distractors, strict=True):
+            t, within = self._turn(f)
+            inserts.setdefault(t, []).append((within, d.text))
         msgs: list[dict] = []
         for i, chunk in enumerate(chunks):
             role = "user" if i % 2 == 0 else "assistant"
             if i == 2 * turn:
-                text = _insert(chunk, [], frac, self.needles.needle.text)
+                text = _insert(chunk, inserts.get(turn, []), frac, self.needles.needle.text)
+            elif i % 2 == 0 and i // 2 in inserts:
+                text = _insert(chunk, inserts[i // 2], None, None)
             else:
                 text = render_words(chunk)
             msgs.append({"role": role, "content": text})
@@ -164,8 +195,10 @@ class _Group:
         return msgs
 
 
-def _insert(words: list[str], inserts: list[tuple[float, str]], needle_frac: float, needle: str) -> str:
-    """Render ``words`` with sentences inserted at sentence boundaries.
+def _insert(
+    words: list[str], inserts: list[tuple[float, str]], needle_frac: float | None, needle: str | None
+) -> str:
+    """Render ``words`` with sentences inserted at sentence boundaries (the needle, if given, last).
 
     Fractions map onto the boundary list (0 = before the first sentence, 1 = after the last).
     Distractors go before the needle at a shared boundary so needle position stays monotone in depth.
@@ -174,7 +207,8 @@ def _insert(words: list[str], inserts: list[tuple[float, str]], needle_frac: flo
     at: dict[int, list[str]] = {}
     for frac, text in inserts:
         at.setdefault(bounds[round(frac * (len(bounds) - 1))], []).append(text)
-    at.setdefault(bounds[round(needle_frac * (len(bounds) - 1))], []).append(needle)
+    if needle is not None and needle_frac is not None:
+        at.setdefault(bounds[round(needle_frac * (len(bounds) - 1))], []).append(needle)
     out: list[str] = []
     for i in range(len(words) + 1):
         out.extend(at.get(i, ()))

@@ -64,10 +64,12 @@ def make_needles(
     n_values: int = 3,
     value_digits: int = VALUE_DIGITS,
 ) -> NeedleSet:
-    """Draw a needle for ``kind`` from ``rng``.
+    """Draw a needle for ``kind`` from ``rng``, with ``n_distractors`` near-duplicate keys.
 
-    multikey distractors share the key's noun with a different adjective, the hardest kind of
-    near-miss; multivalue states all values in one sentence so the needle appears exactly once.
+    Distractors share the key's noun with a different adjective, the hardest kind of near-miss;
+    multikey is the kind that has them by default (``cases.assemble.default_distractors``), any
+    kind may be given some (auto-difficulty does). multivalue states all values in one sentence so
+    the needle appears exactly once.
     """
     noun = rng.choice(KEY_NOUNS)
     adjs = list(KEY_ADJECTIVES)
@@ -75,19 +77,27 @@ def make_needles(
     adj = adjs[0]
     key = f"the secret code of the {adj} {noun}"
     taken: set[str] = set()
-    distractors: list[Fact] = []
+    if n_distractors > len(adjs) - 1:
+        raise ValueError(f"at most {len(adjs) - 1} distractors are supported")
     if kind == "multivalue":
         values = _values(rng, n_values, taken, value_digits)
         needle = Fact(f"The secret codes of the {adj} {noun} are {_join(values)}.", tuple(values))
         question = f"What are all the secret codes of the {adj} {noun}? {ANSWER_MANY}"
-        return NeedleSet(needle, (), question, tuple(values))
+        return NeedleSet(
+            needle, _distractors(rng, adjs, noun, n_distractors, taken, value_digits), question, tuple(values)
+        )
     (value,) = _values(rng, 1, taken, value_digits)
     needle = Fact(f"The secret code of the {adj} {noun} is {value}.", (value,))
-    if kind == "multikey":
-        if n_distractors > len(adjs) - 1:
-            raise ValueError(f"at most {len(adjs) - 1} distractors are supported")
-        for other in adjs[1 : 1 + n_distractors]:
-            (v,) = _values(rng, 1, taken, value_digits)
-            distractors.append(Fact(f"The secret code of the {other} {noun} is {v}.", (v,)))
     question = f"What is {key}? {ANSWER_ONE}"
-    return NeedleSet(needle, tuple(distractors), question, (value,))
+    distractors = _distractors(rng, adjs, noun, n_distractors, taken, value_digits)
+    return NeedleSet(needle, distractors, question, (value,))
+
+
+def _distractors(
+    rng: random.Random, adjs: list[str], noun: str, n: int, taken: set[str], digits: int
+) -> tuple[Fact, ...]:
+    out = []
+    for other in adjs[1 : 1 + n]:
+        (v,) = _values(rng, 1, taken, digits)
+        out.append(Fact(f"The secret code of the {other} {noun} is {v}.", (v,)))
+    return tuple(out)

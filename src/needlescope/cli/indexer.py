@@ -1,7 +1,7 @@
 """``needlescope indexer ...``: white-box commands on the sparse-attention indexer.
 
-Commands live in ``indexer_rank`` (rank-dump, sweep) and ``indexer_diff`` (diff, capture,
-synthetic); torch is imported inside each command so the CLI starts fast without it.
+Commands live in ``indexer_rank`` (rank-dump), ``indexer_diff`` (diff, capture) and
+``indexer_sweep`` (sweep, synthetic); torch is imported inside each command so the CLI starts fast without it.
 """
 
 from __future__ import annotations

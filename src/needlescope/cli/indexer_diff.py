@@ -1,4 +1,4 @@
-"""``needlescope indexer diff | capture | synthetic``: localize, capture live, and simulate indexer numerics.
+"""``needlescope indexer diff | capture``: localize and capture live (``synthetic`` lives in ``cli.indexer_sweep``).
 
 Torch-dependent modules are imported inside each command so ``needlescope --help`` stays fast.
 Server and protocol failures of ``capture`` are reported like bad input: one line, exit 2.
@@ -6,7 +6,6 @@ Server and protocol failures of ``capture`` are reported like bad input: one lin
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import typer
@@ -18,7 +17,7 @@ from needlescope.cli.indexer import indexer_app
 from needlescope.errors import BadInput
 from needlescope.investigate.capture import CaptureConfig
 from needlescope.paths import check_out_dir
-from needlescope.run.config import parse_float_list, parse_int_list
+from needlescope.run.config import parse_int_list
 from needlescope.setting import REFERENCE
 
 console = Console()
@@ -153,67 +152,3 @@ def capture_command(
         first = r["selected_at_first_answer"]
         console.print(f"layer {r['layer']}: needle selected at first answer position: {first}")
     console.print(f"wrote {escape(str(out))}/capture.json, capture.md")
-
-
-@indexer_app.command("synthetic")
-def synthetic_command(
-    entries: str = typer.Option("4096,65536", "--entries", help="Compressed-entry counts (up to 262144)."),
-    heads: int = typer.Option(64, "--heads"),
-    dim: int = typer.Option(128, "--dim"),
-    queries: int = typer.Option(1, "--queries", help="Query rows per trial (they share the keys)."),
-    topk: int = typer.Option(512, "--topk"),
-    margins: str = typer.Option("0,0.01,0.05", "--margins", help="Needle margins, comma-separated."),
-    margin_unit: str = typer.Option(
-        "spread", "--margin-unit", help="abs (fp32 score units) | spread (fraction)."
-    ),
-    margin_ref: str = typer.Option("best", "--margin-ref", help="Margin over the best | kth distractor."),
-    trials: int = typer.Option(20, "--trials"),
-    precisions: str = typer.Option(
-        "fp32,bf16,fp8_e4m3,fp4_e2m1",
-        "--precisions",
-        help="NAME (keys=queries) or K:Q[:ACC], comma-separated.",
-    ),
-    seed: int = typer.Option(0, "--seed"),
-    chunk: int = typer.Option(16384, "--chunk", help="Entries scored per chunk (bounds memory)."),
-    device: str = typer.Option("cpu", "--device", help="cpu | cuda"),
-    kernel: str = typer.Option(
-        "auto",
-        "--kernel",
-        help="Scoring: auto (Triton on CUDA for bf16/fp8 precisions) | reference | triton.",
-    ),
-    out: Path = typer.Option(Path("synthetic-out"), "--out", help="Output directory (synthetic.json, .md)."),
-) -> None:
-    """Plant a needle among random keys at real dimensions; measure how often each precision keeps it."""
-    from needlescope.dsa.synthetic import (
-        SyntheticConfig,
-        parse_precisions,
-        render_synthetic_md,
-        run_synthetic,
-        validate_synthetic,
-    )
-    from needlescope.kernels.scoring import kernel_backend
-
-    cfg = SyntheticConfig(
-        entries=parse_int_list(entries, "--entries"),
-        heads=heads,
-        dim=dim,
-        queries=queries,
-        topk=topk,
-        margins=parse_float_list(margins, "--margins"),
-        margin_unit=margin_unit,
-        margin_ref=margin_ref,
-        trials=trials,
-        precisions=parse_precisions(precisions),
-        seed=seed,
-        chunk=chunk,
-        device=device,
-    )
-    check_out_dir(out)
-    with kernel_backend(kernel, device):
-        result = run_synthetic(cfg)
-    validate_synthetic(result)
-    _write(out, "synthetic.json", json.dumps(result, indent=2))
-    md = render_synthetic_md(result)
-    _write(out, "synthetic.md", md)
-    console.print(md, markup=False, highlight=False, soft_wrap=True)
-    console.print(f"wrote {escape(str(out))}/synthetic.json, synthetic.md")

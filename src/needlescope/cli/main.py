@@ -7,12 +7,14 @@ import sys
 import typer
 from rich.console import Console
 
-from needlescope.cli import indexer_diff, indexer_rank  # noqa: F401  (they register their commands)
+from needlescope.cli import indexer_diff, indexer_rank, indexer_sweep  # noqa: F401  (they register their commands)
 from needlescope.cli.audit import audit_command
 from needlescope.cli.compare import compare_command
 from needlescope.cli.demo import demo_command
+from needlescope.cli.engine_state import engine_state_command
 from needlescope.cli.indexer import indexer_app
 from needlescope.cli.investigate import investigate_app
+from needlescope.cli.oracle import oracle_app
 from needlescope.cli.organism import organism_app
 from needlescope.cli.probe import probe_command
 from needlescope.cli.replay import replay_command
@@ -31,6 +33,8 @@ app.command("demo")(demo_command)
 app.command("compare")(compare_command)
 app.command("replay")(replay_command)
 app.add_typer(organism_app, name="organism")
+app.add_typer(oracle_app, name="oracle")
+app.command("engine-state")(engine_state_command)
 app.add_typer(indexer_app, name="indexer")
 app.command("serve")(serve_command)
 app.add_typer(investigate_app, name="investigate")

@@ -3,107 +3,62 @@
 from __future__ import annotations
 
 import contextlib
-import os
 from pathlib import Path
 
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from needlescope.cli.probe_options import PROBE_FLAGS, build, config_default, option_group
 from needlescope.report.bisect import residue_lines
 from needlescope.run.bisect import BisectConfig, run_bisect
-from needlescope.run.config import ProbeConfig, parse_extra_body, parse_float_list, parse_int_list
-from needlescope.run.probe import run_probe
+from needlescope.run.config import ProbeConfig, parse_int_list
+from needlescope.run.difficulty import probe_with_difficulty
 
 console = Console()
 err_console = Console(stderr=True)
 
 
+@option_group(ProbeConfig, PROBE_FLAGS)
 def probe_command(
+    flags: dict,
     base_url: list[str] = typer.Option(
         ..., "--base-url", help="Server URL (root or ending in /v1); repeat to spread load."
     ),
     model: str = typer.Option(..., "--model", help="Model name as served in /v1/models."),
-    kind: str = typer.Option("single", "--kind", help="single | multikey | multivalue | multiturn"),
-    lengths: str = typer.Option("1000,2000,4000,8000", "--lengths", help="Target prompt lengths in tokens."),
-    depths: str = typer.Option("0,10,25,50,75,90,100", "--depths", help="Needle depths in percent."),
-    trials: int = typer.Option(5, "--trials"),
-    seed: int = typer.Option(0, "--seed"),
-    out: Path = typer.Option(Path("out"), "--out", help="Output directory."),
-    concurrency: int = typer.Option(8, "--concurrency"),
-    tokenizer: str = typer.Option(
-        "server",
-        "--tokenizer",
-        help="'server' (its /tokenize), or the checkpoint's tokenizer directory (tokenizer.json + "
-        "chat_template.jinja), or its tokenizer.json with the template beside it.",
-    ),
-    chat_template: Path = typer.Option(
-        None, "--chat-template", help="With --tokenizer PATH: the chat template file, if not beside it."
-    ),
-    extra_body: str = typer.Option(
-        None, "--extra-body", help="JSON object merged into each request unchanged."
-    ),
+    out: Path = typer.Option(config_default(ProbeConfig, "out"), "--out", help="Output directory."),
     resume: bool = typer.Option(
-        False, "--resume", help="Continue the run in --out, re-running unfinished cases only."
+        config_default(ProbeConfig, "resume"),
+        "--resume",
+        help="Continue the run in --out, re-running unfinished cases only.",
     ),
-    threshold: float = typer.Option(0.85, "--threshold", help="Recall threshold of the effective length."),
-    max_tokens: int = typer.Option(32, "--max-tokens"),
-    timeout: float = typer.Option(120.0, "--timeout", help="Per-request timeout in seconds."),
-    retry_budget: float = typer.Option(
-        60.0, "--retry-budget", help="Seconds a request may keep retrying while the server answers 429/503."
+    bundles: int = typer.Option(
+        config_default(ProbeConfig, "bundles"),
+        "--bundles",
+        help="Reproducer bundles to write for failing cases.",
     ),
-    haystack_file: Path = typer.Option(
-        None, "--haystack-file", help="Filler text to use instead of the generated one."
-    ),
-    value_digits: int = typer.Option(
-        None,
-        "--value-digits",
-        help="Digits per needle value; default: the target's advertised trained_value_digits, else 7.",
-    ),
-    api_key: str = typer.Option(
-        None,
-        "--api-key",
-        help="Bearer key for the server (else NEEDLESCOPE_API_KEY or OPENAI_API_KEY); sent on every "
-        "request, never written anywhere.",
-        show_default=False,
-    ),
-    bundles: int = typer.Option(5, "--bundles", help="Reproducer bundles to write for failing cases."),
     bisect: bool = typer.Option(
         False, "--bisect", help="Search [min, max] of --lengths for the collapse length instead of a grid."
     ),
-    resolution: int = typer.Option(16, "--resolution", help="--bisect: bracket width to stop at, in tokens."),
+    resolution: int = typer.Option(
+        config_default(BisectConfig, "resolution"),
+        "--resolution",
+        help="--bisect: bracket width to stop at, in tokens.",
+    ),
     ci_width: float = typer.Option(
-        None, "--ci-width", help="--bisect: raise trials until a 95% CI near the threshold is this wide."
+        config_default(BisectConfig, "ci_width"),
+        "--ci-width",
+        help="--bisect: raise trials until a 95% CI near the threshold is this wide.",
     ),
     boundaries: str = typer.Option(
-        None,
+        config_default(BisectConfig, "boundaries"),
         "--boundaries",
         help="--bisect: kernel lengths (e.g. 4,64,128,256); default from /get_server_info.",
     ),
 ) -> None:
     """Measure needle recall across lengths and depths and find where it collapses."""
-    cfg = ProbeConfig(
-        base_urls=tuple(base_url),
-        model=model,
-        kind=kind,
-        lengths=parse_int_list(lengths, "--lengths"),
-        depths=parse_float_list(depths, "--depths"),
-        trials=trials,
-        seed=seed,
-        out=out,
-        concurrency=concurrency,
-        tokenizer=tokenizer,
-        chat_template=chat_template,
-        extra_body=parse_extra_body(extra_body),
-        resume=resume,
-        threshold=threshold,
-        max_tokens=max_tokens,
-        timeout_s=timeout,
-        retry_budget_s=retry_budget,
-        haystack_file=haystack_file,
-        value_digits=value_digits,
-        bundles=bundles,
-        api_key=api_key or os.environ.get("NEEDLESCOPE_API_KEY") or os.environ.get("OPENAI_API_KEY"),
+    cfg = build(
+        ProbeConfig, flags, base_urls=tuple(base_url), model=model, out=out, resume=resume, bundles=bundles
     )
     if bisect:
         bis = BisectConfig(
@@ -141,7 +96,11 @@ def run_with_progress(cfg: ProbeConfig) -> dict:
         bar: dict = {}
 
         def on_event(name: str, payload: dict) -> None:
-            if name == "run_start":
+            if name == "difficulty_level":
+                render_difficulty_level(payload)
+            elif name == "run_start":
+                if "p" in bar:  # an auto-difficulty level finished; its bar gives way to the next
+                    bar["p"].stop()
                 progress = stack.enter_context(Progress(*columns, console=console, transient=False))
                 bar["p"], bar["task"] = (
                     progress,
@@ -156,7 +115,16 @@ def run_with_progress(cfg: ProbeConfig) -> dict:
                 recall = f"{counts['correct'] / counts['ok']:.2f}" if counts["ok"] else "-"
                 bar["p"].update(bar["task"], advance=1, recall=recall, errors=counts["error"])
 
-        return run_probe(cfg, on_event)
+        return probe_with_difficulty(cfg, on_event)
+
+
+def render_difficulty_level(payload: dict) -> None:
+    """One line per auto-difficulty level tried on the reference."""
+    recall = "no data" if payload["recall"] is None else f"{payload['recall']:.2f}"
+    console.print(
+        f"difficulty level {payload['level']}: {payload['distractors']} distractors, "
+        f"{payload['value_digits']}-digit values: reference recall {recall} (n={payload['n']})"
+    )
 
 
 def _bisect_events(name: str, payload: dict) -> None:
@@ -205,4 +173,14 @@ def render_summary(summary: dict, out: Path) -> None:
     endpoints = summary.get("endpoints")
     if endpoints and endpoints["differs"]:
         console.print(f"[red]differs from the other endpoints: {', '.join(endpoints['differs'])}[/]")
+    graded = summary.get("graded")
+    if graded is not None:
+        console.print(graded["note"], highlight=False)
+        for g in (g for g in graded["lengths"] if g["margin_tokens"]):
+            console.print(
+                f"  {g['length']} tokens: median token margin {g['margin_p50']:+.2f} nats, min "
+                f"{g['margin_min']:+.2f}, {g['below_threshold']}/{g['n']} answers won by < "
+                f"{graded['margin_threshold']:g}",
+                highlight=False,
+            )
     console.print(f"wrote {out}/summary.json, report.md, heatmap.png, results.jsonl")

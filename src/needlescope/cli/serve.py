@@ -83,6 +83,11 @@ def serve_command(
     max_body_bytes: int = typer.Option(
         DEFAULT_MAX_BODY_BYTES, "--max-body-bytes", help="Larger request bodies get HTTP 413."
     ),
+    prefix_cache_mib: int = typer.Option(
+        _DEFAULTS.prefix_cache_mib,
+        "--prefix-cache-mib",
+        help="Memory for the prefix cache, MiB; 0 (default) turns it off (docs/serve.md).",
+    ),
     config_json: str = typer.Option(
         None,
         "--config-json",

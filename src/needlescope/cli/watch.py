@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import ipaddress
 import json
 import logging
@@ -13,50 +12,32 @@ import sys
 import typer
 from rich.console import Console
 
-from needlescope.run.config import parse_extra_body, parse_float_list, parse_int_list
+from needlescope.cli.probe_options import build, config_default, option_group
 from needlescope.watch.config import CanaryConfig, HealthConfig
 
 err_console = Console(stderr=True)
 log = logging.getLogger("needlescope.watch")
 
-_API_KEY_ENV = ["NEEDLESCOPE_API_KEY", "OPENAI_API_KEY"]
+_TARGET_FLAGS = ("kind", "value_digits", "tokenizer", "timeout_s", "extra_body", "api_key")
 
 
-def _default(cls: type, name: str):
-    """A config field's default, so the CLI never repeats it as a literal."""
-    f = {f.name: f for f in dataclasses.fields(cls)}[name]
-    value = f.default
-    return ",".join(f"{v:g}" for v in value) if isinstance(value, tuple) else value
-
-
+@option_group(HealthConfig, _TARGET_FLAGS)
 def health_command(
+    flags: dict,
     base_url: str = typer.Option(..., "--base-url", help="Server URL (root or ending in /v1)."),
     model: str = typer.Option(None, "--model", help="Model name; default: the first in /v1/models."),
-    length: int = typer.Option(_default(HealthConfig, "length"), "--length", help="Needle prompt length."),
-    depth: float = typer.Option(_default(HealthConfig, "depth"), "--depth", help="Needle depth in percent."),
-    kind: str = typer.Option(_default(HealthConfig, "kind"), "--kind"),
-    value_digits: int = typer.Option(_default(HealthConfig, "value_digits"), "--value-digits"),
-    tokenizer: str = typer.Option(_default(HealthConfig, "tokenizer"), "--tokenizer"),
-    timeout: float = typer.Option(_default(HealthConfig, "timeout_s"), "--timeout", help="Per request, s."),
-    extra_body: str = typer.Option(None, "--extra-body", help="JSON merged into each chat request."),
+    length: int = typer.Option(
+        config_default(HealthConfig, "length"), "--length", help="Needle prompt length."
+    ),
+    depth: float = typer.Option(
+        config_default(HealthConfig, "depth"), "--depth", help="Needle depth in percent."
+    ),
     as_json: bool = typer.Option(False, "--json", help="One JSON object instead of lines."),
-    api_key: str = typer.Option(None, "--api-key", envvar=_API_KEY_ENV, show_default=False),
 ) -> None:
     """Smoke-test a deployment: server, a HEALTHY chat, one needle. Exit 0 healthy, 1 unhealthy, 2 bad usage."""
     from needlescope.watch.health import run_health
 
-    cfg = HealthConfig(
-        base_url=base_url,
-        model=model,
-        length=length,
-        depth=depth,
-        kind=kind,
-        value_digits=value_digits,
-        tokenizer=tokenizer,
-        timeout_s=timeout,
-        extra_body=parse_extra_body(extra_body),
-        api_key=api_key,
-    )
+    cfg = build(HealthConfig, flags, base_url=base_url, model=model, length=length, depth=depth)
     report = run_health(cfg)
     if as_json:
         print(json.dumps(report))
@@ -69,38 +50,26 @@ def health_command(
     raise typer.Exit(0 if report["healthy"] else 1)
 
 
+@option_group(CanaryConfig, ("lengths", "depths", "trials", "threshold", *_TARGET_FLAGS))
 def canary_command(
+    flags: dict,
     base_url: str = typer.Option(..., "--base-url", help="Server URL (root or ending in /v1)."),
     model: str = typer.Option(None, "--model", help="Model name; default: the first in /v1/models."),
     interval: float = typer.Option(
-        _default(CanaryConfig, "interval_s"), "--interval", help="Seconds per round."
-    ),
-    lengths: str = typer.Option(
-        _default(CanaryConfig, "lengths"), "--lengths", help="Prompt lengths in tokens."
-    ),
-    depths: str = typer.Option(
-        _default(CanaryConfig, "depths"), "--depths", help="Needle depths in percent."
-    ),
-    trials: int = typer.Option(
-        _default(CanaryConfig, "trials"), "--trials", help="Cases per length and depth."
+        config_default(CanaryConfig, "interval_s"), "--interval", help="Seconds per round."
     ),
     window: int = typer.Option(
-        _default(CanaryConfig, "window"), "--window", help="Probes per length in recall."
+        config_default(CanaryConfig, "window"), "--window", help="Probes per length in recall."
     ),
-    threshold: float = typer.Option(_default(CanaryConfig, "threshold"), "--threshold"),
-    max_in_flight: int = typer.Option(_default(CanaryConfig, "max_in_flight"), "--max-in-flight"),
-    listen: str = typer.Option(_default(CanaryConfig, "listen"), "--listen", help="HOST:PORT of /metrics."),
+    max_in_flight: int = typer.Option(config_default(CanaryConfig, "max_in_flight"), "--max-in-flight"),
+    listen: str = typer.Option(
+        config_default(CanaryConfig, "listen"), "--listen", help="HOST:PORT of /metrics."
+    ),
     queue_limit: int = typer.Option(
         None, "--queue-limit", help="Engine admission limit; default: /get_server_info's max_queued_requests."
     ),
-    kind: str = typer.Option(_default(CanaryConfig, "kind"), "--kind"),
-    value_digits: int = typer.Option(_default(CanaryConfig, "value_digits"), "--value-digits"),
-    tokenizer: str = typer.Option(_default(CanaryConfig, "tokenizer"), "--tokenizer"),
-    timeout: float = typer.Option(_default(CanaryConfig, "timeout_s"), "--timeout", help="Per request, s."),
-    extra_body: str = typer.Option(None, "--extra-body", help="JSON merged into each chat request."),
     rounds: int = typer.Option(0, "--rounds", help="Stop after this many rounds (0: run until stopped)."),
     log_level: str = typer.Option("info", "--log-level", help="debug | info | warning"),
-    api_key: str = typer.Option(None, "--api-key", envvar=_API_KEY_ENV, show_default=False),
 ) -> None:
     """Probe recall on a schedule and export it, the engine's load and the GPUs to Prometheus."""
     from needlescope.errors import BadInput
@@ -113,24 +82,16 @@ def canary_command(
 
     if log_level.lower() not in ("debug", "info", "warning"):
         raise BadInput(f"--log-level must be debug, info or warning; got {log_level!r}")
-    cfg = CanaryConfig(
+    cfg = build(
+        CanaryConfig,
+        flags,
         base_url=base_url,
         model=model,
         interval_s=interval,
-        lengths=parse_int_list(lengths, "--lengths"),
-        depths=parse_float_list(depths, "--depths"),
-        trials=trials,
         window=window,
-        threshold=threshold,
         max_in_flight=max_in_flight,
         listen=listen,
         queue_limit=queue_limit,
-        kind=kind,
-        value_digits=value_digits,
-        tokenizer=tokenizer,
-        timeout_s=timeout,
-        extra_body=parse_extra_body(extra_body),
-        api_key=api_key,
     )
     logging.basicConfig(
         level=log_level.upper(), stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"

@@ -61,9 +61,16 @@ from needlescope.dsa.emulate import (
     patched_for_good,
 )
 from needlescope.dsa.prompt import render_prompt
+from needlescope.dsa.random_layer import (
+    RANDOM_LAYER,
+    RandomLayerConfig,
+    make_context,
+    random_indexer,
+    score_needle,
+)
 from needlescope.dsa.rankdump import DEFAULT_MAX_NEW_TOKENS, rank_dump
+from needlescope.dsa.sweep_report import SWEEP_SCHEMA, fmt_setting, render_sweep_md, validate_sweep
 from needlescope.errors import BadInput
-from needlescope.schema import check_schema
 from needlescope.setting import PRECISIONS, PatchRef, Setting, check_precision, check_score_dtype
 
 __all__ = [
@@ -74,6 +81,8 @@ __all__ = [
     "cheapest_setting",
     "summarize_runs",
     "run_sweep",
+    "run_random_layer_sweep",
+    "assemble_sweep",
     "validate_sweep",
     "render_sweep_md",
 ]
@@ -84,136 +93,12 @@ def _key(s: Setting) -> tuple[str, str, int]:
     return (s.index_k, s.index_q, s.index_topk)
 
 
-_NUM_OR_NULL = {"type": ["number", "null"]}
-_INT_OR_NULL = {"type": ["integer", "null"]}
-_SETTING_PROPS = {
-    "index_k": {"type": "string"},
-    "index_q": {"type": "string"},
-    "index_topk": {"type": "integer"},
-}
-SWEEP_SCHEMA: dict = {
-    "type": "object",
-    "required": [
-        "model",
-        "kind",
-        "lengths",
-        "target_length",
-        "target_rate",
-        "generate",
-        "settings",
-        "cells",
-        "runs",
-        "cheapest",
-        "baseline",
-        "verdict",
-    ],
-    "properties": {
-        "model": {"type": "string"},
-        "kind": {"type": "string"},
-        "lengths": {"type": "array", "items": {"type": "integer"}},
-        "depths": {"type": "array", "items": {"type": "number"}},
-        "trials": {"type": "integer"},
-        "seed": {"type": "integer"},
-        "value_digits": {"type": "integer"},
-        "score_dtype": {"type": "string"},
-        "target_length": {"type": "integer"},
-        "target_rate": {"type": "number"},
-        "generate": {"type": "boolean"},
-        "patch": {"type": ["string", "null"]},
-        "settings": {
-            "type": "array",
-            "items": {
-                "type": "object",
-                "required": [*_SETTING_PROPS, "cost_rank", "restored_to", "rate_at_target"],
-                "properties": {
-                    **_SETTING_PROPS,
-                    "cost_rank": {"type": "integer"},
-                    "restored_to": _INT_OR_NULL,
-                    "rate_at_target": _NUM_OR_NULL,
-                },
-            },
-        },
-        "cells": {
-            "type": "array",
-            "items": {
-                "type": "object",
-                "required": [
-                    *_SETTING_PROPS,
-                    "length",
-                    "cases",
-                    "scored",
-                    "unscored",
-                    "selected",
-                    "selection_rate",
-                    "answers_correct",
-                    "answer_recall",
-                    "per_layer",
-                ],
-                "properties": {
-                    **_SETTING_PROPS,
-                    "length": {"type": "integer"},
-                    "cases": {"type": "integer"},
-                    "scored": {"type": "integer"},
-                    "unscored": {"type": "integer"},
-                    "selected": {"type": "integer"},
-                    "selection_rate": _NUM_OR_NULL,
-                    "answers_correct": _INT_OR_NULL,
-                    "answer_recall": _NUM_OR_NULL,
-                    "per_layer": {
-                        "type": "array",
-                        "items": {
-                            "type": "object",
-                            "required": ["layer", "n", "selected", "rate"],
-                            "properties": {
-                                "layer": {"type": "integer"},
-                                "n": {"type": "integer"},
-                                "selected": {"type": "integer"},
-                                "rate": _NUM_OR_NULL,
-                                "median_best_rank": _NUM_OR_NULL,
-                                "mean_margin_frac": _NUM_OR_NULL,
-                            },
-                        },
-                    },
-                },
-            },
-        },
-        "runs": {
-            "type": "array",
-            "items": {
-                "type": "object",
-                "required": ["case_id", "length", *_SETTING_PROPS, "selected", "layers", "answer_correct"],
-                "properties": {
-                    "case_id": {"type": "string"},
-                    "length": {"type": "integer"},
-                    "depth": {"type": "number"},
-                    "trial": {"type": "integer"},
-                    "prompt_tokens": {"type": "integer"},
-                    **_SETTING_PROPS,
-                    "selected": {"type": ["boolean", "null"]},
-                    "layers": {"type": "array"},
-                    "answer": {"type": ["string", "null"]},
-                    "answer_correct": {"type": ["boolean", "null"]},
-                },
-            },
-        },
-        "cheapest": {
-            "type": ["object", "null"],
-            "required": [*_SETTING_PROPS, "rate"],
-            "properties": {**_SETTING_PROPS, "rate": {"type": "number"}},
-        },
-        "baseline": {"type": "object", "required": list(_SETTING_PROPS), "properties": _SETTING_PROPS},
-        "verdict": {"type": "array", "items": {"type": "string"}},
-    },
-}
-"""JSON-Schema-style description of ``sweep.json`` (checked by ``validate_sweep``)."""
-
-
 @dataclass(frozen=True)
 class SweepConfig:
     """The sweep grid. ``target_length=None`` means the longest length."""
 
-    lengths: tuple[int, ...]
     index_topk: tuple[int, ...]
+    lengths: tuple[int, ...] = (256, 1024)
     index_k: tuple[str, ...] = ("fp32",)
     index_q: tuple[str, ...] = ("fp32",)
     score_dtype: str = "fp32"
@@ -373,11 +258,6 @@ def summarize_runs(runs: list[dict], layers: list[int], generate: bool) -> list[
     return cells
 
 
-def _fmt_setting(k: str, q: str, topk: int | None = None) -> str:
-    s = f"k={k} q={q}"
-    return s if topk is None else f"{s} index_topk={topk}"
-
-
 def _verdict(cfg: SweepConfig, settings: list[dict], cheapest, baseline: Setting, metric: str) -> list[str]:
     """Verdict lines, judged by ``metric`` (answer recall with generation), selection beside it."""
     by = {(s["index_k"], s["index_q"], s["index_topk"]): s for s in settings}
@@ -401,15 +281,15 @@ def _verdict(cfg: SweepConfig, settings: list[dict], cheapest, baseline: Setting
             return ""
         return " (no further than the baseline)"
 
-    lines.append(f"baseline {_fmt_setting(bk, bq, btopk)} keeps {what} {reach(by[base])}")
+    lines.append(f"baseline {fmt_setting(bk, bq, btopk)} keeps {what} {reach(by[base])}")
     for k, q in itertools.product(cfg.index_k, cfg.index_q):
         if (k, q) != (bk, bq):
             s = by[(k, q, btopk)]
-            lines.append(f"{_fmt_setting(k, q)} (index_topk {btopk}) restores {what} {reach(s)}{vs_base(s)}")
+            lines.append(f"{fmt_setting(k, q)} (index_topk {btopk}) restores {what} {reach(s)}{vs_base(s)}")
     for topk in sorted(cfg.index_topk):
         if topk != btopk:
             s = by[(bk, bq, topk)]
-            lines.append(f"index_topk {topk} ({_fmt_setting(bk, bq)}) restores {what} {reach(s)}{vs_base(s)}")
+            lines.append(f"index_topk {topk} ({fmt_setting(bk, bq)}) restores {what} {reach(s)}{vs_base(s)}")
     target = cfg.target
     if cheapest is None:
         lines.append(f"no setting in the grid reaches {what} {cfg.target_rate:g} at {target} tokens")
@@ -424,34 +304,25 @@ def _verdict(cfg: SweepConfig, settings: list[dict], cheapest, baseline: Setting
             detail += f", selection {s['selection_rate_at_target']:.2f}"
         lines.append(
             f"cheapest setting restoring {what} at {target} tokens ({what} >= {cfg.target_rate:g}): "
-            f"{_fmt_setting(k, q, topk)} ({detail})"
+            f"{fmt_setting(k, q, topk)} ({detail})"
         )
         r = s["restored_to"]
         if r is None or r < target:
             lines.append(
-                f"note: {_fmt_setting(k, q, topk)} falls below {cfg.target_rate:g} at a shorter length "
+                f"note: {fmt_setting(k, q, topk)} falls below {cfg.target_rate:g} at a shorter length "
                 f"(unbroken only to {r if r is not None else 'no tested length'}); check the table"
             )
     return lines
 
 
-def run_sweep(
+def _model_runs(
     model,
     tokenizer,
     cfg: SweepConfig,
-    *,
-    model_label: str = "",
-    on_progress: Callable[[int, int], None] | None = None,
-    reload: Callable[[], torch.nn.Module] | None = None,
-) -> dict:
-    """Run the sweep grid on ``model``; returns a dict following ``SWEEP_SCHEMA``.
-
-    The patch (``cfg.patch``) is applied exactly once per setting and model instance, and
-    every case of the setting runs on that one patched model. A patch that returns its undo
-    is undone after the setting and the model is reused; one that returns no undo leaves the
-    model changed, so the next setting runs on a fresh model from ``reload()`` (BadInput when
-    no ``reload`` is given). ``on_progress(done, total)`` is called after each (case, setting) run.
-    """
+    on_progress: Callable[[int, int], None] | None,
+    reload: Callable[[], torch.nn.Module] | None,
+) -> tuple[list[dict], set[int]]:
+    """(runs, CSA layer ids seen) of the grid on a model: one ``rank_dump`` per (setting, case)."""
 
     def count_tokens(messages: list[dict]) -> int:
         return len(render_prompt(tokenizer, messages).input_ids)
@@ -462,7 +333,6 @@ def run_sweep(
     runs: list[dict] = []
     layers: set[int] = set()
     for i, setting in enumerate(grid):
-        k, q, topk = _key(setting)
         if i > 0 and patched_for_good(model):
             if reload is None:
                 raise BadInput(
@@ -489,17 +359,11 @@ def run_sweep(
                     )
                     layers.update(layer["layer"] for layer in dump["layers"])
                     k_used = capture.k_used()
-                    recs = _first_answer_layers(dump, k_used if k_used is not None else topk)
+                    recs = _first_answer_layers(dump, k_used if k_used is not None else setting.index_topk)
                     runs.append(
                         {
-                            "case_id": case.case_id,
-                            "length": case.length,
-                            "depth": case.depth,
-                            "trial": case.trial,
+                            **_run_head(case.case_id, case.length, case.depth, case.trial, setting),
                             "prompt_tokens": dump["prompt_tokens"],
-                            "index_k": k,
-                            "index_q": q,
-                            "index_topk": topk,
                             "k_used": k_used,
                             "selected": all(r["selected"] for r in recs) if recs else None,
                             "layers": recs,
@@ -512,17 +376,121 @@ def run_sweep(
             finally:
                 if undo is not None:
                     undo()
+    return runs, layers
 
-    cells = summarize_runs(runs, sorted(layers), cfg.generate)
-    metric = "answer_recall" if cfg.generate else "selection_rate"
-    by_cell = {(c["index_k"], c["index_q"], c["index_topk"], c["length"]): c for c in cells}
-    rate = {key: c[metric] for key, c in by_cell.items()}
+
+def _run_head(case_id: str, length: int, depth: float, trial: int, setting: Setting) -> dict:
+    k, q, topk = _key(setting)
+    return {
+        "case_id": case_id,
+        "length": length,
+        "depth": depth,
+        "trial": trial,
+        "index_k": k,
+        "index_q": q,
+        "index_topk": topk,
+    }
+
+
+def run_sweep(
+    model,
+    tokenizer,
+    cfg: SweepConfig,
+    *,
+    model_label: str = "",
+    on_progress: Callable[[int, int], None] | None = None,
+    reload: Callable[[], torch.nn.Module] | None = None,
+) -> dict:
+    """Run the sweep grid on ``model``; returns a dict following ``SWEEP_SCHEMA``.
+
+    The patch (``cfg.patch``) is applied exactly once per setting and model instance, and
+    every case of the setting runs on that one patched model. A patch that returns its undo
+    is undone after the setting and the model is reused; one that returns no undo leaves the
+    model changed, so the next setting runs on a fresh model from ``reload()`` (BadInput when
+    no ``reload`` is given). ``on_progress(done, total)`` is called after each (case, setting) run.
+    """
+    runs, layers = _model_runs(model, tokenizer, cfg, on_progress, reload)
+    return assemble_sweep(cfg, runs, sorted(layers), model_label)
+
+
+def run_random_layer_sweep(
+    cfg: SweepConfig,
+    layer_cfg: RandomLayerConfig,
+    *,
+    device: str = "cpu",
+    on_progress: Callable[[int, int], None] | None = None,
+) -> dict:
+    """The sweep grid on one random full-size indexer layer (``dsa.random_layer``), no checkpoint.
+
+    Cases are (length, depth, trial) contexts of exactly ``length`` tokens, the query at the last
+    position; each context is drawn once (seeded from ``cfg.seed``) and scored under every
+    setting, so settings differ only in numerics. ``generate`` must be off (a layer has no
+    answers): cells are judged by needle selection. ``cfg.patch`` is applied once per setting to
+    the layer module (as ``run_sweep`` does to a model); the layer is rebuilt after a patch that
+    gave no undo. The one CSA layer is layer 0; ``runs[].layers[0]`` holds its rank and margin.
+    """
+    if cfg.generate:
+        raise BadInput("a random indexer layer has no answers to generate; sweep it with generate off")
+    grid = cfg.settings()
+    cases = [
+        (length, depth, trial)
+        for length in cfg.lengths
+        for depth in cfg.depths
+        for trial in range(cfg.trials)
+    ]
+    total = len(cases) * len(grid)
+    layer = random_indexer(layer_cfg, device, seed=cfg.seed)
+    by_setting: dict[Setting, list[dict]] = {s: [] for s in grid}
+    done = 0
+    for ci, (length, depth, trial) in enumerate(cases):
+        ctx = make_context(layer, layer_cfg, length, depth, seed=cfg.seed * 1_000_003 + ci + 1)
+        for setting in grid:
+            if patched_for_good(layer):
+                layer = random_indexer(layer_cfg, device, seed=cfg.seed)
+            with torch.no_grad(), emulate(layer, setting.numerics_only):
+                undo = apply_patch_once(layer, cfg.patch) if cfg.patch is not None else None
+                try:
+                    stats, selected = score_needle(layer, ctx, setting.index_topk)
+                finally:
+                    if undo is not None:
+                        undo()
+            case_id = f"random-{length}-d{depth:g}-t{trial}"
+            by_setting[setting].append(
+                {
+                    **_run_head(case_id, length, float(depth), trial, setting),
+                    "prompt_tokens": length,
+                    "k_used": stats.k,
+                    "needle_entry": ctx.needle_entry,
+                    "selected": selected,
+                    "layers": [
+                        {
+                            "layer": 0,
+                            "selected": selected,
+                            "best_rank": stats.best_rank,
+                            "margin_frac": stats.margin_frac,
+                            "rank_consistent": stats.best_rank > stats.k or selected,
+                        }
+                    ],
+                    "answer": None,
+                    "answer_correct": None,
+                }
+            )
+            done += 1
+            if on_progress is not None:
+                on_progress(done, total)
+    runs = [r for s in grid for r in by_setting[s]]
+    label = f"{RANDOM_LAYER} (seed {cfg.seed}, needle strength {layer_cfg.strength:g})"
+    return {**assemble_sweep(cfg, runs, [0], label), "kind": "planted key"}
+
+
+def _setting_rows(cfg: SweepConfig, grid: list[Setting], by_cell: dict, metric: str) -> list[dict]:
+    """``settings[]`` of sweep.json: per setting, how far its judged rate and its selection hold."""
     target = cfg.target
-    settings = []
+    rows = []
     for rank, s in enumerate(grid):
-        rates = {length: rate[(*_key(s), length)] for length in cfg.lengths}
+        rates = {length: by_cell[(*_key(s), length)][metric] for length in cfg.lengths}
         sel = {length: by_cell[(*_key(s), length)]["selection_rate"] for length in cfg.lengths}
-        settings.append(
+        rows.append(
             {
                 "index_k": s.index_k,
                 "index_q": s.index_q,
@@ -535,7 +503,18 @@ def run_sweep(
                 "selection_rate_at_target": sel[target],
             }
         )
-    cheapest = cheapest_setting({s: rate[(*_key(s), target)] for s in grid}, cfg.target_rate)
+    return rows
+
+
+def assemble_sweep(cfg: SweepConfig, runs: list[dict], layers: list[int], model_label: str) -> dict:
+    """The ``sweep.json`` object (``SWEEP_SCHEMA``) of ``runs`` over ``cfg``'s grid."""
+    cells = summarize_runs(runs, layers, cfg.generate)
+    metric = "answer_recall" if cfg.generate else "selection_rate"
+    by_cell = {(c["index_k"], c["index_q"], c["index_topk"], c["length"]): c for c in cells}
+    grid = cfg.settings()
+    target = cfg.target
+    settings = _setting_rows(cfg, grid, by_cell, metric)
+    cheapest = cheapest_setting({s: by_cell[(*_key(s), target)][metric] for s in grid}, cfg.target_rate)
     precisions = sorted(
         itertools.product(cfg.index_k, cfg.index_q),
         key=lambda kq: (PRECISIONS[kq[0]] + PRECISIONS[kq[1]], PRECISIONS[kq[0]], kq),
@@ -572,77 +551,3 @@ def run_sweep(
         "baseline": {"index_k": bk, "index_q": bq, "index_topk": baseline.index_topk},
         "verdict": _verdict(cfg, settings, cheapest, baseline, metric),
     }
-
-
-def validate_sweep(obj: dict) -> None:
-    """Raise ValueError unless ``obj`` follows SWEEP_SCHEMA and its counting invariants."""
-    check_schema(obj, SWEEP_SCHEMA, "sweep")
-    for c in obj["cells"]:
-        if c["scored"] + c["unscored"] != c["cases"] or not 0 <= c["selected"] <= c["scored"]:
-            raise ValueError(
-                f"sweep: cell {c['index_k']}/{c['index_q']}/{c['index_topk']}/{c['length']}: bad counts"
-            )
-
-
-def _pct(x: float | None) -> str:
-    return "-" if x is None else f"{x:.2f}"
-
-
-def render_sweep_md(obj: dict) -> str:
-    """Markdown summary of sweep.json: verdict, then a rate table per setting × length."""
-    lengths = obj["lengths"]
-    judged = obj.get("judged_by", "answer_recall" if obj["generate"] else "selection_rate")
-    what = "answer recall" if judged == "answer_recall" else "needle selection rate"
-    lines = [
-        f"# needlescope indexer sweep: {obj['model'] or 'model'} ({obj['kind']})",
-        "",
-        f"Target: {what} >= {obj['target_rate']:g} at {obj['target_length']} tokens. "
-        f"Scores accumulated in {obj.get('score_dtype', 'fp32')}. A case counts as selected when every CSA "
-        "layer that can see the needle has a needle entry in its top-k at the first answer position.",
-        "",
-        "## Verdict",
-        "",
-        *[f"- {v}" for v in obj["verdict"]],
-        "",
-        "## Needle selection rate" + (" / answer recall" if obj["generate"] else ""),
-        "",
-        "| setting | restored to | " + " | ".join(str(n) for n in lengths) + " |",
-        "|---|---|" + "---|" * len(lengths),
-    ]
-    cell = {(c["index_k"], c["index_q"], c["index_topk"], c["length"]): c for c in obj["cells"]}
-    starred = inconsistent = False
-    for s in obj["settings"]:
-        key = (s["index_k"], s["index_q"], s["index_topk"])
-        vals = []
-        for n in lengths:
-            c = cell.get((*key, n))
-            if c is None:
-                vals.append("-")
-                continue
-            v = _pct(c["selection_rate"])
-            if obj["generate"]:
-                v += f" / {_pct(c['answer_recall'])}"
-            if c["unscored"]:
-                v += f" ({c['unscored']} unscored)"
-            if c.get("k_used", key[2]) >= n // 4:
-                v += " *"
-                starred = True
-            if c.get("rank_inconsistent"):
-                v += " !"
-                inconsistent = True
-            vals.append(v)
-        reach = s["restored_to"] if s["restored_to"] is not None else "none"
-        lines.append(f"| {_fmt_setting(*key)} | {reach} | " + " | ".join(vals) + " |")
-    if starred:
-        lines += [
-            "",
-            "`*`: the k the indexer actually used is >= length/4, so every visible entry fits in the top-k "
-            "and selection is trivial.",
-        ]
-    if inconsistent:
-        lines += [
-            "",
-            "`!`: a needle rank within k while the needle was not selected; the ranked scores disagree with "
-            "the selection (see runs[].layers[].rank_consistent).",
-        ]
-    return "\n".join(lines) + "\n"

@@ -127,16 +127,18 @@ def parse_precisions(text: str) -> tuple[Precision, ...]:
 class SyntheticConfig:
     """A synthetic grid: entries x margins x precisions, ``trials`` seeded trials each."""
 
-    entries: tuple[int, ...] = (4096,)
+    entries: tuple[int, ...] = (4096, 65536)
     heads: int = 64
     dim: int = 128
     queries: int = 1
     topk: int = 512
-    margins: tuple[float, ...] = (0.0,)
+    margins: tuple[float, ...] = (0.0, 0.01, 0.05)
     margin_unit: str = "spread"
     margin_ref: str = "best"
     trials: int = 20
-    precisions: tuple[Precision, ...] = field(default_factory=lambda: (Precision(),))
+    precisions: tuple[Precision, ...] = field(
+        default_factory=lambda: parse_precisions("fp32,bf16,fp8_e4m3,fp4_e2m1")
+    )
     seed: int = 0
     chunk: int = 16384
     device: str = "cpu"

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from needlescope.run.compare import compare_runs
 from needlescope.run.config import ProbeConfig
+from needlescope.run.difficulty import choose_difficulty
 from needlescope.run.probe import STORE_NAME, Event, run_probe
 from needlescope.run.store import ResultStore
 from needlescope.targets import collect_provenance, normalize_base_url, preflight
@@ -36,10 +37,16 @@ def compare_live(
     for cfg in (cfg_a, cfg_b):
         for url in cfg.base_urls:
             preflight(normalize_base_url(url)[0], cfg.model, api_key=cfg.api_key)
+    difficulty = None
+    if cfg_a.auto_difficulty:
+        # A is the reference: its difficulty is chosen once and held for both sides.
+        cfg_a, difficulty = choose_difficulty(cfg_a, out / "difficulty", on_event)
+        cfg_a = replace(cfg_a, resume=(out / "a" / STORE_NAME).is_file())
+        cfg_b = replace(cfg_b, distractors=cfg_a.distractors, value_digits=cfg_a.value_digits)
     cfg_a = replace(cfg_a, out=out / "a")
     cfg_b = replace(cfg_b, out=out / "b")
     on_event("side", {"side": "A", "base_urls": list(cfg_a.base_urls)})
-    run_probe(cfg_a, on_event)
+    run_probe(cfg_a, on_event, difficulty=difficulty)
     b_store = cfg_b.out / STORE_NAME
     if not b_store.exists():
         cfg_b.out.mkdir(parents=True, exist_ok=True)

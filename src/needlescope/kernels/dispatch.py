@@ -118,23 +118,14 @@ def topk(
 
 
 def indexer_topk(
-    q: torch.Tensor,
-    w: torch.Tensor,
-    keys: ContiguousKeys | PagedKeys,
-    k: int,
-    *,
-    starts: torch.Tensor | None = None,
-    ends: torch.Tensor | None = None,
-    context_lens: torch.Tensor | None = None,
-    kernel: str = "auto",
-    fault: str | None = None,
+    q: torch.Tensor, w: torch.Tensor, keys: ContiguousKeys | PagedKeys, k: int, **ranges_and_kernel
 ) -> torch.Tensor:
     """int32 [R, k] selected entries (-1 padded) for each query row: ``indexer_logits`` then ``topk``.
 
+    ``ranges_and_kernel``: ``indexer_logits``' keywords (starts, ends, context_lens, kernel, fault).
     k is any positive integer; the Triton path is measured at 512, 1024 and 2048 (docs/perf/indexer.md).
     """
-    logits = indexer_logits(
-        q, w, keys, starts=starts, ends=ends, context_lens=context_lens, kernel=kernel, fault=fault
-    )
-    st, en = _ranges(keys, q.shape[0], starts, ends, context_lens, q.device)
-    return topk(logits, k, st, en, kernel=kernel)
+    logits = indexer_logits(q, w, keys, **ranges_and_kernel)
+    opt = ranges_and_kernel.get
+    st, en = _ranges(keys, q.shape[0], opt("starts"), opt("ends"), opt("context_lens"), q.device)
+    return topk(logits, k, st, en, kernel=opt("kernel", "auto"))

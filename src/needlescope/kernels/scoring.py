@@ -56,18 +56,12 @@ def scores_factory(
             return lightning_scores
         _check(index_k, index_q)
 
-        def scores(
-            q: torch.Tensor,
-            k: torch.Tensor,
-            w: torch.Tensor,
-            *,
-            scale: float,
-            weight_scale: float = 1.0,
-            acc_dtype: torch.dtype = torch.float32,
-        ) -> torch.Tensor:
-            """q [..., S, H, D], k [..., L, D], w [..., S, H] (fake-quantized) -> fp32 [..., S, L]."""
+        def scores(q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, **how) -> torch.Tensor:
+            """``lightning_scores(q, k, w, **how)`` on the kernel: q [..., S, H, D], k [..., L, D],
+            w [..., S, H] (fake-quantized) -> fp32 [..., S, L]."""
+            acc_dtype = how.get("acc_dtype", torch.float32)
             if acc_dtype != torch.float32 and not strict:
-                return lightning_scores(q, k, w, scale=scale, weight_scale=weight_scale, acc_dtype=acc_dtype)
+                return lightning_scores(q, k, w, **how)
             if acc_dtype != torch.float32:
                 raise BadInput(
                     "the indexer kernel accumulates in fp32; use --score-dtype fp32 (or --kernel reference)"
@@ -82,7 +76,8 @@ def scores_factory(
             rows = []
             for qb, kb, wb in zip(qs, ks, ws):
                 # scale > 0 and weight_scale > 0 commute with ReLU, so both fold into w.
-                codes, wf = quantize_queries(qb, wb.float() * (scale * weight_scale), index_q)
+                fold = how["scale"] * how.get("weight_scale", 1.0)
+                codes, wf = quantize_queries(qb, wb.float() * fold, index_q)
                 rows.append(indexer_logits(codes, wf, quantize_keys(kb, index_k), kernel=kernel, fault=fault))
             return torch.stack(rows).reshape(*lead, S, k.shape[-2])
 

@@ -52,6 +52,7 @@ def _paged_kernel(
     D: tl.constexpr,
     BLOCK_H: tl.constexpr,
     PAGES_PER_PROG: tl.constexpr,
+    PAGES_PER_MMA: tl.constexpr,  # 1 or 2: entries of one or two pages as the MMA's rows
     FP8: tl.constexpr,
     NATIVE_FP8: tl.constexpr,
     IEEE: tl.constexpr,
@@ -62,14 +63,14 @@ def _paged_kernel(
     chunk = tl.program_id(1)
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, D)
-    offs_e = tl.arange(0, 64)  # SGLang's page: layout.PAGE_ENTRIES entries
+    offs_e = tl.arange(0, 64 * PAGES_PER_MMA)  # SGLang's page: layout.PAGE_ENTRIES entries
     hmask = offs_h < H
     q = tl.load(q_ptr + b * H * D + offs_h[:, None] * D + offs_d[None, :], mask=hmask[:, None], other=0.0)
     w = tl.load(w_ptr + b * H + offs_h, mask=hmask, other=0.0)
     n = tl.load(lens_ptr + b)
-    for i in range(PAGES_PER_PROG):
-        page = chunk * PAGES_PER_PROG + i
-        ent = page * 64 + offs_e  # logical entries of this page
+    for i in range(PAGES_PER_PROG // PAGES_PER_MMA):
+        page = chunk * PAGES_PER_PROG + i * PAGES_PER_MMA
+        ent = page * 64 + offs_e  # logical entries of this page (these pages)
         valid = ent < n
         # No branch on the page: masked loads move no bytes, and a branch-free loop pipelines.
         if FAULT_KEY_SLOT or FAULT_PAGE_TABLE:  # debug variants: gather entry by entry
@@ -81,9 +82,14 @@ def _paged_kernel(
             else:
                 phys = tl.load(bt_ptr + b * bt_stride + src // 64, mask=valid, other=0).to(tl.int64)
             slot = src % 64
-        else:  # one page: its 64 entries are contiguous, so the loads are wide
+        elif PAGES_PER_MMA == 1:  # one page: its 64 entries are contiguous, so the loads are wide
             phys = tl.load(bt_ptr + b * bt_stride + page, mask=page * 64 < n, other=0).to(tl.int64)
             slot = offs_e
+        else:  # two pages: two block-table loads; each entry's 128 B (fp8) stay one wide load
+            p0 = tl.load(bt_ptr + b * bt_stride + page, mask=page * 64 < n, other=0).to(tl.int64)
+            p1 = tl.load(bt_ptr + b * bt_stride + page + 1, mask=(page + 1) * 64 < n, other=0).to(tl.int64)
+            phys = tl.where(offs_e < 64, p0, p1)
+            slot = offs_e % 64
         if FP8:
             kp = vals_ptr + phys * (64 * (D + 4)) + slot * D
             k = tl.load(kp[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
@@ -91,9 +97,9 @@ def _paged_kernel(
         else:
             kp = vals_ptr + (phys * 64 + slot) * D
             k = tl.load(kp[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
-            sc = tl.full([64], 1.0, tl.float32)
+            sc = tl.full([64 * PAGES_PER_MMA], 1.0, tl.float32)
         # Entries as the MMA's rows, heads as its columns: the head sum stays inside each warp.
-        s = _scores(k, q, NATIVE_FP8, IEEE)  # [64, BLOCK_H]
+        s = _scores(k, q, NATIVE_FP8, IEEE)  # [64 * PAGES_PER_MMA, BLOCK_H]
         logit = tl.sum(tl.maximum(s, 0.0) * w[None, :], axis=1) * sc
         logit = tl.where(valid, logit, float("-inf"))
         tl.store(out_ptr + b.to(tl.int64) * out_stride + ent, logit, mask=ent < out_stride)
@@ -163,6 +169,7 @@ def paged_logits(
     *,
     fault: str | None = None,
     pages_per_prog: int = 8,
+    pages_per_mma: int = 1,
     native_fp8: bool = True,
     num_warps: int = 4,
     num_stages: int = 2,
@@ -170,6 +177,10 @@ def paged_logits(
 ) -> torch.Tensor:
     """q [B, H, D] codes, w [B, H] fp32, context_lens int32 [B] -> logits fp32 [B, width] (into ``out`` if given)."""
     B, H, D = q.shape
+    if pages_per_mma not in (1, 2) or pages_per_prog % pages_per_mma:
+        raise ValueError(f"pages_per_mma must be 1 or 2 and divide pages_per_prog={pages_per_prog}")
+    if fault is not None:  # the fault variants gather entry by entry, one page per MMA
+        pages_per_mma = 1
     width = paged.width
     out = torch.empty(B, width, dtype=torch.float32, device=q.device) if out is None else out
     fp8 = paged.key_dtype == "fp8_e4m3"
@@ -190,6 +201,7 @@ def paged_logits(
         D=D,
         BLOCK_H=max(16, triton.next_power_of_2(H)),
         PAGES_PER_PROG=pages_per_prog,
+        PAGES_PER_MMA=pages_per_mma,
         FP8=fp8,
         FAULT_PAGE_TABLE=fault == "indexer_page_table",
         FAULT_KEY_SLOT=fault == "indexer_key_slot",

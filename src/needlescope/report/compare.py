@@ -6,8 +6,10 @@ import json
 from pathlib import Path
 
 from ..schema import check_schema
+from .heatmap import length_depth_heatmap
+from .probe import DIFFICULTY_SCHEMA, difficulty_lines
 
-__all__ = ["COMPARE_SCHEMA", "validate_compare", "write_compare_outputs"]
+__all__ = ["COMPARE_SCHEMA", "GRADED_COMPARE_SCHEMA", "validate_compare", "write_compare_outputs"]
 
 _BUCKET_KEYS = (
     "length_lo",
@@ -22,9 +24,56 @@ _BUCKET_KEYS = (
     "p_holm",
 )
 
+_NUM_OR_NULL = {"type": ["number", "null"]}
+# analysis.margins.paired_differences, plus the Holm-corrected p-value across buckets.
+_PAIRED = {
+    "type": "object",
+    "required": [
+        "n",
+        "n_nonzero",
+        "a_median",
+        "b_median",
+        "delta_mean",
+        "delta_median",
+        "w_plus",
+        "p_value",
+        "p_holm",
+    ],
+    "properties": {
+        "n": {"type": "integer"},
+        "n_nonzero": {"type": "integer"},
+        **{k: _NUM_OR_NULL for k in ("a_median", "b_median", "delta_mean", "delta_median")},
+        **{k: {"type": "number"} for k in ("w_plus", "p_value", "p_holm")},
+    },
+}
+GRADED_COMPARE_SCHEMA: dict = {
+    "type": ["object", "null"],
+    "required": ["methods", "pairs", "buckets", "verdict"],
+    "properties": {
+        "methods": {"type": "array", "items": {"type": "string"}},
+        "pairs": {"type": "integer"},
+        "verdict": {"type": "string"},
+        "buckets": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["length_lo", "length_hi", "n", "margin", "gold_logprob", "detectable_shift"],
+                "properties": {
+                    "length_lo": {"type": "integer"},
+                    "length_hi": {"type": "integer"},
+                    "n": {"type": "integer"},
+                    "margin": _PAIRED,
+                    "gold_logprob": _PAIRED,
+                    "detectable_shift": _NUM_OR_NULL,
+                },
+            },
+        },
+    },
+}
+
 COMPARE_SCHEMA: dict = {
     "type": "object",
-    "required": ["cases_matched", "buckets", "verdict", "regresses_from"],
+    "required": ["cases_matched", "buckets", "verdict", "regresses_from", "graded", "difficulty"],
     "properties": {
         "cases_matched": {"type": "integer"},
         "buckets": {
@@ -40,6 +89,9 @@ COMPARE_SCHEMA: dict = {
         },
         "verdict": {"type": "string"},
         "regresses_from": {"type": ["integer", "null"]},
+        "graded": GRADED_COMPARE_SCHEMA,
+        # The auto-difficulty search side A's run was made at (report.probe.DIFFICULTY_SCHEMA).
+        "difficulty": {**DIFFICULTY_SCHEMA, "type": ["object", "null"]},
     },
 }
 
@@ -53,29 +105,8 @@ def validate_compare(obj: dict) -> None:
 
 
 def _delta_heatmap(path: Path, cells: list[dict]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
-
-    lengths = sorted({c["length"] for c in cells})
-    depths = sorted({c["depth"] for c in cells})
-    grid = np.full((max(1, len(lengths)), max(1, len(depths))), np.nan)
-    fig, ax = plt.subplots(figsize=(1.2 * max(3, len(depths)) + 2, 0.7 * max(3, len(lengths)) + 1.5))
-    for c in cells:
-        i, j = lengths.index(c["length"]), depths.index(c["depth"])
-        grid[i, j] = c["delta"]
-        ax.text(j, i, f"{c['delta']:+.2f}\nn={c['n']}", ha="center", va="center", fontsize=7)
-    im = ax.imshow(grid, cmap="RdBu", vmin=-1.0, vmax=1.0, aspect="auto", origin="lower")
-    ax.set_xticks(range(len(depths)), [f"{d:g}" for d in depths])
-    ax.set_yticks(range(len(lengths)), [str(n) for n in lengths])
-    ax.set_xlabel("needle depth (%)")
-    ax.set_ylabel("length (tokens)")
-    fig.colorbar(im, ax=ax, label="recall B - recall A")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    drawn = {(c["length"], c["depth"]): (c["delta"], f"{c['delta']:+.2f}\nn={c['n']}") for c in cells}
+    length_depth_heatmap(path, drawn, cmap="RdBu", vmin=-1.0, vmax=1.0, label="recall B - recall A")
 
 
 def _setting_line(prov: dict) -> str:
@@ -120,8 +151,52 @@ def _markdown(compare: dict, cells: list[dict], sides: dict, unpaired: int, alph
             f"| {c['length']} | {c['depth']:g} | {c['n']} | {c['recall_a']:.2f} | {c['recall_b']:.2f} "
             f"| {c['delta']:+.2f} | [{c['ci_low']:+.2f}, {c['ci_high']:+.2f}] | {c['p_value']:.2g} |"
         )
+    if compare["difficulty"] is not None:
+        lines += [""] + difficulty_lines(compare["difficulty"])
+    lines += [""] + _graded_lines(compare["graded"])
     lines += ["", "![delta heatmap](delta_heatmap.png)", ""]
     return "\n".join(lines)
+
+
+def _p(paired: dict) -> str:
+    return f"{paired['p_value']:.2g} | {paired['p_holm']:.2g}"
+
+
+def _num(value: float | None) -> str:
+    return "-" if value is None else f"{value:+.3g}"
+
+
+def _graded_lines(graded: dict | None) -> list[str]:
+    """Margin and gold-logprob deltas per bucket, beside the recall table above."""
+    lines = ["## Graded signal: margins (B - A, paired)", ""]
+    if graded is None:
+        return lines + [
+            "Not measured: neither run holds graded scores on both sides (probe with --graded, on a "
+            "server that returns prompt logprobs; docs/graded.md)."
+        ]
+    lines += [
+        f"**Verdict:** {graded['verdict']}",
+        "",
+        f"{graded['pairs']} cases graded on both sides ({', '.join(graded['methods'])}). Margin: the "
+        "answer's weakest gold token's logprob minus the best other token's (nats). Deltas are "
+        "B - A per case; p: two-sided Wilcoxon signed-rank (exact up to 60 non-zero pairs), Holm "
+        "across buckets; 'detectable' is the margin shift found with 80% power.",
+        "",
+        "| length | n | answer margin A (median) | B (median) | delta (median) | delta (mean) | p | p (Holm) "
+        "| gold logprob delta (median) | p | p (Holm) | detectable |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for b in graded["buckets"]:
+        m, g = b["margin"], b["gold_logprob"]
+        span = (
+            str(b["length_lo"]) if b["length_lo"] == b["length_hi"] else f"{b['length_lo']}-{b['length_hi']}"
+        )
+        shift = "-" if b["detectable_shift"] is None else f"{b['detectable_shift']:.3g}"
+        lines.append(
+            f"| {span} | {b['n']} | {_num(m['a_median'])} | {_num(m['b_median'])} | {_num(m['delta_median'])} "
+            f"| {_num(m['delta_mean'])} | {_p(m)} | {_num(g['delta_median'])} | {_p(g)} | {shift} |"
+        )
+    return lines
 
 
 def write_compare_outputs(
@@ -135,7 +210,8 @@ def write_compare_outputs(
 ) -> dict:
     """Write compare.json (exactly COMPARE_SCHEMA's keys), report.md, delta_heatmap.png and
     pairs.jsonl (one object per paired case: case_id, length, depth, a_correct, b_correct,
-    a_answer, b_answer, expected). Returns compare.json's body."""
+    a_answer, b_answer, expected, and with graded scores on both sides a_/b_ min_margin,
+    gold_logprob, first_logprob, first_rank). Returns compare.json's body."""
     out_dir.mkdir(parents=True, exist_ok=True)
     compare = {k: result[k] for k in COMPARE_SCHEMA["required"]}
     validate_compare(compare)

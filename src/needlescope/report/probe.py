@@ -9,10 +9,97 @@ from pathlib import Path
 from ..analysis.curve import Cell, cliff, effective_length, pooled_recall
 from ..schema import check_schema
 from .breakdown import ENDPOINTS_SCHEMA, FAILURES_SCHEMA, endpoint_lines, failure_lines
+from .heatmap import length_depth_heatmap
 
-__all__ = ["SUMMARY_SCHEMA", "validate_summary", "write_probe_outputs"]
+__all__ = [
+    "DIFFICULTY_SCHEMA",
+    "GRADED_SCHEMA",
+    "difficulty_lines",
+    "SUMMARY_SCHEMA",
+    "graded_lines",
+    "validate_summary",
+    "write_probe_outputs",
+]
 
 _CELL_KEYS = ("length", "depth", "n", "correct", "errors", "recall", "ci_low", "ci_high")
+
+_NUM_OR_NULL = {"type": ["number", "null"]}
+# analysis.margins.margin_summary's keys: counts are integers, the rest numbers (null: no data).
+_MARGIN_COUNTS = ("n", "first_rank1", "margin_tokens", "below_threshold", "lost")
+_MARGIN_VALUES = (
+    "first_logprob_mean",
+    "gold_logprob_mean",
+    "gold_logprob_median",
+    "margin_mean",
+    "margin_p10",
+    "margin_p50",
+    "margin_p90",
+    "margin_min",
+    "answer_margin_median",
+)
+
+
+def _margin_rows(*keys: str) -> dict:
+    props = {k: {"type": "integer"} for k in _MARGIN_COUNTS} | {k: _NUM_OR_NULL for k in _MARGIN_VALUES}
+    props |= {"length": {"type": "integer"}, "depth": {"type": "number"}}
+    return {
+        "type": "array",
+        "items": {
+            "type": "object",
+            "required": [*keys, *_MARGIN_COUNTS, *_MARGIN_VALUES],
+            "properties": props,
+        },
+    }
+
+
+_LEVEL = {
+    "type": "object",
+    "required": ["distractors", "value_digits"],
+    "properties": {
+        "distractors": {"type": "integer"},
+        "value_digits": {"type": "integer"},
+        "recall": {"type": ["number", "null"]},
+        "n": {"type": "integer"},
+        "run": {"type": "string"},
+    },
+}
+# run.difficulty's record of an auto-difficulty search.
+DIFFICULTY_SCHEMA: dict = {
+    "type": "object",
+    "required": ["target", "order", "levels", "chosen", "reached"],
+    "properties": {
+        "target": {"type": "number"},
+        "order": {"type": "string"},
+        "levels": {"type": "array", "items": _LEVEL},
+        "chosen": _LEVEL,
+        "reached": {"type": "boolean"},
+    },
+}
+
+GRADED_SCHEMA: dict = {
+    "type": "object",
+    "required": [
+        "method",
+        "note",
+        "top_logprobs",
+        "margin_threshold",
+        "scored",
+        "errors",
+        "cells",
+        "lengths",
+    ],
+    "properties": {
+        "method": {"type": ["string", "null"]},
+        "tokenize": {"type": ["string", "null"]},
+        "note": {"type": "string"},
+        "top_logprobs": {"type": "integer"},
+        "margin_threshold": {"type": "number"},
+        "scored": {"type": "integer"},
+        "errors": {"type": "integer"},
+        "cells": _margin_rows("length", "depth"),
+        "lengths": _margin_rows("length"),
+    },
+}
 
 SUMMARY_SCHEMA: dict = {
     "type": "object",
@@ -58,6 +145,8 @@ SUMMARY_SCHEMA: dict = {
         "value_digits_source": {"type": "string"},
         "failures": FAILURES_SCHEMA,
         "endpoints": ENDPOINTS_SCHEMA,
+        "graded": GRADED_SCHEMA,
+        "difficulty": DIFFICULTY_SCHEMA,
     },
 }
 
@@ -68,33 +157,14 @@ def validate_summary(obj: dict) -> None:
 
 
 def _heatmap(path: Path, cells: list[Cell]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
-
-    lengths = sorted({c.length for c in cells})
-    depths = sorted({c.depth for c in cells})
-    grid = np.full((max(1, len(lengths)), max(1, len(depths))), np.nan)
-    fig, ax = plt.subplots(figsize=(1.2 * max(3, len(depths)) + 2, 0.7 * max(3, len(lengths)) + 1.5))
+    drawn = {}
     for c in cells:
-        i, j = lengths.index(c.length), depths.index(c.depth)
-        if c.n:
-            grid[i, j] = c.recall
-        label = f"{c.recall:.2f}\nn={c.n}" if c.recall is not None else "no data"
-        if c.errors:
-            label += f"\nerr={c.errors}"
-        ax.text(j, i, label, ha="center", va="center", fontsize=7)
-    im = ax.imshow(grid, cmap="RdYlGn", vmin=0.0, vmax=1.0, aspect="auto", origin="lower")
-    ax.set_xticks(range(len(depths)), [f"{d:g}" for d in depths])
-    ax.set_yticks(range(len(lengths)), [str(n) for n in lengths])
-    ax.set_xlabel("needle depth (%)")
-    ax.set_ylabel("length (tokens)")
-    fig.colorbar(im, ax=ax, label="recall")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+        text = f"{c.recall:.2f}\nn={c.n}" if c.recall is not None else "no data"
+        drawn[(c.length, c.depth)] = (
+            c.recall if c.n else None,
+            text + (f"\nerr={c.errors}" if c.errors else ""),
+        )
+    length_depth_heatmap(path, drawn, cmap="RdYlGn", vmin=0.0, vmax=1.0, label="recall")
 
 
 def _markdown(summary: dict, cells: list[Cell], notes: list[str]) -> str:
@@ -143,6 +213,10 @@ def _markdown(summary: dict, cells: list[Cell], notes: list[str]) -> str:
     lines += ["", "| length | pooled recall | n |", "|---|---|---|"]
     for length, (k, n) in pooled_recall(cells).items():
         lines.append(f"| {length} | {f'{k / n:.3f}' if n else 'no data'} | {n} |")
+    if "difficulty" in summary:
+        lines += [""] + difficulty_lines(summary["difficulty"])
+    if "graded" in summary:
+        lines += [""] + graded_lines(summary["graded"], pooled_recall(cells))
     if "failures" in summary:
         lines += [""] + failure_lines(summary["failures"])
     if "endpoints" in summary:
@@ -161,6 +235,62 @@ def _markdown(summary: dict, cells: list[Cell], notes: list[str]) -> str:
     return "\n".join(lines)
 
 
+def _nats(value: float | None, sign: bool = False) -> str:
+    return "-" if value is None else (f"{value:+.3g}" if sign else f"{value:.3g}")
+
+
+def difficulty_lines(difficulty: dict) -> list[str]:
+    """The report's auto-difficulty section: each level tried on the reference, and the choice."""
+    c = difficulty["chosen"]
+    verdict = (
+        f"below the target {difficulty['target']:g} at"
+        if difficulty["reached"]
+        else f"never below the target {difficulty['target']:g}; the hardest level is held:"
+    )
+    lines = [
+        "## Auto-difficulty",
+        "",
+        f"Reference recall {verdict} distractors {c['distractors']}, values of {c['value_digits']} digits. "
+        f"Order of escalation: {difficulty['order']}.",
+        "",
+        "| level | distractors | value digits | reference recall | n |",
+        "|---|---|---|---|---|",
+    ]
+    for i, lv in enumerate(difficulty["levels"]):
+        recall = "no data" if lv["recall"] is None else f"{lv['recall']:.3f}"
+        lines.append(f"| {i} | {lv['distractors']} | {lv['value_digits']} | {recall} | {lv['n']} |")
+    return lines
+
+
+def graded_lines(graded: dict, pooled: dict[int, tuple[int, int]]) -> list[str]:
+    """The report's graded-signal section: per length, beside pooled recall."""
+    lines = ["## Graded signal (teacher-forced gold answer)", "", graded["note"] + "."]
+    if graded["method"] is None:
+        return lines
+    t = graded["margin_threshold"]
+    lines += [
+        "",
+        f"{graded['scored']} answers scored, {graded['errors']} scoring request(s) failed. Margin: the "
+        "gold token's logprob minus the best other token's, in nats, at every answer token; an "
+        f"answer's margin is its weakest token's. 'thin' counts answers won by less than {t:g} nats "
+        "(lost ones included); 'lost' those a greedy decode would not give.",
+        "",
+        "| length | recall | n | first-token logprob | gold logprob | token margin p10 / p50 / p90 "
+        "| min margin | thin | lost |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for g in graded["lengths"]:
+        k, n = pooled.get(g["length"], (0, 0))
+        recall = f"{k / n:.3f}" if n else "no data"
+        spread = " / ".join(_nats(g[q], True) for q in ("margin_p10", "margin_p50", "margin_p90"))
+        lines.append(
+            f"| {g['length']} | {recall} | {g['n']} | {_nats(g['first_logprob_mean'])} "
+            f"| {_nats(g['gold_logprob_mean'])} | {spread} | {_nats(g['margin_min'], True)} "
+            f"| {g['below_threshold']} | {g['lost']} |"
+        )
+    return lines
+
+
 def write_probe_outputs(
     out_dir: Path,
     *,
@@ -175,6 +305,8 @@ def write_probe_outputs(
     value_digits_source: str,
     failures: dict | None = None,
     endpoints: dict | None = None,
+    graded: dict | None = None,
+    difficulty: dict | None = None,
 ) -> dict:
     """Write the four probe outputs into ``out_dir`` and return the summary dict."""
     out_dir = Path(out_dir)
@@ -207,6 +339,8 @@ def write_probe_outputs(
         "value_digits_source": value_digits_source,
         **({"failures": failures} if failures is not None else {}),
         **({"endpoints": endpoints} if endpoints is not None else {}),
+        **({"graded": graded} if graded is not None else {}),
+        **({"difficulty": difficulty} if difficulty is not None else {}),
     }
     validate_summary(summary)
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

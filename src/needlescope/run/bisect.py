@@ -100,6 +100,7 @@ class _Bisector:
                 haystack_text=self.haystack,
                 max_answer_tokens=self.cfg.max_tokens,
                 value_digits=self.cfg.value_digits,
+                n_distractors=self.cfg.distractors,
             )
             cases = [c.to_dict() for c in build_cases(spec, self.counter)]
             self.store.add_cases([c for c in cases if c["case_id"] not in known])
@@ -175,9 +176,30 @@ async def _search(b: _Bisector, lo: int, hi: int, boundaries: list[int]) -> dict
     return {"bracket": found, "message": message, "residue": residues, "tally": b.tally()}
 
 
+def _points(tally: dict[int, tuple[int, int]], phase: dict[int, str]) -> list[dict]:
+    """bisect.json's points: each length's phase, recall and Wilson 95% interval."""
+    points = []
+    for n, (k, m) in tally.items():
+        lo, hi = wilson_interval(k, m)
+        points.append(
+            {
+                "length": n,
+                "phase": phase.get(n, "?"),
+                "n": m,
+                "correct": k,
+                "recall": k / m if m else None,
+                "ci_low": lo,
+                "ci_high": hi,
+            }
+        )
+    return points
+
+
 def run_bisect(cfg: ProbeConfig, bis: BisectConfig, on_event: Event | None = None) -> dict:
     """Bisect the collapse length of the server in ``cfg`` over [min(lengths), max(lengths)]."""
     on_event = on_event or (lambda _name, _payload: None)
+    if cfg.graded or cfg.auto_difficulty:
+        raise BadInput("--bisect measures recall only; drop --graded and --auto-difficulty, or drop --bisect")
     lo, hi = min(cfg.lengths), max(cfg.lengths)
     if hi - lo < 2:
         raise BadInput(
@@ -215,20 +237,7 @@ def run_bisect(cfg: ProbeConfig, bis: BisectConfig, on_event: Event | None = Non
                 return await _search(b, lo, hi, boundaries), b
 
         found, b = asyncio.run(go())
-        points = []
-        for n, (k, m) in found["tally"].items():
-            ci = wilson_interval(k, m)
-            points.append(
-                {
-                    "length": n,
-                    "phase": b.phase.get(n, "?"),
-                    "n": m,
-                    "correct": k,
-                    "recall": k / m if m else None,
-                    "ci_low": ci[0],
-                    "ci_high": ci[1],
-                }
-            )
+        points = _points(found["tally"], b.phase)
         used = len(store.cases())
         full = full_grid_points(lo, hi, bis.resolution) * b.per_point
         bracket_ = found["bracket"]

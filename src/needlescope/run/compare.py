@@ -9,6 +9,7 @@ import hashlib
 import json
 from pathlib import Path
 
+from needlescope.analysis.margins import compare_margins
 from needlescope.analysis.paired import Pair, compare_pairs
 from needlescope.errors import BadInput
 from needlescope.report.compare import write_compare_outputs
@@ -30,17 +31,23 @@ def case_hash(case: dict) -> str:
 
 
 def load_run(run_dir: Path, flag: str) -> tuple[list[dict], dict[str, dict], dict]:
-    """(cases, results by case_id, provenance) of a finished probe directory."""
+    """(cases, results by case_id, provenance) of a finished probe directory; a result carries
+    its case's graded score under ``graded`` when the run scored one, and the provenance the
+    run's auto-difficulty record under ``difficulty`` when it had one."""
     path = Path(run_dir) / STORE_NAME
     if not path.is_file():
         raise BadInput(f"{flag} {run_dir} holds no {STORE_NAME}; pass the --out directory of a probe run")
     with ResultStore(path) as store:
         cases = store.cases()
         results = {r["case_id"]: r for r in store.results()}
+        for case_id, g in store.graded().items():
+            if case_id in results and g["status"] == "ok":
+                results[case_id]["graded"] = g
         provenance = store.get_meta("provenance") or {}
+        difficulty = store.get_meta("difficulty")
     if not cases:
         raise BadInput(f"{flag} {run_dir} holds no cases; the probe run never started")
-    return cases, results, provenance
+    return cases, results, {**provenance, **({"difficulty": difficulty} if difficulty else {})}
 
 
 def _check_same_cases(cases_a: list[dict], cases_b: list[dict]) -> None:
@@ -86,9 +93,41 @@ def _pairs(
                 "a_answer": ra.get("answer"),
                 "b_answer": rb.get("answer"),
                 "expected": list(c["expected"]),
+                **_graded_pair(ra.get("graded"), rb.get("graded")),
             }
         )
     return pairs, rows, unpaired
+
+
+def _graded_pair(ga: dict | None, gb: dict | None) -> dict:
+    """The pair's graded values for pairs.jsonl (empty when either side has no graded score)."""
+    if ga is None or gb is None:
+        return {}
+    return {
+        f"{side}_{key}": g[key]
+        for side, g in (("a", ga), ("b", gb))
+        for key in ("min_margin", "gold_logprob", "first_logprob", "first_rank")
+    }
+
+
+def _graded_comparison(
+    cases: list[dict], res_a: dict[str, dict], res_b: dict[str, dict], edges: list[int], alpha: float
+) -> dict | None:
+    """Paired margin and gold-logprob differences, or None when no pair was graded on both sides."""
+    pairs = []
+    methods = set()
+    for c in cases:
+        # The gold answer is scored apart from the chat, so a pair needs only both graded scores.
+        ga = (res_a.get(c["case_id"]) or {}).get("graded")
+        gb = (res_b.get(c["case_id"]) or {}).get("graded")
+        if ga is None or gb is None:
+            continue
+        pairs.append((int(c["length"]), ga, gb))
+        methods.add((ga["method"], gb["method"]))
+    if not pairs:
+        return None
+    result = compare_margins(pairs, edges, alpha)
+    return {"methods": sorted({m for pair in methods for m in pair}), "pairs": len(pairs), **result}
 
 
 def compare_runs(
@@ -110,6 +149,10 @@ def compare_runs(
             f"no case was scored on both sides ({unpaired} had an error on A or B); nothing to compare"
         )
     result = compare_pairs(pairs, alpha=alpha, power_drop=power_drop, bucket_edges=bucket_edges)
+    edges = sorted(set(bucket_edges)) if bucket_edges else sorted({p.length for p in pairs})
+    result["graded"] = _graded_comparison(cases_a, res_a, res_b, edges, alpha)
+    result["difficulty"] = prov_a.pop("difficulty", None)
+    prov_b.pop("difficulty", None)
     return write_compare_outputs(
         Path(out),
         result,

@@ -8,7 +8,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from needlescope.cases.assemble import KINDS
+from needlescope.cases.assemble import KINDS, MAX_DISTRACTORS
 from needlescope.errors import BadInput
 
 
@@ -38,6 +38,17 @@ class ProbeConfig:
     bundles: int = 5
     """Reproducer bundles to write for failing cases (one per failure class first)."""
     api_key: str | None = field(default=None, repr=False)
+    distractors: int | None = None
+    """Near-duplicate keys per prompt; None: the kind's default (multikey 4, others 0)."""
+    auto_difficulty: bool = False
+    """Raise the difficulty until the target scores below ``difficulty_target`` (run.difficulty)."""
+    difficulty_target: float = 0.9
+    graded: bool = False
+    """Also score each case's gold answer teacher-forced (one more request a case; docs/graded.md)."""
+    top_logprobs: int = 5
+    """Alternatives asked for at each gold token (the margin needs at least 2)."""
+    margin_threshold: float = 1.0
+    """Answers whose weakest token wins by less than this many nats are counted as thin."""
 
     def __post_init__(self) -> None:
         if not self.base_urls:
@@ -69,6 +80,16 @@ class ProbeConfig:
             raise BadInput(f"--timeout must be a positive number of seconds; got {self.timeout_s:g}")
         if self.retry_budget_s < 0:
             raise BadInput(f"--retry-budget must be zero or more seconds; got {self.retry_budget_s:g}")
+        if self.distractors is not None and not 0 <= self.distractors <= MAX_DISTRACTORS:
+            raise BadInput(f"--distractors must be in 0..{MAX_DISTRACTORS}; got {self.distractors}")
+        if not 0 < self.difficulty_target <= 1:
+            raise BadInput(f"--difficulty-target must lie in (0, 1]; got {self.difficulty_target}")
+        if not 2 <= self.top_logprobs <= 20:
+            raise BadInput(
+                f"--top-logprobs must be in 2..20 (the margin needs a rival); got {self.top_logprobs}"
+            )
+        if not self.margin_threshold >= 0:
+            raise BadInput(f"--margin-threshold must be zero or more nats; got {self.margin_threshold:g}")
         if self.tokenizer == "server" and self.chat_template is not None:
             raise BadInput("--chat-template goes with --tokenizer PATH; the server applies its own template")
         if self.haystack_file is not None and not Path(self.haystack_file).is_file():
@@ -84,6 +105,8 @@ class ProbeConfig:
             "trials": self.trials,
             "seed": self.seed,
             "value_digits": value_digits,
+            # Only when set, so runs made before the flag existed still resume.
+            **({"distractors": self.distractors} if self.distractors is not None else {}),
         }
 
 

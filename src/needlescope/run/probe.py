@@ -14,6 +14,7 @@ from pathlib import Path
 
 from needlescope.analysis import cells_from_results
 from needlescope.analysis.endpoints import check_same_models, endpoint_breakdown
+from needlescope.analysis.margins import group_margins
 from needlescope.analysis.taxonomy import classify, summarize_failures
 from needlescope.cases import CaseSpec, build_cases, order_for_prefix_cache, score_answer
 from needlescope.cases.needles import VALUE_DIGITS
@@ -21,7 +22,7 @@ from needlescope.errors import BadInput
 from needlescope.report.probe import write_probe_outputs
 from needlescope.run.config import ProbeConfig
 from needlescope.run.replay import write_failure_bundles
-from needlescope.run.scheduler import run_cases
+from needlescope.run.scheduler import Grade, run_cases
 from needlescope.run.store import ResultStore
 from needlescope.targets import (
     ChatTarget,
@@ -32,6 +33,7 @@ from needlescope.targets import (
     preflight,
     served_models,
 )
+from needlescope.targets.logprobs import detect_method, score_gold
 
 Event = Callable[[str, dict], None]
 
@@ -122,6 +124,7 @@ def _new_store(cfg: ProbeConfig, root: str, v1: str, assumed: list[str], on_even
         haystack_text=haystack,
         max_answer_tokens=cfg.max_tokens,
         value_digits=digits,
+        n_distractors=cfg.distractors,
     )
     on_event("cases_start", {"n": len(cfg.lengths) * len(cfg.depths) * cfg.trials})
     cases = order_for_prefix_cache(build_cases(spec, _token_counter(cfg, root)))
@@ -157,8 +160,11 @@ def _resume_store(cfg: ProbeConfig) -> ResultStore:
     return store
 
 
-def run_probe(cfg: ProbeConfig, on_event: Event = _noop) -> dict:
-    """Run the probe described by ``cfg`` and return the summary dict written to summary.json."""
+def run_probe(cfg: ProbeConfig, on_event: Event = _noop, *, difficulty: dict | None = None) -> dict:
+    """Run the probe described by ``cfg`` and return the summary dict written to summary.json.
+
+    ``difficulty``: the auto-difficulty search that chose ``cfg``'s difficulty (run.difficulty),
+    kept with the run and written to its summary."""
     roots = [normalize_base_url(u) for u in cfg.base_urls]
     check_out(cfg.out, cfg.resume)
     # The test chat may be a cold server's first request (CPU warm-up); allow it more than 5 s.
@@ -171,11 +177,12 @@ def run_probe(cfg: ProbeConfig, on_event: Event = _noop) -> dict:
         check_same_models({root: ids for root, ids in listed.items() if ids is not None})
     store = _resume_store(cfg) if cfg.resume else _new_store(cfg, *roots[0], assumed, on_event)
     try:
+        if difficulty is not None:
+            store.put_meta("difficulty", difficulty)
         case_dicts = store.cases()
         pending = set(store.pending_case_ids())
-        todo = [c for c in case_dicts if c["case_id"] in pending]
-        on_event("run_start", {"total": len(case_dicts), "todo": len(todo)})
-        admission = asyncio.run(_run(cfg, todo, store, on_event))
+        on_event("run_start", {"total": len(case_dicts), "todo": len(pending)})
+        admission = asyncio.run(_run(cfg, case_dicts, pending, store, on_event))
         return _finish(cfg, store, case_dicts, admission)
     finally:
         store.close()
@@ -194,11 +201,39 @@ def chat_target(cfg: ProbeConfig) -> ChatTarget:
     )
 
 
-async def _run(cfg: ProbeConfig, todo: list[dict], store: ResultStore, on_event: Event) -> dict:
+def _template_kwargs(cfg: ProbeConfig) -> dict | None:
+    """The chat-template arguments the chats carry, so the scored prompt is the chatted one."""
+    kwargs = cfg.extra_body.get("chat_template_kwargs")
+    return kwargs if isinstance(kwargs, dict) else None
+
+
+async def _grader(cfg: ProbeConfig, target: ChatTarget, store: ResultStore, on_event: Event) -> Grade | None:
+    """Detect how this server scores gold answers (``--graded``), record it; None when it cannot."""
+    if not cfg.graded:
+        return None
+    kwargs = _template_kwargs(cfg)
+    method = await detect_method(target, cfg.top_logprobs, kwargs)
+    store.put_meta("graded", method.to_dict())
+    on_event("graded", method.to_dict())
+    if method.method is None:
+        return None
+
+    async def grade(case: dict) -> dict:
+        return await score_gold(target, method, case["messages"], case["expected"], template_kwargs=kwargs)
+
+    return grade
+
+
+async def _run(
+    cfg: ProbeConfig, case_dicts: list[dict], pending: set[str], store: ResultStore, on_event: Event
+) -> dict:
     target = chat_target(cfg)
     try:
+        grade = await _grader(cfg, target, store, on_event)
+        ungraded = set(store.pending_graded_ids()) if grade is not None else set()
+        todo = pending | ungraded
         await run_cases(
-            todo,
+            [c for c in case_dicts if c["case_id"] in todo],
             target,
             store,
             concurrency=cfg.concurrency,
@@ -206,6 +241,9 @@ async def _run(cfg: ProbeConfig, todo: list[dict], store: ResultStore, on_event:
             extra_body=cfg.extra_body,
             score=score_answer,
             on_result=lambda row: on_event("result", row),
+            chat_ids=pending,
+            grade=grade,
+            grade_ids=ungraded,
         )
     finally:
         await target.aclose()
@@ -253,6 +291,7 @@ def _finish(cfg: ProbeConfig, store: ResultStore, case_dicts: list[dict], admiss
             notes.append(
                 f"{case['case_id']}: counted {case['counted_length']} tokens but the server reported usage.prompt_tokens={reported}"
             )
+    graded = _graded_section(cfg, store, rows)
     # A case that missed its length measures some other length: keep it out of the analysis.
     grid = [(c["length"], c["depth"]) for c in case_dicts]
     cells = cells_from_results((r for r in rows if r["counted_length"] == r["length"]), grid)
@@ -281,4 +320,31 @@ def _finish(cfg: ProbeConfig, store: ResultStore, case_dicts: list[dict], admiss
         endpoints=endpoint_breakdown(rows),
         value_digits=fingerprint.get("value_digits", VALUE_DIGITS),
         value_digits_source=run_notes.get("value_digits_source", "--value-digits"),
+        graded=graded,
+        difficulty=store.get_meta("difficulty"),
     )
+
+
+def _graded_section(cfg: ProbeConfig, store: ResultStore, rows: list[dict]) -> dict | None:
+    """Attach each case's graded row to its result row; the summary's ``graded`` part (None when
+    this run never asked for it)."""
+    meta = store.get_meta("graded")
+    if meta is None:
+        return None
+    by_case = store.graded()
+    scored = []
+    for row in rows:
+        g = by_case.get(row["case_id"])
+        if g is None:
+            continue
+        row["graded"] = g
+        if g["status"] == "ok" and row["counted_length"] == row["length"]:
+            scored.append((row["length"], row["depth"], g))
+    errors = sum(1 for g in by_case.values() if g["status"] == "error")
+    return {
+        **meta,
+        "margin_threshold": cfg.margin_threshold,
+        "scored": len(scored),
+        "errors": errors,
+        **group_margins(scored, cfg.margin_threshold),
+    }

@@ -35,6 +35,14 @@ CREATE TABLE IF NOT EXISTS results(
     finished_at REAL,
     replica TEXT
 );
+CREATE TABLE IF NOT EXISTS graded(
+    case_id TEXT PRIMARY KEY,
+    status TEXT CHECK(status IN ('ok','error')),
+    method TEXT,
+    data JSON,
+    error TEXT,
+    finished_at REAL
+);
 """
 
 RESULT_FIELDS = (
@@ -120,6 +128,34 @@ class ResultStore:
             f"INSERT OR REPLACE INTO results({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))})",
             values,
         )
+
+    def pending_graded_ids(self) -> list[str]:
+        """Cases, in order, without an ``ok`` graded score (the teacher-forced gold answer)."""
+        rows = self._db.execute(
+            "SELECT c.case_id FROM cases c LEFT JOIN graded g ON g.case_id = c.case_id "
+            "WHERE g.status IS NULL OR g.status != 'ok' ORDER BY c.idx"
+        )
+        return [cid for (cid,) in rows]
+
+    def record_graded(
+        self, case_id: str, *, method: str | None, data: dict | None = None, error: str | None = None
+    ) -> None:
+        """Write (or replace) the graded score of ``case_id``: ``data`` when scored, else ``error``."""
+        if (data is None) == (error is None):
+            raise ValueError("a graded row has either data or an error")
+        self._db.execute(
+            "INSERT OR REPLACE INTO graded(case_id, status, method, data, error, finished_at) "
+            "VALUES (?, ?, ?, ?, ?, ?)",
+            (case_id, "ok" if error is None else "error", method, json.dumps(data), error, time.time()),
+        )
+
+    def graded(self) -> dict[str, dict]:
+        """Graded rows by case_id: ``{status, method, error, **data}``."""
+        cur = self._db.execute("SELECT case_id, status, method, data, error FROM graded")
+        out = {}
+        for case_id, status, method, data, error in cur:
+            out[case_id] = {"status": status, "method": method, "error": error, **(json.loads(data) or {})}
+        return out
 
     def results(self) -> list[dict]:
         """All result rows, in case order."""

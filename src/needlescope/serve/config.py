@@ -70,6 +70,9 @@ class ServeConfig:
     never echoed (``to_dict`` says only whether one is set), never in ``to_json``."""
     expose_paths: bool = False
     """Show absolute filesystem paths (the model directory) in /get_server_info and /v1/models."""
+    prefix_cache_mib: int = 0
+    """Memory for the prefix cache (``serve.prefix_cache``); 0, the default, turns it off, so a
+    reference server answers exactly what one prefill pass answers."""
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -100,6 +103,8 @@ class ServeConfig:
             self.kernel != "triton" or self.kernel_fault not in KERNEL_FAULTS
         ):
             raise BadInput(f"--kernel-fault needs --kernel triton and one of {', '.join(KERNEL_FAULTS)}")
+        if self.prefix_cache_mib < 0:
+            raise BadInput(f"--prefix-cache-mib must be 0 (off) or more; got {self.prefix_cache_mib}")
         if self.max_body_bytes < 1024:
             raise BadInput(f"--max-body-bytes must be at least 1024; got {self.max_body_bytes}")
         if self.api_key is not None and not self.api_key.strip():

@@ -15,11 +15,14 @@ Scheduling (why it looks like this):
   (no continuous batching: a late row would need its own compressor state). A batch also
   stays within ``max_prefill_tokens`` (batch x prompt length), because eager attention's
   prefill memory grows with batch x length^2.
-- **No prefix cache.** ``cached_tokens`` is reported as 0, honestly. Reusing a prompt's cache
-  would mean prefilling the rest of the next prompt as a second chunk, and for the
-  transformers DeepSeek-V4 implementation a chunked prefill does not reproduce a one-pass
-  prefill (logit differences of order 1e-2 measured on a random organism; see docs/serve.md).
-  A reference server must answer exactly what a single pass answers.
+- **Prefix cache (off unless ``prefix_cache_mib`` > 0).** A prompt is prefilled in two chunks,
+  up to a block boundary and the rest, and the state at the boundary is kept (``serve.prefix_cache``
+  has the boundary rule); a later prompt that starts with a kept prefix continues from a copy of
+  it and reports those tokens as ``cached_tokens``. A chunked prefill matches a one-pass prefill
+  to ~2e-5 in the logits on the organism, not bit for bit, so a reference server leaves it off by
+  default. Batches form only among requests that hit the same kept prefix (or none). Requests
+  for prompt logprobs or an indexer capture need every prompt position computed, so they never
+  use it.
 - **Indexer capture** (``/generate`` with ``return_indexer_topk``) runs such a request alone
   (batch key ``None``), with the ``IndexerCapture`` that is attached for the server's lifetime
   recording prefill and every decode step.
@@ -60,6 +63,7 @@ from needlescope.serve.admission import Admission
 from needlescope.serve.config import ServeConfig
 from needlescope.serve.errors import BadValue, GenerationFailed, ShuttingDown
 from needlescope.serve.metrics import ServeMetrics
+from needlescope.serve.prefix_cache import PrefixCache, cache_block
 from needlescope.serve.requests import Delta, Final, GenRequest, TokenOut, TopkRows
 from needlescope.serve.sampling import SamplingParams, make_sampling, pick
 from needlescope.serve.tokens import Tokens
@@ -89,6 +93,7 @@ class _Row:
     finish_reason: str | None = None
     matched_stop: str | int | None = None
     prompt_logprobs: list[TokenOut] | None = None
+    cached_tokens: int = 0
 
 
 class Engine:
@@ -133,6 +138,9 @@ class Engine:
             self.eos_ids.add(self.tokenizer.eos_token_id)
         self.tokens = Tokens(self.tokenizer, self.context_length)
         self.trained_value_digits = recorded_value_digits(self.path)
+        self.prefix: PrefixCache | None = None
+        if cfg.prefix_cache_mib > 0:
+            self.prefix = PrefixCache(cfg.prefix_cache_mib * 2**20, cache_block(mcfg))
         self.admission: Admission[GenRequest] = Admission(
             cfg.max_running_requests, cfg.max_queued_requests, self.metrics
         )
@@ -179,7 +187,7 @@ class Engine:
             "max_body_bytes": self.cfg.max_body_bytes,
             "context_length": self.context_length,
             "enable_return_indexer_topk": self.is_v4,
-            "prefix_cache": False,
+            "prefix_cache": self.prefix.info() if self.prefix is not None else False,
             "batching": "static batches of equal prompt length",
             "auth": self.cfg.api_key is not None,
             "needlescope_version": __version__,
@@ -218,11 +226,14 @@ class Engine:
 
     # ---- worker thread -----------------------------------------------------------------------
 
-    @staticmethod
-    def _batch_key(req: GenRequest):
+    def _cacheable(self, req: GenRequest) -> bool:
+        return self.prefix is not None and req.capture is None and req.params.prompt_logprobs is None
+
+    def _batch_key(self, req: GenRequest):
         if req.capture is not None:
             return None
-        return len(req.prompt_ids), req.params.prompt_logprobs is not None
+        hit = self.prefix.match(req.prompt_ids) if self._cacheable(req) else None
+        return len(req.prompt_ids), req.params.prompt_logprobs is not None, hit
 
     def _loop(self) -> None:
         while not self._stopping:
@@ -296,10 +307,10 @@ class Engine:
             self.capture.clear()
         device = self.cfg.device
         ids = torch.tensor([r.req.prompt_ids for r in rows], dtype=torch.long, device=device)
-        cache = DynamicCache(config=self.model.config)
         self.metrics.batch_size.observe(len(rows))
         self.metrics.prompt_tokens.inc(len(rows) * P)
-        logits = self._forward(ids, 0, cache, keep=0 if want_prompt else 1)
+        cache, start = self._prefill_cached(rows, ids)
+        logits = self._forward(ids[:, start:], start, cache, keep=0 if want_prompt else 1)
         if want_prompt:
             rows = [
                 r
@@ -334,6 +345,30 @@ class Engine:
             nxt = torch.tensor([[r.output_ids[-1]] for r in rows], dtype=torch.long, device=device)
             logits = self._forward(nxt, step, cache)[:, -1]
             step += 1
+
+    def _prefill_cached(self, rows: list[_Row], ids: torch.Tensor) -> tuple[DynamicCache, int]:
+        """A cache holding the prompts' first tokens and where the rest starts: a kept prefix's
+        state (every row of a batch hits the same one, ``_batch_key``), then, up to this prompt's
+        boundary, a prefill whose state is kept for later prompts. Without a prefix cache: empty, 0."""
+        req = rows[0].req
+        if not self._cacheable(req):
+            return DynamicCache(config=self.model.config), 0
+        hit = self.prefix.match(req.prompt_ids)
+        if hit is None:
+            self.prefix.misses += len(rows)
+            cache, start = DynamicCache(config=self.model.config), 0
+        else:
+            cache, start = self.prefix.take(hit, len(rows)), len(hit)
+        for r in rows:
+            r.cached_tokens = start
+        self.metrics.cached_tokens.inc(start * len(rows))
+        cut = self.prefix.cut(len(req.prompt_ids))
+        if cut > start:
+            self._forward(ids[:, start:cut], start, cache)
+            for i, r in enumerate(rows):
+                self.prefix.put(tuple(r.req.prompt_ids[:cut]), cache, i, len(rows))
+            start = cut
+        return cache, start
 
     def _answer(self, row: _Row, capture: TopkRows | None, done: set[str]) -> None:
         self._finish(row, done, self._final(row, capture))
@@ -426,6 +461,7 @@ class Engine:
             prompt_tokens=len(row.req.prompt_ids),
             matched_stop=row.matched_stop,
             prompt_logprobs=row.prompt_logprobs,
+            cached_tokens=row.cached_tokens,
         )
         if capture is not None and self.capture is not None:
             positions = capture.pick(final.prompt_tokens + final.completion_tokens - 1)

@@ -8,6 +8,8 @@ Names (all prefixed ``needlescope_serve_``):
 - ``peak_queue_depth`` / ``peak_running_requests``: the largest values those gauges reached
 - ``rejected_requests_total``: requests refused with 503 because the queue was full
 - ``prompt_tokens_total`` / ``generation_tokens_total``: tokens prefilled and generated
+- ``prompt_tokens_cached_total``: prompt tokens continued from the prefix cache (counted in
+  ``prompt_tokens_total`` too)
 - ``batch_size``: histogram of requests per prefill batch
 - ``time_to_first_token_seconds`` / ``e2e_request_latency_seconds``: histograms, from admission
 """
@@ -39,6 +41,11 @@ class ServeMetrics:
         )
         self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens prefilled", registry=r)
         self.generation_tokens = Counter(PREFIX + "generation_tokens", "Tokens generated", registry=r)
+        self.cached_tokens = Counter(
+            PREFIX + "prompt_tokens_cached",
+            "Prompt tokens whose state came from the prefix cache",
+            registry=r,
+        )
         self.batch_size = Histogram(
             PREFIX + "batch_size", "Requests per prefill batch", buckets=(1, 2, 4, 8, 16, 32, 64), registry=r
         )

@@ -68,6 +68,8 @@ class Final:
     indexer_topk: str | None = None
     indexer_topk_shape: tuple[int, int, int] | None = None
     indexer_topk_positions: list[int] | None = None
+    cached_tokens: int = 0
+    """Prompt tokens whose state came from the prefix cache."""
 
     @property
     def completion_tokens(self) -> int:

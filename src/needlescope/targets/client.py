@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 
 from needlescope.errors import BadInput, ContextOverflow, ProbeError, ProtocolViolation, TransportFailure
-from needlescope.targets.endpoints import auth_headers, normalize_base_url
+from needlescope.targets.endpoints import auth_headers, normalize_base_url, sync_client
 from needlescope.targets.gate import AdaptiveGate
 
 RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
@@ -153,7 +153,9 @@ class ChatTarget:
         urls = [base_urls] if isinstance(base_urls, str) else list(base_urls)
         if not urls:
             raise BadInput("no --base-url given")
-        self._v1 = [normalize_base_url(u)[1] for u in urls]
+        bases = [normalize_base_url(u) for u in urls]
+        self._roots = [root for root, _v1 in bases]
+        self._v1 = [v1 for _root, v1 in bases]
         self.model = model
         self.timeout = timeout
         self.retries = max(0, retries)
@@ -204,20 +206,39 @@ class ChatTarget:
     ) -> ChatResult:
         """One chat completion. A ProbeError raised here carries ``attempts`` (requests sent)."""
         payload = chat_payload(self.model, messages, max_tokens, extra_body)
+        start = time.monotonic()
+        resp, url, v1, attempts = await self._send("/chat/completions", payload, at_root=False)
+        return _result(resp, url, v1, start, attempts)
+
+    async def post_json(self, path: str, payload: dict, *, at_root: bool = False) -> dict:
+        """POST ``payload`` to ``path`` under an endpoint's /v1 (or its root), with the chat's
+        retries and admission; the 200 answer's JSON object. Raises ProbeError as ``chat`` does."""
+        resp, url, _v1, _attempts = await self._send(path, payload, at_root=at_root)
+        try:
+            body = resp.json()
+        except ValueError as e:
+            raise ProtocolViolation(f"{url} answered 200 with invalid JSON: {resp.text[:200]!r}") from e
+        if not isinstance(body, dict):
+            raise ProtocolViolation(f"{url} answered a JSON {type(body).__name__}, not an object")
+        return body
+
+    async def _send(self, path: str, payload: dict, *, at_root: bool) -> tuple[httpx.Response, str, str, int]:
+        """(200 response, url, the endpoint's /v1 base, requests sent) from the least-busy endpoint."""
         idx = self._pick()
+        v1 = self._v1[idx]
+        url = (self._roots[idx] if at_root else v1) + path
         start = time.monotonic()
         self._in_flight[idx] += 1
         attempts = [0]
         try:
-            return await self._attempts(self._v1[idx], payload, start, attempts)
+            return await self._attempts(url, payload, start, attempts), url, v1, attempts[0]
         except ProbeError as e:
             e.attempts = attempts[0]
             raise
         finally:
             self._in_flight[idx] -= 1
 
-    async def _attempts(self, v1: str, payload: dict, start: float, attempts: list[int]) -> ChatResult:
-        url = v1 + "/chat/completions"
+    async def _attempts(self, url: str, payload: dict, start: float, attempts: list[int]) -> httpx.Response:
         failures = 0  # non-rejection failures, limited by ``retries``
         while True:
             attempts[0] += 1
@@ -234,7 +255,7 @@ class ChatTarget:
                 else:
                     if resp.status_code == 200:
                         self.gate.success()
-                        return _result(resp, url, v1, start, attempts[0])
+                        return resp
                     message = _error_message(resp)
                     if _is_overflow(resp.status_code, message):
                         raise ContextOverflow(f"{url} refused the prompt ({resp.status_code}): {message}")
@@ -316,7 +337,7 @@ def served_models(base_url: str, api_key: str | None = None, timeout: float = 5)
     """The model ids ``/v1/models`` lists, or None when it lists none or cannot be read."""
     _root, v1 = normalize_base_url(base_url)
     try:
-        with httpx.Client(headers=auth_headers(api_key), timeout=timeout) as client:
+        with sync_client(api_key, timeout) as client:
             return _model_ids(client.get(v1 + "/models")) or None
     except httpx.TransportError:
         return None
@@ -338,7 +359,7 @@ def preflight(
     is wrong and what to do.
     """
     _root, v1 = normalize_base_url(base_url)
-    with httpx.Client(headers=auth_headers(api_key), timeout=timeout, transport=transport) as client:
+    with sync_client(api_key, timeout, transport) as client:
         try:
             resp = client.get(v1 + "/models")
         except httpx.TransportError as e:
@@ -350,7 +371,7 @@ def preflight(
     ids = _model_ids(resp)
     # A new connection: uvicorn closes one after an unhandled 500 (transformers serve's /v1/models
     # offline), and reusing it races that close ("connection reset by peer").
-    with httpx.Client(headers=auth_headers(api_key), timeout=timeout, transport=transport) as client:
+    with sync_client(api_key, timeout, transport) as client:
         try:
             chat = client.post(
                 v1 + "/chat/completions",

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from urllib.parse import urlsplit
 
+import httpx
+
 from needlescope.errors import BadInput
 
 
@@ -28,3 +30,10 @@ def auth_headers(api_key: str | None) -> dict[str, str]:
     The key only ever travels in this header; it is never put in results, logs or messages.
     """
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def sync_client(
+    api_key: str | None, timeout: float, transport: httpx.BaseTransport | None = None
+) -> httpx.Client:
+    """The plain (non-chat) client of every sync request to the target: its auth and timeout."""
+    return httpx.Client(headers=auth_headers(api_key), timeout=timeout, transport=transport)

@@ -6,7 +6,7 @@ from typing import Any
 
 import httpx
 
-from needlescope.targets.endpoints import auth_headers
+from needlescope.targets.endpoints import sync_client
 
 _SECRET_WORDS = ("key", "token", "secret", "password")
 
@@ -50,7 +50,7 @@ def collect_provenance(
     """
     out: dict[str, Any] = {"root": root, "status": {}}
     bases = {"root": root.rstrip("/"), "v1": v1.rstrip("/")}
-    with httpx.Client(headers=auth_headers(api_key), timeout=timeout, transport=transport) as client:
+    with sync_client(api_key, timeout, transport) as client:
         for key, base, path in _ENDPOINTS:
             try:
                 resp = client.get(bases[base] + path)

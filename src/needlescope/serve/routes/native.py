@@ -107,7 +107,7 @@ def native_router(serving: Serving) -> APIRouter:
             "id": req.rid,
             "prompt_tokens": final.prompt_tokens,
             "completion_tokens": final.completion_tokens,
-            "cached_tokens": 0,
+            "cached_tokens": final.cached_tokens,
             "finish_reason": reason,
             "e2e_latency": time.monotonic() - req.admitted_at,
         }

@@ -1,0 +1,68 @@
+"""``needlescope engine-state``: engine state as a factor (docs/engine_state.md)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import typer
+from rich.console import Console
+
+from needlescope.errors import ProbeError
+from needlescope.paths import check_out_dir
+from needlescope.run.config import parse_float_list, parse_int_list
+
+console = Console()
+err_console = Console(stderr=True)
+
+
+def engine_state_command(
+    base_url: str = typer.Option(..., "--base-url", help="Server URL (root or ending in /v1)."),
+    model: str = typer.Option(..., "--model", help="Model name the server serves."),
+    out: Path = typer.Option(..., "--out", help="Directory for engine_state.json and engine_state.md."),
+    factors: str = typer.Option(
+        "cache,concurrency,repeat", "--factors", help="Any of cache,concurrency,repeat."
+    ),
+    kind: str = typer.Option("single", "--kind"),
+    lengths: str = typer.Option("512", "--lengths", help="Comma-separated prompt lengths in tokens."),
+    depths: str = typer.Option("0,50,100", "--depths", help="Comma-separated needle depths in percent."),
+    trials: int = typer.Option(2, "--trials"),
+    seed: int = typer.Option(0, "--seed"),
+    value_digits: int = typer.Option(3, "--value-digits"),
+    concurrency: int = typer.Option(4, "--concurrency", help="Requests in flight in the concurrent arm."),
+    repeats: int = typer.Option(3, "--repeats", help="Identical sends a case in the repeat factor."),
+    top_logprobs: int = typer.Option(5, "--top-logprobs", help="Alternatives per token, for the margin."),
+    timeout: float = typer.Option(300.0, "--timeout", help="Per request, seconds."),
+    api_key: str = typer.Option(
+        None, "--api-key", envvar=["NEEDLESCOPE_API_KEY", "OPENAI_API_KEY"], show_default=False
+    ),
+) -> None:
+    """Vary one engine condition at a time (prefix cache, concurrency, repetition); paired recall and margin."""
+    from needlescope.report.engine_state import engine_state_markdown, write_engine_state
+    from needlescope.run.engine_state import EngineStateConfig, run_engine_state
+
+    out = check_out_dir(out)
+    cfg = EngineStateConfig(
+        base_url=base_url,
+        model=model,
+        factors=tuple(f.strip() for f in factors.split(",") if f.strip()),
+        kind=kind,
+        lengths=parse_int_list(lengths, "--lengths"),
+        depths=parse_float_list(depths, "--depths"),
+        trials=trials,
+        seed=seed,
+        value_digits=value_digits,
+        concurrency=concurrency,
+        repeats=repeats,
+        top_logprobs=top_logprobs,
+        timeout_s=timeout,
+        api_key=api_key,
+    )
+    try:
+        body = run_engine_state(cfg)
+    except ProbeError as exc:
+        err_console.print(f"[bold red]target failed:[/] {exc}", highlight=False, soft_wrap=True)
+        sys.exit(1)
+    js, md = write_engine_state(body, out)
+    console.print(engine_state_markdown(body), highlight=False, soft_wrap=True)
+    console.print(f"wrote {js} and {md}", highlight=False)
