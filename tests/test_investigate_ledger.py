@@ -92,3 +92,22 @@ def test_cli_init_writes_and_refuses_to_overwrite(tmp_path, run_cli):
     assert (tmp_path / "patches" / "routed_scale_twice.py").is_file()
     code, _, err = run_cli("investigate", "init", str(tmp_path))
     assert code == 2 and "--force" in err
+
+
+def test_live_candidate_needs_an_endpoint_and_live_checks(tmp_path):
+    live = EXAMPLE_LEDGER.replace(
+        'candidate = "k=fp8_e4m3 q=fp32 acc=fp32 topk=64 patch=fault:indexer_page_table"',
+        'candidate = "live"',
+    )
+    msg = _bad(tmp_path, live)
+    assert 'candidate = "live" needs endpoint' in msg and "investigation.toml:" in msg
+    with_url = live.replace('endpoint = ""', 'endpoint = "http://127.0.0.1:9"')
+    msg = _bad(tmp_path, with_url)  # the example's suspects ask for ablation
+    assert "check 'ablation' needs an in-process candidate" in msg and "live_emulation" in msg
+    ok = with_url.replace('"ablation"', '"live_emulation"')
+    path = tmp_path / "investigation.toml"
+    path.write_text(ok)
+    ledger = load_ledger(path)
+    assert ledger.target.live and ledger.target.candidate is None
+    back = ok.replace('candidate = "live"', 'candidate = "k=fp8_e4m3 topk=64"')
+    assert "check 'live_emulation' needs candidate" in _bad(tmp_path, back)

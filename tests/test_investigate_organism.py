@@ -44,6 +44,11 @@ SUSPECTS = {
 }
 
 
+LENGTHS = {"key_slot": "[512, 1024]"}
+"""The key-slot fault costs 1 + 3 of 20 cases at 256 and 512 tokens (p = 0.125, too few
+discordant pairs to call), 3 + 6 at 512 and 1,024 (docs/investigate.md): it is planted there."""
+
+
 def plant_ledger(directory, planted: str) -> str:
     write_example(directory, force=True)
     cand = SUSPECTS[planted][1]
@@ -59,7 +64,7 @@ def plant_ledger(directory, planted: str) -> str:
         "",
         "[symptom]",
         'kind = "multiturn"',
-        "lengths = [256, 512]",
+        f"lengths = {LENGTHS.get(planted, '[256, 512]')}",
         "depths = [0, 25, 50, 75, 100]",
         "trials = 2",
         "max_new_tokens = 6",
@@ -95,6 +100,8 @@ def reference_records(tmp_path_factory):
 
 
 def _seed_reference(out, cache) -> None:
+    """Copy the reference records measured so far (any lengths) into ``out``: the run measures
+    only the cases it lacks, and ignores records of cases its ledger does not have."""
     if cache.exists():
         (out / "measure").mkdir(parents=True, exist_ok=True)
         shutil.copy(cache, out / "measure" / "reference.jsonl")
@@ -105,23 +112,22 @@ def _run(tmp_path, planted, organism, cache) -> dict:
     out = tmp_path / "out"
     _seed_reference(out, cache)
     run_investigation(ledger, out, loaded=organism)
-    if not cache.exists():
-        shutil.copy(out / "measure" / "reference.jsonl", cache)
+    shutil.copy(out / "measure" / "reference.jsonl", cache)
     return json.loads((out / "verdicts.json").read_text())
 
 
-# Measured with these 20 cases (2 CPU cores, docs/investigate.md): routed scaling twice and the
-# bf16 hyper-connection GEMM move the logits but not recall; the page-table fault costs 10+
-# cases (p < 0.01); the key-slot fault costs 4 of 20 with none gained (b=4, c=0, exact McNemar
-# p=0.125): too few to implicate, so the rule says "inconclusive: run more cases"; fp4 keys
-# without the rotation and top-8 leave this organism's recall where it was.
+# Measured with these cases (2 CPU cores, docs/investigate.md): routed scaling twice and the
+# bf16 hyper-connection GEMM move the logits but not recall; the page-table fault costs 16 of
+# 20 cases; the key-slot fault at 512 and 1,024 tokens costs 9 of 20 with none gained; fp4 keys
+# without the rotation and top-8 move the logits but leave this organism's recall where it
+# was at these lengths (the measured reason is in docs/investigate.md).
 EXPECTED = {
-    "routed_scaling": ("diverges_no_effect",),
-    "hc_mix_bf16": ("diverges_no_effect",),
-    "page_table": ("implicated",),
-    "key_slot": ("inconclusive",),
-    "index_keys_fp4_norot": ("exonerated", "diverges_no_effect"),
-    "index_topk": ("exonerated", "diverges_no_effect"),
+    "routed_scaling": "diverges_no_effect",
+    "hc_mix_bf16": "diverges_no_effect",
+    "page_table": "implicated",
+    "key_slot": "implicated",
+    "index_keys_fp4_norot": "diverges_no_effect",
+    "index_topk": "diverges_no_effect",
 }
 
 
@@ -141,13 +147,21 @@ def test_one_planted_fault(tmp_path, planted, organism, reference_records, reque
     by = {s["id"]: s for s in v["suspects"]}
     for sid, s in by.items():
         if sid != planted:
-            assert s["verdict"] == "exonerated" and "not in the candidate" in s["reason"], (sid, s)
+            assert s["verdict"] == "exonerated", (sid, s)
+            assert (
+                s["reason"].startswith("not present in the candidate (") and "no causal check" in s["reason"]
+            )
+            presence = [e for e in s["evidence"] if e["check"] == "presence"]
+            assert [e["value"] for e in presence] == ["absent"], s
     got = by[planted]
     ev = {e["metric"].split(" (")[0]: e["value"] for e in got["evidence"]}
     assert "exact McNemar p" in ev, got
-    assert got["verdict"] in EXPECTED[planted], got
-    if planted == "key_slot":
-        assert ev["discordant b"] > ev["discordant c"], got  # it costs recall, just not significantly here
+    assert got["verdict"] == EXPECTED[planted], got
+    if got["verdict"] == "implicated":
+        assert ev["exact McNemar p"] < 0.05 and ev["discordant b"] >= 6 > ev["discordant c"], got
+    if got["verdict"] == "diverges_no_effect":  # both numbers: no recall change, a logit change
+        assert ev["discordant b"] == ev["discordant c"] == 0, got
+        assert ev["final-logit relative error, " + planted + " added alone to the reference"] > 1e-5, got
     if got["verdict"] == "implicated":
         assert v["root_cause"] == planted
     else:

@@ -188,3 +188,43 @@ def test_first_wrong_token():
     assert first_wrong_token(["4", "3", "9"], "439") is None
     assert first_wrong_token(["5"], "439") == 0
     assert first_wrong_token(["4", "3", "9", "1"], "439") == 3
+
+
+def test_absent_suspect_exoneration_says_what_it_rests_on():
+    verdict, reason = suspect_verdict(
+        present=False,
+        pair=None,
+        divergence=None,
+        absent_by_question=None,
+        blocked=[],
+        ran_checks=0,
+        presence="config check: candidate index_k=fp32, the suspect is index_k=fp8_e4m3",
+        questions="config key=index_head_dim -> 64",
+    )
+    assert verdict == "exonerated"
+    assert reason.startswith("not present in the candidate (config check: candidate index_k=fp32")
+    assert "cheap questions: config key=index_head_dim -> 64" in reason and "none ran" in reason
+
+
+def test_live_comparison_and_verdict():
+    from needlescope.investigate.live import compare_rows, jaccard, summarise
+    from needlescope.investigate.verdicts import live_verdict
+
+    assert jaccard(set(), set()) == 1.0 and jaccard({1, 2}, {2, 3}) == 1 / 3
+    live = {"1": [[0, 1], [0, 9]]}  # needle entries 5, 6: the live drops them at the analysed row
+    base = {"1": [[0, 5], [5, 6]]}
+    same = compare_rows(live, live, base, {"1": [5, 6]})
+    other = compare_rows(live, {"1": [[7, 8], [7, 8]]}, base, {"1": [5, 6]})
+    keeps = compare_rows(live, base, base, {"1": [5, 6]})
+    assert same["points"] == [{"layer": 1, "needle_visible": 2, "live": 0, "emulation": 0, "baseline": 2}]
+    s_same, s_other, s_keeps = (summarise([c] * 3) for c in (same, other, keeps))
+    assert (s_same["failures"], s_same["reproduced"], s_same["jaccard_emulation"]) == (3, 3, 1.0)
+    assert live_verdict(s_same)[0] == "implicated"
+    # drops the needle too, but selects nothing like the live: the Jaccard gap stays open
+    assert s_other["reproduced"] == 3 and live_verdict(s_other)[0] == "inconclusive"
+    assert live_verdict(s_keeps)[0] == "exonerated" and "keeps the needle" in live_verdict(s_keeps)[1]
+    few = summarise([same])  # one selection failure only
+    assert (
+        live_verdict(few)[0] == "inconclusive"
+        and "not (mainly) in the indexer's selection" in live_verdict(few)[1]
+    )

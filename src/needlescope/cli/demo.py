@@ -46,8 +46,8 @@ def demo_command(
 ) -> None:
     """Probe the organism under reference and deployment numerics and explain the difference."""
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from needlescope.cli.investigate import phase_progress
     from needlescope.investigate import demo
     from needlescope.run.config import parse_int_list
 
@@ -63,13 +63,7 @@ def demo_command(
     # The patch is resolved after every other flag; demo.run checks the model and --out, then runs it.
     cfg = replace(cfg, deployment=with_patch(deployment, None if deploy_patch == "none" else deploy_patch))
     console = Console()
-    with Progress(
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=console,
-    ) as progress:
+    with phase_progress(console) as progress:
         task = progress.add_task("demo", total=len(PHASES))
 
         def phase(name: str, info: dict) -> None:

@@ -32,20 +32,25 @@ def init_command(
     console.print(f"next: needlescope investigate run {escape(str(path))} --out investigation-out")
 
 
-def run_investigation_cli(ledger: Path, out: Path) -> Path:
-    """Run with a progress bar per phase; returns DIAGNOSIS.md's path (shared with ``demo``)."""
+def phase_progress(out: Console):
+    """The progress display of a multi-phase workflow (``investigate run``, ``demo``)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from needlescope.investigate.diagnosis import write_reports
-    from needlescope.investigate.runner import run_investigation
-
-    with Progress(
+    return Progress(
         TextColumn("[bold]{task.description}"),
         BarColumn(),
         MofNCompleteColumn(),
         TimeElapsedColumn(),
-        console=console,
-    ) as progress:
+        console=out,
+    )
+
+
+def run_investigation_cli(ledger: Path, out: Path) -> Path:
+    """Run with a progress bar per phase; returns DIAGNOSIS.md's path."""
+    from needlescope.investigate.diagnosis import write_reports
+    from needlescope.investigate.runner import run_investigation
+
+    with phase_progress(console) as progress:
         tasks: dict[str, int] = {}
 
         def on_progress(phase: str, done: int, total: int, what: str) -> None:

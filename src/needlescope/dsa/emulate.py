@@ -206,14 +206,16 @@ _LOADED_PATCHES: dict[tuple[str, str], Callable[[torch.nn.Module], object]] = {}
 _PATCHED_FOR_GOOD = "_needlescope_patched_for_good"
 
 
-def apply_patch_once(model: torch.nn.Module, patch) -> Callable[[], None] | None:
+def apply_patch_once(model: torch.nn.Module, patch, *, check: bool = True) -> Callable[[], None] | None:
     """Apply ``patch`` (a PatchRef or path) to ``model``; returns its undo, or None when it gave none.
 
     A patch without an undo changes the model for good (a routed scale multiplied in place
     compounds if applied again), so the model is marked and ``emulate`` refuses it from then on.
-    Raises BadInput when ``model`` already carries such a patch.
+    Raises BadInput when ``model`` already carries such a patch (``check=False``: the caller
+    checked before applying a group of patches, one of which may be such a patch).
     """
-    check_unpatched(model)
+    if check:
+        check_unpatched(model)
     undo = load_patch(patch)(model)
     if callable(undo):
         return undo

@@ -68,6 +68,7 @@ __all__ = [
     "needle_rank_stats",
     "selected_in",
     "answer_positions",
+    "greedy_new_tokens",
     "rank_dump",
     "combine_dumps",
     "dumps_of",
@@ -238,7 +239,8 @@ def answer_positions(prompt_tokens: int, generated: int) -> list[int]:
     return [prompt_tokens - 1 + i for i in range(max(1, generated))]
 
 
-def _generate(model, tokenizer, ids: torch.Tensor, max_new_tokens: int) -> list[int]:
+def greedy_new_tokens(model, tokenizer, ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+    """Greedy decoding of the unpadded batch ``ids`` [B, P]: the new tokens [B, <= max_new_tokens]."""
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
     out = model.generate(
@@ -249,7 +251,11 @@ def _generate(model, tokenizer, ids: torch.Tensor, max_new_tokens: int) -> list[
         eos_token_id=eos,
         pad_token_id=pad,
     )
-    return out[0, ids.shape[1] :].tolist()
+    return out[:, ids.shape[1] :]
+
+
+def _generate(model, tokenizer, ids: torch.Tensor, max_new_tokens: int) -> list[int]:
+    return greedy_new_tokens(model, tokenizer, ids, max_new_tokens)[0].tolist()
 
 
 def _prompt_positions(query_positions: Sequence[int], prompt_tokens: int) -> list[int]:

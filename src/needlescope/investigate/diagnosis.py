@@ -87,63 +87,91 @@ def _plots(inv: dict, out: Path) -> list[tuple[str, str]]:
 
 def diagnosis_blocks(inv: dict, images: list[tuple[str, str]]) -> list[tuple]:
     """The report as blocks: ("h", level, text) | ("p", text) | ("table", header, rows) | ("img", file, caption)."""
-    v, sy = inv["verdicts"], inv["symptom"]
-    by_id = {s["id"]: s for s in inv["suspects"]}
-    b: list[tuple] = [("h", 1, "DIAGNOSIS")]
+    live = inv.get("route") == "live"
+    b: list[tuple] = [("h", 1, "DIAGNOSIS"), ("p", _intro(inv, live))]
+    b += _symptom_blocks(inv, images)
+    b += _root_blocks(inv)
+    b += _verdict_blocks(inv, live)
+    if live:
+        b += _live_blocks(inv)
+    else:
+        b += _signature_blocks(inv["verdicts"]["signature"], images)
+        b += _rankdump_blocks(inv.get("explained"))
+        b += _fix_blocks(inv)
+    b += _blocked_blocks(inv)
+    b.append(("h", 2, "Provenance and reproduction"))
     b.append(
         (
             "p",
-            f"Model `{inv['target']['model']}`. Reference `{sy['reference']}`; candidate (the deployment under suspicion) `{sy['candidate']}`. {sy['kind']} needles, {sy['cases']} cases ({len(sy['lengths'])} lengths x {len(sy['depths'])} depths x {sy['trials']} trials, seed {sy['seed']}), measured in-process on the reference checkpoint.",
+            f"Ledger `{inv['ledger']}`. Reproduce: `needlescope investigate run {inv['ledger']} --out DIR` (resumable). Artifacts: `verdicts.json`, `investigation.json`, `measure/*.jsonl` (one record per case and configuration), `state.json`.",
         )
     )
-    b.append(("h", 2, "Symptom"))
+    return b
+
+
+def _intro(inv: dict, live: bool) -> str:
+    sy = inv["symptom"]
+    where = (
+        "the live endpoint probed over HTTP with its indexer capture, the reference in-process on the same token ids"
+        if live
+        else "measured in-process on the reference checkpoint"
+    )
+    return (
+        f"Model `{inv['target']['model']}`. Reference `{sy['reference']}`; candidate (the deployment under "
+        f"suspicion) `{sy['candidate']}`. {sy['kind']} needles, {sy['cases']} cases ({len(sy['lengths'])} lengths x "
+        f"{len(sy['depths'])} depths x {sy['trials']} trials, seed {sy['seed']}), {where}."
+    )
+
+
+def _symptom_blocks(inv: dict, images) -> list[tuple]:
+    sy = inv["symptom"]
     rows = [
         [n, _pct(sy["recall_reference"].get(n)), _pct(sy["recall_candidate"].get(n))]
         for n in sy["recall_reference"]
     ]
-    b.append(("table", ["length", "reference recall", "candidate recall"], rows))
-    for name, caption in images[:1]:
-        b.append(("img", name, caption))
-    b.append(("h", 2, "Root cause"))
-    root = v["root_cause"]
-    if root:
-        s = by_id[root]
-        b.append(
-            (
-                "p",
-                f"**{root}** (`{s['maps_to']}`; tier {s['tier']}: {s['hypothesis']}). Decisive measurement: {s['reason']}.",
-            )
-        )
-    else:
-        b.append(("p", "No suspect in the ledger is implicated as the root cause."))
-    b.append(("h", 2, "Verdicts"))
-    b.append(
-        (
-            "table",
-            ["tier", "suspect", "in candidate", "verdict", "reason"],
-            [
-                [s["tier"], s["id"], "yes" if by_id[s["id"]]["present"] else "no", s["verdict"], s["reason"]]
-                for s in v["suspects"]
-            ],
-        )
-    )
-    b.append(("h", 3, "Evidence"))
-    ev_rows = []
-    for s in v["suspects"]:
-        for e in s["evidence"]:
-            val = e["value"] if isinstance(e["value"], str) else f"{e['value']:.4g}"
-            ev_rows.append(
-                [
-                    s["id"],
-                    e["check"],
-                    e["metric"],
-                    val,
-                    "-" if e["threshold"] is None else f"{e['threshold']:g}",
-                ]
-            )
-    b.append(("table", ["suspect", "check", "metric", "value", "threshold"], ev_rows))
-    b.append(("h", 2, "Signature: is the indexer's ranking informative about the needle?"))
-    sig = v["signature"]
+    b = [("h", 2, "Symptom"), ("table", ["length", "reference recall", "candidate recall"], rows)]
+    if sy.get("errors"):
+        b.append(("p", f"{sy['errors']} live request(s) failed; they are recorded as errors, not scored."))
+    return b + [("img", name, caption) for name, caption in images[:1]]
+
+
+def _root_blocks(inv: dict) -> list[tuple]:
+    root = inv["verdicts"]["root_cause"]
+    if not root:
+        return [("h", 2, "Root cause"), ("p", "No suspect in the ledger is implicated as the root cause.")]
+    s = next(x for x in inv["suspects"] if x["id"] == root)
+    text = f"**{root}** (`{s['maps_to']}`; tier {s['tier']}: {s['hypothesis']}). Decisive measurement: {s['reason']}."
+    return [("h", 2, "Root cause"), ("p", text)]
+
+
+def _verdict_blocks(inv: dict, live: bool) -> list[tuple]:
+    v = inv["verdicts"]
+    by_id = {s["id"]: s for s in inv["suspects"]}
+    present = {True: "yes", False: "no", None: "unknown (live)"}
+    rows = [
+        [s["tier"], s["id"], present[by_id[s["id"]]["present"]], s["verdict"], s["reason"]]
+        for s in v["suspects"]
+    ]
+    ev_rows = [
+        [
+            s["id"],
+            e["check"],
+            e["metric"],
+            e["value"] if isinstance(e["value"], str) else f"{e['value']:.4g}",
+            "-" if e["threshold"] is None else f"{e['threshold']:g}",
+        ]
+        for s in v["suspects"]
+        for e in s["evidence"]
+    ]
+    return [
+        ("h", 2, "Verdicts"),
+        ("table", ["tier", "suspect", "in candidate", "verdict", "reason"], rows),
+        ("h", 3, "Evidence"),
+        ("table", ["suspect", "check", "metric", "value", "threshold"], ev_rows),
+    ]
+
+
+def _signature_blocks(sig: dict, images) -> list[tuple]:
     lrows = [
         [
             ly["layer"],
@@ -156,7 +184,6 @@ def diagnosis_blocks(inv: dict, images: list[tuple[str, str]]) -> list[tuple]:
         ]
         for ly in sig["layers"]
     ]
-    b.append(("table", ["CSA layer", "n", "population", "KS D", "KS p", "median u", "ranking"], lrows))
     crow = [
         [
             c["index_topk"],
@@ -168,71 +195,71 @@ def diagnosis_blocks(inv: dict, images: list[tuple[str, str]]) -> list[tuple]:
         ]
         for c in sig["collapse_vs_topk"]
     ]
-    b.append(
-        (
-            "table",
-            [
-                "index_topk",
-                "compress_ratio x index_topk",
-                "recall by length",
-                "holds to",
-                "collapses at",
-                "consistent",
-            ],
-            crow,
-        )
-    )
+    head = [
+        "index_topk",
+        "compress_ratio x index_topk",
+        "recall by length",
+        "holds to",
+        "collapses at",
+        "consistent",
+    ]
+    b = [
+        ("h", 2, "Signature: is the indexer's ranking informative about the needle?"),
+        ("table", ["CSA layer", "n", "population", "KS D", "KS p", "median u", "ranking"], lrows),
+        ("table", head, crow),
+        ("p", _signature_text(sig)),
+    ]
+    return b + [("img", name, caption) for name, caption in images[1:2]]
+
+
+def _signature_text(sig: dict) -> str:
     bad = [ly["layer"] for ly in sig["layers"] if ly["uninformative"]]
     if sig["uninformative_ranking"]:
-        b.append(
-            (
-                "p",
-                f"**The rule fires.** The indexer's ranking is uninformative about the needle in CSA layer(s) {', '.join(map(str, bad))} (rank percentiles indistinguishable from U(0,1), or worse), and the collapse length tracks compress_ratio x index_topk (recall holds at >= {HOLD} exactly while the top-k covers every entry). The likely class is a functional indexer bug (cache layout or paging, scale handling, RoPE, masking), not precision; raising index_topk is a workaround.",
-            )
+        return f"**The rule fires.** The indexer's ranking is uninformative about the needle in CSA layer(s) {', '.join(map(str, bad))} (rank percentiles indistinguishable from U(0,1), or worse), and the collapse length tracks compress_ratio x index_topk (recall holds at >= {HOLD} exactly while the top-k covers every entry). The likely class is a functional indexer bug (cache layout or paging, scale handling, RoPE, masking), not precision; raising index_topk is a workaround."
+    why = []
+    if not bad:
+        why.append("every tested layer ranks the needle better than chance (or too few cases to test)")
+    if not tracks_topk(sig["collapse_vs_topk"]):
+        why.append("the collapse length does not track compress_ratio x index_topk in two runs")
+    return "The rule does not fire: " + "; ".join(why) + "."
+
+
+def _rankdump_blocks(ex: dict | None) -> list[tuple]:
+    b: list[tuple] = [("h", 2, "Rank dump of the failing case")]
+    if not ex:
+        return b + [("p", "The candidate answered every case correctly: there is no failing case to dump.")]
+    c = ex["candidate"]
+    qpos = c["layers"][0]["query_pos"] if c["layers"] else "-"
+    b.append(
+        (
+            "p",
+            f"Case `{ex['case_id']}` ({c['length']} tokens, depth {c['depth']:g}%): {ex['why']}. Expected `{' '.join(c['expected'])}`; the candidate answered `{c['answer']}`. Analysed at the {c['analysed_source']} (answer token {c['analysed_token']}, query position {qpos}).",
         )
-    else:
-        why = []
-        if not bad:
-            why.append("every tested layer ranks the needle better than chance (or too few cases to test)")
-        if not tracks_topk(sig["collapse_vs_topk"]):
-            why.append("the collapse length does not track compress_ratio x index_topk in two runs")
-        b.append(("p", "The rule does not fire: " + "; ".join(why) + "."))
-    if len(images) > 1:
-        b.append(("img", images[1][0], images[1][1]))
-    ex = inv.get("explained")
-    b.append(("h", 2, "Rank dump of the failing case"))
-    if ex:
-        c = ex["candidate"]
-        b.append(
-            (
-                "p",
-                f"Case `{ex['case_id']}` ({c['length']} tokens, depth {c['depth']:g}%): {ex['why']}. Expected `{' '.join(c['expected'])}`; the candidate answered `{c['answer']}`. Analysed at the {c['analysed_source']} (answer token {c['analysed_token']}, query position {c['layers'][0]['query_pos'] if c['layers'] else '-'}).",
-            )
+    )
+    rows = [
+        [
+            ly["layer"],
+            f"{ly['needle_selected']} of {ly['needle_visible']} visible",
+            ly["best_rank"],
+            ly["visible"],
+            c["index_topk"],
+        ]
+        for ly in c["layers"]
+    ]
+    return b + [
+        (
+            "table",
+            ["CSA layer", "needle entries selected", "best rank", "visible entries", "index_topk"],
+            rows,
         )
-        b.append(
-            (
-                "table",
-                ["CSA layer", "needle entries selected", "best rank", "visible entries", "index_topk"],
-                [
-                    [
-                        ly["layer"],
-                        f"{ly['needle_selected']} of {ly['needle_visible']} visible",
-                        ly["best_rank"],
-                        ly["visible"],
-                        c["index_topk"],
-                    ]
-                    for ly in c["layers"]
-                ],
-            )
-        )
-    else:
-        b.append(("p", "The candidate answered every case correctly: there is no failing case to dump."))
-    b.append(("h", 2, "Fixes, cheapest kind first"))
-    fixes = sorted(inv["fixes"], key=lambda f: (_COST[f["changes"]], f["name"]))
+    ]
+
+
+def _fix_blocks(inv: dict) -> list[tuple]:
+    k0 = inv["candidate_topk"]
     frows = []
-    for f in fixes:
+    for f in sorted(inv["fixes"], key=lambda f: (_COST[f["changes"]], f["name"])):
         p = f["pair"]
-        k0 = inv["candidate_topk"]
         cost = (
             "none (same index_topk)"
             if f["keeps_topk"]
@@ -249,51 +276,80 @@ def diagnosis_blocks(inv: dict, images: list[tuple[str, str]]) -> list[tuple]:
                 _layers_cell(f.get("case")),
             ]
         )
-    b.append(
-        (
-            "table",
-            [
-                "label",
-                "kind",
-                "setting",
-                "recall (fix vs candidate)",
-                "paired test",
-                "cost",
-                "failing case: needle entries selected",
-            ],
-            frows,
-        )
-    )
-    b.append(
+    head = [
+        "label",
+        "kind",
+        "setting",
+        "recall (fix vs candidate)",
+        "paired test",
+        "cost",
+        "failing case: needle entries selected",
+    ]
+    return [
+        ("h", 2, "Fixes, cheapest kind first"),
+        ("table", head, frows),
         (
             "p",
             "Labels: root-cause fix = removes the root cause and restores recall at the deployment index_topk; workaround = restores recall while the cause stays (its cost given); no effect = no significant paired change (exact McNemar, p < 0.05). No harness-level fix was replayed.",
-        )
-    )
-    blocked = [
-        (s["id"], e["check"], e["value"])
+        ),
+    ]
+
+
+def _live_blocks(inv: dict) -> list[tuple]:
+    sy = inv["symptom"]
+    rows = [
+        [
+            s["id"],
+            s["verdict"],
+            f"{s['live']['reproduced']} of {s['live']['failures']}",
+            f"{s['live']['jaccard_emulation']:.3f}",
+            f"{s['live']['jaccard_baseline']:.3f}",
+            f"{s['live']['needle_emulation']} / {s['live']['needle_live']} / {s['live']['needle_baseline']} of {s['live']['needle_visible']}",
+        ]
+        for s in inv["suspects"]
+        if s.get("live")
+    ]
+    head = [
+        "suspect",
+        "verdict",
+        "selection failures reproduced",
+        "Jaccard emulation vs live",
+        "Jaccard baseline vs live",
+        "needle entries selected: emulation / live / baseline",
+    ]
+    return [
+        ("h", 2, "Live selection vs each suspect's emulation"),
+        (
+            "p",
+            f"The live endpoint cannot be ablated, so each suspect is emulated in the reference at the live index_topk ({sy.get('live_index_topk')}) on the live token ids of the {sy.get('failing_cases', 0)} failing case(s) (wrong live, right under the reference), and its top-k compared with the live capture per CSA layer; the baseline is the reference at the same index_topk with nothing added. No fix is replayed on a live endpoint, and the rank signature needs scores the capture does not hold.",
+        ),
+        ("table", head, rows),
+    ]
+
+
+def _blocked_blocks(inv: dict) -> list[tuple]:
+    v = inv["verdicts"]
+    by_id = {s["id"]: s for s in inv["suspects"]}
+    lines = [
+        f"{s['id']} {e['check']}: {e['value']}"
         for s in v["suspects"]
         for e in s["evidence"]
         if isinstance(e["value"], str) and e["value"].startswith("blocked")
     ]
+    lines += [f"{s['id']}: {s['reason']}" for s in v["suspects"] if s["verdict"] == "blocked"]
     unrun = [
-        s["id"] for s in v["suspects"] if not by_id[s["id"]]["present"] and by_id[s["id"]]["pair"] is None
+        s["id"]
+        for s in v["suspects"]
+        if by_id[s["id"]]["present"] is False
+        and by_id[s["id"]]["pair"] is None
+        and not by_id[s["id"]].get("live")
     ]
-    b.append(("h", 2, "Blocked or unrun diagnostics"))
-    lines = [f"{sid} {check}: {val}" for sid, check, val in blocked]
     if unrun:
         lines.append(
-            "no ablation for suspects absent from the candidate (the ledger asks none): " + ", ".join(unrun)
+            "no causal check for suspects absent from the candidate (the ledger asks none; their exoneration rests on the configuration check and cheap questions): "
+            + ", ".join(unrun)
         )
-    b.append(("p", "; ".join(lines) if lines else "None."))
-    b.append(("h", 2, "Provenance and reproduction"))
-    b.append(
-        (
-            "p",
-            f"Ledger `{inv['ledger']}`. Reproduce: `needlescope investigate run {inv['ledger']} --out DIR` (resumable). Artifacts: `verdicts.json`, `investigation.json`, `measure/*.jsonl` (one record per case and configuration), `state.json`.",
-        )
-    )
-    return b
+    return [("h", 2, "Blocked or unrun diagnostics"), ("p", "; ".join(lines) if lines else "None.")]
 
 
 def _md_table(header, rows) -> list[str]:

@@ -16,7 +16,7 @@ from needlescope.errors import BadInput
 
 __all__ = ["EXAMPLE_LEDGER", "EXAMPLE_FILES", "write_example"]
 
-EXAMPLE_LEDGER = """\
+_HEADER = """\
 # needlescope investigation ledger (needlescope investigate run investigation.toml --out DIR).
 # The original DeepSeek-V4-Flash coherence investigation, replayed on the shipped organism:
 # recall of facts from earlier turns collapsed after a round of speed patches. Eight patches
@@ -35,6 +35,9 @@ reference = "k=fp32 q=fp32 acc=fp32 topk=cfg"
 candidate = "k=fp8_e4m3 q=fp32 acc=fp32 topk=64 patch=fault:indexer_page_table"
 extra_patches = []            # model-level patch files the deployment also carries
 endpoint = ""                 # a live server for server_info questions ("" = none: those are blocked)
+# A live deployment instead: candidate = "live" and endpoint = "http://HOST:PORT" (a server
+# answering /generate with return_indexer_topk, e.g. needlescope serve); checks are then
+# "live_emulation" (each suspect emulated in the reference, compared with the live capture).
 env_file = "deployment.env"   # the deployment's environment
 
 [symptom]
@@ -45,94 +48,123 @@ depths = [0, 50, 100]
 trials = 2
 seed = 0
 
-# ---- Tier 1: most likely (numerics touched in every layer) -------------------------------
-[[suspects]]
-id = "hc_mix_bf16"
-tier = 1
-hypothesis = "the hyper-connection mixing GEMM cast from fp32 to bf16 compounds over the layers"
-patch = "patches/hc_mix_bf16.py"
-checks = ["audit:hc_mix_bf16"]
-[[suspects.questions]]
-type = "checkpoint_dtype"     # Q3: what dtype are the mixing weights stored in?
-pattern = "model.layers.*.hc_*_fn"
-
-[[suspects]]
-id = "routed_scaling"
-tier = 1
-hypothesis = "the rewritten MoE routed scaling applies routed_scaling_factor twice, or not at all"
-patch = "patches/routed_scale_twice.py"
-checks = ["audit:routed_scale"]
-[[suspects.questions]]
-type = "config"               # Q2: the factor the model expects, applied exactly once
-key = "routed_scaling_factor"
-[[suspects.questions]]
-type = "source"
-path = "patches/routed_scale_twice.py"
-pattern = "routed_scaling_factor"
-
-# ---- Tier 2: plausible drift (near-margin flips in the sparse selection) -----------------
-[[suspects]]
-id = "decode_splitk"
-tier = 2
-hypothesis = "the split-K decode attention kernel merges its partial results in bf16"
-patch = "patches/decode_splitk_bf16.py"
-checks = ["audit:decode_splitk_bf16"]
-[[suspects.questions]]
-type = "env"
-name = "SGLANG_MMA_SPLITK_DECODE"
-
-[[suspects]]
-id = "indexer_scores_bf16"
-tier = 2
-hypothesis = "the indexer accumulates its scores in bf16 and flips near-margin entries"
-setting = "acc=bf16"
-checks = ["audit:indexer_scores_bf16"]
-[[suspects.questions]]
-type = "env"                  # Q1: which indexer path is live (the torch fallback scores in bf16)
-name = "SGLANG_FP8_PAGED_MQA_LOGITS_TORCH"
-
-[[suspects]]
-id = "index_keys_fp8"
-tier = 2
-hypothesis = "fp8 index keys (the model was trained with fp4 keys) drop the needle below the cutoff"
-setting = "k=fp8_e4m3"
-checks = ["audit:index_keys_fp8", "ablation"]
-[[suspects.questions]]
-type = "config"
-key = "index_head_dim"
-
-[[suspects]]
-id = "index_topk"
-tier = 2
-hypothesis = "index_topk 64 keeps too few entries for long contexts"
-setting = "topk=64"
-checks = ["audit:index_topk", "ablation"]
-[[suspects.questions]]
-type = "config"
-key = "index_topk"
-
-# ---- Tier 3: low risk (non-numeric toggles) ----------------------------------------------
-[[suspects]]
-id = "triton_paged_indexer"
-tier = 3
-hypothesis = "the toggle that makes the Triton paged-MQA indexer live (a kernel swap, no precision change)"
-patch = "fault:indexer_page_table"
-checks = ["ablation"]
-[[suspects.questions]]
-type = "env"                  # set to 1, the torch fallback is live and this kernel is not
-name = "SGLANG_FP8_PAGED_MQA_LOGITS_TORCH"
-means_absent = "1"
-
-[[suspects]]
-id = "thinking_default"
-tier = 3
-hypothesis = "the thinking-by-default toggle changes the prompt, not the numerics"
-patch = "patches/thinking_default.py"
-checks = []
-[[suspects.questions]]
-type = "server_info"
-field = "chat_template_kwargs"
 """
+
+# (tier banner or None, id, tier, hypothesis, mapping line, checks, questions as
+# [(TOML lines, ...)]): the eight suspects of the original forensic ranking.
+_SUSPECTS = [
+    (
+        "Tier 1: most likely (numerics touched in every layer)",
+        "hc_mix_bf16",
+        1,
+        "the hyper-connection mixing GEMM cast from fp32 to bf16 compounds over the layers",
+        'patch = "patches/hc_mix_bf16.py"',
+        ["audit:hc_mix_bf16"],
+        [
+            (
+                'type = "checkpoint_dtype"     # Q3: what dtype are the mixing weights stored in?',
+                'pattern = "model.layers.*.hc_*_fn"',
+            )
+        ],
+    ),
+    (
+        None,
+        "routed_scaling",
+        1,
+        "the rewritten MoE routed scaling applies routed_scaling_factor twice, or not at all",
+        'patch = "patches/routed_scale_twice.py"',
+        ["audit:routed_scale"],
+        [
+            (
+                'type = "config"               # Q2: the factor the model expects, applied exactly once',
+                'key = "routed_scaling_factor"',
+            ),
+            (
+                'type = "source"',
+                'path = "patches/routed_scale_twice.py"',
+                'pattern = "routed_scaling_factor"',
+            ),
+        ],
+    ),
+    (
+        "Tier 2: plausible drift (near-margin flips in the sparse selection)",
+        "decode_splitk",
+        2,
+        "the split-K decode attention kernel merges its partial results in bf16",
+        'patch = "patches/decode_splitk_bf16.py"',
+        ["audit:decode_splitk_bf16"],
+        [('type = "env"', 'name = "SGLANG_MMA_SPLITK_DECODE"')],
+    ),
+    (
+        None,
+        "indexer_scores_bf16",
+        2,
+        "the indexer accumulates its scores in bf16 and flips near-margin entries",
+        'setting = "acc=bf16"',
+        ["audit:indexer_scores_bf16"],
+        [
+            (
+                'type = "env"                  # Q1: which indexer path is live (the torch fallback scores in bf16)',
+                'name = "SGLANG_FP8_PAGED_MQA_LOGITS_TORCH"',
+            )
+        ],
+    ),
+    (
+        None,
+        "index_keys_fp8",
+        2,
+        "fp8 index keys (the model was trained with fp4 keys) drop the needle below the cutoff",
+        'setting = "k=fp8_e4m3"',
+        ["audit:index_keys_fp8", "ablation"],
+        [('type = "config"', 'key = "index_head_dim"')],
+    ),
+    (
+        None,
+        "index_topk",
+        2,
+        "index_topk 64 keeps too few entries for long contexts",
+        'setting = "topk=64"',
+        ["audit:index_topk", "ablation"],
+        [('type = "config"', 'key = "index_topk"')],
+    ),
+    (
+        "Tier 3: low risk (non-numeric toggles)",
+        "triton_paged_indexer",
+        3,
+        "the toggle that makes the Triton paged-MQA indexer live (a kernel swap, no precision change)",
+        'patch = "fault:indexer_page_table"',
+        ["ablation"],
+        [
+            (
+                'type = "env"                  # set to 1, the torch fallback is live and this kernel is not',
+                'name = "SGLANG_FP8_PAGED_MQA_LOGITS_TORCH"',
+                'means_absent = "1"',
+            )
+        ],
+    ),
+    (
+        None,
+        "thinking_default",
+        3,
+        "the thinking-by-default toggle changes the prompt, not the numerics",
+        'patch = "patches/thinking_default.py"',
+        [],
+        [('type = "server_info"', 'field = "chat_template_kwargs"')],
+    ),
+]
+
+
+def _suspect_toml(banner, sid, tier, hypothesis, mapping, checks, questions) -> str:
+    lines = [f"# ---- {banner} " + "-" * max(3, 88 - len(banner))] if banner else []
+    lines += ["[[suspects]]", f'id = "{sid}"', f"tier = {tier}", f'hypothesis = "{hypothesis}"', mapping]
+    lines.append("checks = [" + ", ".join(f'"{c}"' for c in checks) + "]")
+    for q in questions:
+        lines += ["[[suspects.questions]]", *q]
+    return "\n".join(lines) + "\n"
+
+
+EXAMPLE_LEDGER = _HEADER + "\n".join(_suspect_toml(*s) for s in _SUSPECTS)
+"""The example ledger (``init`` writes it as ``investigation.toml``)."""
 
 _SUBSTITUTE_PATCH = '''\
 """{doc}"""

@@ -13,6 +13,7 @@ Structure (paths are relative to the ledger's directory)::
     threads = 2                         # torch threads for the in-process measurements
     reference = "k=fp32 q=fp32 acc=fp32 topk=cfg"        # a Setting (needlescope.setting)
     candidate = "k=fp8_e4m3 q=fp32 acc=fp32 topk=64 patch=fault:indexer_page_table"
+    # candidate = "live"                # or: the endpoint below IS the candidate (live route)
     extra_patches = []                  # more candidate patch files (not indexer-scorer patches)
     endpoint = ""                       # a live server (server_info questions); "" = none
     env_file = ""                       # the deployment's env file (env questions)
@@ -30,7 +31,7 @@ Structure (paths are relative to the ledger's directory)::
     hypothesis = "fp8 index keys flip near-margin entries out of the top-k"
     setting = "k=fp8_e4m3"              # the suspect is these Setting fields ...
     # patch = "patches/x.py"            # ... or this patch file (or fault:NAME)
-    checks = ["audit:index_keys_fp8", "ablation"]
+    checks = ["audit:index_keys_fp8", "ablation"]   # live route: ["live_emulation"]
     [[suspects.questions]]
     type = "env"                        # env | server_info | checkpoint_dtype | config | source
     name = "SGLANG_FP8_PAGED_MQA_LOGITS_TORCH"
@@ -40,6 +41,10 @@ candidate's value of every field its ``setting`` names equals the suspect's valu
 from the reference's). Its **removal** from the candidate puts those fields back to the
 reference's values (or drops the patch); its **addition** to the reference sets them (or
 applies the patch).
+
+With ``candidate = "live"`` (an ``endpoint`` is then required) nothing can be ablated: a
+suspect's causal check is ``live_emulation``; ``ablation`` there (or ``live_emulation`` with an
+in-process candidate), and ``extra_patches`` with a live candidate, are refused up front.
 """
 
 from __future__ import annotations
@@ -92,8 +97,13 @@ AUDIT_CHECKS = (
 )
 """Built-in numerics checks (``needlescope.audit``)."""
 
-CHECK_TYPES = ("ablation", *(f"audit:{name}" for name in AUDIT_CHECKS))
-"""Check types a suspect may list: the causal ablation and each audit check."""
+CHECK_TYPES = ("ablation", "live_emulation", *(f"audit:{name}" for name in AUDIT_CHECKS))
+"""Check types a suspect may list: the causal ablation (in-process candidate), the live
+emulation (``candidate = "live"``: the suspect emulated in the reference, compared with the live
+endpoint's indexer capture) and each audit check."""
+
+LIVE = "live"
+"""``candidate = "live"``: the candidate is the live endpoint itself (nothing to ablate)."""
 
 SETTING_KEYS = {
     "k": "index_k",
@@ -138,12 +148,17 @@ class Suspect:
 class Target:
     model: str
     reference: Setting
-    candidate: Setting
+    candidate: Setting | None
+    """None when the candidate is the live endpoint (``candidate = "live"``)."""
     extra_patches: tuple[PatchRef, ...] = ()
     device: str = "cpu"
     threads: int = 2
     endpoint: str | None = None
     env_file: Path | None = None
+
+    @property
+    def live(self) -> bool:
+        return self.candidate is None
 
 
 @dataclass(frozen=True)
@@ -326,6 +341,61 @@ def _suspect(where: _Where, index: int, s: dict, base: Path) -> Suspect:
     )
 
 
+def _target(where: _Where, t: dict, base: Path) -> Target:
+    tl = where.table_line("target")
+    env_file = t.get("env_file") or None
+    cand_text = _expect(where, tl, t, "candidate", str, "a Setting such as 'k=fp8_e4m3 topk=64', or 'live'")
+    endpoint = t.get("endpoint") or None
+    if cand_text.strip() == LIVE and not endpoint:
+        raise where.error(
+            where.key_line("candidate", tl),
+            'candidate = "live" needs endpoint = "http://HOST:PORT" (the live server to capture from)',
+        )
+    target = Target(
+        model=_expect(where, tl, t, "model", str, "'organism' or a checkpoint directory"),
+        reference=_setting(
+            where,
+            where.key_line("reference", tl),
+            _expect(where, tl, t, "reference", str, "a Setting", "k=fp32"),
+            base,
+        ),
+        candidate=None
+        if cand_text.strip() == LIVE
+        else _setting(where, where.key_line("candidate", tl), cand_text, base),
+        extra_patches=tuple(
+            _patch(where, where.key_line("extra_patches", tl), p, base) for p in t.get("extra_patches", [])
+        ),
+        device=_expect(where, tl, t, "device", str, "cpu | cuda | cuda:N", "cpu"),
+        threads=_expect(where, tl, t, "threads", int, "a positive integer", 2),
+        endpoint=endpoint,
+        env_file=None if env_file is None else (base / env_file),
+    )
+    if target.threads < 1:
+        raise where.error(where.key_line("threads", tl), f"threads = {target.threads}; expected >= 1")
+    if target.live and target.extra_patches:
+        raise where.error(
+            where.key_line("extra_patches", tl),
+            'extra_patches describe an in-process candidate; with candidate = "live" leave them out',
+        )
+    return target
+
+
+def _check_routes(where: _Where, target: Target, suspects: tuple[Suspect, ...]) -> None:
+    """Refuse a check the target's route cannot run: ablation needs an in-process candidate,
+    live_emulation a live one."""
+    wrong = "ablation" if target.live else "live_emulation"
+    for s in suspects:
+        if wrong in s.checks:
+            need = (
+                'an in-process candidate Setting (the live endpoint cannot be ablated: use "live_emulation")'
+                if wrong == "ablation"
+                else 'candidate = "live" and an endpoint (in-process candidates use "ablation")'
+            )
+            raise where.error(
+                where.key_line("checks", s.line), f"suspect {s.id!r}: check {wrong!r} needs {need}"
+            )
+
+
 def parse_ledger(text: str, path: Path) -> Ledger:
     """Parse ledger ``text`` read from ``path``; BadInput ``FILE:LINE: what`` on any error."""
     where = _Where(path, text)
@@ -343,33 +413,7 @@ def parse_ledger(text: str, path: Path) -> Ledger:
         raise where.error(
             1, f"unknown top-level key(s) {', '.join(sorted(unknown))}; expected target, symptom, suspects"
         )
-    t = raw["target"]
-    tl = where.table_line("target")
-    env_file = t.get("env_file") or None
-    target = Target(
-        model=_expect(where, tl, t, "model", str, "'organism' or a checkpoint directory"),
-        reference=_setting(
-            where,
-            where.key_line("reference", tl),
-            _expect(where, tl, t, "reference", str, "a Setting", "k=fp32"),
-            base,
-        ),
-        candidate=_setting(
-            where,
-            where.key_line("candidate", tl),
-            _expect(where, tl, t, "candidate", str, "a Setting such as 'k=fp8_e4m3 topk=64'"),
-            base,
-        ),
-        extra_patches=tuple(
-            _patch(where, where.key_line("extra_patches", tl), p, base) for p in t.get("extra_patches", [])
-        ),
-        device=_expect(where, tl, t, "device", str, "cpu | cuda | cuda:N", "cpu"),
-        threads=_expect(where, tl, t, "threads", int, "a positive integer", 2),
-        endpoint=t.get("endpoint") or None,
-        env_file=None if env_file is None else (base / env_file),
-    )
-    if target.threads < 1:
-        raise where.error(where.key_line("threads", tl), f"threads = {target.threads}; expected >= 1")
+    target = _target(where, raw["target"], base)
     sy = raw["symptom"]
     sl = where.table_line("symptom")
     lengths = _expect(where, sl, sy, "lengths", list, "a list of token lengths such as [256, 512, 1024]")
@@ -399,6 +443,7 @@ def parse_ledger(text: str, path: Path) -> Ledger:
             where.suspect_line(ids.index(dup[0], ids.index(dup[0]) + 1)),
             f"suspect id {dup[0]!r} appears twice",
         )
+    _check_routes(where, target, suspects)
     return Ledger(path=path, target=target, symptom=symptom, suspects=suspects)
 
 

@@ -24,19 +24,28 @@ needle entry at that position is left out.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
 
 from needlescope.cases.scoring import score_answer
-from needlescope.dsa.emulate import IndexerCapture, csa_indexers, emulate, load_patch
+from needlescope.dsa.emulate import IndexerCapture, apply_patch_once, check_unpatched, csa_indexers, emulate
 from needlescope.dsa.prompt import covering_entries, needle_token_span, render_prompt
-from needlescope.dsa.rankdump import needle_rank_stats
+from needlescope.dsa.rankdump import greedy_new_tokens, needle_rank_stats
 from needlescope.setting import PatchRef, Setting
 
-__all__ = ["Config", "measure_case", "measure_cases", "final_logits", "first_wrong_token", "applied"]
+__all__ = [
+    "Config",
+    "measure_case",
+    "measure_cases",
+    "measuring",
+    "final_logits",
+    "first_wrong_token",
+    "applied",
+    "analyse_answer",
+]
 
 
 @dataclass(frozen=True)
@@ -73,17 +82,23 @@ def first_wrong_token(tokens: Sequence[str], expected: str) -> int | None:
 
 @contextmanager
 def applied(model, config: Config, capture: IndexerCapture | None = None) -> Iterator[list[int]]:
-    """Apply ``config`` to ``model`` for the block; yields the CSA layer indices."""
-    undos = []
-    try:
-        for p in config.extra:
-            undos.append(load_patch(p)(model))
-        with emulate(model, config.setting, capture=capture) as layers:
+    """Apply ``config`` to ``model`` for the block; yields the CSA layer indices.
+
+    Every patch goes through ``apply_patch_once``: a patch that returns no undo marks the model,
+    which is then refused by any later application (BadInput), so a model changed for good is
+    never measured again as if it were clean. Load a fresh model for the next configuration
+    (``patched_for_good`` says when). Patch files execute once per process (``load_patch``)."""
+    check_unpatched(model)
+    with emulate(model, config.setting, capture=capture) as layers:
+        undos = []
+        try:
+            for p in config.extra:
+                undos.append(apply_patch_once(model, p, check=False))
             yield layers
-    finally:
-        for undo in reversed(undos):
-            if callable(undo):
-                undo()
+        finally:
+            for undo in reversed(undos):
+                if callable(undo):
+                    undo()
 
 
 def _ids(model, tokenizer, messages: list[dict]) -> tuple[list[int], torch.Tensor]:
@@ -97,59 +112,82 @@ def measure_case(model, tokenizer, case, config: Config, *, max_new_tokens: int 
     return measure_cases(model, tokenizer, [case], config, max_new_tokens=max_new_tokens)[0]
 
 
-@torch.no_grad()
 def measure_cases(
     model, tokenizer, cases: Sequence, config: Config, *, max_new_tokens: int = 8
 ) -> list[dict]:
-    """Records for ``cases`` under ``config``, decoded as one batch: every case's prompt must have
-    the same token count (V4's compressors would pool padding into entries, so batches are never
-    padded). Greedy decoding is per row, so a batch gives the same answers as one case at a time."""
-    prompts = [render_prompt(tokenizer, c.messages) for c in cases]
-    P = len(prompts[0].input_ids)
-    if any(len(p.input_ids) != P for p in prompts):
-        raise ValueError("a batch needs prompts of one token length")
-    ids = torch.tensor([p.input_ids for p in prompts], device=next(model.parameters()).device)
+    """Records for ``cases`` under ``config`` (one application of it; see ``measuring``)."""
+    with measuring(model, tokenizer, config, max_new_tokens=max_new_tokens) as measure:
+        return measure(cases)
+
+
+@contextmanager
+def measuring(
+    model, tokenizer, config: Config, *, max_new_tokens: int = 8
+) -> Iterator[Callable[[Sequence], list[dict]]]:
+    """Apply ``config`` once and yield ``measure(cases) -> records`` for any number of batches.
+
+    A batch is decoded together: every case's prompt must have the same token count (V4's
+    compressors would pool padding into entries, so batches are never padded). Greedy decoding
+    is per row, so a batch gives the same answers as one case at a time."""
     capture = IndexerCapture(keep_scores=True)
-    eos = tokenizer.eos_token_id
-    with applied(model, config, capture) as layers:
+    with applied(model, config, capture) as layers, torch.no_grad():
         k = int(csa_indexers(model)[0][1].index_topk)
         ratio = int(csa_indexers(model)[0][1].compress_rate)
-        out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            eos_token_id=eos,
-            pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos,
-        )
-    return [
-        _record(case, prompt, out[b, P:].tolist(), tokenizer, capture, layers, b, k, ratio)
-        for b, (case, prompt) in enumerate(zip(cases, prompts, strict=True))
-    ]
+
+        def measure(cases: Sequence) -> list[dict]:
+            prompts = [render_prompt(tokenizer, c.messages) for c in cases]
+            P = len(prompts[0].input_ids)
+            if any(len(p.input_ids) != P for p in prompts):
+                raise ValueError("a batch needs prompts of one token length")
+            ids = torch.tensor([p.input_ids for p in prompts], device=next(model.parameters()).device)
+            capture.clear()
+            new = greedy_new_tokens(model, tokenizer, ids, max_new_tokens)
+            return [
+                _record(case, prompt, new[b].tolist(), tokenizer, capture, layers, b, k, ratio)
+                for b, (case, prompt) in enumerate(zip(cases, prompts, strict=True))
+            ]
+
+        yield measure
 
 
-def _record(case, prompt, tokens: list[int], tokenizer, capture, layers, b: int, k: int, ratio: int) -> dict:
-    P = len(prompt.input_ids)
+def analyse_answer(tokens: Sequence[int], tokenizer, expected: Sequence[str]) -> dict:
+    """The answer of generated ``tokens`` (cut at EOS) and the answer token to analyse.
+
+    Returns {"generated": [int], "answer": str, "correct": bool, "analysed_token": int,
+    "analysed_source": str} (module docstring: the first wrong answer token, else the first)."""
     eos = tokenizer.eos_token_id
     generated = []
     for t in tokens:
         if t == eos:
             break
-        generated.append(t)
-    pieces = [tokenizer.decode([t], skip_special_tokens=True) for t in generated]
+        generated.append(int(t))
     answer = tokenizer.decode(generated, skip_special_tokens=True)
-    correct = bool(generated) and score_answer(answer, list(case.expected))
+    correct = bool(generated) and score_answer(answer, list(expected))
     if not generated:
         tok_i, source = 0, "first answer token (answer empty)"
     elif correct:
         tok_i, source = 0, "first answer token (answer correct)"
     else:
-        wrong = first_wrong_token(pieces, " ".join(case.expected))
+        pieces = [tokenizer.decode([t], skip_special_tokens=True) for t in generated]
+        wrong = first_wrong_token(pieces, " ".join(expected))
         tok_i, source = (
             (wrong, "first wrong answer token")
             if wrong is not None
             else (0, "first answer token (answer incomplete)")
         )
+    return {
+        "generated": generated,
+        "answer": answer,
+        "correct": bool(correct),
+        "analysed_token": tok_i,
+        "analysed_source": source,
+    }
+
+
+def _record(case, prompt, tokens: list[int], tokenizer, capture, layers, b: int, k: int, ratio: int) -> dict:
+    P = len(prompt.input_ids)
+    a = analyse_answer(tokens, tokenizer, case.expected)
+    tok_i = a["analysed_token"]
     t = P - 1 + tok_i
     entries = covering_entries(needle_token_span(prompt, case.needle), ratio=ratio, overlap=True)
     recs = []
@@ -182,10 +220,10 @@ def _record(case, prompt, tokens: list[int], tokenizer, capture, layers, b: int,
         "trial": case.trial,
         "prompt_tokens": P,
         "expected": list(case.expected),
-        "answer": answer,
-        "correct": bool(correct),
+        "answer": a["answer"],
+        "correct": a["correct"],
         "analysed_token": tok_i,
-        "analysed_source": source,
+        "analysed_source": a["analysed_source"],
         "index_topk": k,
         "compress_ratio": ratio,
         "layers": recs,

@@ -10,6 +10,9 @@ Per suspect, in this order:
 1. **blocked**: every check it asked for could not run (the reasons are listed).
 2. **exonerated** (not in the deployment): a cheap question's answer equals its
    ``means_absent`` value, or the suspect is absent from the candidate and no ablation ran.
+   The reason then says what it rests on: the configuration check (its patch is not among
+   the candidate's, or the candidate's field values differ from the suspect's) and the cheap
+   questions' answers, and that no causal check ran.
 3. **implicated**: ``p < ALPHA`` and ``b > c`` (the suspect costs recall, paired).
 4. **diverges_no_effect**: not implicated, the paired recall change ``|b - c| / n`` is at most
    ``SMALL_EFFECT``, and adding it alone to the reference moves the final logits at the answer
@@ -33,6 +36,24 @@ It *restores* recall when ``p < ALPHA`` and the fix wins more discordant cases t
 A restoring fix is a **root-cause fix** when it removes a root-cause suspect and keeps the
 deployment ``index_topk``; otherwise a **workaround** (the suspect stays; its cost is stated).
 A fix that does not restore has **no effect**.
+
+**Live endpoint** (``live_verdict``; the comparison is ``investigate.live``). Nothing can be
+ablated, so the causal measurement is the suspect's emulation in the reference (at the live
+``index_topk``) on the live token ids, compared with the live indexer capture over the failing
+cases. ``failures``: (case, CSA layer) pairs where the live selects fewer needle entries at the
+analysed row than the baseline (the reference at the live ``index_topk``); ``reproduced``: those
+where the emulation selects no more than the live; ``gap_closed`` = (J_emulation - J_baseline) /
+(1 - J_baseline), J the mean Jaccard overlap with the live selection over the compared rows.
+
+1. **inconclusive** when ``failures < MIN_FAILURES``: the live capture keeps the needle where
+   the baseline does, so the failure is not (mainly) in the selection and emulating a suspect's
+   selection cannot decide.
+2. **implicated** when ``reproduced / failures >= REPRODUCE`` and ``gap_closed >= GAP_CLOSED``:
+   the emulation drops the needle where the live does *and* selects like the live (an emulation
+   that merely selects badly in its own way closes little of the Jaccard gap).
+3. **exonerated** when ``reproduced / failures <= 1 - REPRODUCE``: the emulation keeps the needle
+   where the live loses it.
+4. **inconclusive** otherwise (a partial reproduction), with the numbers.
 """
 
 from __future__ import annotations
@@ -51,6 +72,8 @@ __all__ = [
     "suspect_verdict",
     "resolve_root_cause",
     "classify_fix",
+    "live_verdict",
+    "LIVE_THRESHOLDS",
     "evidence",
     "validate_verdicts",
 ]
@@ -58,6 +81,10 @@ __all__ = [
 ALPHA = 0.05
 SMALL_EFFECT = 0.10
 DIVERGE_REL = 1e-5
+MIN_FAILURES = 3
+REPRODUCE = 0.8
+GAP_CLOSED = 0.5
+LIVE_THRESHOLDS = {"min_failures": MIN_FAILURES, "reproduce": REPRODUCE, "gap_closed": GAP_CLOSED}
 VERDICTS = ("implicated", "exonerated", "inconclusive", "blocked", "diverges_no_effect")
 
 _EVIDENCE = {
@@ -142,17 +169,24 @@ def suspect_verdict(
     absent_by_question: str | None,
     blocked: list[str],
     ran_checks: int,
+    presence: str = "",
+    questions: str = "",
 ) -> tuple[str, str]:
-    """(verdict, reason) for one suspect by rules 1-6 of the module docstring."""
+    """(verdict, reason) for one suspect by rules 1-6 of the module docstring.
+
+    ``presence``: what the configuration check found (``runner.presence_check``);
+    ``questions``: the cheap questions' answers in one line. An exoneration without a causal
+    measurement says what it rests on: both, and that no causal check ran."""
     if ran_checks == 0 and blocked:
         return "blocked", "; ".join(blocked)
+    asked = f"; cheap questions: {questions}" if questions else "; no cheap question asked"
     if absent_by_question is not None:
-        return "exonerated", f"not in the deployment: {absent_by_question}"
+        return "exonerated", f"not in the deployment: {absent_by_question} ({presence}{asked})"
     if pair is None:
         if not present:
             return (
                 "exonerated",
-                "not in the candidate (its patch is not applied, or the candidate's value equals the reference's), and no ablation was asked for",
+                f"not present in the candidate ({presence}){asked}; no causal check asked for, so none ran",
             )
         return "inconclusive", "present in the candidate, but no causal check ran" + (
             f" ({'; '.join(blocked)})" if blocked else ""
@@ -212,6 +246,34 @@ def classify_fix(pair: dict, *, removes: str | None, root_cause: str | None, kee
     if removes is not None and removes == root_cause and keeps_topk:
         return "root-cause fix"
     return "workaround"
+
+
+def live_verdict(cmp: dict) -> tuple[str, str]:
+    """(verdict, reason) of a live emulation's comparison (keys of ``live.summarise``); rules
+    in the module docstring, "Live endpoint"."""
+    f, r = cmp["failures"], cmp["reproduced"]
+    je, jb = cmp["jaccard_emulation"], cmp["jaccard_baseline"]
+    gap = (je - jb) / (1 - jb) if jb < 1 else float("nan")
+    counts = (
+        f"over {cmp['cases']} failing case(s): the live capture drops needle entries the baseline selects in "
+        f"{f} (case, layer) pair(s), the emulation reproduces {r}; needle entries selected at the analysed rows "
+        f"live {cmp['needle_live']}, emulation {cmp['needle_emulation']}, baseline {cmp['needle_baseline']} "
+        f"of {cmp['needle_visible']}; mean Jaccard with the live selection: emulation {je:.3f}, baseline "
+        f"{jb:.3f} (gap closed {gap:.2f})"
+    )
+    if f < MIN_FAILURES:
+        return "inconclusive", (
+            f"fewer than {MIN_FAILURES} selection failures in the live capture: the failure is not (mainly) in "
+            f"the indexer's selection, so its emulation cannot decide; {counts}"
+        )
+    if r / f >= REPRODUCE and gap >= GAP_CLOSED:
+        return "implicated", f"its emulation reproduces the live selection failure: {counts}"
+    if r / f <= 1 - REPRODUCE:
+        return "exonerated", f"its emulation keeps the needle where the live loses it: {counts}"
+    return (
+        "inconclusive",
+        f"a partial reproduction (needs >= {REPRODUCE:.0%} and gap closed >= {GAP_CLOSED}): {counts}",
+    )
 
 
 def validate_verdicts(obj: dict) -> None:

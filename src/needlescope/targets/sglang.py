@@ -46,6 +46,7 @@ class GenerateResult:
     completion_tokens: int
     indexer_topk: str  # base64 int32, (prompt_tokens + completion_tokens - 1, layers, k)
     meta_info: dict
+    output_ids: list[int] | None = None  # the generated token ids, when the server returns them
 
 
 def find_key(obj: Any, key: str) -> Any:
@@ -166,8 +167,16 @@ class SGLangTarget:
         text_out = body.get("text")
         if not isinstance(text_out, str):
             raise ProtocolViolation(f"{url} answered without a 'text' string")
+        out_ids = body.get("output_ids")
+        if not (isinstance(out_ids, list) and all(isinstance(i, int) for i in out_ids)):
+            out_ids = None
         return GenerateResult(
-            text=text_out, prompt_tokens=ptok, completion_tokens=ctok, indexer_topk=topk, meta_info=meta
+            text=text_out,
+            prompt_tokens=ptok,
+            completion_tokens=ctok,
+            indexer_topk=topk,
+            meta_info=meta,
+            output_ids=out_ids,
         )
 
     async def aclose(self) -> None:

@@ -1,0 +1,383 @@
+"""The live-endpoint route: when the candidate is a running server, nothing can be ablated, so a
+suspect is judged by whether its emulation in the reference reproduces the live selection failure.
+
+A ledger with ``candidate = "live"`` and an ``endpoint`` takes this route
+(``runner.run_investigation``). Steps, each resumable from the run directory:
+
+1. **questions**, as in-process.
+2. **symptom**: every case is sent to the live endpoint as ``input_ids`` (rendered with the
+   reference checkpoint's tokenizer) on ``/generate`` with ``return_indexer_topk``, greedy; its
+   answer is scored and its indexer top-k kept at the rows that produced the answer up to the
+   first wrong answer token (``measure/live.jsonl``). A failure of the endpoint is recorded as
+   an error, never scored as a miss. The reference runs in-process on the same cases.
+3. **failing cases**: wrong live, right under the reference.
+4. **per suspect** with ``live_emulation`` (tier order): the reference at the live
+   ``index_topk`` with the suspect added alone is run on the *same token ids* (the prompt plus
+   the live answer tokens up to the analysed one, one teacher-forced forward pass); its top-k
+   rows are compared with the live capture per CSA layer (``compare_rows``), next to the
+   *baseline*, the reference at the live ``index_topk`` with nothing added.
+5. **verdicts** by ``verdicts.live_verdict`` (thresholds there), ``verdicts.json``,
+   ``investigation.json`` (``route = "live"``).
+
+Comparison (per failing case, CSA layer and compared row): the Jaccard overlap of the selected
+entry sets, emulation vs live and baseline vs live; and at the analysed row, the needle entries
+each selected. A **selection failure** is a (case, layer) where the live selects fewer needle
+entries than the baseline; the emulation **reproduces** it when it selects no more needle
+entries than the live there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from needlescope.errors import BadInput, ProbeError
+from needlescope.investigate.ledger import Suspect
+from needlescope.investigate.runner import (
+    NO_SIGNATURE,
+    _Investigation,
+    check_suspects,
+    recall_by_length,
+    suspect_record,
+    write_verdicts,
+)
+from needlescope.investigate.state import atomic_write_json
+from needlescope.investigate.verdicts import LIVE_THRESHOLDS, evidence, live_verdict
+
+__all__ = ["LiveInvestigation", "compare_rows", "jaccard"]
+
+
+def jaccard(a: set[int], b: set[int]) -> float:
+    """|a & b| / |a | b|; 1.0 for two empty sets."""
+    return len(a & b) / len(a | b) if a | b else 1.0
+
+
+def compare_rows(live: dict, emulated: dict, baseline: dict, needle: dict) -> dict:
+    """Compare selections of one failing case. Each of ``live``, ``emulated``, ``baseline``
+    maps a CSA layer (str) to its rows (lists of selected entries, the last one the analysed
+    row); ``needle`` maps the layer to the needle entries visible at the analysed row.
+
+    Returns {"jaccard_emulation": [float], "jaccard_baseline": [float], "points": [{"layer",
+    "needle_visible", "live", "emulation", "baseline"}]} (needle entries selected per layer)."""
+    out: dict = {"jaccard_emulation": [], "jaccard_baseline": [], "points": []}
+    for layer, rows in live.items():
+        for i, row in enumerate(rows):
+            lv = set(row)
+            out["jaccard_emulation"].append(jaccard(set(emulated[layer][i]), lv))
+            out["jaccard_baseline"].append(jaccard(set(baseline[layer][i]), lv))
+        ne = set(needle.get(layer, []))
+        if ne:
+            out["points"].append(
+                {
+                    "layer": int(layer),
+                    "needle_visible": len(ne),
+                    "live": len(ne & set(rows[-1])),
+                    "emulation": len(ne & set(emulated[layer][-1])),
+                    "baseline": len(ne & set(baseline[layer][-1])),
+                }
+            )
+    return out
+
+
+def summarise(comparisons: list[dict]) -> dict:
+    """Pool ``compare_rows`` results over the failing cases into the numbers the verdict uses."""
+    je = [x for c in comparisons for x in c["jaccard_emulation"]]
+    jb = [x for c in comparisons for x in c["jaccard_baseline"]]
+    pts = [p for c in comparisons for p in c["points"]]
+    fails = [p for p in pts if p["live"] < p["baseline"]]
+    return {
+        "cases": len(comparisons),
+        "rows": len(je),
+        "jaccard_emulation": sum(je) / len(je) if je else float("nan"),
+        "jaccard_baseline": sum(jb) / len(jb) if jb else float("nan"),
+        "failures": len(fails),
+        "reproduced": sum(1 for p in fails if p["emulation"] <= p["live"]),
+        "needle_visible": sum(p["needle_visible"] for p in pts),
+        "needle_live": sum(p["live"] for p in pts),
+        "needle_emulation": sum(p["emulation"] for p in pts),
+        "needle_baseline": sum(p["baseline"] for p in pts),
+    }
+
+
+async def _probe(url: str, todo: list, ids_of, max_new: int, on_record) -> None:
+    """Send every case of ``todo`` to ``url``; ``on_record(case, result | error text, server
+    info)`` after each. An unreachable server raises (TransportFailure) before the first case."""
+    from needlescope.targets.sglang import SGLangTarget
+
+    async with SGLangTarget(url, timeout=600.0) as target:
+        info = await target.server_info()
+        for case in todo:
+            try:
+                res = await target.generate(input_ids=ids_of(case), max_new_tokens=max_new)
+                if res.output_ids is None:
+                    raise ProbeError(
+                        f"{url}/generate returned no output_ids: the live tokens cannot be replayed"
+                    )
+            except ProbeError as exc:
+                res = f"{type(exc).__name__}: {exc}"
+            on_record(case, res, info)
+
+
+class LiveInvestigation(_Investigation):
+    """The live route (module docstring); shares questions, state and reporting with in-process."""
+
+    def __init__(self, ledger, out: Path, progress):
+        super().__init__(ledger, out, progress)
+        self.live_k: int | None = None
+
+    def _prompt(self, case):
+        from needlescope.dsa.prompt import render_prompt
+
+        return render_prompt(self.tokenizer, case.messages)
+
+    def live_record(self, case, res, info: dict | None) -> dict:
+        """One ``live.jsonl`` record: the scored answer and the live top-k rows to compare."""
+        from needlescope.dsa.capture import decode_capture
+        from needlescope.investigate.measure import analyse_answer
+        from needlescope.targets.sglang import find_key
+
+        base = {
+            "case_id": case.case_id,
+            "length": case.length,
+            "depth": float(case.depth),
+            "trial": case.trial,
+        }
+        if isinstance(res, str):
+            return {**base, "error": res}
+        a = analyse_answer(res.output_ids, self.tokenizer, case.expected)
+        rows = res.prompt_tokens + res.completion_tokens - 1
+        layers = self.csa_layers
+        try:
+            topk = decode_capture(
+                res.indexer_topk, rows, num_layers=len(layers), index_topk=find_key(info or {}, "index_topk")
+            )
+        except (ProbeError, BadInput) as exc:
+            return {**base, "error": f"{type(exc).__name__}: {exc}"}
+        first = res.prompt_tokens - 1
+        keep = range(first, min(first + a["analysed_token"] + 1, rows))
+        return {
+            **base,
+            "prompt_tokens": res.prompt_tokens,
+            "expected": list(case.expected),
+            "answer": a["answer"],
+            "correct": a["correct"],
+            "output_ids": a["generated"],
+            "analysed_token": a["analysed_token"],
+            "analysed_source": a["analysed_source"],
+            "index_topk": int(topk.shape[2]),
+            "rows": {
+                str(layer): [[int(e) for e in topk[t, j] if e >= 0] for t in keep]
+                for j, layer in enumerate(layers)
+            },
+        }
+
+    def probe_live(self) -> list[dict]:
+        """The live endpoint on every case (resumed from ``measure/live.jsonl``)."""
+        done = {r["case_id"]: r for r in self.state.records("live")}
+        todo = [c for c in self.cases if c.case_id not in done]
+        self.progress("probe live", len(done), len(self.cases), self.ledger.target.endpoint)
+
+        def on_record(case, res, info) -> None:
+            rec = self.live_record(case, res, info)
+            self.state.append_record("live", rec)
+            done[case.case_id] = rec
+            self.progress("probe live", len(done), len(self.cases), self.ledger.target.endpoint)
+
+        if todo:
+            url, mx = self.ledger.target.endpoint, self.ledger.symptom.max_new_tokens
+            try:
+                asyncio.run(_probe(url, todo, lambda c: self._prompt(c).input_ids, mx, on_record))
+            except ProbeError as exc:  # the endpoint is unreachable: every emulation is blocked
+                self.blocked_reason = f"live endpoint unavailable: {type(exc).__name__}: {exc}"
+        return [done[c.case_id] for c in self.cases if c.case_id in done]
+
+    @property
+    def csa_layers(self) -> list[int]:
+        from needlescope.dsa.emulate import csa_indexers
+
+        return [layer for layer, _ in csa_indexers(self.model)]
+
+    def emulate_rows(self, config, failing: list[dict]) -> dict[str, dict]:
+        """case id -> CSA layer (str) -> top-k rows of ``config`` at the live record's rows,
+        teacher-forced on the live token ids (one forward per case, the config applied once)."""
+        import torch
+
+        from needlescope.dsa.emulate import IndexerCapture
+        from needlescope.investigate.measure import applied
+
+        by_id = {c.case_id: c for c in self.cases}
+        capture = IndexerCapture()
+        out: dict[str, dict] = {}
+        with applied(self.model, config, capture) as layers, torch.no_grad():
+            for rec in failing:
+                ids = (
+                    self._prompt(by_id[rec["case_id"]]).input_ids + rec["output_ids"][: rec["analysed_token"]]
+                )
+                capture.clear()
+                self.model(torch.tensor([ids], device=next(self.model.parameters()).device), use_cache=False)
+                first = rec["prompt_tokens"] - 1
+                n = len(next(iter(rec["rows"].values())))
+                out[rec["case_id"]] = {
+                    str(layer): [
+                        [int(e) for e in row if e >= 0]
+                        for row in capture.rows(layer, width=rec["index_topk"])[1][first : first + n].tolist()
+                    ]
+                    for layer in layers
+                }
+        return out
+
+    def needle_entries(self, rec: dict) -> dict[str, list[int]]:
+        """CSA layer (str) -> needle entries visible at the analysed row of ``rec``."""
+        from needlescope.dsa.prompt import covering_entries, needle_token_span
+
+        case = next(c for c in self.cases if c.case_id == rec["case_id"])
+        from needlescope.dsa.emulate import csa_indexers
+
+        ratio = int(csa_indexers(self.model)[0][1].compress_rate)
+        entries = covering_entries(
+            needle_token_span(self._prompt(case), case.needle), ratio=ratio, overlap=True
+        )
+        visible = (rec["prompt_tokens"] + rec["analysed_token"]) // ratio
+        return {layer: [e for e in entries if e < visible] for layer in rec["rows"]}
+
+    def at_live_k(self, config):
+        return self.Config(config.setting.with_(index_topk=self.live_k), config.extra)
+
+    def check_live(self, s: Suspect, failing: list[dict], baseline: dict) -> dict:
+        absent_q = self.state.data.get("absent", {}).get(s.id)
+        questions = self.question_summary(s.id) or "none asked"
+        if absent_q is not None:
+            reason = f"not in the deployment: {absent_q} (cheap questions: {questions})"
+            return suspect_record(s, "exonerated", reason, present=False)
+        if "live_emulation" not in s.checks:
+            reason = (
+                "no live_emulation check asked for; a live endpoint cannot be ablated and the cheap "
+                f"questions alone do not decide (cheap questions: {questions})"
+            )
+            return suspect_record(s, "inconclusive", reason, present=None)
+        if self._model is None or self.live_k is None:
+            return suspect_record(s, "blocked", f"live_emulation: {self.blocked_reason}", present=None)
+        config = self.at_live_k(self.addition(s))
+        self.configs[f"emulate-{s.id}"] = config.to_json()
+        rows = self.emulate_rows(config, failing)
+        cmp = summarise(
+            [
+                compare_rows(r["rows"], rows[r["case_id"]], baseline[r["case_id"]], self.needle_entries(r))
+                for r in failing
+            ]
+        )
+        verdict, reason = live_verdict(cmp)
+        t = LIVE_THRESHOLDS
+        self.state.add_evidence(
+            s.id,
+            [
+                evidence(
+                    "live_emulation", f"emulated: `{config.label()}`; failing cases compared", cmp["cases"]
+                ),
+                evidence(
+                    "live_emulation",
+                    "selection failures (live selects fewer needle entries than the baseline)",
+                    cmp["failures"],
+                    t["min_failures"],
+                ),
+                evidence(
+                    "live_emulation",
+                    "failures the emulation reproduces (fraction)",
+                    _frac(cmp),
+                    t["reproduce"],
+                ),
+                evidence(
+                    "live_emulation", "Jaccard emulation vs live (mean over rows)", cmp["jaccard_emulation"]
+                ),
+                evidence(
+                    "live_emulation", "Jaccard baseline vs live (mean over rows)", cmp["jaccard_baseline"]
+                ),
+                evidence(
+                    "live_emulation",
+                    "share of the baseline's Jaccard gap the emulation closes",
+                    gap_closed(cmp),
+                    t["gap_closed"],
+                ),
+                evidence(
+                    "live_emulation",
+                    f"needle entries selected at the analysed rows, of {cmp['needle_visible']} visible: live",
+                    cmp["needle_live"],
+                ),
+                evidence("live_emulation", "needle entries selected: emulation", cmp["needle_emulation"]),
+                evidence("live_emulation", "needle entries selected: baseline", cmp["needle_baseline"]),
+            ],
+        )
+        return suspect_record(s, verdict, reason, present=None, live=cmp)
+
+    def run(self, loaded=None) -> Path:
+        st = self.state
+        if not st.is_done("questions"):
+            self.questions()
+            st.mark_done("questions")
+        self.load(loaded)
+        ref_records, live_records, failing, baseline = [], [], [], {}
+        if self._model is not None:
+            ref_records = self.measure("reference", self.reference)
+            live_records = self.probe_live()
+            ok = {r["case_id"] for r in ref_records if r["correct"]}
+            scored = [r for r in live_records if not r.get("error")]
+            failing = [r for r in scored if not r["correct"] and r["case_id"] in ok]
+            if scored:
+                self.live_k = scored[0]["index_topk"]
+                base = self.at_live_k(self.reference)
+                self.configs["baseline"] = base.to_json()
+                baseline = self.emulate_rows(base, failing)
+            elif self.blocked_reason is None:
+                self.blocked_reason = (
+                    "the live endpoint answered no case (every request failed; see measure/live.jsonl)"
+                )
+        ordered = self.ledger.ordered_suspects()
+        suspects_out = check_suspects(self, ordered, lambda s: self.check_live(s, failing, baseline))
+        implicated = sorted(
+            (s for s in suspects_out if s["verdict"] == "implicated"), key=lambda s: -gap_closed(s["live"])
+        )
+        root = implicated[0]["id"] if implicated else None
+        symptom = {
+            **self.ledger.symptom.to_json(),
+            "reference": self.reference.label(),
+            "candidate": f"live endpoint {self.ledger.target.endpoint}",
+            "recall_reference": recall_by_length(ref_records),
+            "recall_candidate": recall_by_length(live_records),
+            "cases": len(live_records),
+            "errors": sum(1 for r in live_records if r.get("error")),
+            "failing_cases": len(failing),
+            "live_index_topk": self.live_k,
+        }
+        verdicts = write_verdicts(self, symptom, root, NO_SIGNATURE, suspects_out)
+        atomic_write_json(
+            self.out / "investigation.json",
+            {
+                "route": "live",
+                "ledger": str(self.ledger.path),
+                "target": {
+                    "model": self.ledger.target.model,
+                    "device": self.ledger.target.device,
+                    "endpoint": self.ledger.target.endpoint,
+                },
+                "symptom": symptom,
+                "configs": self.configs,
+                "candidate_topk": self.live_k,
+                "suspects": suspects_out,
+                "fixes": [],
+                "explained": None,
+                "verdicts": verdicts,
+            },
+        )
+        self.progress("verdicts", 1, 1, "")
+        return self.out / "verdicts.json"
+
+
+def _frac(cmp: dict) -> float:
+    return cmp["reproduced"] / cmp["failures"] if cmp["failures"] else float("nan")
+
+
+def gap_closed(cmp: dict) -> float:
+    """(J_emulation - J_baseline) / (1 - J_baseline): how much of the baseline's disagreement
+    with the live selection the emulation explains (1 = identical to the live selection)."""
+    je, jb = cmp["jaccard_emulation"], cmp["jaccard_baseline"]
+    return (je - jb) / (1 - jb) if jb < 1 else float("nan")
