@@ -243,6 +243,20 @@ def test_engine_state_refuses_unknown_factors(cli, tmp_path):
         "cache,batch",
     )
     assert code == 2 and "factors must be among cache, concurrency, repeat" in err
+    code, _, err = cli(
+        "engine-state",
+        "--base-url",
+        "http://127.0.0.1:9/v1",
+        "--model",
+        "m",
+        "--out",
+        str(tmp_path),
+        "--depths",
+        "150",
+    )
+    assert (
+        code == 2 and "depths must be percentages in 0..100" in err
+    )  # before any request (nothing listens on :9)
 
 
 def test_compare_puts_the_oracle_verdict_beside_recall(servers, ref_dir, tmp_path, cli, other_tokenizer):

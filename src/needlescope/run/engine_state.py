@@ -72,6 +72,7 @@ class EngineStateConfig:
             raise BadInput(f"--repeats must be at least 2; got {self.repeats}")
         if not 1 <= self.top_logprobs <= 20:
             raise BadInput(f"--top-logprobs must be in 1..20; got {self.top_logprobs}")
+        self.spec()  # the case grid is checked before any request
 
     def spec(self) -> CaseSpec:
         return CaseSpec(

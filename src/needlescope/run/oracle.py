@@ -121,7 +121,7 @@ def _prompt_tokens(target: CompletionsTarget, prompt: str, source: str | None) -
 
 
 def _record(target: CompletionsTarget, p: dict, source: str, toks: list | None, top: int) -> dict:
-    done, _ = target.complete(p["prompt"], p["max_tokens"], top=top)
+    done = target.complete(p["prompt"], p["max_tokens"], top=top)
     return {
         "id": p["id"],
         "category": p["category"],

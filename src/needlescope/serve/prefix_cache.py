@@ -59,23 +59,31 @@ def _nbytes(obj, seen: set[int]) -> int:
 
 
 def _compact(obj, memo: dict[int, object]) -> None:
-    """Replace every tensor reachable from ``obj``'s attributes (and their dicts and lists) by a
-    compact clone. Cache layers keep views (the sliding window is the tail of a longer tensor), and a
-    view pins its whole base storage, which would make a kept entry as large as the prompt."""
-    items = vars(obj).items() if hasattr(obj, "__dict__") else obj.items() if isinstance(obj, dict) else ()
-    for name, value in list(items):
+    """Replace every tensor reachable from ``obj`` through attributes, dicts and lists by a compact
+    clone (one clone per tensor, so aliases stay aliases). Cache layers keep views (the sliding
+    window is the tail of a longer tensor), and a view pins its whole base storage, which would
+    make a kept entry as large as the prompt."""
+    if id(obj) in memo:
+        return
+    memo[id(obj)] = obj
+    if isinstance(obj, list):
+        slots = list(enumerate(obj))
+    elif isinstance(obj, dict):
+        slots = list(obj.items())
+    elif hasattr(obj, "__dict__"):
+        slots = list(vars(obj).items())
+    else:
+        return
+    for key, value in slots:
         if isinstance(value, torch.Tensor):
             if id(value) not in memo:
                 memo[id(value)] = value.clone()
-            new = memo[id(value)]
-            if isinstance(obj, dict):
-                obj[name] = new
+            if isinstance(obj, (list, dict)):
+                obj[key] = memo[id(value)]
             else:
-                setattr(obj, name, new)
-        elif isinstance(value, (dict, list)) or hasattr(value, "__dict__"):
-            for sub in value if isinstance(value, list) else [value]:
-                if isinstance(sub, (dict,)) or hasattr(sub, "__dict__"):
-                    _compact(sub, memo)
+                setattr(obj, key, memo[id(value)])
+        else:
+            _compact(value, memo)
 
 
 @dataclass

@@ -88,10 +88,8 @@ class CompletionsTarget:
             raise ProtocolViolation(f"{url} answered without token ids: {resp.text[:200]}")
         return None
 
-    def complete(
-        self, prompt: str, max_tokens: int, *, top: int = 20, echo: bool = False, extra: dict | None = None
-    ) -> tuple[Completion, dict]:
-        """One greedy completion with ``top`` alternatives per token, and the raw ``logprobs`` object."""
+    def complete(self, prompt: str, max_tokens: int, *, top: int = 20, echo: bool = False) -> Completion:
+        """One greedy completion with ``top`` alternatives per token."""
         url = self.v1 + "/completions"
         payload = {
             "model": self.model,
@@ -100,7 +98,6 @@ class CompletionsTarget:
             "temperature": 0,
             "logprobs": top,
             "echo": echo,
-            **(extra or {}),
         }
         resp = self._post(url, payload)
         if resp.status_code in (404, 405):
@@ -126,7 +123,7 @@ class CompletionsTarget:
         steps = _steps(lp, url)
         return Completion(
             str(choice.get("text") or ""), steps, choice.get("finish_reason"), prompt_tokens, cached
-        ), lp
+        )
 
     def chat(self, messages: list[dict], max_tokens: int, *, top: int = 5) -> Completion:
         """One greedy chat completion with ``top`` alternatives per token (the probe's request plus
@@ -170,7 +167,7 @@ class CompletionsTarget:
         """The prompt's token texts as the server echoes them (the fallback without /tokenize);
         None when the server refuses ``echo``."""
         try:
-            done, _ = self.complete(prompt, 1, top=0, echo=True)
+            done = self.complete(prompt, 1, top=0, echo=True)
         except ProtocolViolation:
             return None
         n = done.prompt_tokens
