@@ -79,13 +79,26 @@ def recall_by_length(records: list[dict]) -> dict[str, float]:
     return {str(n): a[0] / a[1] for n, a in sorted(agg.items())}
 
 
-def presence_check(s: Suspect, cand: Setting, extra, ref: Setting) -> str:
-    """What the configuration check found: why ``s`` is (or is not) in the candidate, in words."""
+def _shown(spec: str, base: Path | None) -> str:
+    """A patch spec as the ledger wrote it: file paths relative to the ledger's directory."""
+    p = Path(spec)
+    return (
+        str(p.relative_to(base)) if base is not None and p.is_absolute() and p.is_relative_to(base) else spec
+    )
+
+
+def presence_check(s: Suspect, cand: Setting, extra, ref: Setting, base: Path | None = None) -> str:
+    """What the configuration check found: why ``s`` is (or is not) in the candidate, in words
+    (``base``: the ledger's directory, to show patch files as the ledger names them)."""
     if s.patch is not None:
-        carried = [p.spec for p in extra] + ([cand.patch.spec] if cand.patch else [])
+        carried = [_shown(p.spec, base) for p in extra] + (
+            [_shown(cand.patch.spec, base)] if cand.patch else []
+        )
         where = ", ".join(carried) if carried else "none"
         verb = "is" if _present(s, cand, extra, ref) else "is not"
-        return f"source check: patch {s.patch.spec} {verb} among the candidate's patches ({where})"
+        return (
+            f"source check: patch {_shown(s.patch.spec, base)} {verb} among the candidate's patches ({where})"
+        )
     parts = []
     for f, v in s.setting_fields:
         if getattr(cand, f) != v:
@@ -313,7 +326,7 @@ class _Investigation:
     def check_suspect(self, s: Suspect, ref_records, cand_records, probe_case) -> dict:
         cand, ref = self.candidate, self.reference
         present = _present(s, cand.setting, cand.extra, ref.setting)
-        presence = presence_check(s, cand.setting, cand.extra, ref.setting)
+        presence = presence_check(s, cand.setting, cand.extra, ref.setting, self.ledger.path.parent)
         self.state.add_evidence(s.id, [evidence("presence", presence, "present" if present else "absent")])
         blocked, ran = [], 0
         absent_q = self.state.data.get("absent", {}).get(s.id)
