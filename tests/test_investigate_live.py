@@ -82,8 +82,15 @@ def test_live_emulation_implicates_the_planted_fault(tmp_path, live_server, orga
     # Every live record keeps the rows it was compared on; the run resumes without re-probing.
     live = [json.loads(x) for x in (out / "measure" / "live.jsonl").read_text().splitlines()]
     assert len(live) == 10 and all(r["rows"] for r in live)
+    # A failed request is an error record, not a miss; the next run sends that case again.
+    path = out / "measure" / "live.jsonl"
+    path.write_text(
+        path.read_text() + json.dumps({"case_id": live[0]["case_id"], "error": "TransportFailure: x"}) + "\n"
+    )
     run_investigation(live_ledger(tmp_path, live_server.url), out, loaded=organism)
-    assert len((out / "measure" / "live.jsonl").read_text().splitlines()) == 10
+    again = [json.loads(x) for x in path.read_text().splitlines()]
+    assert len(again) == 12 and again[-1]["case_id"] == live[0]["case_id"] and "error" not in again[-1]
+    assert again[-1]["answer"] == live[0]["answer"]
     from needlescope.investigate.diagnosis import write_reports
 
     md = write_reports(out)[0].read_text()

@@ -172,9 +172,10 @@ class LiveInvestigation(_Investigation):
         }
 
     def probe_live(self) -> list[dict]:
-        """The live endpoint on every case (resumed from ``measure/live.jsonl``)."""
+        """The live endpoint on every case (resumed from ``measure/live.jsonl``; a case whose
+        request failed is sent again on resume, and its later record supersedes the error)."""
         done = {r["case_id"]: r for r in self.state.records("live")}
-        todo = [c for c in self.cases if c.case_id not in done]
+        todo = [c for c in self.cases if c.case_id not in done or done[c.case_id].get("error")]
         self.progress("probe live", len(done), len(self.cases), self.ledger.target.endpoint)
 
         def on_record(case, res, info) -> None:

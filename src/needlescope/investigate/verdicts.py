@@ -51,7 +51,7 @@ where the emulation selects no more than the live; ``gap_closed`` = (J_emulation
 2. **implicated** when ``reproduced / failures >= REPRODUCE`` and ``gap_closed >= GAP_CLOSED``:
    the emulation drops the needle where the live does *and* selects like the live (an emulation
    that merely selects badly in its own way closes little of the Jaccard gap).
-3. **exonerated** when ``reproduced / failures <= 1 - REPRODUCE``: the emulation keeps the needle
+3. **exonerated** when ``reproduced / failures <= KEEPS``: the emulation keeps the needle
    where the live loses it.
 4. **inconclusive** otherwise (a partial reproduction), with the numbers.
 """
@@ -83,8 +83,14 @@ SMALL_EFFECT = 0.10
 DIVERGE_REL = 1e-5
 MIN_FAILURES = 3
 REPRODUCE = 0.8
+KEEPS = 0.2
 GAP_CLOSED = 0.5
-LIVE_THRESHOLDS = {"min_failures": MIN_FAILURES, "reproduce": REPRODUCE, "gap_closed": GAP_CLOSED}
+LIVE_THRESHOLDS = {
+    "min_failures": MIN_FAILURES,
+    "reproduce": REPRODUCE,
+    "keeps": KEEPS,
+    "gap_closed": GAP_CLOSED,
+}
 VERDICTS = ("implicated", "exonerated", "inconclusive", "blocked", "diverges_no_effect")
 
 _EVIDENCE = {
@@ -266,9 +272,9 @@ def live_verdict(cmp: dict) -> tuple[str, str]:
             f"fewer than {MIN_FAILURES} selection failures in the live capture: the failure is not (mainly) in "
             f"the indexer's selection, so its emulation cannot decide; {counts}"
         )
-    if r / f >= REPRODUCE and gap >= GAP_CLOSED:
+    if r >= REPRODUCE * f and gap >= GAP_CLOSED:
         return "implicated", f"its emulation reproduces the live selection failure: {counts}"
-    if r / f <= 1 - REPRODUCE:
+    if r <= KEEPS * f:
         return "exonerated", f"its emulation keeps the needle where the live loses it: {counts}"
     return (
         "inconclusive",

@@ -1,0 +1,72 @@
+"""A patch without an undo during an investigation: its file executes once per process, each
+configuration applies it once, and no model it changed for good is measured again as clean."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("torch")
+
+PATCH = """
+from pathlib import Path
+
+LOG = Path(__file__).with_suffix(".log")
+with LOG.open("a") as f:
+    f.write("body\\n")
+
+
+def apply(model):
+    with LOG.open("a") as f:
+        f.write("apply\\n")
+    model.lm_head.weight.data.mul_(1.0)  # an in-place change, and no undo
+    return None
+"""
+
+
+def test_no_undo_patch_runs_once_and_forces_a_fresh_model(tmp_path):
+    from needlescope.dsa.emulate import patched_for_good
+    from needlescope.investigate.runner import run_investigation
+
+    (tmp_path / "for_good.py").write_text(PATCH)
+    (tmp_path / "investigation.toml").write_text(
+        "\n".join(
+            [
+                "[target]",
+                'model = "organism"',
+                "threads = 2",
+                'reference = "k=fp32 topk=16"',
+                'candidate = "k=fp32 topk=16"',
+                'extra_patches = ["for_good.py"]',
+                "[symptom]",
+                "lengths = [256]",
+                "depths = [50]",
+                "trials = 2",
+                "max_new_tokens = 4",
+                "[[suspects]]",
+                'id = "for_good"',
+                "tier = 1",
+                'hypothesis = "changes the model for good"',
+                'patch = "for_good.py"',
+                'checks = ["ablation"]',
+            ]
+        )
+    )
+    from needlescope.dsa.checkpoint import load_bundle
+
+    model, tok, _ = load_bundle("organism")
+    out = tmp_path / "out"
+    run_investigation(tmp_path / "investigation.toml", out, loaded=(model, tok))
+    log = (tmp_path / "for_good.log").read_text().split()
+    # one module execution; one application per configuration that carries the patch: the
+    # candidate (both cases in one batch), the divergence (added alone to the reference) and the
+    # top-32 fix (the candidate at twice its index_topk); the removal equals the reference
+    assert log == ["body", "apply", "apply", "apply"], log
+    assert patched_for_good(model) is not None  # the caller's model was changed for good ...
+    v = json.loads((out / "verdicts.json").read_text())
+    (s,) = v["suspects"]
+    assert s["verdict"] in ("exonerated", "diverges_no_effect"), s  # ... yet every later measure ran
+    configs = json.loads((out / "investigation.json").read_text())["configs"]
+    assert configs["remove-for_good"]["label"] == configs["reference"]["label"]
+    assert set(configs) == {"reference", "candidate", "remove-for_good", "topk-32"}
