@@ -122,6 +122,14 @@ def engine_state_markdown(body: dict) -> str:
     errors = sum(f["effect"]["errors"] for f in body["factors"].values())
     if errors:
         lines += ["", f"{errors} case(s) failed on one side (recorded as errors, not scored)."]
+    warm_up = {n: f["warm_up_errors"] for n, f in body["factors"].items() if f.get("warm_up_errors")}
+    if warm_up:
+        lines += [
+            "",
+            "Failed warm-up sends (those cases may have met a cold cache): "
+            + ", ".join(f"{n} {k}" for n, k in warm_up.items())
+            + ".",
+        ]
     return "\n".join(lines) + "\n"
 
 

@@ -225,9 +225,17 @@ def _cache(run: _Run) -> None:
 
 def _warm_up(run: _Run, factor: str) -> None:
     """Send every case once (not scored), so both arms that follow meet the same cache state:
-    warm. Sent again on resume, where the server may have been restarted since."""
-    for c in run.cases:
-        _send(run.target, run.cfg, c, run.fixed_nonce(factor, c))
+    warm. Sent again on resume, where the server may have been restarted since. A failed warm-up
+    send is counted (the arms may then meet that case cold), not retried."""
+    failed = sum(
+        _send(run.target, run.cfg, c, run.fixed_nonce(factor, c))["error"] is not None for c in run.cases
+    )
+    run.store.put_meta(f"warm_up/{factor}", {"failed": _warm_up_errors(run, factor) + failed})
+
+
+def _warm_up_errors(run: _Run, factor: str) -> int:
+    """Failed warm-up sends of ``factor`` over every process of the run."""
+    return (run.store.get_meta(f"warm_up/{factor}") or {}).get("failed", 0)
 
 
 def _concurrency_arms(cfg: EngineStateConfig) -> list[str]:
@@ -300,6 +308,7 @@ def _factor_body(run: _Run, name: str) -> dict:
             "arms": arms,
             "effect": factor_effect([_arm_row(r) for r in a], [_arm_row(r) for r in b], seed=seed),
             "rows": [a, b],
+            "warm_up_errors": _warm_up_errors(run, "concurrency"),
         }
     sends = [[_arm_row(r) for r in _arm(run, name, arm, "not sent")] for arm in _repeat_arms(run.cfg)]
     deterministic, firsts, n = 0, [], 0
@@ -319,7 +328,12 @@ def _factor_body(run: _Run, name: str) -> dict:
         _arm(run, name, "send 1", "not sent"),
         _arm(run, name, f"send {run.cfg.repeats}", "not sent"),
     )
-    return {"arms": ["send 1", f"send {run.cfg.repeats}"], "effect": effect, "rows": [first, last]}
+    return {
+        "arms": ["send 1", f"send {run.cfg.repeats}"],
+        "effect": effect,
+        "rows": [first, last],
+        "warm_up_errors": _warm_up_errors(run, "repeat"),
+    }
 
 
 def _new_store(
