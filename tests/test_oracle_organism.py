@@ -187,78 +187,6 @@ def test_a_server_without_completions_or_logprobs_is_bad_input(prompts, tmp_path
     assert "Traceback" not in err and not (tmp_path / "export.json").exists()
 
 
-def test_engine_state_cache_factor_shows_cached_tokens_in_the_warm_arm_only(servers, tmp_path, cli):
-    code, out, err = cli(
-        "engine-state",
-        "--base-url",
-        servers["cached"],
-        "--model",
-        "organism",
-        "--out",
-        str(tmp_path),
-        "--factors",
-        "cache,repeat",
-        "--lengths",
-        "160",
-        "--depths",
-        "0,100",
-        "--trials",
-        "1",
-        "--repeats",
-        "2",
-    )
-    assert code == 0, err
-    body = json.loads((tmp_path / "engine_state.json").read_text())
-    cache = body["factors"]["cache"]["effect"]
-    cold, warm = body["factors"]["cache"]["rows"]
-    assert cache["pairs"] == 2 and [r["cached_tokens"] for r in cold] == [0, 0]
-    assert all(r["cached_tokens"] == 128 for r in warm)  # the 128-token boundary below ~170 tokens
-    assert cache["answers_differ"] == 0 and cache["recall_delta"] == 0.0
-    right = [r for r in cold if r["correct"]]
-    assert right and (cache["margin"]["n"], cache["margin"]["delta_mean"]) == (len(right), 0.0)
-    assert all((r["margin"] is not None and r["margin"] > 0) == r["correct"] for r in cold)
-    assert body["factors"]["repeat"]["effect"]["determinism_rate"] == 1.0
-    from needlescope.run.engine_state import EngineStateConfig, run_engine_state
-
-    again = EngineStateConfig(
-        servers["cached"], "organism", factors=("cache",), lengths=(160,), depths=(0.0, 100.0), trials=1
-    )
-    cold_again, warm_again = run_engine_state(again)["factors"]["cache"]["rows"]  # same cases, a new run
-    assert [r["cached_tokens"] for r in cold_again] == [0, 0] and [
-        r["cached_tokens"] for r in warm_again
-    ] == [128, 128]
-    assert "| cache | cold vs warm | 2 |" in out
-
-
-def test_engine_state_refuses_unknown_factors(cli, tmp_path):
-    code, _, err = cli(
-        "engine-state",
-        "--base-url",
-        "http://127.0.0.1:9/v1",
-        "--model",
-        "m",
-        "--out",
-        str(tmp_path),
-        "--factors",
-        "cache,batch",
-    )
-    assert code == 2 and "factors must be among cache, concurrency, repeat" in err
-    code, _, err = cli(
-        "engine-state",
-        "--base-url",
-        "http://127.0.0.1:9/v1",
-        "--model",
-        "m",
-        "--out",
-        str(tmp_path),
-        "--depths",
-        "150",
-    )
-    assert (
-        code == 2 and "depths must be percentages in 0..100" in err
-    )  # before any request (nothing listens on :9)
-
-
 def test_compare_puts_the_oracle_verdict_beside_recall(servers, ref_dir, tmp_path, cli, other_tokenizer):
     result, _ = compare(ref_dir, OracleConfig(servers["fault"]))
     oracle_dir = tmp_path / "oracle"
@@ -329,14 +257,3 @@ def test_without_tokenize_the_echoed_prompt_tokens_stand_in_for_ids(prompts, tmp
     first = body["prompts"][0]
     assert first["prompt_ids"] is None and first["prompt_tokens"] == first["prompt"].split()
     assert result["summary"]["verdict"] == "identical" and result["summary"]["prompt_ids_equal"] == 2
-
-
-def test_engine_state_on_a_server_without_logprobs_scores_recall_and_no_margin(other_tokenizer, tmp_path):
-    from needlescope.run.engine_state import EngineStateConfig, run_engine_state
-
-    cfg = EngineStateConfig(
-        other_tokenizer, "organism", factors=("cache",), lengths=(200,), depths=(50.0,), trials=2
-    )
-    effect = run_engine_state(cfg)["factors"]["cache"]["effect"]
-    assert (effect["pairs"], effect["recall_a"], effect["recall_b"]) == (2, 1.0, 1.0)
-    assert effect["margin"]["n"] == 0 and effect["cached_tokens_b"] is not None

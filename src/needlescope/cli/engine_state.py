@@ -9,7 +9,6 @@ import typer
 from rich.console import Console
 
 from needlescope.errors import ProbeError
-from needlescope.paths import check_out_dir
 from needlescope.run.config import parse_float_list, parse_int_list
 
 console = Console()
@@ -19,7 +18,12 @@ err_console = Console(stderr=True)
 def engine_state_command(
     base_url: str = typer.Option(..., "--base-url", help="Server URL (root or ending in /v1)."),
     model: str = typer.Option(..., "--model", help="Model name the server serves."),
-    out: Path = typer.Option(..., "--out", help="Directory for engine_state.json and engine_state.md."),
+    out: Path = typer.Option(
+        ..., "--out", help="Directory for results.sqlite, engine_state.json and engine_state.md."
+    ),
+    resume: bool = typer.Option(
+        False, "--resume", help="Continue the killed run in --out (same flags); finished sends are kept."
+    ),
     factors: str = typer.Option(
         "cache,concurrency,repeat", "--factors", help="Any of cache,concurrency,repeat."
     ),
@@ -41,7 +45,6 @@ def engine_state_command(
     from needlescope.report.engine_state import engine_state_markdown, write_engine_state
     from needlescope.run.engine_state import EngineStateConfig, run_engine_state
 
-    out = check_out_dir(out)
     cfg = EngineStateConfig(
         base_url=base_url,
         model=model,
@@ -59,10 +62,20 @@ def engine_state_command(
         api_key=api_key,
     )
     try:
-        body = run_engine_state(cfg)
-    except ProbeError as exc:
+        body = run_engine_state(cfg, out, resume=resume)
+    except ProbeError as exc:  # only before any send (sizing the cases); a failed send is a row
         err_console.print(f"[bold red]target failed:[/] {exc}", highlight=False, soft_wrap=True)
         sys.exit(1)
     js, md = write_engine_state(body, out)
     console.print(engine_state_markdown(body), highlight=False, soft_wrap=True)
     console.print(f"wrote {js} and {md}", highlight=False)
+    errors = sum(f["effect"]["errors"] for f in body["factors"].values())
+    if errors:
+        err_console.print(
+            f"{errors} pair(s) failed on the target (errors, not misses); `--resume` sends them again",
+            highlight=False,
+        )
+    empty = [name for name, f in body["factors"].items() if f["effect"]["pairs"] == 0]
+    if empty:
+        err_console.print(f"no scored pair in: {', '.join(empty)}", highlight=False)
+        sys.exit(1)

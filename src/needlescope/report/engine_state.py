@@ -111,9 +111,25 @@ def engine_state_markdown(body: dict) -> str:
             f"{_f(e['determinism_rate'], '.2f')} of cases answered token for token the same every time"
             + (f"; where not, the first differing token was at {firsts}." if firsts else "."),
         ]
+    resumed = (body["factors"].get("cache") or {}).get("resume") or {}
+    if resumed.get("warm_kept") or resumed.get("pairs_resent"):
+        lines += [
+            "",
+            f"Resumed: {resumed['warm_kept']} warm send(s) continued a cold send of an earlier process "
+            f"(the server still held its prefix); {resumed['pairs_resent']} pair(s) sent again under a "
+            "fresh nonce (it did not).",
+        ]
     errors = sum(f["effect"]["errors"] for f in body["factors"].values())
     if errors:
         lines += ["", f"{errors} case(s) failed on one side (recorded as errors, not scored)."]
+    warm_up = {n: f["warm_up_errors"] for n, f in body["factors"].items() if f.get("warm_up_errors")}
+    if warm_up:
+        lines += [
+            "",
+            "Failed warm-up sends (those cases may have met a cold cache): "
+            + ", ".join(f"{n} {k}" for n, k in warm_up.items())
+            + ".",
+        ]
     return "\n".join(lines) + "\n"
 
 

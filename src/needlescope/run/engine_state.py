@@ -14,28 +14,42 @@ Factors (``analysis.engine_state`` has the statistics):
   determinism rate is the share of cases whose R answers are token-for-token equal, and where
   they differ, the first differing token. Its paired effect is the first send against the last.
 
-A request that fails is recorded as an error (``correct`` None), never as a miss. The run is
-short and its arms depend on the server's state, so it is not resumable: a killed run is rerun.
+A request that fails is recorded as an error (``correct`` None), never as a miss, and its pair is
+left out of the statistics and counted.
+
+Resume: every send is committed to the run's ``results.sqlite`` (``run.store``, table ``sends``,
+one row per factor, arm and case) as it finishes, with the cases and the run's ``run_id``; a
+``--resume`` run sends only what has no ``ok`` row. The cache factor's pairing survives it this
+way: each case's nonce is stored *before* its cold send, and a new attempt at the pair draws a
+new one, so no nonce is ever sent cold twice (a cold send in flight at the kill may have been
+cached). A pair whose cold send finished in an earlier process gets its warm send now only if the
+server still holds the prefix: the warm answer's ``cached_tokens`` must exceed the cold one's;
+otherwise (a restarted server, an evicted prefix, a server without a cache) the pair is sent again,
+cold and warm, under a fresh nonce. The warm-up of the other factors is sent again on resume.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import uuid
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 from needlescope.analysis.engine_state import ArmRow, answer_margin, factor_effect
 from needlescope.analysis.oracle import first_difference
 from needlescope.cases import Case, CaseSpec, build_cases, score_answer
 from needlescope.errors import BadInput, ProbeError
+from needlescope.run.probe import STORE_NAME, check_out
+from needlescope.run.store import ResultStore
 from needlescope.targets.completions import CompletionsTarget
 from needlescope.targets.tokenize import detect_server_tokenizer
 
 __all__ = ["FACTORS", "EngineStateConfig", "run_engine_state"]
 
 FACTORS = ("cache", "concurrency", "repeat")
+COMMAND = "engine-state"  # marks the store's fingerprint, so a probe's store is told apart
 
 
 @dataclass(frozen=True)
@@ -56,7 +70,7 @@ class EngineStateConfig:
     timeout_s: float = 300.0
     api_key: str | None = field(default=None, repr=False)
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
-    """Seeds the nonces; fresh by default (see ``_nonce``)."""
+    """Seeds the nonces; fresh for a new run, the stored one on ``--resume`` (see ``_nonce``)."""
 
     def __post_init__(self) -> None:
         bad = [f for f in self.factors if f not in FACTORS]
@@ -90,6 +104,14 @@ class EngineStateConfig:
         d.pop("api_key")
         return d
 
+    def fingerprint(self) -> dict:
+        """What must match for ``--resume`` to continue a run rather than mix two experiments
+        (not the URL: a restarted server may listen elsewhere; not the timeout)."""
+        d = self.to_dict()
+        for key in ("base_url", "timeout_s", "run_id"):
+            d.pop(key)
+        return {"command": COMMAND, **{k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}}
+
 
 def _nonce(run: str, factor: str, arm: str, case_id: str) -> str:
     """Six digits unique to (run, factor, arm, case); digits are in every tokenizer's vocabulary.
@@ -106,104 +128,272 @@ def _with_nonce(case: Case, nonce: str) -> list[dict]:
     return msgs
 
 
-def _send(target: CompletionsTarget, cfg: EngineStateConfig, case: Case, nonce: str) -> ArmRow:
+def _send(target: CompletionsTarget, cfg: EngineStateConfig, case: Case, nonce: str) -> dict:
+    """One scored send as its stored row; ``error`` set (and ``correct`` None) when the request
+    failed, which is not a miss."""
+    row = {"case_id": case.case_id, "length": case.length, "depth": case.depth, "nonce": nonce}
     try:
         done = target.chat(_with_nonce(case, nonce), cfg.max_tokens, top=cfg.top_logprobs)
-    except ProbeError:
-        return ArmRow(case.case_id, case.length, case.depth, None, None, None, ())
+    except ProbeError as e:
+        return {
+            **row,
+            "correct": None,
+            "margin": None,
+            "cached_tokens": None,
+            "tokens": [],
+            "error": f"{e.kind}: {e}",
+        }
     steps = [(s.token, s.logprob, s.top) for s in done.steps]
     correct = score_answer(done.text, case.expected)
-    return ArmRow(
-        case_id=case.case_id,
-        length=case.length,
-        depth=case.depth,
-        correct=correct,
-        margin=answer_margin(steps, correct),
-        cached_tokens=done.cached_tokens,
-        tokens=tuple(s.token for s in done.steps) or tuple(done.text.split()),
-    )
-
-
-def _arm(cases: list[Case], send: Callable[[Case], ArmRow], workers: int = 1) -> list[ArmRow]:
-    if workers == 1:
-        return [send(c) for c in cases]
-    with ThreadPoolExecutor(workers) as pool:
-        return list(pool.map(send, cases))
-
-
-def _cache(target, cfg, cases) -> dict:
-    cold, warm = [], []
-    for c in cases:
-        nonce = _nonce(cfg.run_id, "cache", "both", c.case_id)
-        cold.append(_send(target, cfg, c, nonce))
-        warm.append(_send(target, cfg, c, nonce))
     return {
-        "arms": ["cold", "warm"],
-        "effect": factor_effect(cold, warm, seed=cfg.seed),
-        "rows": [cold, warm],
+        **row,
+        "correct": correct,
+        "margin": answer_margin(steps, correct),
+        "cached_tokens": done.cached_tokens,
+        "tokens": [s.token for s in done.steps] or done.text.split(),
+        "error": None,
     }
 
 
-def _warm_up(target, cfg, cases, factor: str) -> Callable[[Case], ArmRow]:
-    """Send every case once (not scored) and return the sender of the same bytes, so both arms
-    that follow meet the same cache state: warm."""
-    send = lambda c: _send(target, cfg, c, _nonce(cfg.run_id, factor, "all", c.case_id))  # noqa: E731
-    for c in cases:
-        send(c)
-    return send
+def _unsent(case: Case, why: str) -> dict:
+    row = {"case_id": case.case_id, "length": case.length, "depth": case.depth, "nonce": None}
+    return {**row, "correct": None, "margin": None, "cached_tokens": None, "tokens": [], "error": why}
 
 
-def _concurrency(target, cfg, cases) -> dict:
-    send = _warm_up(target, cfg, cases, "concurrency")
-    one = _arm(cases, send)
-    many = _arm(cases, send, cfg.concurrency)
-    arms = ["c1", f"c{cfg.concurrency}"]
-    return {"arms": arms, "effect": factor_effect(one, many, seed=cfg.seed), "rows": [one, many]}
+def _arm_row(row: dict) -> ArmRow:
+    return ArmRow(
+        row["case_id"], row["length"], row["depth"], row["correct"], row["margin"], row["cached_tokens"],
+        tuple(row["tokens"]),
+    )  # fmt: skip
 
 
-def _repeat(target, cfg, cases) -> dict:
-    send = _warm_up(target, cfg, cases, "repeat")
-    sends = [[] for _ in range(cfg.repeats)]
-    for c in cases:
-        for k in range(cfg.repeats):
-            sends[k].append(send(c))
-    deterministic, firsts = 0, []
-    for rows in zip(*sends, strict=True):
-        if any(r.correct is None for r in rows):
-            continue
-        diffs = [first_difference(rows[0].tokens, r.tokens) for r in rows[1:]]
-        diffs = [d for d in diffs if d is not None]
-        deterministic += not diffs
-        if diffs:
-            firsts.append(min(diffs))
-    n = sum(all(r.correct is not None for r in rows) for rows in zip(*sends, strict=True))
-    effect = factor_effect(sends[0], sends[-1], seed=cfg.seed)
-    effect["determinism_rate"] = deterministic / n if n else None
-    effect["first_differing_tokens"] = sorted(firsts)
-    return {"arms": ["send 1", f"send {cfg.repeats}"], "effect": effect, "rows": [sends[0], sends[-1]]}
+@dataclass
+class _Run:
+    cfg: EngineStateConfig
+    target: CompletionsTarget
+    store: ResultStore
+    cases: list[Case]
+
+    def send(self, factor: str, arm: str, case: Case, nonce: str) -> dict:
+        return self.record(factor, arm, _send(self.target, self.cfg, case, nonce))
+
+    def record(self, factor: str, arm: str, row: dict) -> dict:
+        """Commit one send at once, so a kill loses at most the sends in flight."""
+        self.store.record_send(factor, arm, row["case_id"], ok=row["error"] is None, data=row)
+        return row
+
+    def fixed_nonce(self, factor: str, case: Case) -> str:
+        return _nonce(self.cfg.run_id, factor, "all", case.case_id)
+
+    def pending(self, factor: str, arms: list[str]) -> dict[str, list[Case]]:
+        """Per arm, the cases (in order) without an ``ok`` send."""
+        rows = self.store.sends(factor)
+        return {
+            a: [c for c in self.cases if rows.get((a, c.case_id), {}).get("status") != "ok"] for a in arms
+        }
+
+
+def _ok(row: dict | None, nonce: str) -> bool:
+    return row is not None and row["status"] == "ok" and row["nonce"] == nonce
+
+
+def _cache(run: _Run) -> None:
+    rows = run.store.sends("cache")
+    tally = run.store.get_meta("cache_resume") or {"warm_kept": 0, "pairs_resent": 0}
+    for c in run.cases:
+        key = f"nonce/cache/{c.case_id}"
+        state = run.store.get_meta(key)
+        if state is not None and _ok(rows.get(("cold", c.case_id)), state["nonce"]):
+            if _ok(rows.get(("warm", c.case_id)), state["nonce"]):
+                continue
+            # The cold send finished in an earlier process: is its prefix still in the cache?
+            cold = rows[("cold", c.case_id)]
+            warm = _send(run.target, run.cfg, c, state["nonce"])
+            if warm["error"] is not None or (warm["cached_tokens"] or 0) > (cold["cached_tokens"] or 0):
+                run.record("cache", "warm", warm)
+                tally["warm_kept"] += warm["error"] is None
+                run.store.put_meta("cache_resume", tally)
+                continue
+            tally["pairs_resent"] += 1
+            run.store.put_meta("cache_resume", tally)
+        attempt = 0 if state is None else state["attempt"] + 1
+        nonce = _nonce(run.cfg.run_id, "cache", f"attempt{attempt}", c.case_id)
+        run.store.put_meta(key, {"nonce": nonce, "attempt": attempt})  # before the cold send
+        if run.send("cache", "cold", c, nonce)["error"] is None:
+            run.send("cache", "warm", c, nonce)
+
+
+def _warm_up(run: _Run, factor: str) -> None:
+    """Send every case once (not scored), so both arms that follow meet the same cache state:
+    warm. Sent again on resume, where the server may have been restarted since. A failed warm-up
+    send is counted (the arms may then meet that case cold), not retried."""
+    failed = sum(
+        _send(run.target, run.cfg, c, run.fixed_nonce(factor, c))["error"] is not None for c in run.cases
+    )
+    run.store.put_meta(f"warm_up/{factor}", {"failed": _warm_up_errors(run, factor) + failed})
+
+
+def _warm_up_errors(run: _Run, factor: str) -> int:
+    """Failed warm-up sends of ``factor`` over every process of the run."""
+    return (run.store.get_meta(f"warm_up/{factor}") or {}).get("failed", 0)
+
+
+def _concurrency_arms(cfg: EngineStateConfig) -> list[str]:
+    return ["c1", f"c{cfg.concurrency}"]
+
+
+def _concurrency(run: _Run) -> None:
+    one, many = _concurrency_arms(run.cfg)
+    todo = run.pending("concurrency", [one, many])
+    if not any(todo.values()):
+        return
+    _warm_up(run, "concurrency")
+    for c in todo[one]:
+        run.send("concurrency", one, c, run.fixed_nonce("concurrency", c))
+    with ThreadPoolExecutor(run.cfg.concurrency) as pool:
+        futures = [
+            pool.submit(_send, run.target, run.cfg, c, run.fixed_nonce("concurrency", c)) for c in todo[many]
+        ]
+        for f in as_completed(futures):  # recorded here, on one thread, as each finishes
+            run.record("concurrency", many, f.result())
+
+
+def _repeat_arms(cfg: EngineStateConfig) -> list[str]:
+    return [f"send {k + 1}" for k in range(cfg.repeats)]
+
+
+def _repeat(run: _Run) -> None:
+    arms = _repeat_arms(run.cfg)
+    todo = run.pending("repeat", arms)
+    if not any(todo.values()):
+        return
+    _warm_up(run, "repeat")
+    todo_ids = {arm: {c.case_id for c in cases} for arm, cases in todo.items()}
+    for c in run.cases:  # a case's R sends in a row, as in a fresh run
+        for arm in arms:
+            if c.case_id in todo_ids[arm]:
+                run.send("repeat", arm, c, run.fixed_nonce("repeat", c))
 
 
 _RUNNERS = {"cache": _cache, "concurrency": _concurrency, "repeat": _repeat}
 
 
-def run_engine_state(cfg: EngineStateConfig) -> dict:
-    """Build the cases (sized by the server's /tokenize), run each factor, return engine_state.json's body."""
-    target = CompletionsTarget(cfg.base_url, cfg.model, api_key=cfg.api_key, timeout=cfg.timeout_s)
-    with target:
-        counter = detect_server_tokenizer(target.root, cfg.model, api_key=cfg.api_key)
-        if counter is None:
-            raise BadInput(
-                f"{target.root} exposes no /tokenize endpoint; engine-state sizes its cases with it"
-            )
+def _arm(run: _Run, factor: str, arm: str, why_missing: str) -> list[dict]:
+    """One arm's stored rows in case order (the cache factor's of each case's current nonce)."""
+    rows = run.store.sends(factor)
+    out = []
+    for c in run.cases:
+        row = rows.get((arm, c.case_id))
+        if factor == "cache" and row is not None:
+            state = run.store.get_meta(f"nonce/cache/{c.case_id}")
+            row = row if state is not None and row["nonce"] == state["nonce"] else None
+        out.append(
+            _unsent(c, why_missing) if row is None else {k: v for k, v in row.items() if k != "status"}
+        )
+    return out
+
+
+def _factor_body(run: _Run, name: str) -> dict:
+    seed = run.cfg.seed
+    if name == "cache":
+        cold = _arm(run, "cache", "cold", "not sent")
+        warm = _arm(run, "cache", "warm", "not sent: the cold send failed")
+        effect = factor_effect([_arm_row(r) for r in cold], [_arm_row(r) for r in warm], seed=seed)
+        resume = run.store.get_meta("cache_resume") or {"warm_kept": 0, "pairs_resent": 0}
+        return {"arms": ["cold", "warm"], "effect": effect, "rows": [cold, warm], "resume": resume}
+    if name == "concurrency":
+        arms = _concurrency_arms(run.cfg)
+        a, b = (_arm(run, name, arm, "not sent") for arm in arms)
+        return {
+            "arms": arms,
+            "effect": factor_effect([_arm_row(r) for r in a], [_arm_row(r) for r in b], seed=seed),
+            "rows": [a, b],
+            "warm_up_errors": _warm_up_errors(run, "concurrency"),
+        }
+    sends = [[_arm_row(r) for r in _arm(run, name, arm, "not sent")] for arm in _repeat_arms(run.cfg)]
+    deterministic, firsts, n = 0, [], 0
+    for rows in zip(*sends, strict=True):
+        if any(r.correct is None for r in rows):
+            continue
+        n += 1
+        diffs = [first_difference(rows[0].tokens, r.tokens) for r in rows[1:]]
+        diffs = [d for d in diffs if d is not None]
+        deterministic += not diffs
+        if diffs:
+            firsts.append(min(diffs))
+    effect = factor_effect(sends[0], sends[-1], seed=seed)
+    effect["determinism_rate"] = deterministic / n if n else None
+    effect["first_differing_tokens"] = sorted(firsts)
+    first, last = (
+        _arm(run, name, "send 1", "not sent"),
+        _arm(run, name, f"send {run.cfg.repeats}", "not sent"),
+    )
+    return {
+        "arms": ["send 1", f"send {run.cfg.repeats}"],
+        "effect": effect,
+        "rows": [first, last],
+        "warm_up_errors": _warm_up_errors(run, "repeat"),
+    }
+
+
+def _new_store(
+    cfg: EngineStateConfig, target: CompletionsTarget, out: Path
+) -> tuple[ResultStore, list[Case]]:
+    """Build the cases (sized by the server's /tokenize) before anything is written, then store
+    them with the run's identity."""
+    counter = detect_server_tokenizer(target.root, cfg.model, api_key=cfg.api_key)
+    if counter is None:
+        raise BadInput(f"{target.root} exposes no /tokenize endpoint; engine-state sizes its cases with it")
+    try:
+        cases = build_cases(cfg.spec(), counter)
+    finally:
+        counter.close()
+    out.mkdir(parents=True, exist_ok=True)
+    store = ResultStore(out / STORE_NAME)
+    store.add_cases([c.to_dict() for c in cases])
+    store.put_meta("run_id", cfg.run_id)
+    store.put_meta("fingerprint", cfg.fingerprint())  # last: a store without it is no run
+    return store, cases
+
+
+def _resume_store(cfg: EngineStateConfig, out: Path) -> tuple[ResultStore, list[Case], EngineStateConfig]:
+    store = ResultStore(out / STORE_NAME)
+    previous = store.get_meta("fingerprint")
+    problem = None
+    if previous is None or not store.cases():
+        problem = f"{out / STORE_NAME} holds no cases; delete it and start the run again"
+    elif previous.get("command") != COMMAND:
+        problem = f"{out} holds a probe run, not an engine-state run; use another --out"
+    elif previous != cfg.fingerprint():
+        now = cfg.fingerprint()
+        diff = ", ".join(
+            f"{k}={previous.get(k)!r}, not {now.get(k)!r}" for k in now if previous.get(k) != now.get(k)
+        )
+        problem = f"the run in {out} was made with {diff}; pass the same flags or use another --out"
+    if problem is not None:
+        store.close()
+        raise BadInput(f"--resume: {problem}")
+    cases = [Case(**d) for d in store.cases()]
+    return store, cases, dataclasses.replace(cfg, run_id=store.get_meta("run_id"))
+
+
+def run_engine_state(cfg: EngineStateConfig, out: Path, *, resume: bool = False) -> dict:
+    """Run (or, with ``resume``, continue) each factor into ``out``'s store; return
+    engine_state.json's body, built from the store (so a resumed run reports every send)."""
+    out = Path(out)
+    check_out(out, resume)
+    with CompletionsTarget(cfg.base_url, cfg.model, api_key=cfg.api_key, timeout=cfg.timeout_s) as target:
+        if resume:
+            store, cases, cfg = _resume_store(cfg, out)
+        else:
+            store, cases = _new_store(cfg, target, out)
         try:
-            cases = build_cases(cfg.spec(), counter)
+            run = _Run(cfg, target, store, cases)
+            for name in cfg.factors:
+                _RUNNERS[name](run)
+            factors = {name: _factor_body(run, name) for name in cfg.factors}
         finally:
-            counter.close()
-        factors = {}
-        for name in cfg.factors:
-            out = _RUNNERS[name](target, cfg, cases)
-            out["rows"] = [[{**asdict(r), "tokens": list(r.tokens)} for r in arm] for arm in out["rows"]]
-            factors[name] = out
+            store.close()
     return {
         "kind": "needlescope-engine-state",
         "base_url": target.v1,

@@ -2,7 +2,8 @@
 
 Every finished request is committed at once (WAL journal), so a run
 killed with SIGKILL loses at most the requests in flight; on resume each case is run until it
-has exactly one ``ok`` row. Error rows are replaced when the case is retried.
+has exactly one ``ok`` row. Error rows are replaced when the case is retried. A run that sends
+each case in several arms (engine-state) keeps one row per (factor, arm, case) in ``sends``.
 """
 
 from __future__ import annotations
@@ -42,6 +43,15 @@ CREATE TABLE IF NOT EXISTS graded(
     data JSON,
     error TEXT,
     finished_at REAL
+);
+CREATE TABLE IF NOT EXISTS sends(
+    factor TEXT,
+    arm TEXT,
+    case_id TEXT,
+    status TEXT CHECK(status IN ('ok','error')),
+    data JSON,
+    finished_at REAL,
+    PRIMARY KEY(factor, arm, case_id)
 );
 """
 
@@ -156,6 +166,19 @@ class ResultStore:
         for case_id, status, method, data, error in cur:
             out[case_id] = {"status": status, "method": method, "error": error, **(json.loads(data) or {})}
         return out
+
+    def record_send(self, factor: str, arm: str, case_id: str, *, ok: bool, data: dict) -> None:
+        """Write (or replace) one send of ``case_id`` in one arm of a multi-arm run (engine-state)."""
+        self._db.execute(
+            "INSERT OR REPLACE INTO sends(factor, arm, case_id, status, data, finished_at) "
+            "VALUES (?, ?, ?, ?, ?, ?)",
+            (factor, arm, case_id, "ok" if ok else "error", json.dumps(data), time.time()),
+        )
+
+    def sends(self, factor: str) -> dict[tuple[str, str], dict]:
+        """The sends of ``factor`` by (arm, case_id): ``{status, **data}``."""
+        cur = self._db.execute("SELECT arm, case_id, status, data FROM sends WHERE factor = ?", (factor,))
+        return {(arm, cid): {"status": status, **json.loads(data)} for arm, cid, status, data in cur}
 
     def results(self) -> list[dict]:
         """All result rows, in case order."""
