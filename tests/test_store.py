@@ -28,6 +28,9 @@ def test_wal_and_meta(tmp_path):
         assert s.journal_mode == "wal"
         s.put_meta("fingerprint", {"a": [1, 2]})
         assert s.get_meta("fingerprint") == {"a": [1, 2]} and s.get_meta("missing") is None
+        for value in (7, 2.5, "12", None, [3]):
+            s.put_meta("v", value)
+            assert s.get_meta("v") == value
 
 
 def test_resume_semantics(tmp_path):

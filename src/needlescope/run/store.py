@@ -98,7 +98,8 @@ class ResultStore:
         self._db.execute("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)", (key, json.dumps(value)))
 
     def get_meta(self, key: str) -> Any:
-        row = self._db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+        # The JSON column has NUMERIC affinity: a bare number comes back as an int or float.
+        row = self._db.execute("SELECT CAST(value AS TEXT) FROM meta WHERE key = ?", (key,)).fetchone()
         return None if row is None else json.loads(row[0])
 
     def add_cases(self, cases: list[dict]) -> None:
