@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 
 from needlescope.errors import BadInput, ContextOverflow, ProbeError, ProtocolViolation, TransportFailure
-from needlescope.targets.endpoints import auth_headers, normalize_base_url, sync_client
+from needlescope.targets.endpoints import auth_headers, normalize_base_url, sync_client, tls_context
 from needlescope.targets.gate import AdaptiveGate
 
 RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
@@ -175,6 +175,7 @@ class ChatTarget:
                 headers=auth_headers(api_key),
                 timeout=httpx.Timeout(timeout),
                 transport=transport,
+                verify=tls_context(),
                 limits=httpx.Limits(max_connections=None, max_keepalive_connections=len(self._v1)),
             )
             for _ in range(self.gate.ceiling)
