@@ -87,6 +87,7 @@ from needlescope.dsa.emulate import (
 from needlescope.dsa.prompt import covering_entries
 from needlescope.dsa.quant import get_quantizer, hadamard_128
 from needlescope.dsa.rankdump import selected_in
+from needlescope.dsa.reference import visible_entries
 from needlescope.dsa.replay import (
     INDEXER,
     Call,
@@ -317,7 +318,7 @@ def _selection_floor(ref: Call, scorer: Call | None, scorer_budget: float, ratio
     positions = ref.args[2] if len(ref.args) > 2 else ref.kwargs.get("position_ids")
     if positions is None:
         return 0.0
-    vis = ((positions.reshape(-1).long() + 1) // ratio).to(s.device).clamp_max(s.shape[-1])
+    vis = visible_entries(positions.reshape(-1).long(), ratio).to(s.device).clamp_max(s.shape[-1])
     ar = torch.arange(s.shape[-1], device=s.device).view(1, -1)
     scale = s.masked_fill(ar >= vis.view(-1, 1), 0.0).abs().amax(-1)
     k = int(ref.out.shape[-1]) if ref.out is not None else 1
@@ -414,7 +415,7 @@ def needle_rank(scores: torch.Tensor, needle_entries: list[int]) -> int | None:
 
 def _needle_side(cap: IndexerCapture, layer: int, query_pos: int, entries: list[int], ratio: int):
     """(rank, selected, visible needle entries, k) of one run at ``query_pos``."""
-    visible = (query_pos + 1) // ratio
+    visible = visible_entries(query_pos, ratio)
     ne = [e for e in entries if e < visible]
     calls = [c for c in cap.calls if c.layer == layer]
     k = max((c.k for c in calls if c.k is not None), default=None)
