@@ -7,17 +7,33 @@ kernels; elsewhere the torch reference (``needlescope.kernels.reference``). Trit
 only when a Triton path runs, so this package imports on a machine without it.
 """
 
-from needlescope.kernels.dispatch import KERNELS, indexer_logits, indexer_topk, resolve_kernel, topk
-from needlescope.kernels.layout import (
-    KEY_DTYPES,
-    PAGE_ENTRIES,
-    ContiguousKeys,
-    PagedKeys,
-    page_keys,
-    quantize_keys,
-    quantize_queries,
-)
-from needlescope.kernels.reference import KERNEL_FAULTS
+from importlib import import_module
+from typing import Any
+
+from needlescope.kernels.names import KERNEL_FAULTS, KERNELS
+
+# Everything else needs torch; it loads on first use so that configs and CLIs that only check
+# kernel names (serve's flags, every `needlescope --help`) do not pay torch's import.
+_LAZY = {
+    "indexer_logits": "dispatch",
+    "indexer_topk": "dispatch",
+    "resolve_kernel": "dispatch",
+    "topk": "dispatch",
+    "KEY_DTYPES": "layout",
+    "PAGE_ENTRIES": "layout",
+    "ContiguousKeys": "layout",
+    "PagedKeys": "layout",
+    "page_keys": "layout",
+    "quantize_keys": "layout",
+    "quantize_queries": "layout",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(import_module(f"{__name__}.{_LAZY[name]}"), name)
+
 
 __all__ = [
     "KERNELS",

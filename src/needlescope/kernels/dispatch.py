@@ -15,6 +15,7 @@ import torch
 
 from needlescope.errors import BadInput
 from needlescope.kernels.layout import ContiguousKeys, PagedKeys
+from needlescope.kernels.names import KERNELS
 from needlescope.kernels.reference import (
     check_fault,
     logits_reference,
@@ -23,8 +24,6 @@ from needlescope.kernels.reference import (
 )
 
 __all__ = ["KERNELS", "resolve_kernel", "indexer_logits", "topk", "indexer_topk"]
-
-KERNELS = ("auto", "reference", "triton")
 
 
 def resolve_kernel(kernel: str, device: torch.device) -> str:

@@ -19,13 +19,9 @@ import torch
 from needlescope.dsa.reference import NO_ENTRY, lightning_scores
 from needlescope.errors import BadInput
 from needlescope.kernels.layout import PAGE_ENTRIES, ContiguousKeys, PagedKeys, gather_paged
+from needlescope.kernels.names import KERNEL_FAULTS
 
 __all__ = ["KERNEL_FAULTS", "check_fault", "logits_reference", "paged_logits_reference", "topk_reference"]
-
-KERNEL_FAULTS = ("indexer_page_table", "indexer_key_slot")
-"""Debug-only kernel bugs: read pages by logical page number (block table ignored); score entry
-s with the key stored for entry s - 1 (entry 0 keeps its own). Same names as the patch faults
-in ``needlescope.dsa.faults`` that emulate them over the reference."""
 
 
 def check_fault(fault: str | None, paged: bool) -> None:

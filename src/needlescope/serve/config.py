@@ -95,7 +95,7 @@ class ServeConfig:
             )
         if self.threads < 1:
             raise BadInput(f"--threads must be at least 1; got {self.threads}")
-        from needlescope.kernels import KERNEL_FAULTS, KERNELS
+        from needlescope.kernels.names import KERNEL_FAULTS, KERNELS
 
         if self.kernel not in KERNELS:
             raise BadInput(f"--kernel must be one of {', '.join(KERNELS)}; got {self.kernel!r}")
