@@ -29,49 +29,91 @@ _REFUSED_SAMPLING = ("frequency_penalty", "presence_penalty")
 
 def native_router(serving: Serving) -> APIRouter:
     router = APIRouter(route_class=SafeJSONRoute)
+    _add_generate(router, serving)
+    _add_tokenizer_routes(router, serving)
+    return router
+
+
+def _capture_rows(body: GenerateRequest) -> TopkRows | None:
+    """The indexer top-k rows a ``/generate`` asks for, or None; capture options need the switch."""
+    if body.return_indexer_topk:
+        positions = body.indexer_topk_positions
+        return TopkRows(
+            positions=None if positions is None else tuple(positions), last=body.indexer_topk_last
+        )
+    if body.indexer_topk_positions is not None or body.indexer_topk_last is not None:
+        raise ApiError(
+            400,
+            "indexer_topk_positions/indexer_topk_last need return_indexer_topk=true",
+            param="return_indexer_topk",
+        )
+    return None
+
+
+def _check_generate(body: GenerateRequest) -> GenerateSamplingParams:
+    """Refuse what ``/generate`` does not serve; return its sampling parameters."""
+    if (body.text is None) == (body.input_ids is None):
+        raise ApiError(400, "give exactly one of text and input_ids", param="text")
+    if body.stream:
+        raise ApiError(400, "stream=true is not supported on /generate; use /v1/completions", param="stream")
+    sp = body.sampling_params or GenerateSamplingParams()
+    for name in _REFUSED_SAMPLING:
+        if getattr(sp, name) not in (None, 0):
+            raise ApiError(400, f"{name} is not supported by this server", param=f"sampling_params.{name}")
+    return sp
+
+
+def _generate_names(body: GenerateRequest, sp: GenerateSamplingParams) -> Names:
+    """SGLang's spelling of each engine parameter, so errors name the field the caller sent."""
+    seed_name = "sampling_seed" if sp.sampling_seed is not None else "seed"
+    return Names(
+        {
+            "prompt": "text" if body.text is not None else "input_ids",
+            "max_tokens": "sampling_params.max_new_tokens",
+            "min_tokens": "sampling_params.min_new_tokens",
+            "seed": f"sampling_params.{seed_name}",
+            "logprobs": "return_logprob",
+            "return_indexer_topk": "return_indexer_topk",
+            "indexer_topk_positions": "indexer_topk_positions",
+            "indexer_topk_last": "indexer_topk_last",
+        },
+        prefix="sampling_params.",
+    )
+
+
+def _generate_meta(body: GenerateRequest, req: GenRequest, final) -> dict:
+    """SGLang's ``meta_info`` of a finished request."""
+    if final.finish_reason == "length":
+        reason: dict = {"type": "length", "length": final.completion_tokens}
+    else:
+        reason = {"type": final.finish_reason, "matched": final.matched_stop}
+    meta: dict = {
+        "id": req.rid,
+        "prompt_tokens": final.prompt_tokens,
+        "completion_tokens": final.completion_tokens,
+        "cached_tokens": final.cached_tokens,
+        "finish_reason": reason,
+        "e2e_latency": time.monotonic() - req.admitted_at,
+    }
+    if body.return_logprob:
+        meta["output_token_logprobs"] = [[t.logprob, t.id, None] for t in final.tokens]
+    if final.indexer_topk is not None:
+        meta["indexer_topk"] = final.indexer_topk
+        meta["indexer_topk_shape"] = list(final.indexer_topk_shape)
+        if final.indexer_topk_positions is not None:
+            meta["indexer_topk_positions"] = final.indexer_topk_positions
+    return meta
+
+
+def _add_generate(router: APIRouter, serving: Serving) -> None:
     engine = serving.engine
     tokens = engine.tokens
 
     @router.post("/generate", response_model=GenerateResponse, responses=GENERATION_RESPONSES)
     async def generate(body: GenerateRequest, request: Request):
-        if (body.text is None) == (body.input_ids is None):
-            raise ApiError(400, "give exactly one of text and input_ids", param="text")
-        if body.stream:
-            raise ApiError(
-                400, "stream=true is not supported on /generate; use /v1/completions", param="stream"
-            )
-        sp = body.sampling_params or GenerateSamplingParams()
-        for name in _REFUSED_SAMPLING:
-            if getattr(sp, name) not in (None, 0):
-                raise ApiError(
-                    400, f"{name} is not supported by this server", param=f"sampling_params.{name}"
-                )
-        rows = None
-        if body.return_indexer_topk:
-            positions = body.indexer_topk_positions
-            rows = TopkRows(
-                positions=None if positions is None else tuple(positions), last=body.indexer_topk_last
-            )
-        elif body.indexer_topk_positions is not None or body.indexer_topk_last is not None:
-            raise ApiError(
-                400,
-                "indexer_topk_positions/indexer_topk_last need return_indexer_topk=true",
-                param="return_indexer_topk",
-            )
-        seed_name = "sampling_seed" if sp.sampling_seed is not None else "seed"
-        names = Names(
-            {
-                "prompt": "text" if body.text is not None else "input_ids",
-                "max_tokens": "sampling_params.max_new_tokens",
-                "min_tokens": "sampling_params.min_new_tokens",
-                "seed": f"sampling_params.{seed_name}",
-                "logprobs": "return_logprob",
-                "return_indexer_topk": "return_indexer_topk",
-                "indexer_topk_positions": "indexer_topk_positions",
-                "indexer_topk_last": "indexer_topk_last",
-            },
-            prefix="sampling_params.",
-        )
+        sp = _check_generate(body)
+        rows = _capture_rows(body)
+        names = _generate_names(body, sp)
         with engine_errors(names):
             if body.text is not None:
                 ids = await tokens.text_ids(body.text)
@@ -99,26 +141,16 @@ def native_router(serving: Serving) -> APIRouter:
         req = GenRequest(ids, params, capture=rows)
         serving.admit(req, names)
         final = await serving.wait_final(req, request, names)
-        if final.finish_reason == "length":
-            reason: dict = {"type": "length", "length": final.completion_tokens}
-        else:
-            reason = {"type": final.finish_reason, "matched": final.matched_stop}
-        meta: dict = {
-            "id": req.rid,
-            "prompt_tokens": final.prompt_tokens,
-            "completion_tokens": final.completion_tokens,
-            "cached_tokens": final.cached_tokens,
-            "finish_reason": reason,
-            "e2e_latency": time.monotonic() - req.admitted_at,
+        return {
+            "text": final.text,
+            "output_ids": final.output_ids,
+            "meta_info": _generate_meta(body, req, final),
         }
-        if body.return_logprob:
-            meta["output_token_logprobs"] = [[t.logprob, t.id, None] for t in final.tokens]
-        if final.indexer_topk is not None:
-            meta["indexer_topk"] = final.indexer_topk
-            meta["indexer_topk_shape"] = list(final.indexer_topk_shape)
-            if final.indexer_topk_positions is not None:
-                meta["indexer_topk_positions"] = final.indexer_topk_positions
-        return {"text": final.text, "output_ids": final.output_ids, "meta_info": meta}
+
+
+def _add_tokenizer_routes(router: APIRouter, serving: Serving) -> None:
+    engine = serving.engine
+    tokens = engine.tokens
 
     @router.post("/tokenize", response_model=TokenizeResponse, responses=JSON_ERRORS)
     @router.post("/v1/tokenize", response_model=TokenizeResponse, responses=JSON_ERRORS)
@@ -159,5 +191,3 @@ def native_router(serving: Serving) -> APIRouter:
             "model_max_length": engine.context_length,
             "vocab_size": tokens.vocab_size,
         }
-
-    return router

@@ -56,6 +56,12 @@ def _include_usage(body) -> bool:
 
 def openai_router(serving: Serving) -> APIRouter:
     router = APIRouter(route_class=SafeJSONRoute)
+    _add_model_routes(router, serving)
+    _add_generation_routes(router, serving)
+    return router
+
+
+def _add_model_routes(router: APIRouter, serving: Serving) -> None:
     engine = serving.engine
 
     def card() -> dict:
@@ -76,6 +82,10 @@ def openai_router(serving: Serving) -> APIRouter:
     async def model(model_id: str):
         serving.check_model(model_id)
         return card()
+
+
+def _add_generation_routes(router: APIRouter, serving: Serving) -> None:
+    engine = serving.engine
 
     @router.post("/v1/chat/completions", response_model=ChatCompletion, responses=GENERATION_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -136,8 +146,6 @@ def openai_router(serving: Serving) -> APIRouter:
             logprobs=body.logprobs, echo_text=echo_text, prompt_logprobs=body.prompt_logprobs is not None
         )
         return await serving.respond(request, req, renderer, names, _include_usage(body))
-
-    return router
 
 
 def _one_prompt(prompt: str | list) -> str | list[int]:
