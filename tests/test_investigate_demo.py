@@ -179,8 +179,22 @@ def test_diagnosis_blames_no_cutoff_when_the_needle_was_selected_but_a_fix_resto
     text = render_diagnosis(rankdump=_dump(False), fixes=fixes, **kw)
     assert (
         "ranks the needle's best entry 40 of 64" in text
-        and "restores both selection and the answer: `no patch`" in text
+        and "restores both selection and the answer on this case: `no patch`" in text
     )
+    # With the deployment's patch known, a fix that keeps it is a workaround, never the root cause.
+    patched = [
+        {
+            "label": "topk=16 patch=fault:x",
+            "patch": "fault:x",
+            "selected_all_layers": True,
+            "answer_correct": True,
+        },
+        {"label": "topk=8", "patch": None, "selected_all_layers": True, "answer_correct": True},
+    ]
+    text = render_diagnosis(rankdump=_dump(False), fixes=patched, deployment_patch="fault:x", **kw)
+    assert "Removing the patch (`topk=8`) restores both selection and the answer" in text
+    assert "`topk=16 patch=fault:x` also restores this case while the patch stays in: a workaround" in text
+    assert "| `topk=16 patch=fault:x` | patch stays in |" in text
     text = render_diagnosis(rankdump=_dump(True), fixes=fixes[:1], **kw)
     assert "the cause is outside the indexer's top-k" in text
 

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from needlescope.audit.substitutes import attn_out_bf16, hc_mix_bf16, hc_modules
 from needlescope.dsa.emulate import csa_indexers
 from needlescope.dsa.quant import get_quantizer, hadamard_128
-from needlescope.dsa.reference import lightning_scores
+from needlescope.dsa.reference import lightning_scores, visible_entries
 
 __all__ = ["CHECKS", "TOP1_MIN", "KL_MAX", "OVERLAP_MIN", "BF16_UNIT", "run_check"]
 
@@ -224,7 +224,7 @@ def _overlap(ref: torch.Tensor, cand: torch.Tensor, k: int, ratio: int) -> float
     S, L = ref.shape[-2:]
     fracs = []
     for t in range(S):
-        v = min((t + 1) // ratio, L)
+        v = min(visible_entries(t, ratio), L)
         if v <= k:
             continue
         a = set(ref[0, t, :v].topk(k).indices.tolist())

@@ -254,6 +254,7 @@ def write(result: Explanation, out: Path) -> Path:
         why=result.why,
         rankdump=result.rankdump,
         fixes=result.fixes["fixes"],
+        deployment_patch=None if cfg.deployment.patch is None else cfg.deployment.patch.spec,
         heatmaps=(
             os.path.relpath(cfg.reference_dir / "heatmap.png", out),
             os.path.relpath(cfg.deployment_dir / "heatmap.png", out),

@@ -34,6 +34,7 @@ from needlescope.cases.scoring import score_answer
 from needlescope.dsa.emulate import IndexerCapture, apply_patch_once, check_unpatched, csa_indexers, emulate
 from needlescope.dsa.prompt import covering_entries, needle_token_span, render_prompt
 from needlescope.dsa.rankdump import greedy_new_tokens, needle_rank_stats
+from needlescope.dsa.reference import visible_entries
 from needlescope.setting import PatchRef, Setting
 
 __all__ = [
@@ -195,7 +196,7 @@ def _record(case, prompt, tokens: list[int], tokenizer, capture, layers, b: int,
         score_pos, score_rows = capture.score_rows(layer, b)
         _, topk_rows = capture.rows(layer, width=k, batch_index=b)
         row = {int(p): i for i, p in enumerate(score_pos.tolist())}[t]
-        visible = (t + 1) // ratio
+        visible = visible_entries(t, ratio)
         ne = [e for e in entries if e < visible]
         if not ne:
             continue

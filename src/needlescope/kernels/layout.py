@@ -5,7 +5,7 @@ and the reference, so tests and the benchmark lay out keys exactly one way.
 
 * **Contiguous keys** (``ContiguousKeys``): ``codes`` [N, D] bf16 or ``float8_e4m3fn``,
   ``scales`` [N] fp32 (all ones for bf16). Each query reads its own ``[start, end)``.
-* **Paged fp8 cache** (SGLang's index-key page, docs: dsv4_attention.md §3): one page is
+* **Paged fp8 cache** (SGLang's index-key page for DeepSeek-V4's indexer): one page is
   ``PAGE_ENTRIES`` (64) entries of D fp8 values, then 64 fp32 scales: ``64 * (D + 4)`` bytes,
   stored as uint8 [P, 64 * (D + 4)].
 * **Paged bf16 cache**: the same 64 entries a page, bf16 [P, 64, D], no scales (scale 1).

@@ -35,16 +35,35 @@ def render_diagnosis(
     why: str,
     rankdump: dict,
     fixes: list[dict],
+    deployment_patch: str | None = None,
     heatmaps: tuple[str, str] = ("reference/heatmap.png", "deployment/heatmap.png"),
 ) -> str:
-    """The Markdown text of DIAGNOSIS.md; ``heatmaps`` are the probes' heatmap paths relative to it."""
-    ref_len, dep_len = recall_by_length(reference), recall_by_length(deployment)
+    """The Markdown text of DIAGNOSIS.md; ``heatmaps`` are the probes' heatmap paths relative to it.
+
+    ``deployment_patch`` (the deployment's patch spec, if any) tells a fix that removes the patch
+    from one that restores the case while the patch stays in (a workaround).
+    """
+    dropped = _dropped_layers(rankdump)
     lines = [
         "# DIAGNOSIS",
         "",
         f"Model: `{model}`. Deployment setting under test: `{deployment_label}`; reference: fp32 indexer "
         "with the checkpoint's own `index_topk`.",
         "",
+        *_collapse_section(reference, deployment, heatmaps),
+        *_layer_section(case, why, rankdump, dropped),
+        *_fix_section(fixes, dropped, deployment_patch),
+        "",
+        f"Artifacts: `{Path(heatmaps[0]).parent}/` and `{Path(heatmaps[1]).parent}/` (probe outputs), "
+        "`rankdump.json`, `fixes.json`.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _collapse_section(reference: dict, deployment: dict, heatmaps: tuple[str, str]) -> list[str]:
+    ref_len, dep_len = recall_by_length(reference), recall_by_length(deployment)
+    lines = [
         "## Where recall collapses",
         "",
         "| length | reference recall | deployment recall |",
@@ -66,12 +85,26 @@ def render_diagnosis(
             "**The reference numerics recall nothing either: the checkpoint itself cannot retrieve these "
             "needles, so no deployment setting is to blame.**",
         ]
-    lines += [
+    return lines + [
         "",
         "| reference | deployment |",
         "|---|---|",
         f"| ![reference]({heatmaps[0]}) | ![deployment]({heatmaps[1]}) |",
         "",
+    ]
+
+
+def _dropped_layers(rankdump: dict) -> list[tuple[int, dict]]:
+    """(layer, first position) of each CSA layer whose top-k missed every needle entry."""
+    return [
+        (layer["layer"], layer["positions"][0])
+        for layer in rankdump["layers"]
+        if layer["positions"] and not layer["positions"][0]["selected"]
+    ]
+
+
+def _layer_section(case: dict, why: str, rankdump: dict, dropped: list[tuple[int, dict]]) -> list[str]:
+    lines = [
         "## Which layer's indexer drops the needle",
         "",
         f"Case `{case['case_id']}` ({case['length']} tokens, depth {case['depth']:g}%): {why}. "
@@ -80,7 +113,6 @@ def render_diagnosis(
         "| CSA layer | needle entries visible | best rank | k | margin (needle - cutoff) | margin / spread | selected |",
         "|---|---|---|---|---|---|---|",
     ]
-    dropped = []
     for layer in rankdump["layers"]:
         if not layer["positions"]:
             lines.append(f"| {layer['layer']} | none yet | - | - | - | - | - |")
@@ -92,72 +124,82 @@ def render_diagnosis(
             f"{rankdump['index_topk']} | {p['margin']:+.4g} | {'-' if frac is None else f'{frac:+.3f}'} | "
             f"{'yes' if p['selected'] else '**no**'} |"
         )
-        if not p["selected"]:
-            dropped.append((layer["layer"], p))
-    if dropped:
-        layer, p = dropped[0]
-        lines += [
-            "",
-            f"At the position that produces the first answer token, layer {layer}'s indexer ranks the needle's best "
-            f"entry {p['best_rank']} of {p['visible_entries']} with k = {rankdump['index_topk']}: it falls "
-            f"{-p['margin']:.4g} below the cutoff, so that layer's sparse attention never reads the needle.",
-        ]
-    else:
-        lines += [
+    if not dropped:
+        return lines + [
             "",
             "Every CSA layer selected a needle entry at the first answer position: the top-k cutoff did not drop "
             "the needle here.",
+            "",
         ]
-    lines += [
+    layer, p = dropped[0]
+    return lines + [
         "",
+        f"At the position that produces the first answer token, layer {layer}'s indexer ranks the needle's best "
+        f"entry {p['best_rank']} of {p['visible_entries']} with k = {rankdump['index_topk']}: it falls "
+        f"{-p['margin']:.4g} below the cutoff, so that layer's sparse attention never reads the needle.",
+        "",
+    ]
+
+
+def _fix_kind(fix: dict, deployment_patch: str | None) -> str:
+    if deployment_patch is not None and fix.get("patch") is None:
+        return "removes the patch"
+    if deployment_patch is not None:
+        return "patch stays in"
+    return "setting change"
+
+
+def _fix_section(fixes: list[dict], dropped: list, deployment_patch: str | None) -> list[str]:
+    lines = [
         "## Which fix restores it",
         "",
-        "| setting | needle selected in every CSA layer | answer correct |",
-        "|---|---|---|",
+        "| setting | what it changes | needle selected in every CSA layer | answer correct |",
+        "|---|---|---|---|",
     ]
     for f in fixes:
         ok = f["answer_correct"]
         lines.append(
-            f"| `{f['label']}` | {'yes' if f['selected_all_layers'] else 'no'} | {'-' if ok is None else ('yes' if ok else 'no')} |"
+            f"| `{f['label']}` | {_fix_kind(f, deployment_patch)} | {'yes' if f['selected_all_layers'] else 'no'} | "
+            f"{'-' if ok is None else ('yes' if ok else 'no')} |"
         )
+    return lines + ["", _fix_conclusion(fixes, dropped, deployment_patch)]
+
+
+def _fix_conclusion(fixes: list[dict], dropped: list, deployment_patch: str | None) -> str:
     working = [f for f in fixes if f["selected_all_layers"] and f["answer_correct"]]
     selecting = [f for f in fixes if f["selected_all_layers"]]
     restoring = [f for f in fixes if f["answer_correct"]]
     if not dropped and restoring:
-        lines += [
-            "",
+        return (
             "The deployment selected a needle entry in every CSA layer and still answered wrong, so the top-k "
-            f"cutoff is not what failed; `{restoring[0]['label']}` restores the answer.",
-        ]
-    elif not dropped:
-        lines += [
-            "",
+            f"cutoff is not what failed; `{restoring[0]['label']}` restores the answer."
+        )
+    if not dropped:
+        return (
             "The deployment already selected the needle in every CSA layer and no candidate restores the answer: "
-            "the cause is outside the indexer's top-k.",
-        ]
-    elif working:
-        lines += [
-            "",
-            f"First fix, in the order tried, that restores both selection and the answer: `{working[0]['label']}`.",
-        ]
-    elif selecting:
-        lines += [
-            "",
+            "the cause is outside the indexer's top-k."
+        )
+    if working:
+        root = [f for f in working if _fix_kind(f, deployment_patch) == "removes the patch"]
+        around = [f for f in working if _fix_kind(f, deployment_patch) == "patch stays in"]
+        if root and around:
+            return (
+                f"Removing the patch (`{root[0]['label']}`) restores both selection and the answer: the patch "
+                f"`{deployment_patch}` is the likely root cause. `{around[0]['label']}` also restores this case "
+                "while the patch stays in: a workaround, not a fix. One case is evidence, not a verdict: "
+                "`needlescope investigate` measures each suspect's causal effect over many paired cases."
+            )
+        return (
+            f"First fix, in the order tried, that restores both selection and the answer on this case: "
+            f"`{working[0]['label']}` ({_fix_kind(working[0], deployment_patch)}). One case is evidence, not a "
+            "verdict: `needlescope investigate` measures each suspect's causal effect over many paired cases."
+        )
+    if selecting:
+        return (
             f"`{selecting[0]['label']}` restores selection, but the answer is still wrong: the indexer is not the "
-            "only cause.",
-        ]
-    else:
-        lines += [
-            "",
-            "No candidate restores selection for this case; widen the sweep (`needlescope indexer sweep`).",
-        ]
-    lines += [
-        "",
-        f"Artifacts: `{Path(heatmaps[0]).parent}/` and `{Path(heatmaps[1]).parent}/` (probe outputs), "
-        "`rankdump.json`, `fixes.json`.",
-        "",
-    ]
-    return "\n".join(lines)
+            "only cause."
+        )
+    return "No candidate restores selection for this case; widen the sweep (`needlescope indexer sweep`)."
 
 
 def write_diagnosis(out: Path, **kw) -> Path:
