@@ -13,7 +13,7 @@ from pathlib import Path
 
 from needlescope.errors import BadInput
 
-__all__ = ["check_out_dir", "read_json_object"]
+__all__ = ["atomic_write_json", "check_out_dir", "read_json_object"]
 
 
 def check_out_dir(out: str | Path, flag: str = "--out") -> Path:
@@ -45,3 +45,15 @@ def read_json_object(path: str | Path, hint: str) -> dict:
     if not isinstance(data, dict):
         raise BadInput(f"{path} is not a JSON object; {hint}")
     return data
+
+
+def atomic_write_json(path: Path, obj) -> None:
+    """Write ``obj`` as JSON to ``path`` through a synced temporary file and a rename, so a crash
+    leaves either the old file or the new one, never half of one."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=1)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

@@ -6,7 +6,7 @@ bool is a JSON ``boolean`` only, never an ``integer`` or ``number``.
 
 from __future__ import annotations
 
-__all__ = ["check_schema"]
+__all__ = ["check_schema", "record"]
 
 _TYPES = {
     "object": dict,
@@ -41,3 +41,19 @@ def check_schema(obj: object, schema: dict, path: str) -> None:
     if isinstance(obj, list) and "items" in schema:
         for i, item in enumerate(obj):
             check_schema(item, schema["items"], f"{path}[{i}]")
+
+
+def record(properties: dict, *, optional: tuple[str, ...] = ()) -> dict:
+    """An object schema whose every property is required unless named in ``optional``.
+
+    Derives ``required`` from ``properties`` so that a key added to one cannot be forgotten in
+    the other.
+    """
+    unknown = set(optional) - set(properties)
+    if unknown:
+        raise ValueError(f"optional names no property: {sorted(unknown)}")
+    return {
+        "type": "object",
+        "required": [k for k in properties if k not in optional],
+        "properties": properties,
+    }

@@ -41,8 +41,8 @@ from needlescope.investigate.runner import (
     suspect_record,
     write_verdicts,
 )
-from needlescope.investigate.state import atomic_write_json
 from needlescope.investigate.verdicts import LIVE_THRESHOLDS, evidence, live_verdict
+from needlescope.paths import atomic_write_json
 
 __all__ = ["LiveInvestigation", "compare_rows", "jaccard"]
 

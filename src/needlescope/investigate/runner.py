@@ -37,7 +37,7 @@ from needlescope.errors import BadInput
 from needlescope.investigate.ledger import Ledger, Suspect, load_ledger
 from needlescope.investigate.questions import QuestionContext, answer
 from needlescope.investigate.signature import signature
-from needlescope.investigate.state import RunState, atomic_write_json
+from needlescope.investigate.state import RunState
 from needlescope.investigate.verdicts import (
     DIVERGE_REL,
     classify_fix,
@@ -47,6 +47,7 @@ from needlescope.investigate.verdicts import (
     suspect_verdict,
     validate_verdicts,
 )
+from needlescope.paths import atomic_write_json
 from needlescope.setting import Setting
 
 __all__ = ["run_investigation", "INVESTIGATION_KEYS", "PHASES"]

@@ -20,19 +20,11 @@ import os
 from pathlib import Path
 
 from needlescope.errors import BadInput
+from needlescope.paths import atomic_write_json
 
-__all__ = ["STATUSES", "RunState", "atomic_write_json"]
+__all__ = ["STATUSES", "RunState"]
 
 STATUSES = ("pending", "running", "exonerated", "implicated", "inconclusive", "blocked", "diverges_no_effect")
-
-
-def atomic_write_json(path: Path, obj) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 class RunState:

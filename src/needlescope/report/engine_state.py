@@ -3,9 +3,9 @@ and margin. The schema is checked before anything is written."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from ..paths import atomic_write_json
 from ..schema import check_schema
 
 __all__ = ["ENGINE_STATE_SCHEMA", "write_engine_state", "engine_state_markdown"]
@@ -139,8 +139,6 @@ def write_engine_state(body: dict, out: Path) -> tuple[Path, Path]:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     js, md = out / "engine_state.json", out / "engine_state.md"
-    tmp = js.with_suffix(".tmp")
-    tmp.write_text(json.dumps(body, indent=1) + "\n", encoding="utf-8")
-    tmp.replace(js)
+    atomic_write_json(js, body)
     md.write_text(engine_state_markdown(body), encoding="utf-8")
     return js, md

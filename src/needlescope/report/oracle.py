@@ -10,7 +10,8 @@ import json
 from pathlib import Path
 
 from ..errors import BadInput
-from ..schema import check_schema
+from ..paths import atomic_write_json
+from ..schema import check_schema, record
 
 __all__ = [
     "EXPORT_SCHEMA",
@@ -24,26 +25,10 @@ __all__ = [
 ]
 
 _NUM_OR_NULL = {"type": ["number", "null"]}
-_STEP = {
-    "type": "object",
-    "required": ["token", "logprob", "top"],
-    "properties": {"token": {"type": "string"}, "logprob": {"type": "number"}, "top": {"type": "object"}},
-}
+_STEP = record({"token": {"type": "string"}, "logprob": {"type": "number"}, "top": {"type": "object"}})
 
-EXPORT_SCHEMA: dict = {
-    "type": "object",
-    "required": [
-        "kind",
-        "model",
-        "base_url",
-        "prompt_set",
-        "prompt_set_sha256",
-        "top_logprobs",
-        "prompt_ids_source",
-        "server",
-        "prompts",
-    ],
-    "properties": {
+EXPORT_SCHEMA: dict = record(
+    {
         "kind": {"type": "string"},
         "model": {"type": "string"},
         "base_url": {"type": "string"},
@@ -54,21 +39,8 @@ EXPORT_SCHEMA: dict = {
         "server": {"type": "object"},
         "prompts": {
             "type": "array",
-            "items": {
-                "type": "object",
-                "required": [
-                    "id",
-                    "category",
-                    "prompt",
-                    "max_tokens",
-                    "prompt_ids",
-                    "prompt_tokens",
-                    "text",
-                    "finish_reason",
-                    "usage_prompt_tokens",
-                    "steps",
-                ],
-                "properties": {
+            "items": record(
+                {
                     "id": {"type": "string"},
                     "category": {"type": "string"},
                     "prompt": {"type": "string"},
@@ -79,11 +51,11 @@ EXPORT_SCHEMA: dict = {
                     "finish_reason": {"type": ["string", "null"]},
                     "usage_prompt_tokens": {"type": ["integer", "null"]},
                     "steps": {"type": "array", "items": _STEP},
-                },
-            },
+                }
+            ),
         },
-    },
-}
+    }
+)
 
 _ROW_NUMBERS = (
     "top1_agreement",
@@ -95,44 +67,26 @@ _ROW_NUMBERS = (
     "divergence_margin",
 )
 
-ORACLE_SCHEMA: dict = {
-    "type": "object",
-    "required": ["kind", "reference", "candidate", "flip_margin", "atol", "summary", "prompts"],
-    "properties": {
+ORACLE_SCHEMA: dict = record(
+    {
         "kind": {"type": "string"},
         "reference": {"type": "object"},
         "candidate": {"type": "object"},
         "flip_margin": {"type": "number"},
         "atol": {"type": "number"},
-        "summary": {
-            "type": "object",
-            "required": ["prompts", "prompt_ids_equal", "diverged", "verdict", "top1_agreement"],
-            "properties": {
+        "summary": record(
+            {
                 "prompts": {"type": "integer"},
                 "prompt_ids_equal": {"type": "integer"},
                 "diverged": {"type": "integer"},
                 "verdict": {"type": "string"},
                 "top1_agreement": _NUM_OR_NULL,
-            },
-        },
+            }
+        ),
         "prompts": {
             "type": "array",
-            "items": {
-                "type": "object",
-                "required": [
-                    "id",
-                    "category",
-                    "prompt_ids_equal",
-                    "first_prompt_difference",
-                    "compared",
-                    "first_divergence",
-                    "low_margin_positions",
-                    "verdict",
-                    "ref_text",
-                    "cand_text",
-                    *_ROW_NUMBERS,
-                ],
-                "properties": {
+            "items": record(
+                {
                     "id": {"type": "string"},
                     "category": {"type": "string"},
                     "prompt_ids_equal": {"type": ["boolean", "null"]},
@@ -144,25 +98,19 @@ ORACLE_SCHEMA: dict = {
                     "ref_text": {"type": "string"},
                     "cand_text": {"type": "string"},
                     **{k: _NUM_OR_NULL for k in _ROW_NUMBERS},
-                },
-            },
+                }
+            ),
         },
-    },
-}
-
-
-def _write_json(path: Path, obj: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(obj, indent=1) + "\n", encoding="utf-8")
-    tmp.replace(path)
+    }
+)
 
 
 def write_export(obj: dict, out: Path, name: str = "export.json") -> Path:
     """Check ``obj`` against EXPORT_SCHEMA and write it to ``out/name``."""
     check_schema(obj, EXPORT_SCHEMA, "export")
     path = Path(out) / name
-    _write_json(path, obj)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(path, obj)
     return path
 
 
@@ -245,7 +193,8 @@ def write_oracle(result: dict, out: Path) -> tuple[Path, Path]:
     """Check ``result`` against ORACLE_SCHEMA, write ``oracle.json`` and ``oracle.md`` under ``out``."""
     check_schema(result, ORACLE_SCHEMA, "oracle")
     js = Path(out) / "oracle.json"
-    _write_json(js, result)
+    js.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(js, result)
     md = Path(out) / "oracle.md"
     md.write_text(oracle_markdown(result), encoding="utf-8")
     return js, md
