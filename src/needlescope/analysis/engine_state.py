@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from .margins import answer_score, paired_differences, token_score
 from .oracle import first_difference
 from .paired import Pair, paired_group
+from .stats import mean_present
 
 __all__ = ["ArmRow", "answer_margin", "factor_effect"]
 
@@ -67,11 +68,6 @@ def factor_effect(arm_a: Sequence[ArmRow], arm_b: Sequence[ArmRow], *, seed: int
         "margin": paired_differences([m[0] for m in margins], [m[1] for m in margins]),
         "answers_differ": sum(d is not None for d in diffs),
         "first_differing_tokens": sorted(d for d in diffs if d is not None),
-        "cached_tokens_a": _mean([x.cached_tokens for x, _ in ok]),
-        "cached_tokens_b": _mean([y.cached_tokens for _, y in ok]),
+        "cached_tokens_a": mean_present([x.cached_tokens for x, _ in ok]),
+        "cached_tokens_b": mean_present([y.cached_tokens for _, y in ok]),
     }
-
-
-def _mean(xs: Sequence[int | None]) -> float | None:
-    vals = [x for x in xs if x is not None]
-    return sum(vals) / len(vals) if vals else None

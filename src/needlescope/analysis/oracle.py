@@ -26,6 +26,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from .margins import token_score
+from .stats import mean_present
 
 __all__ = [
     "Step",
@@ -157,11 +158,6 @@ def compare_steps(
     )
 
 
-def _mean(xs: Sequence[float | None]) -> float | None:
-    vals = [x for x in xs if x is not None]
-    return sum(vals) / len(vals) if vals else None
-
-
 def summarize(rows: Sequence[PromptComparison], prompt_ids_equal: Sequence[bool | None]) -> dict:
     """Totals over prompts and the overall verdict, the first that applies:
 
@@ -193,11 +189,11 @@ def summarize(rows: Sequence[PromptComparison], prompt_ids_equal: Sequence[bool 
         "flips_at_low_margin": flips,
         "diverged": diverged,
         "positions_compared": sum(r.compared for r in rows),
-        "top1_agreement": _mean([r.top1_agreement for r in rows]),
-        "topk_overlap": _mean([r.topk_overlap for r in rows]),
-        "mean_abs_dlogprob": _mean([r.mean_abs_dlogprob for r in rows]),
+        "top1_agreement": mean_present([r.top1_agreement for r in rows]),
+        "topk_overlap": mean_present([r.topk_overlap for r in rows]),
+        "mean_abs_dlogprob": mean_present([r.mean_abs_dlogprob for r in rows]),
         "max_abs_dlogprob": max(maxes) if maxes else None,
-        "mean_kl": _mean([r.mean_kl for r in rows]),
+        "mean_kl": mean_present([r.mean_kl for r in rows]),
         "max_kl": max(kls) if kls else None,
         "low_margin_positions": sum(len(r.low_margin_positions) for r in rows),
         "verdict": overall,

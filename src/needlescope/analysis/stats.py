@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["wilson_interval", "mcnemar_exact"]
+__all__ = ["wilson_interval", "mcnemar_exact", "mean_present"]
 
 
 def wilson_interval(k: int, n: int, z: float = 1.959964) -> tuple[float, float]:
@@ -29,3 +29,9 @@ def mcnemar_exact(b: int, c: int) -> float:
     k = min(b, c)
     tail = sum(math.comb(n, i) for i in range(k + 1)) / 2**n
     return min(1.0, 2 * tail)
+
+
+def mean_present(xs) -> float | None:
+    """The mean of the values that are not None; None when there are none."""
+    vals = [x for x in xs if x is not None]
+    return sum(vals) / len(vals) if vals else None
