@@ -12,6 +12,7 @@ import html
 import json
 from pathlib import Path
 
+from needlescope.investigate import diagnosis_causal as dc
 from needlescope.investigate.signature import HOLD, rank_percentile, tracks_topk
 
 __all__ = ["diagnosis_blocks", "render_md", "render_html", "write_reports"]
@@ -88,10 +89,15 @@ def _plots(inv: dict, out: Path) -> list[tuple[str, str]]:
 def diagnosis_blocks(inv: dict, images: list[tuple[str, str]]) -> list[tuple]:
     """The report as blocks: ("h", level, text) | ("p", text) | ("table", header, rows) | ("img", file, caption)."""
     live = inv.get("route") == "live"
+    v = inv["verdicts"]
     b: list[tuple] = [("h", 1, "DIAGNOSIS"), ("p", _intro(inv, live))]
+    b += dc.differences_blocks(v)
     b += _symptom_blocks(inv, images)
     b += _root_blocks(inv)
+    b += dc.residual_blocks(v) + dc.localization_blocks(v)
     b += _verdict_blocks(inv, live)
+    b += [("p", t) for t in [dc.multiplicity_text(v)] if t]
+    b += dc.nonfinite_blocks(v)
     if live:
         b += _live_blocks(inv)
     else:
@@ -137,11 +143,24 @@ def _symptom_blocks(inv: dict, images) -> list[tuple]:
 
 def _root_blocks(inv: dict) -> list[tuple]:
     root = inv["verdicts"]["root_cause"]
+    co = [s for s in inv["suspects"] if s["verdict"] == "implicated" and s.get("role") == "co-factor"]
+    extra = [("p", f"Co-factor **{s['id']}** (`{s['maps_to']}`): {s['reason']}.") for s in co]
     if not root:
-        return [("h", 2, "Root cause"), ("p", "No suspect in the ledger is implicated as the root cause.")]
-    s = next(x for x in inv["suspects"] if x["id"] == root)
-    text = f"**{root}** (`{s['maps_to']}`; tier {s['tier']}: {s['hypothesis']}). Decisive measurement: {s['reason']}."
-    return [("h", 2, "Root cause"), ("p", text)]
+        return [
+            ("h", 2, "Root cause"),
+            ("p", "No suspect (ledger or automatic) is implicated as the root cause."),
+            *extra,
+        ]
+    b = [("h", 2, "Root cause")]
+    for rid in inv["verdicts"].get("root_causes") or [root]:
+        s = next(x for x in inv["suspects"] if x["id"] == rid)
+        b.append(
+            (
+                "p",
+                f"**{rid}** (`{s['maps_to']}`; tier {s['tier']}: {s['hypothesis']}). Decisive measurement: {s['reason']}.",
+            )
+        )
+    return b + extra
 
 
 def _verdict_blocks(inv: dict, live: bool) -> list[tuple]:

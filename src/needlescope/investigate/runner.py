@@ -34,7 +34,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 from needlescope.errors import BadInput
+from needlescope.investigate.artifacts import nonfinite_summary, relativize
+from needlescope.investigate.causal import decide, residual, sufficiency, symptom_loss
+from needlescope.investigate.differences import AUTO_PREFIX, auto_suspects, differences, file_slug, shown
 from needlescope.investigate.ledger import Ledger, Suspect, load_ledger
+from needlescope.investigate.localize import localize_residual
 from needlescope.investigate.questions import QuestionContext, answer
 from needlescope.investigate.signature import signature
 from needlescope.investigate.state import RunState
@@ -43,7 +47,7 @@ from needlescope.investigate.verdicts import (
     classify_fix,
     evidence,
     paired,
-    resolve_root_cause,
+    root_causes,
     suspect_verdict,
     validate_verdicts,
 )
@@ -60,6 +64,8 @@ Progress = Callable[[str, int, int, str], None]
 
 
 def _present(s: Suspect, cand: Setting, extra, ref: Setting) -> bool:
+    if s.id.startswith(AUTO_PREFIX) and s.patch is None and not s.setting_fields:
+        return True  # an environment or server difference: present by construction
     if s.patch is not None:
         specs = {p.path for p in extra} | ({cand.patch.path} if cand.patch else set())
         return s.patch.path in specs
@@ -82,10 +88,7 @@ def recall_by_length(records: list[dict]) -> dict[str, float]:
 
 def _shown(spec: str, base: Path | None) -> str:
     """A patch spec as the ledger wrote it: file paths relative to the ledger's directory."""
-    p = Path(spec)
-    return (
-        str(p.relative_to(base)) if base is not None and p.is_absolute() and p.is_relative_to(base) else spec
-    )
+    return spec if base is None else shown(spec, base)
 
 
 def presence_check(s: Suspect, cand: Setting, extra, ref: Setting, base: Path | None = None) -> str:
@@ -116,9 +119,12 @@ class _Investigation:
         from needlescope.investigate.measure import Config
 
         self.ledger, self.out, self.progress = ledger, Path(out), progress
+        self.diffs = differences(ledger)
+        self.suspects = ledger.ordered_suspects() + auto_suspects(self.diffs, ledger)
         self.state = RunState(
             self.out, ledger.path.read_text(encoding="utf-8"), [s.id for s in ledger.suspects]
         )
+        self.state.ensure_suspects([s.id for s in self.suspects])
         t = ledger.target
         self.Config = Config
         self.reference = Config(t.reference)
@@ -160,6 +166,14 @@ class _Investigation:
         self.prompt_len = {
             c.case_id: len(render_prompt(self.tokenizer, c.messages).input_ids) for c in self.cases
         }
+
+    def path_map(self) -> dict[str, str]:
+        """Absolute prefixes of this machine -> what artifacts say instead (``artifacts.relativize``)."""
+        m = {str(self.ledger.path.parent) + "/": ""}
+        if self.model_dir is not None:
+            t = self.ledger.target.model
+            m[str(self.model_dir)] = t if t == "organism" else Path(self.model_dir).name
+        return m
 
     @property
     def model(self):
@@ -206,8 +220,9 @@ class _Investigation:
         return {r["case_id"]: r["correct"] for r in records}
 
     # -- suspects ----------------------------------------------------------------------
-    def removal(self, s: Suspect):
-        c, ref = self.candidate, self.ledger.target.reference
+    def removal(self, s: Suspect, base=None):
+        """``base`` (default: the candidate) with ``s`` taken out."""
+        c, ref = base or self.candidate, self.ledger.target.reference
         if s.patch is not None:
             if c.setting.patch is not None and c.setting.patch.path == s.patch.path:
                 return self.Config(c.setting.with_(patch=None), c.extra)
@@ -278,7 +293,10 @@ class _Investigation:
             cm.__enter__()
             return lambda: cm.__exit__(None, None, None)
 
-        ids = torch.tensor([render_prompt(self.tokenizer, probe_case.messages).input_ids])
+        ids = torch.tensor(
+            [render_prompt(self.tokenizer, probe_case.messages).input_ids],
+            device=next(self.model.parameters()).device,
+        )
         ctx = {
             "candidate_topk": cand_records[0]["index_topk"],
             "reference_records": ref_records,
@@ -297,10 +315,10 @@ class _Investigation:
         from needlescope.investigate.measure import final_logits
 
         if present:
-            recs = self.measure(f"remove-{s.id}", self.removal(s))
+            recs = self.measure(f"remove-{file_slug(s.id)}", self.removal(s))
             pair = paired(self.correct(cand_records), self.correct(recs))
         else:
-            recs = self.measure(f"add-{s.id}", self.addition(s))
+            recs = self.measure(f"add-{file_slug(s.id)}", self.addition(s))
             pair = paired(self.correct(recs), self.correct(ref_records))
         a = final_logits(self.model, self.tokenizer, probe_case.messages, self.reference)
         b = final_logits(self.model, self.tokenizer, probe_case.messages, self.addition(s))
@@ -331,7 +349,12 @@ class _Investigation:
         self.state.add_evidence(s.id, [evidence("presence", presence, "present" if present else "absent")])
         blocked, ran = [], 0
         absent_q = self.state.data.get("absent", {}).get(s.id)
-        pair = divergence = None
+        pair = divergence = suff = None
+        if s.id.startswith(AUTO_PREFIX) and not s.checks:
+            blocked.append(
+                "ablation: an environment variable, a server field or a patch only the reference carries "
+                "cannot be removed from or added to the in-process model; map it to a patch or setting suspect"
+            )
         for check in s.checks if absent_q is None else ():
             if self._model is None:
                 blocked.append(f"{check}: {self.blocked_reason}")
@@ -340,18 +363,27 @@ class _Investigation:
                 ran += 1
             elif check == "ablation":
                 pair, divergence = self.ablation(s, present, ref_records, cand_records, probe_case)
+                if present:
+                    suff = sufficiency(self, s, ref_records)
                 ran += 1
-        verdict, reason = suspect_verdict(
+        inputs = {
+            "absent_by_question": absent_q,
+            "blocked": blocked,
+            "ran_checks": ran,
+            "presence": presence,
+            "questions": self.question_summary(s.id),
+        }
+        verdict, reason = suspect_verdict(present=present, pair=pair, divergence=divergence, **inputs)
+        return suspect_record(
+            s,
+            verdict,
+            reason,
             present=present,
             pair=pair,
             divergence=divergence,
-            absent_by_question=absent_q,
-            blocked=blocked,
-            ran_checks=ran,
-            presence=presence,
-            questions=self.question_summary(s.id),
+            sufficiency=suff,
+            inputs=inputs,
         )
-        return suspect_record(s, verdict, reason, present=present, pair=pair, divergence=divergence)
 
 
 def suspect_record(s: Suspect, verdict: str, reason: str, **measured) -> dict:
@@ -366,6 +398,8 @@ def suspect_record(s: Suspect, verdict: str, reason: str, **measured) -> dict:
         "reason": reason,
         "pair": None,
         "divergence": None,
+        "sufficiency": None,
+        "auto": s.id.startswith(AUTO_PREFIX),
         **measured,
     }
 
@@ -402,7 +436,11 @@ def _fix_configs(inv: _Investigation, ordered: list[Suspect], suspects_out: list
     """(name, config, removed suspect id) of every fix to replay: each present suspect's removal,
     and the candidate at twice its ``index_topk`` (unless that is the checkpoint's own top-k)."""
     by_id = {s.id: s for s in ordered}
-    cfgs = [(f"remove-{s['id']}", inv.removal(by_id[s["id"]]), s["id"]) for s in suspects_out if s["present"]]
+    cfgs = [
+        (f"remove-{file_slug(s['id'])}", inv.removal(by_id[s["id"]]), s["id"])
+        for s in suspects_out
+        if s["present"] and s["id"] in by_id and (by_id[s["id"]].patch or by_id[s["id"]].setting_fields)
+    ]
     cand = inv.candidate
     if 2 * k < int(inv.model.config.index_topk):
         cfgs.append((f"topk-{2 * k}", inv.Config(cand.setting.with_(index_topk=2 * k), cand.extra), None))
@@ -446,11 +484,19 @@ def _topk_run(recs: list[dict]) -> dict:
     }
 
 
-def write_verdicts(inv, symptom: dict, root, sig: dict, suspects_out: list[dict]) -> dict:
-    """Build, validate and write ``verdicts.json``; returns it."""
+def write_verdicts(inv, symptom: dict, root, sig: dict, suspects_out: list[dict], **extra) -> dict:
+    """Build, validate and write ``verdicts.json``; returns it. ``extra``: the keys beyond the
+    suspects (``differences``, ``residual``, ``localization``, ...; defaults when not given)."""
+    ids = {s["id"] for s in suspects_out}
+    diffs = [
+        d.to_json(next((s["verdict"] for s in suspects_out if s["id"] == d.suspect), None)) for d in inv.diffs
+    ]
     verdicts = {
         "symptom": symptom,
         "root_cause": root,
+        "root_causes": [
+            s["id"] for s in suspects_out if s["verdict"] == "implicated" and s.get("role") == "root cause"
+        ],
         "signature": sig,
         "suspects": [
             {
@@ -459,10 +505,25 @@ def write_verdicts(inv, symptom: dict, root, sig: dict, suspects_out: list[dict]
                 "verdict": s["verdict"],
                 "reason": s["reason"],
                 "evidence": inv.state.evidence(s["id"]),
+                **{k: s.get(k) for k in ("auto", "role", "necessary", "sufficient", "p_holm", "power")},
             }
             for s in suspects_out
         ],
+        "differences": diffs,
+        "unaccounted_differences": [d for d in diffs if not d["covered_by"] and (d["suspect"] in ids)],
+        "residual": None,
+        "localization": None,
+        "nonfinite_scores": {"counts": {}, "findings": []},
+        "multiplicity": {
+            "method": "holm",
+            "tests": sum(s.get("pair") is not None for s in suspects_out),
+            "alpha": 0.05,
+        },
+        **extra,
     }
+    if root is not None and root not in verdicts["root_causes"]:
+        verdicts["root_causes"].insert(0, root)
+    verdicts = relativize(verdicts, inv.path_map())
     validate_verdicts(verdicts)
     for s in suspects_out:
         inv.state.set_status(s["id"], s["verdict"], s["reason"])
@@ -518,35 +579,49 @@ def run_investigation(
             (c for c in inv.cases if c.case_id == case_id), max(inv.cases, key=lambda c: c.length)
         )
         explained = {"case_id": case_id, "why": why}
-    ordered = ledger.ordered_suspects()
     suspects_out = check_suspects(
-        inv, ordered, lambda s: inv.check_suspect(s, ref_records, cand_records, probe_case)
+        inv, inv.suspects, lambda s: inv.check_suspect(s, ref_records, cand_records, probe_case)
     )
     if inv.model is not None:
-        fixes, topk_runs = replay_fixes(inv, ordered, suspects_out, cand_records, explained)
+        fixes, topk_runs = replay_fixes(inv, inv.suspects, suspects_out, cand_records, explained)
     sig = signature(cand_records, topk_runs) if cand_records else NO_SIGNATURE
-    root = resolve_root_cause(suspects_out, sig["uninformative_ranking"])
+    decided = decide(suspects_out, symptom_loss(ref_records, cand_records), sig["uninformative_ranking"])
+    root = decided["root_cause"]
     for f in fixes:
         f["label_kind"] = classify_fix(
-            f["pair"], removes=f["removes"], root_cause=root, keeps_topk=f["keeps_topk"]
+            f["pair"],
+            removes=f["removes"],
+            root_cause=root_causes(suspects_out) or root,
+            keeps_topk=f["keeps_topk"],
         )
+    extra = {"multiplicity": decided["multiplicity"], "nonfinite_scores": nonfinite_summary(inv)}
+    if inv.model is not None:
+        extra["residual"], res_cfg, res_recs = residual(inv, suspects_out, ref_records, cand_records)
+        if extra["residual"]["loses"]:
+            extra["localization"] = localize_residual(inv, res_cfg, res_recs, ref_records)
+        extra["nonfinite_scores"] = nonfinite_summary(inv)
     symptom = _symptom(inv, ref_records, cand_records)
-    verdicts = write_verdicts(inv, symptom, root, sig, suspects_out)
+    verdicts = write_verdicts(inv, symptom, root, sig, suspects_out, **extra)
     atomic_write_json(
         inv.out / "investigation.json",
-        {
-            "route": "in-process",
-            "ledger": str(ledger.path),
-            "target": {"model": ledger.target.model, "device": ledger.target.device},
-            "symptom": symptom,
-            "configs": inv.configs,
-            "candidate_topk": cand_records[0]["index_topk"] if cand_records else None,
-            "suspects": suspects_out,
-            "fixes": fixes,
-            "explained": _explained_record(explained, ref_records, cand_records),
-            "verdicts": verdicts,
-        },
+        relativize(
+            {
+                "route": "in-process",
+                "ledger": ledger.path.name,
+                "target": {"model": ledger.target.model, "device": ledger.target.device},
+                "symptom": symptom,
+                "configs": inv.configs,
+                "candidate_topk": cand_records[0]["index_topk"] if cand_records else None,
+                "suspects": [{k: v for k, v in s.items() if k != "inputs"} for s in suspects_out],
+                "fixes": fixes,
+                "explained": _explained_record(explained, ref_records, cand_records),
+                "verdicts": verdicts,
+            },
+            inv.path_map(),
+        ),
     )
+    inv.state.data = relativize(inv.state.data, inv.path_map())
+    inv.state.save()
     progress("verdicts", 1, 1, "")
     return inv.out / "verdicts.json"
 
