@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from needlescope.cli.probe_options import PROBE_FLAGS, build, config_default, option_group
-from needlescope.report.bisect import residue_lines
+from needlescope.report.bisect import residue_lines, step_line
 from needlescope.run.bisect import BisectConfig, run_bisect
 from needlescope.run.config import ProbeConfig, parse_int_list
 from needlescope.run.difficulty import probe_with_difficulty
@@ -132,6 +132,8 @@ def _bisect_events(name: str, payload: dict) -> None:
         console.print(
             f"{payload['phase']}: {', '.join(map(str, payload['lengths']))} tokens ({payload['requests']} requests)"
         )
+    elif name == "bisect_evidence":
+        console.print(step_line(payload), highlight=False)
 
 
 def render_bisect(res: dict, out: Path) -> None:
