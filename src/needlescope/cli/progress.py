@@ -121,8 +121,8 @@ class ProgressView:
         fields = {"timing": escape("  ".join(t.timing(now))), "detail": escape(t.detail)}
         if t.bar_id is None:
             t.bar_id = self._bar.add_task(escape(t.label), total=t.total, completed=t.done, **fields)
-        else:
-            self._bar.update(t.bar_id, total=t.total, completed=t.done, **fields)
+        # Drawn now, not at the next tick: the numbers on screen are the ones just reported.
+        self._bar.update(t.bar_id, total=t.total, completed=t.done, refresh=True, **fields)
 
     def note(self, text: str) -> None:
         """A line of its own (above the bars on a terminal), printed as given, never as markup."""
