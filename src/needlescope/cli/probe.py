@@ -166,15 +166,10 @@ def render_bisect(res: dict, out: Path) -> None:
 
 
 def render_summary(summary: dict, out: Path) -> None:
-    eff = summary["effective_length"]
     console.print(f"kind [bold]{summary['kind']}[/]  model [bold]{summary['model']}[/]")
     console.print(f"needle values: {summary['value_digits']} digits, from {summary['value_digits_source']}")
-    console.print(
-        f"effective length: [bold]{eff if eff is not None else 'none'}[/] (threshold {summary['threshold']})"
-    )
-    if summary.get("cliff"):
-        c = summary["cliff"]
-        console.print(f"cliff: {c['from']} -> {c['to']} tokens, recall drops {c['drop']:.2f}")
+    for line in summary["headline"]:
+        console.print(line, style="bold", markup=False, highlight=False, soft_wrap=True)
     errors = sum(cell["errors"] for cell in summary["cells"])
     if errors:
         console.print(f"[yellow]{errors} requests failed and were counted as errors, not misses[/]")

@@ -16,7 +16,7 @@ from pathlib import Path
 from needlescope.analysis import cells_from_results
 from needlescope.analysis.endpoints import check_same_models, endpoint_breakdown
 from needlescope.analysis.margins import group_margins
-from needlescope.analysis.taxonomy import classify, summarize_failures
+from needlescope.analysis.taxonomy import CaseIndex, classify, summarize_failures
 from needlescope.cases import CaseSpec, build_cases, order_for_prefix_cache, score_answer
 from needlescope.cases.needles import VALUE_DIGITS
 from needlescope.errors import BadInput
@@ -294,14 +294,6 @@ def _finish(cfg: ProbeConfig, store: ResultStore, case_dicts: list[dict], admiss
             "counted_length": case["counted_length"],
             "expected": case["expected"],
         }
-        if row["status"] == "ok" and not row.get("correct"):
-            row["failure"] = classify(
-                answer=row.get("answer"),
-                expected=case["expected"],
-                finish_reason=row.get("finish_reason"),
-                reasoning=row.get("reasoning"),
-                messages=case["messages"],
-            ).to_dict()
         rows.append(row)
         reported = r.get("prompt_tokens")
         if case["counted_length"] != case["length"]:
@@ -313,6 +305,7 @@ def _finish(cfg: ProbeConfig, store: ResultStore, case_dicts: list[dict], admiss
             notes.append(
                 f"{case['case_id']}: counted {case['counted_length']} tokens but the server reported usage.prompt_tokens={reported}"
             )
+    _classify_misses(rows, by_id)
     graded = _graded_section(cfg, store, rows)
     # A case that missed its length measures some other length: keep it out of the analysis.
     grid = [(c["length"], c["depth"]) for c in case_dicts]
@@ -345,6 +338,22 @@ def _finish(cfg: ProbeConfig, store: ResultStore, case_dicts: list[dict], admiss
         graded=graded,
         difficulty=store.get_meta("difficulty"),
     )
+
+
+def _classify_misses(rows: list[dict], by_id: dict[str, dict]) -> None:
+    """Attach each miss's failure class; an answer can be another case's value, so every row is
+    indexed first (errored cases too: they were sent)."""
+    index = CaseIndex(rows)
+    for row in rows:
+        if row["status"] == "ok" and not row.get("correct"):
+            row["failure"] = classify(
+                answer=row.get("answer"),
+                expected=row["expected"],
+                finish_reason=row.get("finish_reason"),
+                reasoning=row.get("reasoning"),
+                messages=by_id[row["case_id"]]["messages"],
+                other_case=lambda value, row=row: index.source(row, value),
+            ).to_dict()
 
 
 def _graded_section(cfg: ProbeConfig, store: ResultStore, rows: list[dict]) -> dict | None:
