@@ -353,7 +353,9 @@ def test_health_reports_each_check_and_exits_by_verdict(scripted_server):
     check_schema(report, HEALTH_SCHEMA, "health")
     assert [c["status"] for c in report["checks"]] == ["ok", "warn", "fail"]
     assert report["checks"][2]["detail"] == "missed the needle at 600 tokens, depth 0%, a 7-digit value"
-    assert report["value_digits"] == 7 and "advertises no trained_value_digits" in report["value_digits_source"]
+    assert (
+        report["value_digits"] == 7 and "advertises no trained_value_digits" in report["value_digits_source"]
+    )
 
     dead = f"http://127.0.0.1:{free_port()}"
     down = health("--base-url", dead, "--json")
