@@ -137,7 +137,7 @@ def _record(target: CompletionsTarget, p: dict, source: str, toks: list | None, 
 
 
 def _header(cfg: OracleConfig, target: CompletionsTarget, pset: PromptSet, source: str) -> dict:
-    prov = collect_provenance(target.root, target.v1, api_key=cfg.api_key)
+    prov = collect_provenance(target.root, target.v1, api_key=cfg.api_key, timeout=min(cfg.timeout_s, 5.0))
     return {
         "kind": "needlescope-oracle-export",
         "model": target.model,

@@ -112,7 +112,7 @@ def _read_haystack(path: Path) -> str:
 
 
 def _new_store(cfg: ProbeConfig, root: str, v1: str, assumed: list[str], on_event: Event) -> ResultStore:
-    provenance = collect_provenance(root, v1, api_key=cfg.api_key)
+    provenance = collect_provenance(root, v1, api_key=cfg.api_key, timeout=min(cfg.timeout_s, 5.0))
     digits, source = _value_digits(cfg, provenance)
     haystack = _read_haystack(cfg.haystack_file) if cfg.haystack_file else None
     spec = CaseSpec(
