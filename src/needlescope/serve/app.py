@@ -10,6 +10,7 @@ counts requests and checks the API key and the body size.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from contextlib import asynccontextmanager
 
@@ -17,6 +18,12 @@ import uvicorn
 from fastapi import FastAPI
 
 from needlescope import __version__
+from needlescope.serve.connections import (
+    ACCEPT_BACKLOG,
+    ConnectionLimits,
+    guarded_protocol,
+    quiet_accept_errors,
+)
 from needlescope.serve.engine import Engine
 from needlescope.serve.middleware import CountRequests, LimitBody, RequireApiKey
 from needlescope.serve.routes import include_routes
@@ -75,6 +82,7 @@ class _Server(uvicorn.Server):
         self._on_ready = on_ready
 
     async def startup(self, sockets=None) -> None:
+        quiet_accept_errors(asyncio.get_running_loop())
         await super().startup(sockets=sockets)
         if self.started and self._on_ready is not None:
             host, port = self.servers[0].sockets[0].getsockname()[:2]
@@ -84,10 +92,15 @@ class _Server(uvicorn.Server):
 def run_server(engine: Engine, on_ready: Callable[[str, int], None] | None = None) -> None:
     """Serve ``engine`` until SIGINT/SIGTERM; ``on_ready(host, port)`` runs once it listens."""
     app = create_app(engine)
+    cfg = engine.cfg
+    limits = ConnectionLimits.for_server(cfg.max_connections, cfg.header_timeout_s, cfg.body_timeout_s)
     config = uvicorn.Config(
         app,
-        host=engine.cfg.host,
-        port=engine.cfg.port,
+        host=cfg.host,
+        port=cfg.port,
+        http=guarded_protocol(limits),
+        backlog=ACCEPT_BACKLOG,
+        timeout_keep_alive=5,
         log_level="warning",
         access_log=False,
         timeout_graceful_shutdown=5,
