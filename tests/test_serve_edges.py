@@ -107,3 +107,158 @@ def test_trickled_head_is_closed_at_the_deadline(server):
     if closed_after is None:
         closed_after = time.monotonic() - start
     assert closed_after < HEADER_TIMEOUT + 3, f"the trickling connection stayed open {closed_after:.1f}s"
+
+
+# ---- many tiny messages, the tokenizer's queue ------------------------------------------------
+
+
+def test_many_tiny_messages_refused_before_rendering(server):
+    """100,000 empty messages (no characters for the length check to see): refused from their
+    count (400 context_length_exceeded that names the messages), not rendered and tokenised first
+    as before."""
+    messages = [{"role": "user", "content": ""}] * 100_000
+    resp = httpx.post(
+        server.url + "/v1/chat/completions",
+        json={"model": NAME, "messages": messages, "max_tokens": 1},
+        timeout=60,
+    )
+    assert resp.status_code == 400, resp.text[:300]
+    err = resp.json()["error"]
+    assert err["code"] == "context_length_exceeded" and "100000 messages" in err["message"], err
+
+
+def _tokens(ckpt: Path, max_pending: int):
+    from transformers import AutoTokenizer
+
+    from needlescope.serve.tokens import Tokens
+
+    return Tokens(AutoTokenizer.from_pretrained(ckpt), 512, max_pending=max_pending)
+
+
+def test_tokenizer_queue_is_bounded(ckpt):
+    """Calls beyond the tokenizer's queue are refused at once with Overloaded (HTTP 503)."""
+    import asyncio
+
+    from needlescope.serve.errors import Overloaded
+
+    tokens = _tokens(ckpt, max_pending=2)
+
+    async def go():
+        calls = [tokens.text_ids("the river ran " * 100) for _ in range(5)]
+        return await asyncio.gather(*calls, return_exceptions=True)
+
+    try:
+        results = asyncio.run(go())
+    finally:
+        tokens.close()
+    refused = [r for r in results if isinstance(r, Overloaded)]
+    assert len(refused) == 3 and all(isinstance(r, list) for r in results[:2]), results
+
+
+# ---- Retry-After, SIGTERM ------------------------------------------------------------------------
+
+
+def test_retry_after_is_the_measured_queue_wait():
+    from needlescope.serve.admission import Admission
+    from needlescope.serve.errors import Overloaded
+    from needlescope.serve.routes.errors import Names, to_api_error
+
+    adm: Admission[str] = Admission(1, 1)
+    adm.submit("a")
+    time.sleep(1.6)
+    assert adm.take_batch(key=lambda _x: None) == ["a"]
+    adm.submit("b")
+    with pytest.raises(Overloaded) as info:
+        adm.submit("c")
+    assert info.value.retry_after_s == 2
+    assert to_api_error(info.value, Names()).headers["Retry-After"] == "2"
+
+
+def test_sigterm_answers_waiting_requests(ckpt):
+    """SIGTERM with requests waiting: each waiting one gets 503 shutting_down, none is dropped
+    without an answer (before: their connections were closed with nothing sent)."""
+    import concurrent.futures as cf
+    import signal
+
+    argv = _serve_argv(ckpt, "--max-running-requests", "1", "--max-queued-requests", "16")
+    with ChildServer(argv, health_path="/health") as srv:
+        body = {"model": NAME, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 60}
+        body["ignore_eos"] = True
+
+        def send(i: int):
+            try:
+                return httpx.post(
+                    srv.url + "/v1/chat/completions", json={**body, "seed": i}, timeout=60
+                ).status_code
+            except httpx.HTTPError as e:
+                return type(e).__name__
+
+        with cf.ThreadPoolExecutor(8) as pool:
+            futures = [pool.submit(send, i) for i in range(8)]
+            time.sleep(1.0)
+            srv.proc.send_signal(signal.SIGTERM)
+            codes = [f.result() for f in futures]
+        srv.proc.wait(timeout=30)
+    assert all(c in (200, 503) for c in codes), codes
+    assert 503 in codes, codes
+
+
+# ---- peers: /detokenize, continue_final_message, logit_bias keys -----------------------------------
+
+
+def test_detokenize_keeps_special_tokens_unless_asked(server):
+    ids = httpx.post(
+        server.url + "/tokenize",
+        json={"model": NAME, "messages": [{"role": "user", "content": "hi there"}]},
+        timeout=30,
+    ).json()["tokens"]
+    kept = httpx.post(server.url + "/detokenize", json={"model": NAME, "tokens": ids}, timeout=30).json()
+    skipped = httpx.post(
+        server.url + "/detokenize",
+        json={"model": NAME, "tokens": ids, "skip_special_tokens": True},
+        timeout=30,
+    ).json()
+    assert kept["prompt"] != skipped["prompt"] and len(kept["prompt"]) > len(skipped["prompt"])
+    again = httpx.post(
+        server.url + "/tokenize",
+        json={"model": NAME, "prompt": kept["prompt"], "add_special_tokens": False},
+        timeout=30,
+    )
+    assert again.json()["tokens"] == ids
+
+
+def test_continue_final_message_leaves_the_last_turn_open(server):
+    messages = [{"role": "user", "content": "hi there"}, {"role": "assistant", "content": "the river"}]
+
+    def count(**kw) -> httpx.Response:
+        return httpx.post(
+            server.url + "/tokenize", json={"model": NAME, "messages": messages, **kw}, timeout=30
+        )
+
+    closed = count(add_generation_prompt=False).json()["count"]
+    open_ = count(add_generation_prompt=False, continue_final_message=True).json()["count"]
+    assert open_ < closed
+    both = count(add_generation_prompt=True, continue_final_message=True)
+    assert both.status_code == 400 and "continue_final_message" in both.text
+    chat = httpx.post(
+        server.url + "/v1/chat/completions",
+        json={"model": NAME, "messages": messages, "max_tokens": 1, "add_generation_prompt": False,
+              "continue_final_message": True},
+        timeout=60,
+    )  # fmt: skip
+    assert chat.status_code == 200 and chat.json()["usage"]["prompt_tokens"] == open_
+
+
+@pytest.mark.parametrize("key", [" 5", "+5", "٣", "5_0", "-1"])
+def test_logit_bias_keys_must_be_ascii_token_ids(server, key):
+    resp = httpx.post(
+        server.url + "/v1/chat/completions",
+        json={
+            "model": NAME,
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 1,
+            "logit_bias": {key: 1},
+        },
+        timeout=60,
+    )
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "logit_bias", resp.text

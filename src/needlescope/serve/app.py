@@ -75,14 +75,27 @@ def _openapi_without_422(app: FastAPI) -> None:
 
 
 class _Server(uvicorn.Server):
-    """uvicorn server that reports its bound port once it is listening."""
+    """uvicorn server that reports its bound port once it is listening, and on SIGTERM/SIGINT
+    answers the requests still waiting for the engine 503 before the graceful window closes."""
 
-    def __init__(self, config: uvicorn.Config, on_ready: Callable[[str, int], None] | None) -> None:
+    def __init__(
+        self, config: uvicorn.Config, engine: Engine, on_ready: Callable[[str, int], None] | None
+    ) -> None:
         super().__init__(config)
+        self._engine = engine
         self._on_ready = on_ready
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def handle_exit(self, sig, frame) -> None:
+        # A signal handler may interrupt the loop thread inside admission's lock: drain from the
+        # loop's next turn instead of here.
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._engine.drain)
+        super().handle_exit(sig, frame)
 
     async def startup(self, sockets=None) -> None:
-        quiet_accept_errors(asyncio.get_running_loop())
+        self._loop = asyncio.get_running_loop()
+        quiet_accept_errors(self._loop)
         await super().startup(sockets=sockets)
         if self.started and self._on_ready is not None:
             host, port = self.servers[0].sockets[0].getsockname()[:2]
@@ -106,4 +119,4 @@ def run_server(engine: Engine, on_ready: Callable[[str, int], None] | None = Non
         timeout_graceful_shutdown=5,
         lifespan="on",
     )
-    _Server(config, on_ready).run()
+    _Server(config, engine, on_ready).run()
