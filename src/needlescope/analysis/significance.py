@@ -9,6 +9,8 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from .stats import binomial_tail
+
 __all__ = [
     "holm",
     "fisher_exact",
@@ -131,7 +133,7 @@ def mcnemar_power(n: int, drop: float, alpha: float) -> float:
     if k_min > n:
         return 0.0
     drop = min(1.0, drop)
-    return sum(math.comb(n, k) * drop**k * (1 - drop) ** (n - k) for k in range(k_min, n + 1))
+    return binomial_tail(k_min, n, drop)
 
 
 @dataclass(frozen=True)
@@ -145,6 +147,15 @@ class GroupTest:
     rest_recall: float | None
     p_value: float
     p_holm: float
+
+    def worse(self, alpha: float) -> bool:
+        """Whether this group's recall is below the rest's, Holm-corrected p < ``alpha``."""
+        return (
+            self.p_holm < alpha
+            and self.recall is not None
+            and self.rest_recall is not None
+            and self.recall < self.rest_recall
+        )
 
 
 def groups_vs_rest(outcomes: Iterable[tuple[str, bool]]) -> list[GroupTest]:

@@ -43,6 +43,9 @@ class ChatResult:
     base_url: str
     replica: str | None = None
     """The replica a router says served the request (a header or body field), if it says."""
+    connection: str | None = None
+    """The client end (``host:port``) of the TCP connection that carried the answered attempt: two
+    requests with the same value in one run went over the same kept-alive connection."""
 
 
 def _retry_after(resp: httpx.Response) -> float | None:
@@ -72,6 +75,13 @@ def _error_message(resp: httpx.Response) -> str:
 # Headers and body fields in which routers and servers name the replica that answered.
 _REPLICA_HEADERS = ("x-replica-id", "x-replica", "x-served-by", "x-worker-id", "x-backend-server")
 _REPLICA_FIELDS = ("replica", "replica_id", "worker_id")
+
+
+def _connection(resp: httpx.Response) -> str | None:
+    stream = resp.extensions.get("network_stream")
+    # A test transport has no socket; a closed one may refuse to say.
+    addr = stream.get_extra_info("client_addr") if stream is not None else None
+    return f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) and len(addr) >= 2 else None
 
 
 def _replica(resp: httpx.Response, body: Any) -> str | None:
@@ -334,6 +344,7 @@ def _result(resp: httpx.Response, url: str, v1: str, start: float, attempts: int
         attempts=attempts,
         base_url=v1,
         replica=_replica(resp, body),
+        connection=_connection(resp),
     )
 
 
