@@ -307,7 +307,7 @@ def run_bisect(cfg: ProbeConfig, bis: BisectConfig, on_event: Event | None = Non
     check_out(cfg.out, cfg.resume)
     for root, _v1 in roots:
         preflight(root, cfg.model, api_key=cfg.api_key)
-    provenance = collect_provenance(*roots[0], api_key=cfg.api_key)
+    provenance = collect_provenance(*roots[0], api_key=cfg.api_key, timeout=min(cfg.timeout_s, 5.0))
     limits = read_limits(provenance, cfg.model)
     cfg = fit_to_target(cfg, limits, on_event)
     _check_range(cfg.lengths)
