@@ -1,11 +1,10 @@
 """Pure rules of issues 24 and 28: co-factors, capacity, the residual, power behind a negative
-verdict, Holm, absent suspects, c > b, the SMALL_EFFECT boundary, two root causes, differences."""
+verdict, Holm, absent suspects, c > b, the SMALL_EFFECT boundary, two root causes (a collapse before capacity: tests/test_signature.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from needlescope.investigate.signature import collapse_runs, tracks_topk
 from needlescope.investigate.verdicts import (
     SMALL_EFFECT,
     cases_needed,
@@ -56,7 +55,9 @@ def test_capacity_is_a_root_cause_only_when_sufficient_on_its_own():
     # top-k alone necessary and not sufficient, nothing else implicated: a co-factor, no root cause
     alone = _s("index_topk", 19, topk=True, sufficient=False)
     assert resolve_root_cause([alone], signature_fires=False) is None
-    assert alone["role"] == "co-factor" and alone["verdict"] == "implicated" and "workaround" in alone["reason"]
+    assert (
+        alone["role"] == "co-factor" and alone["verdict"] == "implicated" and "workaround" in alone["reason"]
+    )
     # top-k that costs recall on its own is a root cause
     real = _s("index_topk", 7, topk=True, sufficient=True)
     assert resolve_root_cause([real], signature_fires=False) == "index_topk"
@@ -135,13 +136,3 @@ def test_residual():
     assert loses["loses"] and loses["text"].startswith("unexplained residual: recall 0.55 vs 1.00")
     fine = residual_verdict(_pair(0, 0), [])
     assert not fine["loses"] and "whole candidate" in fine["text"]
-
-
-def test_a_collapse_before_capacity_is_not_consistent():
-    runs = [
-        {"index_topk": 64, "compress_ratio": 4, "recall": {"128": 1.0, "192": 0.2, "512": 0.1}},
-        {"index_topk": 128, "compress_ratio": 4, "recall": {"128": 1.0, "192": 1.0, "512": 1.0, "1024": 0.2}},
-    ]
-    out = collapse_runs(runs)
-    assert out[0]["consistent"] is False  # fell at 192 <= 256 tokens of capacity
-    assert not tracks_topk(out)

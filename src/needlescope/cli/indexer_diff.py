@@ -14,6 +14,7 @@ from rich.markup import escape
 
 from needlescope.cli import setting_options as opt
 from needlescope.cli.indexer import indexer_app
+from needlescope.cli.progress import ProgressView
 from needlescope.errors import BadInput
 from needlescope.investigate.capture import CaptureConfig
 from needlescope.paths import check_out_dir
@@ -32,17 +33,18 @@ def _write(out: Path, name: str, text: str) -> Path:
     return path
 
 
+_INPUT_IDS_HELP = (
+    "Instead of --prompt/--needle: a JSON file {'input_ids': [...], 'needle_token_span': [start, end]} "
+    "(what 'investigate run' writes to localize/input_ids.json); the last id is the analysed query."
+)
+
+
 @indexer_app.command("diff")
 def diff_command(
     model: str = typer.Option(..., "--model", help="Checkpoint directory or 'organism' (DeepSeek-V4)."),
     prompt: Path = typer.Option(None, "--prompt", help="Prompt file: plain text or a JSON messages list."),
     needle: str = typer.Option(None, "--needle", help="The needle's text, as it appears in the prompt."),
-    input_ids: Path = typer.Option(
-        None,
-        "--input-ids",
-        help="Instead of --prompt/--needle: a JSON file {'input_ids': [...], 'needle_token_span': [start, end]} "
-        "(what 'investigate run' writes to localize/input_ids.json); the last id is the analysed query.",
-    ),
+    input_ids: Path = typer.Option(None, "--input-ids", help=_INPUT_IDS_HELP),
     extra_patch: list[str] = typer.Option(
         None, "--extra-patch", help="A model-level patch file the candidate also carries (repeatable)."
     ),
@@ -84,23 +86,16 @@ def diff_command(
     check_out_dir(out)
     # The needle is checked with the tokenizer alone, before the (slower) model loads.
     token_ids, span = _diff_input(path, prompt, needle, input_ids)
-    setting = opt.with_patch(setting, patch)  # resolved last; it runs when the candidate is first patched
-    extras = tuple(PatchRef.resolve(p) for p in extra_patch or ())
+    # Patches resolved last (never executed here); they run when the candidate is first patched.
+    setting, extras = opt.with_patch(setting, patch), tuple(PatchRef.resolve(p) for p in extra_patch or ())
     reference, tokenizer, _ = load_bundle(path)
     candidate, _, _ = load_bundle(path)
     if input_ids is None and render_prompt(tokenizer, read_prompt_file(prompt)).input_ids != token_ids:
         raise BadInput(f"the tokenizer of {str(path)!r} renders the prompt differently when loaded twice")
     ids = torch.tensor([token_ids])
-    result = localize(
-        reference,
-        candidate,
-        ids,
-        setting=setting,
-        needle_span=span,
-        growth=growth,
-        allow=allowed,
-        extra_patches=extras,
-    )
+    with ProgressView(console) as view:
+        shown = lambda task, done, total, what: view(f"diff: {task}", done, total, what)  # noqa: E731
+        result = localize(reference, candidate, ids, setting=setting, needle_span=span, growth=growth, allow=allowed, extra_patches=extras, progress=shown)  # fmt: skip
     validate_diff(result)
     _write(out, "diff.json", diff_to_json(result))
     _write(out, "diff.md", render_diff_md(result))
@@ -142,7 +137,9 @@ def _diff_input(path: Path, prompt, needle, input_ids) -> tuple[list[int], tuple
                 f"and 'needle_token_span' ([start, end]); {type(exc).__name__}: {exc}"
             ) from None
         if not ids or not 0 <= a < b <= len(ids):
-            raise BadInput(f"--input-ids {str(input_ids)!r}: the needle span {span} lies outside its {len(ids)} ids")
+            raise BadInput(
+                f"--input-ids {str(input_ids)!r}: the needle span {span} lies outside its {len(ids)} ids"
+            )
         return ids, (a, b)
     if prompt is None or needle is None:
         raise BadInput("give --prompt FILE and --needle TEXT (or --input-ids FILE)")

@@ -14,7 +14,10 @@ indexer's non-finite scores.
 
 from __future__ import annotations
 
-__all__ = ["relativize", "nonfinite_summary", "NONFINITE_KEYS"]
+from needlescope.investigate.verdicts import validate_verdicts
+from needlescope.paths import atomic_write_json
+
+__all__ = ["relativize", "nonfinite_summary", "write_verdicts", "NONFINITE_KEYS"]
 
 NONFINITE_KEYS = ("neg_inf", "nan", "pos_inf")
 
@@ -60,3 +63,50 @@ def nonfinite_summary(inv) -> dict:
                         }
                     )
     return {"counts": counts, "findings": findings}
+
+
+def write_verdicts(inv, symptom: dict, root, sig: dict, suspects_out: list[dict], **extra) -> dict:
+    """Build, validate and write ``verdicts.json``; returns it. ``extra``: the keys beyond the
+    suspects (``differences``, ``residual``, ``localization``, ...; defaults when not given)."""
+    ids = {s["id"] for s in suspects_out}
+    diffs = [
+        d.to_json(next((s["verdict"] for s in suspects_out if s["id"] == d.suspect), None)) for d in inv.diffs
+    ]
+    verdicts = {
+        "symptom": symptom,
+        "root_cause": root,
+        "root_causes": [
+            s["id"] for s in suspects_out if s["verdict"] == "implicated" and s.get("role") == "root cause"
+        ],
+        "signature": sig,
+        "suspects": [
+            {
+                "id": s["id"],
+                "tier": s["tier"],
+                "verdict": s["verdict"],
+                "reason": s["reason"],
+                "evidence": inv.state.evidence(s["id"]),
+                **{k: s.get(k) for k in ("auto", "role", "necessary", "sufficient", "p_holm", "power")},
+            }
+            for s in suspects_out
+        ],
+        "differences": diffs,
+        "unaccounted_differences": [d for d in diffs if not d["covered_by"] and (d["suspect"] in ids)],
+        "residual": None,
+        "localization": None,
+        "nonfinite_scores": {"counts": {}, "findings": []},
+        "multiplicity": {
+            "method": "holm",
+            "tests": sum(s.get("pair") is not None for s in suspects_out),
+            "alpha": 0.05,
+        },
+        **extra,
+    }
+    if root is not None and root not in verdicts["root_causes"]:
+        verdicts["root_causes"].insert(0, root)
+    verdicts = relativize(verdicts, inv.path_map())
+    validate_verdicts(verdicts)
+    for s in suspects_out:
+        inv.state.set_status(s["id"], s["verdict"], s["reason"])
+    atomic_write_json(inv.out / "verdicts.json", verdicts)
+    return verdicts

@@ -44,6 +44,8 @@ __all__ = [
     "auto_suspects",
     "read_env_file",
     "file_slug",
+    "present_in",
+    "presence_check",
 ]
 
 SETTING_FIELDS = ("index_k", "index_q", "score_dtype", "index_topk", "hadamard")
@@ -247,3 +249,44 @@ def auto_suspects(diffs: list[Difference], ledger: Ledger) -> list[Suspect]:
             )
         )
     return out
+
+
+def present_in(s: Suspect, cand: Setting, extra, ref: Setting) -> bool:
+    if s.id.startswith(AUTO_PREFIX) and s.patch is None and not s.setting_fields:
+        return True  # an environment or server difference: present by construction
+    """Whether suspect ``s`` is in the candidate (its patch carried, or its field values set and
+    differing from the reference's); an automatic environment or server suspect always is."""
+    if s.patch is not None:
+        specs = {p.path for p in extra} | ({cand.patch.path} if cand.patch else set())
+        return s.patch.path in specs
+    return all(getattr(cand, f) == v for f, v in s.setting_fields) and any(
+        getattr(ref, f) != v for f, v in s.setting_fields
+    )
+
+
+def _shown(spec: str, base: Path | None) -> str:
+    """A patch spec as the ledger wrote it: file paths relative to the ledger's directory."""
+    return spec if base is None else shown(spec, base)
+
+
+def presence_check(s: Suspect, cand: Setting, extra, ref: Setting, base: Path | None = None) -> str:
+    """What the configuration check found: why ``s`` is (or is not) in the candidate, in words
+    (``base``: the ledger's directory, to show patch files as the ledger names them)."""
+    if s.patch is not None:
+        carried = [_shown(p.spec, base) for p in extra] + (
+            [_shown(cand.patch.spec, base)] if cand.patch else []
+        )
+        where = ", ".join(carried) if carried else "none"
+        verb = "is" if present_in(s, cand, extra, ref) else "is not"
+        return (
+            f"source check: patch {_shown(s.patch.spec, base)} {verb} among the candidate's patches ({where})"
+        )
+    parts = []
+    for f, v in s.setting_fields:
+        if getattr(cand, f) != v:
+            parts.append(f"candidate {f}={getattr(cand, f)}, the suspect is {f}={v}")
+        elif getattr(ref, f) == v:
+            parts.append(f"the reference already has {f}={v}")
+        else:
+            parts.append(f"candidate {f}={v}, reference {f}={getattr(ref, f)}")
+    return "config check: " + "; ".join(parts)

@@ -11,8 +11,8 @@ tokens before that one):
   ``index_topk``) and a second copy of the checkpoint carrying the residual candidate's setting
   and extra patches: the first module whose own error exceeds its budget, its class and layer,
   and per CSA layer the selections compared (overlap, needle entries kept);
-* **decode** (``investigate.decode_path``, when present): the same ids the way a server runs
-  them, the prompt prefilled into the cache and the answer tokens decoded one at a time.
+* **decode** (``investigate.decode_path``): the same ids the way a server runs them, the prompt
+  prefilled into the cache and the answer tokens decoded one at a time.
 
 ``verdicts.json`` ``localization`` (schema ``verdicts._LOCALIZATION``) names the path that
 diverges first ("decode only" when the teacher-forced prefill finds nothing and the decode path
@@ -121,7 +121,7 @@ def localize_residual(inv, cfg, res_recs: list[dict], ref_records: list[dict]) -
     tensor = torch.tensor([ids], device=device)
     twin = load_bundle(inv.model_dir, device=inv.ledger.target.device)[0]
     ref_setting = inv.reference.setting.with_(index_topk=rec["index_topk"])
-    inv.progress("localize", 0, 1, rec["case_id"])
+    inv.progress("localize", 0, 2, rec["case_id"])
     diff = localize(
         inv.model,
         twin,
@@ -131,10 +131,15 @@ def localize_residual(inv, cfg, res_recs: list[dict], ref_records: list[dict]) -
         needle_span=needle_token_span(prompt, case.needle),
         extra_patches=cfg.extra,
     )
-    paths = [prefill_path(diff)]
+    from needlescope.investigate.decode_path import decode_path
+
+    inv.progress("localize", 1, 2, "decode path")
+    paths = [prefill_path(diff), decode_path(inv, twin, cfg, ref_setting, prompt.input_ids, answer, rec)]
     (inv.out / "localize").mkdir(exist_ok=True)
     span = needle_token_span(prompt, case.needle)
-    atomic_write_json(inv.out / "localize" / "input_ids.json", {"input_ids": ids, "needle_token_span": list(span)})
+    atomic_write_json(
+        inv.out / "localize" / "input_ids.json", {"input_ids": ids, "needle_token_span": list(span)}
+    )
     out = {
         "case_id": rec["case_id"],
         "config": cfg.label(),
@@ -145,7 +150,7 @@ def localize_residual(inv, cfg, res_recs: list[dict], ref_records: list[dict]) -
         "command": _command(inv, cfg, "localize/input_ids.json"),
     }
     inv.state.mark_done("localization", out)
-    inv.progress("localize", 1, 1, rec["case_id"])
+    inv.progress("localize", 2, 2, rec["case_id"])
     return out
 
 

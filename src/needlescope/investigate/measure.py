@@ -14,6 +14,8 @@ one record (``CASE_RECORD_KEYS``)::
      "compress_ratio": int,
      "layers": [{"layer": int, "query_pos": int, "visible": int, "needle_visible": int,
                  "needle_selected": int, "best_rank": int, "selected": bool}],
+     "first_token_layers": [the same, at the first answer token],
+     "output_ids": [int],
      "nonfinite": {layer: {"neg_inf": int, "nan": int, "pos_inf": int, "first_position": int | None}}}
 
 ``nonfinite`` maps a CSA layer (str) to the counts of non-finite indexer scores over the visible
@@ -26,7 +28,8 @@ and ``+inf`` first in ``best_rank`` (``rank_scores``); both are findings the rep
 token with the expected value, digits and words as the tokenizer splits them); the first
 answer token when the answer is right (``analysed_source = "first answer token (answer
 correct)"``) or empty (``"first answer token (answer empty)"``). A layer that cannot see any
-needle entry at that position is left out.
+needle entry at that position is left out. ``first_token_layers`` holds the same at the first
+answer token whatever the outcome (the signature's outcome-blind population).
 """
 
 from __future__ import annotations
@@ -221,12 +224,8 @@ def nonfinite_counts(capture: IndexerCapture, layer: int, b: int, ratio: int) ->
     return {"neg_inf": neg, "nan": nan, "pos_inf": pos, "first_position": first}
 
 
-def _record(case, prompt, tokens: list[int], tokenizer, capture, layers, b: int, k: int, ratio: int) -> dict:
-    P = len(prompt.input_ids)
-    a = analyse_answer(tokens, tokenizer, case.expected)
-    tok_i = a["analysed_token"]
-    t = P - 1 + tok_i
-    entries = covering_entries(needle_token_span(prompt, case.needle), ratio=ratio, overlap=True)
+def _layer_ranks(capture, layers, b: int, t: int, entries, k: int, ratio: int) -> list[dict]:
+    """The needle's rank in every CSA layer at query position ``t`` (layers seeing no needle entry left out)."""
     recs = []
     for layer in layers:
         score_pos, score_rows = capture.score_rows(layer, b)
@@ -250,6 +249,16 @@ def _record(case, prompt, tokens: list[int], tokenizer, capture, layers, b: int,
                 "selected": n_sel > 0,
             }
         )
+    return recs
+
+
+def _record(case, prompt, tokens: list[int], tokenizer, capture, layers, b: int, k: int, ratio: int) -> dict:
+    P = len(prompt.input_ids)
+    a = analyse_answer(tokens, tokenizer, case.expected)
+    tok_i = a["analysed_token"]
+    entries = covering_entries(needle_token_span(prompt, case.needle), ratio=ratio, overlap=True)
+    recs = _layer_ranks(capture, layers, b, P - 1 + tok_i, entries, k, ratio)
+    first = recs if tok_i == 0 else _layer_ranks(capture, layers, b, P - 1, entries, k, ratio)
     return {
         "case_id": case.case_id,
         "length": case.length,
@@ -258,13 +267,14 @@ def _record(case, prompt, tokens: list[int], tokenizer, capture, layers, b: int,
         "prompt_tokens": P,
         "expected": list(case.expected),
         "answer": a["answer"],
-        "output_ids": a["generated"],
         "correct": a["correct"],
         "analysed_token": tok_i,
         "analysed_source": a["analysed_source"],
         "index_topk": k,
         "compress_ratio": ratio,
         "layers": recs,
+        "first_token_layers": first,
+        "output_ids": a["generated"],
         "nonfinite": {
             str(layer): c for layer in layers if (c := nonfinite_counts(capture, layer, b, ratio)) is not None
         },

@@ -34,13 +34,20 @@ from collections.abc import Callable
 from pathlib import Path
 
 from needlescope.errors import BadInput
-from needlescope.investigate.artifacts import nonfinite_summary, relativize
+from needlescope.investigate.artifacts import nonfinite_summary, relativize, write_verdicts
 from needlescope.investigate.causal import decide, residual, sufficiency, symptom_loss
-from needlescope.investigate.differences import AUTO_PREFIX, auto_suspects, differences, file_slug, shown
+from needlescope.investigate.differences import (
+    AUTO_PREFIX,
+    auto_suspects,
+    differences,
+    file_slug,
+    presence_check,
+    present_in,
+)
 from needlescope.investigate.ledger import Ledger, Suspect, load_ledger
 from needlescope.investigate.localize import localize_residual
 from needlescope.investigate.questions import QuestionContext, answer
-from needlescope.investigate.signature import signature
+from needlescope.investigate.signature import NO_SIGNATURE, signature
 from needlescope.investigate.state import RunState
 from needlescope.investigate.verdicts import (
     DIVERGE_REL,
@@ -49,10 +56,8 @@ from needlescope.investigate.verdicts import (
     paired,
     root_causes,
     suspect_verdict,
-    validate_verdicts,
 )
 from needlescope.paths import atomic_write_json
-from needlescope.setting import Setting
 
 __all__ = ["run_investigation", "INVESTIGATION_KEYS", "PHASES"]
 
@@ -61,17 +66,6 @@ BATCH = 8
 PHASES = ("questions", "symptom", "checks", "fixes", "verdicts")
 INVESTIGATION_KEYS = ("ledger", "target", "symptom", "configs", "suspects", "fixes", "explained", "verdicts")
 Progress = Callable[[str, int, int, str], None]
-
-
-def _present(s: Suspect, cand: Setting, extra, ref: Setting) -> bool:
-    if s.id.startswith(AUTO_PREFIX) and s.patch is None and not s.setting_fields:
-        return True  # an environment or server difference: present by construction
-    if s.patch is not None:
-        specs = {p.path for p in extra} | ({cand.patch.path} if cand.patch else set())
-        return s.patch.path in specs
-    return all(getattr(cand, f) == v for f, v in s.setting_fields) and any(
-        getattr(ref, f) != v for f, v in s.setting_fields
-    )
 
 
 def recall_by_length(records: list[dict]) -> dict[str, float]:
@@ -84,34 +78,6 @@ def recall_by_length(records: list[dict]) -> dict[str, float]:
         a[0] += r["correct"]
         a[1] += 1
     return {str(n): a[0] / a[1] for n, a in sorted(agg.items())}
-
-
-def _shown(spec: str, base: Path | None) -> str:
-    """A patch spec as the ledger wrote it: file paths relative to the ledger's directory."""
-    return spec if base is None else shown(spec, base)
-
-
-def presence_check(s: Suspect, cand: Setting, extra, ref: Setting, base: Path | None = None) -> str:
-    """What the configuration check found: why ``s`` is (or is not) in the candidate, in words
-    (``base``: the ledger's directory, to show patch files as the ledger names them)."""
-    if s.patch is not None:
-        carried = [_shown(p.spec, base) for p in extra] + (
-            [_shown(cand.patch.spec, base)] if cand.patch else []
-        )
-        where = ", ".join(carried) if carried else "none"
-        verb = "is" if _present(s, cand, extra, ref) else "is not"
-        return (
-            f"source check: patch {_shown(s.patch.spec, base)} {verb} among the candidate's patches ({where})"
-        )
-    parts = []
-    for f, v in s.setting_fields:
-        if getattr(cand, f) != v:
-            parts.append(f"candidate {f}={getattr(cand, f)}, the suspect is {f}={v}")
-        elif getattr(ref, f) == v:
-            parts.append(f"the reference already has {f}={v}")
-        else:
-            parts.append(f"candidate {f}={v}, reference {f}={getattr(ref, f)}")
-    return "config check: " + "; ".join(parts)
 
 
 class _Investigation:
@@ -344,7 +310,7 @@ class _Investigation:
 
     def check_suspect(self, s: Suspect, ref_records, cand_records, probe_case) -> dict:
         cand, ref = self.candidate, self.reference
-        present = _present(s, cand.setting, cand.extra, ref.setting)
+        present = present_in(s, cand.setting, cand.extra, ref.setting)
         presence = presence_check(s, cand.setting, cand.extra, ref.setting, self.ledger.path.parent)
         self.state.add_evidence(s.id, [evidence("presence", presence, "present" if present else "absent")])
         blocked, ran = [], 0
@@ -480,55 +446,8 @@ def _topk_run(recs: list[dict]) -> dict:
     return {
         "index_topk": recs[0]["index_topk"],
         "compress_ratio": recs[0]["compress_ratio"],
-        "recall": recall_by_length(recs),
+        "cases": [{"case_id": r["case_id"], "length": r["length"], "correct": r["correct"]} for r in recs],
     }
-
-
-def write_verdicts(inv, symptom: dict, root, sig: dict, suspects_out: list[dict], **extra) -> dict:
-    """Build, validate and write ``verdicts.json``; returns it. ``extra``: the keys beyond the
-    suspects (``differences``, ``residual``, ``localization``, ...; defaults when not given)."""
-    ids = {s["id"] for s in suspects_out}
-    diffs = [
-        d.to_json(next((s["verdict"] for s in suspects_out if s["id"] == d.suspect), None)) for d in inv.diffs
-    ]
-    verdicts = {
-        "symptom": symptom,
-        "root_cause": root,
-        "root_causes": [
-            s["id"] for s in suspects_out if s["verdict"] == "implicated" and s.get("role") == "root cause"
-        ],
-        "signature": sig,
-        "suspects": [
-            {
-                "id": s["id"],
-                "tier": s["tier"],
-                "verdict": s["verdict"],
-                "reason": s["reason"],
-                "evidence": inv.state.evidence(s["id"]),
-                **{k: s.get(k) for k in ("auto", "role", "necessary", "sufficient", "p_holm", "power")},
-            }
-            for s in suspects_out
-        ],
-        "differences": diffs,
-        "unaccounted_differences": [d for d in diffs if not d["covered_by"] and (d["suspect"] in ids)],
-        "residual": None,
-        "localization": None,
-        "nonfinite_scores": {"counts": {}, "findings": []},
-        "multiplicity": {
-            "method": "holm",
-            "tests": sum(s.get("pair") is not None for s in suspects_out),
-            "alpha": 0.05,
-        },
-        **extra,
-    }
-    if root is not None and root not in verdicts["root_causes"]:
-        verdicts["root_causes"].insert(0, root)
-    verdicts = relativize(verdicts, inv.path_map())
-    validate_verdicts(verdicts)
-    for s in suspects_out:
-        inv.state.set_status(s["id"], s["verdict"], s["reason"])
-    atomic_write_json(inv.out / "verdicts.json", verdicts)
-    return verdicts
 
 
 def _symptom(inv: _Investigation, ref_records, cand_records) -> dict:
@@ -624,9 +543,6 @@ def run_investigation(
     inv.state.save()
     progress("verdicts", 1, 1, "")
     return inv.out / "verdicts.json"
-
-
-NO_SIGNATURE = {"uninformative_ranking": False, "layers": [], "collapse_vs_topk": []}
 
 
 def read_investigation(out: Path) -> dict:

@@ -34,7 +34,8 @@ CREATE TABLE IF NOT EXISTS results(
     error TEXT,
     base_url TEXT,
     finished_at REAL,
-    replica TEXT
+    replica TEXT,
+    connection TEXT
 );
 CREATE TABLE IF NOT EXISTS graded(
     case_id TEXT PRIMARY KEY,
@@ -70,6 +71,7 @@ RESULT_FIELDS = (
     "base_url",
     "finished_at",
     "replica",
+    "connection",
 )
 
 
@@ -85,8 +87,10 @@ class ResultStore:
             self._db.execute("PRAGMA busy_timeout=5000")
             self._db.executescript(_SCHEMA)
             cols = {row[1] for row in self._db.execute("PRAGMA table_info(results)")}
-            if "replica" not in cols:  # a store written before replicas were recorded
-                self._db.execute("ALTER TABLE results ADD COLUMN replica TEXT")
+            # A store written before replicas, then connections, were recorded.
+            for col in ("replica", "connection"):
+                if col not in cols:
+                    self._db.execute(f"ALTER TABLE results ADD COLUMN {col} TEXT")
         except sqlite3.DatabaseError as e:
             raise BadInput(f"{self.path} is not a usable needlescope results database: {e}") from e
 
