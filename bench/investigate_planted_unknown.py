@@ -10,8 +10,7 @@ bug (the investigation must find it as an automatic suspect). **Named**: the sam
 ``planted_bug`` mapped to the patch with an ablation. Then the example ledger itself (the
 page-table deployment) with ``device`` set, every audit included (``--skip-demo`` leaves it out).
 
-The reference records are measured once and copied into every run (same cases, same
-reference). Writes OUT_DIR/summary.json: per run the symptom, the root cause(s), the verdict and
+The configurations every run shares (``SHARED``) are measured once and copied into the later runs. Writes OUT_DIR/summary.json: per run the symptom, the root cause(s), the verdict and
 role of the bug's suspect, of ``index_topk`` and of ``index_keys_fp8``, the residual, the
 localization summary, non-finite counts, and seconds per step. Not a test: the table goes to
 docs/investigate.md.
@@ -112,11 +111,17 @@ def summarise(v: dict, bug_id: str | None, seconds: float, steps: dict) -> dict:
     }
 
 
-def run_one(name: str, path: Path, loaded, seed: Path | None, bug_id: str | None) -> dict:
+SHARED = ("reference", "reference-at-k", "alone-index_keys_fp8", "alone-index_topk")
+"""Configurations identical in every run (the reference, and it at top-64 with and without fp8
+keys): measured once, copied into the later runs."""
+
+
+def run_one(name: str, path: Path, loaded, seed: Path, bug_id: str | None) -> dict:
     out = path.parent / "out"
-    if seed is not None and seed.exists():
-        (out / "measure").mkdir(parents=True, exist_ok=True)
-        shutil.copy(seed, out / "measure" / "reference.jsonl")
+    (out / "measure").mkdir(parents=True, exist_ok=True)
+    for n in SHARED:
+        if (seed / f"{n}.jsonl").exists():
+            shutil.copy(seed / f"{n}.jsonl", out / "measure" / f"{n}.jsonl")
     timer, t = Timer(), time.time()
     runner.run_investigation(path, out, timer, loaded=loaded)
     timer("end", 0, 0, "")
@@ -124,6 +129,9 @@ def run_one(name: str, path: Path, loaded, seed: Path | None, bug_id: str | None
 
     write_reports(out)
     v = json.loads((out / "verdicts.json").read_text())
+    for n in SHARED:
+        if not (seed / f"{n}.jsonl").exists() and (out / "measure" / f"{n}.jsonl").exists():
+            shutil.copy(out / "measure" / f"{n}.jsonl", seed / f"{n}.jsonl")
     res = summarise(v, bug_id, time.time() - t, timer.steps)
     print(name, json.dumps({k: res[k] for k in res if k != "suspects"}), flush=True)
     return res
@@ -137,7 +145,7 @@ def main() -> None:
     ap.add_argument("--depths", default="0,33,67,100")
     ap.add_argument("--trials", type=int, default=3)
     ap.add_argument("--bugs", default=",".join(BUGS))
-    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--batch", type=int, default=12)
     ap.add_argument("--skip-demo", action="store_true")
     args = ap.parse_args()
     args.lengths = [int(x) for x in args.lengths.split(",")]
@@ -149,15 +157,14 @@ def main() -> None:
         "load_seconds": round(time.time() - t0, 1),
         "args": {k: str(v) for k, v in vars(args).items()},
     }
-    seed = args.out / "reference.jsonl"
+    seed = args.out / "shared"
+    seed.mkdir(parents=True, exist_ok=True)
     for bug in args.bugs.split(","):
         for named in (False, True):
             name = f"{bug}-{'named' if named else 'unnamed'}"
             path = ledger(args.out / name, bug, named, args)
             bug_id = "planted_bug" if named else f"auto:planted/{bug}.py"
             summary[name] = run_one(name, path, loaded, seed, bug_id)
-            if not seed.exists():
-                shutil.copy(args.out / name / "out" / "measure" / "reference.jsonl", seed)
             (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
     if not args.skip_demo:
         path = ledger(args.out / "demo", None, False, args)

@@ -1,7 +1,9 @@
 """Where the unexplained divergence starts: the localizer step of an in-process investigation.
 
 When the residual still loses (or no suspect is implicated), ``localize_residual`` takes the
-first failing case of the residual candidate (wrong there, right under the reference; shortest
+first failing case of the residual candidate (when a root cause is an automatic suspect, one the
+ledger did not name, and nothing is left unexplained: of the candidate itself, to show where in
+the model the unnamed difference acts) (wrong there, right under the reference; shortest
 length, then depth and trial), at its **first wrong answer token**, and runs the white-box
 comparisons on the token ids that produced it (the prompt plus the residual candidate's answer
 tokens before that one):

@@ -518,6 +518,9 @@ def run_investigation(
         extra["residual"], res_cfg, res_recs = residual(inv, suspects_out, ref_records, cand_records)
         if extra["residual"]["loses"]:
             extra["localization"] = localize_residual(inv, res_cfg, res_recs, ref_records)
+        elif any(r.startswith(AUTO_PREFIX) for r in root_causes(suspects_out)):
+            # nobody named the root cause: show where in the model it acts (the candidate itself)
+            extra["localization"] = localize_residual(inv, inv.candidate, cand_records, ref_records)
         extra["nonfinite_scores"] = nonfinite_summary(inv)
     symptom = _symptom(inv, ref_records, cand_records)
     verdicts = write_verdicts(inv, symptom, root, sig, suspects_out, **extra)
