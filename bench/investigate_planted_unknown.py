@@ -34,6 +34,7 @@ BUGS = (
     "indexer_drop_past_buffer",
     "indexer_decode_key_slot",
     "moe_route_shift",
+    "moe_route_shift_all",
     "indexer_weights_bf16",
     "indexer_nan_slot",
 )

@@ -108,7 +108,7 @@ def localization_blocks(v: dict) -> list[tuple]:
         ("h", 2, "Where the divergence starts"),
         (
             "p",
-            f"Case `{loc['case_id']}` under the residual candidate `{loc['config']}`, at its first wrong answer token "
+            f"Case `{loc['case_id']}` under {loc.get('target', 'the residual candidate')} `{loc['config']}`, at its first wrong answer token "
             f"(answer token {loc['analysed_token']}, query position {loc['query_pos']}): **{loc['summary']}**. "
             f"Reproduce the prefill step: `{loc['command']}`.",
         ),

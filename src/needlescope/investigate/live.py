@@ -461,6 +461,7 @@ def live_localization(failing: list[dict], baseline: dict, needle_of) -> dict | 
     r0 = failing[0]
     return {
         "case_id": r0["case_id"],
+        "target": "the live endpoint",
         "config": "live endpoint",
         "analysed_token": r0["analysed_token"],
         "query_pos": r0["prompt_tokens"] - 1 + r0["analysed_token"],

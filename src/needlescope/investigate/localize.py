@@ -100,8 +100,11 @@ def _command(inv, cfg, prompt_file: str) -> str:
     return " ".join(shlex.quote(p) for p in parts)
 
 
-def localize_residual(inv, cfg, res_recs: list[dict], ref_records: list[dict]) -> dict | None:
-    """The ``localization`` record (module docstring), or None when no case fails."""
+def localize_residual(
+    inv, cfg, res_recs: list[dict], ref_records: list[dict], target: str = "the residual candidate"
+) -> dict | None:
+    """The ``localization`` record (module docstring), or None when no case fails. ``target``
+    says what ``cfg`` is (the residual candidate, or the candidate itself)."""
     import torch
 
     from needlescope.dsa.checkpoint import load_bundle
@@ -144,6 +147,7 @@ def localize_residual(inv, cfg, res_recs: list[dict], ref_records: list[dict]) -
     )
     out = {
         "case_id": rec["case_id"],
+        "target": target,
         "config": cfg.label(),
         "analysed_token": rec["analysed_token"],
         "query_pos": len(ids) - 1,
@@ -167,7 +171,13 @@ def _first(paths: list[dict]) -> dict:
         return {"diverges_first": "neither", "summary": "no module diverges beyond its budget on either path"}
     summary = f"{p['first_divergent_module']} ({p['module_type']}, layer {p['layer']})"
     if where == "decode only":
-        summary = f"decode-path only: prefill selections identical; first departing module {summary}"
+        same = all(ly["topk_overlap"] == 1.0 for ly in pre["layers"])
+        before = (
+            "prefill selections identical"
+            if same
+            else "the teacher-forced prefill has no module beyond its budget (its selections differ only within the candidate's numerics)"
+        )
+        summary = f"decode-path only: {before}; first departing module {summary}"
     else:
         summary = (
             f"first module beyond its budget: {summary}, own error {p['own_err']} vs budget {p['own_budget']}"

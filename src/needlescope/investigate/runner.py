@@ -520,7 +520,13 @@ def run_investigation(
             extra["localization"] = localize_residual(inv, res_cfg, res_recs, ref_records)
         elif any(r.startswith(AUTO_PREFIX) for r in root_causes(suspects_out)):
             # nobody named the root cause: show where in the model it acts (the candidate itself)
-            extra["localization"] = localize_residual(inv, inv.candidate, cand_records, ref_records)
+            extra["localization"] = localize_residual(
+                inv,
+                inv.candidate,
+                cand_records,
+                ref_records,
+                "the candidate (its root cause is not named by the ledger)",
+            )
         extra["nonfinite_scores"] = nonfinite_summary(inv)
     symptom = _symptom(inv, ref_records, cand_records)
     verdicts = write_verdicts(inv, symptom, root, sig, suspects_out, **extra)

@@ -188,7 +188,8 @@ _LOCAL_PATH = record(
 _LOCALIZATION = record(
     {
         "case_id": {"type": "string"},
-        "config": {"type": "string"},  # the residual candidate localized against the reference
+        "target": {"type": "string"},  # what is localized: the residual candidate, or the candidate itself
+        "config": {"type": "string"},  # its label
         "analysed_token": {"type": "integer"},
         "query_pos": {"type": "integer"},
         "paths": {"type": "array", "items": _LOCAL_PATH},
