@@ -11,11 +11,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
-from rich.console import Console
-from rich.markup import escape
 
-investigate_app = typer.Typer(no_args_is_help=True, help="From measurements to a causal verdict.")
-console = Console()
+from needlescope.cli.output import console, typer_app
+
+investigate_app = typer_app(no_args_is_help=True, help="From measurements to a causal verdict.")
 
 
 @investigate_app.command("init")
@@ -28,8 +27,8 @@ def init_command(
 
     path = write_example(directory, force=force)
     for name in EXAMPLE_FILES:
-        console.print(f"wrote {escape(str(Path(directory) / name))}")
-    console.print(f"next: needlescope investigate run {escape(str(path))} --out investigation-out")
+        console.print(f"wrote {Path(directory) / name}")
+    console.print(f"next: needlescope investigate run {path} --out investigation-out")
 
 
 def run_investigation_cli(ledger: Path, out: Path) -> Path:
@@ -55,8 +54,6 @@ def run_command(
     md = run_investigation_cli(ledger, out)
     verdicts = json.loads((out / "verdicts.json").read_text(encoding="utf-8"))
     for s in verdicts["suspects"]:
-        console.print(
-            f"  tier {s['tier']} {escape(s['id'])}: [bold]{s['verdict']}[/] - {escape(s['reason'])}"
-        )
-    console.print(f"root cause: [bold]{escape(str(verdicts['root_cause']))}[/]")
-    console.print(f"wrote {escape(str(out / 'verdicts.json'))}, {escape(str(md))} and DIAGNOSIS.html")
+        console.say("  tier {} {}: [bold]{}[/] - {}", s["tier"], s["id"], s["verdict"], s["reason"])
+    console.say("root cause: [bold]{}[/]", verdicts["root_cause"])
+    console.print(f"wrote {out / 'verdicts.json'}, {md} and DIAGNOSIS.html")

@@ -9,9 +9,9 @@ from __future__ import annotations
 from dataclasses import replace
 
 import typer
-from rich.console import Console
 
 from needlescope.cli import setting_options as opt
+from needlescope.cli.output import err_console
 from needlescope.errors import BadInput
 from needlescope.serve.config import (
     DEFAULT_HOST,
@@ -24,7 +24,6 @@ from needlescope.serve.config import (
     ServeConfig,
 )
 
-err_console = Console(stderr=True)
 _DEFAULTS = ServeConfig()  # every flag's default is the config's own
 
 
@@ -153,10 +152,15 @@ def _serve(cfg: ServeConfig) -> None:
     info = engine.info()
 
     def ready(bound_host: str, bound_port: int) -> None:
-        err_console.print(
-            f"serving [bold]{info['model']}[/] ({info['architecture']}) at http://{bound_host}:{bound_port}/v1  "
-            f"index_k={info['index_k']} index_q={info['index_q']} index_topk={info['index_topk']}",
-            highlight=False,
+        err_console.say(
+            "serving [bold]{}[/] ({}) at http://{}:{}/v1  index_k={} index_q={} index_topk={}",
+            info["model"],
+            info["architecture"],
+            bound_host,
+            bound_port,
+            info["index_k"],
+            info["index_q"],
+            info["index_topk"],
         )
         # The machine-readable line, like the scripted server's: "READY <port>".
         print(f"READY {bound_port}", flush=True)
