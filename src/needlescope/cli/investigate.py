@@ -8,6 +8,8 @@ phase, and writes ``verdicts.json``, ``DIAGNOSIS.md`` and ``DIAGNOSIS.html`` int
 
 from __future__ import annotations
 
+import shlex
+import sys
 from pathlib import Path
 
 import typer
@@ -59,7 +61,7 @@ def run_investigation_cli(ledger: Path, out: Path) -> Path:
             progress.update(tasks[phase], completed=done, description=escape(f"{phase} {what}"[:90]))
 
         run_investigation(ledger, out, on_progress)
-    md, _ = write_reports(out)
+    md, _ = write_reports(out, command=shlex.join(["needlescope", *sys.argv[1:]]))
     return md
 
 
