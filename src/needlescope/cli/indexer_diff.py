@@ -14,6 +14,7 @@ from rich.markup import escape
 
 from needlescope.cli import setting_options as opt
 from needlescope.cli.indexer import indexer_app
+from needlescope.cli.progress import ProgressView
 from needlescope.errors import BadInput
 from needlescope.investigate.capture import CaptureConfig
 from needlescope.paths import check_out_dir
@@ -83,9 +84,9 @@ def diff_command(
     if render_prompt(tokenizer, messages).input_ids != rendered.input_ids:
         raise BadInput(f"the tokenizer of {str(path)!r} renders the prompt differently when loaded twice")
     ids = torch.tensor([rendered.input_ids])
-    result = localize(
-        reference, candidate, ids, setting=setting, needle_span=span, growth=growth, allow=allowed
-    )
+    with ProgressView(console) as view:
+        shown = lambda task, done, total, what: view(f"diff: {task}", done, total, what)  # noqa: E731
+        result = localize(reference, candidate, ids, setting=setting, needle_span=span, growth=growth, allow=allowed, progress=shown)  # fmt: skip
     validate_diff(result)
     _write(out, "diff.json", diff_to_json(result))
     _write(out, "diff.md", render_diff_md(result))

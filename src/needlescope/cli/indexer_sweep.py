@@ -22,6 +22,7 @@ from rich.markup import escape
 
 from needlescope.cli import setting_options as opt
 from needlescope.cli.indexer import indexer_app
+from needlescope.cli.progress import ProgressView
 from needlescope.errors import BadInput
 from needlescope.paths import check_out_dir
 from needlescope.run.config import parse_float_list, parse_int_list
@@ -177,13 +178,9 @@ def _sweep(
 
 @contextmanager
 def _progress() -> Iterator[Callable[[int, int], None]]:
-    """A rich progress bar; yields ``on_progress(done, total)``."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-    columns = (TextColumn("[bold]sweep"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
-    with Progress(*columns, console=console) as bar:
-        task = bar.add_task("sweep", total=None)
-        yield lambda done, total: bar.update(task, completed=done, total=total)
+    """The sweep's progress (``cli.progress``); yields ``on_progress(done, total)``."""
+    with ProgressView(console) as view:
+        yield lambda done, total: view("sweep", done, total, "")
 
 
 @indexer_app.command("synthetic")

@@ -34,33 +34,14 @@ def init_command(
     console.print(f"next: needlescope investigate run {escape(str(path))} --out investigation-out")
 
 
-def phase_progress(out: Console):
-    """The progress display of a multi-phase workflow (``investigate run``, ``demo``)."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    return Progress(
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=out,
-    )
-
-
 def run_investigation_cli(ledger: Path, out: Path) -> Path:
-    """Run with a progress bar per phase; returns DIAGNOSIS.md's path."""
+    """Run with progress per phase (``cli.progress``); returns DIAGNOSIS.md's path."""
+    from needlescope.cli.progress import ProgressView
     from needlescope.investigate.diagnosis import write_reports
     from needlescope.investigate.runner import run_investigation
 
-    with phase_progress(console) as progress:
-        tasks: dict[str, int] = {}
-
-        def on_progress(phase: str, done: int, total: int, what: str) -> None:
-            if phase not in tasks:
-                tasks[phase] = progress.add_task(escape(phase), total=total)
-            progress.update(tasks[phase], completed=done, description=escape(f"{phase} {what}"[:90]))
-
-        run_investigation(ledger, out, on_progress)
+    with ProgressView(console) as view:
+        run_investigation(ledger, out, lambda phase, done, total, what: view(phase, done, total, what[:60]))
     md, _ = write_reports(out, command=shlex.join(["needlescope", *sys.argv[1:]]))
     return md
 

@@ -44,6 +44,19 @@ app.command("canary")(canary_command)
 
 err_console = Console(stderr=True)
 
+# The extra that installs each optional dependency (pyproject.toml's optional-dependencies).
+EXTRA_OF = {
+    "torch": "model",
+    "transformers": "model",
+    "safetensors": "model",
+    "tokenizers": "model",
+    "fastapi": "model",
+    "uvicorn": "model",
+    "prometheus_client": "watch",
+    "pynvml": "watch",
+    "triton": "gpu",
+}
+
 
 def main() -> None:
     # Click handles usage errors itself (exit 2); BadInput from the library is printed as one line.
@@ -51,6 +64,20 @@ def main() -> None:
         app()
     except BadInput as exc:
         err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        sys.exit(2)
+    except ModuleNotFoundError as exc:
+        # A missing capability, not a bug: say which extra brings it.
+        missing = (exc.name or "").partition(".")[0]
+        if missing not in EXTRA_OF:
+            raise
+        extra = EXTRA_OF[missing]
+        err_console.print(
+            f"error: this command needs {missing}, which the [{extra}] extra installs: "
+            f"pip install 'needlescope[{extra}]'",
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
+        )
         sys.exit(2)
 
 

@@ -9,6 +9,7 @@ import typer
 from rich.console import Console
 
 from needlescope.analysis.oracle import ATOL, FLIP_MARGIN
+from needlescope.cli.progress import ProgressView
 from needlescope.errors import ProbeError
 from needlescope.paths import check_out_dir
 
@@ -26,12 +27,18 @@ _PROMPTS = typer.Option(None, "--prompts", help="Prompt-set JSON; default: the s
 _TOP = typer.Option(20, "--top-logprobs", help="Alternatives per token (1..20).")
 _TIMEOUT = typer.Option(300.0, "--timeout", help="Per request, seconds.")
 _KEY = typer.Option(None, "--api-key", envvar=_API_KEY_ENV, show_default=False)
+_SKIP = typer.Option(
+    False,
+    "--skip-long-prompts/--refuse-long-prompts",
+    help="Leave out, with a warning, prompts beyond the target's advertised context (default: refuse).",
+)
 
 
-def _config(base_url, model, api_key, top, timeout, prompts=None, flip_margin=FLIP_MARGIN, atol=ATOL):
+def _config(base_url, model, api_key, top, timeout, skip, prompts=None, flip_margin=FLIP_MARGIN, atol=ATOL):
     from needlescope.run.oracle import OracleConfig
 
     return OracleConfig(
+        skip_long_prompts=skip,
         base_url=base_url,
         model=model,
         api_key=api_key,
@@ -57,15 +64,17 @@ def export_command(
     top: int = _TOP,
     timeout: float = _TIMEOUT,
     api_key: str = _KEY,
+    skip: bool = _SKIP,
 ) -> None:
     """Send the prompt set greedily with top-k logprobs and write DIR/export.json."""
     from needlescope.report.oracle import write_export
     from needlescope.run.oracle import export
 
     out = check_out_dir(out)
-    cfg = _config(base_url, model, api_key, top, timeout, prompts)
+    cfg = _config(base_url, model, api_key, top, timeout, skip, prompts)
     try:
-        body = export(cfg)
+        with ProgressView(console) as view:
+            body = export(cfg, view, view.note)
     except ProbeError as exc:
         _target_failed(exc)
     path = write_export(body, out)
@@ -92,15 +101,17 @@ def compare_command(
     atol: float = typer.Option(ATOL, "--atol", help="Nats; |Δ logprob| at most this is 'identical'."),
     timeout: float = _TIMEOUT,
     api_key: str = _KEY,
+    skip: bool = _SKIP,
 ) -> None:
     """Compare a server against a reference export. Exit 0 unless divergent (1); 2 bad input."""
     from needlescope.report.oracle import oracle_lines, write_export, write_oracle
     from needlescope.run.oracle import compare
 
     out = check_out_dir(out if out is not None else ref / "compare")
-    cfg = _config(base_url, model, api_key, top, timeout, None, flip_margin, atol)
+    cfg = _config(base_url, model, api_key, top, timeout, skip, None, flip_margin, atol)
     try:
-        result, cand = compare(ref, cfg)
+        with ProgressView(console) as view:
+            result, cand = compare(ref, cfg, view, view.note)
     except ProbeError as exc:
         _target_failed(exc)
     write_export(cand, out, "candidate_export.json")

@@ -32,10 +32,11 @@ from needlescope.cases import CaseSpec, build_cases, score_answer
 from needlescope.errors import BadInput
 from needlescope.report.bisect import write_bisect_outputs
 from needlescope.run.config import ProbeConfig
-from needlescope.run.probe import STORE_NAME, _token_counter, _value_digits, chat_target, check_out
+from needlescope.run.probe import STORE_NAME, _token_counter, chat_target, check_out, fit_to_target
 from needlescope.run.scheduler import run_cases
 from needlescope.run.store import ResultStore
 from needlescope.targets import collect_provenance, normalize_base_url, preflight
+from needlescope.targets.limits import choose_value_digits, read_limits
 
 __all__ = ["BisectConfig", "run_bisect"]
 
@@ -195,21 +196,26 @@ def _points(tally: dict[int, tuple[int, int]], phase: dict[int, str]) -> list[di
     return points
 
 
+def _check_range(lengths: tuple[int, ...]) -> None:
+    if max(lengths) - min(lengths) < 2:
+        raise BadInput(f"--bisect needs a range: give --lengths LO,HI with HI > LO + 1; got {list(lengths)}")
+
+
 def run_bisect(cfg: ProbeConfig, bis: BisectConfig, on_event: Event | None = None) -> dict:
     """Bisect the collapse length of the server in ``cfg`` over [min(lengths), max(lengths)]."""
     on_event = on_event or (lambda _name, _payload: None)
     if cfg.graded or cfg.auto_difficulty:
         raise BadInput("--bisect measures recall only; drop --graded and --auto-difficulty, or drop --bisect")
-    lo, hi = min(cfg.lengths), max(cfg.lengths)
-    if hi - lo < 2:
-        raise BadInput(
-            f"--bisect needs a range: give --lengths LO,HI with HI > LO + 1; got {list(cfg.lengths)}"
-        )
+    _check_range(cfg.lengths)
     roots = [normalize_base_url(u) for u in cfg.base_urls]
     check_out(cfg.out, cfg.resume)
     for root, _v1 in roots:
         preflight(root, cfg.model, api_key=cfg.api_key)
     provenance = collect_provenance(*roots[0], api_key=cfg.api_key)
+    limits = read_limits(provenance, cfg.model)
+    cfg = fit_to_target(cfg, limits, on_event)
+    _check_range(cfg.lengths)
+    lo, hi = min(cfg.lengths), max(cfg.lengths)
     info = provenance.get("/get_server_info")
     if bis.boundaries is not None:
         boundaries, source = sorted(set(bis.boundaries)), "--boundaries"
@@ -217,7 +223,8 @@ def run_bisect(cfg: ProbeConfig, bis: BisectConfig, on_event: Event | None = Non
         boundaries, source = boundaries_from_server_info(info), "/get_server_info"
     else:
         boundaries, source = [], "none (no --boundaries and no /get_server_info)"
-    digits, _source = _value_digits(cfg, provenance)
+    digits, source_digits = choose_value_digits(cfg.value_digits, limits)
+    on_event("value_digits", {"value_digits": digits, "source": source_digits})
     cfg = replace(cfg, value_digits=digits)
     counter = _token_counter(cfg, roots[0][0])
     cfg.out.mkdir(parents=True, exist_ok=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import tempfile
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 from needlescope.analysis import cells_from_results
@@ -19,6 +20,7 @@ from needlescope.analysis.taxonomy import CaseIndex, classify, summarize_failure
 from needlescope.cases import CaseSpec, build_cases, order_for_prefix_cache, score_answer
 from needlescope.cases.needles import VALUE_DIGITS
 from needlescope.errors import BadInput
+from needlescope.progress import Progress
 from needlescope.report.probe import write_probe_outputs
 from needlescope.run.config import ProbeConfig
 from needlescope.run.replay import write_failure_bundles
@@ -33,17 +35,25 @@ from needlescope.targets import (
     preflight,
     served_models,
 )
+from needlescope.targets.limits import TargetLimits, choose_value_digits, fit_lengths, read_limits
 from needlescope.targets.logprobs import detect_method, score_gold
 
 Event = Callable[[str, dict], None]
 
 STORE_NAME = "results.sqlite"
-# The key under which a server advertises the value length its checkpoint was trained on.
-TRAINED_DIGITS_KEY = "trained_value_digits"
 
 
 def _noop(_name: str, _payload: dict) -> None:
     return None
+
+
+def progress_events(on_event: Event) -> Progress:
+    """A ``needlescope.progress`` callback that reports through ``on_event("progress", ...)``."""
+
+    def progress(task: str, done: int, total: int | None, detail: str = "") -> None:
+        on_event("progress", {"task": task, "done": done, "total": total, "detail": detail})
+
+    return progress
 
 
 def _token_counter(cfg: ProbeConfig, root: str):
@@ -86,18 +96,21 @@ def check_out(out: Path, resume: bool) -> None:
         ) from None
 
 
-def _value_digits(cfg: ProbeConfig, provenance: dict) -> tuple[int, str]:
-    """Digits per needle value, and where that number came from (for the report)."""
-    if cfg.value_digits is not None:
-        return cfg.value_digits, "--value-digits"
-    info = provenance.get("/get_server_info")
-    advertised = info.get(TRAINED_DIGITS_KEY) if isinstance(info, dict) else None
-    if isinstance(advertised, int) and not isinstance(advertised, bool) and 1 <= advertised <= 12:
-        return advertised, f"the target's /get_server_info {TRAINED_DIGITS_KEY} (no --value-digits given)"
-    return (
-        VALUE_DIGITS,
-        f"the default (no --value-digits given; the target advertises no {TRAINED_DIGITS_KEY})",
-    )
+def fit_to_target(cfg: ProbeConfig, limits: TargetLimits, on_event: Event = _noop) -> ProbeConfig:
+    """``cfg`` with only the lengths the target can hold (``targets.limits.fit_lengths``: BadInput
+    when one does not fit, unless ``--skip-long-lengths``, which drops it with an event)."""
+    kept, dropped = fit_lengths(cfg.lengths, limits, answer_tokens=cfg.max_tokens, skip=cfg.skip_long_lengths)
+    if dropped:
+        on_event(
+            "lengths_skipped",
+            {
+                "skipped": list(dropped),
+                "kept": list(kept),
+                "context": limits.context,
+                "from": limits.context_from,
+            },
+        )
+    return replace(cfg, lengths=kept)
 
 
 def _read_haystack(path: Path) -> str:
@@ -111,9 +124,10 @@ def _read_haystack(path: Path) -> str:
         raise BadInput(f"--haystack-file {path} cannot be read ({e.strerror})") from None
 
 
-def _new_store(cfg: ProbeConfig, root: str, v1: str, assumed: list[str], on_event: Event) -> ResultStore:
-    provenance = collect_provenance(root, v1, api_key=cfg.api_key)
-    digits, source = _value_digits(cfg, provenance)
+def _new_store(
+    cfg: ProbeConfig, root: str, provenance: dict, limits: TargetLimits, assumed: list[str], on_event: Event
+) -> ResultStore:
+    digits, source = choose_value_digits(cfg.value_digits, limits)
     haystack = _read_haystack(cfg.haystack_file) if cfg.haystack_file else None
     spec = CaseSpec(
         kind=cfg.kind,
@@ -126,8 +140,8 @@ def _new_store(cfg: ProbeConfig, root: str, v1: str, assumed: list[str], on_even
         value_digits=digits,
         n_distractors=cfg.distractors,
     )
-    on_event("cases_start", {"n": len(cfg.lengths) * len(cfg.depths) * cfg.trials})
-    cases = order_for_prefix_cache(build_cases(spec, _token_counter(cfg, root)))
+    cases = order_for_prefix_cache(build_cases(spec, _token_counter(cfg, root), progress_events(on_event)))
+    on_event("value_digits", {"value_digits": digits, "source": source})
     cfg.out.mkdir(parents=True, exist_ok=True)
     path = cfg.out / STORE_NAME
     store = ResultStore(path)
@@ -145,10 +159,12 @@ def _new_store(cfg: ProbeConfig, root: str, v1: str, assumed: list[str], on_even
     return store
 
 
-def _resume_store(cfg: ProbeConfig) -> ResultStore:
+def _resume_store(cfg: ProbeConfig, on_event: Event) -> ResultStore:
     store = ResultStore(cfg.out / STORE_NAME)
     previous = store.get_meta("fingerprint")
     digits = cfg.value_digits if cfg.value_digits is not None else (previous or {}).get("value_digits")
+    source = (store.get_meta("run_notes") or {}).get("value_digits_source", "--value-digits")
+    on_event("value_digits", {"value_digits": digits, "source": f"the run being resumed ({source})"})
     if previous is None or not store.cases():
         store.close()
         raise BadInput(f"--resume: {cfg.out / STORE_NAME} holds no cases; delete it and start the run again")
@@ -175,7 +191,13 @@ def run_probe(cfg: ProbeConfig, on_event: Event = _noop, *, difficulty: dict | N
     if len(roots) > 1:
         listed = {root: served_models(root, cfg.api_key) for root, _v1 in roots}
         check_same_models({root: ids for root, ids in listed.items() if ids is not None})
-    store = _resume_store(cfg) if cfg.resume else _new_store(cfg, *roots[0], assumed, on_event)
+    provenance = collect_provenance(*roots[0], api_key=cfg.api_key)
+    limits = read_limits(provenance, cfg.model)
+    cfg = fit_to_target(cfg, limits, on_event)
+    if cfg.resume:
+        store = _resume_store(cfg, on_event)
+    else:
+        store = _new_store(cfg, roots[0][0], provenance, limits, assumed, on_event)
     try:
         if difficulty is not None:
             store.put_meta("difficulty", difficulty)

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 
 import httpx
 
+from needlescope.errors import BadInput
 from needlescope.serve.config import ServeConfig
 
 __all__ = ["SERVE_ARGV", "ChildServer", "ServerProcess", "stop_process", "wait_answering"]
@@ -105,6 +106,9 @@ class ChildServer:
         if not line.startswith("READY "):
             self.proc.wait(timeout=30)
             time.sleep(0.2)
+            if self.proc.returncode == 2 and self.stderr.strip():
+                # The child refused its input (one line, exit 2): that line is the parent's error too.
+                raise BadInput(self.stderr.strip().splitlines()[-1].removeprefix("error: "))
             raise RuntimeError(
                 f"{self.name} did not start (exit {self.proc.returncode}, said {line!r}): {self.stderr[-2000:]}"
             )

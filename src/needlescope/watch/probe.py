@@ -23,8 +23,9 @@ import httpx
 
 from needlescope.cases import Case, CaseSpec, build_cases, score_answer
 from needlescope.errors import BadInput, ProbeError
-from needlescope.targets import ChatTarget, LocalTokenCounter, detect_server_tokenizer
+from needlescope.targets import ChatTarget, LocalTokenCounter, collect_provenance, detect_server_tokenizer
 from needlescope.targets.endpoints import auth_headers
+from needlescope.targets.limits import TargetLimits, read_limits
 from needlescope.watch.config import TargetConfig
 
 __all__ = [
@@ -38,6 +39,7 @@ __all__ = [
     "probe_case",
     "probe_target",
     "resolve_model",
+    "target_limits",
     "watch_client",
 ]
 
@@ -183,6 +185,12 @@ async def probe_case(
     )
 
 
+def target_limits(cfg: TargetConfig, root: str, v1: str, model: str | None) -> tuple[TargetLimits, dict]:
+    """What the target advertises (blocking GETs of its info endpoints) and the provenance read."""
+    provenance = collect_provenance(root, v1, api_key=cfg.api_key, timeout=min(cfg.timeout_s, 5.0))
+    return read_limits(provenance, model), provenance
+
+
 async def check_server(client: httpx.AsyncClient, root: str, v1: str) -> Outcome:
     """GET ``/health``, or ``/v1/models`` where the server has no ``/health``; 200 means up."""
     start = time.monotonic()
@@ -222,6 +230,7 @@ def build_probe_cases(
     lengths: tuple[int, ...],
     depths: tuple[float, ...],
     trials: int,
+    value_digits: int,
 ) -> list[Case]:
     """Exact-length cases as the probe builds them (blocking: it counts tokens through the server)."""
     if cfg.tokenizer == "server":
@@ -239,7 +248,7 @@ def build_probe_cases(
         trials=trials,
         seed=cfg.seed,
         max_answer_tokens=cfg.max_tokens,
-        value_digits=cfg.value_digits,
+        value_digits=value_digits,
     )
     try:
         return build_cases(spec, counter)
