@@ -166,11 +166,16 @@ def test_one_planted_fault(tmp_path, planted, organism, reference_records, reque
         assert v["root_cause"] == planted
     else:
         assert v["root_cause"] is None
+    sig = v["signature"]
     if planted == "page_table":
-        assert v["signature"]["uninformative_ranking"] is True, v["signature"]
-        assert any(layer["uninformative"] for layer in v["signature"]["layers"])
-    else:
-        assert v["signature"]["uninformative_ranking"] is False, v["signature"]
+        # The scrambled page table leaves the needle's rank near chance at the first answer
+        # token; every tested length (256, 512) lies beyond both capacities (64, 128 tokens), so
+        # the collapse cannot be shown to track top-k and the rule does not fire.
+        assert sig["ranking"] == "uninformative", sig["layers"]
+        assert sig["collapse"]["tracks"] is not True, sig["collapse"]
+    elif planted in ("routed_scaling", "hc_mix_bf16"):
+        assert sig["ranking"] == "informative", sig["layers"]
+    assert sig["uninformative_ranking"] is False, sig
 
 
 def test_interrupt_and_resume(tmp_path, reference_records):

@@ -83,6 +83,17 @@ def serve_command(
     max_body_bytes: int = typer.Option(
         DEFAULT_MAX_BODY_BYTES, "--max-body-bytes", help="Larger request bodies get HTTP 413."
     ),
+    max_connections: int = typer.Option(
+        _DEFAULTS.max_connections,
+        "--max-connections",
+        help="Open connections at once; at the cap the oldest idle one is closed (docs/serve.md).",
+    ),
+    header_timeout_s: float = typer.Option(
+        _DEFAULTS.header_timeout_s, "--header-timeout", help="Seconds to send a complete request head."
+    ),
+    body_timeout_s: float = typer.Option(
+        _DEFAULTS.body_timeout_s, "--body-timeout", help="Seconds to send a request body after its head."
+    ),
     prefix_cache_mib: int = typer.Option(
         _DEFAULTS.prefix_cache_mib,
         "--prefix-cache-mib",

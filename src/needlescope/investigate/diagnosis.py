@@ -13,7 +13,7 @@ from pathlib import Path
 
 import needlescope
 from needlescope.investigate.diagnosis_summary import COST_ORDER, shown_verdict, summary_box
-from needlescope.investigate.signature import HOLD, rank_percentile, tracks_topk
+from needlescope.investigate.signature import NEAR_CHANCE, layer_percentiles
 from needlescope.report.blocks import render_html, render_md
 
 __all__ = ["diagnosis_blocks", "render_md", "render_html", "write_reports"]
@@ -79,20 +79,9 @@ def _plots(inv: dict, out: Path) -> list[tuple[str, str]]:
     layers = inv["verdicts"]["signature"]["layers"]
     if layers and inv.get("candidate_records"):
         fig, ax = plt.subplots(figsize=(6, 3.4))
-        for layer in layers:
-            us = sorted(
-                rank_percentile(x["best_rank"], x["visible"], x["needle_visible"])
-                for r in inv["candidate_records"]
-                for x in r["layers"]
-                if x["layer"] == layer["layer"]
-            )
-            if us:
-                ax.step(
-                    us,
-                    [(i + 1) / len(us) for i in range(len(us))],
-                    where="post",
-                    label=f"layer {layer['layer']}",
-                )
+        for layer, us in sorted(layer_percentiles(inv["candidate_records"]).items()):
+            us = sorted(us)
+            ax.step(us, [(i + 1) / len(us) for i in range(len(us))], where="post", label=f"layer {layer}")
         ax.plot([0, 1], [0, 1], "k--", lw=1, label="uniform (uninformative)")
         ax.set_xlabel("needle rank percentile u (0 = top)")
         ax.set_ylabel("fraction of cases")
@@ -203,11 +192,13 @@ def _signature_blocks(sig: dict, images) -> list[tuple]:
         [
             ly["layer"],
             ly["n"],
-            ly["population"],
-            "-" if ly["ks_statistic"] is None else f"{ly['ks_statistic']:.3f}",
-            "-" if ly["p_value"] is None else f"{ly['p_value']:.3g}",
+            _pct(ly["mean_percentile"]),
+            "-" if ly["mean_lower"] is None else f"[{ly['mean_lower']:.2f}, {ly['mean_upper']:.2f}]",
             _pct(ly["median_percentile"]),
-            "uninformative" if ly["uninformative"] else "informative",
+            f"{ly['p_better_holm']:.3g}",
+            f"{ly['p_near_chance_holm']:.3g}",
+            f"{ly['p_worse_holm']:.3g}",
+            ly["ranking"],
         ]
         for ly in sig["layers"]
     ]
@@ -215,24 +206,45 @@ def _signature_blocks(sig: dict, images) -> list[tuple]:
         [
             c["index_topk"],
             c["capacity_tokens"],
-            ", ".join(f"{n}: {x:.2f}" for n, x in c["recall"].items()),
+            ", ".join(
+                f"{x['length']}: {x['correct']}/{x['n']} [{x['ci'][0]:.2f}, {x['ci'][1]:.2f}] {x['state']}"
+                for x in c["lengths"]
+            ),
             c["last_holding"] or "-",
             c["first_collapsed"] or "-",
-            {True: "yes", False: "no", None: "not tested beyond capacity"}[c["consistent"]],
+            {True: "yes", False: "no", None: "cannot decide"}[c["consistent"]],
         ]
         for c in sig["collapse_vs_topk"]
     ]
     head = [
         "index_topk",
         "compress_ratio x index_topk",
-        "recall by length",
+        "recall by length (Wilson 95%)",
         "holds to",
         "collapses at",
         "consistent",
     ]
+    lhead = [
+        "CSA layer",
+        "n",
+        "mean u",
+        "90% CI",
+        "median u",
+        "p better",
+        "p near chance",
+        "p worse",
+        "ranking",
+    ]
     b = [
         ("h", 2, "Signature: is the indexer's ranking informative about the needle?"),
-        ("table", ["CSA layer", "n", "population", "KS D", "KS p", "median u", "ranking"], lrows),
+        (
+            "p",
+            f"Population: {sig['layers'][0]['population'] if sig['layers'] else 'none measured'}. "
+            f"Percentile u: 0 = the needle ranks first, uniform on (0, 1) under a random ranking. "
+            f"p-values exact (sum of percentiles) or t (near chance: mean u >= {0.5 - NEAR_CHANCE:.2f}), "
+            "Holm-corrected across layers.",
+        ),
+        ("table", lhead, lrows),
         ("table", head, crow),
         ("p", _signature_text(sig)),
     ]
@@ -241,14 +253,34 @@ def _signature_blocks(sig: dict, images) -> list[tuple]:
 
 def _signature_text(sig: dict) -> str:
     bad = [ly["layer"] for ly in sig["layers"] if ly["uninformative"]]
+    excluded = [ly["layer"] for ly in sig["layers"] if ly["ranking"] == "excluded"]
+    fix = (
+        "raising index_topk is a workaround (a larger index_topk was measured to restore recall)"
+        if sig["topk_fix"]["restores"]
+        else "no larger index_topk was measured to restore recall, so raising it is not a known workaround"
+    )
+    out = []
+    if excluded:
+        out.append(
+            f"**The needle is systematically excluded** in CSA layer(s) {', '.join(map(str, excluded))}: its rank percentiles sit near 1, significantly worse than chance. The likely bug classes are masking, validity flags or dropped candidates."
+        )
     if sig["uninformative_ranking"]:
-        return f"**The rule fires.** The indexer's ranking is uninformative about the needle in CSA layer(s) {', '.join(map(str, bad))} (rank percentiles indistinguishable from U(0,1), or worse), and the collapse length tracks compress_ratio x index_topk (recall holds at >= {HOLD} exactly while the top-k covers every entry). The likely class is a functional indexer bug (cache layout or paging, scale handling, RoPE, masking), not precision; raising index_topk is a workaround."
+        out.append(
+            f"**The rule fires.** The indexer's ranking is within {NEAR_CHANCE} of chance in CSA layer(s) {', '.join(map(str, bad))}, and the collapse length tracks compress_ratio x index_topk ({sig['collapse']['reason']}). The likely class is a functional indexer bug (cache layout or paging, scale handling, RoPE, masking), not precision; {fix}."
+        )
+        return " ".join(out)
     why = []
     if not bad:
-        why.append("every tested layer ranks the needle better than chance (or too few cases to test)")
-    if not tracks_topk(sig["collapse_vs_topk"]):
-        why.append("the collapse length does not track compress_ratio x index_topk in two runs")
-    return "The rule does not fire: " + "; ".join(why) + "."
+        undecided = [ly for ly in sig["layers"] if ly["ranking"] == "undecided"]
+        why.append(
+            f"no layer's ranking is bounded near chance ({len(undecided)} layer(s) undecided: about {undecided[0]['cases_needed']} cases a layer would decide)"
+            if undecided
+            else "no layer's ranking is bounded near chance"
+        )
+    if sig["collapse"]["tracks"] is not True:
+        why.append(f"the collapse: {sig['collapse']['reason']}")
+    out.append("The rule does not fire: " + "; ".join(why) + f"; {fix}.")
+    return " ".join(out)
 
 
 def _rankdump_blocks(ex: dict | None) -> list[tuple]:

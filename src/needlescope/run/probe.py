@@ -191,7 +191,7 @@ def run_probe(cfg: ProbeConfig, on_event: Event = _noop, *, difficulty: dict | N
     if len(roots) > 1:
         listed = {root: served_models(root, cfg.api_key) for root, _v1 in roots}
         check_same_models({root: ids for root, ids in listed.items() if ids is not None})
-    provenance = collect_provenance(*roots[0], api_key=cfg.api_key)
+    provenance = collect_provenance(*roots[0], api_key=cfg.api_key, timeout=min(cfg.timeout_s, 5.0))
     limits = read_limits(provenance, cfg.model)
     cfg = fit_to_target(cfg, limits, on_event)
     if cfg.resume:
