@@ -8,6 +8,8 @@ phase, and writes ``verdicts.json``, ``DIAGNOSIS.md`` and ``DIAGNOSIS.html`` int
 
 from __future__ import annotations
 
+import shlex
+import sys
 from pathlib import Path
 
 import typer
@@ -39,7 +41,7 @@ def run_investigation_cli(ledger: Path, out: Path) -> Path:
 
     with ProgressView(console) as view:
         run_investigation(ledger, out, lambda phase, done, total, what: view(phase, done, total, what[:60]))
-    md, _ = write_reports(out)
+    md, _ = write_reports(out, command=shlex.join(["needlescope", *sys.argv[1:]]))
     return md
 
 

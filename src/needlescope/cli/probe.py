@@ -9,7 +9,7 @@ import typer
 from needlescope.cli.output import console, err_console
 from needlescope.cli.probe_options import PROBE_FLAGS, build, config_default, option_group
 from needlescope.cli.progress import ProgressView
-from needlescope.report.bisect import residue_lines
+from needlescope.report.bisect import residue_lines, step_line
 from needlescope.run.bisect import BisectConfig, run_bisect
 from needlescope.run.config import ProbeConfig, parse_int_list
 from needlescope.run.difficulty import probe_with_difficulty
@@ -127,6 +127,8 @@ def probe_events(view: ProgressView) -> Event:
                 lengths = ", ".join(map(str, payload["lengths"]))
                 view.note(f"{payload['phase']}: {lengths} tokens ({payload['requests']} requests)")
             start_run(payload["requests"])
+        elif name == "bisect_evidence":
+            view.note(step_line(payload))
         elif name == "run_start":
             start_run(payload["todo"])
         elif name == "result":
