@@ -7,6 +7,7 @@ a parent process (the demo, tests) starts a child server without rebuilding flag
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Annotated
 
 import typer
 
@@ -25,6 +26,21 @@ from needlescope.serve.config import (
 )
 
 _DEFAULTS = ServeConfig()  # every flag's default is the config's own
+
+# The request limits (serve.middleware, serve.connections; docs/serve.md "Limits").
+MaxBodyBytes = Annotated[int, typer.Option("--max-body-bytes", help="Larger request bodies get HTTP 413.")]
+MaxConnections = Annotated[
+    int,
+    typer.Option(
+        "--max-connections", help="Open connections at once; at the cap the oldest idle one is closed."
+    ),
+]
+HeaderTimeout = Annotated[
+    float, typer.Option("--header-timeout", help="Seconds to send a complete request head.")
+]
+BodyTimeout = Annotated[
+    float, typer.Option("--body-timeout", help="Seconds to send a request body after its head.")
+]
 
 
 def serve_command(
@@ -79,20 +95,10 @@ def serve_command(
     expose_paths: bool = typer.Option(
         False, "--expose-paths", help="Show absolute paths in /get_server_info and /v1/models."
     ),
-    max_body_bytes: int = typer.Option(
-        DEFAULT_MAX_BODY_BYTES, "--max-body-bytes", help="Larger request bodies get HTTP 413."
-    ),
-    max_connections: int = typer.Option(
-        _DEFAULTS.max_connections,
-        "--max-connections",
-        help="Open connections at once; at the cap the oldest idle one is closed (docs/serve.md).",
-    ),
-    header_timeout_s: float = typer.Option(
-        _DEFAULTS.header_timeout_s, "--header-timeout", help="Seconds to send a complete request head."
-    ),
-    body_timeout_s: float = typer.Option(
-        _DEFAULTS.body_timeout_s, "--body-timeout", help="Seconds to send a request body after its head."
-    ),
+    max_body_bytes: MaxBodyBytes = DEFAULT_MAX_BODY_BYTES,
+    max_connections: MaxConnections = _DEFAULTS.max_connections,
+    header_timeout_s: HeaderTimeout = _DEFAULTS.header_timeout_s,
+    body_timeout_s: BodyTimeout = _DEFAULTS.body_timeout_s,
     prefix_cache_mib: int = typer.Option(
         _DEFAULTS.prefix_cache_mib,
         "--prefix-cache-mib",
