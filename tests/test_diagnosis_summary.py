@@ -139,3 +139,43 @@ def test_the_box_and_a_fold_render_in_markdown_and_html():
     assert '<section class="summary"><h2>Summary</h2><dl><dt>Symptom</dt>' in page
     assert "<details><summary>Evidence: 2 rows</summary><table>" in page and "<td>&lt;x&gt;</td>" in page
     assert '<footer class="footer">by <strong>me</strong></footer>' in page
+
+
+def _probe_summary(recalls: dict[int, float]) -> dict:
+    cells = [{"length": n, "depth": 0.0, "correct": round(4 * r), "n": 4} for n, r in recalls.items()]
+    return {"cells": cells, "threshold": 0.85, "effective_length": None, "cliff": None}
+
+
+def test_the_demo_diagnosis_md_opens_with_the_same_summary_box():
+    from needlescope.report.diagnosis import render_diagnosis
+
+    pos = {"needle_entries": [3], "visible_entries": 64, "best_rank": 40, "margin": -0.5, "selected": False}
+    dump = {"index_topk": 8, "generated_text": "12", "layers": [{"layer": 1, "positions": [pos]}]}
+    fixes = [
+        {
+            "label": "topk=16 patch=fault:x",
+            "patch": "fault:x",
+            "selected_all_layers": True,
+            "answer_correct": True,
+        },
+        {"label": "topk=8", "patch": None, "selected_all_layers": True, "answer_correct": True},
+    ]
+    kw = dict(model="m", reference=_probe_summary({256: 1.0, 512: 1.0}), deployment_label="dep",
+              case={"case_id": "c", "length": 512, "depth": 0.0, "expected": ["13"]}, why="w", rankdump=dump)  # fmt: skip
+    text = render_diagnosis(
+        deployment=_probe_summary({256: 1.0, 512: 0.25}), fixes=fixes, deployment_patch="fault:x", **kw
+    )
+    assert text.startswith(
+        "# DIAGNOSIS\n\n> **Summary**\n>\n> - **Symptom:** recall falls from 512 tokens on: "
+    )
+    assert "deployment 1.00, 0.25 vs reference 1.00, 1.00 at 256, 512 tokens" in text
+    assert (
+        "> - **Root cause:** likely the patch `fault:x`: removing it restores selection and the answer"
+        in text
+    )
+    assert "> - **Recommended fix:** `topk=8` (removes the patch)" in text
+    assert "> - **Not a fix:** `topk=16 patch=fault:x` is a workaround" in text
+    # Nothing restores the case: the cutoff is named, the rest is unexplained, no fix is invented.
+    text = render_diagnosis(deployment=_probe_summary({256: 1.0, 512: 0.25}), fixes=[], **kw)
+    assert "top-k drops the needle in CSA layer 1 (best entry rank 40 of 64, k = 8)" in text
+    assert "**unexplained** beyond that" in text and "> - **Recommended fix:** none found" in text

@@ -10,6 +10,8 @@ run may not have (``root_causes``, ``residual``, ``unaccounted_differences``, a 
 
 from __future__ import annotations
 
+from needlescope.report.diagnosis import recall_fall_line
+
 __all__ = ["summary_box", "shown_verdict", "COST_ORDER"]
 
 COST_ORDER = {"config": 0, "kernel": 1, "harness": 2}
@@ -28,10 +30,6 @@ def shown_verdict(s: dict) -> str:
     return s["verdict"]
 
 
-def _recalls(rec: dict) -> str:
-    return ", ".join(f"{rec[n]:.2f}" for n in rec)
-
-
 def _pair_text(p: dict) -> str:
     return (
         f"recall {p['recall_with']:.2f} -> {p['recall_without']:.2f} on {p['n']} paired cases "
@@ -41,20 +39,10 @@ def _pair_text(p: dict) -> str:
 
 def _symptom(inv: dict) -> str:
     sy = inv["symptom"]
-    ref, cand = sy["recall_reference"], sy["recall_candidate"]
-    if not cand:
+    if not sy["recall_candidate"]:
         return f"no candidate recall was measured ({sy['cases']} cases planned)"
-    lengths = ", ".join(f"{int(n):,}" for n in ref)
-    lost = [n for n in ref if n in cand and cand[n] < ref[n]]
-    where = (
-        f"recall falls from {int(lost[0]):,} tokens on"
-        if lost
-        else "no recall lost against the reference at any tested length"
-    )
-    return (
-        f"{where}: candidate {_recalls(cand)} vs reference {_recalls(ref)} at {lengths} tokens "
-        f"({sy['cases']} {sy['kind']} cases)"
-    )
+    line = recall_fall_line(sy["recall_reference"], sy["recall_candidate"])
+    return f"{line} ({sy['cases']} {sy['kind']} cases)"
 
 
 def _roots(inv: dict) -> list[str]:
