@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["topk", "split_segment"]
+__all__ = ["topk", "split_segment", "topk_method"]
 
 
 @triton.jit
@@ -196,6 +196,13 @@ def split_segment(rows: int, width: int, k: int) -> int:
     return seg if rows < 132 and width >= 2 * seg else 0
 
 
+def topk_method(rows: int, width: int, k: int) -> str:
+    """``radix`` (``triton_radix``: cooperative radix select) or ``bisect`` (this module) for a
+    [rows, width] top-k. Measured on the H200 (docs/perf/indexer.md, run of 2026-12-04 17:xx):
+    PLACEHOLDER."""
+    return "radix" if width > 4096 else "bisect"
+
+
 def _search(
     width: int, bits: int | None, block: int | None, num_warps: int | None
 ) -> tuple[int, int, int, bool]:
@@ -241,6 +248,8 @@ def topk(
     bits: int | None = None,
     num_warps: int | None = None,
     segment: int | None = None,
+    method: str | None = None,
+    chunk: int | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """logits fp32 [R, L], starts/ends int32 [R] (clamped to [0, L]) -> int32 [R, k] (module docstring).
@@ -249,6 +258,8 @@ def topk(
     (``block``/``num_warps`` tune that stage, ``bits`` both stages), then a merge program per row picks the
     top-k among those candidates (same threshold search, ties to the lower index: the result
     equals the unsplit one). None: ``split_segment``'s choice; 0: never split.
+    ``method``: ``radix`` (``triton_radix.radix_topk``, ``chunk`` columns a program) or
+    ``bisect`` (the threshold searches here); None: ``topk_method``'s choice.
     ``out`` (int32 [R, k], optional) is written in place; every element gets written.
     """
     R, L = logits.shape
@@ -259,6 +270,14 @@ def topk(
     out = torch.empty(R, k, dtype=torch.int32, device=logits.device) if out is None else out
     if R == 0:
         return out
+    if method is None:
+        method = topk_method(R, L, k)
+    if method == "radix":
+        from needlescope.kernels.triton_radix import radix_topk
+
+        return radix_topk(logits, k, st, en, chunk=chunk, num_warps=num_warps, out=out)
+    if method != "bisect":
+        raise ValueError(f"method must be radix or bisect, got {method!r}")
     if segment is None:
         segment = split_segment(R, L, k)
     if not segment or segment >= L:

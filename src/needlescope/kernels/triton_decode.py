@@ -1,0 +1,53 @@
+"""Decode top-k over a paged key cache: logits and exact top-k, fused or as two kernels.
+
+The fused path builds the first radix-select histogram (``triton_radix``, top 8 bits of every
+row's keys) inside the paged logits kernel while it writes each logit, so the top-k starts at its
+second pass: one launch and one full read of the logits row fewer than logits then top-k. The
+logits row is still written (read back by the remaining passes, mostly from L2): a per-segment
+candidate list instead would need each program to finish a serial selection over its segment,
+which measured 8-40 us a stage (docs/perf/indexer-notes.md), where the histogram costs one
+``tl.histogram`` per page.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from needlescope.kernels import triton_logits, triton_radix, triton_topk
+from needlescope.kernels.layout import PagedKeys
+
+__all__ = ["decode_topk", "fuse_decode"]
+
+
+def fuse_decode(batch: int, width: int, k: int) -> bool:
+    """Whether the fused path is used for a [batch, width] decode top-k: wherever the radix
+    select is (docs/perf/indexer.md: PLACEHOLDER)."""
+    return triton_topk.topk_method(batch, width, k) == "radix"
+
+
+def decode_topk(
+    q: torch.Tensor,
+    w: torch.Tensor,
+    paged: PagedKeys,
+    context_lens: torch.Tensor,
+    k: int,
+    *,
+    fused: bool | None = None,
+    fault: str | None = None,
+    logits_args: dict | None = None,
+) -> torch.Tensor:
+    """q [B, H, D] codes, w [B, H] fp32, context_lens int32 [B] -> int32 [B, k]: the exact top-k
+    entries of each request (ties to the lower index, -1 padding). ``fused`` None: ``fuse_decode``.
+    ``logits_args``: tuning keywords of ``triton_logits.paged_logits``."""
+    B = q.shape[0]
+    lens = context_lens.to(device=q.device, dtype=torch.int32).clamp(0, paged.width).contiguous()
+    zeros = torch.zeros_like(lens)
+    if fused is None:
+        fused = fuse_decode(B, paged.width, k)
+    kw = logits_args or {}
+    if not fused:
+        logits = triton_logits.paged_logits(q, w, paged, lens, fault=fault, **kw)
+        return triton_topk.topk(logits, k, zeros, lens)
+    hist = triton_radix.radix_workspace(B, q.device)
+    logits = triton_logits.paged_logits(q, w, paged, lens, fault=fault, hist=hist[0], **kw)
+    return triton_radix.radix_topk(logits, k, zeros, lens, hist=hist, first_pass=1)
