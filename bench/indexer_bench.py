@@ -115,7 +115,8 @@ def decode_bytes(c: dict, key_dtype: str) -> int:
 
 
 def decode_cell(cfg: dict, c: dict, kd: str, k: int) -> dict:
-    """Logits alone (default and prefetch), top-k alone, and the three decode pipelines for one cell."""
+    """Logits alone (default and prefetch loops); for fp8 also top-k alone and the decode pipelines:
+    logits + top-k, fused (8- and 11-bit digits), and the previous pipeline (split bisection)."""
     args = (c["q"], c["w"], c["paged"], c["lens"])
     zeros = torch.zeros_like(c["lens"])
     base = triton_logits.paged_logits(*args)
@@ -129,17 +130,23 @@ def decode_cell(cfg: dict, c: dict, kd: str, k: int) -> dict:
         t = med(partial(triton_logits.paged_logits, *args, out=base, **kw))
         res[f"{name}_us"] = t
         res[f"{name}_pct_copy"] = 100 * res["roofline_us"] / t
+    if kd != "fp8_e4m3":
+        return res
     res["topk_us"] = med(partial(triton_topk.topk, base, k, zeros, c["lens"]), graph=True)
     res["topk_method"] = triton_topk.topk_method(*base.shape, k)
     want = triton_topk.topk(base, k, zeros, c["lens"], method="bisect").sort(1).values
-    for name, kw in (("", {}), ("prefetch_", {"prefetch": True})):
-        unfused = partial(triton_decode.decode_topk, *args, k, fused=False, logits_args=kw)
-        fused = partial(triton_decode.decode_topk, *args, k, fused=True, logits_args=kw)
-        res[f"{name}fused_same_set"] = bool(torch.equal(fused().sort(1).values, want))
-        res[f"{name}unfused_us"] = med(unfused, graph=True)
-        res[f"{name}fused_us"] = med(fused, graph=True)
-    old = lambda: triton_topk.topk(triton_logits.paged_logits(*args), k, zeros, c["lens"], method="bisect")  # noqa: E731
-    res["old_pipeline_us"] = med(old, graph=True)
+    pipelines = {
+        "unfused": partial(triton_decode.decode_topk, *args, k, fused=False),
+        "fused": partial(triton_decode.decode_topk, *args, k, fused=True),
+        "fused11": partial(triton_decode.decode_topk, *args, k, fused=True, bits=11),
+        "default": partial(triton_decode.decode_topk, *args, k),
+        "old_pipeline": lambda: triton_topk.topk(
+            triton_logits.paged_logits(*args), k, zeros, c["lens"], method="bisect"
+        ),
+    }
+    for name, fn in pipelines.items():
+        res[f"{name}_same_set"] = bool(torch.equal(fn().sort(1).values, want))
+        res[f"{name}_us"] = med(fn, graph=True)
     return res
 
 
@@ -172,25 +179,22 @@ DECODE_CONFIGS = [  # (pages per program, warps, stages, prefetch)
     (8, 4, 2, False),
     (8, 4, 3, False),
     (8, 4, 2, True),
-    (8, 4, 1, True),
+    (8, 4, 3, True),
+    (16, 4, 3, True),
     (4, 4, 2, True),
-    (16, 4, 2, True),
-    (16, 4, 1, True),
-    (32, 4, 1, True),
     (8, 8, 2, True),
-    (16, 8, 1, True),
 ]
 
 
 def bench_decode_variants(out: dict) -> None:
-    """Logits configs at the four goal cells (batch 32/64 x 128K/256K), fp8 keys; bf16 default and prefetch."""
+    """Logits configs at the four goal cells (batch 32/64 x 128K/256K), fp8 keys."""
     res = []
     for B, ctx in ((32, 131072), (64, 131072), (32, 262144), (64, 262144)):
-        for kd in ("fp8_e4m3", "bf16"):
+        for kd in ("fp8_e4m3",):
             c = decode_case(B, ctx, kd, seed=B * 7 + ctx)
             args = (c["q"], c["w"], c["paged"], c["lens"])
             o = triton_logits.paged_logits(*args)
-            for ppp, nw, ns, pre in DECODE_CONFIGS if kd == "fp8_e4m3" else DECODE_CONFIGS[:3]:
+            for ppp, nw, ns, pre in DECODE_CONFIGS:
                 kw = {"pages_per_prog": ppp, "num_warps": nw, "num_stages": ns, "prefetch": pre}
                 try:
                     t = med(partial(triton_logits.paged_logits, *args, out=o, **kw))
@@ -265,18 +269,19 @@ ROTATE = 4  # input sets a timed call cycles through
 
 
 def topk_variants(k: int) -> dict:
-    """name -> fn(x, starts, ends) for every top-k timed side by side."""
+    """name -> fn(x, starts, ends) for every top-k timed side by side (radix/BITS/CHUNK)."""
     tk = triton_topk.topk
     v = {
         "torch.topk": lambda x, st, en: torch.topk(x, k, dim=1, sorted=False).indices,
         "unsplit": lambda x, st, en: tk(x, k, st, en, method="bisect", segment=0),
         "split": lambda x, st, en: tk(x, k, st, en, method="bisect"),
-        "radix": lambda x, st, en: tk(x, k, st, en, method="radix"),
         "default": lambda x, st, en: tk(x, k, st, en),
     }
-    for ch in (512, 1024, 2048, 4096, 8192):
-        v[f"radix/{ch}"] = lambda x, st, en, ch=ch: tk(x, k, st, en, method="radix", chunk=ch)
-    v["radix/2048/w8"] = lambda x, st, en: tk(x, k, st, en, method="radix", chunk=2048, num_warps=8)
+    for bits in triton_radix.DIGIT_BITS:
+        for ch in (512, 1024, 2048):
+            v[f"radix/{bits}/{ch}"] = lambda x, st, en, b=bits, c=ch: tk(
+                x, k, st, en, method="radix", bits=b, chunk=c
+            )
     return v
 
 
@@ -418,24 +423,24 @@ def main() -> None:
 
 def _decode_lines(out: dict) -> list[str]:
     lines = [
-        "| batch | context | fp8 roofline µs | fp8 logits µs (% copy) | prefetch µs (% copy) | bf16 roofline µs | bf16 logits µs (% copy) | prefetch µs (% copy) "
-        "| top-k 512 µs (method) | logits+top-k µs | fused µs | prefetch logits+top-k µs | prefetch fused µs | previous pipeline µs | torch ref µs |",
+        "| batch | context | fp8 roofline µs | fp8 logits µs (% copy) | prefetch µs (% copy) | bf16 roofline µs | bf16 logits µs (% copy) "
+        "| prefetch µs (% copy) | top-k 512 µs (method) | logits+top-k µs | fused µs | fused 11-bit µs | default µs | previous pipeline µs | torch ref µs |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in out["decode"]:
         f, b = r["fp8_e4m3"], r["bf16"]
         ref = r.get("reference_us")
         bad = [
-            kd
+            f"{kd}:{n}"
             for kd in ("fp8_e4m3", "bf16")
-            for key in ("fused_same_set", "prefetch_fused_same_set", "prefetch_logits_equal")
-            if not r[kd][key]
+            for n, v in r[kd].items()
+            if n.endswith(("_same_set", "_equal")) and not v
         ]
         lines.append(
             f"| {r['batch']} | {r['context'] // 1024}K | {f['roofline_us']:.1f} | {f['logits_us']:.1f} ({f['logits_pct_copy']:.0f}%) "
             f"| {f['prefetch_us']:.1f} ({f['prefetch_pct_copy']:.0f}%) | {b['roofline_us']:.1f} | {b['logits_us']:.1f} ({b['logits_pct_copy']:.0f}%) "
             f"| {b['prefetch_us']:.1f} ({b['prefetch_pct_copy']:.0f}%) | {f['topk_us']:.1f} ({f['topk_method']}) | {f['unfused_us']:.1f} | {f['fused_us']:.1f} "
-            f"| {f['prefetch_unfused_us']:.1f} | {f['prefetch_fused_us']:.1f} | {f['old_pipeline_us']:.1f} | {'n/a' if ref is None else f'{ref:.0f}'} |"
+            f"| {f['fused11_us']:.1f} | {f['default_us']:.1f} | {f['old_pipeline_us']:.1f} | {'n/a' if ref is None else f'{ref:.0f}'} |"
             + (f" MISMATCH: {bad}" if bad else "")
         )
     return [*lines, ""]
@@ -443,18 +448,18 @@ def _decode_lines(out: dict) -> list[str]:
 
 def _topk_lines(out: dict) -> list[str]:
     lines = [
-        "| rows | length | k | torch.topk µs | unsplit µs | split µs | radix µs (chunk) | best radix µs (variant) | default µs (method) | default / torch.topk |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| rows | length | k | torch.topk µs | unsplit µs | split µs | best radix µs (bits/chunk) | default µs (method) | default / torch.topk |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     nan = {"us": float("nan"), "same_set": True}
     for r in out["topk"]:
         radix = {n: v for n, v in r.items() if n.startswith("radix") and isinstance(v, dict)}
-        best = min(radix, key=lambda n: radix[n]["us"]) if radix else "radix"
+        best = min(radix, key=lambda n: radix[n]["us"]) if radix else "radix/none"
         g = lambda n, r=r: r.get(n, nan)["us"]  # noqa: E731
         bad = [n for n, v in r.items() if isinstance(v, dict) and not v["same_set"]]
         lines.append(
             f"| {r['rows']} | {r['length']} | {r['k']} | {g('torch.topk'):.1f} | {g('unsplit'):.1f} | {g('split'):.1f} "
-            f"| {g('radix'):.1f} ({r['default_chunk']}) | {g(best):.1f} ({best}) | {g('default'):.1f} ({r['method']}) "
+            f"| {g(best):.1f} ({best[6:]}) | {g('default'):.1f} ({r['method']}, chunk {r['default_chunk']}) "
             f"| {g('default') / g('torch.topk'):.2f} |" + (f" DIFFERENT SETS: {bad}" if bad else "")
         )
     return [*lines, ""]

@@ -27,6 +27,7 @@ from needlescope.kernels import (  # noqa: E402
     resolve_kernel,
     triton_decode,
     triton_logits,
+    triton_radix,
     triton_topk,
 )
 from needlescope.kernels.reference import logits_reference, paged_logits_reference, topk_reference  # noqa: E402
@@ -77,6 +78,7 @@ ALGOS = {
     "split-radix4": {"method": "bisect", "segment": 256, "bits": 4},
     "coop-radix": {"method": "radix"},
     "coop-radix-small-chunks": {"method": "radix", "chunk": 256},
+    "coop-radix11": {"method": "radix", "bits": 11, "chunk": 512},
     "default": {},
 }
 
@@ -101,6 +103,23 @@ def test_topk_is_exact_with_lower_index_ties(ties: bool, algo: str) -> None:
         assert torch.equal(got, want), (
             f"k={k}: top-k sets differ in rows {(got != want).any(1).nonzero().flatten().tolist()}"
         )
+
+
+@pytest.mark.parametrize("bits", triton_radix.DIGIT_BITS)
+def test_radix_workspace_is_left_zero_for_the_next_call(bits: int) -> None:
+    """The cached histograms clean themselves: after a call every digit's histogram but the last
+    is zero again (the last, read by the output pass, is cleared by the next call's second
+    launch), so calls need no memset and a later call (another k, other rows) is still exact."""
+    g = _gen(11)
+    R, L = SHAPES["rows"], SHAPES["length"]
+    for k in SHAPES["ks"]:
+        x = torch.randn(R, L, generator=g, device=DEV)
+        st, en = _ranges(R, L, k, g)
+        got = triton_radix.radix_topk(x, k, st, torch.maximum(en, st), bits=bits, chunk=512)
+        assert torch.equal(got.sort(1).values, topk_reference(x, k, st, en).sort(1).values)
+        ws = triton_radix.radix_workspace(R, DEV, bits)
+        assert not ws[:-1].any(), "histograms left non-zero"
+        assert ws[-1].any()
 
 
 def test_topk_reference_matches_dsa_reference_without_ties() -> None:
@@ -185,8 +204,10 @@ def test_fused_decode_topk_equals_logits_then_topk(key_dtype: str) -> None:
     ref_logits = paged_logits_reference(qc, wf, paged, lens)
     for k in (*SHAPES["ks"], 100):
         fused = triton_decode.decode_topk(qc, wf, paged, lens, k, fused=True)
+        fused11 = triton_decode.decode_topk(qc, wf, paged, lens, k, fused=True, bits=11)
         logits = triton_logits.paged_logits(qc, wf, paged, lens)
         assert torch.equal(fused, triton_topk.topk(logits, k, zeros, lens, method="radix")), k
+        assert torch.equal(fused11, fused), k
         unfused = triton_decode.decode_topk(qc, wf, paged, lens, k, fused=False)
         assert torch.equal(fused.sort(1).values, unfused.sort(1).values), k
         want = topk_reference(ref_logits, k, zeros, lens)

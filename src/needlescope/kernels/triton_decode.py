@@ -33,11 +33,13 @@ def decode_topk(
     k: int,
     *,
     fused: bool | None = None,
+    bits: int = 8,
     fault: str | None = None,
     logits_args: dict | None = None,
 ) -> torch.Tensor:
     """q [B, H, D] codes, w [B, H] fp32, context_lens int32 [B] -> int32 [B, k]: the exact top-k
-    entries of each request (ties to the lower index, -1 padding). ``fused`` None: ``fuse_decode``.
+    entries of each request (ties to the lower index, -1 padding). ``fused`` None: ``fuse_decode``;
+    ``bits``: the radix digit width of the fused path.
     ``logits_args``: tuning keywords of ``triton_logits.paged_logits``."""
     B = q.shape[0]
     lens = context_lens.to(device=q.device, dtype=torch.int32).clamp(0, paged.width).contiguous()
@@ -48,6 +50,6 @@ def decode_topk(
     if not fused:
         logits = triton_logits.paged_logits(q, w, paged, lens, fault=fault, **kw)
         return triton_topk.topk(logits, k, zeros, lens)
-    hist = triton_radix.radix_workspace(B, q.device)
-    logits = triton_logits.paged_logits(q, w, paged, lens, fault=fault, hist=hist[0], **kw)
-    return triton_radix.radix_topk(logits, k, zeros, lens, hist=hist, first_pass=1)
+    hist = triton_radix.radix_workspace(B, q.device, bits)
+    logits = triton_logits.paged_logits(q, w, paged, lens, fault=fault, hist=hist[0], hist_bits=bits, **kw)
+    return triton_radix.radix_topk(logits, k, zeros, lens, bits=bits, hist=hist, first_pass=1)

@@ -68,17 +68,12 @@ def _page_rows(
 
 
 @triton.jit
-def _page_keys(vals_ptr, scales_ptr, rows, valid, offs_d, D: tl.constexpr, FP8: tl.constexpr):
-    """Codes [entries, D] and fp32 scales [entries] at (physical page, slot) ``rows``: an fp8 page
-    holds 64 rows of D codes then 64 fp32 scales; a bf16 page 64 rows of D values (scale 1)."""
-    phys, slot = rows
+def _page_scales(scales_ptr, phys, slot, valid, D: tl.constexpr, FP8: tl.constexpr):
+    """fp32 key scales at (physical page, slot): an fp8 page holds 64 rows of D codes then 64
+    fp32 scales; bf16 keys have scale 1."""
     if FP8:
-        kp = vals_ptr + phys * (64 * (D + 4)) + slot * D
-        sc = tl.load(scales_ptr + phys * (16 * (D + 4)) + 16 * D + slot, mask=valid, other=0.0)
-    else:
-        kp = vals_ptr + (phys * 64 + slot) * D
-        sc = tl.where(valid, 1.0, 1.0)
-    return tl.load(kp[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0), sc
+        return tl.load(scales_ptr + phys * (16 * (D + 4)) + 16 * D + slot, mask=valid, other=0.0)
+    return tl.where(valid, 1.0, 1.0)
 
 
 @triton.jit
@@ -90,7 +85,7 @@ def _paged_kernel(
     bt_ptr,  # int32 [B, max_pages]
     lens_ptr,  # int32 [B]
     out_ptr,  # fp32 [B, width]
-    hist_ptr,  # HIST: int32 [B, 256] pass-0 histograms of triton_radix (unused otherwise)
+    hist_ptr,  # HIST_BITS > 0: int32 [B, 2**HIST_BITS] pass-0 histograms of triton_radix
     H,
     bt_stride,
     out_stride,
@@ -103,8 +98,8 @@ def _paged_kernel(
     IEEE: tl.constexpr,
     FAULT_PAGE_TABLE: tl.constexpr,
     FAULT_KEY_SLOT: tl.constexpr,
-    PREFETCH: tl.constexpr,  # keys and scales an iteration ahead, block-table entries two
-    HIST: tl.constexpr,  # also build triton_radix's first histogram of each row's logits
+    PREFETCH: tl.constexpr,  # block-table entries up front, scales a page ahead (one page per MMA)
+    HIST_BITS: tl.constexpr,  # > 0: also build triton_radix's first histogram of each row
 ):
     b = tl.program_id(0)
     chunk = tl.program_id(1)
@@ -117,38 +112,42 @@ def _paged_kernel(
     n = tl.load(lens_ptr + b)
     bt_row = bt_ptr + b * bt_stride
     page0 = chunk * PAGES_PER_PROG
-    if PREFETCH:  # page i's keys and scales and page i+1's block-table entry, loaded an iteration early
-        rows = _page_rows(bt_row, page0, n, offs_e, PAGES_PER_MMA, FAULT_PAGE_TABLE, FAULT_KEY_SLOT)
-        k_a, sc_a = _page_keys(vals_ptr, scales_ptr, rows, page0 * 64 + offs_e < n, offs_d, D, FP8)
-        page1 = page0 + PAGES_PER_MMA
-        phys_b, slot_b = _page_rows(bt_row, page1, n, offs_e, PAGES_PER_MMA, FAULT_PAGE_TABLE, FAULT_KEY_SLOT)
-    hacc = tl.zeros([256], dtype=tl.int32)
+    if PREFETCH:  # the program's block-table entries in one load; page i+1's scales during page i
+        pages = tl.arange(0, PAGES_PER_PROG)
+        bts = tl.load(bt_row + page0 + pages, mask=(page0 + pages) * 64 < n, other=0).to(tl.int64)
+        sc_a = _page_scales(
+            scales_ptr, tl.sum(tl.where(pages == 0, bts, 0), 0), offs_e, page0 * 64 + offs_e < n, D, FP8
+        )
     for i in range(PAGES_PER_PROG // PAGES_PER_MMA):
         page = page0 + i * PAGES_PER_MMA
         ent = page * 64 + offs_e  # logical entries of this page (these pages)
         valid = ent < n
         # No branch on the page: masked loads move no bytes, and a branch-free loop pipelines.
         if PREFETCH:
-            k, sc = k_a, sc_a
-            nxt = page + PAGES_PER_MMA
-            k_a, sc_a = _page_keys(
-                vals_ptr, scales_ptr, (phys_b, slot_b), nxt * 64 + offs_e < n, offs_d, D, FP8
-            )
-            phys_b, slot_b = _page_rows(
-                bt_row, nxt + PAGES_PER_MMA, n, offs_e, PAGES_PER_MMA, FAULT_PAGE_TABLE, FAULT_KEY_SLOT
-            )
+            phys, slot, sc = tl.sum(tl.where(pages == i, bts, 0), 0), offs_e, sc_a
+            nxt = tl.sum(tl.where(pages == i + 1, bts, 0), 0)
+            sc_a = _page_scales(scales_ptr, nxt, offs_e, (page + 1) * 64 + offs_e < n, D, FP8)
         else:
-            rows = _page_rows(bt_row, page, n, offs_e, PAGES_PER_MMA, FAULT_PAGE_TABLE, FAULT_KEY_SLOT)
-            k, sc = _page_keys(vals_ptr, scales_ptr, rows, valid, offs_d, D, FP8)
+            phys, slot = _page_rows(bt_row, page, n, offs_e, PAGES_PER_MMA, FAULT_PAGE_TABLE, FAULT_KEY_SLOT)
+            sc = _page_scales(scales_ptr, phys, slot, valid, D, FP8)
+        if FP8:
+            kp = vals_ptr + phys * (64 * (D + 4)) + slot * D
+        else:
+            kp = vals_ptr + (phys * 64 + slot) * D
+        k = tl.load(kp[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
         # Entries as the MMA's rows, heads as its columns: the head sum stays inside each warp.
         s = _scores(k, q, NATIVE_FP8, IEEE)  # [64 * PAGES_PER_MMA, BLOCK_H]
         logit = tl.sum(tl.maximum(s, 0.0) * w[None, :], axis=1) * sc
         logit = tl.where(valid, logit, float("-inf"))
         tl.store(out_ptr + b.to(tl.int64) * out_stride + ent, logit, mask=ent < out_stride)
-        if HIST:
-            hacc += digit0_histogram(logit, valid)
-    if HIST:
-        tl.atomic_add(hist_ptr + b * 256 + tl.arange(0, 256), hacc, mask=hacc != 0, sem="relaxed")
+    if HIST_BITS > 0:  # the program's logits again (this SM just wrote them), one histogram
+        tl.debug_barrier()
+        ents = page0 * 64 + tl.arange(0, PAGES_PER_PROG * 64)
+        mine = tl.load(out_ptr + b.to(tl.int64) * out_stride + ents, mask=ents < n, other=0.0)
+        h = digit0_histogram(mine, ents < n, HIST_BITS)
+        tl.atomic_add(
+            hist_ptr + (b << HIST_BITS) + tl.arange(0, 1 << HIST_BITS), h, mask=h != 0, sem="relaxed"
+        )
 
 
 @triton.jit
@@ -222,15 +221,16 @@ def paged_logits(
     prefetch: bool = False,
     out: torch.Tensor | None = None,
     hist: torch.Tensor | None = None,
+    hist_bits: int = 8,
 ) -> torch.Tensor:
     """q [B, H, D] codes, w [B, H] fp32, context_lens int32 [B] -> logits fp32 [B, width] (into ``out`` if given).
 
-    ``prefetch``: load each page's keys and scales one iteration ahead into registers, and its
-    block-table entry two ahead. Without it the compiled loop (PTX read on Triton 3.9, sm_90)
-    waits on a block-table load right before the ``cp.async`` of the page it addresses and on a
-    scale load in the same iteration's epilogue: two memory latencies a page that only other
-    programs on the SM can hide. ``hist`` (int32
-    [B, 256], zeroed): also add each row's pass-0 histogram of ``triton_radix`` (the fused decode path).
+    ``prefetch`` (one page per MMA, no fault): load the program's block-table entries in one
+    load before the loop and each page's scales one page early. Without it the compiled loop
+    (PTX read on Triton 3.9, sm_90) waits on a block-table load right before the ``cp.async`` of
+    the page it addresses and on a scale load in the same iteration's epilogue.
+    ``hist`` (int32 [B, 2**hist_bits], a ``triton_radix`` workspace row): also add each row's
+    pass-0 histogram of the radix select (the fused decode path).
     """
     B, H, D = q.shape
     if pages_per_mma not in (1, 2) or pages_per_prog % pages_per_mma:
@@ -262,8 +262,8 @@ def paged_logits(
         FP8=fp8,
         FAULT_PAGE_TABLE=fault == "indexer_page_table",
         FAULT_KEY_SLOT=fault == "indexer_key_slot",
-        PREFETCH=prefetch,
-        HIST=hist is not None,
+        PREFETCH=prefetch and pages_per_mma == 1 and fault is None,
+        HIST_BITS=0 if hist is None else hist_bits,
         num_warps=num_warps,
         num_stages=num_stages,
         **_modes(q, fp8, native_fp8),
