@@ -1,6 +1,7 @@
 """Exact top-k by cooperative radix select: every row split over many programs, 8 bits a pass.
 
-Same contract as ``triton_topk.topk`` (ties to the lower index, row lengths, -1 padding, output:
+(``bits=11``: three passes of 11, 11 and 10 bits over 2048 bins, one launch fewer; measured 2-10x
+slower on the H200, docs/perf/indexer.md, and kept as the measured alternative.) Same contract as ``triton_topk.topk`` (ties to the lower index, row lengths, -1 padding, output:
 entries above the threshold in index order, then the ties in index order). Keys are the fp32
 scores mapped to order-preserving uint32 (``triton_topk._ordered_key``).
 
@@ -9,7 +10,8 @@ registers:
 
 * passes 0-3: the 256-bin histogram of digit p (bits 31-24, 23-16, 15-8, 7-0) over the chunk's
   entries whose higher digits equal the prefix found so far, added to the row's global histogram
-  with integer atomics (only the non-empty bins). Each program of pass p first resolves digit p-1
+  with integer atomics (only the non-empty bins; ``tl.histogram`` itself lowers to one
+  shared-memory atomic per entry, PTX read on Triton 3.9). Each program of pass p first resolves digit p-1
   from the row's histogram of the previous pass (the bin holding the k-th largest key, and how
   many of k are still to be found inside it); program (r, 0) writes that state for the next pass.
 * pass 3 also stores, per program, how many of its entries lie above and at each candidate last
@@ -21,8 +23,9 @@ registers:
 Why not a serial search per program (``triton_topk``): that is ~20 dependent block-wide counts in
 one program (docs/perf/indexer-notes.md), where here each program makes four histogram passes
 over a short chunk, all chunks of all rows in parallel, and the serial part is five launches.
-``first_pass`` lets a producer (the fused decode path in ``triton_logits``) build pass 0's
-histogram while it writes the logits.
+``first_pass`` lets a producer (the fused decode path, ``triton_decode``) build pass 0's
+histogram with the logits. The histograms live in a workspace cached per device
+(``radix_workspace``) that the launches leave zeroed, so a call needs no memset launch.
 """
 
 from __future__ import annotations
@@ -194,6 +197,8 @@ def radix_workspace(rows: int, device, bits: int = 8) -> torch.Tensor:
     ``hist`` (a fresh ``torch.zeros`` of this shape). Not cached while a CUDA graph is captured.
     """
     dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:  # "cuda" and "cuda:0" must share one workspace
+        dev = torch.device("cuda", torch.cuda.current_device())
     key = (dev, bits)
     ws = _WORKSPACES.get(key)
     if ws is None or ws.shape[1] < rows:

@@ -1,5 +1,8 @@
 """Exact top-k over fp32 rows in Triton: one program per row, or a row split over many programs.
 
+``topk`` also dispatches to the cooperative radix select of ``triton_radix`` (``method``;
+``topk_method`` is the measured rule); what follows describes this module's threshold searches.
+
 Each fp32 score maps to a uint32 key whose unsigned order is the float order (flip all bits of
 negatives, the sign bit of positives; -0.0 is folded onto +0.0). A threshold search finds the
 exact key t of the k-th largest entry and how many entries equal to t to take; a final pass
