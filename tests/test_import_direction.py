@@ -19,6 +19,7 @@ LAYERS: dict[str, int] = {
     "schema": 0,
     "setting": 0,
     "paths": 0,
+    "progress": 0,
     # 1: torch-free cores
     "cases": 1,
     "analysis": 1,
@@ -45,7 +46,18 @@ LAYERS: dict[str, int] = {
 # Same-layer edges that would make a cycle: dsa loads checkpoints and must not need the organism
 # package (which imports dsa); the torch-free cores of layer 1 and run never need dsa.
 FORBIDDEN = {("dsa", "organism"), ("dsa", "run"), ("run", "dsa"), ("run", "organism")}
-TORCH_FREE = ("setting", "schema", "errors", "paths", "cases", "analysis", "targets", "report", "run")
+TORCH_FREE = (
+    "setting",
+    "schema",
+    "errors",
+    "paths",
+    "progress",
+    "cases",
+    "analysis",
+    "targets",
+    "report",
+    "run",
+)
 
 
 def _top(path: Path, root: Path = SRC) -> str:

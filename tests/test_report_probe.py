@@ -5,6 +5,7 @@ import json
 import pytest
 
 from needlescope.analysis import cells_from_results
+from needlescope.analysis.depth import depth_profile
 from needlescope.report import validate_summary, write_probe_outputs
 
 
@@ -44,8 +45,8 @@ def test_writes_four_files(tmp_path):
 def test_validate_rejects_bad():
     with pytest.raises(ValueError):
         validate_summary({"threshold": 0.9})
-    good = {"effective_length": None, "threshold": 0.9, "kind": "k", "model": "m", "cells": [], "cliff": None,
-            "provenance": {}}  # fmt: skip
+    good = {"headline": [], "effective_length": None, "threshold": 0.9, "kind": "k", "model": "m", "cells": [],
+            "cliff": None, "depth_profile": depth_profile([]), "provenance": {}}  # fmt: skip
     validate_summary(good)
     with pytest.raises(ValueError):
         validate_summary({**good, "effective_length": "100"})

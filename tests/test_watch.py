@@ -258,7 +258,9 @@ def test_logs_hold_no_api_key_and_no_request_body_at_info(scripted_server, caplo
         got = run_rounds(cfg, rounds=2)
     assert got[("needlescope_recall", "200")] == 1.0
     assert key not in caplog.text
-    cases = build_probe_cases(cfg, url, "scripted", lengths=cfg.lengths, depths=cfg.depths, trials=1)
+    cases = build_probe_cases(
+        cfg, url, "scripted", lengths=cfg.lengths, depths=cfg.depths, trials=1, value_digits=7
+    )
     info = "\n".join(r.getMessage() for r in caplog.records if r.levelno >= logging.INFO)
     assert "is up" in info
     for case in cases:
@@ -350,7 +352,10 @@ def test_health_reports_each_check_and_exits_by_verdict(scripted_server):
 
     check_schema(report, HEALTH_SCHEMA, "health")
     assert [c["status"] for c in report["checks"]] == ["ok", "warn", "fail"]
-    assert report["checks"][2]["detail"] == "missed the needle at 600 tokens, depth 0%"
+    assert report["checks"][2]["detail"] == "missed the needle at 600 tokens, depth 0%, a 7-digit value"
+    assert (
+        report["value_digits"] == 7 and "advertises no trained_value_digits" in report["value_digits_source"]
+    )
 
     dead = f"http://127.0.0.1:{free_port()}"
     down = health("--base-url", dead, "--json")
@@ -409,11 +414,13 @@ def test_health_and_canary_watch_the_organism_and_its_admission_queue():
 
     args = ["--model", "organism", "--port", "0", "--max-running-requests", "1", "--max-queued-requests", "1"]
     with ServerProcess(args) as srv:
-        ok = health("--base-url", srv.url + "/v1", "--length", "256", "--value-digits", "3")
+        # No flags: the needle's value length is the one the organism advertises (3 digits).
+        ok = health("--base-url", srv.url + "/v1")
         assert ok.returncode == 0, ok.stdout + ok.stderr
         assert ok.stdout.splitlines()[2].startswith("ok    needle")
+        assert "needle values: 3 digits, from the target's /get_server_info trained_value_digits" in ok.stdout
 
-        cfg = CanaryConfig(base_url=srv.url, lengths=(256,), depths=(50.0,), trials=1, value_digits=3)
+        cfg = CanaryConfig(base_url=srv.url, lengths=(256,), depths=(50.0,), trials=1)
         got = run_rounds(cfg)
         assert got[("needlescope_recall", "256")] == 1.0
         assert got[("needlescope_engine_queue_depth",)] == 0.0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["wilson_interval", "mcnemar_exact", "mean_present"]
+__all__ = ["wilson_interval", "mcnemar_exact", "binomial_tail", "mean_present"]
 
 
 def wilson_interval(k: int, n: int, z: float = 1.959964) -> tuple[float, float]:
@@ -29,6 +29,15 @@ def mcnemar_exact(b: int, c: int) -> float:
     k = min(b, c)
     tail = sum(math.comb(n, i) for i in range(k + 1)) / 2**n
     return min(1.0, 2 * tail)
+
+
+def binomial_tail(k: int, n: int, p: float) -> float:
+    """P(X >= k) for X ~ Binomial(n, p), exact; 1.0 for k <= 0."""
+    if k <= 0:
+        return 1.0
+    if k > n:
+        return 0.0
+    return min(1.0, sum(math.comb(n, i) * p**i * (1 - p) ** (n - i) for i in range(k, n + 1)))
 
 
 def mean_present(xs) -> float | None:

@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 
 from ..errors import BadInput
+from ..progress import Progress, no_progress
 from .haystack import FillerStream, render_words, sentence_boundaries
 from .needles import VALUE_DIGITS, NeedleSet, make_needles
 
@@ -277,10 +278,11 @@ def _counter(g: _Group, depth: float, count_tokens: CountTokens) -> Callable[[Si
     return count
 
 
-def build_cases(spec: CaseSpec, count_tokens: CountTokens) -> list[Case]:
+def build_cases(spec: CaseSpec, count_tokens: CountTokens, progress: Progress = no_progress) -> list[Case]:
     """Build every case of ``spec``, sized so ``count_tokens(messages)`` equals the target length.
 
-    Ordered by length, then depth, then trial. Deterministic for a given spec.
+    Ordered by length, then depth, then trial. Deterministic for a given spec. ``progress`` hears
+    of each case built (``building cases``): counting through a server takes a while.
     """
     groups: dict[tuple[int, int], _Group] = {}
 
@@ -304,6 +306,8 @@ def build_cases(spec: CaseSpec, count_tokens: CountTokens) -> list[Case]:
             )
 
     cases: list[Case] = []
+    total = len(spec.lengths) * len(spec.depths) * spec.trials
+    progress("building cases", 0, total, "")
     for length in spec.lengths:
         for depth in spec.depths:
             for trial in range(spec.trials):
@@ -339,6 +343,7 @@ def build_cases(spec: CaseSpec, count_tokens: CountTokens) -> list[Case]:
                         counted_length=counted,
                     )
                 )
+                progress("building cases", len(cases), total, "")
     return cases
 
 

@@ -6,17 +6,16 @@ from dataclasses import replace
 from pathlib import Path
 
 import typer
-from rich.console import Console
 
-from needlescope.cli.probe import render_difficulty_level
+from needlescope.cli.output import console
+from needlescope.cli.probe import probe_events
 from needlescope.cli.probe_options import PROBE_FLAGS, build, option_group
+from needlescope.cli.progress import ProgressView
 from needlescope.errors import BadInput
 from needlescope.investigate.compare import compare_live
 from needlescope.report.oracle import append_oracle_section, read_oracle
 from needlescope.run.compare import compare_runs
 from needlescope.run.config import ProbeConfig, parse_int_list
-
-console = Console()
 
 
 @option_group(ProbeConfig, PROBE_FLAGS)
@@ -64,18 +63,19 @@ def compare_command(
         cfg_a = build(ProbeConfig, flags, base_urls=(a,), model=model, out=out / "a", resume=resume)
         cfg_b = replace(cfg_a, base_urls=(b,), model=model_b or model, out=out / "b")
 
-        def on_event(name: str, payload: dict) -> None:
-            if name == "side":
-                console.print(f"probing side {payload['side']}: {', '.join(payload['base_urls'])}")
-            elif name == "difficulty_level":
-                render_difficulty_level(payload)
-
-        result = compare_live(
-            cfg_a, cfg_b, out, alpha=alpha, power_drop=power_drop, bucket_edges=edges, on_event=on_event
-        )
-    console.print(f"[bold]{result['verdict']}[/]")
+        with ProgressView(console) as view:
+            result = compare_live(
+                cfg_a,
+                cfg_b,
+                out,
+                alpha=alpha,
+                power_drop=power_drop,
+                bucket_edges=edges,
+                on_event=probe_events(view),
+            )
+    console.print(result["verdict"], style="bold")
     if result["graded"] is not None:
-        console.print(f"[bold]margins:[/] {result['graded']['verdict']}")
+        console.say("[bold]margins:[/] {}", result["graded"]["verdict"])
     console.print(f"{result['cases_matched']} cases matched")
     if oracle_result is not None:
         append_oracle_section(out / "report.md", oracle_result)

@@ -45,9 +45,8 @@ def demo_command(
     device: str = typer.Option(_default("device"), help="cpu | cuda | cuda:N"),
 ) -> None:
     """Probe the organism under reference and deployment numerics and explain the difference."""
-    from rich.console import Console
-
-    from needlescope.cli.investigate import phase_progress
+    from needlescope.cli.output import console
+    from needlescope.cli.progress import ProgressView
     from needlescope.investigate import demo
     from needlescope.run.config import parse_int_list
 
@@ -62,16 +61,13 @@ def demo_command(
     )
     # The patch is resolved after every other flag; demo.run checks the model and --out, then runs it.
     cfg = replace(cfg, deployment=with_patch(deployment, None if deploy_patch == "none" else deploy_patch))
-    console = Console()
-    with phase_progress(console) as progress:
-        task = progress.add_task("demo", total=len(PHASES))
+    with ProgressView(console) as view:
 
         def phase(name: str, info: dict) -> None:
             done = PHASES.index(name) if name in PHASES else 0
-            detail = " ".join(f"{k}={v}" for k, v in info.items())
-            progress.update(task, completed=done, description=f"{name} {detail}".strip())
+            view("demo", done, len(PHASES), f"{name} {' '.join(f'{k}={v}' for k, v in info.items())}".strip())
 
         path = demo.run(cfg, phase)
-        progress.update(task, completed=len(PHASES), description="done")
-    console.print(path.read_text(encoding="utf-8"), highlight=False, markup=False)
+        view("demo", len(PHASES), len(PHASES), "done")
+    console.print(path.read_text(encoding="utf-8"))
     console.print(f"wrote {out}/DIAGNOSIS.md")

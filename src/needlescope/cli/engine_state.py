@@ -6,13 +6,11 @@ import sys
 from pathlib import Path
 
 import typer
-from rich.console import Console
 
+from needlescope.cli.output import console, err_console
+from needlescope.cli.progress import ProgressView
 from needlescope.errors import ProbeError
 from needlescope.run.config import parse_float_list, parse_int_list
-
-console = Console()
-err_console = Console(stderr=True)
 
 
 def engine_state_command(
@@ -32,7 +30,16 @@ def engine_state_command(
     depths: str = typer.Option("0,50,100", "--depths", help="Comma-separated needle depths in percent."),
     trials: int = typer.Option(2, "--trials"),
     seed: int = typer.Option(0, "--seed"),
-    value_digits: int = typer.Option(3, "--value-digits"),
+    value_digits: int = typer.Option(
+        None,
+        "--value-digits",
+        help="Digits per needle value; default: the target's advertised trained_value_digits, else 7.",
+    ),
+    skip_long_lengths: bool = typer.Option(
+        False,
+        "--skip-long-lengths/--refuse-long-lengths",
+        help="Drop, with a warning, lengths beyond the target's advertised context (default: refuse the run).",
+    ),
     concurrency: int = typer.Option(4, "--concurrency", help="Requests in flight in the concurrent arm."),
     repeats: int = typer.Option(3, "--repeats", help="Identical sends a case in the repeat factor."),
     top_logprobs: int = typer.Option(5, "--top-logprobs", help="Alternatives per token, for the margin."),
@@ -59,12 +66,14 @@ def engine_state_command(
         repeats=repeats,
         top_logprobs=top_logprobs,
         timeout_s=timeout,
+        skip_long_lengths=skip_long_lengths,
         api_key=api_key,
     )
     try:
-        body = run_engine_state(cfg, out, resume=resume)
+        with ProgressView(console) as view:
+            body = run_engine_state(cfg, out, resume=resume, progress=view, note=view.note)
     except ProbeError as exc:  # only before any send (sizing the cases); a failed send is a row
-        err_console.print(f"[bold red]target failed:[/] {exc}", highlight=False, soft_wrap=True)
+        err_console.say("[bold red]target failed:[/] {}", exc, soft_wrap=True)
         sys.exit(1)
     js, md = write_engine_state(body, out)
     console.print(engine_state_markdown(body), highlight=False, soft_wrap=True)

@@ -8,14 +8,15 @@ phase, and writes ``verdicts.json``, ``DIAGNOSIS.md`` and ``DIAGNOSIS.html`` int
 
 from __future__ import annotations
 
+import shlex
+import sys
 from pathlib import Path
 
 import typer
-from rich.console import Console
-from rich.markup import escape
 
-investigate_app = typer.Typer(no_args_is_help=True, help="From measurements to a causal verdict.")
-console = Console()
+from needlescope.cli.output import console, typer_app
+
+investigate_app = typer_app(no_args_is_help=True, help="From measurements to a causal verdict.")
 
 
 @investigate_app.command("init")
@@ -28,38 +29,19 @@ def init_command(
 
     path = write_example(directory, force=force)
     for name in EXAMPLE_FILES:
-        console.print(f"wrote {escape(str(Path(directory) / name))}")
-    console.print(f"next: needlescope investigate run {escape(str(path))} --out investigation-out")
-
-
-def phase_progress(out: Console):
-    """The progress display of a multi-phase workflow (``investigate run``, ``demo``)."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    return Progress(
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=out,
-    )
+        console.print(f"wrote {Path(directory) / name}")
+    console.print(f"next: needlescope investigate run {path} --out investigation-out")
 
 
 def run_investigation_cli(ledger: Path, out: Path) -> Path:
-    """Run with a progress bar per phase; returns DIAGNOSIS.md's path."""
+    """Run with progress per phase (``cli.progress``); returns DIAGNOSIS.md's path."""
+    from needlescope.cli.progress import ProgressView
     from needlescope.investigate.diagnosis import write_reports
     from needlescope.investigate.runner import run_investigation
 
-    with phase_progress(console) as progress:
-        tasks: dict[str, int] = {}
-
-        def on_progress(phase: str, done: int, total: int, what: str) -> None:
-            if phase not in tasks:
-                tasks[phase] = progress.add_task(escape(phase), total=total)
-            progress.update(tasks[phase], completed=done, description=escape(f"{phase} {what}"[:90]))
-
-        run_investigation(ledger, out, on_progress)
-    md, _ = write_reports(out)
+    with ProgressView(console) as view:
+        run_investigation(ledger, out, lambda phase, done, total, what: view(phase, done, total, what[:60]))
+    md, _ = write_reports(out, command=shlex.join(["needlescope", *sys.argv[1:]]))
     return md
 
 
@@ -74,8 +56,6 @@ def run_command(
     md = run_investigation_cli(ledger, out)
     verdicts = json.loads((out / "verdicts.json").read_text(encoding="utf-8"))
     for s in verdicts["suspects"]:
-        console.print(
-            f"  tier {s['tier']} {escape(s['id'])}: [bold]{s['verdict']}[/] - {escape(s['reason'])}"
-        )
-    console.print(f"root cause: [bold]{escape(str(verdicts['root_cause']))}[/]")
-    console.print(f"wrote {escape(str(out / 'verdicts.json'))}, {escape(str(md))} and DIAGNOSIS.html")
+        console.say("  tier {} {}: [bold]{}[/] - {}", s["tier"], s["id"], s["verdict"], s["reason"])
+    console.say("root cause: [bold]{}[/]", verdicts["root_cause"])
+    console.print(f"wrote {out / 'verdicts.json'}, {md} and DIAGNOSIS.html")

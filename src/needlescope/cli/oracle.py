@@ -6,18 +6,17 @@ import sys
 from pathlib import Path
 
 import typer
-from rich.console import Console
 
 from needlescope.analysis.oracle import ATOL, FLIP_MARGIN
+from needlescope.cli.output import console, err_console, typer_app
+from needlescope.cli.progress import ProgressView
 from needlescope.errors import ProbeError
 from needlescope.paths import check_out_dir
 
-oracle_app = typer.Typer(
+oracle_app = typer_app(
     no_args_is_help=True,
     help="Logprob oracle: export a server's greedy top-k logprobs over a fixed prompt set, compare another to it.",
 )
-console = Console()
-err_console = Console(stderr=True)
 
 _API_KEY_ENV = ["NEEDLESCOPE_API_KEY", "OPENAI_API_KEY"]
 _BASE_URL = typer.Option(..., "--base-url", help="Server URL (root or ending in /v1).")
@@ -26,12 +25,18 @@ _PROMPTS = typer.Option(None, "--prompts", help="Prompt-set JSON; default: the s
 _TOP = typer.Option(20, "--top-logprobs", help="Alternatives per token (1..20).")
 _TIMEOUT = typer.Option(300.0, "--timeout", help="Per request, seconds.")
 _KEY = typer.Option(None, "--api-key", envvar=_API_KEY_ENV, show_default=False)
+_SKIP = typer.Option(
+    False,
+    "--skip-long-prompts/--refuse-long-prompts",
+    help="Leave out, with a warning, prompts beyond the target's advertised context (default: refuse).",
+)
 
 
-def _config(base_url, model, api_key, top, timeout, prompts=None, flip_margin=FLIP_MARGIN, atol=ATOL):
+def _config(base_url, model, api_key, top, timeout, skip, prompts=None, flip_margin=FLIP_MARGIN, atol=ATOL):
     from needlescope.run.oracle import OracleConfig
 
     return OracleConfig(
+        skip_long_prompts=skip,
         base_url=base_url,
         model=model,
         api_key=api_key,
@@ -44,7 +49,7 @@ def _config(base_url, model, api_key, top, timeout, prompts=None, flip_margin=FL
 
 
 def _target_failed(exc: ProbeError) -> None:
-    err_console.print(f"[bold red]target failed:[/] {exc}", highlight=False, soft_wrap=True)
+    err_console.say("[bold red]target failed:[/] {}", exc, soft_wrap=True)
     sys.exit(1)
 
 
@@ -57,15 +62,17 @@ def export_command(
     top: int = _TOP,
     timeout: float = _TIMEOUT,
     api_key: str = _KEY,
+    skip: bool = _SKIP,
 ) -> None:
     """Send the prompt set greedily with top-k logprobs and write DIR/export.json."""
     from needlescope.report.oracle import write_export
     from needlescope.run.oracle import export
 
     out = check_out_dir(out)
-    cfg = _config(base_url, model, api_key, top, timeout, prompts)
+    cfg = _config(base_url, model, api_key, top, timeout, skip, prompts)
     try:
-        body = export(cfg)
+        with ProgressView(console) as view:
+            body = export(cfg, view, view.note)
     except ProbeError as exc:
         _target_failed(exc)
     path = write_export(body, out)
@@ -92,15 +99,17 @@ def compare_command(
     atol: float = typer.Option(ATOL, "--atol", help="Nats; |Δ logprob| at most this is 'identical'."),
     timeout: float = _TIMEOUT,
     api_key: str = _KEY,
+    skip: bool = _SKIP,
 ) -> None:
     """Compare a server against a reference export. Exit 0 unless divergent (1); 2 bad input."""
     from needlescope.report.oracle import oracle_lines, write_export, write_oracle
     from needlescope.run.oracle import compare
 
     out = check_out_dir(out if out is not None else ref / "compare")
-    cfg = _config(base_url, model, api_key, top, timeout, None, flip_margin, atol)
+    cfg = _config(base_url, model, api_key, top, timeout, skip, None, flip_margin, atol)
     try:
-        result, cand = compare(ref, cfg)
+        with ProgressView(console) as view:
+            result, cand = compare(ref, cfg, view, view.note)
     except ProbeError as exc:
         _target_failed(exc)
     write_export(cand, out, "candidate_export.json")

@@ -12,10 +12,10 @@ import json
 from pathlib import Path
 
 import typer
-from rich.console import Console
 
-organism_app = typer.Typer(no_args_is_help=True, help="The model organism: a tiny trained DeepSeek-V4.")
-console = Console()
+from needlescope.cli.output import console, typer_app
+
+organism_app = typer_app(no_args_is_help=True, help="The model organism: a tiny trained DeepSeek-V4.")
 
 
 # The options that are not recipe knobs; every other option of ``train`` is a TrainConfig field.
@@ -62,15 +62,11 @@ def train_command(
     workers: int = typer.Option(None, help="Data-loader worker processes."),
 ) -> None:
     """Reproduce the shipped organism (only --out given), or train one custom stage."""
-    import torch
-
+    from needlescope.dsa.checkpoint import check_device
     from needlescope.errors import BadInput
     from needlescope.organism.train import TrainConfig, train
 
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise BadInput(
-            "--device cuda was given but no CUDA GPU is visible; pass --device cpu (slow) or use a GPU"
-        )
+    check_device(device)
     overrides = _recipe_overrides(ctx.params)
 
     def show(entry: dict) -> None:

@@ -2,21 +2,18 @@
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 
 import typer
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from needlescope.cli.output import console, err_console
 from needlescope.cli.probe_options import PROBE_FLAGS, build, config_default, option_group
-from needlescope.report.bisect import residue_lines
+from needlescope.cli.progress import ProgressView
+from needlescope.report.bisect import residue_lines, step_line
 from needlescope.run.bisect import BisectConfig, run_bisect
 from needlescope.run.config import ProbeConfig, parse_int_list
 from needlescope.run.difficulty import probe_with_difficulty
-
-console = Console()
-err_console = Console(stderr=True)
+from needlescope.run.probe import Event
 
 
 @option_group(ProbeConfig, PROBE_FLAGS)
@@ -66,76 +63,97 @@ def probe_command(
             ci_width=ci_width,
             boundaries=parse_int_list(boundaries, "--boundaries") if boundaries is not None else None,
         )
-        render_bisect(run_bisect(cfg, bis, _bisect_events), cfg.out)
+        with ProgressView(console) as view:
+            res = run_bisect(cfg, bis, probe_events(view))
+        render_bisect(res, cfg.out)
         return
     summary = run_with_progress(cfg)
     render_summary(summary, cfg.out)
     empty = summary["cells_without_data"]
     if empty:
-        err_console.print(
-            f"[bold red]error:[/] {empty} of {len(summary['cells'])} cells have no scored case (every "
-            f"request failed or missed its length); see {cfg.out}/report.md and results.jsonl",
-            highlight=False,
+        err_console.say(
+            "[bold red]error:[/] {} of {} cells have no scored case (every request failed or missed its "
+            "length); see {}/report.md and results.jsonl",
+            empty,
+            len(summary["cells"]),
+            cfg.out,
             soft_wrap=True,
         )
         raise typer.Exit(1)
 
 
 def run_with_progress(cfg: ProbeConfig) -> dict:
-    """Run the probe; the progress bar appears only once every input has been checked and the
-    cases are built, so a bad input prints its one error line and nothing else."""
-    counts = {"ok": 0, "correct": 0, "error": 0}
-    columns = (
-        TextColumn("[bold]probing"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("recall {task.fields[recall]}  errors {task.fields[errors]}"),
-        TimeRemainingColumn(),
-    )
-    with contextlib.ExitStack() as stack:
-        bar: dict = {}
-
-        def on_event(name: str, payload: dict) -> None:
-            if name == "difficulty_level":
-                render_difficulty_level(payload)
-            elif name == "run_start":
-                if "p" in bar:  # an auto-difficulty level finished; its bar gives way to the next
-                    bar["p"].stop()
-                progress = stack.enter_context(Progress(*columns, console=console, transient=False))
-                bar["p"], bar["task"] = (
-                    progress,
-                    progress.add_task("", total=payload["todo"], recall="-", errors=0),
-                )
-            elif name == "result":
-                if payload.get("status") == "ok":
-                    counts["ok"] += 1
-                    counts["correct"] += int(bool(payload.get("correct")))
-                else:
-                    counts["error"] += 1
-                recall = f"{counts['correct'] / counts['ok']:.2f}" if counts["ok"] else "-"
-                bar["p"].update(bar["task"], advance=1, recall=recall, errors=counts["error"])
-
-        return probe_with_difficulty(cfg, on_event)
+    """Run the probe with progress shown (``cli.progress``); a bad input prints its one error line
+    and nothing else, because nothing is shown before the target is checked."""
+    with ProgressView(console) as view:
+        return probe_with_difficulty(cfg, probe_events(view))
 
 
-def render_difficulty_level(payload: dict) -> None:
+def probe_events(view: ProgressView) -> Event:
+    """The probe's (and a bisection's or comparison's) events, rendered: notes for what it chose,
+    the case building and each run as progress tasks (a run's detail: recall so far, errors)."""
+    state = {"label": "probe", "task": "probe", "todo": 0, "ok": 0, "correct": 0, "error": 0}
+    used: dict[str, int] = {}
+
+    def start_run(todo: int) -> None:
+        # Each run is its own task: a side, a difficulty level and a bisection step get a bar each.
+        used[state["label"]] = used.get(state["label"], 0) + 1
+        n = used[state["label"]]
+        state.update(
+            task=state["label"] if n == 1 else f"{state['label']} #{n}", todo=todo, ok=0, correct=0, error=0
+        )
+        view.update(state["task"], 0, todo, "")
+
+    def on_event(name: str, payload: dict) -> None:
+        if name == "value_digits":
+            view.note(f"needle values: {payload['value_digits']} digits, from {payload['source']}")
+        elif name == "lengths_skipped":
+            view.note(
+                f"WARNING: skipping lengths {', '.join(map(str, payload['skipped']))}: beyond the target's "
+                f"context of {payload['context']} tokens ({payload['from']}); probing {payload['kept']}"
+            )
+        elif name == "difficulty_level":
+            view.note(difficulty_line(payload))
+        elif name == "side":
+            state["label"] = f"side {payload['side']}"
+            view.note(f"probing side {payload['side']}: {', '.join(payload['base_urls'])}")
+        elif name == "progress":
+            view.update(
+                f"{state['label']}: {payload['task']}", payload["done"], payload["total"], payload["detail"]
+            )
+        elif name == "bisect_step":
+            state["label"] = payload["phase"]
+            if payload["lengths"]:
+                lengths = ", ".join(map(str, payload["lengths"]))
+                view.note(f"{payload['phase']}: {lengths} tokens ({payload['requests']} requests)")
+            start_run(payload["requests"])
+        elif name == "bisect_evidence":
+            view.note(step_line(payload))
+        elif name == "run_start":
+            start_run(payload["todo"])
+        elif name == "result":
+            ok = payload.get("status") == "ok"
+            state["ok"] += int(ok)
+            state["correct"] += int(ok and bool(payload.get("correct")))
+            state["error"] += int(not ok)
+            recall = f"{state['correct'] / state['ok']:.2f}" if state["ok"] else "-"
+            done = state["ok"] + state["error"]
+            view.update(state["task"], done, state["todo"], f"recall {recall}  errors {state['error']}")
+
+    return on_event
+
+
+def difficulty_line(payload: dict) -> str:
     """One line per auto-difficulty level tried on the reference."""
     recall = "no data" if payload["recall"] is None else f"{payload['recall']:.2f}"
-    console.print(
+    return (
         f"difficulty level {payload['level']}: {payload['distractors']} distractors, "
         f"{payload['value_digits']}-digit values: reference recall {recall} (n={payload['n']})"
     )
 
 
-def _bisect_events(name: str, payload: dict) -> None:
-    if name == "bisect_step" and payload["lengths"]:
-        console.print(
-            f"{payload['phase']}: {', '.join(map(str, payload['lengths']))} tokens ({payload['requests']} requests)"
-        )
-
-
 def render_bisect(res: dict, out: Path) -> None:
-    console.print(f"[bold]{res['message']}[/]")
+    console.print(res["message"], style="bold")
     for line in residue_lines(res["residue"]):
         console.print(line, highlight=False)
     console.print(
@@ -149,30 +167,26 @@ def render_bisect(res: dict, out: Path) -> None:
 
 
 def render_summary(summary: dict, out: Path) -> None:
-    eff = summary["effective_length"]
-    console.print(f"kind [bold]{summary['kind']}[/]  model [bold]{summary['model']}[/]")
+    console.say("kind [bold]{}[/]  model [bold]{}[/]", summary["kind"], summary["model"])
     console.print(f"needle values: {summary['value_digits']} digits, from {summary['value_digits_source']}")
-    console.print(
-        f"effective length: [bold]{eff if eff is not None else 'none'}[/] (threshold {summary['threshold']})"
-    )
-    if summary.get("cliff"):
-        c = summary["cliff"]
-        console.print(f"cliff: {c['from']} -> {c['to']} tokens, recall drops {c['drop']:.2f}")
+    for line in summary["headline"]:
+        console.print(line, style="bold", markup=False, highlight=False, soft_wrap=True)
     errors = sum(cell["errors"] for cell in summary["cells"])
     if errors:
-        console.print(f"[yellow]{errors} requests failed and were counted as errors, not misses[/]")
+        console.print(f"{errors} requests failed and were counted as errors, not misses", style="yellow")
     if summary["length_mismatches"]:
         console.print(
-            f"[yellow]WARNING: {summary['length_mismatches']} case(s) have a length disagreement "
+            f"WARNING: {summary['length_mismatches']} case(s) have a length disagreement "
             f"({summary['unreachable_lengths']} unreachable, {summary['server_length_mismatches']} counted "
-            "differently by the server); see report.md[/]"
+            "differently by the server); see report.md",
+            style="yellow",
         )
     failures = summary.get("failures")
     if failures and failures["misses"]:
         console.print("misses by class: " + ", ".join(f"{k} {v}" for k, v in failures["counts"].items() if v))
     endpoints = summary.get("endpoints")
     if endpoints and endpoints["differs"]:
-        console.print(f"[red]differs from the other endpoints: {', '.join(endpoints['differs'])}[/]")
+        console.print(f"differs from the other endpoints: {', '.join(endpoints['differs'])}", style="red")
     graded = summary.get("graded")
     if graded is not None:
         console.print(graded["note"], highlight=False)

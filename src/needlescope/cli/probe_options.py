@@ -61,6 +61,12 @@ _FLAGS = (
         parse=lambda text, _flag: parse_extra_body(text),
         fixed_default=None,
     ),
+    Flag(
+        "skip_long_lengths",
+        "--skip-long-lengths/--refuse-long-lengths",
+        "Drop, with a warning, lengths beyond the target's advertised context (default: refuse the run).",
+        bool,
+    ),
     Flag("threshold", "--threshold", "Recall threshold of the effective length.", float),
     Flag("max_tokens", "--max-tokens", "Answer tokens per request.", int),
     Flag("timeout_s", "--timeout", "Per-request timeout in seconds.", float),

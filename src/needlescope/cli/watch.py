@@ -10,12 +10,10 @@ import signal
 import sys
 
 import typer
-from rich.console import Console
 
 from needlescope.cli.probe_options import build, config_default, option_group
 from needlescope.watch.config import CanaryConfig, HealthConfig
 
-err_console = Console(stderr=True)
 log = logging.getLogger("needlescope.watch")
 
 _TARGET_FLAGS = ("kind", "value_digits", "tokenizer", "timeout_s", "extra_body", "api_key")
@@ -45,12 +43,14 @@ def health_command(
         for c in report["checks"]:
             ms = f"{c['latency_s'] * 1000:.0f} ms" if c["latency_s"] is not None else "-"
             print(f"{c['status']:<5} {c['name']:<7} {ms:>9}  {c['detail']}")
+        if report["value_digits"] is not None:
+            print(f"needle values: {report['value_digits']} digits, from {report['value_digits_source']}")
         verdict = "healthy" if report["healthy"] else "UNHEALTHY"
         print(f"{verdict}: {report['base_url']} model {report['model'] or '-'}")
     raise typer.Exit(0 if report["healthy"] else 1)
 
 
-@option_group(CanaryConfig, ("lengths", "depths", "trials", "threshold", *_TARGET_FLAGS))
+@option_group(CanaryConfig, ("lengths", "depths", "trials", "threshold", "skip_long_lengths", *_TARGET_FLAGS))
 def canary_command(
     flags: dict,
     base_url: str = typer.Option(..., "--base-url", help="Server URL (root or ending in /v1)."),

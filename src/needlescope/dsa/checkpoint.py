@@ -153,8 +153,21 @@ def load_tokenizer(path: Path):
     return tokenizer
 
 
+def check_device(device: str, flag: str = "--device") -> None:
+    """BadInput (one line, exit 2) when ``device`` names a CUDA device this torch cannot use."""
+    if not str(device).startswith("cuda"):
+        return
+    if not torch.cuda.is_available():
+        build = "a CPU-only torch build" if torch.version.cuda is None else "no CUDA GPU visible"
+        raise BadInput(f"{flag} {device} was given but CUDA is not available ({build}); pass {flag} cpu")
+    index = str(device).partition(":")[2]
+    if index and (not index.isdigit() or int(index) >= torch.cuda.device_count()):
+        raise BadInput(f"{flag} {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+
+
 def load_bundle(name_or_dir: str | Path, *, dtype: torch.dtype = torch.float32, device: str = "cpu"):
     """(model in eval mode, tokenizer, resolved path). Offline, safetensors only."""
+    check_device(device)
     path = resolve_model_dir(name_or_dir)
     check_weights(path)
     config = AutoConfig.from_pretrained(path, local_files_only=True)

@@ -101,6 +101,7 @@ from needlescope.dsa.replay import (
     tensors,
 )
 from needlescope.errors import BadInput
+from needlescope.progress import Progress, no_progress
 from needlescope.setting import Setting
 
 __all__ = [
@@ -326,7 +327,7 @@ def _selection_floor(ref: Call, scorer: Call | None, scorer_budget: float, ratio
 
 
 def _compare(
-    ref_rows: list[Call], cand_rows: list[Call], judge: _Judge, ratio: int
+    ref_rows: list[Call], cand_rows: list[Call], judge: _Judge, ratio: int, progress: Progress
 ) -> tuple[list[dict], dict]:
     cand_by_key = {r.key: r for r in cand_rows}
     ref_by_key = {r.key: r for r in ref_rows}
@@ -336,7 +337,8 @@ def _compare(
             callees.setdefault(r.parent, []).append(r)
     out: list[dict] = []
     budget_of: dict[str, float] = {}
-    for ref in ref_rows:
+    for i, ref in enumerate(ref_rows):
+        progress("modules", i, len(ref_rows), ref.key)
         cand = cand_by_key.get(ref.key)
         if cand is None:
             continue
@@ -476,8 +478,10 @@ def localize(
     draws: int = DEFAULT_DRAWS,
     allow: Mapping[str, str] | None = None,
     reference_setting: Setting | None = None,
+    progress: Progress = no_progress,
 ) -> dict:
     """Run both models on ``input_ids`` [1, T] and return the ``diff.json`` object (module docstring).
+    ``progress`` hears of the two forward passes, then of each module compared.
 
     ``reference`` and ``candidate`` must be two separately loaded copies of the same
     checkpoint; the candidate is patched (once) while the run lasts. ``growth`` replaces the
@@ -502,13 +506,17 @@ def localize(
     with torch.no_grad():
         with emulate(reference, ref_num, capture=ref_cap) as layers, Recorder(reference) as rec_ref:
             topk_by_layer = {layer: int(idx.index_topk) for layer, idx in csa_indexers(reference)}
+            progress("forward passes", 0, 2, "reference")
             reference(input_ids=input_ids.to(_device(reference)), use_cache=False)
         with emulate(candidate, setting, capture=cand_cap), Recorder(candidate) as rec_cand:
+            progress("forward passes", 1, 2, "candidate")
             candidate(input_ids=input_ids.to(_device(candidate)), use_cache=False)
+            progress("forward passes", 2, 2, "")
         # Replays and calibrations run the reference with the scorer it was recorded with.
         with emulate(reference, ref_num, capture=IndexerCapture(keep_scores=True)):
             judge = _Judge(reference, numerics, growth, margin, draws, allow)
-            modules, unmatched = _compare(rec_ref.rows, rec_cand.rows, judge, ratio)
+            modules, unmatched = _compare(rec_ref.rows, rec_cand.rows, judge, ratio, progress)
+            progress("modules", len(rec_ref.rows), len(rec_ref.rows), "")
     first = next((m["module"] for m in modules if m["exceeds"]), None)
     query_pos = T - 1
     entries = covering_entries(needle_span, ratio) if needle_span is not None else []

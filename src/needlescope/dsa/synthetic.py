@@ -54,6 +54,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from needlescope.analysis.stats import wilson_interval
+from needlescope.dsa.checkpoint import check_device
 from needlescope.dsa.emulate import ACC_DTYPES, scoring_function
 from needlescope.dsa.quant import get_quantizer, hadamard_128
 from needlescope.dsa.reference import lightning_scores
@@ -172,8 +173,7 @@ class SyntheticConfig:
             raise BadInput(
                 f"fp4_e2m1 rotates with a 128-point Hadamard transform; dim must be 128, got {self.dim}"
             )
-        if self.device.startswith("cuda") and not torch.cuda.is_available():
-            raise BadInput(f"device {self.device!r} requested but CUDA is not available; use --device cpu")
+        check_device(self.device)
 
     def to_dict(self) -> dict:
         d = asdict(self)

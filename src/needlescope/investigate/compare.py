@@ -13,9 +13,10 @@ from pathlib import Path
 from needlescope.run.compare import compare_runs
 from needlescope.run.config import ProbeConfig
 from needlescope.run.difficulty import choose_difficulty
-from needlescope.run.probe import STORE_NAME, Event, run_probe
+from needlescope.run.probe import STORE_NAME, Event, fit_to_target, run_probe
 from needlescope.run.store import ResultStore
 from needlescope.targets import collect_provenance, normalize_base_url, preflight
+from needlescope.targets.limits import read_limits
 
 __all__ = ["compare_live"]
 
@@ -37,6 +38,11 @@ def compare_live(
     for cfg in (cfg_a, cfg_b):
         for url in cfg.base_urls:
             preflight(normalize_base_url(url)[0], cfg.model, api_key=cfg.api_key)
+    # B is sent A's prompts, so every length must fit both sides' contexts.
+    for side in (cfg_a, cfg_b):
+        provenance = collect_provenance(*normalize_base_url(side.base_urls[0]), api_key=side.api_key)
+        cfg_a = fit_to_target(cfg_a, read_limits(provenance, side.model), on_event)
+    cfg_b = replace(cfg_b, lengths=cfg_a.lengths)
     difficulty = None
     if cfg_a.auto_difficulty:
         # A is the reference: its difficulty is chosen once and held for both sides.

@@ -4,6 +4,23 @@ from __future__ import annotations
 
 __all__ = ["FAILURES_SCHEMA", "ENDPOINTS_SCHEMA", "failure_lines", "endpoint_lines"]
 
+_CROSS_CASE = {
+    "type": "object",
+    "required": ["count", "wrong_values", "chance", "p_value", "significant", "sent_before_s_median"],
+    "properties": {
+        "count": {"type": "integer"},
+        "wrong_values": {"type": "integer"},
+        "chance": {"type": "number"},
+        "p_value": {"type": "number"},
+        "significant": {"type": "boolean"},
+        "same_connection": {"type": "integer"},
+        "other_connection": {"type": "integer"},
+        "connection_unknown": {"type": "integer"},
+        "sources": {"type": "integer"},
+        "sent_before_s_median": {"type": ["number", "null"]},
+    },
+}
+
 FAILURES_SCHEMA: dict = {
     "type": "object",
     "required": ["misses", "errors", "counts", "examples"],
@@ -12,6 +29,7 @@ FAILURES_SCHEMA: dict = {
         "errors": {"type": "integer"},
         "counts": {"type": "object"},
         "examples": {"type": "object"},
+        "cross_case": _CROSS_CASE,
     },
 }
 
@@ -41,6 +59,17 @@ ENDPOINTS_SCHEMA: dict = {
 }
 
 
+_EVIDENCE = (
+    "value",
+    "distractor_depth",
+    "source_case",
+    "sent_before_s",
+    "same_connection",
+    "edit_distance",
+    "first_wrong",
+)
+
+
 def failure_lines(failures: dict) -> list[str]:
     """Markdown: counts per failure class and a few examples of each."""
     lines = [
@@ -52,12 +81,19 @@ def failure_lines(failures: dict) -> list[str]:
         "|---|---|",
     ]
     lines += [f"| {c} | {n} |" for c, n in failures["counts"].items()]
+    x = failures.get("cross_case")
+    if x and x["count"]:
+        lines += [
+            "",
+            f"Cross-case answers: {x['count']} miss(es) give the expected value of another case ({x['sources']} "
+            f"source case(s)); each of the {x['wrong_values']} wrong values of the needles' digit count would "
+            f"match another case's value by chance with probability {x['chance']:.2g}: exact binomial "
+            f"p = {x['p_value']:.2g}" + (" (**significant**)." if x["significant"] else "."),
+        ]
     for cat, examples in failures["examples"].items():
         lines += ["", f"**{cat}**", ""]
         for e in examples:
-            evidence = ", ".join(
-                f"{k}={e[k]}" for k in ("value", "distractor_depth", "edit_distance", "first_wrong") if k in e
-            )
+            evidence = ", ".join(f"{k}={e[k]}" for k in _EVIDENCE if k in e)
             lines.append(
                 f"- `{e['case_id']}`: expected {', '.join(e['expected'])}, answered {e['answer']!r}"
                 + (f" ({evidence})" if evidence else "")

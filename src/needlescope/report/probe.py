@@ -7,7 +7,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 from ..analysis.curve import Cell, cliff, effective_length, pooled_recall
-from ..schema import check_schema
+from ..analysis.depth import depth_profile
+from ..schema import check_schema, record
 from .breakdown import ENDPOINTS_SCHEMA, FAILURES_SCHEMA, endpoint_lines, failure_lines
 from .heatmap import length_depth_heatmap
 
@@ -16,7 +17,10 @@ __all__ = [
     "GRADED_SCHEMA",
     "difficulty_lines",
     "SUMMARY_SCHEMA",
+    "DEPTH_PROFILE_SCHEMA",
+    "depth_lines",
     "graded_lines",
+    "headline",
     "validate_summary",
     "write_probe_outputs",
 ]
@@ -101,10 +105,68 @@ GRADED_SCHEMA: dict = {
     },
 }
 
+
+def _tests(group_type: str) -> dict:
+    props = {"group": {"type": group_type}, "n": {"type": "integer"}, "correct": {"type": "integer"}}
+    props |= {"recall": _NUM_OR_NULL, "rest_recall": _NUM_OR_NULL}
+    props |= {"p_value": {"type": "number"}, "p_holm": {"type": "number"}, "worse": {"type": "boolean"}}
+    return {"type": "array", "items": record(props)}
+
+
+_NUMBER = {"type": "number"}
+_COUNT = {"type": "integer"}
+_HOLE = record(
+    {
+        "middle_depths": {"type": "array", "items": _NUMBER},
+        "end_depths": {"type": "array", "items": _NUMBER},
+        "middle_n": _COUNT,
+        "middle_correct": _COUNT,
+        "middle_recall": _NUMBER,
+        "end_n": _COUNT,
+        "end_correct": _COUNT,
+        "end_recall": _NUMBER,
+        "p_value": _NUMBER,
+        "found": {"type": "boolean"},
+    }
+)
+_DEPTH = record(
+    {
+        "depth": _NUMBER,
+        "n": _COUNT,
+        "correct": _COUNT,
+        "recall": _NUMBER,
+        "ci_low": _NUMBER,
+        "ci_high": _NUMBER,
+    }
+)
+# analysis.depth.depth_profile: recall by depth pooled over lengths and the depth patterns;
+# ``pattern`` is "lost_in_the_middle", "depth_not_length" or null.
+DEPTH_PROFILE_SCHEMA: dict = record(
+    {
+        "alpha": _NUMBER,
+        "depths": {"type": "array", "items": _DEPTH},
+        "middle_hole": {**_HOLE, "type": ["object", "null"]},
+        "depth_tests": _tests("number"),
+        "length_tests": _tests("integer"),
+        "pattern": {"type": ["string", "null"]},
+    }
+)
+
 SUMMARY_SCHEMA: dict = {
     "type": "object",
-    "required": ["effective_length", "threshold", "kind", "model", "cells", "cliff", "provenance"],
+    "required": [
+        "headline",
+        "effective_length",
+        "threshold",
+        "kind",
+        "model",
+        "cells",
+        "cliff",
+        "depth_profile",
+        "provenance",
+    ],
     "properties": {
+        "headline": {"type": "array", "items": {"type": "string"}},
         "effective_length": {"type": ["integer", "null"]},
         "threshold": {"type": "number"},
         "kind": {"type": "string"},
@@ -135,6 +197,7 @@ SUMMARY_SCHEMA: dict = {
                 "drop": {"type": "number"},
             },
         },
+        "depth_profile": DEPTH_PROFILE_SCHEMA,
         "provenance": {"type": "object"},
         "errors_total": {"type": "integer"},
         "cells_without_data": {"type": "integer"},
@@ -167,12 +230,116 @@ def _heatmap(path: Path, cells: list[Cell]) -> None:
     length_depth_heatmap(path, drawn, cmap="RdYlGn", vmin=0.0, vmax=1.0, label="recall")
 
 
+def _pct(depths) -> str:
+    return ", ".join(f"{d:g}%" for d in depths)
+
+
+def _length_lines(summary: dict) -> list[str]:
+    eff, c = summary["effective_length"], summary["cliff"]
+    lines = [
+        f"effective length: {eff} tokens (pooled recall >= {summary['threshold']:g} at it and every shorter length)"
+        if eff is not None
+        else f"effective length: none (pooled recall is below {summary['threshold']:g} at the shortest tested length)"
+    ]
+    if c:
+        lines.append(f"cliff: {c['from']} -> {c['to']} tokens, pooled recall drops by {c['drop']:.2f}")
+    return lines
+
+
+def _seconds(x: float) -> str:
+    return f"{x * 1000:.0f} ms" if abs(x) < 1 else f"{x:.1f} s"
+
+
+def _cross_case_line(failures: dict) -> str | None:
+    x = failures.get("cross_case")
+    if not x or not x["significant"]:
+        return None
+    lag = x["sent_before_s_median"]
+    when = "" if lag is None else f"; their source case was sent a median {_seconds(lag)} before"
+    return (
+        f"answers from other requests: possible cache or state reuse ({x['count']} of {failures['misses']} "
+        f"misses give another case's expected value, never stated in their prompt; {x['same_connection']} over "
+        f"the same connection as their source, {x['other_connection']} over another, {x['connection_unknown']} "
+        f"unknown{when}; chance would explain about {x['chance'] * x['wrong_values']:.2g}, p = {x['p_value']:.2g}); "
+        "any length or depth pattern below may only follow the order the requests were sent in"
+    )
+
+
+def headline(summary: dict) -> list[str]:
+    """The probe's findings, one line each, most specific first: answers that belong to other
+    requests, a middle-depth hole, failures that follow depth and not length; then the length
+    curve (effective length and cliff), unless depth and not length explains the failures."""
+    lines = []
+    cross = _cross_case_line(summary.get("failures") or {})
+    if cross:
+        lines.append(cross)
+    prof = summary["depth_profile"]
+    if prof["pattern"] == "depth_not_length":
+        worse = [t for t in prof["depth_tests"] if t["worse"]]
+        where = "; ".join(
+            f"{t['recall']:.2f} at depth {t['group']:g}% vs {t['rest_recall']:.2f} elsewhere (Holm p = {t['p_holm']:.2g})"
+            for t in worse
+        )
+        lines.append(
+            f"failures depend on depth, not on length: pooled recall {where}, and no length is worse than "
+            "the rest, so an effective length does not describe this target"
+        )
+    hole = prof["middle_hole"]
+    if hole and hole["found"]:
+        lines.append(
+            f"lost in the middle: pooled recall {hole['middle_recall']:.2f} at the middle depths "
+            f"({_pct(hole['middle_depths'])}) vs {hole['end_recall']:.2f} at the ends "
+            f"({_pct(hole['end_depths'])}), Fisher exact p = {hole['p_value']:.2g}"
+        )
+    if prof["pattern"] == "depth_not_length":
+        return lines
+    return lines + _length_lines(summary)
+
+
+def depth_lines(profile: dict) -> list[str]:
+    """The report's depth section: recall by depth pooled over lengths, and the depth tests."""
+    tested = {t["group"]: t for t in profile["depth_tests"]}
+    lines = [
+        "| depth | pooled recall | 95% CI | n | vs the other depths (Holm p) |",
+        "|---|---|---|---|---|",
+    ]
+    for d in profile["depths"]:
+        t = tested.get(d["depth"])
+        versus = "-" if t is None else f"{t['p_holm']:.2g}" + (" **worse**" if t["worse"] else "")
+        lines.append(
+            f"| {d['depth']:g}% | {d['recall']:.3f} | [{d['ci_low']:.3f}, {d['ci_high']:.3f}] | {d['n']} | {versus} |"
+        )
+    hole = profile["middle_hole"]
+    lines.append("")
+    if hole is None:
+        lines.append("Middle-depth test: needs at least three depths with data.")
+    else:
+        verdict = "**lost in the middle**" if hole["found"] else "no middle-depth hole"
+        lines.append(
+            f"Middle depths ({_pct(hole['middle_depths'])}) {hole['middle_correct']}/{hole['middle_n']} vs ends "
+            f"({_pct(hole['end_depths'])}) {hole['end_correct']}/{hole['end_n']}: Fisher exact p = "
+            f"{hole['p_value']:.2g}, {verdict} at alpha {profile['alpha']:g}."
+        )
+    worse = [str(t["group"]) for t in profile["length_tests"] if t["worse"]]
+    lines.append(
+        "Lengths worse than the rest (pooled over depths, Holm p < "
+        f"{profile['alpha']:g}): {', '.join(worse) if worse else 'none'}."
+    )
+    return lines
+
+
 def _markdown(summary: dict, cells: list[Cell], notes: list[str]) -> str:
     lines = [f"# needlescope probe: {summary['model']} ({summary['kind']})", ""]
+    lines += ["## Headline", ""] + [f"- {h}" for h in summary["headline"]] + [""]
     eff = summary["effective_length"]
     lines.append(
         f"**Effective length** (pooled recall >= {summary['threshold']:g} at it and every shorter length): "
         + (f"{eff} tokens" if eff is not None else "none (the shortest tested length already fails)")
+        + (
+            "; the failures follow depth, not length (see the headline)"
+            if summary["depth_profile"]["pattern"] == "depth_not_length"
+            else ""
+        )
     )
     c = summary["cliff"]
     lines.append(
@@ -210,9 +377,10 @@ def _markdown(summary: dict, cells: list[Cell], notes: list[str]) -> str:
             f"| {cell.length} | {cell.depth:g} | {recall} | [{cell.ci_low:.3f}, {cell.ci_high:.3f}] "
             f"| {cell.n} | {cell.correct} | {cell.errors} |"
         )
-    lines += ["", "| length | pooled recall | n |", "|---|---|---|"]
+    lines += ["", "## Recall by length and by depth", "", "| length | pooled recall | n |", "|---|---|---|"]
     for length, (k, n) in pooled_recall(cells).items():
         lines.append(f"| {length} | {f'{k / n:.3f}' if n else 'no data'} | {n} |")
+    lines += [""] + depth_lines(summary["depth_profile"])
     if "difficulty" in summary:
         lines += [""] + difficulty_lines(summary["difficulty"])
     if "graded" in summary:
@@ -323,12 +491,14 @@ def write_probe_outputs(
         if r.get("prompt_tokens") is not None and r["prompt_tokens"] != r.get("counted_length")
     }
     summary = {
+        "headline": [],
         "effective_length": effective_length(cells, threshold),
         "threshold": float(threshold),
         "kind": kind,
         "model": model,
         "cells": [{k: asdict(c)[k] for k in _CELL_KEYS} for c in cells],
         "cliff": cliff(cells),
+        "depth_profile": depth_profile(cells),
         "provenance": dict(provenance),
         "errors_total": sum(c.errors for c in cells),
         "cells_without_data": sum(1 for c in cells if c.recall is None),
@@ -342,6 +512,7 @@ def write_probe_outputs(
         **({"graded": graded} if graded is not None else {}),
         **({"difficulty": difficulty} if difficulty is not None else {}),
     }
+    summary["headline"] = headline(summary)
     validate_summary(summary)
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     (out_dir / "report.md").write_text(_markdown(summary, cells, notes))

@@ -49,6 +49,8 @@ class ProbeConfig:
     """Alternatives asked for at each gold token (the margin needs at least 2)."""
     margin_threshold: float = 1.0
     """Answers whose weakest token wins by less than this many nats are counted as thin."""
+    skip_long_lengths: bool = False
+    """Drop (with a warning) lengths beyond the target's context instead of refusing the run."""
 
     def __post_init__(self) -> None:
         if not self.base_urls:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -40,15 +41,20 @@ from pathlib import Path
 from needlescope.analysis.engine_state import ArmRow, answer_margin, factor_effect
 from needlescope.analysis.oracle import first_difference
 from needlescope.cases import Case, CaseSpec, build_cases, score_answer
+from needlescope.cases.needles import VALUE_DIGITS
 from needlescope.errors import BadInput, ProbeError
+from needlescope.progress import Progress, no_progress
 from needlescope.run.probe import STORE_NAME, check_out
 from needlescope.run.store import ResultStore
 from needlescope.targets.completions import CompletionsTarget
+from needlescope.targets.limits import choose_value_digits, fit_lengths, read_limits
+from needlescope.targets.provenance import collect_provenance
 from needlescope.targets.tokenize import detect_server_tokenizer
 
 __all__ = ["FACTORS", "EngineStateConfig", "run_engine_state"]
 
 FACTORS = ("cache", "concurrency", "repeat")
+NONCE_TOKENS = 8
 COMMAND = "engine-state"  # marks the store's fingerprint, so a probe's store is told apart
 
 
@@ -62,12 +68,15 @@ class EngineStateConfig:
     depths: tuple[float, ...] = (0.0, 50.0, 100.0)
     trials: int = 2
     seed: int = 0
-    value_digits: int = 3
+    value_digits: int | None = None
+    """None: the target's advertised ``trained_value_digits``, else 7 (``targets.limits``)."""
     concurrency: int = 4
     repeats: int = 3
     top_logprobs: int = 5
     max_tokens: int = 16
     timeout_s: float = 300.0
+    skip_long_lengths: bool = False
+    """Drop (with a warning) lengths beyond the target's context instead of refusing the run."""
     api_key: str | None = field(default=None, repr=False)
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     """Seeds the nonces; fresh for a new run, the stored one on ``--resume`` (see ``_nonce``)."""
@@ -95,7 +104,7 @@ class EngineStateConfig:
             depths=self.depths,
             trials=self.trials,
             seed=self.seed,
-            value_digits=self.value_digits,
+            value_digits=self.value_digits or VALUE_DIGITS,
             max_answer_tokens=self.max_tokens,
         )
 
@@ -108,7 +117,7 @@ class EngineStateConfig:
         """What must match for ``--resume`` to continue a run rather than mix two experiments
         (not the URL: a restarted server may listen elsewhere; not the timeout)."""
         d = self.to_dict()
-        for key in ("base_url", "timeout_s", "run_id"):
+        for key in ("base_url", "timeout_s", "run_id", "skip_long_lengths"):
             d.pop(key)
         return {"command": COMMAND, **{k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}}
 
@@ -173,6 +182,20 @@ class _Run:
     target: CompletionsTarget
     store: ResultStore
     cases: list[Case]
+    progress: Progress = no_progress
+    _task: list = field(default_factory=lambda: ["", 0, 0])
+    """The factor being sent, sends finished, sends planned in this process."""
+
+    def begin(self, factor: str, planned: int) -> None:
+        self._task[:] = [factor, 0, planned]
+        self.progress(factor, 0, planned, "")
+
+    def sent(self, row: dict, arm: str) -> dict:
+        """Count a finished send (a warm-up one too) towards the factor's progress."""
+        factor, done, planned = self._task
+        self._task[1] = done = done + 1
+        self.progress(factor, done, max(done, planned), arm)
+        return row
 
     def send(self, factor: str, arm: str, case: Case, nonce: str) -> dict:
         return self.record(factor, arm, _send(self.target, self.cfg, case, nonce))
@@ -180,7 +203,7 @@ class _Run:
     def record(self, factor: str, arm: str, row: dict) -> dict:
         """Commit one send at once, so a kill loses at most the sends in flight."""
         self.store.record_send(factor, arm, row["case_id"], ok=row["error"] is None, data=row)
-        return row
+        return self.sent(row, arm)
 
     def fixed_nonce(self, factor: str, case: Case) -> str:
         return _nonce(self.cfg.run_id, factor, "all", case.case_id)
@@ -199,6 +222,11 @@ def _ok(row: dict | None, nonce: str) -> bool:
 
 def _cache(run: _Run) -> None:
     rows = run.store.sends("cache")
+    nonces = {
+        c.case_id: (run.store.get_meta(f"nonce/cache/{c.case_id}") or {}).get("nonce") for c in run.cases
+    }
+    # Two sends a pair not yet complete (a kept cold send may need only its warm one: close enough).
+    run.begin("cache", 2 * sum(not _ok(rows.get(("warm", i)), n) for i, n in nonces.items()))
     tally = run.store.get_meta("cache_resume") or {"warm_kept": 0, "pairs_resent": 0}
     for c in run.cases:
         key = f"nonce/cache/{c.case_id}"
@@ -208,7 +236,7 @@ def _cache(run: _Run) -> None:
                 continue
             # The cold send finished in an earlier process: is its prefix still in the cache?
             cold = rows[("cold", c.case_id)]
-            warm = _send(run.target, run.cfg, c, state["nonce"])
+            warm = run.sent(_send(run.target, run.cfg, c, state["nonce"]), "warm")
             if warm["error"] is not None or (warm["cached_tokens"] or 0) > (cold["cached_tokens"] or 0):
                 run.record("cache", "warm", warm)
                 tally["warm_kept"] += warm["error"] is None
@@ -228,7 +256,8 @@ def _warm_up(run: _Run, factor: str) -> None:
     warm. Sent again on resume, where the server may have been restarted since. A failed warm-up
     send is counted (the arms may then meet that case cold), not retried."""
     failed = sum(
-        _send(run.target, run.cfg, c, run.fixed_nonce(factor, c))["error"] is not None for c in run.cases
+        run.sent(_send(run.target, run.cfg, c, run.fixed_nonce(factor, c)), "warm-up")["error"] is not None
+        for c in run.cases
     )
     run.store.put_meta(f"warm_up/{factor}", {"failed": _warm_up_errors(run, factor) + failed})
 
@@ -247,6 +276,7 @@ def _concurrency(run: _Run) -> None:
     todo = run.pending("concurrency", [one, many])
     if not any(todo.values()):
         return
+    run.begin("concurrency", len(run.cases) + sum(map(len, todo.values())))
     _warm_up(run, "concurrency")
     for c in todo[one]:
         run.send("concurrency", one, c, run.fixed_nonce("concurrency", c))
@@ -267,6 +297,7 @@ def _repeat(run: _Run) -> None:
     todo = run.pending("repeat", arms)
     if not any(todo.values()):
         return
+    run.begin("repeat", len(run.cases) + sum(map(len, todo.values())))
     _warm_up(run, "repeat")
     todo_ids = {arm: {c.case_id for c in cases} for arm, cases in todo.items()}
     for c in run.cases:  # a case's R sends in a row, as in a fresh run
@@ -337,7 +368,7 @@ def _factor_body(run: _Run, name: str) -> dict:
 
 
 def _new_store(
-    cfg: EngineStateConfig, target: CompletionsTarget, out: Path
+    cfg: EngineStateConfig, target: CompletionsTarget, out: Path, progress: Progress
 ) -> tuple[ResultStore, list[Case]]:
     """Build the cases (sized by the server's /tokenize) before anything is written, then store
     them with the run's identity."""
@@ -345,7 +376,7 @@ def _new_store(
     if counter is None:
         raise BadInput(f"{target.root} exposes no /tokenize endpoint; engine-state sizes its cases with it")
     try:
-        cases = build_cases(cfg.spec(), counter)
+        cases = build_cases(cfg.spec(), counter, progress)
     finally:
         counter.close()
     out.mkdir(parents=True, exist_ok=True)
@@ -377,18 +408,48 @@ def _resume_store(cfg: EngineStateConfig, out: Path) -> tuple[ResultStore, list[
     return store, cases, dataclasses.replace(cfg, run_id=store.get_meta("run_id"))
 
 
-def run_engine_state(cfg: EngineStateConfig, out: Path, *, resume: bool = False) -> dict:
+def fit_to_target(
+    cfg: EngineStateConfig, target: CompletionsTarget, note: Callable[[str], None]
+) -> EngineStateConfig:
+    """``cfg`` with the value length and the lengths the target can hold (``targets.limits``):
+    BadInput before any send when a length does not fit, unless ``skip_long_lengths``."""
+    prov = collect_provenance(target.root, target.v1, api_key=cfg.api_key, timeout=min(cfg.timeout_s, 5.0))
+    limits = read_limits(prov, cfg.model)
+    # The nonce (six digits, a period, a space) is added to each prompt after it is sized.
+    kept, dropped = fit_lengths(
+        cfg.lengths, limits, answer_tokens=cfg.max_tokens + NONCE_TOKENS, skip=cfg.skip_long_lengths
+    )
+    if dropped:
+        note(
+            f"WARNING: skipping lengths {', '.join(map(str, dropped))}: beyond the target's context of "
+            f"{limits.context} tokens ({limits.context_from})"
+        )
+    digits, source = choose_value_digits(cfg.value_digits, limits)
+    note(f"needle values: {digits} digits, from {source}")
+    return dataclasses.replace(cfg, lengths=kept, value_digits=digits)
+
+
+def run_engine_state(
+    cfg: EngineStateConfig,
+    out: Path,
+    *,
+    resume: bool = False,
+    progress: Progress = no_progress,
+    note: Callable[[str], None] = lambda _line: None,
+) -> dict:
     """Run (or, with ``resume``, continue) each factor into ``out``'s store; return
-    engine_state.json's body, built from the store (so a resumed run reports every send)."""
+    engine_state.json's body, built from the store (so a resumed run reports every send).
+    ``progress`` hears of each send (a task per factor), ``note`` of what was taken from the target."""
     out = Path(out)
     check_out(out, resume)
     with CompletionsTarget(cfg.base_url, cfg.model, api_key=cfg.api_key, timeout=cfg.timeout_s) as target:
+        cfg = fit_to_target(cfg, target, note)
         if resume:
             store, cases, cfg = _resume_store(cfg, out)
         else:
-            store, cases = _new_store(cfg, target, out)
+            store, cases = _new_store(cfg, target, out, progress)
         try:
-            run = _Run(cfg, target, store, cases)
+            run = _Run(cfg, target, store, cases, progress)
             for name in cfg.factors:
                 _RUNNERS[name](run)
             factors = {name: _factor_body(run, name) for name in cfg.factors}

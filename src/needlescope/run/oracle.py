@@ -12,8 +12,10 @@ and is refused at once (``BadInput``).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -21,10 +23,12 @@ from pathlib import Path
 from needlescope.analysis.oracle import ATOL, FLIP_MARGIN, Step, compare_steps, first_difference, summarize
 from needlescope.errors import BadInput
 from needlescope.paths import read_json_object
+from needlescope.progress import Progress, no_progress
 from needlescope.report.oracle import EXPORT_SCHEMA
 from needlescope.schema import check_schema
 from needlescope.targets.client import served_models
 from needlescope.targets.completions import CompletionsTarget
+from needlescope.targets.limits import read_limits
 from needlescope.targets.provenance import collect_provenance
 
 __all__ = ["OracleConfig", "PromptSet", "load_prompt_set", "export", "compare", "read_export"]
@@ -34,6 +38,7 @@ _PROMPT_SET_SCHEMA = {
     "required": ["name", "prompts"],
     "properties": {
         "name": {"type": "string"},
+        "value_digits": {"type": "integer"},
         "prompts": {
             "type": "array",
             "items": {
@@ -56,6 +61,8 @@ class PromptSet:
     name: str
     sha256: str
     prompts: list[dict]
+    value_digits: int | None = None
+    """Digits of the needle values written into the set's needle prompts (fixed text)."""
 
 
 def load_prompt_set(path: str | Path | None = None) -> PromptSet:
@@ -75,7 +82,12 @@ def load_prompt_set(path: str | Path | None = None) -> PromptSet:
         raise BadInput(f"{path}: prompt ids must be unique and at least one prompt given")
     if any(p["max_tokens"] < 1 for p in data["prompts"]):
         raise BadInput(f"{path}: every prompt's max_tokens must be >= 1")
-    return PromptSet(name=data["name"], sha256=hashlib.sha256(raw).hexdigest(), prompts=data["prompts"])
+    return PromptSet(
+        name=data["name"],
+        sha256=hashlib.sha256(raw).hexdigest(),
+        prompts=data["prompts"],
+        value_digits=data.get("value_digits"),
+    )
 
 
 @dataclass(frozen=True)
@@ -90,6 +102,8 @@ class OracleConfig:
     prompts: str | None = None
     flip_margin: float = FLIP_MARGIN
     atol: float = ATOL
+    skip_long_prompts: bool = False
+    """Leave out, with a note, prompts beyond the target's context instead of refusing the run."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.top_logprobs <= 20:
@@ -137,7 +151,7 @@ def _record(target: CompletionsTarget, p: dict, source: str, toks: list | None, 
 
 
 def _header(cfg: OracleConfig, target: CompletionsTarget, pset: PromptSet, source: str) -> dict:
-    prov = collect_provenance(target.root, target.v1, api_key=cfg.api_key)
+    prov = collect_provenance(target.root, target.v1, api_key=cfg.api_key, timeout=min(cfg.timeout_s, 5.0))
     return {
         "kind": "needlescope-oracle-export",
         "model": target.model,
@@ -150,14 +164,51 @@ def _header(cfg: OracleConfig, target: CompletionsTarget, pset: PromptSet, sourc
     }
 
 
-def export(cfg: OracleConfig) -> dict:
+def fit_prompts(
+    cfg: OracleConfig, target: CompletionsTarget, pset: PromptSet, note: Callable[[str], None]
+) -> PromptSet:
+    """The prompts that fit the target's advertised context (counted by its ``/tokenize``), before
+    any generation: BadInput naming the others, or (``skip_long_prompts``) a note and the rest.
+    The needle prompts' values are fixed text; ``note`` says their length beside the target's."""
+    prov = collect_provenance(target.root, target.v1, api_key=cfg.api_key, timeout=min(cfg.timeout_s, 5.0))
+    limits = read_limits(prov, target.model)
+    if pset.value_digits is not None:
+        advertised = (
+            f"the target advertises {limits.value_digits} ({limits.value_digits_from})"
+            if limits.value_digits is not None
+            else "the target advertises none"
+        )
+        warn = "WARNING: " if limits.value_digits not in (None, pset.value_digits) else ""
+        note(f"{warn}needle values: {pset.value_digits} digits, fixed by the prompt set; {advertised}")
+    if limits.context is None:
+        return pset
+    long = [
+        p["id"]
+        for p in pset.prompts
+        if len(target.tokenize(p["prompt"]) or ()) + p["max_tokens"] > limits.context
+    ]
+    if not long:
+        return pset
+    why = f"beyond the target's context of {limits.context} tokens ({limits.context_from})"
+    if not cfg.skip_long_prompts:
+        raise BadInput(f"prompt(s) {', '.join(long)} are {why}; pass --skip-long-prompts to leave them out")
+    note(f"WARNING: leaving out prompt(s) {', '.join(long)}: {why}")
+    return dataclasses.replace(pset, prompts=[p for p in pset.prompts if p["id"] not in long])
+
+
+def export(
+    cfg: OracleConfig, progress: Progress = no_progress, note: Callable[[str], None] = lambda _line: None
+) -> dict:
     """Greedy logprobs of every prompt of the set at ``cfg``'s server (the export.json body)."""
     pset = load_prompt_set(cfg.prompts)
     with cfg.target() as target:
+        pset = fit_prompts(cfg, target, pset, note)
         source, rows = None, []
+        progress("export", 0, len(pset.prompts), "")
         for p in pset.prompts:
             source, toks = _prompt_tokens(target, p["prompt"], source)
             rows.append(_record(target, p, source, toks, cfg.top_logprobs))
+            progress("export", len(rows), len(pset.prompts), p["id"])
         return {**_header(cfg, target, pset, source or "none"), "prompts": rows}
 
 
@@ -188,7 +239,12 @@ def _ids_equal(ref: dict, source: str, toks: list | None) -> tuple[bool | None, 
     return diff is None, diff
 
 
-def compare(ref_dir: str | Path, cfg: OracleConfig) -> tuple[dict, dict]:
+def compare(
+    ref_dir: str | Path,
+    cfg: OracleConfig,
+    progress: Progress = no_progress,
+    note: Callable[[str], None] = lambda _line: None,
+) -> tuple[dict, dict]:
     """(oracle.json body, the candidate's own export) of ``cfg``'s server against ``ref_dir``'s export."""
     ref = read_export(ref_dir)
     by_id = {p["id"]: p for p in ref["prompts"]}
@@ -196,8 +252,10 @@ def compare(ref_dir: str | Path, cfg: OracleConfig) -> tuple[dict, dict]:
     pset = PromptSet(ref["prompt_set"], ref["prompt_set_sha256"], pset_prompts)
     ref_source = ref["prompt_ids_source"] if ref["prompt_ids_source"] != "none" else None
     with cfg.target() as target:
+        pset = fit_prompts(cfg, target, pset, note)
         rows, cand_rows, equal_flags, comparisons = [], [], [], []
         source = ref_source
+        progress("compare", 0, len(pset.prompts), "")
         for i, p in enumerate(pset.prompts):
             source, toks = _prompt_tokens(target, p["prompt"], source)
             equal, diff = _ids_equal(by_id[p["id"]], source, toks)
@@ -216,6 +274,7 @@ def compare(ref_dir: str | Path, cfg: OracleConfig) -> tuple[dict, dict]:
             )
             comparisons.append(c)
             equal_flags.append(equal)
+            progress("compare", len(comparisons), len(pset.prompts), p["id"])
             rows.append(
                 {
                     "id": p["id"],

@@ -10,20 +10,22 @@ from __future__ import annotations
 import asyncio
 import tempfile
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 from needlescope.analysis import cells_from_results
 from needlescope.analysis.endpoints import check_same_models, endpoint_breakdown
 from needlescope.analysis.margins import group_margins
-from needlescope.analysis.taxonomy import classify, summarize_failures
+from needlescope.analysis.taxonomy import CaseIndex, classify, summarize_failures
 from needlescope.cases import CaseSpec, build_cases, order_for_prefix_cache, score_answer
 from needlescope.cases.needles import VALUE_DIGITS
 from needlescope.errors import BadInput
+from needlescope.progress import Progress
 from needlescope.report.probe import write_probe_outputs
 from needlescope.run.config import ProbeConfig
 from needlescope.run.replay import write_failure_bundles
 from needlescope.run.scheduler import Grade, run_cases
-from needlescope.run.store import ResultStore
+from needlescope.run.store import ResultStore, peek
 from needlescope.targets import (
     ChatTarget,
     LocalTokenCounter,
@@ -33,17 +35,25 @@ from needlescope.targets import (
     preflight,
     served_models,
 )
+from needlescope.targets.limits import TargetLimits, choose_value_digits, fit_lengths, read_limits
 from needlescope.targets.logprobs import detect_method, score_gold
 
 Event = Callable[[str, dict], None]
 
 STORE_NAME = "results.sqlite"
-# The key under which a server advertises the value length its checkpoint was trained on.
-TRAINED_DIGITS_KEY = "trained_value_digits"
 
 
 def _noop(_name: str, _payload: dict) -> None:
     return None
+
+
+def progress_events(on_event: Event) -> Progress:
+    """A ``needlescope.progress`` callback that reports through ``on_event("progress", ...)``."""
+
+    def progress(task: str, done: int, total: int | None, detail: str = "") -> None:
+        on_event("progress", {"task": task, "done": done, "total": total, "detail": detail})
+
+    return progress
 
 
 def _token_counter(cfg: ProbeConfig, root: str):
@@ -86,18 +96,21 @@ def check_out(out: Path, resume: bool) -> None:
         ) from None
 
 
-def _value_digits(cfg: ProbeConfig, provenance: dict) -> tuple[int, str]:
-    """Digits per needle value, and where that number came from (for the report)."""
-    if cfg.value_digits is not None:
-        return cfg.value_digits, "--value-digits"
-    info = provenance.get("/get_server_info")
-    advertised = info.get(TRAINED_DIGITS_KEY) if isinstance(info, dict) else None
-    if isinstance(advertised, int) and not isinstance(advertised, bool) and 1 <= advertised <= 12:
-        return advertised, f"the target's /get_server_info {TRAINED_DIGITS_KEY} (no --value-digits given)"
-    return (
-        VALUE_DIGITS,
-        f"the default (no --value-digits given; the target advertises no {TRAINED_DIGITS_KEY})",
-    )
+def fit_to_target(cfg: ProbeConfig, limits: TargetLimits, on_event: Event = _noop) -> ProbeConfig:
+    """``cfg`` with only the lengths the target can hold (``targets.limits.fit_lengths``: BadInput
+    when one does not fit, unless ``--skip-long-lengths``, which drops it with an event)."""
+    kept, dropped = fit_lengths(cfg.lengths, limits, answer_tokens=cfg.max_tokens, skip=cfg.skip_long_lengths)
+    if dropped:
+        on_event(
+            "lengths_skipped",
+            {
+                "skipped": list(dropped),
+                "kept": list(kept),
+                "context": limits.context,
+                "from": limits.context_from,
+            },
+        )
+    return replace(cfg, lengths=kept)
 
 
 def _read_haystack(path: Path) -> str:
@@ -111,9 +124,10 @@ def _read_haystack(path: Path) -> str:
         raise BadInput(f"--haystack-file {path} cannot be read ({e.strerror})") from None
 
 
-def _new_store(cfg: ProbeConfig, root: str, v1: str, assumed: list[str], on_event: Event) -> ResultStore:
-    provenance = collect_provenance(root, v1, api_key=cfg.api_key)
-    digits, source = _value_digits(cfg, provenance)
+def _new_store(
+    cfg: ProbeConfig, root: str, provenance: dict, limits: TargetLimits, assumed: list[str], on_event: Event
+) -> ResultStore:
+    digits, source = choose_value_digits(cfg.value_digits, limits)
     haystack = _read_haystack(cfg.haystack_file) if cfg.haystack_file else None
     spec = CaseSpec(
         kind=cfg.kind,
@@ -126,11 +140,15 @@ def _new_store(cfg: ProbeConfig, root: str, v1: str, assumed: list[str], on_even
         value_digits=digits,
         n_distractors=cfg.distractors,
     )
-    on_event("cases_start", {"n": len(cfg.lengths) * len(cfg.depths) * cfg.trials})
-    cases = order_for_prefix_cache(build_cases(spec, _token_counter(cfg, root)))
+    cases = order_for_prefix_cache(build_cases(spec, _token_counter(cfg, root), progress_events(on_event)))
+    on_event("value_digits", {"value_digits": digits, "source": source})
     cfg.out.mkdir(parents=True, exist_ok=True)
     path = cfg.out / STORE_NAME
     store = ResultStore(path)
+    if store.get_meta("fingerprint") is not None:
+        # Another run made it between check_out and here (and has ended: it held the lock).
+        store.close()
+        raise BadInput(f"{path} already holds a run; pass --resume to continue it or choose another --out")
     try:
         store.put_meta("fingerprint", cfg.fingerprint(digits))
         store.put_meta("provenance", provenance)
@@ -145,19 +163,23 @@ def _new_store(cfg: ProbeConfig, root: str, v1: str, assumed: list[str], on_even
     return store
 
 
-def _resume_store(cfg: ProbeConfig) -> ResultStore:
-    store = ResultStore(cfg.out / STORE_NAME)
-    previous = store.get_meta("fingerprint")
+def _resume_store(cfg: ProbeConfig, on_event: Event) -> ResultStore:
+    """The store to resume, checked read-only first (a foreign file is never written to)."""
+    path = cfg.out / STORE_NAME
+    if not path.is_file():
+        raise BadInput(f"--resume: {path} does not exist; drop --resume to start a run there")
+    found = peek(path)
+    previous = found["fingerprint"]
     digits = cfg.value_digits if cfg.value_digits is not None else (previous or {}).get("value_digits")
-    if previous is None or not store.cases():
-        store.close()
-        raise BadInput(f"--resume: {cfg.out / STORE_NAME} holds no cases; delete it and start the run again")
+    source = (found["run_notes"] or {}).get("value_digits_source", "--value-digits")
+    if previous is None or not found["cases"]:
+        raise BadInput(f"--resume: {path} holds no cases; delete it and start the run again")
     if previous != cfg.fingerprint(digits):
-        store.close()
         raise BadInput(
             f"--resume: the run in {cfg.out} was made with {previous}, not {cfg.fingerprint(digits)}; use another --out"
         )
-    return store
+    on_event("value_digits", {"value_digits": digits, "source": f"the run being resumed ({source})"})
+    return ResultStore(path)
 
 
 def run_probe(cfg: ProbeConfig, on_event: Event = _noop, *, difficulty: dict | None = None) -> dict:
@@ -175,7 +197,13 @@ def run_probe(cfg: ProbeConfig, on_event: Event = _noop, *, difficulty: dict | N
     if len(roots) > 1:
         listed = {root: served_models(root, cfg.api_key) for root, _v1 in roots}
         check_same_models({root: ids for root, ids in listed.items() if ids is not None})
-    store = _resume_store(cfg) if cfg.resume else _new_store(cfg, *roots[0], assumed, on_event)
+    provenance = collect_provenance(*roots[0], api_key=cfg.api_key, timeout=min(cfg.timeout_s, 5.0))
+    limits = read_limits(provenance, cfg.model)
+    cfg = fit_to_target(cfg, limits, on_event)
+    if cfg.resume:
+        store = _resume_store(cfg, on_event)
+    else:
+        store = _new_store(cfg, roots[0][0], provenance, limits, assumed, on_event)
     try:
         if difficulty is not None:
             store.put_meta("difficulty", difficulty)
@@ -272,14 +300,6 @@ def _finish(cfg: ProbeConfig, store: ResultStore, case_dicts: list[dict], admiss
             "counted_length": case["counted_length"],
             "expected": case["expected"],
         }
-        if row["status"] == "ok" and not row.get("correct"):
-            row["failure"] = classify(
-                answer=row.get("answer"),
-                expected=case["expected"],
-                finish_reason=row.get("finish_reason"),
-                reasoning=row.get("reasoning"),
-                messages=case["messages"],
-            ).to_dict()
         rows.append(row)
         reported = r.get("prompt_tokens")
         if case["counted_length"] != case["length"]:
@@ -291,6 +311,7 @@ def _finish(cfg: ProbeConfig, store: ResultStore, case_dicts: list[dict], admiss
             notes.append(
                 f"{case['case_id']}: counted {case['counted_length']} tokens but the server reported usage.prompt_tokens={reported}"
             )
+    _classify_misses(rows, by_id)
     graded = _graded_section(cfg, store, rows)
     # A case that missed its length measures some other length: keep it out of the analysis.
     grid = [(c["length"], c["depth"]) for c in case_dicts]
@@ -323,6 +344,22 @@ def _finish(cfg: ProbeConfig, store: ResultStore, case_dicts: list[dict], admiss
         graded=graded,
         difficulty=store.get_meta("difficulty"),
     )
+
+
+def _classify_misses(rows: list[dict], by_id: dict[str, dict]) -> None:
+    """Attach each miss's failure class; an answer can be another case's value, so every row is
+    indexed first (errored cases too: they were sent)."""
+    index = CaseIndex(rows)
+    for row in rows:
+        if row["status"] == "ok" and not row.get("correct"):
+            row["failure"] = classify(
+                answer=row.get("answer"),
+                expected=row["expected"],
+                finish_reason=row.get("finish_reason"),
+                reasoning=row.get("reasoning"),
+                messages=by_id[row["case_id"]]["messages"],
+                other_case=lambda value, row=row: index.source(row, value),
+            ).to_dict()
 
 
 def _graded_section(cfg: ProbeConfig, store: ResultStore, rows: list[dict]) -> dict | None:

@@ -39,6 +39,7 @@ async def _chat_row(
             "attempts": res.attempts,
             "base_url": res.base_url,
             "replica": res.replica,
+            "connection": res.connection,
         }
     except ProbeError as e:
         # A failed request says nothing about recall: it is an error, never a miss.

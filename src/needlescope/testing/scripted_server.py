@@ -8,9 +8,14 @@ only when its fact "The <key> is <digits>." lies within the LAST ``--window`` wo
 
 Planted answer faults (this instance only, so replicas can differ): ``--fault KIND`` turns a right
 answer into one failure kind of the taxonomy (``near_miss``, ``partial``, ``distractor``,
-``refusal``, ``empty``, ``length``, ``reasoning``, ``unrelated``). It fires when the prompt has at
-least ``--fault-from`` tokens, when ``--fault-residue M:R`` is given only if its length is R mod M,
-and then with probability ``--fault-rate`` (drawn from ``--fault-seed``; 1.0 is deterministic).
+``refusal``, ``empty``, ``length``, ``reasoning``, ``unrelated``), or into the right answer of the
+chat served before it (``stale``: a response cache reused across requests). It fires when the
+prompt has at least ``--fault-from`` tokens, when ``--fault-residue M:R`` is given only if its
+length is R mod M, when ``--fault-depth LO:HI`` is given only if the needle's fact starts between
+LO% and HI% of the prompt's words, and then with probability ``--fault-rate`` (drawn from
+``--fault-seed``; 1.0 is deterministic). ``--truncate-middle N`` imitates a serving layer that fits
+long prompts by dropping their middle: a prompt of more than N words keeps its first N // 2 and
+last N - N // 2 words (the ``--window`` applies to what is left).
 ``--replica-id`` adds an ``X-Replica-Id`` header, as a router in front of replicas might;
 ``--page-size`` is only reported in ``/get_server_info`` (a kernel boundary for bisection).
 
@@ -39,7 +44,17 @@ QUESTION = re.compile(r"what\s+(?:is|are)\s+(?:all\s+)?the\s+(.+?)\s*\?", re.IGN
 VALUES = r"(\d+(?:\s*(?:,|and|,\s*and)\s+\d+)*)"
 # Any stated fact: used to answer with another key's value (the distractor fault).
 ANY_FACT = re.compile(r"\bis\s+(\d+)\.", re.IGNORECASE)
-FAULTS = ("near_miss", "partial", "distractor", "refusal", "empty", "length", "reasoning", "unrelated")
+FAULTS = (
+    "near_miss",
+    "partial",
+    "distractor",
+    "refusal",
+    "empty",
+    "length",
+    "reasoning",
+    "unrelated",
+    "stale",
+)
 
 
 def render_words(messages: list[dict], add_generation_prompt: bool = True) -> list[str]:
@@ -51,21 +66,40 @@ def render_words(messages: list[dict], add_generation_prompt: bool = True) -> li
     return words
 
 
-def answer(messages: list[dict], window: int) -> str:
-    words = render_words(messages)
+def _fact(messages: list[dict]) -> re.Pattern | None:
+    """The pattern of the asked key's fact ("<key> is|are <values>"), or None without a question."""
     question = next(
         (QUESTION.search(m.get("content") or "") for m in reversed(messages) if m.get("role") == "user"),
         None,
     )
     if question is None:
-        return "I don't know"
+        return None
     key = " ".join(question.group(1).split())
-    visible = " ".join(words[-window:]) if window > 0 else ""
-    fact = re.compile(
+    return re.compile(
         r"\b" + r"\s+".join(map(re.escape, key.split())) + r"\s+(?:is|are)\s+" + VALUES, re.IGNORECASE
     )
+
+
+def answer(messages: list[dict], window: int, truncate_middle: int = 0) -> str:
+    words = render_words(messages)
+    fact = _fact(messages)
+    if fact is None:
+        return "I don't know"
+    if truncate_middle and len(words) > truncate_middle:
+        words = words[: truncate_middle // 2] + words[len(words) - (truncate_middle - truncate_middle // 2) :]
+    visible = " ".join(words[-window:]) if window > 0 else ""
     values = list(dict.fromkeys(v for found in fact.findall(visible) for v in re.findall(r"\d+", found)))
     return ", ".join(values) if values else "I don't know"
+
+
+def needle_depth(messages: list[dict]) -> float | None:
+    """Where the asked key's fact starts, in percent of the rendered prompt's words (None: no fact)."""
+    fact = _fact(messages)
+    text = " ".join(render_words(messages))
+    found = fact.search(text) if fact is not None else None
+    if found is None:
+        return None
+    return 100.0 * len(text[: found.start()].split()) / max(1, len(text.split()))
 
 
 def _shift(digits: str) -> str:
@@ -103,14 +137,25 @@ class State:
         self.rejected = 0
         self.history: list[list[str]] = []
         self.rng = random.Random(opts.fault_seed)
+        self.last_right: str | None = None
 
-    def fault_fires(self, n_tokens: int) -> bool:
+    def stale(self, right: str) -> str:
+        """The right answer of the chat served before this one (a stale cache slot); keeps ``right``."""
+        with self.lock:
+            previous, self.last_right = self.last_right, right
+        return previous if previous is not None else right
+
+    def fault_fires(self, n_tokens: int, messages: list[dict]) -> bool:
         o = self.opts
         if o.fault is None or n_tokens < o.fault_from:
             return False
         if o.fault_residue is not None:
             mod, res = o.fault_residue
             if n_tokens % mod != res:
+                return False
+        if o.fault_depth is not None:
+            depth = needle_depth(messages)
+            if depth is None or not o.fault_depth[0] <= depth <= o.fault_depth[1]:
                 return False
         if o.fault_rate >= 1.0:
             return True
@@ -273,10 +318,16 @@ class Handler(BaseHTTPRequestHandler):
                 },
             )
             return
-        text = answer(messages, o.window)
+        text = answer(messages, o.window, o.truncate_middle)
         reasoning, finish = None, "stop"
-        if text[:1].isdigit() and self.state.fault_fires(len(words)):
-            text, reasoning, finish = planted(o.fault, text, messages)
+        right = text
+        if text[:1].isdigit() and self.state.fault_fires(len(words), messages):
+            if o.fault == "stale":
+                text = self.state.stale(right)
+            else:
+                text, reasoning, finish = planted(o.fault, text, messages)
+        elif text[:1].isdigit() and o.fault == "stale":
+            self.state.stale(right)
         self._send(
             200,
             {
@@ -308,6 +359,13 @@ def _residue(text: str) -> tuple[int, int]:
     return mod, res
 
 
+def _band(text: str) -> tuple[float, float]:
+    lo, hi = (float(x) for x in text.split(":"))
+    if not 0 <= lo <= hi <= 100:
+        raise argparse.ArgumentTypeError(f"--fault-depth LO:HI needs 0 <= LO <= HI <= 100; got {text!r}")
+    return lo, hi
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--port", type=int, default=0)
@@ -323,6 +381,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--fault", choices=FAULTS, default=None)
     p.add_argument("--fault-from", type=int, default=0)
     p.add_argument("--fault-residue", type=_residue, default=None, help="M:R")
+    p.add_argument("--fault-depth", type=_band, default=None, help="LO:HI, percent of the prompt's words")
+    p.add_argument("--truncate-middle", type=int, default=0, help="keep the first and last N/2 words")
     p.add_argument("--fault-rate", type=float, default=1.0)
     p.add_argument("--fault-seed", type=int, default=0)
     p.add_argument("--replica-id", default=None)

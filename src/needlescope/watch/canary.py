@@ -30,8 +30,9 @@ import httpx
 
 from needlescope.analysis import cells_from_results, effective_length
 from needlescope.cases import Case
-from needlescope.errors import BadInput
-from needlescope.targets import ChatTarget, collect_provenance, normalize_base_url
+from needlescope.errors import BadInput, ProbeError
+from needlescope.targets import ChatTarget, normalize_base_url
+from needlescope.targets.limits import choose_value_digits, fit_lengths
 from needlescope.watch import probe
 from needlescope.watch.config import CanaryConfig
 from needlescope.watch.engine import UnexpectedFormat, normalize
@@ -98,6 +99,8 @@ class Canary:
         self.model: str | None = cfg.model
         self.queue_limit: int | None = cfg.queue_limit
         self._cycles: dict[int, Iterator[Case]] | None = None
+        self._fitted: tuple[tuple[int, ...], int] | None = None
+        """(lengths that fit the target, digits per value), resolved the first time it answers."""
         self._up: bool | None = None
         self._warned: set[str] = set()
         self._at_limit_run = 0
@@ -143,8 +146,23 @@ class Canary:
             self._set_up(False, server.detail)
             return
         try:
-            cycles = await self._cases()
+            if self.model is None:
+                self.model = await probe.resolve_model(self._client, self.v1, None)
+            # Not caught below: lengths the target cannot hold end the canary (BadInput, exit 2).
+            lengths, digits = await self._fit()
         except BadInput as e:
+            if self.model is None:  # no model listed yet (still loading?): try again next round
+                self._warn_once("cases", f"cannot build probe cases: {e}")
+                self._set_up(True, "the server answers, but no probe could be built")
+                return
+            raise
+        except (httpx.TransportError, OSError) as e:
+            self._count_error(Outcome(None, "connection", f"{type(e).__name__}: {e}", 0.0))
+            self._set_up(False, "lost the server while reading its limits")
+            return
+        try:
+            cycles = await self._cases(lengths, digits)
+        except (BadInput, ProbeError) as e:
             self._warn_once("cases", f"cannot build probe cases: {e}")
             cycles = None
         except (httpx.TransportError, OSError) as e:
@@ -174,7 +192,7 @@ class Canary:
                 self._record(length, outcome)
                 return outcome
 
-        outcomes = await asyncio.gather(*(one(n) for n in self.cfg.lengths))
+        outcomes = await asyncio.gather(*(one(n) for n in lengths))
         reached = any(o.error not in ("connection", "timeout") for o in outcomes)
         self._set_up(reached, "; ".join(o.detail for o in outcomes if o.error))
         self.metrics.effective_length.set(self.window.effective_length(self.cfg.threshold))
@@ -211,39 +229,52 @@ class Canary:
             self._warned.add(key)
             log.warning(message)
 
-    async def _cases(self) -> dict[int, Iterator[Case]]:
+    async def _fit(self) -> tuple[tuple[int, ...], int]:
+        """The lengths to probe and the value length, from what the target advertises (once)."""
+        if self._fitted is not None:
+            return self._fitted
+        cfg = self.cfg
+        limits, provenance = await asyncio.to_thread(probe.target_limits, cfg, self.root, self.v1, self.model)
+        kept, dropped = fit_lengths(
+            cfg.lengths, limits, answer_tokens=cfg.max_tokens, skip=cfg.skip_long_lengths
+        )
+        if dropped:
+            log.warning(
+                "skipping lengths %s: beyond the target's context of %d tokens (%s); probing %s",
+                ",".join(map(str, dropped)),
+                limits.context,
+                limits.context_from,
+                ",".join(map(str, kept)),
+            )
+        digits, source = choose_value_digits(cfg.value_digits, limits)
+        log.info("needle values: %d digits, from %s", digits, source)
+        if self.queue_limit is None:
+            self.queue_limit = _advertised_queue_limit(provenance)
+        self._fitted = kept, digits
+        return self._fitted
+
+    async def _cases(self, lengths: tuple[int, ...], digits: int) -> dict[int, Iterator[Case]]:
         if self._cycles is not None:
             return self._cycles
         cfg = self.cfg
-        self.model = await probe.resolve_model(self._client, self.v1, cfg.model)
         cases = await asyncio.to_thread(
             probe.build_probe_cases,
             cfg,
             self.root,
             self.model,
-            lengths=cfg.lengths,
+            lengths=lengths,
             depths=cfg.depths,
             trials=cfg.trials,
+            value_digits=digits,
         )
-        if self.queue_limit is None:
-            self.queue_limit = await asyncio.to_thread(self._advertised_queue_limit)
         self._targets = [probe.probe_target(self.v1, self.model, cfg, rec) for rec in self._recorders]
         # Rotate depths before trials, so consecutive probes of a length sit at different depths.
         by_length = {
-            n: sorted((c for c in cases if c.length == n), key=lambda c: (c.trial, c.depth))
-            for n in cfg.lengths
+            n: sorted((c for c in cases if c.length == n), key=lambda c: (c.trial, c.depth)) for n in lengths
         }
         self._cycles = {n: itertools.cycle(cs) for n, cs in by_length.items()}
-        log.info("built %d probe cases for model %s at lengths %s", len(cases), self.model, list(cfg.lengths))
+        log.info("built %d probe cases for model %s at lengths %s", len(cases), self.model, list(lengths))
         return self._cycles
-
-    def _advertised_queue_limit(self) -> int | None:
-        info = collect_provenance(self.root, self.v1, api_key=self.cfg.api_key).get("/get_server_info")
-        if not isinstance(info, dict):
-            return None
-        args = info.get("args") if isinstance(info.get("args"), dict) else {}
-        limit = info.get("max_queued_requests", args.get("max_queued_requests"))
-        return limit if isinstance(limit, int) and limit > 0 else None
 
     async def _scrape_engine(self) -> None:
         m = self.metrics
@@ -284,3 +315,13 @@ class Canary:
                 self.queue_limit,
                 self._at_limit_run,
             )
+
+
+def _advertised_queue_limit(provenance: dict) -> int | None:
+    """``max_queued_requests`` from ``/get_server_info`` (top level or its ``args``), if given."""
+    info = provenance.get("/get_server_info")
+    if not isinstance(info, dict):
+        return None
+    args = info.get("args") if isinstance(info.get("args"), dict) else {}
+    limit = info.get("max_queued_requests", args.get("max_queued_requests"))
+    return limit if isinstance(limit, int) and limit > 0 else None

@@ -40,8 +40,9 @@ class TargetConfig:
     model: str | None = None
     """Model name as served; ``None`` takes the first one ``/v1/models`` lists."""
     kind: str = "single"
-    value_digits: int = 7
-    """Digits per needle value (the shipped organism was trained on 3)."""
+    value_digits: int | None = None
+    """Digits per needle value; None: the target's advertised ``trained_value_digits``, else 7
+    (``targets.limits.choose_value_digits``)."""
     tokenizer: str = "server"
     """``server`` (its ``/tokenize``) or a path to an HF ``tokenizer.json``."""
     max_tokens: int = 32
@@ -54,7 +55,7 @@ class TargetConfig:
         normalize_base_url(self.base_url)  # BadInput on a malformed URL
         if self.kind not in KINDS:
             raise BadInput(f"--kind must be one of {', '.join(KINDS)}; got {self.kind!r}")
-        if not 1 <= self.value_digits <= 12:
+        if self.value_digits is not None and not 1 <= self.value_digits <= 12:
             raise BadInput(f"--value-digits must be in 1..12; got {self.value_digits}")
         if self.max_tokens < 1:
             raise BadInput(f"--max-tokens must be at least 1; got {self.max_tokens}")
@@ -101,6 +102,8 @@ class CanaryConfig(TargetConfig):
     """The engine's admission limit; ``None`` reads ``max_queued_requests`` from ``/get_server_info``."""
     at_limit_scrapes: int = 2
     """Consecutive scrapes at the limit before the canary warns that the queue sits there."""
+    skip_long_lengths: bool = False
+    """Drop (with a warning) lengths beyond the target's context instead of refusing to run."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

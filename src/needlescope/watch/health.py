@@ -22,6 +22,7 @@ from needlescope.cases.scoring import normalize_tokens
 from needlescope.errors import BadInput, ProbeError
 from needlescope.schema import check_schema
 from needlescope.targets import ChatTarget, normalize_base_url
+from needlescope.targets.limits import choose_value_digits, fit_lengths
 from needlescope.watch import probe
 from needlescope.watch.config import HealthConfig
 from needlescope.watch.probe import RecordingTransport
@@ -32,11 +33,13 @@ HEALTH_PROMPT = "This is a health check. Reply with the single word HEALTHY and 
 
 HEALTH_SCHEMA = {
     "type": "object",
-    "required": ["healthy", "base_url", "model", "checks"],
+    "required": ["healthy", "base_url", "model", "value_digits", "value_digits_source", "checks"],
     "properties": {
         "healthy": {"type": "boolean"},
         "base_url": {"type": "string"},
         "model": {"type": ["string", "null"]},
+        "value_digits": {"type": ["integer", "null"]},
+        "value_digits_source": {"type": ["string", "null"]},
         "checks": {
             "type": "array",
             "items": {
@@ -64,13 +67,15 @@ class Check:
 
 
 def run_health(cfg: HealthConfig) -> dict:
-    """Run the checks; return the report (``HEALTH_SCHEMA``). Never raises for a failing server."""
+    """Run the checks; return the report (``HEALTH_SCHEMA``). Never raises for a failing server;
+    BadInput (exit 2) when ``--length`` is beyond the context the target advertises."""
     return asyncio.run(_run(cfg))
 
 
 async def _run(cfg: HealthConfig) -> dict:
     root, v1 = normalize_base_url(cfg.base_url)
     model = cfg.model
+    digits: tuple[int, str] | None = None
     async with probe.watch_client(cfg) as client:
         server = await probe.check_server(client, root, v1)
         checks = [Check("server", "ok" if server.error is None else "fail", server.e2e_s, server.detail)]
@@ -82,14 +87,20 @@ async def _run(cfg: HealthConfig) -> dict:
             except (BadInput, httpx.TransportError) as e:
                 checks += [Check(n, "fail", None, f"no model to ask: {e}") for n in ("chat", "needle")]
             else:
+                limits, _ = await asyncio.to_thread(probe.target_limits, cfg, root, v1, model)
+                # A length the target cannot hold is a usage error (exit 2), found before any needle.
+                fit_lengths((cfg.length,), limits, answer_tokens=cfg.max_tokens, flag="--length")
+                digits = choose_value_digits(cfg.value_digits, limits)
                 recorder = RecordingTransport()
                 async with probe.probe_target(v1, model, cfg, recorder) as target:
                     checks.append(await _chat(target, cfg))
-                    checks.append(await _needle(target, recorder, root, model, cfg))
+                    checks.append(await _needle(target, recorder, root, model, cfg, digits[0]))
     report = {
         "healthy": all(c.status in ("ok", "warn") for c in checks),
         "base_url": cfg.base_url,
         "model": model,
+        "value_digits": digits[0] if digits else None,
+        "value_digits_source": digits[1] if digits else None,
         "checks": [asdict(c) for c in checks],
     }
     check_schema(report, HEALTH_SCHEMA, "health")
@@ -114,18 +125,25 @@ async def _chat(target: ChatTarget, cfg: HealthConfig) -> Check:
 
 
 async def _needle(
-    target: ChatTarget, recorder: RecordingTransport, root: str, model: str, cfg: HealthConfig
+    target: ChatTarget, recorder: RecordingTransport, root: str, model: str, cfg: HealthConfig, digits: int
 ) -> Check:
     try:
         (case,) = await asyncio.to_thread(
-            probe.build_probe_cases, cfg, root, model, lengths=(cfg.length,), depths=(cfg.depth,), trials=1
+            probe.build_probe_cases,
+            cfg,
+            root,
+            model,
+            lengths=(cfg.length,),
+            depths=(cfg.depth,),
+            trials=1,
+            value_digits=digits,
         )
     except (BadInput, ProbeError) as e:
         return Check("needle", "fail", None, f"cannot build the needle case: {e}")
     outcome = await probe.probe_case(
         target, recorder, case, max_tokens=cfg.max_tokens, extra_body=cfg.extra_body
     )
-    where = f"{cfg.length} tokens, depth {cfg.depth:g}%"
+    where = f"{cfg.length} tokens, depth {cfg.depth:g}%, a {digits}-digit value"
     if outcome.error is not None:
         return Check("needle", "fail", outcome.e2e_s, f"{outcome.error}: {outcome.detail}")
     if not outcome.correct:
