@@ -33,14 +33,19 @@ def init_command(
     console.print(f"next: needlescope investigate run {path} --out investigation-out")
 
 
-def run_investigation_cli(ledger: Path, out: Path) -> Path:
+def run_investigation_cli(ledger: Path, out: Path, allow_outside: bool = False) -> Path:
     """Run with progress per phase (``cli.progress``); returns DIAGNOSIS.md's path."""
     from needlescope.cli.progress import ProgressView
     from needlescope.investigate.diagnosis import write_reports
     from needlescope.investigate.runner import run_investigation
 
     with ProgressView(console) as view:
-        run_investigation(ledger, out, lambda phase, done, total, what: view(phase, done, total, what[:60]))
+        run_investigation(
+            ledger,
+            out,
+            lambda phase, done, total, what: view(phase, done, total, what[:60]),
+            allow_outside=allow_outside,
+        )
     md, _ = write_reports(out, command=shlex.join(["needlescope", *sys.argv[1:]]))
     return md
 
@@ -49,11 +54,14 @@ def run_investigation_cli(ledger: Path, out: Path) -> Path:
 def run_command(
     ledger: Path = typer.Argument(..., help="The ledger (investigation.toml)."),
     out: Path = typer.Option(..., "--out", help="Run directory (kept; a second run resumes it)."),
+    allow_outside: bool = typer.Option(
+        False, "--allow-outside", help="Accept ledger paths (patches, env file, sources) outside its folder."
+    ),
 ) -> None:
     """Run the ledger: cheap questions, symptom, checks in tier order, fixes, verdicts, DIAGNOSIS."""
     import json
 
-    md = run_investigation_cli(ledger, out)
+    md = run_investigation_cli(ledger, out, allow_outside)
     verdicts = json.loads((out / "verdicts.json").read_text(encoding="utf-8"))
     for s in verdicts["suspects"]:
         console.say("  tier {} {}: [bold]{}[/] - {}", s["tier"], s["id"], s["verdict"], s["reason"])
