@@ -218,8 +218,17 @@ def test_tokenize_forms_agree_with_chat_usage(client, server, ckpt):
     assert by_messages["tokens"] == by_prompt["tokens"]
     v1 = httpx.post(server.url + "/v1/tokenize", json={"model": NAME, "messages": messages}).json()
     assert v1["count"] == usage
+    # vLLM's /detokenize keeps special tokens unless asked: the text tokenises back to the same ids.
     back = httpx.post(server.url + "/detokenize", json={"model": NAME, "tokens": by_prompt["tokens"]}).json()
-    assert back["prompt"].split()[-1] == WORDS.split()[-1]
+    again = httpx.post(
+        server.url + "/tokenize", json={"model": NAME, "prompt": back["prompt"], "add_special_tokens": False}
+    ).json()
+    assert again["tokens"] == by_prompt["tokens"]
+    plain = httpx.post(
+        server.url + "/detokenize",
+        json={"model": NAME, "tokens": by_prompt["tokens"], "skip_special_tokens": True},
+    ).json()
+    assert plain["prompt"].split()[-1] == WORDS.split()[-1]
 
 
 # ---- info, health, metrics -----------------------------------------------------------------

@@ -3,8 +3,10 @@
 NeedlescopeError
 ├── BadInput              the user's input is wrong; the CLI prints it and exits 2
 └── ProbeError            the target failed a request (recorded as an error, never a miss)
-    ├── TransportFailure  connection refused/reset, timeout, HTTP 429/5xx after retries
+    ├── TransportFailure  connection refused/reset, HTTP 429/5xx after retries
+    │   └── TimedOut      no complete answer within the request's deadline (--timeout)
     ├── ProtocolViolation the server answered, but not in the OpenAI shape (garbage JSON, no choices)
+    │   └── AnswerTooLarge the answer passed the clients' size limit (targets.bounded)
     └── ContextOverflow   the server refused the prompt as too long for its context
 """
 
@@ -17,6 +19,8 @@ __all__ = [
     "TransportFailure",
     "ProtocolViolation",
     "ContextOverflow",
+    "TimedOut",
+    "AnswerTooLarge",
 ]
 
 
@@ -45,3 +49,11 @@ class ProtocolViolation(ProbeError):
 
 class ContextOverflow(ProbeError):
     kind = "context_overflow"
+
+
+class TimedOut(TransportFailure):
+    kind = "timeout"
+
+
+class AnswerTooLarge(ProtocolViolation):
+    kind = "too_large"

@@ -55,6 +55,7 @@ import torch
 
 from needlescope.cases.scoring import score_answer
 from needlescope.dsa.emulate import IndexerCapture, csa_indexers, emulate
+from needlescope.dsa.passes import check_chunk, greedy, prefill
 from needlescope.dsa.prompt import covering_entries, render_prompt, resolve_needle_span
 from needlescope.dsa.reference import visible_entries
 from needlescope.errors import BadInput
@@ -239,9 +240,19 @@ def answer_positions(prompt_tokens: int, generated: int) -> list[int]:
     return [prompt_tokens - 1 + i for i in range(max(1, generated))]
 
 
-def greedy_new_tokens(model, tokenizer, ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
-    """Greedy decoding of the unpadded batch ``ids`` [B, P]: the new tokens [B, <= max_new_tokens]."""
+def greedy_new_tokens(
+    model, tokenizer, ids: torch.Tensor, max_new_tokens: int, *, chunk: int | None = None
+) -> torch.Tensor:
+    """Greedy decoding of the unpadded batch ``ids`` [B, P]: the new tokens [B, <= max_new_tokens].
+
+    ``chunk=None``: ``model.generate`` (one-pass prefill); a token count: chunked prefill and
+    token-by-token decode through the KV cache (``dsa.passes.greedy``, one prompt at a time).
+    """
     eos = tokenizer.eos_token_id
+    if chunk is not None:
+        return torch.tensor(
+            [greedy(model, ids, max_new_tokens, eos_token_id=eos, chunk=chunk)], dtype=torch.long
+        )
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
     out = model.generate(
         ids,
@@ -254,8 +265,16 @@ def greedy_new_tokens(model, tokenizer, ids: torch.Tensor, max_new_tokens: int) 
     return out[:, ids.shape[1] :]
 
 
-def _generate(model, tokenizer, ids: torch.Tensor, max_new_tokens: int) -> list[int]:
-    return greedy_new_tokens(model, tokenizer, ids, max_new_tokens)[0].tolist()
+def _run_prompt(
+    model, tokenizer, ids: torch.Tensor, query_positions, max_new_tokens: int, chunk: int | None
+) -> tuple[list[int], list[int]]:
+    """Run the prompt ``ids`` [1, P]: (generated tokens, query positions to dump): greedy
+    generation when ``query_positions`` is None (answer positions), else one prefill."""
+    if query_positions is None:
+        generated = greedy_new_tokens(model, tokenizer, ids, max_new_tokens, chunk=chunk)[0].tolist()
+        return generated, answer_positions(ids.shape[1], len(generated))
+    prefill(model, ids, chunk=chunk)
+    return [], list(query_positions)
 
 
 def _prompt_positions(query_positions: Sequence[int], prompt_tokens: int) -> list[int]:
@@ -282,8 +301,13 @@ def rank_dump(
     expected: Sequence[str] | None = None,
     label: str = "",
     capture: IndexerCapture | None = None,
+    chunk: int | None = None,
 ) -> dict:
     """Run ``model`` on ``messages`` under ``setting`` (numerics and patch) and dump the needle's ranks.
+
+    ``chunk``: None runs the prompt in one forward (and greedy decoding through
+    ``model.generate``); a token count runs it in chunks of that many tokens through the KV
+    cache (``dsa.passes``), so that peak memory is bounded by the chunk; the dump is the same.
 
     ``capture``: the caller already runs ``model`` inside ``emulate(model, numerics,
     capture=capture)`` with the setting's patch applied once (a sweep runs many prompts on one
@@ -300,11 +324,11 @@ def rank_dump(
     start, end = resolve_needle_span(prompt, needle, needle_span)
     if max_new_tokens < 1:
         raise BadInput(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    chunk = check_chunk(chunk)
     if query_positions is not None:
         query_positions = _prompt_positions(query_positions, P)
 
     ids = torch.tensor([prompt.input_ids], device=next(model.parameters()).device)
-    generated: list[int] = []
     if capture is None:
         capture = IndexerCapture(keep_scores=True)
         context = emulate(model, setting, capture=capture)
@@ -315,12 +339,7 @@ def rank_dump(
         indexer = csa_indexers(model)[0][1]
         index_topk = int(indexer.index_topk)
         ratio = int(indexer.compress_rate)
-        if query_positions is None:
-            generated = _generate(model, tokenizer, ids, max_new_tokens)
-            positions = answer_positions(P, len(generated))
-        else:
-            model(ids, use_cache=False)
-            positions = list(query_positions)
+        generated, positions = _run_prompt(model, tokenizer, ids, query_positions, max_new_tokens, chunk)
 
     entries = covering_entries((start, end), ratio=ratio, overlap=True)
     out_layers = [_layer_record(capture, layer, positions, entries, index_topk, ratio) for layer in layers]

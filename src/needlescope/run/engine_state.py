@@ -413,7 +413,8 @@ def fit_to_target(
 ) -> EngineStateConfig:
     """``cfg`` with the value length and the lengths the target can hold (``targets.limits``):
     BadInput before any send when a length does not fit, unless ``skip_long_lengths``."""
-    limits = read_limits(collect_provenance(target.root, target.v1, api_key=cfg.api_key), cfg.model)
+    prov = collect_provenance(target.root, target.v1, api_key=cfg.api_key, timeout=min(cfg.timeout_s, 5.0))
+    limits = read_limits(prov, cfg.model)
     # The nonce (six digits, a period, a space) is added to each prompt after it is sized.
     kept, dropped = fit_lengths(
         cfg.lengths, limits, answer_tokens=cfg.max_tokens + NONCE_TOKENS, skip=cfg.skip_long_lengths

@@ -151,7 +151,7 @@ def _record(target: CompletionsTarget, p: dict, source: str, toks: list | None, 
 
 
 def _header(cfg: OracleConfig, target: CompletionsTarget, pset: PromptSet, source: str) -> dict:
-    prov = collect_provenance(target.root, target.v1, api_key=cfg.api_key)
+    prov = collect_provenance(target.root, target.v1, api_key=cfg.api_key, timeout=min(cfg.timeout_s, 5.0))
     return {
         "kind": "needlescope-oracle-export",
         "model": target.model,
@@ -170,7 +170,8 @@ def fit_prompts(
     """The prompts that fit the target's advertised context (counted by its ``/tokenize``), before
     any generation: BadInput naming the others, or (``skip_long_prompts``) a note and the rest.
     The needle prompts' values are fixed text; ``note`` says their length beside the target's."""
-    limits = read_limits(collect_provenance(target.root, target.v1, api_key=cfg.api_key), target.model)
+    prov = collect_provenance(target.root, target.v1, api_key=cfg.api_key, timeout=min(cfg.timeout_s, 5.0))
+    limits = read_limits(prov, target.model)
     if pset.value_digits is not None:
         advertised = (
             f"the target advertises {limits.value_digits} ({limits.value_digits_from})"

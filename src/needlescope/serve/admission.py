@@ -11,11 +11,17 @@
   length: see ``engine``), in arrival order, within the prefill token budget.
 - ``withdraw`` drops a waiting request whose client went away (a timed-out client that
   retries must not leave its first attempt in the queue).
+- ``retry_after_s`` is the measured queue wait (an exponential average of how long recent
+  requests waited before they ran), rounded up to whole seconds, 1..120: what a refused client
+  is told to wait (``Retry-After``). A constant 1 s made the openai SDK give up after its few
+  quick retries while each admitted request waited far longer.
 """
 
 from __future__ import annotations
 
+import math
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Hashable
 from typing import Generic, TypeVar
@@ -39,6 +45,12 @@ class Admission(Generic[T]):
         self._waiting: deque[T] = deque()
         self._running = 0
         self._closed = False
+        self._since: dict[int, float] = {}  # id(item) -> when it was admitted
+        self._wait_s: float | None = None  # exponential average of the queue wait of requests taken to run
+
+    @property
+    def retry_after_s(self) -> int:
+        return max(1, min(120, math.ceil(self._wait_s or 0.0)))
 
     @property
     def waiting(self) -> int:
@@ -62,9 +74,12 @@ class Admission(Generic[T]):
                     self.metrics.rejected.inc()
                 raise Overloaded(
                     f"the server is at capacity: {self._running} requests running "
-                    f"(max {self.max_running}) and {len(self._waiting)} waiting (max {self.max_queued}); retry later"
+                    f"(max {self.max_running}) and {len(self._waiting)} waiting (max {self.max_queued}); "
+                    f"retry in {self.retry_after_s}s",
+                    self.retry_after_s,
                 )
             self._waiting.append(item)
+            self._since[id(item)] = time.monotonic()
             self._publish()
             self._cond.notify()
 
@@ -75,6 +90,7 @@ class Admission(Generic[T]):
                 self._waiting.remove(item)
             except ValueError:
                 return False
+            self._since.pop(id(item), None)
             self._publish()
             return True
 
@@ -106,6 +122,10 @@ class Admission(Generic[T]):
                         self._waiting.remove(item)
                         batch.append(item)
             self._running = len(batch)
+            now = time.monotonic()
+            for item in batch:
+                waited = now - self._since.pop(id(item), now)
+                self._wait_s = waited if self._wait_s is None else 0.8 * self._wait_s + 0.2 * waited
             self._publish()
             return batch
 
@@ -121,6 +141,7 @@ class Admission(Generic[T]):
             self._closed = True
             left = list(self._waiting)
             self._waiting.clear()
+            self._since.clear()
             self._publish()
             self._cond.notify_all()
             return left

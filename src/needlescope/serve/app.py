@@ -10,6 +10,7 @@ counts requests and checks the API key and the body size.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from contextlib import asynccontextmanager
 
@@ -17,6 +18,12 @@ import uvicorn
 from fastapi import FastAPI
 
 from needlescope import __version__
+from needlescope.serve.connections import (
+    ACCEPT_BACKLOG,
+    ConnectionLimits,
+    guarded_protocol,
+    quiet_accept_errors,
+)
 from needlescope.serve.engine import Engine
 from needlescope.serve.middleware import CountRequests, LimitBody, RequireApiKey
 from needlescope.serve.routes import include_routes
@@ -68,13 +75,27 @@ def _openapi_without_422(app: FastAPI) -> None:
 
 
 class _Server(uvicorn.Server):
-    """uvicorn server that reports its bound port once it is listening."""
+    """uvicorn server that reports its bound port once it is listening, and on SIGTERM/SIGINT
+    answers the requests still waiting for the engine 503 before the graceful window closes."""
 
-    def __init__(self, config: uvicorn.Config, on_ready: Callable[[str, int], None] | None) -> None:
+    def __init__(
+        self, config: uvicorn.Config, engine: Engine, on_ready: Callable[[str, int], None] | None
+    ) -> None:
         super().__init__(config)
+        self._engine = engine
         self._on_ready = on_ready
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def handle_exit(self, sig, frame) -> None:
+        # A signal handler may interrupt the loop thread inside admission's lock: drain from the
+        # loop's next turn instead of here.
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._engine.drain)
+        super().handle_exit(sig, frame)
 
     async def startup(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
+        quiet_accept_errors(self._loop)
         await super().startup(sockets=sockets)
         if self.started and self._on_ready is not None:
             host, port = self.servers[0].sockets[0].getsockname()[:2]
@@ -84,13 +105,18 @@ class _Server(uvicorn.Server):
 def run_server(engine: Engine, on_ready: Callable[[str, int], None] | None = None) -> None:
     """Serve ``engine`` until SIGINT/SIGTERM; ``on_ready(host, port)`` runs once it listens."""
     app = create_app(engine)
+    cfg = engine.cfg
+    limits = ConnectionLimits.for_server(cfg.max_connections, cfg.header_timeout_s, cfg.body_timeout_s)
     config = uvicorn.Config(
         app,
-        host=engine.cfg.host,
-        port=engine.cfg.port,
+        host=cfg.host,
+        port=cfg.port,
+        http=guarded_protocol(limits),
+        backlog=ACCEPT_BACKLOG,
+        timeout_keep_alive=5,
         log_level="warning",
         access_log=False,
         timeout_graceful_shutdown=5,
         lifespan="on",
     )
-    _Server(config, on_ready).run()
+    _Server(config, engine, on_ready).run()

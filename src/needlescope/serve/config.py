@@ -29,6 +29,9 @@ DEFAULT_MAX_QUEUED = 64
 DEFAULT_MAX_NEW_TOKENS = 512
 DEFAULT_MAX_PREFILL_TOKENS = 8192
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20
+DEFAULT_MAX_CONNECTIONS = 1024
+DEFAULT_HEADER_TIMEOUT_S = 10.0
+DEFAULT_BODY_TIMEOUT_S = 30.0
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 DEVICES = ("cpu", "cuda")
 
@@ -65,6 +68,13 @@ class ServeConfig:
     cores free for the HTTP loop and for other processes)."""
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     """Largest request body accepted; a larger one gets HTTP 413 before it is read."""
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
+    """Open client connections at once (further clipped below the descriptor limit); at the cap
+    a new connection closes the oldest one without a request in progress (``serve.connections``)."""
+    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
+    """A connection must send a complete request head within this many seconds, or is closed."""
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
+    """A request's body must be complete within this many seconds of its head, or is closed."""
     api_key: str | None = field(default=None, repr=False)
     """When set, every route but /health needs ``Authorization: Bearer KEY``. Never logged,
     never echoed (``to_dict`` says only whether one is set), never in ``to_json``."""
@@ -107,6 +117,14 @@ class ServeConfig:
             raise BadInput(f"--prefix-cache-mib must be 0 (off) or more; got {self.prefix_cache_mib}")
         if self.max_body_bytes < 1024:
             raise BadInput(f"--max-body-bytes must be at least 1024; got {self.max_body_bytes}")
+        if self.max_connections < 8:
+            raise BadInput(f"--max-connections must be at least 8; got {self.max_connections}")
+        for flag, value in (
+            ("--header-timeout", self.header_timeout_s),
+            ("--body-timeout", self.body_timeout_s),
+        ):
+            if not 0 < value <= 3600:
+                raise BadInput(f"{flag} must be in (0, 3600] seconds; got {value}")
         if self.api_key is not None and not self.api_key.strip():
             raise BadInput("--api-key (or NEEDLESCOPE_API_KEY) is empty; give a key or leave it unset")
 

@@ -136,7 +136,10 @@ class Engine:
         self.eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         if self.tokenizer.eos_token_id is not None:
             self.eos_ids.add(self.tokenizer.eos_token_id)
-        self.tokens = Tokens(self.tokenizer, self.context_length)
+        # The tokenizer's queue: room for every request the engine could hold, twice over, so it
+        # only bites on a flood (each job is bounded by the context checks before it).
+        pending = 2 * (cfg.max_queued_requests + cfg.max_running_requests)
+        self.tokens = Tokens(self.tokenizer, self.context_length, max_pending=pending, metrics=self.metrics)
         self.trained_value_digits = recorded_value_digits(self.path)
         self.prefix: PrefixCache | None = None
         if cfg.prefix_cache_mib > 0:
@@ -153,10 +156,15 @@ class Engine:
     def start(self) -> None:
         self._thread.start()
 
-    def close(self) -> None:
-        self._stopping = True
+    def drain(self) -> None:
+        """Stop admitting and answer every waiting request 503 ``shutting_down`` now, while the
+        HTTP layer can still send it (SIGTERM); the running batch goes on to its end."""
         for req in self.admission.close():
             req.emit(ShuttingDown("the server is shutting down"))
+
+    def close(self) -> None:
+        self._stopping = True
+        self.drain()
         if self._thread.is_alive():
             self._thread.join(timeout=30)
         self.tokens.close()

@@ -39,12 +39,25 @@ class ContextOverflow(EngineError):
     """The prompt (plus the asked completion) does not fit the model's context."""
 
     def __init__(
-        self, context_length: int, prompt_tokens: int | None, max_tokens: int | None, *, chars: int = 0
+        self,
+        context_length: int,
+        prompt_tokens: int | None,
+        max_tokens: int | None,
+        *,
+        chars: int = 0,
+        messages: int = 0,
+        per_message: int = 0,
     ):
         self.context_length = context_length
         self.prompt_tokens = prompt_tokens
         self.max_tokens = max_tokens
-        if prompt_tokens is None:  # refused from its length in characters, before tokenising
+        if messages:  # refused from its number of messages, before rendering
+            msg = (
+                f"This model's maximum context length is {context_length} tokens. However, your prompt has "
+                f"{messages} messages, and the chat template adds at least {per_message} tokens to each "
+                f"({messages * per_message} tokens). Please send fewer messages."
+            )
+        elif prompt_tokens is None:  # refused from its length in characters, before tokenising
             msg = (
                 f"This model's maximum context length is {context_length} tokens. However, your prompt has "
                 f"{chars} characters, more than any {context_length}-token text of this tokenizer can hold. "
@@ -61,7 +74,12 @@ class ContextOverflow(EngineError):
 
 
 class Overloaded(EngineError):
-    """The waiting queue is full; the request was not admitted."""
+    """The waiting queue (or the tokenizer's) is full; the request was not admitted.
+    ``retry_after_s``: when a retry is likely to be admitted (the measured queue wait)."""
+
+    def __init__(self, message: str, retry_after_s: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class ShuttingDown(EngineError):

@@ -3,7 +3,8 @@
 Both of needlescope's servers announce themselves the same way: the first line on stdout is
 ``READY <port>``. ``ChildServer(argv)`` runs ``argv``, reads that line (the one implementation
 of the handshake), optionally polls a health path until it answers 200, and, used as a context
-manager, stops the process on exit.
+manager, stops the process on exit. The child gets SIGTERM when its parent dies, however it
+dies (SIGKILL included), so no server outlives the process that started it.
 
 ``ServerProcess(ServeConfig(model=DIR, port=0))`` is ``needlescope serve`` started with the
 whole config as JSON (``python -m needlescope.cli.main serve --config-json ...``), so the
@@ -44,6 +45,21 @@ def wait_answering(url: str, proc: subprocess.Popen, timeout: float) -> bool:
         if time.monotonic() > deadline or proc.poll() is not None:
             return False
         time.sleep(0.1)
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: ask Linux to SIGTERM it when its parent dies, so a server
+    outlives no demo, test or bench killed with SIGKILL (``prctl(PR_SET_PDEATHSIG)``)."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    parent = os.getppid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, signal.SIGTERM, 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # the parent died before the request took effect
+        os._exit(1)
 
 
 def stop_process(proc: subprocess.Popen, timeout: float = 10.0) -> None:
@@ -97,8 +113,15 @@ class ChildServer:
         return " ".join(self.argv[1:4])
 
     def start(self) -> ChildServer:
+        # The parent-death signal fires when the starting *thread* ends: start servers from a
+        # thread that lives as long as they should (every caller here uses its main thread).
         self.proc = subprocess.Popen(
-            self.argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=self.env
+            self.argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=self.env,
+            preexec_fn=_die_with_parent,
         )
         # Drain stderr continuously so a chatty server never blocks on a full pipe.
         threading.Thread(target=self._drain, daemon=True).start()

@@ -143,6 +143,7 @@ class ChatCompletionRequest(_Sampling):
     logprobs: StrictBool | None = False
     top_logprobs: StrictInt | None = None
     add_generation_prompt: StrictBool | None = True  # vLLM extension
+    continue_final_message: StrictBool | None = False  # vLLM extension
     tools: list[Any] | None = None
     tool_choice: Any = None
 
@@ -198,6 +199,7 @@ class TokenizeRequest(_Wire):
     prompt: StrictStr | None = None
     messages: list[ChatMessage] | None = None
     add_generation_prompt: StrictBool | None = True
+    continue_final_message: StrictBool | None = False
     add_special_tokens: StrictBool | None = None
     return_token_strs: StrictBool | None = False
 
@@ -205,6 +207,9 @@ class TokenizeRequest(_Wire):
 class DetokenizeRequest(_Wire):
     model: StrictStr | None = None
     tokens: list[TokenId]
+    skip_special_tokens: StrictBool | None = Field(
+        False, description="drop special tokens from the text (vLLM's default keeps them)"
+    )
 
 
 # ---- responses (the OpenAPI schema; extra keys allowed so they stay honest about vendor fields) ----

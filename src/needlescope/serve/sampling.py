@@ -156,10 +156,10 @@ def _stops(
 def _logit_bias(raw: dict[str, float], vocab_size: int) -> dict[int, float]:
     out = {}
     for key, value in raw.items():
-        try:
-            tok = int(key)
-        except ValueError:
-            raise BadValue("logit_bias", f"keys must be token ids; got {key!r}") from None
+        # Python's int() also takes " 5", "+5", "5_0" and other scripts' digits ("٣"): not token ids.
+        if not (key.isascii() and key.isdigit()):
+            raise BadValue("logit_bias", f"keys must be token ids written in ASCII digits; got {key!r}")
+        tok = int(key)
         if not 0 <= tok < vocab_size:
             raise BadValue("logit_bias", f"token id {tok} is outside 0..{vocab_size - 1}")
         if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:

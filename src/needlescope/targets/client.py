@@ -13,8 +13,17 @@ from typing import Any
 
 import httpx
 
-from needlescope.errors import BadInput, ContextOverflow, ProbeError, ProtocolViolation, TransportFailure
-from needlescope.targets.endpoints import auth_headers, normalize_base_url, sync_client, tls_context
+from needlescope.errors import (
+    AnswerTooLarge,
+    BadInput,
+    ContextOverflow,
+    ProbeError,
+    ProtocolViolation,
+    TimedOut,
+    TransportFailure,
+)
+from needlescope.targets.bounded import AsyncBoundedTransport, OverLimit, sync_client
+from needlescope.targets.endpoints import auth_headers, normalize_base_url
 from needlescope.targets.gate import AdaptiveGate
 
 RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
@@ -69,9 +78,8 @@ _REPLICA_FIELDS = ("replica", "replica_id", "worker_id")
 
 
 def _connection(resp: httpx.Response) -> str | None:
-    stream = resp.extensions.get("network_stream")
-    # A test transport has no socket; a closed one may refuse to say.
-    addr = stream.get_extra_info("client_addr") if stream is not None else None
+    # The bounded transport keeps the client address of the (pooled again) connection.
+    addr = resp.extensions.get("client_addr")
     return f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) and len(addr) >= 2 else None
 
 
@@ -141,9 +149,14 @@ class ChatTarget:
     uneven latency does not pile work on a slow replica.
 
     Retries: a rejection (429/503) is retried, honouring ``Retry-After`` (plus a little jitter),
-    until ``retry_budget_s`` has passed since the request started; other 5xx, dropped connections
-    and timeouts get ``retries`` more attempts with full-jitter exponential backoff. Every
+    until ``retry_budget_s`` has passed since the request started; other 5xx and dropped
+    connections get ``retries`` more attempts with full-jitter exponential backoff. Every
     rejection also lowers the number of requests the gate lets into flight (see AdaptiveGate).
+
+    Limits (``targets.bounded``): each attempt must end, answer read, within ``timeout`` seconds;
+    one that does not is a ``timeout`` error and is not retried (a target that trickles would
+    otherwise hold the case for ``retries + 1`` timeouts). An answer over ``MAX_ANSWER_BYTES`` is
+    a ``too_large`` error, not retried either.
     """
 
     def __init__(
@@ -184,9 +197,11 @@ class ChatTarget:
             httpx.AsyncClient(
                 headers=auth_headers(api_key),
                 timeout=httpx.Timeout(timeout),
-                transport=transport,
-                verify=tls_context(),
-                limits=httpx.Limits(max_connections=None, max_keepalive_connections=len(self._v1)),
+                transport=AsyncBoundedTransport(
+                    timeout,
+                    transport,
+                    limits=httpx.Limits(max_connections=None, max_keepalive_connections=len(self._v1)),
+                ),
             )
             for _ in range(self.gate.ceiling)
         ]
@@ -219,7 +234,11 @@ class ChatTarget:
         payload = chat_payload(self.model, messages, max_tokens, extra_body)
         start = time.monotonic()
         resp, url, v1, attempts = await self._send("/chat/completions", payload, at_root=False)
-        return _result(resp, url, v1, start, attempts)
+        try:
+            return _result(resp, url, v1, start, attempts)
+        except ProbeError as e:
+            e.attempts = attempts
+            raise
 
     async def post_json(self, path: str, payload: dict, *, at_root: bool = False) -> dict:
         """POST ``payload`` to ``path`` under an endpoint's /v1 (or its root), with the chat's
@@ -260,7 +279,11 @@ class ChatTarget:
                 try:
                     resp = await client.post(url, json=payload)
                 except httpx.TimeoutException as e:
-                    last = f"timeout after {self.timeout}s ({type(e).__name__})"
+                    raise TimedOut(
+                        f"{url}: no complete answer within {self.timeout:g}s ({type(e).__name__})"
+                    ) from None
+                except OverLimit as e:
+                    raise AnswerTooLarge(str(e)) from None
                 except httpx.TransportError as e:
                     last = f"{type(e).__name__}: {e}"
                 else:

@@ -15,8 +15,9 @@ from typing import Any
 
 import httpx
 
-from needlescope.errors import BadInput, ProtocolViolation, TransportFailure
-from needlescope.targets.endpoints import auth_headers, normalize_base_url
+from needlescope.errors import AnswerTooLarge, BadInput, ProtocolViolation, TimedOut, TransportFailure
+from needlescope.targets.bounded import OverLimit, sync_client
+from needlescope.targets.endpoints import normalize_base_url
 
 __all__ = ["CompletionsTarget", "Completion", "GenStep"]
 
@@ -53,9 +54,7 @@ class CompletionsTarget:
 
     def __post_init__(self) -> None:
         self.root, self.v1 = normalize_base_url(self.base_url)
-        self._client = httpx.Client(
-            headers=auth_headers(self.api_key), timeout=self.timeout, transport=self.transport
-        )
+        self._client = sync_client(self.api_key, self.timeout, self.transport)
 
     def close(self) -> None:
         self._client.close()
@@ -69,6 +68,10 @@ class CompletionsTarget:
     def _post(self, url: str, payload: dict) -> httpx.Response:
         try:
             return self._client.post(url, json=payload)
+        except httpx.TimeoutException as e:
+            raise TimedOut(f"{url}: no complete answer within {self.timeout:g}s ({type(e).__name__})") from e
+        except OverLimit as e:
+            raise AnswerTooLarge(str(e)) from e
         except httpx.TransportError as e:
             raise TransportFailure(f"{url}: {type(e).__name__}: {e}") from e
 

@@ -42,12 +42,3 @@ def tls_context() -> SSLContext:
     slot, so a context per client cost seconds of CPU per target at high concurrency.
     """
     return httpx.create_ssl_context()
-
-
-def sync_client(
-    api_key: str | None, timeout: float, transport: httpx.BaseTransport | None = None
-) -> httpx.Client:
-    """The plain (non-chat) client of every sync request to the target: its auth and timeout."""
-    return httpx.Client(
-        headers=auth_headers(api_key), timeout=timeout, transport=transport, verify=tls_context()
-    )

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import httpx
 
-from needlescope.targets.endpoints import sync_client
+from needlescope.targets.bounded import sync_client
 
 _SECRET_WORDS = ("key", "token", "secret", "password")
 
@@ -47,13 +48,19 @@ def collect_provenance(
     """GET each known info endpoint; store JSON bodies under their path, and a status for every one.
 
     Never raises for a missing or failing endpoint: ``{"status": {path: int | "error: ..."}}`` says what happened.
+    ``timeout`` bounds the whole collection, not each GET: a broken endpoint costs its time once.
     """
     out: dict[str, Any] = {"root": root, "status": {}}
     bases = {"root": root.rstrip("/"), "v1": v1.rstrip("/")}
+    end = time.monotonic() + timeout
     with sync_client(api_key, timeout, transport) as client:
         for key, base, path in _ENDPOINTS:
+            left = end - time.monotonic()
+            if left <= 0:
+                out["status"][key] = f"error: not asked (provenance took its {timeout:g}s)"
+                continue
             try:
-                resp = client.get(bases[base] + path)
+                resp = client.get(bases[base] + path, timeout=left)
             except httpx.HTTPError as e:
                 out["status"][key] = f"error: {type(e).__name__}"
                 continue

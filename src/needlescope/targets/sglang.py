@@ -29,8 +29,12 @@ from typing import Any
 import httpx
 
 from needlescope.errors import BadInput, ProtocolViolation, TransportFailure
+from needlescope.targets.bounded import AsyncBoundedTransport
 
 __all__ = ["GenerateResult", "SGLangTarget", "find_key", "MISSING_TOPK_HINT"]
+
+CAPTURE_MAX_BYTES = 512 * 1024 * 1024
+"""The largest capture answer read from SGLang (bytes): top-k indices of every layer and token."""
 
 MISSING_TOPK_HINT = (
     "the server's meta_info has no 'indexer_topk': start SGLang with --enable-return-indexer-topk "
@@ -80,7 +84,11 @@ class SGLangTarget:
     ):
         self.root = _root(url)
         self.timeout = timeout
-        self._client = httpx.AsyncClient(timeout=httpx.Timeout(timeout), transport=transport)
+        # A capture answer holds top-k indices for every layer and token: far over the chat cap.
+        self._client = httpx.AsyncClient(
+            timeout=httpx.Timeout(timeout),
+            transport=AsyncBoundedTransport(timeout, transport, max_bytes=CAPTURE_MAX_BYTES),
+        )
 
     async def _request(self, method: str, path: str, payload: dict | None = None) -> httpx.Response:
         url = self.root + path

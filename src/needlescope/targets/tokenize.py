@@ -14,9 +14,9 @@ from typing import Any
 
 import httpx
 
-from needlescope.errors import BadInput, ProtocolViolation, TransportFailure
+from needlescope.errors import BadInput, ProtocolViolation, TimedOut, TransportFailure
 from needlescope.paths import read_json_object
-from needlescope.targets.endpoints import auth_headers
+from needlescope.targets.bounded import sync_client
 
 # The form that worked is remembered so later calls skip the probing.
 _FORMS = ("vllm", "sglang", "llamacpp")
@@ -45,15 +45,20 @@ class ServerTokenCounter:
 
     def __post_init__(self) -> None:
         self.root = self.root.rstrip("/")
-        self._client = httpx.Client(
-            headers=auth_headers(self.api_key), timeout=self.timeout, transport=self.transport
-        )
+        self._client = sync_client(self.api_key, self.timeout, self.transport)
 
     def _post(self, path: str, payload: dict) -> Any:
         try:
             resp = self._client.post(self.root + path, json=payload)
+        except httpx.TimeoutException as e:
+            raise TimedOut(
+                f"{self.root}{path}: no answer within {self.timeout:g}s ({type(e).__name__})"
+            ) from e
         except httpx.TransportError as e:
             raise TransportFailure(f"{self.root}{path}: {type(e).__name__}: {e}") from e
+        if resp.status_code == 429 or resp.status_code >= 500:
+            # The endpoint exists but could not answer now: not the same as having none.
+            raise TransportFailure(f"{self.root}{path} answered HTTP {resp.status_code}: {resp.text[:200]}")
         if resp.status_code != 200:
             raise ProtocolViolation(f"{self.root}{path} answered HTTP {resp.status_code}: {resp.text[:200]}")
         try:
@@ -88,7 +93,12 @@ class ServerTokenCounter:
         for form in forms:
             try:
                 n = getattr(self, "_" + form)(messages)
-            except (ProtocolViolation, TransportFailure) as e:
+            except TransportFailure as e:
+                if len(forms) == 1:
+                    raise
+                errors.append(f"{form}: {e}")
+                continue
+            except ProtocolViolation as e:
                 errors.append(f"{form}: {e}")
                 continue
             if n is not None:
@@ -104,18 +114,32 @@ class ServerTokenCounter:
 def detect_server_tokenizer(
     root: str, model: str, *, api_key: str | None = None, timeout: float = 30.0
 ) -> ServerTokenCounter | None:
-    """Return a counter bound to the first tokenize form the server answers, or None if it has none."""
+    """Return a counter bound to the first tokenize form the server answers, or None if it has none.
+
+    A form that exists but failed (HTTP 429/5xx, a timeout, a dropped connection) is not "none":
+    when no form answers and one of them failed that way, BadInput says so.
+    """
     probe = [{"role": "user", "content": "hello"}]
+    failures: list[str] = []
     for form in _FORMS:
         counter = ServerTokenCounter(root, model, timeout=timeout, api_key=api_key, form=form)
         try:
             n = counter(probe)
-        except (ProtocolViolation, TransportFailure):
+        except ProtocolViolation:
+            counter.close()
+            continue
+        except TransportFailure as e:
+            failures.append(str(e))
             counter.close()
             continue
         if n > 0:
             return counter
         counter.close()
+    if failures:
+        raise BadInput(
+            f"the server at {root} has a tokenize endpoint but it failed: {failures[0]}; "
+            "retry when the server answers, or pass --tokenizer PATH to a tokenizer.json"
+        )
     return None
 
 

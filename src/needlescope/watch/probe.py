@@ -24,7 +24,7 @@ import httpx
 from needlescope.cases import Case, CaseSpec, build_cases, score_answer
 from needlescope.errors import BadInput, ProbeError
 from needlescope.targets import ChatTarget, LocalTokenCounter, collect_provenance, detect_server_tokenizer
-from needlescope.targets.endpoints import auth_headers
+from needlescope.targets.bounded import MAX_ANSWER_BYTES, OverLimit, async_client
 from needlescope.targets.limits import TargetLimits, read_limits
 from needlescope.watch.config import TargetConfig
 
@@ -43,14 +43,14 @@ __all__ = [
     "watch_client",
 ]
 
-ERROR_KINDS = ("timeout", "connection", "admission", "5xx", "protocol")
+ERROR_KINDS = ("timeout", "connection", "admission", "5xx", "protocol", "too_large")
 # What the canary merges into each chat request to see the first token arrive.
 STREAM_BODY = {"stream": True, "stream_options": {"include_usage": True}}
 
 
 def watch_client(cfg: TargetConfig, transport: httpx.AsyncBaseTransport | None = None) -> httpx.AsyncClient:
     """The client of the plain GETs (``/health``, ``/v1/models``, the engine's ``/metrics``)."""
-    return httpx.AsyncClient(headers=auth_headers(cfg.api_key), timeout=cfg.timeout_s, transport=transport)
+    return async_client(cfg.api_key, cfg.timeout_s, transport)
 
 
 def probe_target(v1: str, model: str, cfg: TargetConfig, transport: RecordingTransport) -> ChatTarget:
@@ -107,7 +107,11 @@ class RecordingTransport(httpx.AsyncBaseTransport):
         finish = None
         usage = None
         buffer = ""
+        size = 0
         async for piece in resp.aiter_raw():
+            size += len(piece)
+            if size > MAX_ANSWER_BYTES:
+                raise OverLimit(f"the stream passed {MAX_ANSWER_BYTES} bytes", request=resp.request)
             buffer += piece.decode("utf-8", errors="replace")
             *lines, buffer = buffer.split("\n")
             for line in lines:
@@ -148,6 +152,8 @@ def error_kind(status: int | None, failure: BaseException | None) -> str:
     """One of ``ERROR_KINDS`` for a request that answered ``status`` or failed with ``failure``."""
     if isinstance(failure, httpx.TimeoutException):
         return "timeout"
+    if isinstance(failure, OverLimit):
+        return "too_large"
     if failure is not None:
         return "connection"
     if status in (429, 503):
@@ -177,7 +183,8 @@ async def probe_case(
     try:
         result = await target.chat(case.messages, max_tokens=max_tokens, extra_body=extra_body)
     except ProbeError as e:
-        kind = error_kind(recorder.status, recorder.failure)
+        # The client's own limits (deadline, size) are raised above the recorder: their kind wins.
+        kind = e.kind if e.kind in ("timeout", "too_large") else error_kind(recorder.status, recorder.failure)
         return Outcome(None, kind, str(e), time.monotonic() - start, recorder.ttft_s)
     correct = score_answer(result.text, case.expected)
     return Outcome(
@@ -201,7 +208,8 @@ async def check_server(client: httpx.AsyncClient, root: str, v1: str) -> Outcome
             path = "/v1/models"
             resp = await client.get(v1 + "/models")
     except httpx.TransportError as e:
-        return Outcome(None, error_kind(None, e), f"GET {path}: {type(e).__name__}", time.monotonic() - start)
+        kind = error_kind(None, e)
+        return Outcome(None, kind, f"GET {path}: {kind} ({type(e).__name__})", time.monotonic() - start)
     elapsed = time.monotonic() - start
     if resp.status_code != 200:
         return Outcome(None, error_kind(resp.status_code, None), f"GET {path} {resp.status_code}", elapsed)

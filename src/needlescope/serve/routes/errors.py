@@ -105,7 +105,11 @@ def to_api_error(exc: EngineError, names: Names) -> ApiError:
         return ApiError(400, str(exc), param=names("prompt"), code="context_length_exceeded")
     if isinstance(exc, Overloaded):
         return ApiError(
-            503, str(exc), type="server_overloaded", code="queue_full", headers={"Retry-After": "1"}
+            503,
+            str(exc),
+            type="server_overloaded",
+            code="queue_full",
+            headers={"Retry-After": str(exc.retry_after_s)},
         )
     if isinstance(exc, ShuttingDown):
         return ApiError(503, str(exc), type="server_error", code="shutting_down")

@@ -161,7 +161,9 @@ def _add_tokenizer_routes(router: APIRouter, serving: Serving) -> None:
         with engine_errors(Names({"prompt": "messages" if body.messages is not None else "prompt"})):
             if body.messages is not None:
                 messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-                ids = await tokens.chat_ids(messages, body.add_generation_prompt is not False)
+                ids = await tokens.chat_ids(
+                    messages, body.add_generation_prompt is not False, bool(body.continue_final_message)
+                )
             else:
                 add = True if body.add_special_tokens is None else body.add_special_tokens
                 ids = await tokens.text_ids(body.prompt, add_special_tokens=add)
@@ -175,7 +177,7 @@ def _add_tokenizer_routes(router: APIRouter, serving: Serving) -> None:
     async def detokenize(body: DetokenizeRequest):
         serving.check_model(body.model)
         with engine_errors(Names({"prompt": "tokens"})):
-            return {"prompt": await tokens.decode(body.tokens)}
+            return {"prompt": await tokens.decode(body.tokens, bool(body.skip_special_tokens))}
 
     @router.get("/tokenizer_info", responses=JSON_ERRORS)
     async def tokenizer_info():

@@ -100,7 +100,7 @@ def _add_generation_routes(router: APIRouter, serving: Serving) -> None:
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         add_prompt = body.add_generation_prompt is not False
         with engine_errors(names):
-            ids = await engine.tokens.chat_ids(messages, add_prompt)
+            ids = await engine.tokens.chat_ids(messages, add_prompt, bool(body.continue_final_message))
             params = engine.sampling(
                 len(ids),
                 max_tokens=body.max_completion_tokens if use_mct else body.max_tokens,
