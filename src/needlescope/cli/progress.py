@@ -20,8 +20,6 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
 from needlescope.cli.output import console as default_console
 
-from needlescope.cli.output import console as default_console
-
 __all__ = ["PLAIN_INTERVAL_S", "ProgressView", "format_duration"]
 
 PLAIN_INTERVAL_S = 10.0
