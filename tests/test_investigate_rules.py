@@ -1,18 +1,9 @@
-"""Pure rules: rank percentile, the uniformity test, collapse vs top-k, verdicts, fix labels."""
+"""Pure rules: verdicts, fix labels (the signature's rules: tests/test_signature.py)."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
-from needlescope.investigate.signature import (
-    collapse_runs,
-    layer_ranking,
-    rank_percentile,
-    signature,
-    tracks_topk,
-)
 from needlescope.investigate.verdicts import (
     classify_fix,
     paired,
@@ -20,63 +11,6 @@ from needlescope.investigate.verdicts import (
     suspect_verdict,
     validate_verdicts,
 )
-
-
-def test_rank_percentile_is_uniform_under_a_random_ranking():
-    rng = random.Random(0)
-    us = []
-    for _ in range(4000):
-        v, m = 128, 5
-        order = rng.sample(range(v), v)
-        needle = set(range(m))
-        j = next(i for i, e in enumerate(order) if e in needle)
-        us.append(rank_percentile(j + 1, v, m))
-    assert abs(sum(us) / len(us) - 0.5) < 0.02
-    assert abs(sum(u < 0.25 for u in us) / len(us) - 0.25) < 0.03
-    assert rank_percentile(1, 128, 5) < 0.03
-    with pytest.raises(ValueError):
-        rank_percentile(200, 128, 5)
-
-
-def _rec(ranks, correct=False, layer=1, visible=256):
-    return {
-        "correct": correct,
-        "analysed_source": "first wrong answer token"
-        if not correct
-        else "first answer token (answer correct)",
-        "analysed_token": 1 if not correct else 0,
-        "index_topk": 64,
-        "layers": [{"layer": layer, "best_rank": r, "visible": visible, "needle_visible": 5} for r in ranks],
-    }
-
-
-def test_layer_ranking_separates_uniform_from_informative():
-    rng = random.Random(1)
-    uniform = [_rec([rng.randint(1, 200)]) for _ in range(20)]
-    top = [_rec([rng.randint(1, 3)]) for _ in range(20)]
-    assert layer_ranking(uniform)[0]["uninformative"] is True
-    got = layer_ranking(top)[0]
-    assert got["uninformative"] is False and got["p_value"] < 0.05 and got["population"].startswith("failing")
-    few = layer_ranking([_rec([100])] * 3)
-    assert few == [] or few[0]["uninformative"] is False
-
-
-def test_collapse_tracks_topk():
-    runs = [
-        {"index_topk": 64, "compress_ratio": 4, "recall": {"256": 1.0, "512": 0.4, "1024": 0.1}},
-        {"index_topk": 128, "compress_ratio": 4, "recall": {"256": 1.0, "512": 1.0, "1024": 0.3}},
-    ]
-    out = collapse_runs(runs)
-    assert [r["consistent"] for r in out] == [True, True] and tracks_topk(out)
-    assert out[0]["last_holding"] == 256 and out[0]["first_collapsed"] == 512
-    runs[1]["recall"]["1024"] = 1.0
-    assert not tracks_topk(collapse_runs(runs))  # 1024 > 512 holds: the collapse did not track
-    rng = random.Random(2)
-    fired = signature(
-        [_rec([rng.randint(1, 200)]) for _ in range(20)],
-        runs[:1] + [{**runs[1], "recall": {"256": 1.0, "512": 1.0, "1024": 0.3}}],
-    )
-    assert fired["uninformative_ranking"] is True
 
 
 def test_paired_and_verdict_rules():

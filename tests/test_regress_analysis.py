@@ -1,4 +1,4 @@
-"""Pure statistics of regression science: Holm, Fisher, chi-square, paired A/B, taxonomy, bisection."""
+"""Pure statistics of regression science: Holm, Fisher, paired A/B, taxonomy, bisection."""
 
 from __future__ import annotations
 
@@ -8,18 +8,22 @@ import random
 import pytest
 
 from needlescope.analysis.bisect import (
+    binom_tail,
     boundaries_from_server_info,
     bracket,
     coarse_grid,
+    correct_residues,
+    crossing_confidence,
+    end_evidence,
+    ends_differ,
     fine_lengths,
     midpoint,
-    residue_lengths,
+    residue_runs,
     residue_test,
+    stratified_class_test,
 )
 from needlescope.analysis.paired import Pair, bootstrap_delta_ci, compare_pairs
 from needlescope.analysis.significance import (
-    chi2_independence,
-    chi2_sf,
     fisher_exact,
     groups_vs_rest,
     holm,
@@ -42,25 +46,14 @@ def test_fisher_exact_known_values():
     assert fisher_exact(0, 0, 0, 0) == 1.0
 
 
-def test_chi2_sf_known_quantiles():
-    assert chi2_sf(3.841459, 1) == pytest.approx(0.05, abs=1e-6)
-    assert chi2_sf(7.814728, 3) == pytest.approx(0.05, abs=1e-6)
-    assert chi2_sf(30.0, 3) == pytest.approx(1.380e-6, rel=1e-3)
-    assert chi2_sf(0.5, 4) == pytest.approx(0.973500, abs=1e-6)
-
-
-def test_chi2_independence_detects_a_dead_class_and_ignores_equal_rates():
-    stat, df, p = chi2_independence([[10, 0], [10, 0], [10, 0], [0, 10]])
-    assert df == 3 and stat == pytest.approx(40.0) and p < 1e-6
-    assert chi2_independence([[5, 5], [5, 5]])[2] == pytest.approx(1.0)
-
-
 def test_mcnemar_power_grows_with_pairs():
     small, big = mcnemar_power(10, 0.1, 0.05), mcnemar_power(200, 0.1, 0.05)
     assert 0 <= small < 0.5 < big <= 1
     # k_min = 6 at alpha 0.05: with drop 1 every pair is discordant.
     assert mcnemar_power(6, 1.0, 0.05) == pytest.approx(1.0)
     assert mcnemar_power(5, 1.0, 0.05) == 0.0
+    # One alpha convention: p = 2 / 2^5 = 0.0625 does not reject at alpha 0.0625 (p < alpha).
+    assert mcnemar_power(5, 1.0, 0.0625) == 0.0 and mcnemar_power(6, 1.0, 0.0625) == pytest.approx(1.0)
 
 
 def test_groups_vs_rest_names_the_bad_group():
@@ -161,13 +154,58 @@ def test_bisection_planning_pieces():
     assert bracket({200: (10, 10), 400: (10, 10)}, 0.85) is None
     assert midpoint(400, 600, 8) == 500 and midpoint(400, 408, 8) is None
     assert fine_lengths(501, [128], 200, 1000) == [500, 502, 511, 512, 513]
-    assert residue_lengths(4, 200, 1000, 2) == [200, 201, 202, 203, 997, 998, 999, 1000]
+    assert residue_runs(4, 200, 1000, 2) == [[200, 201, 202, 203], [997, 998, 999, 1000]]
 
 
 def test_residue_test_flags_the_failing_class():
-    tally = {n: ((0, 6) if n % 4 == 3 else (6, 6)) for n in range(200, 240)}
-    res = residue_test(tally, 4)
-    assert res["flagged"] == [3] and res["p_value"] < 1e-6 and res["df"] == 3
+    runs = [{n: ((0, 6) if n % 4 == 3 else (6, 6)) for n in range(s, s + 4)} for s in (200, 220, 236)]
+    (res,) = correct_residues([residue_test(runs, 4)])
+    assert res["flagged"] == [3] and res["strata"] == 3
+    by = {c["residue"]: c for c in res["classes"]}
+    # Per run: 0 of the class's 6 right while the other 18 are: hypergeometric 1 / C(24, 6).
+    assert by[3]["p"] == pytest.approx((1 / math.comb(24, 6)) ** 3)
+    assert by[3]["p_holm"] == pytest.approx(4 * by[3]["p"]) and res["p_value"] == by[3]["p_holm"]
+    assert by[0]["p"] == 1.0 and by[3]["recall"] == 0.0 and by[3]["rest_recall"] == 1.0
+
+
+def test_residue_test_is_stratified_by_run_and_corrected_across_moduli():
+    # Recall falls with length (1.0 in the first run, 0.5 in the second, 0 in the third) and not
+    # with the residue; the second run misses its half on classes 0 and 1 only by chance of
+    # placement. Pooling would compare classes across unequal lengths; within runs, each class
+    # is compared with its neighbours only.
+    runs = [
+        {n: (4, 4) for n in range(200, 204)},
+        {300: (1, 4), 301: (1, 4), 302: (3, 4), 303: (3, 4)},
+        {n: (0, 4) for n in range(400, 404)},
+    ]
+    unbalanced = {**runs[0], **runs[1], 400: (0, 4)}  # the old pooling: one length of the last run
+    res = residue_test(runs, 4)
+    assert all(c["p"] > 0.05 for c in res["classes"])
+    assert residue_test([unbalanced], 4)["classes"][0]["p"] < res["classes"][0]["p"]
+    # Holm across moduli: a class at p = 0.02 in one of two moduli is not flagged.
+    fake = [
+        {"modulus": 2, "strata": 1, "classes": [{"residue": 0, "p": 0.02}, {"residue": 1, "p": 0.9}]},
+        {"modulus": 4, "strata": 1, "classes": [{"residue": r, "p": 0.5} for r in range(4)]},
+    ]
+    out = correct_residues(fake)
+    assert out[0]["flagged"] == [] and out[0]["classes"][0]["p_holm"] == pytest.approx(0.12)
+    assert stratified_class_test([]) == 1.0
+
+
+def test_bracket_evidence_and_confidence():
+    tally = {400: (6, 6), 500: (5, 6), 600: (1, 6), 700: (24, 24), 800: (6, 24)}
+    assert ends_differ(tally, 400, 600, 0.05) == (True, pytest.approx(fisher_exact(6, 0, 1, 5)))
+    assert ends_differ(tally, 400, 500, 0.05)[0] is False  # one miss never narrows
+    assert ends_differ(tally, 600, 400, 0.05)[0] is False  # direction matters
+    e = end_evidence(tally, 500)
+    assert (e["correct"], e["n"], e["recall"]) == (5, 6, 5 / 6) and e["ci_low"] < 0.85 < e["ci_high"]
+    assert binom_tail(6, 6, 0.85, True) == pytest.approx(0.85**6)
+    assert binom_tail(0, 6, 0.85, False) == pytest.approx(0.15**6)
+    weak = crossing_confidence(tally, 400, 600, 0.85)
+    assert weak == pytest.approx(1 - 0.85**6 - binom_tail(1, 6, 0.85, False))
+    strong = crossing_confidence(tally, 700, 800, 0.85)
+    assert strong > 0.97 > weak
+    assert crossing_confidence({1: (3, 6), 2: (5, 6)}, 1, 2, 0.85) == 0.0
 
 
 def test_boundaries_from_server_info():

@@ -146,6 +146,7 @@ def test_probe_bisect_cli(scripted_server, tmp_path):
     )
     assert res.returncode == 0, res.stderr
     assert "recall falls below 0.85 between" in res.stdout
+    assert "coarse: coarse bracket; pass end" in res.stdout and "Fisher p=" in res.stdout
     out = json.loads((tmp_path / "bisect.json").read_text())
     assert out["last_pass"] < 500 <= out["collapse_length"] <= out["last_pass"] + 10
     none = cli(

@@ -4,9 +4,22 @@ The search: a coarse grid over [lo, hi]; the first grid length whose pooled reca
 threshold, with the grid length before it passing, brackets the boundary; binary search narrows
 the bracket to ``resolution`` tokens; then fine offsets around the boundary and around the nearest
 multiples of each kernel boundary (page size, window, compression ratio, ratio x index_topk).
-Small moduli (at most ``RESIDUE_MAX_MOD``) also get a residue-class sweep: runs of consecutive
-lengths whose recall, split by length mod m, is tested for independence (chi-square) and class by
-class against the rest (Fisher exact, Holm-corrected).
+
+**Evidence per step.** A bracket (last passing, first failing) is accepted, and a binary step
+narrows it, only when the recall at its two ends differs significantly (``ends_differ``: Fisher's
+exact test, two-sided, ``p < alpha``); one miss never moves it. The final bracket carries the
+Wilson intervals of its ends and ``crossing_confidence``: ``1 - P(X >= k_pass) - P(X <= k_fail)``
+with X binomial at the threshold, a Bonferroni lower bound on the confidence that recall is at or
+above the threshold at the passing end *and* below it at the failing end, so that (if recall falls
+monotonically with length) the true crossing lies inside. The ends are chosen by the data, so this
+level is nominal; docs/compare.md gives its simulated coverage.
+
+**Residue classes.** Small moduli (at most ``RESIDUE_MAX_MOD``) get runs of consecutive lengths;
+each run is a stratum (it holds every class mod m once, at nearly the same length), and each class
+is tested against the rest of its strata by the exact conditional test of a common odds ratio
+(``stratified_class_test``: the sum over strata of the class's correct answers, hypergeometric in
+each stratum), one-sided (worse than the rest). ``correct_residues`` Holm-corrects every class of
+every modulus of one bisection together.
 """
 
 from __future__ import annotations
@@ -14,7 +27,8 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 
-from .significance import chi2_independence, groups_vs_rest
+from .significance import fisher_exact, holm
+from .stats import wilson_interval
 
 __all__ = [
     "RESIDUE_MAX_MOD",
@@ -23,8 +37,14 @@ __all__ = [
     "bracket",
     "midpoint",
     "fine_lengths",
-    "residue_lengths",
+    "residue_runs",
     "residue_test",
+    "stratified_class_test",
+    "correct_residues",
+    "ends_differ",
+    "end_evidence",
+    "binom_tail",
+    "crossing_confidence",
     "boundaries_from_server_info",
     "full_grid_points",
 ]
@@ -89,45 +109,114 @@ def fine_lengths(first_fail: int, boundaries: Iterable[int], lo: int, hi: int) -
     return sorted(x for x in out if lo <= x <= hi)
 
 
-def residue_lengths(modulus: int, lo: int, hi: int, bases: int) -> list[int]:
-    """``bases`` runs of ``modulus`` consecutive lengths spread over [lo, hi]; every class mod m
-    appears once per run."""
+def residue_runs(modulus: int, lo: int, hi: int, bases: int) -> list[list[int]]:
+    """``bases`` runs of ``modulus`` consecutive lengths spread over [lo, hi] (the strata of the
+    residue test); every class mod m appears once per full run."""
     top = max(lo, hi - modulus + 1)
     starts = coarse_grid(lo, top, bases) if bases > 1 else [lo]
-    return sorted({s + i for s in starts for i in range(modulus) if s + i <= hi})
+    return [[s + i for i in range(modulus) if s + i <= hi] for s in starts]
 
 
-def residue_test(tally: Tally, modulus: int, alpha: float = 0.05) -> dict:
-    """Recall by length mod ``modulus``: chi-square of independence and each class against the rest.
+def _hypergeom(k: int, N: int, K: int, n: int) -> float:
+    """P(k of the n drawn are correct) when K of N are correct (drawn without replacement)."""
+    if k < max(0, n + K - N) or k > min(n, K):
+        return 0.0
+    return math.comb(K, k) * math.comb(N - K, n - k) / math.comb(N, n)
 
-    ``flagged`` lists the classes worse than the rest with a Holm-corrected Fisher p below alpha.
-    """
-    table = [[0, 0] for _ in range(modulus)]
-    outcomes: list[tuple[str, bool]] = []
-    for length, (k, n) in tally.items():
-        r = length % modulus
-        table[r][0] += k
-        table[r][1] += n - k
-        outcomes += [(str(r), True)] * k + [(str(r), False)] * (n - k)
-    stat, df, p = chi2_independence(table)
+
+def stratified_class_test(strata: Sequence[tuple[int, int, int, int]]) -> float:
+    """One-sided exact p that a class is worse than the rest over strata of
+    ``(class_correct, class_n, rest_correct, rest_n)``: P(T <= t) for T the class's correct
+    answers summed over strata, each hypergeometric given its stratum's margins."""
+    dist = [1.0]
+    t = 0
+    for kc, nc, kr, nr in strata:
+        N, K = nc + nr, kc + kr
+        pmf = [_hypergeom(k, N, K, nc) for k in range(nc + 1)]
+        out = [0.0] * (len(dist) + nc)
+        for i, p in enumerate(dist):
+            if p:
+                for k, q in enumerate(pmf):
+                    out[i + k] += p * q
+        dist, t = out, t + kc
+    return min(1.0, math.fsum(dist[: t + 1]))
+
+
+def residue_test(runs: Sequence[Tally], modulus: int) -> dict:
+    """Recall by length mod ``modulus`` over ``runs`` (each a stratum: length -> (correct, n)),
+    each class against the rest of its strata (``stratified_class_test``); uncorrected."""
     classes = []
-    flagged = []
-    for g in groups_vs_rest(outcomes):
+    for r in range(modulus):
+        strata = []
+        for run in runs:
+            kc = sum(k for n, (k, _m) in run.items() if n % modulus == r)
+            nc = sum(m for n, (_k, m) in run.items() if n % modulus == r)
+            kt = sum(k for k, _m in run.values())
+            nt = sum(m for _k, m in run.values())
+            if nc and nt - nc:
+                strata.append((kc, nc, kt - kc, nt - nc))
+        n = sum(s[1] for s in strata)
+        k = sum(s[0] for s in strata)
+        rest_n = sum(s[3] for s in strata)
         classes.append(
-            {"residue": int(g.group), "n": g.n, "correct": g.correct, "recall": g.recall, "p_holm": g.p_holm}
+            {
+                "residue": r,
+                "n": n,
+                "correct": k,
+                "recall": k / n if n else None,
+                "rest_recall": sum(s[2] for s in strata) / rest_n if rest_n else None,
+                "p": stratified_class_test(strata) if strata else 1.0,
+            }
         )
-        if g.p_holm < alpha and g.recall is not None and g.rest_recall is not None:
-            if g.recall < g.rest_recall:
-                flagged.append(int(g.group))
-    classes.sort(key=lambda c: c["residue"])
+    return {"modulus": modulus, "strata": len(runs), "classes": classes}
+
+
+def correct_residues(tests: list[dict], alpha: float = 0.05) -> list[dict]:
+    """Holm across every class of every modulus; ``flagged``: classes worse than the rest with a
+    corrected p below ``alpha``; ``p_value``: the modulus's smallest corrected p."""
+    flat = [c for t in tests for c in t["classes"]]
+    for c, ph in zip(flat, holm([c["p"] for c in flat]), strict=True):
+        c["p_holm"] = ph
+    for t in tests:
+        t["flagged"] = [c["residue"] for c in t["classes"] if c["p_holm"] < alpha]
+        t["p_value"] = min((c["p_holm"] for c in t["classes"]), default=1.0)
+    return tests
+
+
+def end_evidence(tally: Tally, length: int) -> dict:
+    """One bracket end: its counts, recall and Wilson 95% interval."""
+    k, n = tally[length]
+    lo, hi = wilson_interval(k, n)
     return {
-        "modulus": modulus,
-        "statistic": stat,
-        "df": df,
-        "p_value": p,
-        "classes": classes,
-        "flagged": sorted(flagged),
+        "length": length,
+        "correct": k,
+        "n": n,
+        "recall": k / n if n else None,
+        "ci_low": lo,
+        "ci_high": hi,
     }
+
+
+def ends_differ(tally: Tally, last_pass: int, first_fail: int, alpha: float) -> tuple[bool, float]:
+    """Whether recall at the two ends of a bracket differs significantly (Fisher exact, p < alpha)."""
+    ka, na = tally[last_pass]
+    kb, nb = tally[first_fail]
+    p = fisher_exact(ka, na - ka, kb, nb - kb)
+    return p < alpha and ka * nb > kb * na, p
+
+
+def binom_tail(k: int, n: int, p: float, upper: bool) -> float:
+    """P(X >= k) (``upper``) or P(X <= k) for X ~ Binomial(n, p)."""
+    ks = range(k, n + 1) if upper else range(0, k + 1)
+    return min(1.0, math.fsum(math.comb(n, i) * p**i * (1 - p) ** (n - i) for i in ks))
+
+
+def crossing_confidence(tally: Tally, last_pass: int, first_fail: int, threshold: float) -> float:
+    """Bonferroni confidence that recall is >= threshold at ``last_pass`` and < it at
+    ``first_fail`` (module doc); 0 when the counts cannot support it."""
+    ka, na = tally[last_pass]
+    kb, nb = tally[first_fail]
+    return max(0.0, 1.0 - binom_tail(ka, na, threshold, True) - binom_tail(kb, nb, threshold, False))
 
 
 def _ints(value: object) -> list[int]:

@@ -1,4 +1,4 @@
-"""Exact and small-sample tests used to call regressions: Holm, Fisher, chi-square, McNemar power.
+"""Exact and small-sample tests used to call regressions: Holm, Fisher, McNemar power.
 
 Pure functions over counts, stdlib only (core imports neither scipy nor torch).
 """
@@ -9,13 +9,9 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from .stats import binomial_tail
-
 __all__ = [
     "holm",
     "fisher_exact",
-    "chi2_sf",
-    "chi2_independence",
     "mcnemar_power",
     "GroupTest",
     "groups_vs_rest",
@@ -54,86 +50,20 @@ def fisher_exact(a: int, b: int, c: int, d: int) -> float:
     return min(1.0, p)
 
 
-def _lower_gamma_series(s: float, x: float) -> float:
-    """Regularized lower incomplete gamma P(s, x) by its power series (x < s + 1)."""
-    term = total = 1.0 / s
-    k = s
-    while abs(term) > abs(total) * 1e-15:
-        k += 1
-        term *= x / k
-        total += term
-    return total * math.exp(-x + s * math.log(x) - math.lgamma(s))
-
-
-def _upper_gamma_cf(s: float, x: float) -> float:
-    """Regularized upper incomplete gamma Q(s, x) by Lentz's continued fraction (x >= s + 1)."""
-    tiny = 1e-300
-    b = x + 1 - s
-    c = 1 / tiny
-    d = 1 / b
-    h = d
-    for i in range(1, 10_000):
-        an = -i * (i - s)
-        b += 2
-        d = an * d + b
-        d = tiny if abs(d) < tiny else d
-        c = b + an / c
-        c = tiny if abs(c) < tiny else c
-        d = 1 / d
-        delta = d * c
-        h *= delta
-        if abs(delta - 1) < 1e-15:
-            break
-    return h * math.exp(-x + s * math.log(x) - math.lgamma(s))
-
-
-def chi2_sf(x: float, df: int) -> float:
-    """P(X >= x) for a chi-square variable with ``df`` degrees of freedom."""
-    if df < 1:
-        raise ValueError(f"df must be >= 1, got {df}")
-    if x <= 0:
-        return 1.0
-    s, half = df / 2, x / 2
-    if half < s + 1:
-        return max(0.0, 1.0 - _lower_gamma_series(s, half))
-    return _upper_gamma_cf(s, half)
-
-
-def chi2_independence(table: Sequence[Sequence[int]]) -> tuple[float, int, float]:
-    """Pearson chi-square test of independence of a k x 2 table: (statistic, df, p-value).
-
-    Rows or columns that are all zero carry no information and are dropped; with fewer than two
-    informative rows or columns the statistic is 0 with p = 1.
-    """
-    rows = [list(r) for r in table if sum(r) > 0]
-    cols = [j for j in range(len(rows[0]) if rows else 0) if sum(r[j] for r in rows) > 0]
-    if len(rows) < 2 or len(cols) < 2:
-        return 0.0, max(1, len(rows) - 1), 1.0
-    n = sum(sum(r) for r in rows)
-    col_tot = [sum(r[j] for r in rows) for j in cols]
-    stat = 0.0
-    for r in rows:
-        rt = sum(r)
-        for j, ct in zip(cols, col_tot):
-            e = rt * ct / n
-            stat += (r[j] - e) ** 2 / e
-    df = (len(rows) - 1) * (len(cols) - 1)
-    return stat, df, chi2_sf(stat, df)
-
-
 def mcnemar_power(n: int, drop: float, alpha: float) -> float:
     """Power of the two-sided exact McNemar test to detect a recall drop of ``drop`` in n pairs.
 
     Assumes the drop shows as B-only misses (no A-only misses), so the discordant count is
-    Binomial(n, drop), all in one direction; the test rejects once 2 * 0.5**k <= alpha.
+    Binomial(n, drop), all in one direction; the test rejects once 2 * 0.5**k < alpha (the
+    project's one convention: a p-value *below* alpha rejects).
     """
     if n <= 0 or drop <= 0:
         return 0.0
-    k_min = max(1, math.ceil(math.log2(2 / alpha)))
+    k_min = max(1, math.floor(math.log2(2 / alpha)) + 1)
     if k_min > n:
         return 0.0
     drop = min(1.0, drop)
-    return binomial_tail(k_min, n, drop)
+    return sum(math.comb(n, k) * drop**k * (1 - drop) ** (n - k) for k in range(k_min, n + 1))
 
 
 @dataclass(frozen=True)

@@ -211,6 +211,12 @@ _LOADED_PATCHES: dict[tuple[str, str], Callable[[torch.nn.Module], object]] = {}
 _PATCHED_FOR_GOOD = "_needlescope_patched_for_good"
 
 
+def _failure(exc: BaseException) -> str:
+    if isinstance(exc, SystemExit):
+        return f"it called sys.exit({exc.code!r})"
+    return f"{type(exc).__name__}: {exc}"
+
+
 def apply_patch_once(model: torch.nn.Module, patch, *, check: bool = True) -> Callable[[], None] | None:
     """Apply ``patch`` (a PatchRef or path) to ``model``; returns its undo, or None when it gave none.
 
@@ -221,7 +227,11 @@ def apply_patch_once(model: torch.nn.Module, patch, *, check: bool = True) -> Ca
     """
     if check:
         check_unpatched(model)
-    undo = load_patch(patch)(model)
+    fn = load_patch(patch)
+    try:
+        undo = fn(model)
+    except (Exception, SystemExit) as exc:  # SystemExit: sys.exit() in a patch must not end serve
+        raise BadInput(f"patch {str(patch)!r}: apply(model) failed: {_failure(exc)}") from None
     if callable(undo):
         return undo
     setattr(model, _PATCHED_FOR_GOOD, str(patch))
@@ -261,8 +271,8 @@ def load_patch(patch: PatchRef | str) -> Callable[[torch.nn.Module], object]:
     module = importlib.util.module_from_spec(spec)
     try:
         spec.loader.exec_module(module)
-    except Exception as exc:
-        raise BadInput(f"patch file {key!r} failed to import: {type(exc).__name__}: {exc}") from exc
+    except (Exception, SystemExit) as exc:  # SystemExit: sys.exit() at import must not end serve
+        raise BadInput(f"patch file {key!r} failed to import: {_failure(exc)}") from None
     fn = getattr(module, "apply", None)
     if not callable(fn):
         raise BadInput(f"patch file {key!r} does not define a function apply(model)")

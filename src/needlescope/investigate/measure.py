@@ -13,13 +13,15 @@ one record (``CASE_RECORD_KEYS``)::
      "correct": bool, "analysed_token": int, "analysed_source": str, "index_topk": int,
      "compress_ratio": int,
      "layers": [{"layer": int, "query_pos": int, "visible": int, "needle_visible": int,
-                 "needle_selected": int, "best_rank": int, "selected": bool}]}
+                 "needle_selected": int, "best_rank": int, "selected": bool}],
+     "first_token_layers": [the same, at the first answer token]}
 
 ``analysed_token`` is the index of the first wrong answer token (the answer compared token by
 token with the expected value, digits and words as the tokenizer splits them); the first
 answer token when the answer is right (``analysed_source = "first answer token (answer
 correct)"``) or empty (``"first answer token (answer empty)"``). A layer that cannot see any
-needle entry at that position is left out.
+needle entry at that position is left out. ``first_token_layers`` holds the same at the first
+answer token whatever the outcome (the signature's outcome-blind population).
 """
 
 from __future__ import annotations
@@ -185,12 +187,8 @@ def analyse_answer(tokens: Sequence[int], tokenizer, expected: Sequence[str]) ->
     }
 
 
-def _record(case, prompt, tokens: list[int], tokenizer, capture, layers, b: int, k: int, ratio: int) -> dict:
-    P = len(prompt.input_ids)
-    a = analyse_answer(tokens, tokenizer, case.expected)
-    tok_i = a["analysed_token"]
-    t = P - 1 + tok_i
-    entries = covering_entries(needle_token_span(prompt, case.needle), ratio=ratio, overlap=True)
+def _layer_ranks(capture, layers, b: int, t: int, entries, k: int, ratio: int) -> list[dict]:
+    """The needle's rank in every CSA layer at query position ``t`` (layers seeing no needle entry left out)."""
     recs = []
     for layer in layers:
         score_pos, score_rows = capture.score_rows(layer, b)
@@ -214,6 +212,16 @@ def _record(case, prompt, tokens: list[int], tokenizer, capture, layers, b: int,
                 "selected": n_sel > 0,
             }
         )
+    return recs
+
+
+def _record(case, prompt, tokens: list[int], tokenizer, capture, layers, b: int, k: int, ratio: int) -> dict:
+    P = len(prompt.input_ids)
+    a = analyse_answer(tokens, tokenizer, case.expected)
+    tok_i = a["analysed_token"]
+    entries = covering_entries(needle_token_span(prompt, case.needle), ratio=ratio, overlap=True)
+    recs = _layer_ranks(capture, layers, b, P - 1 + tok_i, entries, k, ratio)
+    first = recs if tok_i == 0 else _layer_ranks(capture, layers, b, P - 1, entries, k, ratio)
     return {
         "case_id": case.case_id,
         "length": case.length,
@@ -228,6 +236,7 @@ def _record(case, prompt, tokens: list[int], tokenizer, capture, layers, b: int,
         "index_topk": k,
         "compress_ratio": ratio,
         "layers": recs,
+        "first_token_layers": first,
     }
 
 

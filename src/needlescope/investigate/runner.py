@@ -36,7 +36,7 @@ from pathlib import Path
 from needlescope.errors import BadInput
 from needlescope.investigate.ledger import Ledger, Suspect, load_ledger
 from needlescope.investigate.questions import QuestionContext, answer
-from needlescope.investigate.signature import signature
+from needlescope.investigate.signature import NO_SIGNATURE, signature
 from needlescope.investigate.state import RunState
 from needlescope.investigate.verdicts import (
     DIVERGE_REL,
@@ -442,7 +442,7 @@ def _topk_run(recs: list[dict]) -> dict:
     return {
         "index_topk": recs[0]["index_topk"],
         "compress_ratio": recs[0]["compress_ratio"],
-        "recall": recall_by_length(recs),
+        "cases": [{"case_id": r["case_id"], "length": r["length"], "correct": r["correct"]} for r in recs],
     }
 
 
@@ -492,13 +492,19 @@ def _explained_record(explained, ref_records, cand_records) -> dict | None:
 
 
 def run_investigation(
-    ledger_path: str | Path, out: str | Path, progress: Progress = lambda *a: None, *, loaded=None
+    ledger_path: str | Path,
+    out: str | Path,
+    progress: Progress = lambda *a: None,
+    *,
+    loaded=None,
+    allow_outside: bool = False,
 ) -> Path:
     """Run (or resume) the investigation of ``ledger_path`` into ``out``; returns verdicts.json's path.
 
     ``loaded``: an already loaded (model, tokenizer) of the ledger's checkpoint, to reuse it.
-    A ledger whose candidate is ``live`` takes the live-endpoint route (``investigate.live``)."""
-    ledger = load_ledger(ledger_path)
+    A ledger whose candidate is ``live`` takes the live-endpoint route (``investigate.live``).
+    ``allow_outside``: accept ledger paths outside its folder (``--allow-outside``)."""
+    ledger = load_ledger(ledger_path, allow_outside=allow_outside)
     if ledger.target.live:
         from needlescope.investigate.live import LiveInvestigation
 
@@ -549,9 +555,6 @@ def run_investigation(
     )
     progress("verdicts", 1, 1, "")
     return inv.out / "verdicts.json"
-
-
-NO_SIGNATURE = {"uninformative_ranking": False, "layers": [], "collapse_vs_topk": []}
 
 
 def read_investigation(out: Path) -> dict:

@@ -1,151 +1,413 @@
-"""The uninformative-ranking rule: is the indexer's ranking of the needle better than chance,
-and does the collapse length track ``compress_ratio x index_topk``? Pure functions.
+"""The ranking signature: is the indexer's ranking of the needle better than chance, near
+chance, or systematically worse, and does the collapse length track ``compress_ratio x
+index_topk``? Pure functions (docs/signature.md has the operating characteristics).
+
+**Population (outcome-blind).** Every case whose query sees more entries than ``index_topk``
+(where the ranking decides anything), at the **first answer token** (the last prompt position:
+fixed before the answer is known). A case's outcome never chooses whether or where it is
+measured: a case fails largely *because* its needle ranked low, so ranks taken at failures (or
+only from failing cases) look worse than the indexer is.
 
 **Rank percentile.** At one query, ``v`` entries are visible, ``m`` of them cover the needle,
-and ``j = best_rank - 1`` non-needle entries score at or above the best needle entry. If the
-ranking carried no information about the needle, the needle entries would sit at random
-places: ``P(J >= a) = C(v - a, m) / C(v, m)``. The mid-p percentile
-``u = P(J < j) + P(J = j) / 2`` is then (close to) uniform on (0, 1); an informative ranking
-puts the needle near the top (``u`` near 0).
+and ``j = best_rank - 1`` non-needle entries score at or above the best needle entry. Under a
+random ranking ``P(J >= a) = C(v - a, m) / C(v, m)``. The percentile is the randomized
+probability integral transform ``u = P(J < j) + w P(J = j)``, ``w`` a fixed pseudo-random draw
+in (0, 1) from the case id and layer (so it is reproducible and blind to the outcome). Under a
+random ranking ``u`` is exactly U(0, 1) however few entries are visible; the plain mid-p value
+(``w = 1/2``) is not (variance 0.035 instead of 1/12 at v = 6, m = 5). ``u`` near 0: the needle
+ranks near the top.
 
-**Test (per CSA layer).** One-sample Kolmogorov-Smirnov of the ``u`` values against U(0, 1)
-(two-sided, exact p-value for the sample size). The layer's ranking is **uninformative** when
-at least ``MIN_RANKED`` values were tested and the test does *not* reject uniformity at
-``ALPHA``, or when it rejects with the median ``u`` above 0.5 (the needle is pushed *down*,
-worse than chance). The values come from the failing cases at their first wrong answer token
-when there are at least ``MIN_RANKED`` of them; otherwise from every case whose query sees
-more entries than ``index_topk`` (where the ranking decides anything), at its first answer
-token. The population used is recorded.
+**Tests (per CSA layer, Holm-corrected across layers, each family on its own).**
 
-**Collapse vs top-k.** For each run that differs from the candidate only in ``index_topk``
-(and the candidate itself), capacity ``C = compress_ratio x index_topk`` tokens. The run is
-*consistent* when recall holds (>= ``HOLD``) at every tested length <= C and falls below it at
-the first tested length > C; ``None`` when no tested length exceeds C. The collapse tracks
-top-k when at least two runs with different ``index_topk`` are consistent and none is not.
+- *better than chance*: the exact lower tail of ``S = sum(u)`` under independent U(0, 1) values
+  (the Irwin-Hall distribution, Edgington's method; exact rational arithmetic up to
+  ``EXACT_MAX_N`` values, its normal limit above);
+- *worse than chance*: the upper tail of the same statistic;
+- *near chance* (equivalence): the one-sided t-test of ``H0: mean u <= 0.5 - NEAR_CHANCE``.
 
-The rule **fires** when some layer's ranking is uninformative and the collapse tracks top-k.
+Effect size: the mean percentile with its one-sided 95% bounds (t), and the median.
+
+**Classes.** ``excluded`` (the needle is systematically excluded: worse than chance, and the
+lower bound of the mean percentile at least ``0.5 + NEAR_CHANCE``; the likely bug classes are
+masking, validity flags and dropped candidates); ``uninformative`` (the data bound the mean
+percentile within ``NEAR_CHANCE`` of chance or above: a failure to reject is never enough);
+``informative`` (better than chance, and not bounded near it); ``undecided`` (too few cases
+to tell; ``cases_needed`` says about how many would).
+
+**Collapse vs top-k** (``collapse_runs``, ``tracks_topk``). Each run that differs from the
+candidate only in ``index_topk`` (the candidate included) has capacity ``C = compress_ratio x
+index_topk`` tokens. At each tested length its recall **holds** when the Wilson 95% interval
+lies above ``HOLD``, has **collapsed** when it lies below, and is *unclear* otherwise. A run is
+*consistent* when it holds at a tested length ``<= C``, collapses at none ``<= C``, and collapses
+at a tested length ``> C``; *not consistent* when it collapses at or below its capacity or
+never holds at any tested length; otherwise undecided. A larger top-k **moves** the collapse
+when, at a tested length ``L`` with ``C_small < L <= C_large`` (at ``L = C_large`` the larger
+top-k covers every visible entry), the smaller run has collapsed and the larger one holds.
+The collapse **tracks top-k** when the smallest run is consistent, a larger run moves its
+collapse, and no run is inconsistent; it is **not tracking** when some run is inconsistent or
+every larger run collapses wherever the smaller one did; otherwise the rule cannot decide.
+
+**Top-k fix.** Each larger-top-k run is paired case by case with the smallest (exact McNemar);
+it *restores* recall when ``p < ALPHA`` and it wins more discordant cases than it loses. Only a
+measured restoring top-k fix makes "raising index_topk is a workaround" true.
+
+**The rule fires** (``uninformative_ranking``) when some layer is ``uninformative`` and the
+collapse tracks top-k: a functional indexer bug, not precision. ``excluded`` is reported on its
+own (it needs no collapse pattern).
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
+from fractions import Fraction
+from statistics import NormalDist, median
 
-from scipy.stats import kstest
+from scipy.stats import t as student_t
+
+from needlescope.analysis.significance import holm
+from needlescope.analysis.stats import mcnemar_exact, wilson_interval
 
 __all__ = [
     "ALPHA",
-    "MIN_RANKED",
+    "NEAR_CHANCE",
     "HOLD",
+    "EXACT_MAX_N",
     "rank_percentile",
+    "case_draw",
+    "sum_uniform_cdf",
+    "percentile_stats",
+    "layer_percentiles",
     "layer_ranking",
+    "cases_needed",
     "collapse_runs",
-    "signature",
     "tracks_topk",
+    "topk_fix",
+    "signature",
+    "NO_SIGNATURE",
 ]
 
 ALPHA = 0.05
-MIN_RANKED = 8
+NEAR_CHANCE = 0.15
+"""Equivalence margin: a mean percentile of at least 0.5 - NEAR_CHANCE counts as near chance."""
 HOLD = 0.85
 """Recall that counts as holding (the probe's effective-length threshold)."""
+EXACT_MAX_N = 400
+"""Up to this many percentiles the Irwin-Hall tail is exact; above, its normal limit (error < 1e-4)."""
+POPULATION = "every case with more visible entries than index_topk, at the first answer token"
 
 
-def rank_percentile(best_rank: int, visible: int, needle_visible: int) -> float:
-    """Mid-p percentile of the best needle entry's rank under a random ranking (see module doc)."""
+def rank_percentile(best_rank: int, visible: int, needle_visible: int, draw: float = 0.5) -> float:
+    """Randomized percentile ``P(J < j) + draw * P(J = j)`` of the best needle entry's rank under
+    a random ranking (module doc); ``draw = 0.5`` is the mid-p value."""
     v, m, j = visible, needle_visible, best_rank - 1
     if not (1 <= m <= v and 0 <= j <= v - m):
         raise ValueError(f"inconsistent rank: best_rank {best_rank}, visible {v}, needle entries {m}")
+    if not 0.0 <= draw <= 1.0:
+        raise ValueError(f"draw must lie in [0, 1]; got {draw}")
     total = math.comb(v, m)
 
     def at_least(a: int) -> float:
         return math.comb(v - a, m) / total if a <= v - m else 0.0
 
-    return (1.0 - at_least(j)) + 0.5 * (at_least(j) - at_least(j + 1))
+    return (1.0 - at_least(j)) + draw * (at_least(j) - at_least(j + 1))
 
 
-def layer_ranking(records: list[dict]) -> list[dict]:
-    """Per CSA layer, the uniformity test over measured case records (``measure`` schema)."""
-    failing = [r for r in records if not r["correct"] and r["analysed_source"] == "first wrong answer token"]
-    if len(failing) >= MIN_RANKED:
-        pool, population = failing, "failing cases, first wrong answer token"
-    else:
-        pool = records
-        population = "all cases with more visible entries than index_topk, first answer token"
-    by_layer: dict[int, list[float]] = {}
-    for r in pool:
-        for layer in r["layers"]:
-            if population.startswith("all") and (
-                r["analysed_token"] != 0 or layer["visible"] <= r["index_topk"]
-            ):
-                continue
-            by_layer.setdefault(layer["layer"], []).append(
-                rank_percentile(layer["best_rank"], layer["visible"], layer["needle_visible"])
-            )
-    out = []
-    for layer, us in sorted(by_layer.items()):
-        n = len(us)
-        median = sorted(us)[n // 2] if n else None
-        if n >= MIN_RANKED:
-            res = kstest(us, "uniform", method="exact")
-            stat, p = float(res.statistic), float(res.pvalue)
-            uninformative = p >= ALPHA or (median is not None and median > 0.5)
-        else:
-            stat = p = None
-            uninformative = False
-        out.append(
-            {
-                "layer": layer,
-                "n": n,
-                "population": population,
-                "ks_statistic": stat,
-                "p_value": p,
-                "median_percentile": median,
-                "uninformative": uninformative,
-            }
+def case_draw(case_id: str, layer: int) -> float:
+    """A reproducible U(0, 1) draw from the case id and layer (never 0 or 1)."""
+    h = int.from_bytes(hashlib.sha256(f"{case_id}/{layer}".encode()).digest()[:8], "big")
+    return (h + 0.5) / 2**64
+
+
+def sum_uniform_cdf(s: float, n: int) -> float:
+    """``P(U_1 + ... + U_n <= s)`` for independent U(0, 1) values (Irwin-Hall), exact up to
+    ``EXACT_MAX_N`` terms (rational arithmetic on the float ``s``), the normal limit above."""
+    if n < 1:
+        raise ValueError(f"n must be >= 1; got {n}")
+    if s <= 0:
+        return 0.0
+    if s >= n:
+        return 1.0
+    if n > EXACT_MAX_N:
+        return NormalDist(n / 2, math.sqrt(n / 12)).cdf(s)
+    if s > n / 2:
+        return 1.0 - sum_uniform_cdf(n - s, n)
+    x = Fraction(s)
+    total = sum((-1) ** k * math.comb(n, k) * (x - k) ** n for k in range(math.floor(s) + 1))
+    return float(total / math.factorial(n))
+
+
+def percentile_stats(us: list[float]) -> dict:
+    """Tests and effect size of one layer's percentiles (module doc), before correction."""
+    n = len(us)
+    out = {
+        "n": n,
+        "mean_percentile": None,
+        "mean_lower": None,
+        "mean_upper": None,
+        "median_percentile": None,
+        "p_better": 1.0,
+        "p_worse": 1.0,
+        "p_near_chance": 1.0,
+    }
+    if n == 0:
+        return out
+    s = math.fsum(us)
+    mean = s / n
+    out.update(
+        mean_percentile=mean,
+        median_percentile=median(us),
+        p_better=sum_uniform_cdf(s, n),
+        p_worse=sum_uniform_cdf(n - s, n),
+    )
+    if n >= 2:
+        sd = math.sqrt(math.fsum((u - mean) ** 2 for u in us) / (n - 1))
+        se = max(sd, 1e-12) / math.sqrt(n)
+        q = float(student_t.ppf(1 - ALPHA, n - 1))
+        out.update(
+            mean_lower=max(0.0, mean - q * se),
+            mean_upper=min(1.0, mean + q * se),
+            p_near_chance=float(student_t.sf((mean - (0.5 - NEAR_CHANCE)) / se, n - 1)),
         )
     return out
 
 
+def cases_needed(layers: int = 1) -> int:
+    """Cases per layer at which a chance ranking (percentiles U(0, 1)) is bounded near chance
+    with 80% power at one-sided ``ALPHA / layers`` (the strictest Holm level):
+    ((z + z_0.8) sd / NEAR_CHANCE)^2 + 1, sd = sqrt(1/12), a normal approximation."""
+    z = NormalDist().inv_cdf
+    return math.ceil(((z(1 - ALPHA / max(1, layers)) + z(0.8)) * math.sqrt(1 / 12) / NEAR_CHANCE) ** 2) + 1
+
+
+def _first_token_layers(record: dict) -> list[dict] | None:
+    """The layers measured at the first answer token (older records: only when analysed there)."""
+    if "first_token_layers" in record:
+        return record["first_token_layers"]
+    return record["layers"] if record["analysed_token"] == 0 else None
+
+
+def layer_percentiles(records: list[dict]) -> dict[int, list[float]]:
+    """CSA layer -> the percentiles of the outcome-blind population (module doc)."""
+    by_layer: dict[int, list[float]] = {}
+    for r in records:
+        for layer in _first_token_layers(r) or []:
+            if layer["visible"] <= r["index_topk"]:
+                continue
+            by_layer.setdefault(layer["layer"], []).append(
+                rank_percentile(
+                    layer["best_rank"],
+                    layer["visible"],
+                    layer["needle_visible"],
+                    case_draw(r["case_id"], layer["layer"]),
+                )
+            )
+    return by_layer
+
+
+def layer_ranking(records: list[dict]) -> list[dict]:
+    """Per CSA layer: percentiles of the outcome-blind population, tests, Holm, class."""
+    by_layer = layer_percentiles(records)
+    rows = [
+        {"layer": layer, "population": POPULATION, **percentile_stats(us)}
+        for layer, us in sorted(by_layer.items())
+    ]
+    for key in ("p_better", "p_worse", "p_near_chance"):
+        for row, p in zip(rows, holm([r[key] for r in rows]), strict=True):
+            row[key + "_holm"] = p
+    for row in rows:
+        row["ranking"] = _layer_class(row)
+        row["uninformative"] = row["ranking"] == "uninformative"
+        row["cases_needed"] = cases_needed(len(rows))
+    return rows
+
+
+def _layer_class(row: dict) -> str:
+    if row["p_worse_holm"] < ALPHA and (row["mean_lower"] or 0.0) >= 0.5 + NEAR_CHANCE:
+        return "excluded"
+    if row["p_near_chance_holm"] < ALPHA:
+        return "uninformative"
+    if row["p_better_holm"] < ALPHA:
+        return "informative"
+    return "undecided"
+
+
+def _state(k: int, n: int) -> str:
+    lo, hi = wilson_interval(k, n)
+    if n and lo > HOLD:
+        return "holds"
+    if n and hi < HOLD:
+        return "collapsed"
+    return "unclear"
+
+
 def collapse_runs(runs: list[dict]) -> list[dict]:
-    """``runs``: [{"index_topk": int, "compress_ratio": int, "recall": {length: float}}] -> with
-    capacity, last length holding, first length collapsed, and ``consistent`` (see module doc)."""
+    """``runs``: [{"index_topk", "compress_ratio", "cases": [{"case_id", "length", "correct"}]}]
+    -> per run, sorted by index_topk: capacity, per-length counts, Wilson interval and state,
+    ``last_holding``, ``first_collapsed`` and ``consistent`` (True / False / None; module doc)."""
     out = []
     for run in sorted(runs, key=lambda r: r["index_topk"]):
         cap = run["compress_ratio"] * run["index_topk"]
-        rec = {int(k): v for k, v in run["recall"].items()}
-        lengths = sorted(rec)
-        holding = [n for n in lengths if rec[n] >= HOLD]
-        below = [n for n in lengths if rec[n] < HOLD]
-        beyond = [n for n in lengths if n > cap]
+        counts: dict[int, list[int]] = {}
+        for c in run["cases"]:
+            kn = counts.setdefault(int(c["length"]), [0, 0])
+            kn[0] += int(bool(c["correct"]))
+            kn[1] += 1
+        lengths = sorted(counts)
+        state = {n: _state(*counts[n]) for n in lengths}
+        inside = [state[n] for n in lengths if n <= cap]
+        beyond = [state[n] for n in lengths if n > cap]
         consistent = None
-        if beyond:
-            consistent = all(rec[n] >= HOLD for n in lengths if n <= cap) and rec[beyond[0]] < HOLD
+        if "collapsed" in inside or (state and all(s == "collapsed" for s in state.values())):
+            consistent = False
+        elif "holds" in inside and "collapsed" in beyond:
+            consistent = True
+        holding = [n for n in lengths if state[n] == "holds"]
         out.append(
             {
                 "index_topk": run["index_topk"],
                 "capacity_tokens": cap,
-                "recall": {str(n): rec[n] for n in lengths},
+                "recall": {str(n): counts[n][0] / counts[n][1] for n in lengths},
+                "lengths": [
+                    {
+                        "length": n,
+                        "correct": counts[n][0],
+                        "n": counts[n][1],
+                        "ci": list(wilson_interval(*counts[n])),
+                        "state": state[n],
+                    }
+                    for n in lengths
+                ],
                 "last_holding": max(
-                    (n for n in holding if all(rec[m] >= HOLD for m in lengths if m <= n)), default=None
+                    (n for n in holding if all(state[m] != "collapsed" for m in lengths if m <= n)),
+                    default=None,
                 ),
-                "first_collapsed": min(below, default=None),
+                "first_collapsed": min((n for n in lengths if state[n] == "collapsed"), default=None),
                 "consistent": consistent,
+                "cases": {c["case_id"]: bool(c["correct"]) for c in run["cases"]},
             }
         )
     return out
 
 
+def _moves(small: dict, large: dict) -> bool | None:
+    """Whether ``large`` (more top-k) measurably moves ``small``'s collapse (module doc)."""
+    s_state = {x["length"]: x["state"] for x in small["lengths"]}
+    l_state = {x["length"]: x["state"] for x in large["lengths"]}
+    between = [
+        n for n in s_state if small["capacity_tokens"] < n <= large["capacity_tokens"] and n in l_state
+    ]
+    if any(s_state[n] == "collapsed" and l_state[n] == "holds" for n in between):
+        return True
+    fallen = [n for n in between if s_state[n] == "collapsed"]
+    if fallen and all(l_state[n] == "collapsed" for n in fallen):
+        return False
+    return None
+
+
+def tracks_topk(runs: list[dict]) -> dict:
+    """``{"tracks": True | False | None, "reason": str, "moved_by": [index_topk]}`` over
+    ``collapse_runs`` output (module doc)."""
+    if len({r["index_topk"] for r in runs}) < 2:
+        return {"tracks": None, "reason": "fewer than two runs with different index_topk", "moved_by": []}
+    bad = [r for r in runs if r["consistent"] is False]
+    if bad:
+        r = bad[0]
+        why = (
+            "never holds at any tested length"
+            if r["last_holding"] is None
+            else f"collapses at {r['first_collapsed']} tokens, within its capacity of {r['capacity_tokens']}"
+        )
+        return {
+            "tracks": False,
+            "reason": f"not tracking: index_topk {r['index_topk']} {why}",
+            "moved_by": [],
+        }
+    base, larger = runs[0], runs[1:]
+    moves = {r["index_topk"]: _moves(base, r) for r in larger}
+    moved_by = [k for k, m in moves.items() if m]
+    if base["consistent"] and moved_by:
+        return {
+            "tracks": True,
+            "reason": f"recall holds up to index_topk {base['index_topk']}'s capacity and collapses past it; "
+            f"index_topk {moved_by[0]} holds where it collapsed",
+            "moved_by": moved_by,
+        }
+    if all(m is False for m in moves.values()):
+        return {
+            "tracks": False,
+            "reason": "not tracking: a larger index_topk collapses wherever the smaller one did",
+            "moved_by": [],
+        }
+    return {
+        "tracks": None,
+        "reason": f"cannot decide: at no tested length between consecutive capacities do the Wilson "
+        f"intervals show one run holding above {HOLD} and the smaller one collapsed below it (more cases "
+        "per length, or a length between the capacities, would decide)",
+        "moved_by": [],
+    }
+
+
+def topk_fix(runs: list[dict]) -> dict:
+    """Each larger-top-k run paired with the smallest: ``{"restores": bool, "runs": [...]}``."""
+    if len(runs) < 2:
+        return {"restores": False, "runs": []}
+    base = runs[0]["cases"]
+    out = []
+    for r in runs[1:]:
+        ids = sorted(set(base) & set(r["cases"]))
+        b = sum(1 for i in ids if not base[i] and r["cases"][i])
+        c = sum(1 for i in ids if base[i] and not r["cases"][i])
+        p = mcnemar_exact(b, c)
+        out.append(
+            {
+                "index_topk": r["index_topk"],
+                "n": len(ids),
+                "b": b,
+                "c": c,
+                "p": p,
+                "restores": p < ALPHA and b > c,
+            }
+        )
+    return {"restores": any(x["restores"] for x in out), "runs": out}
+
+
 def signature(records: list[dict], topk_runs: list[dict]) -> dict:
-    """``{"uninformative_ranking": bool, "layers": [...], "collapse_vs_topk": [...]}``: the rule fires
-    (``uninformative_ranking`` true) when a layer is uninformative and the collapse tracks top-k."""
+    """The signature over the candidate's measured records (``measure`` schema) and the runs
+    that differ from it only in ``index_topk``::
+
+        {"uninformative_ranking": bool,   # the rule fires
+         "excluded": bool,                # some layer systematically excludes the needle
+         "ranking": "excluded" | "uninformative" | "informative" | "undecided",
+         "collapse": {"tracks": bool | None, "reason": str, "moved_by": [int]},
+         "topk_fix": {"restores": bool, "runs": [{"index_topk", "n", "b", "c", "p", "restores"}]},
+         "layers": [per-layer rows of ``layer_ranking``],
+         "collapse_vs_topk": [per-run rows of ``collapse_runs``, without the case outcomes]}
+    """
     layers = layer_ranking(records)
     runs = collapse_runs(topk_runs)
-    fires = tracks_topk(runs) and any(layer["uninformative"] for layer in layers)
-    return {"uninformative_ranking": bool(fires), "layers": layers, "collapse_vs_topk": runs}
+    collapse = tracks_topk(runs)
+    classes = {ly["ranking"] for ly in layers}
+    ranking = next((c for c in ("excluded", "uninformative", "undecided") if c in classes), None)
+    ranking = ranking or ("informative" if layers else "undecided")
+    fires = collapse["tracks"] is True and "uninformative" in classes
+    return {
+        "uninformative_ranking": bool(fires),
+        "excluded": "excluded" in classes,
+        "ranking": ranking,
+        "collapse": collapse,
+        "topk_fix": topk_fix(runs),
+        "layers": layers,
+        "collapse_vs_topk": [{k: v for k, v in r.items() if k != "cases"} for r in runs],
+    }
 
 
-def tracks_topk(runs: list[dict]) -> bool:
-    """Whether ``collapse_runs`` output shows the collapse tracking top-k (see module doc)."""
-    judged = [r for r in runs if r["consistent"] is not None]
-    return len({r["index_topk"] for r in judged if r["consistent"]}) >= 2 and all(
-        r["consistent"] for r in judged
-    )
+NO_SIGNATURE = {
+    "uninformative_ranking": False,
+    "excluded": False,
+    "ranking": "undecided",
+    "collapse": {"tracks": None, "reason": "nothing measured", "moved_by": []},
+    "topk_fix": {"restores": False, "runs": []},
+    "layers": [],
+    "collapse_vs_topk": [],
+}

@@ -7,9 +7,22 @@ from pathlib import Path
 
 from ..schema import check_schema
 
-__all__ = ["BISECT_SCHEMA", "validate_bisect", "write_bisect_outputs"]
+__all__ = ["BISECT_SCHEMA", "validate_bisect", "write_bisect_outputs", "residue_lines", "step_line"]
 
 _INT_OR_NULL = {"type": ["integer", "null"]}
+_END = {
+    "type": "object",
+    "required": ["length", "correct", "n", "recall", "ci_low", "ci_high"],
+    "properties": {
+        "length": {"type": "integer"},
+        "correct": {"type": "integer"},
+        "n": {"type": "integer"},
+        "recall": {"type": ["number", "null"]},
+        "ci_low": {"type": "number"},
+        "ci_high": {"type": "number"},
+    },
+}
+"""One end of a bracket: its counts, recall and Wilson 95% interval."""
 
 BISECT_SCHEMA: dict = {
     "type": "object",
@@ -20,6 +33,9 @@ BISECT_SCHEMA: dict = {
         "threshold",
         "cases_per_point",
         "bracketed",
+        "confirmed",
+        "crossing",
+        "steps",
         "last_pass",
         "collapse_length",
         "message",
@@ -45,26 +61,53 @@ BISECT_SCHEMA: dict = {
         "message": {"type": "string"},
         "boundaries": {"type": "array", "items": {"type": "integer"}},
         "boundaries_source": {"type": "string"},
+        "confirmed": {"type": "boolean"},
+        "crossing": {
+            "type": ["object", "null"],
+            "required": ["last_pass", "first_fail", "confidence", "meaning"],
+            "properties": {
+                "last_pass": _END,
+                "first_fail": _END,
+                "confidence": {"type": "number"},
+                "meaning": {"type": "string"},
+            },
+        },
+        "steps": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["phase", "tested", "last_pass", "first_fail", "p_value", "narrowed"],
+                "properties": {
+                    "phase": {"type": "string"},
+                    "tested": _INT_OR_NULL,
+                    "last_pass": _END,
+                    "first_fail": _END,
+                    "p_value": {"type": "number"},
+                    "narrowed": {"type": "boolean"},
+                },
+            },
+        },
         "residue": {
             "type": "array",
             "items": {
                 "type": "object",
-                "required": ["modulus", "statistic", "df", "p_value", "classes", "flagged"],
+                "required": ["modulus", "strata", "p_value", "classes", "flagged"],
                 "properties": {
                     "modulus": {"type": "integer"},
-                    "statistic": {"type": "number"},
-                    "df": {"type": "integer"},
+                    "strata": {"type": "integer"},
                     "p_value": {"type": "number"},
                     "classes": {
                         "type": "array",
                         "items": {
                             "type": "object",
-                            "required": ["residue", "n", "correct", "recall", "p_holm"],
+                            "required": ["residue", "n", "correct", "recall", "rest_recall", "p", "p_holm"],
                             "properties": {
                                 "residue": {"type": "integer"},
                                 "n": {"type": "integer"},
                                 "correct": {"type": "integer"},
                                 "recall": {"type": ["number", "null"]},
+                                "rest_recall": {"type": ["number", "null"]},
+                                "p": {"type": "number"},
                                 "p_holm": {"type": "number"},
                             },
                         },
@@ -107,11 +150,15 @@ def residue_lines(residue: list[dict]) -> list[str]:
     """One sentence per residue test, naming any failing class."""
     out = []
     for r in residue:
-        head = f"mod {r['modulus']}: chi-square {r['statistic']:.2f} (df {r['df']}), p={r['p_value']:.2g}"
+        head = (
+            f"mod {r['modulus']}: {r['strata']} runs of consecutive lengths, each class against the rest of its "
+            f"runs (exact, stratified), smallest Holm p={r['p_value']:.2g}"
+        )
         bad = [c for c in r["classes"] if c["residue"] in r["flagged"]]
         if bad:
             parts = ", ".join(
-                f"length = {c['residue']} (mod {r['modulus']}) recalls {c['recall']:.2f} (n={c['n']}, Holm p={c['p_holm']:.2g})"
+                f"length = {c['residue']} (mod {r['modulus']}) recalls {c['recall']:.2f} against "
+                f"{c['rest_recall']:.2f} (n={c['n']}, Holm p={c['p_holm']:.2g})"
                 for c in bad
             )
             out.append(f"{head}; residue-class failure: {parts}")
@@ -120,18 +167,34 @@ def residue_lines(residue: list[dict]) -> list[str]:
     return out
 
 
+def _end(e: dict) -> str:
+    return f"{e['length']}: {e['correct']}/{e['n']} [{e['ci_low']:.2f}, {e['ci_high']:.2f}]"
+
+
+def step_line(step: dict) -> str:
+    """One step's evidence: the bracket it proposes, both ends' counts and intervals, p, outcome."""
+    what = "coarse bracket" if step["tested"] is None else f"tested {step['tested']}"
+    done = "narrowed" if step["narrowed"] else "not narrowed (ends do not differ significantly)"
+    return (
+        f"{step['phase']}: {what}; pass end {_end(step['last_pass'])}, fail end {_end(step['first_fail'])}; "
+        f"Fisher p={step['p_value']:.2g}; {done}"
+    )
+
+
 def _markdown(s: dict) -> str:
     lines = [
         "# needlescope probe --bisect",
         "",
         f"**Result:** {s['message']}.",
         f"**Range** [{s['lo']}, {s['hi']}] tokens, threshold {s['threshold']:g}, resolution {s['resolution']} tokens, "
-        f"{s['cases_per_point']} cases per length.",
+        f"{s['cases_per_point']} cases per length to start.",
         f"**Requests:** {s['requests_used']} against {s['full_grid_requests']} for a full grid of the same "
         f"resolution ({100 * s['request_ratio']:.1f}%); {s['errors']} failed and are not counted as misses.",
         f"**Kernel boundaries** ({s['boundaries_source']}): {', '.join(map(str, s['boundaries'])) or 'none'}.",
         "",
     ]
+    if s["steps"]:
+        lines += ["## Steps (evidence behind each)", ""] + [f"- {step_line(x)}" for x in s["steps"]] + [""]
     if s["residue"]:
         lines += ["## Residue classes", ""] + [f"- {x}" for x in residue_lines(s["residue"])] + [""]
     lines += ["## Lengths tested", "", "| length | phase | recall | 95% CI | n |", "|---|---|---|---|---|"]

@@ -2,9 +2,15 @@
 
 Steps (the plan is in :mod:`needlescope.analysis.bisect`): a coarse grid over the --lengths range,
 binary search of the first bracket to ``resolution`` tokens, fine offsets around the boundary and
-around multiples of the kernel boundaries, and residue-class runs for small moduli. Every case
-goes through the same durable store as a probe, so a killed bisection resumes: it replays the
-same decisions from the stored results and sends only what is missing.
+around multiples of the kernel boundaries, and residue-class runs for small moduli.
+
+A bracket is accepted, and a binary step narrows it, only when the recall at its two ends differs
+significantly (Fisher exact, ``alpha``); until it does, the ends get more trials (doubled, up to
+``max_trials``); a step that still does not differ stops the narrowing and says why. Each step's
+evidence (lengths, cases, misses, Wilson intervals, p) is in ``bisect.json``'s ``steps``.
+
+Every case goes through the same durable store as a probe, so a killed bisection resumes: it
+replays the same decisions from the stored results and sends only what is missing.
 """
 
 from __future__ import annotations
@@ -21,11 +27,17 @@ from needlescope.analysis.bisect import (
     bracket,
     cases_for_ci_width,
     coarse_grid,
+    correct_residues,
+    crossing_confidence,
+    end_evidence,
+    ends_differ,
     fine_lengths,
     full_grid_points,
     midpoint,
-    residue_lengths,
+    pooled,
+    residue_runs,
     residue_test,
+    tally_slice,
 )
 from needlescope.analysis.stats import wilson_interval
 from needlescope.cases import CaseSpec, build_cases, score_answer
@@ -58,6 +70,10 @@ class BisectConfig:
     from the server's /get_server_info."""
     residue_runs: int = 3
     """Runs of consecutive lengths per residue modulus."""
+    alpha: float = 0.05
+    """A bracket's ends must differ at this level (Fisher exact) for the bracket to narrow."""
+    max_trials: int | None = None
+    """Most trials per length when a step's ends do not yet differ; None: 4 x the starting trials."""
 
     def __post_init__(self) -> None:
         if self.resolution < 1:
@@ -66,6 +82,10 @@ class BisectConfig:
             raise BadInput(f"--ci-width must lie in (0, 1); got {self.ci_width}")
         if self.coarse_points < 2:
             raise BadInput(f"--coarse-points must be at least 2; got {self.coarse_points}")
+        if not 0 < self.alpha < 1:
+            raise BadInput(f"alpha must lie in (0, 1); got {self.alpha}")
+        if self.max_trials is not None and self.max_trials < 1:
+            raise BadInput(f"max_trials must be at least 1; got {self.max_trials}")
         if self.boundaries is not None and any(b < 1 for b in self.boundaries):
             raise BadInput(f"--boundaries must be positive token counts; got {list(self.boundaries)}")
 
@@ -79,24 +99,32 @@ class _Bisector:
             self.trials = max(
                 cfg.trials, math.ceil(cases_for_ci_width(bis.ci_width, cfg.threshold) / len(cfg.depths))
             )
+        self.max_trials = max(self.trials, bis.max_trials or 4 * self.trials)
+        self.trials_at: dict[int, int] = {}
         self.phase: dict[int, str] = {}
+        self.steps: list[dict] = []
         self.haystack = cfg.haystack_file.read_text(encoding="utf-8") if cfg.haystack_file else None
 
     @property
     def per_point(self) -> int:
         return self.trials * len(self.cfg.depths)
 
-    async def evaluate(self, lengths: list[int], phase: str) -> dict[int, tuple[int, int]]:
-        new = [n for n in lengths if n not in self.phase]
+    async def evaluate(
+        self, lengths: list[int], phase: str, trials: int | None = None
+    ) -> dict[int, tuple[int, int]]:
+        """Send the cases of ``lengths`` (``trials`` each, default the starting trials) not sent yet."""
+        trials = trials or self.trials
+        new = [n for n in lengths if self.trials_at.get(n, 0) < trials]
         for n in new:
-            self.phase[n] = phase
+            self.phase.setdefault(n, phase)
+            self.trials_at[n] = trials
         known = {c["case_id"] for c in self.store.cases()}
         for n in new:
             spec = CaseSpec(
                 kind=self.cfg.kind,
                 lengths=(n,),
                 depths=self.cfg.depths,
-                trials=self.trials,
+                trials=trials,
                 seed=self.cfg.seed,
                 haystack_text=self.haystack,
                 max_answer_tokens=self.cfg.max_tokens,
@@ -122,59 +150,127 @@ class _Bisector:
 
     def tally(self) -> dict[int, tuple[int, int]]:
         length_of = {c["case_id"]: c["length"] for c in self.store.cases()}
-        acc: dict[int, list[int]] = {}
-        for r in self.store.results():
-            if r["status"] != "ok":
-                continue
-            a = acc.setdefault(length_of[r["case_id"]], [0, 0])
-            a[0] += int(bool(r["correct"]))
-            a[1] += 1
-        return {n: (v[0], v[1]) for n, v in sorted(acc.items())}
+        return pooled(
+            (length_of[r["case_id"]], r["correct"]) for r in self.store.results() if r["status"] == "ok"
+        )
+
+    async def confirm(
+        self, tally: dict, mid: int | None, ends: tuple[int, int], phase: str
+    ) -> tuple[dict, tuple | None]:
+        """Add trials until a valid bracket around ``mid`` (or ``ends`` itself when ``mid`` is None)
+        has ends that differ significantly; returns (tally, the bracket or None) and records the step."""
+        thr = self.cfg.threshold
+        while True:
+            if mid is None:
+                cand = ends
+            else:
+                k, n = tally.get(mid, (0, 0))
+                if n == 0:
+                    raise BadInput(
+                        f"every request at {mid} tokens failed; the server cannot be bisected, see results"
+                    )
+                cand = (mid, ends[1]) if k / n >= thr else (ends[0], mid)
+            a, f = cand
+            valid = _passes(tally, a, thr) and not _passes(tally, f, thr)
+            ok, p = ends_differ(tally, a, f, self.bis.alpha) if valid else (False, 1.0)
+            more = [x for x in cand if self.trials_at.get(x, 0) < self.max_trials]
+            if ok or not valid or not more:
+                self.steps.append(
+                    {
+                        "phase": phase,
+                        "tested": mid,
+                        "last_pass": end_evidence(tally, a),
+                        "first_fail": end_evidence(tally, f),
+                        "p_value": p,
+                        "narrowed": ok,
+                    }
+                )
+                self.on_event("bisect_evidence", self.steps[-1])
+                return tally, cand if ok else None
+            grown = min(self.max_trials, 2 * max(self.trials_at.get(x, self.trials) for x in more))
+            tally = await self.evaluate(more, phase, grown)
+
+
+def _passes(tally: dict, length: int, threshold: float) -> bool:
+    k, n = tally.get(length, (0, 0))
+    return n > 0 and k / n >= threshold
+
+
+def _no_bracket(tally: dict, lo: int, hi: int, threshold: float) -> str:
+    k, n = tally.get(lo, (0, 0))
+    if n and k / n < threshold:
+        return (
+            f"cannot bracket a boundary in [{lo}, {hi}]: recall is already {k / n:.2f} < {threshold:g} "
+            f"at {lo} tokens; lower the shortest --lengths"
+        )
+    return (
+        f"cannot bracket a boundary in [{lo}, {hi}]: recall stays at or above {threshold:g} at every "
+        "tested length; raise the longest --lengths"
+    )
+
+
+def _crossing(tally: dict, found: tuple[int, int], threshold: float) -> dict:
+    a, f = found
+    conf = crossing_confidence(tally, a, f, threshold)
+    ea, ef = end_evidence(tally, a), end_evidence(tally, f)
+    meaning = (
+        f"where this sample crossed {threshold:g}: recall {ea['correct']}/{ea['n']} "
+        f"[{ea['ci_low']:.2f}, {ea['ci_high']:.2f}] at {a} tokens, {ef['correct']}/{ef['n']} "
+        f"[{ef['ci_low']:.2f}, {ef['ci_high']:.2f}] at {f}; confidence {conf:.2f} that recall is at or above "
+        f"{threshold:g} at {a} and below it at {f} (so, if recall falls with length, that the crossing lies between)"
+    )
+    return {"last_pass": ea, "first_fail": ef, "confidence": conf, "meaning": meaning}
 
 
 async def _search(b: _Bisector, lo: int, hi: int, boundaries: list[int]) -> dict:
     threshold = b.cfg.threshold
     tally = await b.evaluate(coarse_grid(lo, hi, b.bis.coarse_points), "coarse")
     found = bracket(tally, threshold)
-    message = ""
+    crossing, confirmed = None, False
     if found is None:
-        k, n = tally.get(lo, (0, 0))
-        if n and k / n < threshold:
+        message = _no_bracket(tally, lo, hi, threshold)
+    else:
+        tally, first = await b.confirm(tally, None, found, "coarse")
+        confirmed = first is not None
+        if not confirmed:
+            step = b.steps[-1]
             message = (
-                f"cannot bracket a boundary in [{lo}, {hi}]: recall is already {k / n:.2f} < {threshold:g} "
-                f"at {lo} tokens; lower the shortest --lengths"
+                f"recall crosses {threshold:g} between {found[0]} and {found[1]} tokens in this sample, but the two "
+                f"do not differ significantly (Fisher p={step['p_value']:.2g} with {step['first_fail']['n']} cases "
+                f"at {found[1]}): not narrowed; raise --trials"
             )
         else:
-            message = (
-                f"cannot bracket a boundary in [{lo}, {hi}]: recall stays at or above {threshold:g} at every "
-                "tested length; raise the longest --lengths"
+            while (mid := midpoint(*found, b.bis.resolution)) is not None:
+                tally = await b.evaluate([mid], "bisect")
+                tally, narrowed = await b.confirm(tally, mid, found, "bisect")
+                if narrowed is None:
+                    break
+                found = narrowed
+            tally = await b.evaluate(fine_lengths(found[1], boundaries, lo, hi), "fine")
+            stopped = found[1] - found[0] > b.bis.resolution
+            message = f"recall falls below {threshold:g} between {found[0]} and {found[1]} tokens " + (
+                f"(stopped before the resolution of {b.bis.resolution}: a step's ends did not differ "
+                f"significantly with up to {b.max_trials * len(b.cfg.depths)} cases a length)"
+                if stopped
+                else f"(resolution {b.bis.resolution})"
             )
-    else:
-        last_pass, first_fail = found
-        while (mid := midpoint(last_pass, first_fail, b.bis.resolution)) is not None:
-            tally = await b.evaluate([mid], "bisect")
-            k, n = tally.get(mid, (0, 0))
-            if n == 0:
-                raise BadInput(
-                    f"every request at {mid} tokens failed; the server cannot be bisected, see results"
-                )
-            if k / n >= threshold:
-                last_pass = mid
-            else:
-                first_fail = mid
-        found = (last_pass, first_fail)
-        tally = await b.evaluate(fine_lengths(first_fail, boundaries, lo, hi), "fine")
-        message = (
-            f"recall falls below {threshold:g} between {last_pass} and {first_fail} tokens "
-            f"(resolution {b.bis.resolution})"
-        )
+        crossing = _crossing(b.tally(), found, threshold)
+        message += f"; {crossing['meaning']}"
     residues = []
     top = found[0] if found else hi
     for m in (m for m in boundaries if 2 <= m <= RESIDUE_MAX_MOD):
-        tally = await b.evaluate(residue_lengths(m, lo, top, b.bis.residue_runs), f"residue mod {m}")
-        below = {n: v for n, v in tally.items() if found is None or n <= found[0]}
-        residues.append(residue_test(below, m))
-    return {"bracket": found, "message": message, "residue": residues, "tally": b.tally()}
+        runs = residue_runs(m, lo, top, b.bis.residue_runs)
+        tally = await b.evaluate(sorted({x for r in runs for x in r}), f"residue mod {m}")
+        residues.append(residue_test([tally_slice(tally, r) for r in runs], m))
+    return {
+        "bracket": found,
+        "crossing": crossing,
+        "confirmed": confirmed,
+        "message": message,
+        "residue": correct_residues(residues, b.bis.alpha),
+        "steps": b.steps,
+        "tally": b.tally(),
+    }
 
 
 def _points(tally: dict[int, tuple[int, int]], phase: dict[int, str]) -> list[dict]:
@@ -255,6 +351,9 @@ def run_bisect(cfg: ProbeConfig, bis: BisectConfig, on_event: Event | None = Non
             "threshold": cfg.threshold,
             "cases_per_point": b.per_point,
             "bracketed": bracket_ is not None,
+            "confirmed": found["confirmed"],
+            "crossing": found["crossing"],
+            "steps": found["steps"],
             "last_pass": bracket_[0] if bracket_ else None,
             "collapse_length": bracket_[1] if bracket_ else None,
             "message": found["message"],
