@@ -52,6 +52,8 @@ def test_mcnemar_power_grows_with_pairs():
     # k_min = 6 at alpha 0.05: with drop 1 every pair is discordant.
     assert mcnemar_power(6, 1.0, 0.05) == pytest.approx(1.0)
     assert mcnemar_power(5, 1.0, 0.05) == 0.0
+    # One alpha convention: p = 2 / 2^5 = 0.0625 does not reject at alpha 0.0625 (p < alpha).
+    assert mcnemar_power(5, 1.0, 0.0625) == 0.0 and mcnemar_power(6, 1.0, 0.0625) == pytest.approx(1.0)
 
 
 def test_groups_vs_rest_names_the_bad_group():
