@@ -127,6 +127,13 @@ def test_roles_are_shown_and_a_workaround_is_never_shown_as_exonerated():
         )
     )
     assert r["Not a fix"] == "big is a workaround, not the cause"
+    co = [
+        _suspect("paged", "implicated", "x", role="root cause"),
+        _suspect("hc", "implicated", "y", role="co-factor"),
+    ]
+    assert rows(_inv(suspects=co))["Root cause"].endswith(
+        "; co-factor(s) hc: necessary, not sufficient on their own"
+    )
 
 
 def test_the_box_and_a_fold_render_in_markdown_and_html():

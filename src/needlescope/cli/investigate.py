@@ -23,13 +23,32 @@ investigate_app = typer_app(no_args_is_help=True, help="From measurements to a c
 def init_command(
     directory: Path = typer.Argument(Path("."), help="Where to write investigation.toml and its files."),
     force: bool = typer.Option(False, "--force", help="Overwrite existing files."),
+    live: str = typer.Option(
+        None,
+        "--live",
+        help="Write a live ledger for this endpoint (a server answering /generate with captures).",
+    ),
+    from_probe: Path = typer.Option(
+        None, "--from-probe", help="Write a live ledger whose symptom is this probe run's failing cells."
+    ),
 ) -> None:
-    """Write the example ledger (the original investigation, on the organism)."""
+    """Write a ledger: the example (the original investigation, on the organism), a live one."""
+    from needlescope.errors import BadInput
     from needlescope.investigate.example import EXAMPLE_FILES, write_example
+    from needlescope.investigate.init_ledger import from_probe_ledger, live_ledger, write_ledger
+    from needlescope.investigate.ledger import parse_ledger
 
-    path = write_example(directory, force=force)
-    for name in EXAMPLE_FILES:
-        console.print(f"wrote {Path(directory) / name}")
+    if live is not None and from_probe is not None:
+        raise BadInput("give --live URL or --from-probe RUN_DIR, not both")
+    if live is None and from_probe is None:
+        path = write_example(directory, force=force)
+        for name in EXAMPLE_FILES:
+            console.print(f"wrote {Path(directory) / name}")
+    else:
+        text = live_ledger(live) if live is not None else from_probe_ledger(from_probe)
+        parse_ledger(text, Path(directory) / "investigation.toml")  # a ledger that would not run is a bug
+        path = write_ledger(directory, text, force=force)
+        console.print(f"wrote {path}")
     console.print(f"next: needlescope investigate run {path} --out investigation-out")
 
 

@@ -72,7 +72,19 @@ def serve_command(
         help="Budget of batch x prompt length per prefill.",
     ),
     served_model_name: str = typer.Option(None, "--served-model-name", help="Name in /v1/models."),
-    device: str = typer.Option(_DEFAULTS.device, "--device", help="cpu | cuda | cuda:N"),
+    device: str = typer.Option(
+        _DEFAULTS.device,
+        "--device",
+        help="cpu | cuda | cuda:N | auto (layers across every GPU) | cuda:0,cuda:1",
+    ),
+    max_memory: str = typer.Option(
+        None,
+        "--max-memory",
+        help="Weight bytes per device when placing: 70GiB, or one per device (70GiB,60GiB).",
+    ),
+    prefill_chunk: int = typer.Option(
+        None, "--prefill-chunk", help="Prefill long prompts in chunks of this many tokens (docs/scale.md)."
+    ),
     threads: int = typer.Option(_DEFAULTS.threads, "--threads", help="torch intra-op threads."),
     kernel: str = typer.Option(
         _DEFAULTS.kernel,
@@ -110,7 +122,10 @@ def serve_command(
         help="The whole ServeConfig as JSON instead of every other flag (the key stays in NEEDLESCOPE_API_KEY).",
     ),
 ) -> None:
-    """Serve a model over OpenAI-compatible and SGLang-native HTTP; prints 'READY PORT' when listening."""
+    """Serve a model over OpenAI-compatible and SGLang-native HTTP; prints 'READY PORT' when listening.
+
+    Over 80 lines: one typer option per ServeConfig field, nothing else.
+    """
     if config_json is not None:
         cfg = _config_from_json(ctx, config_json, api_key)
     else:

@@ -77,6 +77,9 @@ def _root_cause(inv: dict) -> str:
         measured = f": removing it, {_pair_text(s['pair'])}" if s.get("pair") else ""
         where = f"`{s['maps_to']}`; " if s.get("maps_to") else ""
         parts.append(f"**{rid}** ({where}{s.get('hypothesis', 'see Verdicts')}){measured}")
+    co = [x["id"] for x in inv["verdicts"]["suspects"] if x.get("role") == "co-factor"]
+    if co:
+        parts.append(f"co-factor(s) {', '.join(co)}: necessary, not sufficient on their own")
     unexplained = _unexplained(inv)
     if not parts:
         why = "; ".join(unexplained) if unexplained else "no suspect in the ledger is implicated"
