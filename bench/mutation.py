@@ -43,6 +43,7 @@ TARGETS: dict[str, tuple[str, list[str]]] = {
     "analysis.bisect": ("analysis/bisect.py", ["test_regress_analysis.py"]),
     "analysis.margins": ("analysis/margins.py", ["test_margins.py"]),
     "investigate.signature": ("investigate/signature.py", ["test_signature.py"]),
+    "run.bisect": ("run/bisect.py", ["test_bisect_logic.py"]),
 }
 
 EQUIVALENT: dict[str, str] = {}
