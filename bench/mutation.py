@@ -40,9 +40,10 @@ TARGETS: dict[str, tuple[str, list[str]]] = {
         ["test_stats_exact.py", "test_regress_analysis.py"],
     ),
     "analysis.paired": ("analysis/paired.py", ["test_regress_analysis.py", "test_compare_fpr.py"]),
-    "analysis.bisect": ("analysis/bisect.py", ["test_regress_analysis.py"]),
+    "analysis.bisect": ("analysis/bisect.py", ["test_bisect_analysis.py", "test_regress_analysis.py"]),
     "analysis.margins": ("analysis/margins.py", ["test_margins.py"]),
     "investigate.signature": ("investigate/signature.py", ["test_signature.py"]),
+    "run.bisect": ("run/bisect.py", ["test_bisect_logic.py"]),
 }
 
 EQUIVALENT: dict[str, str] = {}

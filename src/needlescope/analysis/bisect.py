@@ -117,9 +117,8 @@ def residue_runs(modulus: int, lo: int, hi: int, bases: int) -> list[list[int]]:
 
 
 def _hypergeom(k: int, N: int, K: int, n: int) -> float:
-    """P(k of the n drawn are correct) when K of N are correct (drawn without replacement)."""
-    if k < max(0, n + K - N) or k > min(n, K):
-        return 0.0
+    """P(k of the n drawn are correct) when K of N are correct (drawn without replacement);
+    0 outside the support (``math.comb`` is 0 when asked for more than there are)."""
     return math.comb(K, k) * math.comb(N - K, n - k) / math.comb(N, n)
 
 
