@@ -4,17 +4,22 @@ One command (``python bench/indexer_bench.py --out DIR``) measures, in one run:
 
 * ceilings: a device-to-device copy (bytes read + written) and an 8192^3 bf16 matmul;
 * paged decode logits (batch 1/8/32/64 x context 8K/32K/128K/256K tokens, entries = context/4)
-  with fp8 and bf16 keys; achieved GB/s, % of the copy; top-k 512 on the result; the torch
-  reference (bmm + ReLU + weighted head sum + scale + ``torch.topk``) and the speedup;
+  with fp8 and bf16 keys, default and ``prefetch`` loops, against the decode roofline (fewest
+  bytes / measured copy bandwidth); top-k 512 on the result; logits + top-k unfused and fused
+  (``triton_decode``), the previous pipeline (logits + split bisection) and the torch reference
+  (bmm + ReLU + weighted head sum + scale + ``torch.topk``); fused sets checked against unfused;
+* logits configs (pages per program, warps, stages, prefetch) at the four goal cells;
 * prefill logits (4K and 8K queries x 8K..64K keys, bf16 and fp8 operands): TFLOP/s, % of matmul;
-* top-k candidates (radix digit width, chunk, warps; rows split over many programs by segment
-  size) on single rows and batches, k = 512/2048, each checked against the unsplit top-k set;
+* top-k side by side on single rows and batches, k = 512/2048: ``torch.topk``, the unsplit
+  kernel, the split bisection, the cooperative radix select (chunk sizes) and the default
+  dispatch, each set checked against the unsplit kernel's;
 * DeepGEMM's fp8 logits kernels side by side when ``deep_gemm`` imports (else the reason).
 
 Timing: ``triton.testing.do_bench`` (median, L2 flushed between reps) for logits alone (the
 bandwidth columns); CUDA-graph replays (``do_bench_cudagraph``, median) for top-k alone, for
 logits + top-k and for the torch reference, so that host launch gaps count for neither side.
-Top-k alone reads the logits the previous kernel just wrote (L2-resident, as in the pipeline).
+Top-k tables: each replay runs the top-k over ``ROTATE`` different input sets (time per call =
+replay / ROTATE); inputs are L2-resident, as after the logits kernel in the pipeline.
 Writes ``DIR/indexer_bench.json`` and prints markdown tables (docs/perf/indexer.md).
 """
 
@@ -36,7 +41,15 @@ import torch
 import triton
 from triton.testing import do_bench, do_bench_cudagraph
 
-from needlescope.kernels import page_keys, quantize_keys, quantize_queries, triton_logits, triton_topk
+from needlescope.kernels import (
+    page_keys,
+    quantize_keys,
+    quantize_queries,
+    triton_decode,
+    triton_logits,
+    triton_radix,
+    triton_topk,
+)
 
 H, D = 64, 128
 DEV = torch.device("cuda")
@@ -95,7 +108,51 @@ def reference_decode(c: dict, k: int):
     return run
 
 
+def decode_bytes(c: dict, key_dtype: str) -> int:
+    """Fewest bytes a decode logits call moves: each key (+ fp8 scale) read once, each logit written once."""
+    per_entry = D + (4 if key_dtype == "fp8_e4m3" else D) + 4
+    return c["q"].shape[0] * c["L"] * per_entry + c["q"].numel() * c["q"].element_size() + c["w"].numel() * 4
+
+
+def decode_cell(cfg: dict, c: dict, kd: str, k: int) -> dict:
+    """Logits alone (default and prefetch loops); for fp8 also top-k alone and the decode pipelines:
+    logits + top-k, fused (8- and 11-bit digits), and the previous pipeline (split bisection)."""
+    args = (c["q"], c["w"], c["paged"], c["lens"])
+    zeros = torch.zeros_like(c["lens"])
+    base = triton_logits.paged_logits(*args)
+    pre = triton_logits.paged_logits(*args, prefetch=True)
+    nbytes = decode_bytes(c, kd)
+    res = {
+        "roofline_us": nbytes / cfg["copy_GBps"] / 1e3,
+        "prefetch_logits_equal": bool(torch.equal(base, pre)),
+    }
+    for name, kw in (("logits", {}), ("prefetch", {"prefetch": True})):
+        t = med(partial(triton_logits.paged_logits, *args, out=base, **kw))
+        res[f"{name}_us"] = t
+        res[f"{name}_pct_copy"] = 100 * res["roofline_us"] / t
+    if kd != "fp8_e4m3":
+        return res
+    res["topk_us"] = med(partial(triton_topk.topk, base, k, zeros, c["lens"]), graph=True)
+    res["topk_method"] = triton_topk.topk_method(*base.shape, k)
+    want = triton_topk.topk(base, k, zeros, c["lens"], method="bisect").sort(1).values
+    pipelines = {
+        "unfused": partial(triton_decode.decode_topk, *args, k, fused=False),
+        "fused": partial(triton_decode.decode_topk, *args, k, fused=True),
+        "fused11": partial(triton_decode.decode_topk, *args, k, fused=True, bits=11),
+        "default": partial(triton_decode.decode_topk, *args, k),
+        "old_pipeline": lambda: triton_topk.topk(
+            triton_logits.paged_logits(*args), k, zeros, c["lens"], method="bisect"
+        ),
+    }
+    for name, fn in pipelines.items():
+        res[f"{name}_same_set"] = bool(torch.equal(fn().sort(1).values, want))
+        res[f"{name}_us"] = med(fn, graph=True)
+    return res
+
+
 def bench_decode(cfg: dict, out: dict, quick: bool) -> None:
+    """Paged decode cells: both key dtypes, logits against the copy roofline, top-k 512, the
+    unfused and fused pipelines (new top-k), the previous pipeline and the torch reference."""
     rows = []
     batches, contexts = (
         ((1, 64), (8192, 131072)) if quick else ((1, 8, 32, 64), (8192, 32768, 131072, 262144))
@@ -105,67 +162,48 @@ def bench_decode(cfg: dict, out: dict, quick: bool) -> None:
             row = {"batch": B, "context": ctx, "entries": ctx // 4}
             for kd in ("fp8_e4m3", "bf16"):
                 c = decode_case(B, ctx, kd, seed=B * 7 + ctx)
-                logits = triton_logits.paged_logits(c["q"], c["w"], c["paged"], c["lens"])
-                t_log = med(
-                    lambda c=c, o=logits: triton_logits.paged_logits(
-                        c["q"], c["w"], c["paged"], c["lens"], out=o
-                    )
-                )
-                zeros = torch.zeros_like(c["lens"])
-                t_topk = med(
-                    lambda lg=logits, c=c, z=zeros: triton_topk.topk(lg, 512, z, c["lens"]), graph=True
-                )
-
-                def both(c=c, z=zeros):
-                    lg = triton_logits.paged_logits(c["q"], c["w"], c["paged"], c["lens"])
-                    return triton_topk.topk(lg, 512, z, c["lens"])
-
-                t_both = med(both, graph=True)
-                per_entry = D + (4 if kd == "fp8_e4m3" else D) + 4  # key bytes (+scale) + logit write
-                nbytes = B * c["L"] * per_entry + c["q"].numel() * c["q"].element_size() + c["w"].numel() * 4
-                row[kd] = {
-                    "logits_us": t_log,
-                    "GBps": nbytes / t_log / 1e3,
-                    "pct_copy": 100 * nbytes / t_log / 1e3 / cfg["copy_GBps"],
-                    "topk512_us": t_topk,
-                    "logits_topk_us": t_both,
-                }
+                row[kd] = decode_cell(cfg, c, kd, 512)
                 if kd == "fp8_e4m3":
                     try:
-                        t_ref = med(reference_decode(c, 512), graph=True)
-                        row["reference_us"] = t_ref
-                        row["speedup"] = t_ref / t_both
+                        row["reference_us"] = med(reference_decode(c, 512), graph=True)
                     except torch.OutOfMemoryError:
                         row["reference_us"] = None
-                del c, logits
+                del c
                 torch.cuda.empty_cache()
-            row["bf16_over_fp8"] = row["bf16"]["logits_us"] / row["fp8_e4m3"]["logits_us"]
             rows.append(row)
             print(json.dumps(row), flush=True)
     out["decode"] = rows
 
 
+DECODE_CONFIGS = [  # (pages per program, warps, stages, prefetch)
+    (8, 4, 2, False),
+    (8, 4, 3, False),
+    (8, 4, 2, True),
+    (8, 4, 3, True),
+    (16, 4, 3, True),
+    (4, 4, 2, True),
+    (8, 8, 2, True),
+]
+
+
 def bench_decode_variants(out: dict) -> None:
-    """Pages per program x pages per MMA x warps x pipeline stages at batch 64 x 128K, fp8 and bf16 keys."""
+    """Logits configs at the four goal cells (batch 32/64 x 128K/256K), fp8 keys."""
     res = []
-    for kd in ("fp8_e4m3", "bf16"):
-        c = decode_case(64, 131072, kd, seed=1)
-        args = (c["q"], c["w"], c["paged"], c["lens"])
-        for ppp in (8, 16):
-            for ppm in (1, 2):
-                for nw in (4, 8):
-                    for ns in (2, 3):
-                        kw = {"pages_per_prog": ppp, "pages_per_mma": ppm, "num_warps": nw, "num_stages": ns}
-                        try:
-                            t = med(partial(triton_logits.paged_logits, *args, **kw))
-                        except Exception as e:  # a config that does not fit (registers, shared memory)
-                            print(f"decode variant {kw}: {type(e).__name__}: {str(e)[:120]}")
-                            continue
-                        res.append({"key_dtype": kd, **kw, "us": t})
-        if kd == "fp8_e4m3":
-            t = med(partial(triton_logits.paged_logits, *args, native_fp8=False))
-            res.append({"key_dtype": kd, "native_fp8": False, "us": t})
-        del c, args
+    for B, ctx in ((32, 131072), (64, 131072), (32, 262144), (64, 262144)):
+        for kd in ("fp8_e4m3",):
+            c = decode_case(B, ctx, kd, seed=B * 7 + ctx)
+            args = (c["q"], c["w"], c["paged"], c["lens"])
+            o = triton_logits.paged_logits(*args)
+            for ppp, nw, ns, pre in DECODE_CONFIGS:
+                kw = {"pages_per_prog": ppp, "num_warps": nw, "num_stages": ns, "prefetch": pre}
+                try:
+                    t = med(partial(triton_logits.paged_logits, *args, out=o, **kw))
+                except Exception as e:  # a config that does not fit (registers, shared memory)
+                    print(f"decode variant {kw}: {type(e).__name__}: {str(e)[:120]}")
+                    continue
+                res.append({"batch": B, "context": ctx, "key_dtype": kd, **kw, "us": t})
+            del c, args, o
+            torch.cuda.empty_cache()
     print(json.dumps(res), flush=True)
     out["decode_variants"] = res
 
@@ -219,88 +257,57 @@ def bench_prefill(cfg: dict, out: dict, quick: bool) -> None:
     out["prefill"] = rows
 
 
+TOPK_CASES = [
+    (1, 32768, 512),
+    (1, 32768, 2048),
+    (64, 32768, 512),
+    (64, 32768, 2048),
+    (1, 262144, 2048),
+    (8, 262144, 512),
+]
+ROTATE = 4  # input sets a timed call cycles through
+
+
+def topk_variants(k: int) -> dict:
+    """name -> fn(x, starts, ends) for every top-k timed side by side (radix/BITS/CHUNK)."""
+    tk = triton_topk.topk
+    v = {
+        "torch.topk": lambda x, st, en: torch.topk(x, k, dim=1, sorted=False).indices,
+        "unsplit": lambda x, st, en: tk(x, k, st, en, method="bisect", segment=0),
+        "split": lambda x, st, en: tk(x, k, st, en, method="bisect"),
+        "default": lambda x, st, en: tk(x, k, st, en),
+    }
+    for bits in triton_radix.DIGIT_BITS:
+        for ch in (512, 1024, 2048):
+            v[f"radix/{bits}/{ch}"] = lambda x, st, en, b=bits, c=ch: tk(
+                x, k, st, en, method="radix", bits=b, chunk=c
+            )
+    return v
+
+
 def bench_topk(out: dict, quick: bool) -> None:
-    """One program per row (bisection / radix digit width, chunk, warps) against rows split over
-    many programs (segment size), on single rows and batches."""
+    """torch.topk, the unsplit kernel, the split bisection and the radix select (chunk sizes) on
+    single rows and batches, each timed over ROTATE input sets and checked against the unsplit set."""
     g = torch.Generator(device=DEV).manual_seed(13)
-    cases = [
-        (1, 32768, 512),
-        (1, 32768, 2048),
-        (64, 32768, 512),
-        (64, 32768, 2048),
-        (1, 262144, 2048),
-        (8, 262144, 512),
-    ]
-    # (bits, block, warps, segment); bits 0 = bisection, None = the defaults; segment 0 = one program
-    # per row, None = triton_topk.split_segment's choice
-    variants = [(None, None, None, None), (0, None, None, 0), (8, 8192, 16, 0)]
-    variants += [(None, None, None, seg) for seg in (1024, 2048, 4096, 8192, 16384)]
-    variants += [(None, None, 4, 2048), (None, None, 4, 1024)]
-    # radix select with 4-bit and 2-bit digits (16 / 4 histogram bins a pass) in both stages
-    variants += [
-        (b, blk, None, seg) for b in (4, 2) for blk, seg in ((4096, 4096), (2048, 2048), (8192, 8192))
-    ]
-    variants += [(4, 8192, None, 0), (4, 32768, 32, 0)]
     res = []
-    for R, L, k in cases[:2] if quick else cases:
-        x = torch.randn(R, L, generator=g, device=DEV)
+    for R, L, k in TOPK_CASES[:2] if quick else TOPK_CASES:
+        xs = [torch.randn(R, L, generator=g, device=DEV) for _ in range(ROTATE)]
         st = torch.zeros(R, dtype=torch.int32, device=DEV)
         en = torch.full((R,), L, dtype=torch.int32, device=DEV)
-        row = {
-            "rows": R,
-            "length": L,
-            "k": k,
-            "default_segment": triton_topk.split_segment(R, L, k),
-            "variants": [],
-        }
-        want = triton_topk.topk(x, k, st, en, segment=0).sort(1).values
-        for bits, block, nw, seg in variants:
-            if seg and seg < k:  # every segment would pass all its entries on: a merge over > L candidates
-                continue
+        row = {"rows": R, "length": L, "k": k, "method": triton_topk.topk_method(R, L, k)}
+        row["default_chunk"] = triton_radix.radix_chunk(R, L)
+        want = triton_topk.topk(xs[0], k, st, en, method="bisect", segment=0).long().sort(1).values
+        for name, fn in topk_variants(k).items():
             try:
-                fn = partial(
-                    triton_topk.topk, x, k, st, en, bits=bits, block=block, num_warps=nw, segment=seg
-                )
-                same = bool(torch.equal(fn().sort(1).values, want))  # full-size check beside the tests
-                t = med(fn, graph=True)
+                same = bool(torch.equal(fn(xs[0], st, en).long().sort(1).values, want))
+                t = med(lambda fn=fn, xs=xs, st=st, en=en: [fn(x, st, en) for x in xs], graph=True) / ROTATE
             except Exception as e:
-                print(f"topk variant {bits}/{block}/{nw}/{seg}: {type(e).__name__}: {str(e)[:120]}")
+                print(f"topk {name}: {type(e).__name__}: {str(e)[:160]}")
                 continue
-            row["variants"].append(
-                {"bits": bits, "block": block, "num_warps": nw, "segment": seg, "us": t, "same_set": same}
-            )
-        row["torch_topk_us"] = med(partial(torch.topk, x, k, dim=1, sorted=False), graph=True)
-        if L <= 32768:
-            row["stages"] = topk_stages(x, k, st, en)
+            row[name] = {"us": t, "same_set": same}
         res.append(row)
         print(json.dumps(row), flush=True)
     out["topk"] = res
-
-
-def topk_stages(x: torch.Tensor, k: int, st: torch.Tensor, en: torch.Tensor) -> list[dict]:
-    """Where a split top-k spends its time: the per-segment stage alone and the merge alone."""
-    R, L = x.shape
-    res = []
-    for seg in (2048, 4096, 8192):
-        if seg < k or seg >= L:
-            continue
-        S = triton.cdiv(L, seg)
-        cand = torch.empty(R, S * k, dtype=torch.int32, device=DEV)
-        out = torch.empty(R, k, dtype=torch.int32, device=DEV)
-        tune1 = triton_topk._search(seg, None, None, None)
-        tune2 = triton_topk._search(S * k, None, None, None)
-        stage1 = partial(triton_topk._launch, x, cand, st, en, cand, L, k, (R, S), seg, tune1)
-        merge = partial(triton_topk._launch, x, cand, st, en, out, S * k, k, (R, 1), 0, tune2)
-        stage1()
-        res.append(
-            {
-                "segment": seg,
-                "stage1_us": med(stage1, graph=True),
-                "merge_us": med(merge, graph=True),
-                "candidates": S * k,
-            }
-        )
-    return res
 
 
 def bench_deepgemm(out: dict) -> None:
@@ -397,8 +404,8 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     sections = [
         ("topk", lambda: bench_topk(out, args.quick)),
-        ("decode", lambda: bench_decode(out["ceilings"], out, args.quick)),
         ("variants", lambda: bench_decode_variants(out)),
+        ("decode", lambda: bench_decode(out["ceilings"], out, args.quick)),
         ("prefill", lambda: bench_prefill(out["ceilings"], out, args.quick)),
         ("deepgemm", lambda: bench_deepgemm(out)),
     ]
@@ -414,27 +421,71 @@ def main() -> None:
     print(render_markdown(out))
 
 
+def _decode_lines(out: dict) -> list[str]:
+    lines = [
+        "| batch | context | fp8 roofline µs | fp8 logits µs (% copy) | prefetch µs (% copy) | bf16 roofline µs | bf16 logits µs (% copy) "
+        "| prefetch µs (% copy) | top-k 512 µs (method) | logits+top-k µs | fused µs | fused 11-bit µs | default µs | previous pipeline µs | torch ref µs |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in out["decode"]:
+        f, b = r["fp8_e4m3"], r["bf16"]
+        ref = r.get("reference_us")
+        bad = [
+            f"{kd}:{n}"
+            for kd in ("fp8_e4m3", "bf16")
+            for n, v in r[kd].items()
+            if n.endswith(("_same_set", "_equal")) and not v
+        ]
+        lines.append(
+            f"| {r['batch']} | {r['context'] // 1024}K | {f['roofline_us']:.1f} | {f['logits_us']:.1f} ({f['logits_pct_copy']:.0f}%) "
+            f"| {f['prefetch_us']:.1f} ({f['prefetch_pct_copy']:.0f}%) | {b['roofline_us']:.1f} | {b['logits_us']:.1f} ({b['logits_pct_copy']:.0f}%) "
+            f"| {b['prefetch_us']:.1f} ({b['prefetch_pct_copy']:.0f}%) | {f['topk_us']:.1f} ({f['topk_method']}) | {f['unfused_us']:.1f} | {f['fused_us']:.1f} "
+            f"| {f['fused11_us']:.1f} | {f['default_us']:.1f} | {f['old_pipeline_us']:.1f} | {'n/a' if ref is None else f'{ref:.0f}'} |"
+            + (f" MISMATCH: {bad}" if bad else "")
+        )
+    return [*lines, ""]
+
+
+def _topk_lines(out: dict) -> list[str]:
+    lines = [
+        "| rows | length | k | torch.topk µs | unsplit µs | split µs | best radix µs (bits/chunk) | default µs (method) | default / torch.topk |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    nan = {"us": float("nan"), "same_set": True}
+    for r in out["topk"]:
+        radix = {n: v for n, v in r.items() if n.startswith("radix") and isinstance(v, dict)}
+        best = min(radix, key=lambda n: radix[n]["us"]) if radix else "radix/none"
+        g = lambda n, r=r: r.get(n, nan)["us"]  # noqa: E731
+        bad = [n for n, v in r.items() if isinstance(v, dict) and not v["same_set"]]
+        lines.append(
+            f"| {r['rows']} | {r['length']} | {r['k']} | {g('torch.topk'):.1f} | {g('unsplit'):.1f} | {g('split'):.1f} "
+            f"| {g(best):.1f} ({best[6:]}) | {g('default'):.1f} ({r['method']}, chunk {r['default_chunk']}) "
+            f"| {g('default') / g('torch.topk'):.2f} |" + (f" DIFFERENT SETS: {bad}" if bad else "")
+        )
+    return [*lines, ""]
+
+
+def _variant_lines(out: dict) -> list[str]:
+    lines = [
+        "| batch | context | keys | pages/prog | warps | stages | prefetch | µs |",
+        "|---:|---:|---|---:|---:|---:|---|---:|",
+    ]
+    for v in out["decode_variants"]:
+        lines.append(
+            f"| {v['batch']} | {v['context'] // 1024}K | {v['key_dtype']} | {v['pages_per_prog']} | {v['num_warps']} "
+            f"| {v['num_stages']} | {v['prefetch']} | {v['us']:.1f} |"
+        )
+    return [*lines, ""]
+
+
 def render_markdown(out: dict) -> str:
     c = out["ceilings"]
     lines = [
         f"Ceilings: copy {c['copy_GBps']:.0f} GB/s (read + write), bf16 matmul {c['bf16_matmul_TFLOPs']:.0f} TFLOP/s",
         "",
     ]
-    if "decode" in out:
-        lines += [
-            "| batch | context | entries | fp8 logits µs | fp8 GB/s | % copy | bf16 logits µs | bf16 GB/s | % copy | bf16/fp8 | top-k 512 µs | logits+top-k µs | torch ref µs | speedup |",
-            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-        ]
-        for r in out["decode"]:
-            f, b = r["fp8_e4m3"], r["bf16"]
-            ref = r.get("reference_us")
-            ref_s, speed_s = ("n/a", "n/a") if ref is None else (f"{ref:.0f}", f"{r['speedup']:.1f}x")
-            lines.append(
-                f"| {r['batch']} | {r['context'] // 1024}K | {r['entries']} | {f['logits_us']:.1f} | {f['GBps']:.0f} | {f['pct_copy']:.0f}% "
-                f"| {b['logits_us']:.1f} | {b['GBps']:.0f} | {b['pct_copy']:.0f}% | {r['bf16_over_fp8']:.2f} | {f['topk512_us']:.1f} "
-                f"| {f['logits_topk_us']:.1f} | {ref_s} | {speed_s} |"
-            )
-        lines.append("")
+    if "decode_variants" in out:
+        lines += _variant_lines(out)
     if "prefill" in out:
         lines += [
             "| queries | keys | bf16 µs | bf16 TFLOP/s | % matmul | fp8 µs | fp8 TFLOP/s | bf16/fp8 | best config bf16 / fp8 |",
@@ -447,34 +498,10 @@ def render_markdown(out: dict) -> str:
                 f"| {r['bf16_over_fp8']:.2f} | {b['config']} / {f['config']} |"
             )
         lines.append("")
+    if "decode" in out:
+        lines += _decode_lines(out)
     if "topk" in out:
-        lines += [
-            "| rows | length | k | default µs (segment) | one program per row µs | best variant (bits/block/warps/segment) | µs | torch.topk µs |",
-            "|---:|---:|---:|---:|---:|---|---:|---:|",
-        ]
-        for r in out["topk"]:
-            vs = r["variants"]
-            best = min(vs, key=lambda v: v["us"]) if vs else None
-            v = (
-                f"{best['bits']}/{best['block']}/{best['num_warps']}/{best['segment']}"
-                if best
-                else "none ran"
-            )
-            us = best["us"] if best else float("nan")
-            dflt = next((x["us"] for x in vs if x["segment"] is None and x["bits"] is None), float("nan"))
-            one = min((x["us"] for x in vs if x["segment"] == 0), default=float("nan"))
-            bad = [x for x in vs if not x["same_set"]]
-            lines.append(
-                f"| {r['rows']} | {r['length']} | {r['k']} | {dflt:.1f} ({r['default_segment']}) | {one:.1f} | {v} | {us:.1f} "
-                f"| {r['torch_topk_us']:.1f} |" + (f" DIFFERENT SETS: {bad}" if bad else "")
-            )
-        lines.append("")
-        for r in out["topk"]:
-            for st in r.get("stages", []):
-                lines.append(
-                    f"- {r['rows']} x {r['length']}, k={r['k']}, segment {st['segment']}: per-segment stage "
-                    f"{st['stage1_us']:.1f} us, merge over {st['candidates']} candidates {st['merge_us']:.1f} us"
-                )
+        lines += _topk_lines(out)
     return "\n".join(lines)
 
 

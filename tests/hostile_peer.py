@@ -4,7 +4,9 @@ other request one of three ways:
 
 - ``endless``: 200 with JSON headers, then spaces without end (JSON whitespace never closes);
 - ``trickle``: 200 with a Content-Length of 100 kB, then one byte a second;
-- ``trickle-headers``: the status line, then header bytes one a second.
+- ``trickle-headers``: the status line, then header bytes one a second;
+- ``refuse``: HTTP 400 with one fixed error message (a target refusing every probe);
+  ``/health`` answers 200.
 
 Other GETs and POSTs (server info, metrics) get 404, as from a server without them.
 
@@ -24,7 +26,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from needlescope.testing.scripted_server import render_words
 
-MODES = ("endless", "trickle", "trickle-headers")
+MODES = ("endless", "trickle", "trickle-headers", "refuse")
 
 
 def _handler(mode: str, limit_s: float) -> type[BaseHTTPRequestHandler]:
@@ -43,6 +45,16 @@ def _handler(mode: str, limit_s: float) -> type[BaseHTTPRequestHandler]:
             self.wfile.write(data)
 
         def _hostile(self) -> None:
+            if mode == "refuse":
+                data = json.dumps(
+                    {"error": {"message": "prompt rejected by policy", "code": "policy"}}
+                ).encode()
+                self.send_response(400)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+                return
             end = time.monotonic() + limit_s
             try:
                 if mode == "trickle-headers":
@@ -72,6 +84,8 @@ def _handler(mode: str, limit_s: float) -> type[BaseHTTPRequestHandler]:
         def do_GET(self) -> None:
             if self.path.rstrip("/").endswith("/models"):
                 self._json({"object": "list", "data": [{"id": "m", "object": "model"}]})
+            elif self.path == "/health" and mode == "refuse":
+                self._json({"status": "ok"})
             elif self.path == "/health":
                 self._hostile()
             else:

@@ -138,3 +138,83 @@ def test_sync_cap_counts_decoded_bytes():
         assert len(client.get("http://t/", params={"n": MAX_ANSWER_BYTES}).content) == MAX_ANSWER_BYTES
         with pytest.raises(httpx.TransportError, match="passed"):
             client.get("http://t/", params={"n": MAX_ANSWER_BYTES + 1})
+
+
+def test_error_rows_carry_attempts_when_a_200_cannot_be_parsed():
+    import asyncio
+
+    from needlescope.errors import ProtocolViolation
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, content=b"not json")
+
+    async def go():
+        async with ChatTarget("http://t/v1", "m", transport=httpx.MockTransport(handler)) as target:
+            await target.chat([{"role": "user", "content": "hi"}], max_tokens=1)
+
+    with pytest.raises(ProtocolViolation) as info:
+        asyncio.run(go())
+    assert info.value.attempts == 1
+
+
+def test_a_tokenize_that_answers_503_is_not_reported_as_missing(monkeypatch):
+    from needlescope.errors import BadInput
+    from needlescope.targets import tokenize
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/tokenize":
+            return httpx.Response(503, json={"error": {"message": "busy"}})
+        return httpx.Response(404)
+
+    real = tokenize.ServerTokenCounter.__post_init__
+
+    def with_mock(self):
+        self.transport = httpx.MockTransport(handler)
+        real(self)
+
+    monkeypatch.setattr(tokenize.ServerTokenCounter, "__post_init__", with_mock)
+    with pytest.raises(BadInput, match="has a tokenize endpoint but it failed: .*HTTP 503"):
+        tokenize.detect_server_tokenizer("http://t", "m")
+
+
+def test_canary_logs_each_refusal_reason_once_per_minute(caplog):
+    """A target that refuses every probe with HTTP 400: the canary says so at warning level, once
+    per distinct reason per minute, with the count of the ones it did not repeat (before: nothing
+    at the default level for 619 refusals in 23 minutes)."""
+    import asyncio
+    import logging
+
+    from needlescope.watch.canary import Canary
+    from needlescope.watch.config import CanaryConfig
+    from needlescope.watch.gpu import GpuCollector, NoNvml
+    from needlescope.watch.metrics import CanaryMetrics
+
+    now = [1000.0]
+    with HostilePeer("refuse") as peer:
+        cfg = CanaryConfig(
+            base_url=peer.url,
+            model="m",
+            lengths=(64,),
+            depths=(50.0,),
+            trials=1,
+            value_digits=3,
+            timeout_s=5.0,
+        )
+        metrics = CanaryMetrics(cfg.lengths, gpu=GpuCollector(nvml=NoNvml))
+
+        async def go() -> None:
+            canary = Canary(cfg, metrics, clock=lambda: now[0])
+            try:
+                for _ in range(3):
+                    await canary.round()
+                    now[0] += 10
+                now[0] += 60
+                await canary.round()
+            finally:
+                await canary.aclose()
+
+        with caplog.at_level(logging.WARNING, logger="needlescope.watch"):
+            asyncio.run(go())
+    lines = [r.getMessage() for r in caplog.records if "prompt rejected by policy" in r.getMessage()]
+    assert len(lines) == 2, lines
+    assert "2 more like it" in lines[1], lines

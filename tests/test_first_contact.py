@@ -107,6 +107,29 @@ def test_probe_says_which_value_length_it_took_and_shows_progress_when_piped(scr
     assert json.loads((tmp_path / "summary.json").read_text())["value_digits"] == 4
 
 
+def test_bisect_refuses_a_range_beyond_the_context_and_shows_each_step(scripted_server, tmp_path):
+    url = scripted_server(window=500, max_len=1000)
+    common = [
+        "probe",
+        "--bisect",
+        "--base-url",
+        url,
+        "--model",
+        "scripted",
+        "--depths",
+        "0,50",
+        "--trials",
+        "1",
+    ]
+    line = one_error_line(cli(*common, "--lengths", "100,1600", "--out", str(tmp_path / "long")))
+    assert "--lengths 1600: the target's context is 1000 tokens" in line
+    res = cli(*common, "--lengths", "100,900", "--resolution", "200", "--out", str(tmp_path / "ok"))
+    assert res.returncode == 0, res.stderr
+    first = res.stdout.splitlines()[:3]
+    assert first[0].startswith("needle values: 7 digits") and first[1].startswith("coarse: 100, ")
+    assert first[2].startswith("coarse: 0/10 (0%), ETA measuring"), first  # 5 lengths x 2 depths
+
+
 def test_compare_refuses_a_length_side_b_cannot_hold_before_a_is_probed(scripted_server, tmp_path):
     a = scripted_server(window=100_000, max_len=100_000)
     b = scripted_server(window=100_000, max_len=2000)
@@ -316,3 +339,39 @@ def test_progress_renderer_is_the_only_one():
     src = Path(__file__).resolve().parents[1] / "src" / "needlescope"
     users = [p.name for p in src.rglob("*.py") if "rich.progress" in p.read_text(encoding="utf-8")]
     assert users == ["progress.py"]
+
+
+# --- ledgers for a live deployment -------------------------------------------------------------
+
+
+def test_init_live_and_from_probe_write_ledgers_that_load(scripted_server, tmp_path):
+    from needlescope.investigate.ledger import load_ledger
+
+    url = scripted_server(window=500)
+    res = cli("investigate", "init", str(tmp_path / "live"), "--live", url + "/v1")
+    assert res.returncode == 0, res.stderr
+    ledger = load_ledger(tmp_path / "live" / "investigation.toml")  # [symptom] and all: it would run
+    assert ledger.target.live and ledger.target.endpoint == url
+    assert "[symptom]" in (tmp_path / "live" / "investigation.toml").read_text()
+    assert all(s.checks == ("live_emulation",) for s in ledger.suspects)
+
+    run = tmp_path / "probe"
+    probed = cli("probe", "--base-url", url, "--model", "scripted", "--lengths", "200,900", "--depths", "0,50,100",
+                 "--trials", "2", "--seed", "3", "--out", str(run))  # fmt: skip
+    assert probed.returncode == 0, probed.stderr
+    summary = json.loads((run / "summary.json").read_text())
+    failing = {(c["length"], c["depth"]) for c in summary["cells"] if c["recall"] < summary["threshold"]}
+    assert failing and all(n == 900 for n, _ in failing)  # the scripted cliff: needles beyond 500 tokens
+    res = cli("investigate", "init", str(tmp_path / "fp"), "--from-probe", str(run))
+    assert res.returncode == 0, res.stderr
+    ledger = load_ledger(tmp_path / "fp" / "investigation.toml")
+    symptom = ledger.symptom
+    assert {(n, d) for n in symptom.lengths for d in symptom.depths} == failing
+    assert (symptom.kind, symptom.trials, symptom.seed) == ("single", 2, 3)
+    assert ledger.target.endpoint == url
+
+    passing = tmp_path / "passing"
+    assert cli("probe", "--base-url", url, "--model", "scripted", "--lengths", "200", "--depths", "50",
+               "--trials", "1", "--out", str(passing)).returncode == 0  # fmt: skip
+    line = one_error_line(cli("investigate", "init", str(tmp_path / "none"), "--from-probe", str(passing)))
+    assert "no cell of" in line and "nothing to investigate" in line

@@ -205,23 +205,14 @@ def test_interrupt_and_resume(tmp_path, reference_records):
     assert after[: len(before)] == before and len(after) == len(set(after)) == 20
     v = json.loads((out / "verdicts.json").read_text())
     assert v["root_cause"] == "page_table"
-    assert (out / "DIAGNOSIS.md").read_text().count("page_table") >= 2
+    diagnosis = (out / "DIAGNOSIS.md").read_text()
+    assert diagnosis.count("page_table") >= 2
+    assert f"Command: `needlescope investigate run {ledger} --out {out}`" in diagnosis  # the footer
 
 
-def test_diagnosis_html_renders_in_headless_chromium(page_table_out, tmp_path):
-    """DIAGNOSIS.html (plots embedded) screenshotted by Debian's chromium: not blank, plots drawn."""
-    import numpy as np
-    from matplotlib.image import imread
-
-    from needlescope.investigate.diagnosis import write_reports
-
-    md, page = write_reports(page_table_out)
-    text = md.read_text()
-    assert "**page_table**" in text and "root-cause fix" in text and "needle entries selected" in text
-    assert "data:image/png;base64," in page.read_text()
+def _screenshot(page, shot, height: int) -> None:
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     assert chromium, "Debian's chromium is missing: run 'make deps'"
-    shot = tmp_path / "shot.png"
     subprocess.run(
         [
             chromium,
@@ -230,13 +221,44 @@ def test_diagnosis_html_renders_in_headless_chromium(page_table_out, tmp_path):
             "--disable-gpu",
             "--hide-scrollbars",
             f"--screenshot={shot}",
-            "--window-size=1200,1600",
+            f"--window-size=1200,{height}",
             page.as_uri(),
         ],
         check=True,
         capture_output=True,
         timeout=120,
     )
+
+
+def test_diagnosis_html_renders_in_headless_chromium(page_table_out, tmp_path):
+    """DIAGNOSIS.html (plots embedded) screenshotted by Debian's chromium: not blank, plots drawn,
+    and the summary box, root cause inside, whole within the first 1000 px."""
+    import numpy as np
+    from matplotlib.image import imread
+
+    from needlescope.investigate.diagnosis import write_reports
+    from needlescope.report.blocks import SUMMARY_BACKGROUND, SUMMARY_BORDER
+
+    md, page = write_reports(page_table_out, command="needlescope investigate run L --out O")
+    text = md.read_text()
+    assert "**page_table**" in text and "root-cause fix" in text and "needle entries selected" in text
+    assert text.startswith("# DIAGNOSIS\n\n> **Summary**")
+    html = page.read_text()
+    assert "data:image/png;base64," in html
+    box = html[html.index('<section class="summary">') : html.index("</section>")]
+    assert "Root cause</dt><dd><strong>page_table</strong>" in box and "Recommended fix" in box
+    assert html.index('<section class="summary">') < html.index("<h2>Symptom</h2>")
+    assert "<details><summary>Evidence: " in html  # folded
+    sha = json.loads((page_table_out / "state.json").read_text())["ledger_sha256"]
+    footer = html[html.index('<footer class="footer">') :]
+    assert (
+        sha in footer
+        and "needlescope 0." in footer
+        and " UTC " in footer
+        and "investigate run L --out O" in footer
+    )
+    shot = tmp_path / "shot.png"
+    _screenshot(page, shot, 1600)
     img = imread(shot)[..., :3]  # [H, W, 3] floats in 0..1
     assert img.shape[0] >= 1000 and img.shape[1] >= 1000
     ink = (img.min(axis=-1) < 0.8).mean()  # text, table borders, plot lines
@@ -244,6 +266,23 @@ def test_diagnosis_html_renders_in_headless_chromium(page_table_out, tmp_path):
     assert ink > 0.01, f"screenshot is (nearly) blank: {ink:.4f} of pixels inked"
     assert colour > 0.0005, f"no coloured pixels: the embedded plots did not render ({colour:.5f})"
     assert len(np.unique((img * 255).astype(int).reshape(-1, 3), axis=0)) > 50
+    # The first screen: the box's fill and both of its horizontal borders lie in the top 1000 px.
+    first = tmp_path / "first.png"
+    _screenshot(page, first, 1000)
+    px = np.rint(imread(first)[..., :3] * 255).astype(int)
+    assert px.shape[0] == 1000
+
+    def rgb(h: str) -> np.ndarray:
+        return np.array([int(h[i : i + 2], 16) for i in (1, 3, 5)])
+
+    fill = np.where((np.abs(px - rgb(SUMMARY_BACKGROUND)).max(-1) <= 2).mean(1) > 0.3)[0]
+    edge = np.where((np.abs(px - rgb(SUMMARY_BORDER)).max(-1) <= 2).mean(1) > 0.5)[0]
+    assert fill.size > 100, "no summary box in the first screen"
+    assert edge.size and edge.min() < fill.min() and fill.max() < edge.max() < 1000, (
+        edge,
+        fill.min(),
+        fill.max(),
+    )
 
 
 def test_example_files_are_complete():

@@ -25,7 +25,9 @@ from needlescope.kernels import (  # noqa: E402
     quantize_keys,
     quantize_queries,
     resolve_kernel,
+    triton_decode,
     triton_logits,
+    triton_radix,
     triton_topk,
 )
 from needlescope.kernels.reference import logits_reference, paged_logits_reference, topk_reference  # noqa: E402
@@ -64,15 +66,20 @@ def _ranges(rows: int, length: int, k: int, g: torch.Generator) -> tuple[torch.T
     return st.int(), en.int()
 
 
-# Threshold searches: bisection with the row in registers, bisection over chunks, radix select; and
-# rows split over several programs (exact per-segment top-k, then a merge over the candidates).
+# Threshold searches: bisection with the row in registers, bisection over chunks, radix select; rows
+# split over several programs (exact per-segment top-k, then a merge over the candidates); and the
+# cooperative radix select of triton_radix (every row split into chunks, 8 bits a pass).
 ALGOS = {
-    "bisect-registers": {"bits": 0},
-    "bisect-chunks": {"bits": 0, "block": 1024},
-    "radix8": {"bits": 8, "block": 1024},
-    "split-bisect": {"segment": 256},  # per-segment candidates, then the merge
-    "split-radix8": {"segment": 512, "bits": 8, "block": 256},
-    "split-radix4": {"segment": 256, "bits": 4},
+    "bisect-registers": {"method": "bisect", "bits": 0},
+    "bisect-chunks": {"method": "bisect", "bits": 0, "block": 1024},
+    "radix8": {"method": "bisect", "bits": 8, "block": 1024},
+    "split-bisect": {"method": "bisect", "segment": 256},  # per-segment candidates, then the merge
+    "split-radix8": {"method": "bisect", "segment": 512, "bits": 8, "block": 256},
+    "split-radix4": {"method": "bisect", "segment": 256, "bits": 4},
+    "coop-radix": {"method": "radix"},
+    "coop-radix-small-chunks": {"method": "radix", "chunk": 256},
+    "coop-radix11": {"method": "radix", "bits": 11, "chunk": 512},
+    "default": {},
 }
 
 
@@ -96,6 +103,23 @@ def test_topk_is_exact_with_lower_index_ties(ties: bool, algo: str) -> None:
         assert torch.equal(got, want), (
             f"k={k}: top-k sets differ in rows {(got != want).any(1).nonzero().flatten().tolist()}"
         )
+
+
+@pytest.mark.parametrize("bits", triton_radix.DIGIT_BITS)
+def test_radix_workspace_is_left_zero_for_the_next_call(bits: int) -> None:
+    """The cached histograms clean themselves: after a call every digit's histogram but the last
+    is zero again (the last, read by the output pass, is cleared by the next call's second
+    launch), so calls need no memset and a later call (another k, other rows) is still exact."""
+    g = _gen(11)
+    R, L = SHAPES["rows"], SHAPES["length"]
+    for k in SHAPES["ks"]:
+        x = torch.randn(R, L, generator=g, device=DEV)
+        st, en = _ranges(R, L, k, g)
+        got = triton_radix.radix_topk(x, k, st, torch.maximum(en, st), bits=bits, chunk=512)
+        assert torch.equal(got.sort(1).values, topk_reference(x, k, st, en).sort(1).values)
+        ws = triton_radix.radix_workspace(R, DEV, bits)
+        assert not ws[:-1].any(), "histograms left non-zero"
+        assert ws[-1].any()
 
 
 def test_topk_reference_matches_dsa_reference_without_ties() -> None:
@@ -155,15 +179,39 @@ def _paged(key_dtype: str, g: torch.Generator):
     return qc, wf, keys, page_keys(keys, bt, pool, entry_of), lens
 
 
+@pytest.mark.parametrize("prefetch", [False, True])
 @pytest.mark.parametrize("pages_per_mma", [1, 2])
 @pytest.mark.parametrize("key_dtype", ["bf16", "fp8_e4m3"])
-def test_paged_logits_match_contiguous_reference(key_dtype: str, pages_per_mma: int) -> None:
+def test_paged_logits_match_contiguous_reference(key_dtype: str, pages_per_mma: int, prefetch: bool) -> None:
     qc, wf, keys, paged, lens = _paged(key_dtype, _gen(6))
     out = torch.full((3, paged.width), float("nan"), device=DEV)
-    triton_logits.paged_logits(qc, wf, paged, lens, out=out, pages_per_mma=pages_per_mma)
+    triton_logits.paged_logits(
+        qc, wf, paged, lens, out=out, pages_per_mma=pages_per_mma, prefetch=prefetch, pages_per_prog=4
+    )
     zeros = torch.zeros_like(lens)
     ref = logits_reference(qc, wf, keys, zeros, lens, dtype=torch.float64)
     _check_logits(out, ref)
+
+
+@pytest.mark.parametrize("key_dtype", ["bf16", "fp8_e4m3"])
+def test_fused_decode_topk_equals_logits_then_topk(key_dtype: str) -> None:
+    """The fused path (pass 0 of the radix select inside the logits kernel) gives the radix
+    select's result on the kernel's logits exactly, order included; its set equals the unfused
+    path's and the reference's. (Orders differ between methods: the bisection's threshold need
+    not be an entry's key, so with no tie at the k-th entry it lists all k in index order.)"""
+    qc, wf, keys, paged, lens = _paged(key_dtype, _gen(10))
+    zeros = torch.zeros_like(lens)
+    ref_logits = paged_logits_reference(qc, wf, paged, lens)
+    for k in (*SHAPES["ks"], 100):
+        fused = triton_decode.decode_topk(qc, wf, paged, lens, k, fused=True)
+        fused11 = triton_decode.decode_topk(qc, wf, paged, lens, k, fused=True, bits=11)
+        logits = triton_logits.paged_logits(qc, wf, paged, lens)
+        assert torch.equal(fused, triton_topk.topk(logits, k, zeros, lens, method="radix")), k
+        assert torch.equal(fused11, fused), k
+        unfused = triton_decode.decode_topk(qc, wf, paged, lens, k, fused=False)
+        assert torch.equal(fused.sort(1).values, unfused.sort(1).values), k
+        want = topk_reference(ref_logits, k, zeros, lens)
+        assert torch.equal(fused.sort(1).values, want.sort(1).values), k
 
 
 @pytest.mark.parametrize("fault", KERNEL_FAULTS)

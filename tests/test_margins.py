@@ -78,3 +78,56 @@ def test_paired_differences_of_an_unchanged_side_are_not_significant():
     assert thinner["delta_median"] < -0.5 and thinner["p_value"] < 0.01
     with pytest.raises(ValueError):
         paired_differences([1.0], [])
+
+
+def _bucket(diffs: list[float], base: float = 1.0) -> dict:
+    from needlescope.analysis.margins import compare_margins
+
+    a = [{"min_margin": base, "gold_logprob": -1.0} for _ in diffs]
+    b = [{"min_margin": base + d, "gold_logprob": -1.0} for d in diffs]
+    return compare_margins([(512, x, y) for x, y in zip(a, b)], [0], 0.05)
+
+
+def test_margin_direction_comes_from_the_test_not_the_median():
+    from needlescope.analysis.margins import margin_direction
+
+    # 31 pairs widen by 0.001 nats, 29 thin by 5: the median says +0.001, the signed-rank test
+    # (W+ 496 against 915 expected) and the Hodges-Lehmann shift (-2.5) say "thins": mixed.
+    res = _bucket([0.001] * 31 + [-5.0] * 29)
+    m = res["buckets"][0]["margin"]
+    assert m["w_plus"] == 496 and m["w_plus_mean"] == 915 and m["p_holm"] < 0.05
+    assert m["delta_median"] == pytest.approx(0.001) and m["hl_shift"] == pytest.approx(-2.4995)
+    assert margin_direction(m) == "mixed"
+    assert "widens" not in res["verdict"] and "mixed" in res["verdict"]
+    # A zero median never reads "widens".
+    zero = _bucket([0.0] * 21 + [0.5] * 20)
+    zm = zero["buckets"][0]["margin"]
+    assert zm["delta_median"] == 0.0 and zm["p_holm"] < 0.05 and margin_direction(zm) == "mixed"
+    # A clear shift: the verb, the Hodges-Lehmann estimate and its interval.
+    rng = random.Random(4)
+    clear = _bucket([rng.gauss(-0.8, 0.3) for _ in range(30)])
+    cm = clear["buckets"][0]["margin"]
+    assert margin_direction(cm) == "thins" and clear["verdict"].startswith("B thins the margin by ")
+    assert cm["hl_low"] < cm["hl_shift"] < cm["hl_high"] < 0
+    assert f"{abs(cm['hl_shift']):.2f}" in clear["verdict"]
+
+
+def test_hodges_lehmann_interval_matches_the_signed_rank_table():
+    from needlescope.analysis.margins import hodges_lehmann
+
+    # n = 10: P(W+ <= 8) = 0.0244 <= 0.025 < P(W+ <= 9): the 95% interval is [W_(9), W_(47)].
+    d = [0.3, -1.2, 2.5, 0.8, 1.9, -0.4, 3.1, 1.1, 0.05, 2.2]
+    walsh = sorted((d[i] + d[j]) / 2 for i in range(10) for j in range(i, 10))
+    est, lo, hi = hodges_lehmann(d)
+    assert (lo, hi) == (walsh[8], walsh[46]) and est == pytest.approx(quantile(walsh, 0.5))
+    # Too few pairs for any 95% interval (the smallest tail 2/2^5 > 0.05): unbounded.
+    assert hodges_lehmann([1.0, 2.0, 3.0, 4.0, 5.0])[1:] == (float("-inf"), float("inf"))
+    # Coverage of the true shift over simulated samples (t-distributed, shift 0.5).
+    rng = random.Random(9)
+    hits = sum(
+        lo <= 0.5 <= hi
+        for lo, hi in (hodges_lehmann([0.5 + rng.gauss(0, 1) for _ in range(15)])[1:] for _ in range(400))
+    )
+    assert 0.92 <= hits / 400 <= 0.98
+    with pytest.raises(ValueError):
+        hodges_lehmann([])

@@ -8,7 +8,6 @@ import random
 import pytest
 
 from needlescope.analysis.bisect import (
-    binom_tail,
     boundaries_from_server_info,
     bracket,
     coarse_grid,
@@ -52,6 +51,8 @@ def test_mcnemar_power_grows_with_pairs():
     # k_min = 6 at alpha 0.05: with drop 1 every pair is discordant.
     assert mcnemar_power(6, 1.0, 0.05) == pytest.approx(1.0)
     assert mcnemar_power(5, 1.0, 0.05) == 0.0
+    # One alpha convention: p = 2 / 2^5 = 0.0625 does not reject at alpha 0.0625 (p < alpha).
+    assert mcnemar_power(5, 1.0, 0.0625) == 0.0 and mcnemar_power(6, 1.0, 0.0625) == pytest.approx(1.0)
 
 
 def test_groups_vs_rest_names_the_bad_group():
@@ -197,10 +198,8 @@ def test_bracket_evidence_and_confidence():
     assert ends_differ(tally, 600, 400, 0.05)[0] is False  # direction matters
     e = end_evidence(tally, 500)
     assert (e["correct"], e["n"], e["recall"]) == (5, 6, 5 / 6) and e["ci_low"] < 0.85 < e["ci_high"]
-    assert binom_tail(6, 6, 0.85, True) == pytest.approx(0.85**6)
-    assert binom_tail(0, 6, 0.85, False) == pytest.approx(0.15**6)
     weak = crossing_confidence(tally, 400, 600, 0.85)
-    assert weak == pytest.approx(1 - 0.85**6 - binom_tail(1, 6, 0.85, False))
+    assert weak == pytest.approx(1 - 0.85**6 - 0.15**6 - 6 * 0.85 * 0.15**5)
     strong = crossing_confidence(tally, 700, 800, 0.85)
     assert strong > 0.97 > weak
     assert crossing_confidence({1: (3, 6), 2: (5, 6)}, 1, 2, 0.85) == 0.0

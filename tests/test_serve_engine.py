@@ -56,3 +56,42 @@ def test_indexer_topk_rows_are_bounded_and_selectable():
         TopkRows(positions=(2000,)).check(2000, layers, k)
     with pytest.raises(BadValue):
         TopkRows(positions=(1,), last=1).check(2000, layers, k)
+
+
+def test_chunked_prefill_over_two_placed_devices_answers_as_one_pass(tmp_path):
+    """--prefill-chunk and --device cpu,cpu (the organism split by --max-memory) change nothing
+    in the answer, its prompt logprobs or the captured indexer rows."""
+    from needlescope.serve.requests import TopkRows
+
+    # index_topk above the 50 entries of 200 tokens: a random indexer scores many entries exactly
+    # 0, and which of the tied entries topk keeps depends on the score row's width (docs/scale.md).
+    path = str(save_random(tmp_path, seed=5, **{**SMALL, "index_topk": 64}))
+    prompt = list(range(5, 205))
+    params = SamplingParams(max_new_tokens=4, temperature=0.0, prompt_logprobs=0)
+
+    def answer(**cfg) -> Final:
+        engine = Engine(ServeConfig(model=path, **cfg))
+
+        async def run():
+            req = GenRequest(prompt, params, capture=TopkRows(last=8))
+            engine.submit(req)
+            engine.start()
+            return await asyncio.wait_for(req.events.get(), timeout=120)
+
+        try:
+            return asyncio.run(run())
+        finally:
+            engine.close()
+
+    from needlescope.dsa.checkpoint import load_bundle
+    from needlescope.dsa.placement import unit_bytes
+
+    total = sum(n for _, n in unit_bytes(load_bundle(path)[0]))
+    one = answer()
+    split = answer(prefill_chunk=48, device="cpu,cpu", max_memory=str(int(total * 0.6)))
+    assert isinstance(one, Final) and isinstance(split, Final)
+    assert split.output_ids == one.output_ids
+    assert [t.id for t in split.prompt_logprobs] == [t.id for t in one.prompt_logprobs]
+    for a, b in zip(split.prompt_logprobs[1:], one.prompt_logprobs[1:]):
+        assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+    assert split.indexer_topk == one.indexer_topk

@@ -128,3 +128,48 @@ def test_run_cases_records_errors_and_keeps_going(tmp_path):
         assert all(rows[c]["correct"] == 1 for c in ("c0", "c3", "c4", "c5"))
         assert s.pending_case_ids() == ["c1", "c2"]
     assert target.peak == 2 and target.order == [str(i) for i in range(6)]
+
+
+# ---- one writer, read-only resume checks (issue 29, item 5) ---------------------------------------
+
+
+def test_second_writer_is_refused_while_the_first_holds_the_store(tmp_path):
+    import subprocess
+    import sys
+
+    from needlescope.errors import BadInput
+    from needlescope.run.store import ResultStore
+
+    path = tmp_path / "results.sqlite"
+    with ResultStore(path):
+        # Another process (flock is per open file, so a second process is the honest test).
+        code = (
+            "import sys; from needlescope.run.store import ResultStore\n"
+            "from needlescope.errors import BadInput\n"
+            f"try:\n    ResultStore({str(path)!r})\nexcept BadInput as e:\n    print(e); sys.exit(2)\n"
+        )
+        res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+        assert res.returncode == 2 and "another needlescope run" in res.stdout, res
+        with pytest.raises(BadInput, match="another needlescope run"):
+            ResultStore(path)
+    ResultStore(path).close()  # released on close
+
+
+def test_resume_leaves_a_foreign_sqlite_file_untouched(tmp_path):
+    import hashlib
+    import sqlite3
+
+    from needlescope.errors import BadInput
+    from needlescope.run.store import peek
+
+    path = tmp_path / "results.sqlite"
+    db = sqlite3.connect(path)
+    db.execute("CREATE TABLE photos(id INTEGER, name TEXT)")
+    db.execute("INSERT INTO photos VALUES (1, 'cat')")
+    db.commit()
+    db.close()
+    before = hashlib.sha256(path.read_bytes()).hexdigest()
+    with pytest.raises(BadInput, match="not a needlescope results database"):
+        peek(path)
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["results.sqlite"]

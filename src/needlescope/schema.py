@@ -38,6 +38,12 @@ def check_schema(obj: object, schema: dict, path: str) -> None:
         for key, sub in schema.get("properties", {}).items():
             if key in obj:
                 check_schema(obj[key], sub, f"{path}.{key}")
+    if isinstance(obj, list) and len(obj) < schema.get("minItems", 0):
+        raise ValueError(f"{path}: expected at least {schema['minItems']} item(s), got {len(obj)}")
+    if isinstance(obj, str) and len(obj) < schema.get("minLength", 0):
+        raise ValueError(
+            f"{path}: expected a non-empty string" if schema["minLength"] == 1 else f"{path}: too short"
+        )
     if isinstance(obj, list) and "items" in schema:
         for i, item in enumerate(obj):
             check_schema(item, schema["items"], f"{path}[{i}]")

@@ -37,6 +37,8 @@ __all__ = [
     "group_margins",
     "detectable_shift",
     "compare_margins",
+    "hodges_lehmann",
+    "margin_direction",
 ]
 
 
@@ -161,6 +163,45 @@ def _midranks(values: Sequence[float]) -> list[float]:
     return ranks
 
 
+def _signed_rank_null(ranks: Sequence[int]) -> list[float]:
+    """P(sum of the ranks given a + sign = s), s = 0..sum(ranks), each sign + with probability 1/2."""
+    dist = [1.0] + [0.0] * sum(ranks)
+    top = 0
+    for r in ranks:
+        top += r
+        for s in range(top, r - 1, -1):
+            dist[s] = 0.5 * (dist[s] + dist[s - r])
+        for s in range(r - 1, -1, -1):
+            dist[s] *= 0.5
+    return dist
+
+
+def hodges_lehmann(diffs: Sequence[float], level: float = 0.95) -> tuple[float, float, float]:
+    """(estimate, low, high): the Hodges-Lehmann shift of paired differences (the median of the
+    Walsh averages (d_i + d_j) / 2, i <= j) and its signed-rank confidence interval
+    [W_(k), W_(M + 1 - k)] over the M sorted averages, k the largest count with
+    P(W+ < k) <= (1 - level) / 2 under the untied null (exact up to 60 pairs, normal above)."""
+    n = len(diffs)
+    if n == 0:
+        raise ValueError("Hodges-Lehmann estimate of no differences")
+    walsh = sorted((diffs[i] + diffs[j]) / 2 for i in range(n) for j in range(i, n))
+    m = len(walsh)
+    est = quantile(walsh, 0.5)
+    tail = (1 - level) / 2
+    if n <= _EXACT_MAX_N:
+        dist = _signed_rank_null(range(1, n + 1))
+        k, cum = 0, 0.0
+        while cum + dist[k] <= tail:
+            cum += dist[k]
+            k += 1
+    else:
+        sd = math.sqrt(n * (n + 1) * (2 * n + 1) / 24)
+        k = max(0, math.floor(m / 2 - NormalDist().inv_cdf(1 - tail) * sd))
+    if k == 0:
+        return est, -math.inf, math.inf
+    return est, walsh[k - 1], walsh[m - k]
+
+
 def wilcoxon_signed_rank(diffs: Sequence[float], zero_tol: float = 1e-9) -> tuple[int, float, float]:
     """Two-sided Wilcoxon signed-rank test that paired differences ``diffs`` centre on 0.
 
@@ -178,14 +219,7 @@ def wilcoxon_signed_rank(diffs: Sequence[float], zero_tol: float = 1e-9) -> tupl
     w_plus = sum(r for r, x in zip(ranks, d, strict=True) if x > 0)
     if n <= _EXACT_MAX_N:
         doubled = [round(2 * r) for r in ranks]
-        dist = [1.0] + [0.0] * sum(doubled)
-        top = 0
-        for r in doubled:
-            top += r
-            for s in range(top, r - 1, -1):
-                dist[s] = 0.5 * (dist[s] + dist[s - r])
-            for s in range(r - 1, -1, -1):
-                dist[s] *= 0.5
+        dist = _signed_rank_null(doubled)
         w2 = round(2 * w_plus)
         low = math.fsum(dist[: w2 + 1])
         high = math.fsum(dist[w2:])
@@ -207,6 +241,7 @@ def paired_differences(a: Sequence[float], b: Sequence[float]) -> dict:
         raise ValueError(f"paired values differ in number: {len(a)} vs {len(b)}")
     diffs = [y - x for x, y in zip(a, b, strict=True)]
     n_used, w_plus, p = wilcoxon_signed_rank(diffs)
+    hl = hodges_lehmann(diffs) if diffs else (None, None, None)
     return {
         "n": len(diffs),
         "n_nonzero": n_used,
@@ -215,8 +250,32 @@ def paired_differences(a: Sequence[float], b: Sequence[float]) -> dict:
         "delta_mean": math.fsum(diffs) / len(diffs) if diffs else None,
         "delta_median": quantile(diffs, 0.5) if diffs else None,
         "w_plus": w_plus,
+        "w_plus_mean": n_used * (n_used + 1) / 4,
+        "hl_shift": hl[0],
+        "hl_low": _finite(hl[1]),
+        "hl_high": _finite(hl[2]),
         "p_value": p,
     }
+
+
+def _finite(x: float | None) -> float | None:
+    return x if x is not None and math.isfinite(x) else None
+
+
+def _sign(x: float | None) -> int:
+    return 0 if not x else (1 if x > 0 else -1)
+
+
+def margin_direction(d: dict) -> str:
+    """ "widens" | "thins" from the signed-rank statistic (W+ against its null mean n(n+1)/4);
+    "mixed" when the median paired difference or the Hodges-Lehmann shift does not share that
+    sign (a zero median included); "none" when W+ sits at its mean."""
+    test = _sign(d["w_plus"] - d["w_plus_mean"])
+    if test == 0:
+        return "none"
+    if _sign(d["delta_median"]) != test or _sign(d["hl_shift"]) != test:
+        return "mixed"
+    return "widens" if test > 0 else "thins"
 
 
 def group_margins(scored: Iterable[tuple[int, float, dict]], threshold: float) -> dict:
@@ -306,17 +365,27 @@ def _margin_verdict(rows: list[dict], alpha: float) -> str:
     for r in rows:
         m = r["margin"]
         if m["n"] and m["p_holm"] < alpha:
-            verb = "thins" if m["delta_median"] < 0 else "widens"
             span = (
                 str(r["length_lo"])
                 if r["length_lo"] == r["length_hi"]
                 else f"{r['length_lo']}-{r['length_hi']}"
             )
-            lines.append(
-                f"B {verb} the margin by {_nats(abs(m['delta_median']))} nats at {span} tokens "
-                f"(median paired difference, Wilcoxon p={m['p_holm']:.2g} Holm-corrected; "
-                f"median margin {m['a_median']:.2f} -> {m['b_median']:.2f})"
+            hl = f"Hodges-Lehmann shift {m['hl_shift']:+.2g} nats" + (
+                f", 95% CI [{m['hl_low']:+.2g}, {m['hl_high']:+.2g}]" if m["hl_low"] is not None else ""
             )
+            test = f"W+ {m['w_plus']:g} against {m['w_plus_mean']:g} expected, Wilcoxon p={m['p_holm']:.2g} Holm-corrected"
+            verb = margin_direction(m)
+            if verb == "mixed":
+                lines.append(
+                    f"B's margin change at {span} tokens is mixed: the median paired difference is "
+                    f"{m['delta_median']:+.2g} nats while the signed-rank test points the other way or nowhere "
+                    f"({test}; {hl})"
+                )
+            else:
+                lines.append(
+                    f"B {verb} the margin by {_nats(abs(m['hl_shift']))} nats at {span} tokens ({hl}; {test}; "
+                    f"median margin {m['a_median']:.2f} -> {m['b_median']:.2f})"
+                )
     if lines:
         return "; ".join(lines)
     n_min = min((r["margin"]["n"] for r in rows), default=0)

@@ -56,11 +56,12 @@ def mcnemar_power(n: int, drop: float, alpha: float) -> float:
     """Power of the two-sided exact McNemar test to detect a recall drop of ``drop`` in n pairs.
 
     Assumes the drop shows as B-only misses (no A-only misses), so the discordant count is
-    Binomial(n, drop), all in one direction; the test rejects once 2 * 0.5**k <= alpha.
+    Binomial(n, drop), all in one direction; the test rejects once 2 * 0.5**k < alpha (the
+    project's one convention: a p-value *below* alpha rejects).
     """
     if n <= 0 or drop <= 0:
         return 0.0
-    k_min = max(1, math.ceil(math.log2(2 / alpha)))
+    k_min = max(1, math.floor(math.log2(2 / alpha)) + 1)
     if k_min > n:
         return 0.0
     drop = min(1.0, drop)

@@ -11,9 +11,10 @@ import json
 from pathlib import Path
 
 import typer
-from rich.console import Console
-from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
+
+from needlescope.cli.output import console
 
 
 def audit_command(
@@ -47,16 +48,13 @@ def audit_command(
     from needlescope.setting import Setting
 
     results = audit_checkpoint(model, names, Setting.parse(candidate), length)
-    console = Console()
     table = Table("check", "metric", "value", "threshold", "flagged")
     for r in results:
         for m in r["metrics"]:
             thr = "-" if m["threshold"] is None else f"{m['threshold']:g}"
-            table.add_row(escape(r["check"]), escape(m["metric"]), f"{m['value']:.4g}", thr, "")
-        table.add_row(
-            escape(r["check"]), escape(r["why"]), "", "", "[bold red]yes[/]" if r["flagged"] else "no"
-        )
+            table.add_row(r["check"], m["metric"], f"{m['value']:.4g}", thr, "")
+        table.add_row(r["check"], r["why"], "", "", Text("yes", style="bold red") if r["flagged"] else "no")
     console.print(table)
     if out is not None:
         out.write_text(json.dumps(results, indent=1), encoding="utf-8")
-        console.print(f"wrote {escape(str(out))}")
+        console.print(f"wrote {out}")

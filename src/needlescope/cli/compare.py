@@ -6,8 +6,8 @@ from dataclasses import replace
 from pathlib import Path
 
 import typer
-from rich.console import Console
 
+from needlescope.cli.output import console
 from needlescope.cli.probe import probe_events
 from needlescope.cli.probe_options import PROBE_FLAGS, build, option_group
 from needlescope.cli.progress import ProgressView
@@ -16,8 +16,6 @@ from needlescope.investigate.compare import compare_live
 from needlescope.report.oracle import append_oracle_section, read_oracle
 from needlescope.run.compare import compare_runs
 from needlescope.run.config import ProbeConfig, parse_int_list
-
-console = Console()
 
 
 @option_group(ProbeConfig, PROBE_FLAGS)
@@ -75,9 +73,9 @@ def compare_command(
                 bucket_edges=edges,
                 on_event=probe_events(view),
             )
-    console.print(f"[bold]{result['verdict']}[/]")
+    console.print(result["verdict"], style="bold")
     if result["graded"] is not None:
-        console.print(f"[bold]margins:[/] {result['graded']['verdict']}")
+        console.say("[bold]margins:[/] {}", result["graded"]["verdict"])
     console.print(f"{result['cases_matched']} cases matched")
     if oracle_result is not None:
         append_oracle_section(out / "report.md", oracle_result)

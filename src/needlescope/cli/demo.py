@@ -45,8 +45,7 @@ def demo_command(
     device: str = typer.Option(_default("device"), help="cpu | cuda | cuda:N"),
 ) -> None:
     """Probe the organism under reference and deployment numerics and explain the difference."""
-    from rich.console import Console
-
+    from needlescope.cli.output import console
     from needlescope.cli.progress import ProgressView
     from needlescope.investigate import demo
     from needlescope.run.config import parse_int_list
@@ -62,7 +61,6 @@ def demo_command(
     )
     # The patch is resolved after every other flag; demo.run checks the model and --out, then runs it.
     cfg = replace(cfg, deployment=with_patch(deployment, None if deploy_patch == "none" else deploy_patch))
-    console = Console()
     with ProgressView(console) as view:
 
         def phase(name: str, info: dict) -> None:
@@ -71,5 +69,5 @@ def demo_command(
 
         path = demo.run(cfg, phase)
         view("demo", len(PHASES), len(PHASES), "done")
-    console.print(path.read_text(encoding="utf-8"), highlight=False, markup=False)
+    console.print(path.read_text(encoding="utf-8"))
     console.print(f"wrote {out}/DIAGNOSIS.md")

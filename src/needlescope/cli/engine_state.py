@@ -6,14 +6,11 @@ import sys
 from pathlib import Path
 
 import typer
-from rich.console import Console
 
+from needlescope.cli.output import console, err_console
 from needlescope.cli.progress import ProgressView
 from needlescope.errors import ProbeError
 from needlescope.run.config import parse_float_list, parse_int_list
-
-console = Console()
-err_console = Console(stderr=True)
 
 
 def engine_state_command(
@@ -76,7 +73,7 @@ def engine_state_command(
         with ProgressView(console) as view:
             body = run_engine_state(cfg, out, resume=resume, progress=view, note=view.note)
     except ProbeError as exc:  # only before any send (sizing the cases); a failed send is a row
-        err_console.print(f"[bold red]target failed:[/] {exc}", highlight=False, soft_wrap=True)
+        err_console.say("[bold red]target failed:[/] {}", exc, soft_wrap=True)
         sys.exit(1)
     js, md = write_engine_state(body, out)
     console.print(engine_state_markdown(body), highlight=False, soft_wrap=True)

@@ -6,8 +6,8 @@ Commands live in ``indexer_rank`` (rank-dump), ``indexer_diff`` (diff, capture) 
 
 from __future__ import annotations
 
-import typer
+from needlescope.cli.output import typer_app
 
-indexer_app = typer.Typer(
+indexer_app = typer_app(
     no_args_is_help=True, help="Look inside the lightning indexer: rank dumps, sweeps, diffs, live capture."
 )

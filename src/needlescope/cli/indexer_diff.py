@@ -9,11 +9,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
-from rich.console import Console
-from rich.markup import escape
 
 from needlescope.cli import setting_options as opt
 from needlescope.cli.indexer import indexer_app
+from needlescope.cli.output import console
 from needlescope.cli.progress import ProgressView
 from needlescope.errors import BadInput
 from needlescope.investigate.capture import CaptureConfig
@@ -21,7 +20,6 @@ from needlescope.paths import check_out_dir
 from needlescope.run.config import parse_int_list
 from needlescope.setting import REFERENCE, PatchRef
 
-console = Console()
 # Flag defaults come from the library's config (investigate.capture imports no torch).
 _CAPTURE = CaptureConfig(url="", prompt=Path(), needle="")
 
@@ -100,13 +98,13 @@ def diff_command(
     _write(out, "diff.json", diff_to_json(result))
     _write(out, "diff.md", render_diff_md(result))
     first = result["first_divergent_module"]
-    # Module names hold "[call 2]": user data is escaped so rich markup cannot eat it.
-    console.print(f"first divergent module: [bold]{escape(first or 'none')}[/]", soft_wrap=True)
+    # Module names hold "[call 2]": say() escapes them so rich markup cannot eat it.
+    console.say("first divergent module: [bold]{}[/]", first or "none", soft_wrap=True)
     if first is None:
         console.print(result["summary"])
     for m in result["modules"]:
         if m["verdict"] in ("diverges", "reduced precision, within its rounding", "within precision"):
-            console.print(f"  {escape(m['module'])}: {m['verdict']}", soft_wrap=True)
+            console.print(f"  {m['module']}: {m['verdict']}", soft_wrap=True)
     for r in result["layers"]:
         console.print(
             f"layer {r['layer']}: top-k overlap {r['topk_overlap']:.3f} ({r['positions_changed']}/"
@@ -114,7 +112,7 @@ def diff_command(
             f"{r['needle_rank_reference']} -> {r['needle_rank_candidate']}"
             + ("" if r["rank_consistent"] else " (rank and selection disagree)")
         )
-    console.print(f"wrote {escape(str(out))}/diff.json, diff.md")
+    console.print(f"wrote {out}/diff.json, diff.md")
 
 
 def _diff_input(path: Path, prompt, needle, input_ids) -> tuple[list[int], tuple[int, int]]:
@@ -191,4 +189,4 @@ def capture_command(
     for r in result["layers"]:
         first = r["selected_at_first_answer"]
         console.print(f"layer {r['layer']}: needle selected at first answer position: {first}")
-    console.print(f"wrote {escape(str(out))}/capture.json, capture.md")
+    console.print(f"wrote {out}/capture.json, capture.md")

@@ -13,18 +13,16 @@ from dataclasses import replace
 from pathlib import Path
 
 import typer
-from rich.console import Console
-from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from needlescope.cli import setting_options as opt
 from needlescope.cli.indexer import indexer_app
+from needlescope.cli.output import console
 from needlescope.errors import BadInput
 from needlescope.investigate.rankdump import RankDumpConfig
 from needlescope.paths import check_out_dir
 from needlescope.run.config import parse_int_list
-
-console = Console()
 
 
 def _parse_span(text: str | None) -> tuple[int, int] | None:
@@ -101,24 +99,24 @@ def _render_rank_summary(dumps: list[dict], label: str, stab: dict | None) -> No
         for layer in d["layers"]:
             if not layer["positions"]:
                 table.add_row(
-                    escape(d["label"]), str(d["prompt_tokens"]), str(layer["layer"]), "-", "-", "-", "window"
+                    d["label"], str(d["prompt_tokens"]), str(layer["layer"]), "-", "-", "-", "window"
                 )
                 continue
             p = layer["positions"][0]
             table.add_row(
-                escape(d["label"]),
+                d["label"],
                 str(d["prompt_tokens"]),
                 str(layer["layer"]),
                 str(p["best_rank"]),
                 str(min(d["index_topk"], p["visible_entries"])),
                 f"{p['margin_frac']:+.3f}",
-                "yes" if p["selected"] else "[bold red]no[/]",
+                "yes" if p["selected"] else Text("no", style="bold red"),
             )
     console.print(table)
     if stab is not None:
         for d, one in zip(dumps, stab.get("prompts", [stab]), strict=True):
             s = one["summary"]
             console.print(
-                f"{escape(d['label'])} vs reference: mean top-k recall {s['mean_recall']:.4f}, "
+                f"{d['label']} vs reference: mean top-k recall {s['mean_recall']:.4f}, "
                 f"{s['changed_positions']}/{s['rows']} rows changed, {s['needle_flips']} needle flips"
             )

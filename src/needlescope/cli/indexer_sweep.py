@@ -17,18 +17,15 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import typer
-from rich.console import Console
-from rich.markup import escape
 
 from needlescope.cli import setting_options as opt
 from needlescope.cli.indexer import indexer_app
+from needlescope.cli.output import console
 from needlescope.cli.progress import ProgressView
 from needlescope.errors import BadInput
 from needlescope.paths import check_out_dir
 from needlescope.run.config import parse_float_list, parse_int_list
 from needlescope.setting import REFERENCE
-
-console = Console()
 
 KernelOpt = typer.Option(
     "auto", "--kernel", help="Indexer scoring: auto (Triton on CUDA where it applies) | reference | triton."
@@ -138,8 +135,8 @@ def sweep_command(
     validate_sweep(result)
     _write(out, {"sweep.json": json.dumps(result, indent=2) + "\n", "sweep.md": render_sweep_md(result)})
     for line in result["verdict"]:
-        console.print(f"- {escape(line)}")
-    console.print(f"wrote {escape(str(out))}/sweep.json, sweep.md")
+        console.print(f"- {line}")
+    console.print(f"wrote {out}/sweep.json, sweep.md")
 
 
 def _sweep(
@@ -242,4 +239,4 @@ def synthetic_command(
     md = render_synthetic_md(result)
     _write(out, {"synthetic.json": json.dumps(result, indent=2), "synthetic.md": md})
     console.print(md, markup=False, highlight=False, soft_wrap=True)
-    console.print(f"wrote {escape(str(out))}/synthetic.json, synthetic.md")
+    console.print(f"wrote {out}/synthetic.json, synthetic.md")

@@ -8,39 +8,64 @@ phase, and writes ``verdicts.json``, ``DIAGNOSIS.md`` and ``DIAGNOSIS.html`` int
 
 from __future__ import annotations
 
+import shlex
+import sys
 from pathlib import Path
 
 import typer
-from rich.console import Console
-from rich.markup import escape
 
-investigate_app = typer.Typer(no_args_is_help=True, help="From measurements to a causal verdict.")
-console = Console()
+from needlescope.cli.output import console, typer_app
+
+investigate_app = typer_app(no_args_is_help=True, help="From measurements to a causal verdict.")
 
 
 @investigate_app.command("init")
 def init_command(
     directory: Path = typer.Argument(Path("."), help="Where to write investigation.toml and its files."),
     force: bool = typer.Option(False, "--force", help="Overwrite existing files."),
+    live: str = typer.Option(
+        None,
+        "--live",
+        help="Write a live ledger for this endpoint (a server answering /generate with captures).",
+    ),
+    from_probe: Path = typer.Option(
+        None, "--from-probe", help="Write a live ledger whose symptom is this probe run's failing cells."
+    ),
 ) -> None:
-    """Write the example ledger (the original investigation, on the organism)."""
+    """Write a ledger: the example (the original investigation, on the organism), a live one."""
+    from needlescope.errors import BadInput
     from needlescope.investigate.example import EXAMPLE_FILES, write_example
+    from needlescope.investigate.init_ledger import from_probe_ledger, live_ledger, write_ledger
+    from needlescope.investigate.ledger import parse_ledger
 
-    path = write_example(directory, force=force)
-    for name in EXAMPLE_FILES:
-        console.print(f"wrote {escape(str(Path(directory) / name))}")
-    console.print(f"next: needlescope investigate run {escape(str(path))} --out investigation-out")
+    if live is not None and from_probe is not None:
+        raise BadInput("give --live URL or --from-probe RUN_DIR, not both")
+    if live is None and from_probe is None:
+        path = write_example(directory, force=force)
+        for name in EXAMPLE_FILES:
+            console.print(f"wrote {Path(directory) / name}")
+    else:
+        text = live_ledger(live) if live is not None else from_probe_ledger(from_probe)
+        parse_ledger(text, Path(directory) / "investigation.toml")  # a ledger that would not run is a bug
+        path = write_ledger(directory, text, force=force)
+        console.print(f"wrote {path}")
+    console.print(f"next: needlescope investigate run {path} --out investigation-out")
 
 
-def run_investigation_cli(ledger: Path, out: Path) -> Path:
+def run_investigation_cli(ledger: Path, out: Path, allow_outside: bool = False) -> Path:
     """Run with progress per phase (``cli.progress``); returns DIAGNOSIS.md's path."""
     from needlescope.cli.progress import ProgressView
     from needlescope.investigate.diagnosis import write_reports
     from needlescope.investigate.runner import run_investigation
 
     with ProgressView(console) as view:
-        run_investigation(ledger, out, lambda phase, done, total, what: view(phase, done, total, what[:60]))
-    md, _ = write_reports(out)
+        run_investigation(
+            ledger,
+            out,
+            lambda phase, done, total, what: view(phase, done, total, what[:60]),
+            allow_outside=allow_outside,
+        )
+    md, _ = write_reports(out, command=shlex.join(["needlescope", *sys.argv[1:]]))
     return md
 
 
@@ -48,15 +73,16 @@ def run_investigation_cli(ledger: Path, out: Path) -> Path:
 def run_command(
     ledger: Path = typer.Argument(..., help="The ledger (investigation.toml)."),
     out: Path = typer.Option(..., "--out", help="Run directory (kept; a second run resumes it)."),
+    allow_outside: bool = typer.Option(
+        False, "--allow-outside", help="Accept ledger paths (patches, env file, sources) outside its folder."
+    ),
 ) -> None:
     """Run the ledger: cheap questions, symptom, checks in tier order, fixes, verdicts, DIAGNOSIS."""
     import json
 
-    md = run_investigation_cli(ledger, out)
+    md = run_investigation_cli(ledger, out, allow_outside)
     verdicts = json.loads((out / "verdicts.json").read_text(encoding="utf-8"))
     for s in verdicts["suspects"]:
-        console.print(
-            f"  tier {s['tier']} {escape(s['id'])}: [bold]{s['verdict']}[/] - {escape(s['reason'])}"
-        )
-    console.print(f"root cause: [bold]{escape(str(verdicts['root_cause']))}[/]")
-    console.print(f"wrote {escape(str(out / 'verdicts.json'))}, {escape(str(md))} and DIAGNOSIS.html")
+        console.say("  tier {} {}: [bold]{}[/] - {}", s["tier"], s["id"], s["verdict"], s["reason"])
+    console.say("root cause: [bold]{}[/]", verdicts["root_cause"])
+    console.print(f"wrote {out / 'verdicts.json'}, {md} and DIAGNOSIS.html")

@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import sys
 
-import typer
-from rich.console import Console
-
 from needlescope.cli import indexer_diff, indexer_rank, indexer_sweep  # noqa: F401  (they register their commands)
 from needlescope.cli.audit import audit_command
 from needlescope.cli.compare import compare_command
@@ -16,13 +13,14 @@ from needlescope.cli.indexer import indexer_app
 from needlescope.cli.investigate import investigate_app
 from needlescope.cli.oracle import oracle_app
 from needlescope.cli.organism import organism_app
+from needlescope.cli.output import err_console, typer_app
 from needlescope.cli.probe import probe_command
 from needlescope.cli.replay import replay_command
 from needlescope.cli.serve import serve_command
 from needlescope.cli.watch import canary_command, health_command
 from needlescope.errors import BadInput
 
-app = typer.Typer(
+app = typer_app(
     add_completion=False,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
@@ -41,8 +39,6 @@ app.add_typer(investigate_app, name="investigate")
 app.command("audit")(audit_command)
 app.command("health")(health_command)
 app.command("canary")(canary_command)
-
-err_console = Console(stderr=True)
 
 # The extra that installs each optional dependency (pyproject.toml's optional-dependencies).
 EXTRA_OF = {
@@ -63,7 +59,7 @@ def main() -> None:
     try:
         app()
     except BadInput as exc:
-        err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        err_console.say("[bold red]error:[/] {}", exc, soft_wrap=True)
         sys.exit(2)
     except ModuleNotFoundError as exc:
         # A missing capability, not a bug: say which extra brings it.
@@ -74,8 +70,6 @@ def main() -> None:
         err_console.print(
             f"error: this command needs {missing}, which the [{extra}] extra installs: "
             f"pip install 'needlescope[{extra}]'",
-            markup=False,
-            highlight=False,
             soft_wrap=True,
         )
         sys.exit(2)

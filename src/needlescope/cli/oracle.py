@@ -6,19 +6,17 @@ import sys
 from pathlib import Path
 
 import typer
-from rich.console import Console
 
 from needlescope.analysis.oracle import ATOL, FLIP_MARGIN
+from needlescope.cli.output import console, err_console, typer_app
 from needlescope.cli.progress import ProgressView
 from needlescope.errors import ProbeError
 from needlescope.paths import check_out_dir
 
-oracle_app = typer.Typer(
+oracle_app = typer_app(
     no_args_is_help=True,
     help="Logprob oracle: export a server's greedy top-k logprobs over a fixed prompt set, compare another to it.",
 )
-console = Console()
-err_console = Console(stderr=True)
 
 _API_KEY_ENV = ["NEEDLESCOPE_API_KEY", "OPENAI_API_KEY"]
 _BASE_URL = typer.Option(..., "--base-url", help="Server URL (root or ending in /v1).")
@@ -51,7 +49,7 @@ def _config(base_url, model, api_key, top, timeout, skip, prompts=None, flip_mar
 
 
 def _target_failed(exc: ProbeError) -> None:
-    err_console.print(f"[bold red]target failed:[/] {exc}", highlight=False, soft_wrap=True)
+    err_console.say("[bold red]target failed:[/] {}", exc, soft_wrap=True)
     sys.exit(1)
 
 

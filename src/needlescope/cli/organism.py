@@ -12,10 +12,10 @@ import json
 from pathlib import Path
 
 import typer
-from rich.console import Console
 
-organism_app = typer.Typer(no_args_is_help=True, help="The model organism: a tiny trained DeepSeek-V4.")
-console = Console()
+from needlescope.cli.output import console, typer_app
+
+organism_app = typer_app(no_args_is_help=True, help="The model organism: a tiny trained DeepSeek-V4.")
 
 
 # The options that are not recipe knobs; every other option of ``train`` is a TrainConfig field.

@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
-from rich.console import Console
 
+from needlescope.cli.output import console, err_console
 from needlescope.cli.probe_options import PROBE_FLAGS, build, config_default, option_group
 from needlescope.cli.progress import ProgressView
 from needlescope.report.bisect import residue_lines, step_line
@@ -14,9 +14,6 @@ from needlescope.run.bisect import BisectConfig, run_bisect
 from needlescope.run.config import ProbeConfig, parse_int_list
 from needlescope.run.difficulty import probe_with_difficulty
 from needlescope.run.probe import Event
-
-console = Console()
-err_console = Console(stderr=True)
 
 
 @option_group(ProbeConfig, PROBE_FLAGS)
@@ -74,10 +71,12 @@ def probe_command(
     render_summary(summary, cfg.out)
     empty = summary["cells_without_data"]
     if empty:
-        err_console.print(
-            f"[bold red]error:[/] {empty} of {len(summary['cells'])} cells have no scored case (every "
-            f"request failed or missed its length); see {cfg.out}/report.md and results.jsonl",
-            highlight=False,
+        err_console.say(
+            "[bold red]error:[/] {} of {} cells have no scored case (every request failed or missed its "
+            "length); see {}/report.md and results.jsonl",
+            empty,
+            len(summary["cells"]),
+            cfg.out,
             soft_wrap=True,
         )
         raise typer.Exit(1)
@@ -154,7 +153,7 @@ def difficulty_line(payload: dict) -> str:
 
 
 def render_bisect(res: dict, out: Path) -> None:
-    console.print(f"[bold]{res['message']}[/]")
+    console.print(res["message"], style="bold")
     for line in residue_lines(res["residue"]):
         console.print(line, highlight=False)
     console.print(
@@ -168,25 +167,26 @@ def render_bisect(res: dict, out: Path) -> None:
 
 
 def render_summary(summary: dict, out: Path) -> None:
-    console.print(f"kind [bold]{summary['kind']}[/]  model [bold]{summary['model']}[/]")
+    console.say("kind [bold]{}[/]  model [bold]{}[/]", summary["kind"], summary["model"])
     console.print(f"needle values: {summary['value_digits']} digits, from {summary['value_digits_source']}")
     for line in summary["headline"]:
         console.print(line, style="bold", markup=False, highlight=False, soft_wrap=True)
     errors = sum(cell["errors"] for cell in summary["cells"])
     if errors:
-        console.print(f"[yellow]{errors} requests failed and were counted as errors, not misses[/]")
+        console.print(f"{errors} requests failed and were counted as errors, not misses", style="yellow")
     if summary["length_mismatches"]:
         console.print(
-            f"[yellow]WARNING: {summary['length_mismatches']} case(s) have a length disagreement "
+            f"WARNING: {summary['length_mismatches']} case(s) have a length disagreement "
             f"({summary['unreachable_lengths']} unreachable, {summary['server_length_mismatches']} counted "
-            "differently by the server); see report.md[/]"
+            "differently by the server); see report.md",
+            style="yellow",
         )
     failures = summary.get("failures")
     if failures and failures["misses"]:
         console.print("misses by class: " + ", ".join(f"{k} {v}" for k, v in failures["counts"].items() if v))
     endpoints = summary.get("endpoints")
     if endpoints and endpoints["differs"]:
-        console.print(f"[red]differs from the other endpoints: {', '.join(endpoints['differs'])}[/]")
+        console.print(f"differs from the other endpoints: {', '.join(endpoints['differs'])}", style="red")
     graded = summary.get("graded")
     if graded is not None:
         console.print(graded["note"], highlight=False)

@@ -18,6 +18,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
+from needlescope.cli.output import console as default_console
+
 __all__ = ["PLAIN_INTERVAL_S", "ProgressView", "format_duration"]
 
 PLAIN_INTERVAL_S = 10.0
@@ -74,7 +76,7 @@ class ProgressView:
         interval_s: float = PLAIN_INTERVAL_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.console = console or Console()
+        self.console = console or default_console
         self.live = self.console.is_terminal
         self.interval_s = interval_s
         self.clock = clock

@@ -6,12 +6,10 @@ import os
 from pathlib import Path
 
 import typer
-from rich.console import Console
 
+from needlescope.cli.output import console
 from needlescope.errors import BadInput
 from needlescope.run.replay import replay_bundle
-
-console = Console()
 
 
 def replay_command(
@@ -34,4 +32,4 @@ def replay_command(
         else:
             mark = "right" if a["correct"] else a["failure"]["category"]
             console.print(f"{i}: {a['answer']!r} ({mark})", highlight=False)
-    console.print(f"[bold]{res['case_id']}: {res['verdict']}[/]", highlight=False)
+    console.print(f"{res['case_id']}: {res['verdict']}", style="bold")

@@ -7,11 +7,12 @@ a parent process (the demo, tests) starts a child server without rebuilding flag
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Annotated
 
 import typer
-from rich.console import Console
 
 from needlescope.cli import setting_options as opt
+from needlescope.cli.output import err_console
 from needlescope.errors import BadInput
 from needlescope.serve.config import (
     DEFAULT_HOST,
@@ -24,8 +25,22 @@ from needlescope.serve.config import (
     ServeConfig,
 )
 
-err_console = Console(stderr=True)
 _DEFAULTS = ServeConfig()  # every flag's default is the config's own
+
+# The request limits (serve.middleware, serve.connections; docs/serve.md "Limits").
+MaxBodyBytes = Annotated[int, typer.Option("--max-body-bytes", help="Larger request bodies get HTTP 413.")]
+MaxConnections = Annotated[
+    int,
+    typer.Option(
+        "--max-connections", help="Open connections at once; at the cap the oldest idle one is closed."
+    ),
+]
+HeaderTimeout = Annotated[
+    float, typer.Option("--header-timeout", help="Seconds to send a complete request head.")
+]
+BodyTimeout = Annotated[
+    float, typer.Option("--body-timeout", help="Seconds to send a request body after its head.")
+]
 
 
 def serve_command(
@@ -57,7 +72,19 @@ def serve_command(
         help="Budget of batch x prompt length per prefill.",
     ),
     served_model_name: str = typer.Option(None, "--served-model-name", help="Name in /v1/models."),
-    device: str = typer.Option(_DEFAULTS.device, "--device", help="cpu | cuda | cuda:N"),
+    device: str = typer.Option(
+        _DEFAULTS.device,
+        "--device",
+        help="cpu | cuda | cuda:N | auto (layers across every GPU) | cuda:0,cuda:1",
+    ),
+    max_memory: str = typer.Option(
+        None,
+        "--max-memory",
+        help="Weight bytes per device when placing: 70GiB, or one per device (70GiB,60GiB).",
+    ),
+    prefill_chunk: int = typer.Option(
+        None, "--prefill-chunk", help="Prefill long prompts in chunks of this many tokens (docs/scale.md)."
+    ),
     threads: int = typer.Option(_DEFAULTS.threads, "--threads", help="torch intra-op threads."),
     kernel: str = typer.Option(
         _DEFAULTS.kernel,
@@ -80,20 +107,10 @@ def serve_command(
     expose_paths: bool = typer.Option(
         False, "--expose-paths", help="Show absolute paths in /get_server_info and /v1/models."
     ),
-    max_body_bytes: int = typer.Option(
-        DEFAULT_MAX_BODY_BYTES, "--max-body-bytes", help="Larger request bodies get HTTP 413."
-    ),
-    max_connections: int = typer.Option(
-        _DEFAULTS.max_connections,
-        "--max-connections",
-        help="Open connections at once; at the cap the oldest idle one is closed (docs/serve.md).",
-    ),
-    header_timeout_s: float = typer.Option(
-        _DEFAULTS.header_timeout_s, "--header-timeout", help="Seconds to send a complete request head."
-    ),
-    body_timeout_s: float = typer.Option(
-        _DEFAULTS.body_timeout_s, "--body-timeout", help="Seconds to send a request body after its head."
-    ),
+    max_body_bytes: MaxBodyBytes = DEFAULT_MAX_BODY_BYTES,
+    max_connections: MaxConnections = _DEFAULTS.max_connections,
+    header_timeout_s: HeaderTimeout = _DEFAULTS.header_timeout_s,
+    body_timeout_s: BodyTimeout = _DEFAULTS.body_timeout_s,
     prefix_cache_mib: int = typer.Option(
         _DEFAULTS.prefix_cache_mib,
         "--prefix-cache-mib",
@@ -105,7 +122,10 @@ def serve_command(
         help="The whole ServeConfig as JSON instead of every other flag (the key stays in NEEDLESCOPE_API_KEY).",
     ),
 ) -> None:
-    """Serve a model over OpenAI-compatible and SGLang-native HTTP; prints 'READY PORT' when listening."""
+    """Serve a model over OpenAI-compatible and SGLang-native HTTP; prints 'READY PORT' when listening.
+
+    Over 80 lines: one typer option per ServeConfig field, nothing else.
+    """
     if config_json is not None:
         cfg = _config_from_json(ctx, config_json, api_key)
     else:
@@ -153,10 +173,15 @@ def _serve(cfg: ServeConfig) -> None:
     info = engine.info()
 
     def ready(bound_host: str, bound_port: int) -> None:
-        err_console.print(
-            f"serving [bold]{info['model']}[/] ({info['architecture']}) at http://{bound_host}:{bound_port}/v1  "
-            f"index_k={info['index_k']} index_q={info['index_q']} index_topk={info['index_topk']}",
-            highlight=False,
+        err_console.say(
+            "serving [bold]{}[/] ({}) at http://{}:{}/v1  index_k={} index_q={} index_topk={}",
+            info["model"],
+            info["architecture"],
+            bound_host,
+            bound_port,
+            info["index_k"],
+            info["index_q"],
+            info["index_topk"],
         )
         # The machine-readable line, like the scripted server's: "READY <port>".
         print(f"READY {bound_port}", flush=True)

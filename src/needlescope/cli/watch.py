@@ -10,12 +10,10 @@ import signal
 import sys
 
 import typer
-from rich.console import Console
 
 from needlescope.cli.probe_options import build, config_default, option_group
 from needlescope.watch.config import CanaryConfig, HealthConfig
 
-err_console = Console(stderr=True)
 log = logging.getLogger("needlescope.watch")
 
 _TARGET_FLAGS = ("kind", "value_digits", "tokenizer", "timeout_s", "extra_body", "api_key")

@@ -165,11 +165,48 @@ def check_device(device: str, flag: str = "--device") -> None:
         raise BadInput(f"{flag} {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
 
 
-def load_bundle(name_or_dir: str | Path, *, dtype: torch.dtype = torch.float32, device: str = "cpu"):
-    """(model in eval mode, tokenizer, resolved path). Offline, safetensors only."""
-    check_device(device)
+def load_bundle(
+    name_or_dir: str | Path,
+    *,
+    dtype: torch.dtype | None = None,
+    device: str = "cpu",
+    max_memory: str | None = None,
+    reserve: int | None = None,
+):
+    """(model in eval mode, tokenizer, resolved path). Offline, safetensors only.
+
+    ``device``: ``"cpu"``, ``"cuda"``, ``"cuda:N"`` load the whole model there through
+    ``from_pretrained`` (the organism's path, unchanged); ``"auto"`` (every visible GPU, else the
+    CPU) or a comma-separated list (``"cuda:0,cuda:1"``) places decoder layers across the devices
+    within ``max_memory`` (``"70GiB"`` or one size per device; default: each GPU's free memory
+    minus ``reserve`` bytes), refusing before loading when the weights do not fit
+    (``dsa.placement``, ``dsa.loading``). DeepSeek's release layout (``embed.weight``,
+    ``layers.N.attn...``, block-fp8 ``.scale`` tensors) always loads that way, dequantized to bf16.
+    ``dtype``: None is float32 for a transformers-layout checkpoint (as before) and the
+    checkpoint's own dtype (bf16) for the release layout. ``dsa.loading.placement_of(model)`` gives the placement
+    and the bytes per device.
+    """
+    from needlescope.dsa.loading import checkpoint_tensors, load_sharded
+    from needlescope.dsa.placement import DEFAULT_RESERVE, auto_devices
+    from needlescope.dsa.release import is_release_layout
+
     path = resolve_model_dir(name_or_dir)
     check_weights(path)
+    placed = device == "auto" or "," in device or max_memory is not None
+    release = is_release_layout(checkpoint_tensors(path))
+    if dtype is None and not release:
+        dtype = torch.float32
+    if placed or release:
+        devices = auto_devices() if device == "auto" else [d.strip() for d in device.split(",") if d.strip()]
+        with quiet_transformers():
+            model = load_sharded(
+                path,
+                devices=devices,
+                max_memory=max_memory,
+                reserve=DEFAULT_RESERVE if reserve is None else reserve,
+                dtype=dtype,
+            )
+        return model, load_tokenizer(path), path
     config = AutoConfig.from_pretrained(path, local_files_only=True)
     # Eager attention: the V4 attention sinks and the compressor's block bias are only
     # implemented there, and it returns the attention probabilities the indexer distils from.

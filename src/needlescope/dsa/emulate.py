@@ -100,8 +100,9 @@ class IndexerCall:
     layer: int
     positions: torch.Tensor  # [B, S] absolute query positions
     topk: torch.Tensor  # [B, S, k'] selected entries, -1 padded, k' = min(index_topk, L)
-    scores: torch.Tensor | None = None  # [B, S, L] fp32, what topk ranked (keep_scores only)
+    scores: torch.Tensor | None = None  # [B, S', L] fp32, what topk ranked (keep_scores only)
     k: int | None = None  # the k the indexer's topk call used (None: no topk call seen)
+    score_positions: torch.Tensor | None = None  # [B, S'] positions of the score rows when S' < S
 
 
 @dataclass
@@ -109,6 +110,9 @@ class IndexerCapture:
     """Collects ``IndexerCall`` records while attached to ``emulate``."""
 
     keep_scores: bool = False
+    score_from: int = 0
+    """Keep score rows only for query positions >= this (a 128K-token prompt's full score rows
+    are T x T/4 floats per layer; a rank dump needs the answer positions only)."""
     calls: list[IndexerCall] = field(default_factory=list)
     # Scores of the scorer call in flight, per layer, until its indexer returns the top-k.
     _pending: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
@@ -155,7 +159,8 @@ class IndexerCapture:
                 continue
             if c.scores is None:
                 raise ValueError("scores were not kept; construct IndexerCapture(keep_scores=True)")
-            pos.append(c.positions[batch_index].cpu())
+            kept = c.positions if c.score_positions is None else c.score_positions
+            pos.append(kept[batch_index].cpu())
             rows.extend(c.scores[batch_index].cpu().unbind(0))
         if not rows:
             raise ValueError(f"no indexer calls recorded for layer {layer}")
@@ -206,6 +211,12 @@ _LOADED_PATCHES: dict[tuple[str, str], Callable[[torch.nn.Module], object]] = {}
 _PATCHED_FOR_GOOD = "_needlescope_patched_for_good"
 
 
+def _failure(exc: BaseException) -> str:
+    if isinstance(exc, SystemExit):
+        return f"it called sys.exit({exc.code!r})"
+    return f"{type(exc).__name__}: {exc}"
+
+
 def apply_patch_once(model: torch.nn.Module, patch, *, check: bool = True) -> Callable[[], None] | None:
     """Apply ``patch`` (a PatchRef or path) to ``model``; returns its undo, or None when it gave none.
 
@@ -216,7 +227,11 @@ def apply_patch_once(model: torch.nn.Module, patch, *, check: bool = True) -> Ca
     """
     if check:
         check_unpatched(model)
-    undo = load_patch(patch)(model)
+    fn = load_patch(patch)
+    try:
+        undo = fn(model)
+    except (Exception, SystemExit) as exc:  # SystemExit: sys.exit() in a patch must not end serve
+        raise BadInput(f"patch {str(patch)!r}: apply(model) failed: {_failure(exc)}") from None
     if callable(undo):
         return undo
     setattr(model, _PATCHED_FOR_GOOD, str(patch))
@@ -271,8 +286,8 @@ def load_patch(patch: PatchRef | str) -> Callable[[torch.nn.Module], object]:
     module = importlib.util.module_from_spec(spec)
     try:
         spec.loader.exec_module(module)
-    except Exception as exc:
-        raise BadInput(f"patch file {key!r} failed to import: {type(exc).__name__}: {exc}") from exc
+    except (Exception, SystemExit) as exc:  # SystemExit: sys.exit() at import must not end serve
+        raise BadInput(f"patch file {key!r} failed to import: {_failure(exc)}") from None
     fn = getattr(module, "apply", None)
     if not callable(fn):
         raise BadInput(f"patch file {key!r} does not define a function apply(model)")
@@ -402,16 +417,30 @@ def _capture_hook(layer: int, capture: IndexerCapture) -> Callable:
             )
         )
         pending = capture._pending.pop(layer, None)
+        scores = None
         if mode is not None and mode.scores is not None and capture.keep_scores:
-            capture.calls[-1].scores = mode.scores.detach().float().cpu()
+            scores = mode.scores.detach().float()
         elif pending is not None:
             pos = position_ids.to(pending.device)
             L = pending.shape[-1]
             vis = visible_entries(pos, module.compress_rate)  # [B, S]
             future = torch.arange(L, device=pending.device).view(1, 1, L) >= vis.unsqueeze(-1)
-            capture.calls[-1].scores = pending.masked_fill(future, float("-inf")).cpu()
+            scores = pending.masked_fill(future, float("-inf"))
+        if scores is not None:
+            _keep_scores(capture, position_ids, scores)
 
     return hook
+
+
+def _keep_scores(capture: IndexerCapture, position_ids: torch.Tensor, scores: torch.Tensor) -> None:
+    """Attach the call's score rows at positions >= ``capture.score_from`` (on the CPU)."""
+    call = capture.calls[-1]
+    if capture.score_from <= 0:
+        call.scores = scores.cpu()
+        return
+    rows = (position_ids[0] >= capture.score_from).nonzero().flatten()  # positions are batch-shared
+    call.scores = scores[:, rows.to(scores.device)].cpu()
+    call.score_positions = position_ids[:, rows.to(position_ids.device)].detach().cpu()
 
 
 def _stasher(layer: int, capture: IndexerCapture) -> Callable[[torch.Tensor], None]:

@@ -330,7 +330,8 @@ def rank_dump(
 
     ids = torch.tensor([prompt.input_ids], device=next(model.parameters()).device)
     if capture is None:
-        capture = IndexerCapture(keep_scores=True)
+        first = P - 1 if query_positions is None else min(query_positions)
+        capture = IndexerCapture(keep_scores=True, score_from=first)
         context = emulate(model, setting, capture=capture)
     else:
         capture.clear()
@@ -381,7 +382,8 @@ def _layer_record(
     score_pos, score_rows = capture.score_rows(layer)
     topk_pos, topk_rows = capture.rows(layer, width=index_topk)
     row_of = {int(p): i for i, p in enumerate(score_pos.tolist())}
-    if len(row_of) != len(score_rows) or not torch.equal(score_pos, topk_pos):
+    topk_of = {int(p): i for i, p in enumerate(topk_pos.tolist())}
+    if len(row_of) != len(score_rows) or len(topk_of) != len(topk_pos) or not row_of.keys() <= topk_of.keys():
         raise RuntimeError(f"layer {layer}: captured positions repeat or disagree between scores and top-k")
     recs, unseen = [], []
     for t in positions:
@@ -405,7 +407,7 @@ def _layer_record(
                 "cutoff_score": st.cutoff_score,
                 "margin": st.margin,
                 "margin_frac": st.margin_frac,
-                "selected": selected_in(topk_rows[i], ne),
+                "selected": selected_in(topk_rows[topk_of[t]], ne),
             }
         )
     return {"layer": layer, "needle_not_visible": unseen, "positions": recs}

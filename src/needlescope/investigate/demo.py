@@ -3,10 +3,11 @@
 ``run(DemoConfig(model=..., out=...), on_phase) -> Path`` (DIAGNOSIS.md) runs, in order:
 
 0. **validate**: every input (the checkpoint, ``--out``, the settings) is checked before the
-   filesystem is touched. ``out`` may be missing, empty, or an earlier demo output (it holds
-   the ``.needlescope-demo`` marker the demo writes), which is replaced; anything else is
-   refused, so the demo never deletes a directory it did not create. The deployment patch is
-   loaded (its file executed) last, once for this process;
+   filesystem is touched. ``out`` may be missing, empty, or an earlier demo output: the demo
+   records every file it writes in a manifest (``investigate.manifest``, ``.needlescope-demo``)
+   and a rerun deletes exactly those files, and only when ``out`` holds nothing else and none
+   of them changed; otherwise it refuses and deletes nothing. The deployment patch is loaded
+   (its file executed) last, once for this process;
 1. **serve**: two real ``needlescope serve`` processes on loopback, each started with its
    ``ServeConfig`` as JSON: the reference (fp32, the checkpoint's ``index_topk``) and the
    deployment ``Setting`` (numerics plus an optional patch, by default the built-in
@@ -20,28 +21,25 @@ Every artifact is checked against its documented schema before it is written.
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from needlescope.errors import BadInput
 from needlescope.investigate import explain
+from needlescope.investigate.manifest import MANIFEST_NAME, Manifest, check_clearable, clear
 from needlescope.paths import check_out_dir
 from needlescope.run.config import ProbeConfig
 from needlescope.run.probe import run_probe
 from needlescope.serve.config import ServeConfig
 from needlescope.setting import Setting
 
-__all__ = ["DEPLOYMENT", "MARKER", "OUTPUTS", "DemoConfig", "check_out", "prepare_out", "run"]
+__all__ = ["DEPLOYMENT", "MARKER", "DemoConfig", "check_out", "prepare_out", "run"]
 
 Phase = Callable[[str, dict], None]
 
-MARKER = ".needlescope-demo"
-"""File the demo writes into its output directory; only a directory holding it is ever replaced."""
-
-OUTPUTS = frozenset({MARKER, "DIAGNOSIS.md", "reference", "deployment", "rankdump.json", "fixes.json"})
-"""Everything the demo writes into ``out``."""
+MARKER = MANIFEST_NAME
+"""The demo's output manifest in ``out``: the files a rerun may delete (``investigate.manifest``)."""
 
 DEPLOYMENT = Setting(index_k="fp8_e4m3", index_topk=64, patch="fault:indexer_page_table")
 """fp8 keys as SGLang stores them, ``index_topk`` 64 (every entry at 256 tokens, 1/16 of them at
@@ -114,26 +112,23 @@ class DemoConfig:
 
 def check_out(out: Path, model: Path) -> None:
     """BadInput unless ``out`` can be (re)created without touching anything that is not the demo's:
-    missing (with a writable parent), holding ``MARKER``, or holding nothing but names in ``OUTPUTS``
-    (an empty directory, or the output of a demo from before the marker); never the checkpoint or near it."""
+    missing (with a writable parent), empty, or holding only files its manifest lists unchanged;
+    never the checkpoint or near it."""
     check_out_dir(out)
     out_abs, model_abs = Path(out).resolve(), Path(model).resolve()
     if out_abs == model_abs or model_abs in out_abs.parents or out_abs in model_abs.parents:
         raise BadInput(f"--out {str(out)!r} overlaps the checkpoint directory {str(model)!r}; choose another")
-    names = {p.name for p in out_abs.iterdir()} if out_abs.is_dir() else set()
-    if not (out_abs / MARKER).is_file() and not names <= OUTPUTS:
-        raise BadInput(
-            f"--out {str(out)!r} is not empty and is not an earlier demo output (no {MARKER} file); "
-            "the demo replaces only its own output: choose another directory or empty this one"
-        )
+    check_clearable(Path(out))
 
 
-def prepare_out(out: Path) -> None:
-    """Empty or create ``out`` (already checked by ``check_out``) and mark it as the demo's."""
-    if out.exists():
-        shutil.rmtree(out)
-    out.mkdir(parents=True)
-    (out / MARKER).write_text("written by needlescope demo; the demo may replace this directory\n")
+def prepare_out(out: Path) -> Manifest:
+    """Delete the earlier demo's files from ``out`` (checked by ``check_out``), or create it;
+    the manifest this run records its files in."""
+    clear(out)
+    out.mkdir(parents=True, exist_ok=True)
+    manifest = Manifest(out, "demo")
+    manifest.record()
+    return manifest
 
 
 def run(cfg: DemoConfig, on_phase: Phase, on_event=lambda *_: None) -> Path:
@@ -145,7 +140,6 @@ def run(cfg: DemoConfig, on_phase: Phase, on_event=lambda *_: None) -> Path:
         trained_value_digits,
     )
     from needlescope.dsa.emulate import load_patch
-    from needlescope.serve.launch import ServerProcess
 
     path = resolve_model_dir(cfg.model)
     require_deepseek_v4(path)
@@ -156,7 +150,16 @@ def run(cfg: DemoConfig, on_phase: Phase, on_event=lambda *_: None) -> Path:
     for s in (cfg.deployment, *fixes):
         if s.patch is not None:
             load_patch(s.patch)  # last check: a bad patch fails here, not inside the deployment server
-    prepare_out(cfg.out)
+    manifest = prepare_out(cfg.out)
+    try:
+        return _run_phases(cfg, path, digits, fixes, on_phase, on_event, manifest)
+    finally:
+        manifest.record()  # however the run ends (but SIGKILL), a rerun may delete what it wrote
+
+
+def _run_phases(cfg, path, digits, fixes, on_phase, on_event, manifest: Manifest) -> Path:
+    from needlescope.serve.launch import ServerProcess
+
     on_phase("serve", {"model": str(path)})
     with (
         ServerProcess(cfg.serve_config(path, None)) as ref_srv,
@@ -165,6 +168,7 @@ def run(cfg: DemoConfig, on_phase: Phase, on_event=lambda *_: None) -> Path:
         for name, srv in (("reference", ref_srv), ("deployment", dep_srv)):
             on_phase(f"probe {name}", {"url": srv.url})
             run_probe(cfg.probe_config(srv.url, digits, cfg.out / name), on_event)
+            manifest.record()
     ecfg = explain.ExplainConfig(
         model=path,
         reference_dir=cfg.out / "reference",

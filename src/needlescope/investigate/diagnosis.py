@@ -7,17 +7,18 @@ is printed next to the measurement it rests on.
 
 from __future__ import annotations
 
-import base64
-import html
+import datetime
+import itertools
 import json
 from pathlib import Path
 
+import needlescope
 from needlescope.investigate import diagnosis_causal as dc
+from needlescope.investigate.diagnosis_summary import COST_ORDER, shown_verdict, summary_box
 from needlescope.investigate.signature import NEAR_CHANCE, layer_percentiles
+from needlescope.report.blocks import render_html, render_md
 
 __all__ = ["diagnosis_blocks", "render_md", "render_html", "write_reports"]
-
-_COST = {"config": 0, "kernel": 1, "harness": 2}
 
 
 def _pct(x) -> str:
@@ -33,6 +34,39 @@ def _layers_cell(rec: dict | None) -> str:
     )
 
 
+# Fix curves never take the reference's blue or the candidate's red.
+_FIX_COLOURS = ("#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#bcbd22", "#17becf", "#7f7f7f")
+
+
+def _recall_curves(ax, inv: dict) -> None:
+    """Reference and candidate drawn thick, each fix thin and dashed over them (a fix that
+    matches the reference stays visible on it), on a linear length axis ticked at the tested
+    lengths."""
+    sy = inv["symptom"]
+    for f, colour in zip(inv["fixes"], itertools.cycle(_FIX_COLOURS)):
+        rec = f["recall_by_length"]
+        xs = [int(n) for n in rec]
+        ax.plot(
+            xs, [rec[str(n)] for n in xs], lw=1.2, ls="--", marker=".", alpha=0.9,
+            label=f"{f['name']} ({f.get('label_kind', 'fix')})", zorder=6, color=colour,
+        )  # fmt: skip
+    for name, rec, colour in (
+        ("reference", sy["recall_reference"], "#1f5fbf"),
+        ("candidate", sy["recall_candidate"], "#d62728"),
+    ):
+        xs = [int(n) for n in rec]
+        ax.plot(xs, [rec[str(n)] for n in xs], lw=3.2, marker="o", ms=7, color=colour, label=name, zorder=5)
+    lengths = sorted({int(n) for n in sy["recall_reference"]} | {int(n) for n in sy["recall_candidate"]})
+    ax.set_xticks(lengths, [f"{n:,}" for n in lengths])
+    ax.set_xlim(0, max(lengths) * 1.05 if lengths else 1)
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("recall")
+    ax.set_ylim(-0.05, 1.05)
+    ax.set_title(f"Recall by length: candidate vs reference ({sy['cases']} {sy['kind']} cases)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="lower left")
+
+
 def _plots(inv: dict, out: Path) -> list[tuple[str, str]]:
     import matplotlib
 
@@ -40,22 +74,14 @@ def _plots(inv: dict, out: Path) -> list[tuple[str, str]]:
     import matplotlib.pyplot as plt
 
     made = []
-    sy = inv["symptom"]
-    fig, ax = plt.subplots(figsize=(6, 3.4))
-    series = [("reference", sy["recall_reference"]), ("candidate", sy["recall_candidate"])]
-    series += [(f["name"], f["recall_by_length"]) for f in inv["fixes"]]
-    for name, rec in series:
-        xs = [int(n) for n in rec]
-        ax.plot(xs, [rec[str(n)] for n in xs], marker="o", label=name)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("context length (tokens)")
-    ax.set_ylabel("recall")
-    ax.set_ylim(-0.05, 1.05)
-    ax.legend(fontsize=7)
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    _recall_curves(ax, inv)
     fig.tight_layout()
     fig.savefig(out / "recall.png", dpi=100)
     plt.close(fig)
-    made.append(("recall.png", "Recall by length: reference, candidate and every replayed fix"))
+    made.append(
+        ("recall.png", "Recall by length: reference and candidate (thick), each replayed fix (thin, dashed)")
+    )
     layers = inv["verdicts"]["signature"]["layers"]
     if layers and inv.get("candidate_records"):
         fig, ax = plt.subplots(figsize=(6, 3.4))
@@ -79,7 +105,7 @@ def diagnosis_blocks(inv: dict, images: list[tuple[str, str]]) -> list[tuple]:
     """The report as blocks: ("h", level, text) | ("p", text) | ("table", header, rows) | ("img", file, caption)."""
     live = inv.get("route") == "live"
     v = inv["verdicts"]
-    b: list[tuple] = [("h", 1, "DIAGNOSIS"), ("p", _intro(inv, live))]
+    b: list[tuple] = [("h", 1, "DIAGNOSIS"), summary_box(inv), ("p", _intro(inv, live))]
     b += dc.differences_blocks(v)
     b += _symptom_blocks(inv, images)
     b += _root_blocks(inv)
@@ -94,6 +120,7 @@ def diagnosis_blocks(inv: dict, images: list[tuple[str, str]]) -> list[tuple]:
         b += _rankdump_blocks(inv.get("explained"))
         b += _fix_blocks(inv)
     b += _blocked_blocks(inv)
+    b.append(_evidence_block(inv))
     b.append(("h", 2, "Provenance and reproduction"))
     b.append(
         (
@@ -157,10 +184,19 @@ def _verdict_blocks(inv: dict, live: bool) -> list[tuple]:
     by_id = {s["id"]: s for s in inv["suspects"]}
     present = {True: "yes", False: "no", None: "unknown (live)"}
     rows = [
-        [s["tier"], s["id"], present[by_id[s["id"]]["present"]], s["verdict"], s["reason"]]
+        [s["tier"], s["id"], present[by_id[s["id"]]["present"]], shown_verdict(s), s["reason"]]
         for s in v["suspects"]
     ]
-    ev_rows = [
+    return [
+        ("h", 2, "Verdicts"),
+        ("table", ["tier", "suspect", "in candidate", "verdict", "reason"], rows),
+    ]
+
+
+def _evidence_block(inv: dict) -> tuple:
+    """Every measurement behind the verdicts, folded: it is long (one row per audit metric and
+    question answer) and the verdicts above already quote the decisive ones."""
+    rows = [
         [
             s["id"],
             e["check"],
@@ -168,15 +204,11 @@ def _verdict_blocks(inv: dict, live: bool) -> list[tuple]:
             e["value"] if isinstance(e["value"], str) else f"{e['value']:.4g}",
             "-" if e["threshold"] is None else f"{e['threshold']:g}",
         ]
-        for s in v["suspects"]
+        for s in inv["verdicts"]["suspects"]
         for e in s["evidence"]
     ]
-    return [
-        ("h", 2, "Verdicts"),
-        ("table", ["tier", "suspect", "in candidate", "verdict", "reason"], rows),
-        ("h", 3, "Evidence"),
-        ("table", ["suspect", "check", "metric", "value", "threshold"], ev_rows),
-    ]
+    table = ("table", ["suspect", "check", "metric", "value", "threshold"], rows)
+    return ("details", f"Evidence: {len(rows)} measurements behind the verdicts (click to open)", [table])
 
 
 def _signature_blocks(sig: dict, images) -> list[tuple]:
@@ -306,38 +338,55 @@ def _rankdump_blocks(ex: dict | None) -> list[tuple]:
     ]
 
 
+_LABEL_ORDER = {"root-cause fix": 0, "workaround": 1, "no effect": 2}
+
+
+def _fix_change(f: dict, k0: int) -> str:
+    if f.get("removes"):
+        return f"remove {f['removes']}"
+    return f"index_topk {k0} -> {f['index_topk']}" if not f["keeps_topk"] else "-"
+
+
 def _fix_blocks(inv: dict) -> list[tuple]:
     k0 = inv["candidate_topk"]
     frows = []
-    for f in sorted(inv["fixes"], key=lambda f: (_COST[f["changes"]], f["name"])):
+    order = lambda f: (_LABEL_ORDER.get(f["label_kind"], 3), COST_ORDER[f["changes"]], f["name"])  # noqa: E731
+    for f in sorted(inv["fixes"], key=order):
         p = f["pair"]
         cost = (
             "none (same index_topk)"
             if f["keeps_topk"]
             else f"index_topk {k0} -> {f['index_topk']}: {f['index_topk'] / k0:g}x the entries each query attends"
         )
+        label = f"**{f['label_kind']}**" if f["label_kind"] != "no effect" else f["label_kind"]
         frows.append(
             [
-                f["label_kind"],
-                f["changes"],
-                f"`{f['label']}`",
+                label,
+                _fix_change(f, k0),
                 f"{p['recall_without']:.2f} vs {p['recall_with']:.2f}",
                 f"b={p['b']} c={p['c']} p={p['p']:.3g}",
                 cost,
+                f["changes"],
+                f"`{f['label']}`",
                 _layers_cell(f.get("case")),
             ]
         )
     head = [
         "label",
-        "kind",
-        "setting",
+        "change",
         "recall (fix vs candidate)",
         "paired test",
         "cost",
+        "kind",
+        "setting",
         "failing case: needle entries selected",
     ]
     return [
-        ("h", 2, "Fixes, cheapest kind first"),
+        (
+            "h",
+            2,
+            "Fixes: root-cause fix first, then workarounds, then no effect (cheapest kind first within each)",
+        ),
         ("table", head, frows),
         (
             "p",
@@ -403,61 +452,23 @@ def _blocked_blocks(inv: dict) -> list[tuple]:
     return [("h", 2, "Blocked or unrun diagnostics"), ("p", "; ".join(lines) if lines else "None.")]
 
 
-def _md_table(header, rows) -> list[str]:
-    out = ["| " + " | ".join(map(str, header)) + " |", "|" + "---|" * len(header)]
-    out += ["| " + " | ".join(str(c).replace("|", "\\|") for c in r) + " |" for r in rows]
-    return out
-
-
-def render_md(blocks: list[tuple]) -> str:
-    out: list[str] = []
-    for blk in blocks:
-        if blk[0] == "h":
-            out += ["#" * blk[1] + " " + blk[2], ""]
-        elif blk[0] == "p":
-            out += [blk[1], ""]
-        elif blk[0] == "table":
-            out += [*_md_table(blk[1], blk[2]), ""]
-        elif blk[0] == "img":
-            out += [f"![{blk[2]}]({blk[1]})", ""]
-    return "\n".join(out)
-
-
-def _inline(text: str) -> str:
-    parts = html.escape(text).split("`")
-    text = "".join(f"<code>{p}</code>" if i % 2 else p for i, p in enumerate(parts))
-    parts = text.split("**")
-    return "".join(f"<strong>{p}</strong>" if i % 2 else p for i, p in enumerate(parts))
-
-
-def render_html(blocks: list[tuple], images: dict[str, bytes]) -> str:
-    body: list[str] = []
-    for blk in blocks:
-        if blk[0] == "h":
-            body.append(f"<h{blk[1]}>{_inline(blk[2])}</h{blk[1]}>")
-        elif blk[0] == "p":
-            body.append(f"<p>{_inline(blk[1])}</p>")
-        elif blk[0] == "table":
-            head = "".join(f"<th>{_inline(str(c))}</th>" for c in blk[1])
-            rows = "".join(
-                "<tr>" + "".join(f"<td>{_inline(str(c))}</td>" for c in r) + "</tr>" for r in blk[2]
-            )
-            body.append(f"<table><thead><tr>{head}</tr></thead><tbody>{rows}</tbody></table>")
-        elif blk[0] == "img":
-            data = base64.b64encode(images[blk[1]]).decode()
-            body.append(
-                f'<figure><img alt="{html.escape(blk[2])}" src="data:image/png;base64,{data}"><figcaption>{html.escape(blk[2])}</figcaption></figure>'
-            )
-    style = (
-        "body{font-family:sans-serif;max-width:1100px;margin:2em auto;color:#111;background:#fff}"
-        "table{border-collapse:collapse;margin:1em 0;font-size:13px}td,th{border:1px solid #999;padding:3px 6px;vertical-align:top}"
-        "th{background:#e8eef7}code{background:#f3f3f3}img{max-width:100%}"
+def _footer(inv: dict, out: Path, command: str | None) -> tuple:
+    state = out / "state.json"
+    digest = json.loads(state.read_text(encoding="utf-8")).get("ledger_sha256") if state.exists() else None
+    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    cmd = command or f"needlescope investigate run {inv['ledger']} --out {out}"
+    return (
+        "footer",
+        f"Rendered {when} by needlescope {needlescope.__version__}. Command: `{cmd}`. Ledger "
+        f"`{inv['ledger']}`, sha256 `{digest or 'unknown (no state.json)'}`.",
     )
-    return f"<!doctype html><html><head><meta charset='utf-8'><title>DIAGNOSIS</title><style>{style}</style></head><body>{''.join(body)}</body></html>\n"
 
 
-def write_reports(out: str | Path) -> tuple[Path, Path]:
-    """Write DIAGNOSIS.md (+ its PNGs) and the self-contained DIAGNOSIS.html into ``out``."""
+def write_reports(out: str | Path, command: str | None = None) -> tuple[Path, Path]:
+    """Write DIAGNOSIS.md (+ its PNGs) and the self-contained DIAGNOSIS.html into ``out``.
+
+    ``command``: the command line that ran the investigation, for the footer (default: the
+    command that reproduces it)."""
     out = Path(out)
     inv = json.loads((out / "investigation.json").read_text(encoding="utf-8"))
     cand = out / "measure" / "candidate.jsonl"
@@ -465,7 +476,7 @@ def write_reports(out: str | Path) -> tuple[Path, Path]:
         [json.loads(x) for x in cand.read_text().splitlines() if x.strip()] if cand.exists() else []
     )
     images = _plots(inv, out) if inv["symptom"]["recall_candidate"] else []
-    blocks = diagnosis_blocks(inv, images)
+    blocks = diagnosis_blocks(inv, images) + [_footer(inv, out, command)]
     md = out / "DIAGNOSIS.md"
     md.write_text(render_md(blocks), encoding="utf-8")
     page = out / "DIAGNOSIS.html"

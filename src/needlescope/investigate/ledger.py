@@ -56,6 +56,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from needlescope.errors import BadInput
+from needlescope.investigate.ledger_checks import Tracked, check_range, confine, suggestion
 from needlescope.setting import PatchRef, Setting
 
 if sys.version_info >= (3, 11):
@@ -198,8 +199,9 @@ class Ledger:
 class _Where:
     """Finds the line of a table or key in the ledger text, for error messages."""
 
-    def __init__(self, path: Path, text: str):
+    def __init__(self, path: Path, text: str, allow_outside: bool = False):
         self.path, self.lines = path, text.splitlines()
+        self.allow_outside = allow_outside
 
     def suspect_line(self, index: int) -> int:
         seen = -1
@@ -222,6 +224,27 @@ class _Where:
 
     def error(self, line: int, what: str) -> BadInput:
         return BadInput(f"{self.path}:{line}: {what}")
+
+    def in_range(self, key: str, value: int, after: int) -> int:
+        try:
+            check_range(key, value)
+        except BadInput as exc:
+            raise self.error(self.key_line(key, after), str(exc)) from None
+        return value
+
+    def path_inside(self, spec: str, base: Path, line: int, what: str) -> Path:
+        try:
+            return confine(Path(spec), base, self.allow_outside, what)
+        except BadInput as exc:
+            raise self.error(line, str(exc)) from None
+
+    def no_unknown_keys(self, table: Tracked, line: int, where: str) -> None:
+        """Every key of ``table`` the parser never asked for is unknown (so a field added to the
+        parser is known here without a second list)."""
+        for key in table.unasked():
+            raise self.error(
+                self.key_line(key, line), f"unknown key {key!r} in {where}{suggestion(key, table.asked)}"
+            )
 
 
 def partial_setting(text: str) -> tuple[tuple[str, object], ...]:
@@ -252,8 +275,8 @@ def _expect(where: _Where, line: int, table: dict, key: str, typ, what: str, def
 
 
 def _patch(where: _Where, line: int, spec: str, base: Path) -> PatchRef:
-    if not spec.startswith("fault:") and not Path(spec).is_absolute():
-        spec = str(base / spec)
+    if not spec.startswith("fault:"):
+        spec = str(where.path_inside(spec, base, line, "patch file"))
     try:
         return PatchRef.resolve(spec)
     except BadInput as exc:
@@ -282,6 +305,20 @@ def _question(where: _Where, line: int, q: dict) -> Question:
         _expect(
             where, line, q, key, str, f"a string ({qtype} questions need {', '.join(QUESTION_TYPES[qtype])})"
         )
+    allowed = ("type", "expect", "means_absent", *QUESTION_TYPES[qtype])
+    for key in q:
+        if key not in allowed:
+            raise where.error(
+                where.key_line(key, line),
+                f"unknown key {key!r} in a {qtype} question{suggestion(key, allowed)}; expected {', '.join(allowed)}",
+            )
+    if qtype == "source":
+        # The folder part of the glob (up to its first wildcard) must stay in the ledger's folder.
+        parts = Path(q["path"]).parts
+        fixed = Path(
+            *parts[: next((i for i, p in enumerate(parts) if any(c in p for c in "*?[")), len(parts))] or "."
+        )
+        where.path_inside(str(fixed), where.path.parent, where.key_line("path", line), "source path")
     params = {k: v for k, v in q.items() if k not in ("type", "expect", "means_absent")}
     return Question(
         type=qtype,
@@ -298,7 +335,9 @@ def _suspect(where: _Where, index: int, s: dict, base: Path) -> Suspect:
         raise where.error(
             where.key_line("id", line), f"id = {sid!r}; expected lower-case letters, digits, '_'"
         )
-    tier = _expect(where, line, s, "tier", int, "an integer risk tier (1 = most likely)")
+    tier = where.in_range(
+        "tier", _expect(where, line, s, "tier", int, "an integer risk tier (1 = most likely)"), line
+    )
     hyp = _expect(where, line, s, "hypothesis", str, "a sentence saying what the suspect would do")
     checks = s.get("checks", [])
     if not isinstance(checks, list) or not all(isinstance(c, str) for c in checks):
@@ -329,9 +368,13 @@ def _suspect(where: _Where, index: int, s: dict, base: Path) -> Suspect:
     questions = s.get("questions", [])
     if not isinstance(questions, list):
         raise where.error(line, "questions must be an array of tables ([[suspects.questions]])")
-    unknown = set(s) - {"id", "tier", "hypothesis", "checks", "patch", "setting", "questions"}
+    known = ("id", "tier", "hypothesis", "checks", "patch", "setting", "questions")
+    unknown = sorted(set(s) - set(known))
     if unknown:
-        raise where.error(line, f"unknown key(s) {', '.join(sorted(unknown))} in suspect {sid!r}")
+        raise where.error(
+            where.key_line(unknown[0], line),
+            f"unknown key(s) {', '.join(unknown)} in suspect {sid!r}{suggestion(unknown[0], known)}",
+        )
     return Suspect(
         id=sid,
         tier=tier,
@@ -372,11 +415,14 @@ def _target(where: _Where, t: dict, base: Path) -> Target:
         device=_expect(where, tl, t, "device", str, "cpu | cuda | cuda:N", "cpu"),
         threads=_expect(where, tl, t, "threads", int, "a positive integer", 2),
         endpoint=endpoint,
-        env_file=None if env_file is None else (base / env_file),
-        reference_env_file=None if ref_env is None else (base / ref_env),
+        env_file=None
+        if env_file is None
+        else where.path_inside(env_file, base, where.key_line("env_file", tl), "env_file"),
+        reference_env_file=None
+        if ref_env is None
+        else where.path_inside(ref_env, base, where.key_line("reference_env_file", tl), "reference_env_file"),
     )
-    if target.threads < 1:
-        raise where.error(where.key_line("threads", tl), f"threads = {target.threads}; expected >= 1")
+    where.in_range("threads", target.threads, tl)
     if target.live and target.extra_patches:
         raise where.error(
             where.key_line("extra_patches", tl),
@@ -401,9 +447,11 @@ def _check_routes(where: _Where, target: Target, suspects: tuple[Suspect, ...]) 
             )
 
 
-def parse_ledger(text: str, path: Path) -> Ledger:
-    """Parse ledger ``text`` read from ``path``; BadInput ``FILE:LINE: what`` on any error."""
-    where = _Where(path, text)
+def parse_ledger(text: str, path: Path, *, allow_outside: bool = False) -> Ledger:
+    """Parse ledger ``text`` read from ``path``; BadInput ``FILE:LINE: what`` on any error.
+
+    ``allow_outside``: accept paths outside the ledger's folder (``--allow-outside``)."""
+    where = _Where(path, text, allow_outside)
     try:
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
@@ -413,11 +461,13 @@ def parse_ledger(text: str, path: Path) -> Ledger:
     for section in ("target", "symptom"):
         if not isinstance(raw.get(section), dict):
             raise where.error(1, f"missing [{section}] table")
-    unknown = set(raw) - {"target", "symptom", "suspects"}
+    unknown = sorted(set(raw) - {"target", "symptom", "suspects"})
     if unknown:
+        hint = suggestion(unknown[0], ("target", "symptom", "suspects"))
         raise where.error(
-            1, f"unknown top-level key(s) {', '.join(sorted(unknown))}; expected target, symptom, suspects"
+            1, f"unknown top-level key(s) {', '.join(unknown)}{hint}; expected target, symptom, suspects"
         )
+    raw["target"], raw["symptom"] = Tracked(raw["target"]), Tracked(raw["symptom"])
     target = _target(where, raw["target"], base)
     sy = raw["symptom"]
     sl = where.table_line("symptom")
@@ -425,6 +475,8 @@ def parse_ledger(text: str, path: Path) -> Ledger:
     depths = _expect(where, sl, sy, "depths", list, "a list of depth percents such as [0, 50, 100]", [50])
     if not lengths or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in lengths):
         raise where.error(where.key_line("lengths", sl), f"lengths = {lengths!r}; expected positive integers")
+    for n in lengths:
+        where.in_range("lengths", n, sl)
     if not all(isinstance(d, (int, float)) and 0 <= d <= 100 for d in depths):
         raise where.error(where.key_line("depths", sl), f"depths = {depths!r}; expected percents in 0..100")
     symptom = Symptom(
@@ -435,8 +487,10 @@ def parse_ledger(text: str, path: Path) -> Ledger:
         seed=_expect(where, sl, sy, "seed", int, "an integer", 0) if "seed" in sy else 0,
         max_new_tokens=_expect(where, sl, sy, "max_new_tokens", int, "a positive integer", 8),
     )
-    if symptom.trials < 1:
-        raise where.error(where.key_line("trials", sl), f"trials = {symptom.trials}; expected >= 1")
+    for key in ("trials", "max_new_tokens", "seed"):
+        where.in_range(key, getattr(symptom, key), sl)
+    where.no_unknown_keys(sy, sl, "[symptom]")
+    where.no_unknown_keys(raw["target"], where.table_line("target"), "[target]")
     suspects_raw = raw.get("suspects", [])
     if not isinstance(suspects_raw, list) or not suspects_raw:
         raise where.error(1, "no suspects; add at least one [[suspects]] table")
@@ -452,9 +506,9 @@ def parse_ledger(text: str, path: Path) -> Ledger:
     return Ledger(path=path, target=target, symptom=symptom, suspects=suspects)
 
 
-def load_ledger(path: str | Path) -> Ledger:
+def load_ledger(path: str | Path, *, allow_outside: bool = False) -> Ledger:
     """Read and validate ``path``; BadInput if it is missing or malformed."""
     p = Path(path)
     if not p.is_file():
         raise BadInput(f"ledger {str(p)!r} does not exist; write one with 'needlescope investigate init'")
-    return parse_ledger(p.read_text(encoding="utf-8"), p.resolve())
+    return parse_ledger(p.read_text(encoding="utf-8"), p.resolve(), allow_outside=allow_outside)

@@ -472,13 +472,19 @@ def _explained_record(explained, ref_records, cand_records) -> dict | None:
 
 
 def run_investigation(
-    ledger_path: str | Path, out: str | Path, progress: Progress = lambda *a: None, *, loaded=None
+    ledger_path: str | Path,
+    out: str | Path,
+    progress: Progress = lambda *a: None,
+    *,
+    loaded=None,
+    allow_outside: bool = False,
 ) -> Path:
     """Run (or resume) the investigation of ``ledger_path`` into ``out``; returns verdicts.json's path.
 
     ``loaded``: an already loaded (model, tokenizer) of the ledger's checkpoint, to reuse it.
-    A ledger whose candidate is ``live`` takes the live-endpoint route (``investigate.live``)."""
-    ledger = load_ledger(ledger_path)
+    A ledger whose candidate is ``live`` takes the live-endpoint route (``investigate.live``).
+    ``allow_outside``: accept ledger paths outside its folder (``--allow-outside``)."""
+    ledger = load_ledger(ledger_path, allow_outside=allow_outside)
     if ledger.target.live:
         from needlescope.investigate.live import LiveInvestigation
 

@@ -68,6 +68,18 @@ def _ranges(keys, rows: int, starts, ends, context_lens, device) -> tuple[torch.
     return st, en
 
 
+def _check_queries(q: torch.Tensor, w: torch.Tensor) -> None:
+    if q.dim() != 3 or w.shape != q.shape[:2]:
+        raise BadInput(f"q must be [R, H, D] and w [R, H], got {tuple(q.shape)} and {tuple(w.shape)}")
+    if q.shape[1] > 64:
+        raise BadInput(f"at most 64 heads, got {q.shape[1]}")
+
+
+def _check_k(k: int) -> None:
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise BadInput(f"k must be a positive integer, got {k!r}")
+
+
 def indexer_logits(
     q: torch.Tensor,
     w: torch.Tensor,
@@ -81,10 +93,7 @@ def indexer_logits(
 ) -> torch.Tensor:
     """Logits fp32 [R, N] (contiguous; -inf outside [start, end)) or [B, width] (paged; -inf past
     context_lens). q [R, H, D] codes (bf16 or float8_e4m3fn); w [R, H] with any q scale folded in."""
-    if q.dim() != 3 or w.shape != q.shape[:2]:
-        raise BadInput(f"q must be [R, H, D] and w [R, H], got {tuple(q.shape)} and {tuple(w.shape)}")
-    if q.shape[1] > 64:
-        raise BadInput(f"at most 64 heads, got {q.shape[1]}")
+    _check_queries(q, w)
     paged = isinstance(keys, PagedKeys)
     check_fault(fault, paged)
     st, en = _ranges(keys, q.shape[0], starts, ends, context_lens, q.device)
@@ -105,8 +114,7 @@ def topk(
 ) -> torch.Tensor:
     """int32 [R, k]: exact top-k columns of logits [R, L] inside [start, end), ties to the lower
     index, rows with end - start <= k give start..end-1, -1 padding (``reference.topk_reference``)."""
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise BadInput(f"k must be a positive integer, got {k!r}")
+    _check_k(k)
     if logits.dim() != 2 or logits.dtype != torch.float32:
         raise BadInput(f"logits must be fp32 [R, L], got {tuple(logits.shape)} {logits.dtype}")
     if resolve_kernel(kernel, logits.device) == "reference":
@@ -119,12 +127,21 @@ def topk(
 def indexer_topk(
     q: torch.Tensor, w: torch.Tensor, keys: ContiguousKeys | PagedKeys, k: int, **ranges_and_kernel
 ) -> torch.Tensor:
-    """int32 [R, k] selected entries (-1 padded) for each query row: ``indexer_logits`` then ``topk``.
+    """int32 [R, k] selected entries (-1 padded) for each query row: ``indexer_logits`` then ``topk``
+    (a paged cache on the Triton path: ``triton_decode.decode_topk``, fused where it wins).
 
     ``ranges_and_kernel``: ``indexer_logits``' keywords (starts, ends, context_lens, kernel, fault).
     k is any positive integer; the Triton path is measured at 512, 1024 and 2048 (docs/perf/indexer.md).
     """
-    logits = indexer_logits(q, w, keys, **ranges_and_kernel)
     opt = ranges_and_kernel.get
+    if isinstance(keys, PagedKeys) and resolve_kernel(opt("kernel", "auto"), q.device) == "triton":
+        _check_queries(q, w)
+        _check_k(k)
+        check_fault(opt("fault"), paged=True)
+        _, lens = _ranges(keys, q.shape[0], opt("starts"), opt("ends"), opt("context_lens"), q.device)
+        from needlescope.kernels import triton_decode
+
+        return triton_decode.decode_topk(q, w, keys, lens, k, fault=opt("fault"))
+    logits = indexer_logits(q, w, keys, **ranges_and_kernel)
     st, en = _ranges(keys, q.shape[0], opt("starts"), opt("ends"), opt("context_lens"), q.device)
     return topk(logits, k, st, en, kernel=opt("kernel", "auto"))

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from needlescope.kernels.layout import ContiguousKeys, PagedKeys
+from needlescope.kernels.triton_radix import digit0_histogram
 
 __all__ = ["prefill_logits", "paged_logits", "INTERPRET"]
 
@@ -38,6 +39,44 @@ def _scores(q, k, NATIVE_FP8: tl.constexpr, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _page_rows(
+    bt_row,
+    page,
+    n,
+    offs_e,
+    PAGES_PER_MMA: tl.constexpr,
+    FAULT_PAGE_TABLE: tl.constexpr,
+    FAULT_KEY_SLOT: tl.constexpr,
+):
+    """(physical page, slot) of each of the 64 * PAGES_PER_MMA logical entries from ``page`` on."""
+    ent = page * 64 + offs_e
+    if FAULT_KEY_SLOT or FAULT_PAGE_TABLE:  # debug variants: gather entry by entry
+        src = ent
+        if FAULT_KEY_SLOT:
+            src = tl.maximum(ent - 1, 0)
+        if FAULT_PAGE_TABLE:
+            phys = (src // 64).to(tl.int64)
+        else:
+            phys = tl.load(bt_row + src // 64, mask=ent < n, other=0).to(tl.int64)
+        return phys, src % 64
+    elif PAGES_PER_MMA == 1:  # one page: its 64 entries are contiguous, so the loads are wide
+        return tl.load(bt_row + page, mask=page * 64 < n, other=0).to(tl.int64), offs_e
+    else:  # two pages: two block-table loads; each entry's 128 B (fp8) stay one wide load
+        p0 = tl.load(bt_row + page, mask=page * 64 < n, other=0).to(tl.int64)
+        p1 = tl.load(bt_row + page + 1, mask=(page + 1) * 64 < n, other=0).to(tl.int64)
+        return tl.where(offs_e < 64, p0, p1), offs_e % 64
+
+
+@triton.jit
+def _page_scales(scales_ptr, phys, slot, valid, D: tl.constexpr, FP8: tl.constexpr):
+    """fp32 key scales at (physical page, slot): an fp8 page holds 64 rows of D codes then 64
+    fp32 scales; bf16 keys have scale 1."""
+    if FP8:
+        return tl.load(scales_ptr + phys * (16 * (D + 4)) + 16 * D + slot, mask=valid, other=0.0)
+    return tl.where(valid, 1.0, 1.0)
+
+
+@triton.jit
 def _paged_kernel(
     q_ptr,  # [B, H, D] codes
     w_ptr,  # [B, H] fp32
@@ -46,6 +85,7 @@ def _paged_kernel(
     bt_ptr,  # int32 [B, max_pages]
     lens_ptr,  # int32 [B]
     out_ptr,  # fp32 [B, width]
+    hist_ptr,  # HIST_BITS > 0: int32 [B, 2**HIST_BITS] pass-0 histograms of triton_radix
     H,
     bt_stride,
     out_stride,
@@ -58,6 +98,8 @@ def _paged_kernel(
     IEEE: tl.constexpr,
     FAULT_PAGE_TABLE: tl.constexpr,
     FAULT_KEY_SLOT: tl.constexpr,
+    PREFETCH: tl.constexpr,  # block-table entries up front, scales a page ahead (one page per MMA)
+    HIST_BITS: tl.constexpr,  # > 0: also build triton_radix's first histogram of each row
 ):
     b = tl.program_id(0)
     chunk = tl.program_id(1)
@@ -68,41 +110,44 @@ def _paged_kernel(
     q = tl.load(q_ptr + b * H * D + offs_h[:, None] * D + offs_d[None, :], mask=hmask[:, None], other=0.0)
     w = tl.load(w_ptr + b * H + offs_h, mask=hmask, other=0.0)
     n = tl.load(lens_ptr + b)
+    bt_row = bt_ptr + b * bt_stride
+    page0 = chunk * PAGES_PER_PROG
+    if PREFETCH:  # the program's block-table entries in one load; page i+1's scales during page i
+        pages = tl.arange(0, PAGES_PER_PROG)
+        bts = tl.load(bt_row + page0 + pages, mask=(page0 + pages) * 64 < n, other=0).to(tl.int64)
+        sc_a = _page_scales(
+            scales_ptr, tl.sum(tl.where(pages == 0, bts, 0), 0), offs_e, page0 * 64 + offs_e < n, D, FP8
+        )
     for i in range(PAGES_PER_PROG // PAGES_PER_MMA):
-        page = chunk * PAGES_PER_PROG + i * PAGES_PER_MMA
+        page = page0 + i * PAGES_PER_MMA
         ent = page * 64 + offs_e  # logical entries of this page (these pages)
         valid = ent < n
         # No branch on the page: masked loads move no bytes, and a branch-free loop pipelines.
-        if FAULT_KEY_SLOT or FAULT_PAGE_TABLE:  # debug variants: gather entry by entry
-            src = ent
-            if FAULT_KEY_SLOT:
-                src = tl.maximum(ent - 1, 0)
-            if FAULT_PAGE_TABLE:
-                phys = (src // 64).to(tl.int64)
-            else:
-                phys = tl.load(bt_ptr + b * bt_stride + src // 64, mask=valid, other=0).to(tl.int64)
-            slot = src % 64
-        elif PAGES_PER_MMA == 1:  # one page: its 64 entries are contiguous, so the loads are wide
-            phys = tl.load(bt_ptr + b * bt_stride + page, mask=page * 64 < n, other=0).to(tl.int64)
-            slot = offs_e
-        else:  # two pages: two block-table loads; each entry's 128 B (fp8) stay one wide load
-            p0 = tl.load(bt_ptr + b * bt_stride + page, mask=page * 64 < n, other=0).to(tl.int64)
-            p1 = tl.load(bt_ptr + b * bt_stride + page + 1, mask=(page + 1) * 64 < n, other=0).to(tl.int64)
-            phys = tl.where(offs_e < 64, p0, p1)
-            slot = offs_e % 64
+        if PREFETCH:
+            phys, slot, sc = tl.sum(tl.where(pages == i, bts, 0), 0), offs_e, sc_a
+            nxt = tl.sum(tl.where(pages == i + 1, bts, 0), 0)
+            sc_a = _page_scales(scales_ptr, nxt, offs_e, (page + 1) * 64 + offs_e < n, D, FP8)
+        else:
+            phys, slot = _page_rows(bt_row, page, n, offs_e, PAGES_PER_MMA, FAULT_PAGE_TABLE, FAULT_KEY_SLOT)
+            sc = _page_scales(scales_ptr, phys, slot, valid, D, FP8)
         if FP8:
             kp = vals_ptr + phys * (64 * (D + 4)) + slot * D
-            k = tl.load(kp[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
-            sc = tl.load(scales_ptr + phys * (16 * (D + 4)) + 16 * D + slot, mask=valid, other=0.0)
         else:
             kp = vals_ptr + (phys * 64 + slot) * D
-            k = tl.load(kp[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
-            sc = tl.full([64 * PAGES_PER_MMA], 1.0, tl.float32)
+        k = tl.load(kp[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
         # Entries as the MMA's rows, heads as its columns: the head sum stays inside each warp.
         s = _scores(k, q, NATIVE_FP8, IEEE)  # [64 * PAGES_PER_MMA, BLOCK_H]
         logit = tl.sum(tl.maximum(s, 0.0) * w[None, :], axis=1) * sc
         logit = tl.where(valid, logit, float("-inf"))
         tl.store(out_ptr + b.to(tl.int64) * out_stride + ent, logit, mask=ent < out_stride)
+    if HIST_BITS > 0:  # the program's logits again (this SM just wrote them), one histogram
+        tl.debug_barrier()
+        ents = page0 * 64 + tl.arange(0, PAGES_PER_PROG * 64)
+        mine = tl.load(out_ptr + b.to(tl.int64) * out_stride + ents, mask=ents < n, other=0.0)
+        h = digit0_histogram(mine, ents < n, HIST_BITS)
+        tl.atomic_add(
+            hist_ptr + (b << HIST_BITS) + tl.arange(0, 1 << HIST_BITS), h, mask=h != 0, sem="relaxed"
+        )
 
 
 @triton.jit
@@ -173,9 +218,20 @@ def paged_logits(
     native_fp8: bool = True,
     num_warps: int = 4,
     num_stages: int = 2,
+    prefetch: bool = False,
     out: torch.Tensor | None = None,
+    hist: torch.Tensor | None = None,
+    hist_bits: int = 8,
 ) -> torch.Tensor:
-    """q [B, H, D] codes, w [B, H] fp32, context_lens int32 [B] -> logits fp32 [B, width] (into ``out`` if given)."""
+    """q [B, H, D] codes, w [B, H] fp32, context_lens int32 [B] -> logits fp32 [B, width] (into ``out`` if given).
+
+    ``prefetch`` (one page per MMA, no fault): load the program's block-table entries in one
+    load before the loop and each page's scales one page early. Without it the compiled loop
+    (PTX read on Triton 3.9, sm_90) waits on a block-table load right before the ``cp.async`` of
+    the page it addresses and on a scale load in the same iteration's epilogue.
+    ``hist`` (int32 [B, 2**hist_bits], a ``triton_radix`` workspace row): also add each row's
+    pass-0 histogram of the radix select (the fused decode path).
+    """
     B, H, D = q.shape
     if pages_per_mma not in (1, 2) or pages_per_prog % pages_per_mma:
         raise ValueError(f"pages_per_mma must be 1 or 2 and divide pages_per_prog={pages_per_prog}")
@@ -195,6 +251,7 @@ def paged_logits(
         paged.block_table,
         context_lens.to(torch.int32).contiguous(),
         out,
+        out if hist is None else hist,
         H,
         paged.block_table.stride(0),
         width,
@@ -205,6 +262,8 @@ def paged_logits(
         FP8=fp8,
         FAULT_PAGE_TABLE=fault == "indexer_page_table",
         FAULT_KEY_SLOT=fault == "indexer_key_slot",
+        PREFETCH=prefetch and pages_per_mma == 1 and fault is None,
+        HIST_BITS=0 if hist is None else hist_bits,
         num_warps=num_warps,
         num_stages=num_stages,
         **_modes(q, fp8, native_fp8),

@@ -1,5 +1,8 @@
 """Exact top-k over fp32 rows in Triton: one program per row, or a row split over many programs.
 
+``topk`` also dispatches to the cooperative radix select of ``triton_radix`` (``method``;
+``topk_method`` is the measured rule); what follows describes this module's threshold searches.
+
 Each fp32 score maps to a uint32 key whose unsigned order is the float order (flip all bits of
 negatives, the sign bit of positives; -0.0 is folded onto +0.0). A threshold search finds the
 exact key t of the k-th largest entry and how many entries equal to t to take; a final pass
@@ -32,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["topk", "split_segment"]
+__all__ = ["topk", "split_segment", "topk_method"]
 
 
 @triton.jit
@@ -196,6 +199,16 @@ def split_segment(rows: int, width: int, k: int) -> int:
     return seg if rows < 132 and width >= 2 * seg else 0
 
 
+def topk_method(rows: int, width: int, k: int) -> str:
+    """``radix`` (``triton_radix``: cooperative radix select) or ``bisect`` (this module) for a
+    [rows, width] top-k, measured on the H200 (docs/perf/indexer.md, run 7): one program per row
+    wins up to 2048 entries (8K-token decode rows: 10-12 us, launch-bound either way), and the
+    split bisection at 64 rows x 32K with k = 512 (51.8 us against 62.9); radix select elsewhere."""
+    if width <= 4096 or (rows >= 64 and k <= 512 and width <= 32768):
+        return "bisect"
+    return "radix"
+
+
 def _search(
     width: int, bits: int | None, block: int | None, num_warps: int | None
 ) -> tuple[int, int, int, bool]:
@@ -241,6 +254,8 @@ def topk(
     bits: int | None = None,
     num_warps: int | None = None,
     segment: int | None = None,
+    method: str | None = None,
+    chunk: int | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """logits fp32 [R, L], starts/ends int32 [R] (clamped to [0, L]) -> int32 [R, k] (module docstring).
@@ -249,6 +264,8 @@ def topk(
     (``block``/``num_warps`` tune that stage, ``bits`` both stages), then a merge program per row picks the
     top-k among those candidates (same threshold search, ties to the lower index: the result
     equals the unsplit one). None: ``split_segment``'s choice; 0: never split.
+    ``method``: ``radix`` (``triton_radix.radix_topk``: ``chunk`` columns a program, ``bits`` its
+    digit width, 8 or 11) or ``bisect`` (the threshold searches here); None: ``topk_method``'s choice.
     ``out`` (int32 [R, k], optional) is written in place; every element gets written.
     """
     R, L = logits.shape
@@ -259,6 +276,14 @@ def topk(
     out = torch.empty(R, k, dtype=torch.int32, device=logits.device) if out is None else out
     if R == 0:
         return out
+    if method is None:
+        method = topk_method(R, L, k)
+    if method == "radix":
+        from needlescope.kernels.triton_radix import radix_topk
+
+        return radix_topk(logits, k, st, en, chunk=chunk, bits=bits or 8, num_warps=num_warps, out=out)
+    if method != "bisect":
+        raise ValueError(f"method must be radix or bisect, got {method!r}")
     if segment is None:
         segment = split_segment(R, L, k)
     if not segment or segment >= L:

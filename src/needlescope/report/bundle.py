@@ -26,7 +26,8 @@ MANIFEST_SCHEMA: dict = {
         "needlescope_version": {"type": "string"},
         "created": {"type": "number"},
         "case_id": {"type": "string"},
-        "expected": {"type": "array", "items": {"type": "string"}},
+        # An empty list would score every answer correct: a bundle names what it expects.
+        "expected": {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}},
         "failure": {"type": ["object", "null"]},
         "base_url": {"type": ["string", "null"]},
     },

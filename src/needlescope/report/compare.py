@@ -42,8 +42,11 @@ _PAIRED = {
     "properties": {
         "n": {"type": "integer"},
         "n_nonzero": {"type": "integer"},
-        **{k: _NUM_OR_NULL for k in ("a_median", "b_median", "delta_mean", "delta_median")},
-        **{k: {"type": "number"} for k in ("w_plus", "p_value", "p_holm")},
+        **{
+            k: _NUM_OR_NULL
+            for k in ("a_median", "b_median", "delta_mean", "delta_median", "hl_shift", "hl_low", "hl_high")
+        },
+        **{k: {"type": "number"} for k in ("w_plus", "w_plus_mean", "p_value", "p_holm")},
     },
 }
 GRADED_COMPARE_SCHEMA: dict = {

@@ -11,14 +11,31 @@ from __future__ import annotations
 from pathlib import Path
 
 from needlescope.analysis.curve import pool_by_length
+from needlescope.report.blocks import render_md
 
-__all__ = ["write_diagnosis", "render_diagnosis", "recall_by_length"]
+__all__ = ["write_diagnosis", "render_diagnosis", "recall_by_length", "recall_fall_line"]
 
 
 def recall_by_length(summary: dict) -> dict[int, float]:
     """Recall per length of a probe summary (``SUMMARY_SCHEMA``), pooled over depths."""
     pooled = pool_by_length((c["length"], c["correct"], c["n"]) for c in summary["cells"])
     return {length: (k / n if n else float("nan")) for length, (k, n) in pooled.items()}
+
+
+def recall_fall_line(reference: dict, candidate: dict, name: str = "candidate") -> str:
+    """One line: from which length ``candidate`` recalls less than ``reference``, and both curves.
+
+    ``reference``/``candidate``: length (int or str) -> recall, in length order."""
+
+    def fmt(rec: dict) -> str:
+        return ", ".join(f"{x:.2f}" for x in rec.values())
+
+    lost = [n for n in reference if n in candidate and candidate[n] < reference[n]]
+    where = (
+        f"recall falls from {int(lost[0]):,} tokens on" if lost else "no recall lost against the reference"
+    )
+    lengths = ", ".join(f"{int(n):,}" for n in reference)
+    return f"{where}: {name} {fmt(candidate)} vs reference {fmt(reference)} at {lengths} tokens"
 
 
 def _fmt_len(x: int | None) -> str:
@@ -44,9 +61,18 @@ def render_diagnosis(
     from one that restores the case while the patch stays in (a workaround).
     """
     dropped = _dropped_layers(rankdump)
+    box = _summary_box(
+        recall_fall_line(recall_by_length(reference), recall_by_length(deployment), "deployment"),
+        case,
+        rankdump,
+        fixes,
+        dropped,
+        deployment_patch,
+    )
     lines = [
         "# DIAGNOSIS",
         "",
+        render_md([box]),
         f"Model: `{model}`. Deployment setting under test: `{deployment_label}`; reference: fp32 indexer "
         "with the checkpoint's own `index_topk`.",
         "",
@@ -92,6 +118,52 @@ def _collapse_section(reference: dict, deployment: dict, heatmaps: tuple[str, st
         f"| ![reference]({heatmaps[0]}) | ![deployment]({heatmaps[1]}) |",
         "",
     ]
+
+
+def _summary_box(
+    symptom: str, case: dict, rankdump: dict, fixes: list[dict], dropped: list, patch: str | None
+):
+    """The ``report.blocks`` summary box: what one rank-dumped case shows, and what to do."""
+    working = [f for f in fixes if f["selected_all_layers"] and f["answer_correct"]]
+    restoring = [f for f in fixes if f["answer_correct"]]
+    root = [f for f in working if _fix_kind(f, patch) == "removes the patch"]
+    around = [f for f in working if _fix_kind(f, patch) == "patch stays in"] if root else []
+    one = (
+        f"case `{case['case_id']}`, one case: evidence, not a verdict (`needlescope investigate` measures it)"
+    )
+    if root:
+        cause = f"likely the patch `{patch}`: removing it restores selection and the answer on {one}"
+    elif dropped:
+        layer, p = dropped[0]
+        cause = (
+            f"the indexer's top-k drops the needle in CSA layer {layer} (best entry rank {p['best_rank']} of "
+            f"{p['visible_entries']}, k = {rankdump['index_topk']}) on {one}"
+        )
+        cause += "" if working else "; **unexplained** beyond that: no candidate restores it"
+    elif restoring:
+        cause = f"not the top-k cutoff (the needle was selected in every CSA layer); `{restoring[0]['label']}` restores the answer on {one}"
+    else:
+        cause = (
+            "**unexplained**: the needle was selected in every CSA layer and no candidate restores the answer"
+        )
+    best = (root or working or restoring or [None])[0]
+    fix = (
+        f"`{best['label']}` ({_fix_kind(best, patch)}): it restores "
+        + ("selection and the answer" if best["selected_all_layers"] else "the answer")
+        + f" on case `{case['case_id']}`"
+        if best
+        else "none found among the candidates; widen the sweep (`needlescope indexer sweep`)"
+    )
+    avoid = "; ".join(
+        f"`{f['label']}` is a workaround: it restores this case while the patch stays in" for f in around
+    )
+    rows = [
+        ("Symptom", symptom),
+        ("Root cause", cause),
+        ("Recommended fix", fix),
+        ("Not a fix", avoid or "-"),
+    ]
+    return ("box", "Summary", rows)
 
 
 def _dropped_layers(rankdump: dict) -> list[tuple[int, dict]]:

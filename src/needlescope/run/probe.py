@@ -25,7 +25,7 @@ from needlescope.report.probe import write_probe_outputs
 from needlescope.run.config import ProbeConfig
 from needlescope.run.replay import write_failure_bundles
 from needlescope.run.scheduler import Grade, run_cases
-from needlescope.run.store import ResultStore
+from needlescope.run.store import ResultStore, peek
 from needlescope.targets import (
     ChatTarget,
     LocalTokenCounter,
@@ -145,6 +145,10 @@ def _new_store(
     cfg.out.mkdir(parents=True, exist_ok=True)
     path = cfg.out / STORE_NAME
     store = ResultStore(path)
+    if store.get_meta("fingerprint") is not None:
+        # Another run made it between check_out and here (and has ended: it held the lock).
+        store.close()
+        raise BadInput(f"{path} already holds a run; pass --resume to continue it or choose another --out")
     try:
         store.put_meta("fingerprint", cfg.fingerprint(digits))
         store.put_meta("provenance", provenance)
@@ -160,20 +164,22 @@ def _new_store(
 
 
 def _resume_store(cfg: ProbeConfig, on_event: Event) -> ResultStore:
-    store = ResultStore(cfg.out / STORE_NAME)
-    previous = store.get_meta("fingerprint")
+    """The store to resume, checked read-only first (a foreign file is never written to)."""
+    path = cfg.out / STORE_NAME
+    if not path.is_file():
+        raise BadInput(f"--resume: {path} does not exist; drop --resume to start a run there")
+    found = peek(path)
+    previous = found["fingerprint"]
     digits = cfg.value_digits if cfg.value_digits is not None else (previous or {}).get("value_digits")
-    source = (store.get_meta("run_notes") or {}).get("value_digits_source", "--value-digits")
-    on_event("value_digits", {"value_digits": digits, "source": f"the run being resumed ({source})"})
-    if previous is None or not store.cases():
-        store.close()
-        raise BadInput(f"--resume: {cfg.out / STORE_NAME} holds no cases; delete it and start the run again")
+    source = (found["run_notes"] or {}).get("value_digits_source", "--value-digits")
+    if previous is None or not found["cases"]:
+        raise BadInput(f"--resume: {path} holds no cases; delete it and start the run again")
     if previous != cfg.fingerprint(digits):
-        store.close()
         raise BadInput(
             f"--resume: the run in {cfg.out} was made with {previous}, not {cfg.fingerprint(digits)}; use another --out"
         )
-    return store
+    on_event("value_digits", {"value_digits": digits, "source": f"the run being resumed ({source})"})
+    return ResultStore(path)
 
 
 def run_probe(cfg: ProbeConfig, on_event: Event = _noop, *, difficulty: dict | None = None) -> dict:

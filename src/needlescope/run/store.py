@@ -4,11 +4,19 @@ Every finished request is committed at once (WAL journal), so a run
 killed with SIGKILL loses at most the requests in flight; on resume each case is run until it
 has exactly one ``ok`` row. Error rows are replaced when the case is retried. A run that sends
 each case in several arms (engine-state) keeps one row per (factor, arm, case) in ``sends``.
+
+One writer at a time: a store holds an exclusive ``flock`` on ``<file>.lock`` beside it for as
+long as it is open, so a second run with the same ``--out`` is refused with one line instead of
+mixing two grids into one file. ``peek`` reads a store without writing anything, so ``--resume``
+checks a file (is it a needlescope store, which run made it) before opening it for writing and
+leaves a foreign ``results.sqlite`` untouched.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 import sqlite3
 import time
 from pathlib import Path
@@ -75,9 +83,60 @@ RESULT_FIELDS = (
 )
 
 
+_TABLES = ("meta", "cases", "results")
+
+
+def peek(path: str | Path) -> dict:
+    """``{"fingerprint", "run_notes", "cases"}`` of the store at ``path``, read without writing
+    anything (SQLite read-only); BadInput when it is not a needlescope results database."""
+    path = Path(path)
+    try:
+        db = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
+        try:
+            names = {n for (n,) in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+            if not set(_TABLES) <= names:
+                raise BadInput(
+                    f"{path} is not a needlescope results database (it has no {', '.join(sorted(set(_TABLES) - names))} "
+                    "table); it was left as it is: use another --out"
+                )
+            meta = {
+                k: json.loads(v)
+                for k, v in db.execute(
+                    "SELECT key, CAST(value AS TEXT) FROM meta WHERE key IN ('fingerprint', 'run_notes')"
+                )
+            }
+            (n,) = db.execute("SELECT COUNT(*) FROM cases").fetchone()
+        finally:
+            db.close()
+    except (sqlite3.DatabaseError, ValueError) as e:
+        raise BadInput(
+            f"{path} is not a usable needlescope results database: {e}; it was left as it is"
+        ) from None
+    return {"fingerprint": meta.get("fingerprint"), "run_notes": meta.get("run_notes"), "cases": n}
+
+
+def _lock(path: Path) -> int:
+    """An exclusive lock on ``<path>.lock`` (held until the descriptor closes); BadInput naming
+    the holder when another process has it."""
+    lock_path = path.with_name(path.name + ".lock")
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "another process"
+        os.close(fd)
+        raise BadInput(
+            f"another needlescope run (pid {holder}) is writing {path.parent}; wait for it to end or use another --out"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    return fd
+
+
 class ResultStore:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
+        self._lock_fd = _lock(self.path)
         try:
             # isolation_level=None: autocommit; we open explicit transactions where several rows go together.
             self._db = sqlite3.connect(str(self.path), isolation_level=None, check_same_thread=False)
@@ -92,6 +151,7 @@ class ResultStore:
                 if col not in cols:
                     self._db.execute(f"ALTER TABLE results ADD COLUMN {col} TEXT")
         except sqlite3.DatabaseError as e:
+            os.close(self._lock_fd)
             raise BadInput(f"{self.path} is not a usable needlescope results database: {e}") from e
 
     @property
@@ -195,6 +255,9 @@ class ResultStore:
 
     def close(self) -> None:
         self._db.close()
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # releases the writer's lock
+            self._lock_fd = None
 
     def __enter__(self) -> ResultStore:
         return self

@@ -36,6 +36,20 @@ LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 DEVICES = ("cpu", "cuda")
 
 
+_JSON_TYPES = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,), "None": (type(None),)}
+
+
+def _json_type_ok(value: object, annotation: str) -> bool:
+    """Whether a JSON value fits a field annotated ``int``, ``float``, ``str``, ``bool`` or a
+    ``X | None`` of them (a bool is not a number here, as in the flags)."""
+    allowed = tuple(
+        t for name in str(annotation).split("|") for t in _JSON_TYPES.get(name.strip(), (object,))
+    )
+    if isinstance(value, bool) and bool not in allowed:
+        return False
+    return isinstance(value, allowed)
+
+
 @dataclass(frozen=True, kw_only=True)
 class ServeConfig:
     """Validated server settings; every field is echoed by ``/get_server_info``."""
@@ -59,6 +73,14 @@ class ServeConfig:
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     """Cap on generated tokens per request (also the default when a request gives none)."""
     device: str = "cpu"
+    """cpu | cuda | cuda:N | auto (every visible GPU, layers placed across them) | a list
+    ``cuda:0,cuda:1`` (``dsa.placement``)."""
+    max_memory: str | None = None
+    """Weight bytes per device when placing (``70GiB`` or one per device); default: each GPU's
+    free memory minus the activation reserve."""
+    prefill_chunk: int | None = None
+    """Run prompts longer than this through the KV cache in chunks of this many tokens, so that
+    a 128K-token prefill's memory is bounded by the chunk (``dsa.passes``); None: one pass."""
     kernel: str = "auto"
     """Indexer scoring: auto (Triton on CUDA where the precisions allow) | reference | triton."""
     kernel_fault: str | None = None
@@ -99,10 +121,19 @@ class ServeConfig:
             raise BadInput(f"--max-prefill-tokens must be at least 1; got {self.max_prefill_tokens}")
         if self.max_new_tokens < 1:
             raise BadInput(f"--max-new-tokens must be at least 1; got {self.max_new_tokens}")
-        if self.device.split(":")[0] not in DEVICES:
+        listed = [d.strip() for d in self.device.split(",")]
+        if self.device != "auto" and (not all(listed) or any(d.split(":")[0] not in DEVICES for d in listed)):
             raise BadInput(
-                f"--device must be one of {', '.join(DEVICES)} (optionally cuda:N); got {self.device!r}"
+                f"--device must be auto, one of {', '.join(DEVICES)} (optionally cuda:N), or a comma-separated "
+                f"list of them; got {self.device!r}"
             )
+        if self.max_memory is not None:
+            from needlescope.dsa.placement import parse_max_memory
+
+            n = 1 if self.device == "auto" or "," not in self.device else len(listed)
+            parse_max_memory(self.max_memory.split(",")[0] if self.device == "auto" else self.max_memory, n)
+        if self.prefill_chunk is not None and self.prefill_chunk < 1:
+            raise BadInput(f"--prefill-chunk must be at least 1 token (or unset); got {self.prefill_chunk}")
         if self.threads < 1:
             raise BadInput(f"--threads must be at least 1; got {self.threads}")
         from needlescope.kernels.names import KERNEL_FAULTS, KERNELS
@@ -173,6 +204,9 @@ class ServeConfig:
         unknown = set(obj) - {f.name for f in fields(cls) if f.name != "api_key"}
         if unknown:
             raise BadInput(f"--config-json has unknown field(s) {', '.join(sorted(unknown))}")
+        for f in fields(cls):
+            if f.name in obj and f.name != "setting" and not _json_type_ok(obj[f.name], f.type):
+                raise BadInput(f"--config-json field {f.name!r} = {obj[f.name]!r}; expected {f.type}")
         if obj.get("setting") is not None:
             obj["setting"] = Setting.from_json(obj["setting"])
         return cls(**obj)

@@ -58,6 +58,7 @@ from transformers import DynamicCache
 from needlescope import __version__
 from needlescope.dsa.checkpoint import load_bundle, recorded_value_digits
 from needlescope.dsa.emulate import IndexerCapture, emulate
+from needlescope.dsa.loading import placement_of
 from needlescope.errors import BadInput
 from needlescope.serve.admission import Admission
 from needlescope.serve.config import ServeConfig
@@ -103,7 +104,10 @@ class Engine:
         self.cfg = cfg
         self.metrics = metrics or ServeMetrics()
         torch.set_num_threads(cfg.threads)
-        self.model, self.tokenizer, self.path = load_bundle(cfg.model, device=cfg.device)
+        self.model, self.tokenizer, self.path = load_bundle(
+            cfg.model, device=cfg.device, max_memory=cfg.max_memory
+        )
+        self.device = self.model.get_input_embeddings().weight.device  # where token ids go
         self._decoder = copy.deepcopy(self.tokenizer)  # the worker thread's own copy
         mcfg = self.model.config
         self.architecture = type(self.model).__name__
@@ -119,7 +123,7 @@ class Engine:
             from needlescope.kernels.scoring import kernel_backend
 
             # The scorers that emulate installs keep the backend in force when entering them.
-            with kernel_backend(cfg.kernel, cfg.device, cfg.kernel_fault):
+            with kernel_backend(cfg.kernel, self.device, cfg.kernel_fault):
                 self.csa_layers = self._stack.enter_context(
                     emulate(self.model, self.numerics, capture=self.capture)
                 )
@@ -202,6 +206,8 @@ class Engine:
             "torch_version": torch.__version__,
             "transformers_version": _transformers_version(),
             "device": self.cfg.device,
+            "placement": None if placement_of(self.model) is None else placement_of(self.model).report(),
+            "prefill_chunk": self.cfg.prefill_chunk,
             "threads": self.cfg.threads,
         }
 
@@ -271,8 +277,22 @@ class Engine:
         return _Row(req=req, gen=gen)
 
     def _forward(self, ids: torch.Tensor, start: int, cache: DynamicCache, keep: int = 1) -> torch.Tensor:
-        """Logits [B, keep or S, V] (float32, on the CPU) of the last ``keep`` positions (0: all)."""
+        """Logits [B, keep or S, V] (float32, on the CPU) of the last ``keep`` positions (0: all).
+
+        With ``prefill_chunk`` set, a longer ``ids`` runs in chunks through ``cache`` (each chunk
+        keeps what the caller asked for of its own positions)."""
         B, S = ids.shape
+        chunk = self.cfg.prefill_chunk
+        if chunk is not None and S > chunk:
+            parts = []
+            for lo in range(0, S, chunk):
+                hi = min(lo + chunk, S)
+                want = hi - lo if keep == 0 else max(0, min(hi - lo, keep - (S - hi)))
+                if want or hi == S:
+                    parts.append(self._forward(ids[:, lo:hi], start + lo, cache, keep=want))
+                else:
+                    self._forward(ids[:, lo:hi], start + lo, cache, keep=1)
+            return torch.cat(parts, dim=1)
         pos = torch.arange(start, start + S, device=ids.device).unsqueeze(0).expand(B, -1)
         out = self.model(
             input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True, logits_to_keep=keep
@@ -313,7 +333,7 @@ class Engine:
         want_prompt = rows[0].req.params.prompt_logprobs is not None
         if self.capture is not None:
             self.capture.clear()
-        device = self.cfg.device
+        device = self.device
         ids = torch.tensor([r.req.prompt_ids for r in rows], dtype=torch.long, device=device)
         self.metrics.batch_size.observe(len(rows))
         self.metrics.prompt_tokens.inc(len(rows) * P)

@@ -62,11 +62,24 @@ def _deadline_of(request: httpx.Request, default: float) -> float:
     return default if read is None else read
 
 
-def _bounded_response(resp: httpx.Response, body: bytes, request: httpx.Request) -> httpx.Response:
+def client_addr(resp: httpx.Response) -> tuple | None:
+    """The client end of the connection ``resp`` came over, read while it is open (None: no socket,
+    as under a test transport)."""
+    stream = resp.extensions.get("network_stream")
+    return stream.get_extra_info("client_addr") if stream is not None else None
+
+
+def _bounded_response(
+    resp: httpx.Response, body: bytes, request: httpx.Request, addr: tuple | None = None
+) -> httpx.Response:
     # The body is already decoded (the cap counts decoded bytes, so a compressed bomb stops too).
     drop = ("content-encoding", "content-length", "transfer-encoding")
     headers = [(k, v) for k, v in resp.headers.multi_items() if k.lower() not in drop]
-    return httpx.Response(resp.status_code, headers=headers, content=body, request=request)
+    # The connection has gone back to the pool: keep which one it was (probe results record it).
+    extensions = {"client_addr": addr} if addr is not None else {}
+    return httpx.Response(
+        resp.status_code, headers=headers, content=body, request=request, extensions=extensions
+    )
 
 
 class AsyncBoundedTransport(httpx.AsyncBaseTransport):
@@ -89,6 +102,7 @@ class AsyncBoundedTransport(httpx.AsyncBaseTransport):
         try:
             async with asyncio.timeout(deadline_s):
                 resp = await self._inner.handle_async_request(request)
+                addr = client_addr(resp)
                 try:
                     body = bytearray()
                     async for chunk in resp.aiter_bytes():
@@ -99,7 +113,7 @@ class AsyncBoundedTransport(httpx.AsyncBaseTransport):
                     await resp.aclose()
         except TimeoutError:
             raise _deadline_error(request, deadline_s) from None
-        return _bounded_response(resp, bytes(body), request)
+        return _bounded_response(resp, bytes(body), request, addr)
 
     async def aclose(self) -> None:
         await self._inner.aclose()

@@ -78,9 +78,8 @@ _REPLICA_FIELDS = ("replica", "replica_id", "worker_id")
 
 
 def _connection(resp: httpx.Response) -> str | None:
-    stream = resp.extensions.get("network_stream")
-    # A test transport has no socket; a closed one may refuse to say.
-    addr = stream.get_extra_info("client_addr") if stream is not None else None
+    # The bounded transport keeps the client address of the (pooled again) connection.
+    addr = resp.extensions.get("client_addr")
     return f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) and len(addr) >= 2 else None
 
 

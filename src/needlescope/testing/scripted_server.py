@@ -13,7 +13,9 @@ chat served before it (``stale``: a response cache reused across requests). It f
 prompt has at least ``--fault-from`` tokens, when ``--fault-residue M:R`` is given only if its
 length is R mod M, when ``--fault-depth LO:HI`` is given only if the needle's fact starts between
 LO% and HI% of the prompt's words, and then with probability ``--fault-rate`` (drawn from
-``--fault-seed``; 1.0 is deterministic). ``--truncate-middle N`` imitates a serving layer that fits
+``--fault-seed``; 1.0 is deterministic). ``--fault-ramp W`` (tokens) makes the rate a logistic
+ramp instead of a step: ``rate / (1 + exp(-(n - fault_from) / W))`` at every length n, so recall
+falls smoothly through ``--fault-from`` (a noisy collapse, for the bisection's coverage bench). ``--truncate-middle N`` imitates a serving layer that fits
 long prompts by dropping their middle: a prompt of more than N words keeps its first N // 2 and
 last N - N // 2 words (the ``--window`` applies to what is left).
 ``--replica-id`` adds an ``X-Replica-Id`` header, as a router in front of replicas might;
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import re
@@ -147,7 +150,7 @@ class State:
 
     def fault_fires(self, n_tokens: int, messages: list[dict]) -> bool:
         o = self.opts
-        if o.fault is None or n_tokens < o.fault_from:
+        if o.fault is None or (n_tokens < o.fault_from and o.fault_ramp <= 0):
             return False
         if o.fault_residue is not None:
             mod, res = o.fault_residue
@@ -157,10 +160,13 @@ class State:
             depth = needle_depth(messages)
             if depth is None or not o.fault_depth[0] <= depth <= o.fault_depth[1]:
                 return False
-        if o.fault_rate >= 1.0:
+        rate = o.fault_rate
+        if o.fault_ramp > 0:
+            rate /= 1 + math.exp(-(n_tokens - o.fault_from) / o.fault_ramp)
+        if rate >= 1.0:
             return True
         with self.lock:
-            return self.rng.random() < o.fault_rate
+            return self.rng.random() < rate
 
     def next_chat(self) -> int:
         with self.lock:
@@ -366,7 +372,8 @@ def _band(text: str) -> tuple[float, float]:
     return lo, hi
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_options(argv: list[str] | None = None) -> argparse.Namespace:
+    """The scripted server's options, every default filled (tests that embed the handler use it too)."""
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--window", type=int, required=True)
@@ -385,6 +392,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--truncate-middle", type=int, default=0, help="keep the first and last N/2 words")
     p.add_argument("--fault-rate", type=float, default=1.0)
     p.add_argument("--fault-seed", type=int, default=0)
+    p.add_argument("--fault-ramp", type=float, default=0.0, help="logistic width in tokens (0: a step)")
     p.add_argument("--replica-id", default=None)
     p.add_argument("--page-size", type=int, default=0, help="reported in /get_server_info only")
     p.add_argument("--api-key", default=None)
@@ -393,7 +401,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--trained-value-digits", type=int, default=0)
     p.add_argument("--max-concurrent", type=int, default=0)
     p.add_argument("--die-after", type=int, default=0)
-    opts = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    opts = parse_options(argv)
     Handler.state = State(opts)
     server = ThreadingHTTPServer(("127.0.0.1", opts.port), Handler)
     server.daemon_threads = True

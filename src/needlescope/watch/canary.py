@@ -82,6 +82,10 @@ def serve_metrics(metrics: CanaryMetrics, host: str, port: int):
     return server
 
 
+ERROR_LOG_EVERY_S = 60.0
+"""The canary logs each distinct error reason at most once per this many seconds."""
+
+
 class Canary:
     def __init__(
         self,
@@ -103,6 +107,7 @@ class Canary:
         """(lengths that fit the target, digits per value), resolved the first time it answers."""
         self._up: bool | None = None
         self._warned: set[str] = set()
+        self._error_log: dict[str, list[float]] = {}  # reason -> [last logged at, suppressed since]
         self._at_limit_run = 0
         self._recorders = [RecordingTransport(transport) for _ in range(cfg.max_in_flight)]
         self._targets: list[ChatTarget] = []
@@ -212,8 +217,19 @@ class Canary:
         log.debug("length %d: %s, answer %r", length, outcome.detail, outcome.answer[:200])
 
     def _count_error(self, outcome: Outcome) -> None:
+        """Count the error; log it at warning level once per distinct reason per minute (a target
+        refusing every probe must show in the log, not only in a counter), with how many of the
+        same were not logged since."""
         self.metrics.errors.labels(outcome.error).inc()
-        log.debug("probe error (%s): %s", outcome.error, outcome.detail)
+        reason = f"{outcome.error}: {outcome.detail[:300]}"
+        seen = self._error_log.get(reason)
+        now = self.clock()
+        if seen is not None and now - seen[0] < ERROR_LOG_EVERY_S:
+            seen[1] += 1
+            return
+        more = f" ({int(seen[1])} more like it since the last such line)" if seen and seen[1] else ""
+        self._error_log[reason] = [now, 0]
+        log.warning("probe error (%s): %s%s", outcome.error, outcome.detail[:300], more)
 
     def _set_up(self, up: bool, detail: str) -> None:
         self.metrics.target_up.set(1 if up else 0)

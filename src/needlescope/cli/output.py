@@ -1,0 +1,46 @@
+"""The one place the CLI prints through: rich consoles with markup off unless the caller says
+the text is our own template.
+
+rich reads ``[...]`` as markup: a path, URL, server message or model answer holding ``[/x]``
+crashed a command with a traceback, and ``[symptom]`` or ``needlescope[watch]`` vanished from
+messages. Every command prints through ``console`` / ``err_console`` from here, which treat every string
+as plain text (markup and highlighting off, table cells included; style with ``style=`` or a
+``rich.text.Text``). Styled lines go through ``say``: the
+template is ours (markup allowed), every value is escaped before it is put in:
+
+    console.say("root cause: [bold]{}[/]", verdict)      # verdict printed as written
+
+Help text is plain too: every Typer app is built by ``typer_app`` (``rich_markup_mode=None``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+__all__ = ["SafeConsole", "console", "err_console", "typer_app"]
+
+
+class SafeConsole(Console):
+    """A rich console that shows strings as written: markup and highlighting off for ``print``
+    and for every string it renders (table cells included); ``say`` fills our own markup
+    template with escaped values."""
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(markup=False, highlight=False, **kw)
+
+    def say(self, template: str, *values: Any, **kw: Any) -> None:
+        """``template.format(*values)`` with markup read from ``template`` only."""
+        self.print(template.format(*(escape(str(v)) for v in values)), markup=True, **kw)
+
+
+console = SafeConsole()
+err_console = SafeConsole(stderr=True)
+
+
+def typer_app(**kw: Any) -> typer.Typer:
+    """A Typer app whose help text is shown as written (no rich markup: ``[watch]`` stays)."""
+    return typer.Typer(rich_markup_mode=None, **kw)

@@ -1,0 +1,149 @@
+"""Ledgers ``needlescope investigate init`` writes for a live deployment: ``--live URL`` (a
+working ledger for that endpoint) and ``--from-probe RUN_DIR`` (one whose symptom is the stored
+probe's failing cells, against the endpoint that probe measured).
+
+Both are the live route (``candidate = "live"``, docs/investigate.md): nothing can be removed
+from a running server, so each suspect is emulated in the reference checkpoint and compared with
+the selection the endpoint captures (``live_emulation``). The suspects are the indexer faults a
+live capture can tell apart, plus ``index_topk`` when the server advertises a top-k below its
+checkpoint's. The reference checkpoint is the served model when ``/get_server_info`` says
+``organism`` (or exposes its directory); otherwise the ledger names ``organism`` and says to
+edit it, because a live capture must be compared with the same weights.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from needlescope.errors import BadInput
+from needlescope.run.store import ResultStore
+from needlescope.targets import collect_provenance, normalize_base_url
+
+__all__ = ["LIVE_SYMPTOM", "from_probe_ledger", "live_ledger", "write_ledger"]
+
+# A symptom small enough to run on CPU in about a minute (the live route's tested size).
+LIVE_SYMPTOM = {"kind": "multiturn", "lengths": [512], "depths": [0, 25, 50, 75, 100], "trials": 2, "seed": 0}
+
+_SUSPECTS = (
+    ("page_table", "the paged indexer reads the key cache by logical page", 'patch = "fault:indexer_page_table"'),
+    ("key_slot", "the indexer writes each key into the wrong cache slot", 'patch = "fault:indexer_key_slot"'),
+    ("index_keys_fp8", "fp8 index keys lose the needle's score margin", 'setting = "k=fp8_e4m3"'),
+)  # fmt: skip
+
+
+def _reference_model(info: dict | None) -> tuple[str, str]:
+    """(the ledger's ``model``, its comment): the served checkpoint when the server says which."""
+    info = info if isinstance(info, dict) else {}
+    path = info.get("model_path")
+    if info.get("model") == "organism":
+        return "organism", "the endpoint serves the shipped organism"
+    if isinstance(path, str) and Path(path).is_dir():
+        return path, "the endpoint's model directory (/get_server_info model_path)"
+    return "organism", "EDIT: the local checkpoint the endpoint serves (its capture is compared with it)"
+
+
+def _symptom_toml(symptom: dict, why: str) -> list[str]:
+    return [
+        "[symptom]",
+        f"# {why}",
+        f'kind = "{symptom["kind"]}"',
+        f"lengths = {json.dumps(symptom['lengths'])}",
+        f"depths = {json.dumps(symptom['depths'])}",
+        f"trials = {symptom['trials']}",
+        f"seed = {symptom['seed']}",
+        "max_new_tokens = 6",
+        "",
+    ]
+
+
+def live_ledger(url: str, *, symptom: dict | None = None, why: str = "", api_key: str | None = None) -> str:
+    """The text of a live ledger for the endpoint at ``url`` (its info endpoints are read once)."""
+    root, v1 = normalize_base_url(url)
+    info = collect_provenance(root, v1, api_key=api_key).get("/get_server_info")
+    model, model_why = _reference_model(info)
+    lines = [
+        "# needlescope investigation ledger for a live endpoint (needlescope investigate run THIS --out DIR).",
+        "# Each suspect is emulated in the reference checkpoint and compared with the selection the",
+        "# endpoint captures (/generate with return_indexer_topk); docs/investigate.md.",
+        "",
+        "[target]",
+        f'model = "{model}"   # {model_why}',
+        "threads = 2",
+        'reference = "k=fp32 q=fp32 acc=fp32 topk=cfg"',
+        'candidate = "live"',
+        f'endpoint = "{root}"',
+        "",
+        *_symptom_toml(
+            symptom or LIVE_SYMPTOM, why or "multiturn needles at 512 tokens: about a minute on CPU"
+        ),
+    ]
+    suspects = list(_SUSPECTS)
+    info = info if isinstance(info, dict) else {}
+    topk, own = info.get("index_topk"), info.get("checkpoint_index_topk")
+    if isinstance(topk, int) and isinstance(own, int) and topk < own:
+        suspects.append(
+            (
+                "index_topk",
+                f"top-{topk} (the checkpoint's is {own}) drops the needle",
+                f'setting = "topk={topk}"',
+            )
+        )
+    for i, (sid, hypothesis, mapping) in enumerate(suspects):
+        lines += [
+            "[[suspects]]",
+            f'id = "{sid}"',
+            f"tier = {1 + i // 2}",
+            f'hypothesis = "{hypothesis}"',
+            mapping,
+        ]
+        lines += ['checks = ["live_emulation"]', ""]
+    return "\n".join(lines)
+
+
+def from_probe_ledger(run_dir: str | Path, *, api_key: str | None = None) -> str:
+    """A live ledger whose symptom is the failing cells of the probe run in ``run_dir``
+    (recall below its threshold): their lengths and depths, its kind, trials and seed."""
+    run_dir = Path(run_dir)
+    summary_path = run_dir / "summary.json"
+    if not summary_path.is_file() or not (run_dir / "results.sqlite").is_file():
+        raise BadInput(
+            f"--from-probe {run_dir} holds no finished probe (summary.json, results.sqlite); give a probe --out"
+        )
+    try:
+        summary = json.loads(summary_path.read_text(encoding="utf-8"))
+        cells, threshold = summary["cells"], summary["threshold"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise BadInput(
+            f"--from-probe: {summary_path} is not a probe summary ({e}); re-run the probe"
+        ) from None
+    failing = [c for c in cells if c.get("n") and c["recall"] < threshold]
+    if not failing:
+        raise BadInput(
+            f"--from-probe: no cell of {run_dir} recalls below {threshold:g}; nothing to investigate"
+        )
+    with ResultStore(run_dir / "results.sqlite") as store:
+        fingerprint = store.get_meta("fingerprint") or {}
+    root = (summary.get("provenance") or {}).get("root")
+    if not root:
+        raise BadInput(f"--from-probe: {summary_path} does not name the probed endpoint; use --live URL")
+    symptom = {
+        "kind": summary["kind"],
+        "lengths": sorted({int(c["length"]) for c in failing}),
+        "depths": sorted({c["depth"] for c in failing}),
+        "trials": int(fingerprint.get("trials", 2)),
+        "seed": int(fingerprint.get("seed", 0)),
+    }
+    where = ", ".join(f"{c['length']}@{c['depth']:g}% ({c['correct']}/{c['n']})" for c in failing)
+    why = f"the failing cells of {run_dir} (recall < {threshold:g}): {where}"
+    return live_ledger(root, symptom=symptom, why=why[:300], api_key=api_key)
+
+
+def write_ledger(directory: str | Path, text: str, *, force: bool = False) -> Path:
+    """Write ``text`` as ``directory/investigation.toml`` (refusing to overwrite unless ``force``)."""
+    path = Path(directory) / "investigation.toml"
+    if path.exists() and not force:
+        raise BadInput(f"{path} exists; pass --force to overwrite or choose another directory")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text, encoding="utf-8")
+    return path

@@ -1,0 +1,58 @@
+"""Decode top-k over a paged key cache: logits and exact top-k, fused or as two kernels.
+
+The fused path builds the first radix-select histogram (``triton_radix``, top 8 bits of every
+row's keys) in the paged logits kernel: each program re-reads the logits it just wrote (after a
+barrier) and adds one histogram, so the top-k starts at its second pass: one launch and one full
+read of the logits row fewer than logits then top-k. (A histogram per page inside the page loop
+measured 4-41 us slower: its barriers sit in the pipelined loop.) The logits row is still
+written and read back by the remaining passes: a per-segment candidate list instead would need
+each program to finish a serial selection over its segment, which measured 8-40 us a stage
+(docs/perf/indexer-notes.md).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from needlescope.kernels import triton_logits, triton_radix, triton_topk
+from needlescope.kernels.layout import PagedKeys
+
+__all__ = ["decode_topk", "fuse_decode"]
+
+
+def fuse_decode(batch: int, width: int, k: int) -> bool:
+    """Whether the fused path is used for a [batch, width] decode top-k: wherever the radix
+    select is the top-k method. Measured on the H200 (docs/perf/indexer.md, run 8): fused 4.5-7.8
+    us under logits + radix top-k from 32K tokens on; where the bisection is the method (8K
+    tokens; 64 x 32K-128K) logits + bisection is as fast or faster."""
+    return triton_topk.topk_method(batch, width, k) == "radix"
+
+
+def decode_topk(
+    q: torch.Tensor,
+    w: torch.Tensor,
+    paged: PagedKeys,
+    context_lens: torch.Tensor,
+    k: int,
+    *,
+    fused: bool | None = None,
+    bits: int = 8,
+    fault: str | None = None,
+    logits_args: dict | None = None,
+) -> torch.Tensor:
+    """q [B, H, D] codes, w [B, H] fp32, context_lens int32 [B] -> int32 [B, k]: the exact top-k
+    entries of each request (ties to the lower index, -1 padding). ``fused`` None: ``fuse_decode``;
+    ``bits``: the radix digit width of the fused path.
+    ``logits_args``: tuning keywords of ``triton_logits.paged_logits``."""
+    B = q.shape[0]
+    lens = context_lens.to(device=q.device, dtype=torch.int32).clamp(0, paged.width).contiguous()
+    zeros = torch.zeros_like(lens)
+    if fused is None:
+        fused = fuse_decode(B, paged.width, k)
+    kw = logits_args or {}
+    if not fused:
+        logits = triton_logits.paged_logits(q, w, paged, lens, fault=fault, **kw)
+        return triton_topk.topk(logits, k, zeros, lens)
+    hist = triton_radix.radix_workspace(B, q.device, bits)
+    logits = triton_logits.paged_logits(q, w, paged, lens, fault=fault, hist=hist[0], hist_bits=bits, **kw)
+    return triton_radix.radix_topk(logits, k, zeros, lens, bits=bits, hist=hist, first_pass=1)
