@@ -471,6 +471,27 @@ def _explained_record(explained, ref_records, cand_records) -> dict | None:
     }
 
 
+def _unexplained(inv: _Investigation, suspects_out, ref_records, cand_records) -> dict:
+    """The residual, the localizer step when something is left unexplained (or a root cause is
+    an automatic suspect), and the non-finite score counts: ``verdicts.json`` keys."""
+    out: dict = {}
+    if inv.model is not None:
+        out["residual"], res_cfg, res_recs = residual(inv, suspects_out, ref_records, cand_records)
+        if out["residual"]["loses"]:
+            out["localization"] = localize_residual(inv, res_cfg, res_recs, ref_records)
+        elif any(r.startswith(AUTO_PREFIX) for r in root_causes(suspects_out)):
+            # nobody named the root cause: show where in the model it acts (the candidate itself)
+            out["localization"] = localize_residual(
+                inv,
+                inv.candidate,
+                cand_records,
+                ref_records,
+                "the candidate (its root cause is not named by the ledger)",
+            )
+    out["nonfinite_scores"] = nonfinite_summary(inv)
+    return out
+
+
 def run_investigation(
     ledger_path: str | Path,
     out: str | Path,
@@ -519,21 +540,10 @@ def run_investigation(
             root_cause=root_causes(suspects_out) or root,
             keeps_topk=f["keeps_topk"],
         )
-    extra = {"multiplicity": decided["multiplicity"], "nonfinite_scores": nonfinite_summary(inv)}
-    if inv.model is not None:
-        extra["residual"], res_cfg, res_recs = residual(inv, suspects_out, ref_records, cand_records)
-        if extra["residual"]["loses"]:
-            extra["localization"] = localize_residual(inv, res_cfg, res_recs, ref_records)
-        elif any(r.startswith(AUTO_PREFIX) for r in root_causes(suspects_out)):
-            # nobody named the root cause: show where in the model it acts (the candidate itself)
-            extra["localization"] = localize_residual(
-                inv,
-                inv.candidate,
-                cand_records,
-                ref_records,
-                "the candidate (its root cause is not named by the ledger)",
-            )
-        extra["nonfinite_scores"] = nonfinite_summary(inv)
+    extra = {
+        "multiplicity": decided["multiplicity"],
+        **_unexplained(inv, suspects_out, ref_records, cand_records),
+    }
     symptom = _symptom(inv, ref_records, cand_records)
     verdicts = write_verdicts(inv, symptom, root, sig, suspects_out, **extra)
     atomic_write_json(
