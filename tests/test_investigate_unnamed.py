@@ -108,6 +108,12 @@ def test_an_unnamed_patch_becomes_an_automatic_suspect_and_the_root_cause(unname
     auto = next(s for s in v["suspects"] if s["id"] == "auto:patches/buffer.py")
     assert auto["auto"] and auto["necessary"] and auto["sufficient"] and auto["role"] == "root cause"
     assert v["root_cause"] == "auto:patches/buffer.py" and not v["residual"]["loses"]
+    # nobody named it, so the localizer shows where it acts: the scorer its patch wraps
+    loc = v["localization"]
+    assert loc["diverges_first"] == "prefill" and loc["paths"][0]["module_type"] == "DeepseekV4IndexerScorer"
+    assert loc["command"].startswith(
+        "needlescope indexer diff --model organism --input-ids localize/input_ids.json"
+    )
     md = (d / "out" / "DIAGNOSIS.md").read_text()
     assert md.index("## Differences the ledger did not name") < md.index("## Symptom")
     assert "`patches/buffer.py`" in md and "auto:patches/buffer.py" in md

@@ -456,7 +456,8 @@ def _footer(inv: dict, out: Path, command: str | None) -> tuple:
     state = out / "state.json"
     digest = json.loads(state.read_text(encoding="utf-8")).get("ledger_sha256") if state.exists() else None
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    cmd = command or f"needlescope investigate run {inv['ledger']} --out {out}"
+    # no absolute path of this machine in an artifact: the run directory by its name
+    cmd = command or f"needlescope investigate run {inv['ledger']} --out {Path(out).name}"
     return (
         "footer",
         f"Rendered {when} by needlescope {needlescope.__version__}. Command: `{cmd}`. Ledger "
