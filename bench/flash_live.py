@@ -60,6 +60,10 @@ def main() -> None:
     ap.add_argument("--ckpt", default="/tmp/flash4-fp8")
     ap.add_argument("--rows", type=int, default=2, help="answer rows to capture and compare")
     ap.add_argument("--overrides", default="{}", help="JSON width overrides (a CPU smoke run)")
+    ap.add_argument("--reuse", action="store_true", help="keep a checkpoint already written at --ckpt")
+    ap.add_argument(
+        "--max-memory", default=None, help="in-process reference's weight budget (the server holds one copy)"
+    )
     args = ap.parse_args()
     out = Path(os.environ.get("OUT", "flash-live-out"))
     out.mkdir(parents=True, exist_ok=True)
@@ -86,12 +90,19 @@ def main() -> None:
         (out / "live.json").write_text(json.dumps(res, indent=2) + "\n")
         print(json.dumps({k: v for k, v in res.items() if k != "rows"}, indent=2), flush=True)
 
-    shutil.rmtree(args.ckpt, ignore_errors=True)
-    t0 = time.perf_counter()
-    res["write"] = write_flash_checkpoint(
-        args.ckpt, layers=4, fmt="fp8", device="cuda" if cuda else "cpu", overrides=json.loads(args.overrides)
-    )
-    res["write"]["seconds"] = round(time.perf_counter() - t0, 1)
+    if args.reuse and (Path(args.ckpt) / "model.safetensors.index.json").is_file():
+        res["write"] = {"reused": args.ckpt}
+    else:
+        shutil.rmtree(args.ckpt, ignore_errors=True)
+        t0 = time.perf_counter()
+        res["write"] = write_flash_checkpoint(
+            args.ckpt,
+            layers=4,
+            fmt="fp8",
+            device="cuda" if cuda else "cpu",
+            overrides=json.loads(args.overrides),
+        )
+        res["write"]["seconds"] = round(time.perf_counter() - t0, 1)
     tok = load_tokenizer(Path(args.ckpt))
 
     def count(msgs):
@@ -140,7 +151,7 @@ def main() -> None:
         out_ids = ans["output_ids"]
         positions = meta.get("indexer_topk_positions") or list(range(len(ids) - 1, len(ids) - 1 + shape[0]))
         t0 = time.perf_counter()
-        model, _, _ = load_bundle(args.ckpt, device="auto")
+        model, _, _ = load_bundle(args.ckpt, device="auto", max_memory=args.max_memory)
         res["reference"] = {
             "load_s": round(time.perf_counter() - t0, 1),
             "placement": placement_of(model).report(),
