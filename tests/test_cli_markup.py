@@ -52,3 +52,16 @@ def test_help_text_keeps_brackets():
     res = _run("probe", "--help")
     assert res.returncode == 0
     assert "Search [min, max] of --lengths" in " ".join(res.stdout.split()), res.stdout
+
+
+def test_bad_values_are_one_line_not_a_traceback():
+    """Issue 29 item 8: inputs that raised a TypeError or ValueError traceback."""
+    for args, words in (
+        (["serve", "--config-json", '{"max_connections": "x"}'], "expected int"),
+        (["serve", "--config-json", '{"port": true}'], "expected int"),
+        (["health", "--base-url", "http://[::1", "--model", "m"], "is not a valid URL"),
+        (["health", "--base-url", "http://127.0.0.1:99999", "--model", "m"], "is not a valid URL"),
+    ):
+        res = _run(*args)
+        assert res.returncode == 2 and words in res.stderr, (args, res.stderr[-800:])
+        assert len(res.stderr.strip().splitlines()) == 1, (args, res.stderr[-800:])

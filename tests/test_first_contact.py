@@ -107,6 +107,29 @@ def test_probe_says_which_value_length_it_took_and_shows_progress_when_piped(scr
     assert json.loads((tmp_path / "summary.json").read_text())["value_digits"] == 4
 
 
+def test_bisect_refuses_a_range_beyond_the_context_and_shows_each_step(scripted_server, tmp_path):
+    url = scripted_server(window=500, max_len=1000)
+    common = [
+        "probe",
+        "--bisect",
+        "--base-url",
+        url,
+        "--model",
+        "scripted",
+        "--depths",
+        "0,50",
+        "--trials",
+        "1",
+    ]
+    line = one_error_line(cli(*common, "--lengths", "100,1600", "--out", str(tmp_path / "long")))
+    assert "--lengths 1600: the target's context is 1000 tokens" in line
+    res = cli(*common, "--lengths", "100,900", "--resolution", "200", "--out", str(tmp_path / "ok"))
+    assert res.returncode == 0, res.stderr
+    first = res.stdout.splitlines()[:3]
+    assert first[0].startswith("needle values: 7 digits") and first[1].startswith("coarse: 100, ")
+    assert first[2].startswith("coarse: 0/10 (0%), ETA measuring"), first  # 5 lengths x 2 depths
+
+
 def test_compare_refuses_a_length_side_b_cannot_hold_before_a_is_probed(scripted_server, tmp_path):
     a = scripted_server(window=100_000, max_len=100_000)
     b = scripted_server(window=100_000, max_len=2000)

@@ -205,7 +205,9 @@ def test_interrupt_and_resume(tmp_path, reference_records):
     assert after[: len(before)] == before and len(after) == len(set(after)) == 20
     v = json.loads((out / "verdicts.json").read_text())
     assert v["root_cause"] == "page_table"
-    assert (out / "DIAGNOSIS.md").read_text().count("page_table") >= 2
+    diagnosis = (out / "DIAGNOSIS.md").read_text()
+    assert diagnosis.count("page_table") >= 2
+    assert f"Command: `needlescope investigate run {ledger} --out {out}`" in diagnosis  # the footer
 
 
 def _screenshot(page, shot, height: int) -> None:

@@ -82,30 +82,7 @@ def engine():
             self.end_headers()
             self.wfile.write(data)
 
-    opts = argparse.Namespace(
-        model="scripted",
-        window=300,
-        max_len=1_000_000,
-        fail_every=0,
-        fail_status=500,
-        drop_every=0,
-        garbage_every=0,
-        slow_every=0,
-        slow_s=0.0,
-        api_key=None,
-        models="ok",
-        no_tokenize=0,
-        trained_value_digits=0,
-        max_concurrent=0,
-        die_after=0,
-        fault=None,
-        fault_from=0,
-        fault_residue=None,
-        fault_rate=1.0,
-        fault_seed=0,
-        replica_id=None,
-        page_size=0,
-    )
+    opts = scripted_server.parse_options(["--window", "300"])
     Handler.state = scripted_server.State(opts)
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     server.daemon_threads = True

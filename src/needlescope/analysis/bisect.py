@@ -28,7 +28,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 
 from .significance import fisher_exact, holm
-from .stats import wilson_interval
+from .stats import binomial_tail, wilson_interval
 
 __all__ = [
     "RESIDUE_MAX_MOD",
@@ -43,7 +43,6 @@ __all__ = [
     "correct_residues",
     "ends_differ",
     "end_evidence",
-    "binom_tail",
     "crossing_confidence",
     "boundaries_from_server_info",
     "full_grid_points",
@@ -118,9 +117,8 @@ def residue_runs(modulus: int, lo: int, hi: int, bases: int) -> list[list[int]]:
 
 
 def _hypergeom(k: int, N: int, K: int, n: int) -> float:
-    """P(k of the n drawn are correct) when K of N are correct (drawn without replacement)."""
-    if k < max(0, n + K - N) or k > min(n, K):
-        return 0.0
+    """P(k of the n drawn are correct) when K of N are correct (drawn without replacement);
+    0 outside the support (``math.comb`` is 0 when asked for more than there are)."""
     return math.comb(K, k) * math.comb(N - K, n - k) / math.comb(N, n)
 
 
@@ -205,18 +203,14 @@ def ends_differ(tally: Tally, last_pass: int, first_fail: int, alpha: float) -> 
     return p < alpha and ka * nb > kb * na, p
 
 
-def binom_tail(k: int, n: int, p: float, upper: bool) -> float:
-    """P(X >= k) (``upper``) or P(X <= k) for X ~ Binomial(n, p)."""
-    ks = range(k, n + 1) if upper else range(0, k + 1)
-    return min(1.0, math.fsum(math.comb(n, i) * p**i * (1 - p) ** (n - i) for i in ks))
-
-
 def crossing_confidence(tally: Tally, last_pass: int, first_fail: int, threshold: float) -> float:
     """Bonferroni confidence that recall is >= threshold at ``last_pass`` and < it at
     ``first_fail`` (module doc); 0 when the counts cannot support it."""
     ka, na = tally[last_pass]
     kb, nb = tally[first_fail]
-    return max(0.0, 1.0 - binom_tail(ka, na, threshold, True) - binom_tail(kb, nb, threshold, False))
+    hold = binomial_tail(ka, na, threshold)  # P(X >= k_pass) at recall = threshold
+    fall = 1.0 - binomial_tail(kb + 1, nb, threshold)  # P(X <= k_fail)
+    return max(0.0, 1.0 - hold - fall)
 
 
 def _ints(value: object) -> list[int]:

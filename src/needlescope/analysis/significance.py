@@ -9,6 +9,8 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from .stats import binomial_tail
+
 __all__ = [
     "holm",
     "fisher_exact",
@@ -63,7 +65,7 @@ def mcnemar_power(n: int, drop: float, alpha: float) -> float:
     if k_min > n:
         return 0.0
     drop = min(1.0, drop)
-    return sum(math.comb(n, k) * drop**k * (1 - drop) ** (n - k) for k in range(k_min, n + 1))
+    return binomial_tail(k_min, n, drop)
 
 
 @dataclass(frozen=True)

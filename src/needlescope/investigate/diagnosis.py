@@ -8,6 +8,7 @@ is printed next to the measurement it rests on.
 from __future__ import annotations
 
 import datetime
+import itertools
 import json
 from pathlib import Path
 
@@ -32,17 +33,21 @@ def _layers_cell(rec: dict | None) -> str:
     )
 
 
+# Fix curves never take the reference's blue or the candidate's red.
+_FIX_COLOURS = ("#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#bcbd22", "#17becf", "#7f7f7f")
+
+
 def _recall_curves(ax, inv: dict) -> None:
     """Reference and candidate drawn thick, each fix thin and dashed over them (a fix that
     matches the reference stays visible on it), on a linear length axis ticked at the tested
     lengths."""
     sy = inv["symptom"]
-    for f in inv["fixes"]:
+    for f, colour in zip(inv["fixes"], itertools.cycle(_FIX_COLOURS)):
         rec = f["recall_by_length"]
         xs = [int(n) for n in rec]
         ax.plot(
             xs, [rec[str(n)] for n in xs], lw=1.2, ls="--", marker=".", alpha=0.9,
-            label=f"{f['name']} ({f.get('label_kind', 'fix')})", zorder=6,
+            label=f"{f['name']} ({f.get('label_kind', 'fix')})", zorder=6, color=colour,
         )  # fmt: skip
     for name, rec, colour in (
         ("reference", sy["recall_reference"], "#1f5fbf"),

@@ -36,6 +36,20 @@ LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 DEVICES = ("cpu", "cuda")
 
 
+_JSON_TYPES = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,), "None": (type(None),)}
+
+
+def _json_type_ok(value: object, annotation: str) -> bool:
+    """Whether a JSON value fits a field annotated ``int``, ``float``, ``str``, ``bool`` or a
+    ``X | None`` of them (a bool is not a number here, as in the flags)."""
+    allowed = tuple(
+        t for name in str(annotation).split("|") for t in _JSON_TYPES.get(name.strip(), (object,))
+    )
+    if isinstance(value, bool) and bool not in allowed:
+        return False
+    return isinstance(value, allowed)
+
+
 @dataclass(frozen=True, kw_only=True)
 class ServeConfig:
     """Validated server settings; every field is echoed by ``/get_server_info``."""
@@ -190,6 +204,9 @@ class ServeConfig:
         unknown = set(obj) - {f.name for f in fields(cls) if f.name != "api_key"}
         if unknown:
             raise BadInput(f"--config-json has unknown field(s) {', '.join(sorted(unknown))}")
+        for f in fields(cls):
+            if f.name in obj and f.name != "setting" and not _json_type_ok(obj[f.name], f.type):
+                raise BadInput(f"--config-json field {f.name!r} = {obj[f.name]!r}; expected {f.type}")
         if obj.get("setting") is not None:
             obj["setting"] = Setting.from_json(obj["setting"])
         return cls(**obj)

@@ -18,7 +18,13 @@ def normalize_base_url(url: str) -> tuple[str, str]:
     OpenAI endpoints under ``v1``.
     """
     raw = (url or "").strip()
-    parts = urlsplit(raw)
+    try:
+        parts = urlsplit(raw)
+        parts.port  # noqa: B018 (reading it validates it: "http://h:99999" raises here)
+    except ValueError as exc:
+        raise BadInput(
+            f"--base-url {raw!r} is not a valid URL ({exc}); pass e.g. http://127.0.0.1:8000/v1"
+        ) from None
     if parts.scheme not in ("http", "https") or not parts.netloc:
         raise BadInput(f"--base-url {raw!r} is not an http(s) URL; pass e.g. http://127.0.0.1:8000/v1")
     base = raw.rstrip("/")

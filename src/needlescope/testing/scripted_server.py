@@ -372,7 +372,8 @@ def _band(text: str) -> tuple[float, float]:
     return lo, hi
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_options(argv: list[str] | None = None) -> argparse.Namespace:
+    """The scripted server's options, every default filled (tests that embed the handler use it too)."""
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--window", type=int, required=True)
@@ -400,7 +401,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--trained-value-digits", type=int, default=0)
     p.add_argument("--max-concurrent", type=int, default=0)
     p.add_argument("--die-after", type=int, default=0)
-    opts = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    opts = parse_options(argv)
     Handler.state = State(opts)
     server = ThreadingHTTPServer(("127.0.0.1", opts.port), Handler)
     server.daemon_threads = True

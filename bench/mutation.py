@@ -1,0 +1,141 @@
+"""Mutation testing of the statistics and verdict code (``make mutation``; not part of ``make test``).
+
+    .venv/bin/python bench/mutation.py [--only NAME ...] [--out mutation-out]
+
+For each target (a module and the test files that cover it) this copies ``src/`` and those test
+files into a scratch directory, writes a ``setup.cfg`` for mutmut (pinned in the dev extras)
+that mutates that module only and runs only those tests, runs ``mutmut run`` there, and reads
+``mutmut results --all true``. Printed per target, and written to ``OUT/mutation.json``: killed,
+survived, timed out, no tests, and the score
+
+    score = (killed + timeout) / (mutants - equivalent)
+
+where ``equivalent`` are the surviving mutants listed in ``EQUIVALENT`` below with the reason
+they cannot change behaviour (docs/mutation.md). Survivors not listed are printed with their
+diff (``mutmut show``): kill them with a test, or list them with the reason.
+
+Mutants run in forked processes on the machine's cores; restricting each target to the tests
+that cover it keeps a run to a few minutes on two cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+TARGETS: dict[str, tuple[str, list[str]]] = {
+    "analysis.stats": ("analysis/stats.py", ["test_stats_exact.py", "test_regress_analysis.py"]),
+    "analysis.significance": (
+        "analysis/significance.py",
+        ["test_stats_exact.py", "test_regress_analysis.py"],
+    ),
+    "analysis.paired": ("analysis/paired.py", ["test_regress_analysis.py", "test_compare_fpr.py"]),
+    "analysis.bisect": ("analysis/bisect.py", ["test_bisect_analysis.py", "test_regress_analysis.py"]),
+    "analysis.margins": ("analysis/margins.py", ["test_margins.py"]),
+    "investigate.signature": ("investigate/signature.py", ["test_signature.py"]),
+    "run.bisect": ("run/bisect.py", ["test_bisect_logic.py"]),
+}
+
+EQUIVALENT: dict[str, str] = {}
+"""mutant name -> why it cannot change behaviour (kept in step with docs/mutation.md)."""
+
+
+def _mutmut(cwd: Path, *args: str, timeout: float | None = None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["HF_HUB_OFFLINE"] = "1"
+    exe = Path(sys.executable).with_name("mutmut")
+    return subprocess.run(
+        [str(exe), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def run_target(name: str, module: str, tests: list[str], out: Path) -> dict:
+    work = Path(tempfile.mkdtemp(prefix=f"mutation-{name}-"))
+    try:
+        shutil.copytree(ROOT / "src", work / "src")
+        (work / "tests").mkdir()
+        for t in ["conftest.py", *tests]:
+            shutil.copy(ROOT / "tests" / t, work / "tests" / t)
+        shutil.copy(ROOT / "pyproject.toml", work / "pyproject.toml")
+        (work / "setup.cfg").write_text(
+            "[mutmut]\nsource_paths = src\n"
+            f"only_mutate = src/needlescope/{module}\n"
+            "pytest_add_cli_args_test_selection =\n"
+            + "".join(f"    tests/{t}\n" for t in tests)
+            + "pytest_add_cli_args = -p no:cacheprovider -n 0 -q\n"
+        )
+        t0 = time.time()
+        run = _mutmut(work, "run")
+        if run.returncode != 0:
+            raise SystemExit(f"mutmut run failed for {name}:\n{run.stdout[-2000:]}\n{run.stderr[-2000:]}")
+        results = _mutmut(work, "results", "--all", "true").stdout
+        status: dict[str, str] = {}
+        for line in results.splitlines():
+            if ": " in line:
+                mutant, state = line.strip().rsplit(": ", 1)
+                status[mutant] = state
+        survivors = sorted(
+            m for m, s in status.items() if s in ("survived", "no tests") and m not in EQUIVALENT
+        )
+        diffs = {m: _mutmut(work, "show", m).stdout for m in survivors}
+        (out / f"{name}.survivors.txt").write_text("\n".join(diffs[m] for m in survivors))
+        counts = {s: sum(1 for v in status.values() if v == s) for s in sorted(set(status.values()))}
+        equivalent = sum(1 for m in status if m in EQUIVALENT)
+        detected = counts.get("killed", 0) + counts.get("timeout", 0)
+        return {
+            "target": name,
+            "module": module,
+            "tests": tests,
+            "mutants": len(status),
+            "counts": counts,
+            "equivalent": equivalent,
+            "score": detected / max(1, len(status) - equivalent),
+            "survivors": survivors,
+            "seconds": round(time.time() - t0),
+        }
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--only", nargs="*", default=None, help=f"targets: {', '.join(TARGETS)}")
+    p.add_argument("--out", type=Path, default=ROOT / "mutation-out")
+    args = p.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    names = args.only or list(TARGETS)
+    unknown = [n for n in names if n not in TARGETS]
+    if unknown:
+        raise SystemExit(f"unknown target(s) {unknown}; choose from {list(TARGETS)}")
+    print(
+        f"# {platform.node()} {platform.machine()} python {platform.python_version()} {time.strftime('%Y-%m-%d')}"
+    )
+    print("| target | mutants | killed | timeout | survived | no tests | equivalent | score | s |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    rows = []
+    for n in names:
+        module, tests = TARGETS[n]
+        r = run_target(n, module, tests, args.out)
+        rows.append(r)
+        c = r["counts"]
+        print(
+            f"| {n} | {r['mutants']} | {c.get('killed', 0)} | {c.get('timeout', 0)} | {c.get('survived', 0)} | "
+            f"{c.get('no tests', 0)} | {r['equivalent']} | {r['score']:.3f} | {r['seconds']} |",
+            flush=True,
+        )
+    (args.out / "mutation.json").write_text(json.dumps(rows, indent=2) + "\n")
+    print(f"survivors' diffs: {args.out}/<target>.survivors.txt")
+
+
+if __name__ == "__main__":
+    main()
