@@ -92,20 +92,32 @@ def test_no_implicated_suspect_reads_unexplained():
     r = rows(_inv(root=None, suspects=[_suspect("paged", "exonerated", "no effect")]))
     assert r["Root cause"] == "**unexplained**: no suspect in the ledger is implicated"
     assert r["Recommended fix"] == "none found: no replayed fix removes a cause" and r["Not a fix"] == "-"
+    open_ = [
+        _suspect("paged", "inconclusive", "too few cases"),
+        _suspect("k", "inconclusive", "w", role="workaround"),
+    ]
+    assert rows(_inv(root=None, suspects=open_))["Root cause"] == "**unexplained**: inconclusive: paged"
+    # Without a loss there is nothing to explain.
+    healthy = _inv(root=None, suspects=[_suspect("paged", "exonerated", "no effect")])
+    healthy["symptom"]["recall_candidate"] = dict(healthy["symptom"]["recall_reference"])
+    assert rows(healthy)["Root cause"].startswith("none to find: the candidate loses no recall")
 
 
 def test_a_residual_loss_and_uncovered_differences_say_unexplained():
     residual = {"loses": True, "text": "unexplained residual: recall 0.50 vs 1.00 (reference)"}
-    diffs = [{"kind": "env", "name": "SGLANG_X", "covered_by": []}]
+    diffs = [{"kind": "env", "name": "SGLANG_X", "covered_by": [], "verdict": None}]
     r = rows(_inv(root_causes=["paged"], residual=residual, unaccounted_differences=diffs))
     assert (
         "**paged**" in r["Root cause"]
         and "**partly unexplained**: unexplained residual: recall 0.50" in r["Root cause"]
     )
     assert (
-        "1 difference(s) between reference and candidate that no suspect covers: `SGLANG_X`"
+        "1 difference(s) from the reference that no ledger suspect names: `SGLANG_X` (not tested)"
         in r["Root cause"]
     )
+    # A difference whose automatic suspect was exonerated is accounted for.
+    settled = [{**diffs[0], "verdict": "exonerated"}]
+    assert "partly" not in rows(_inv(root_causes=["paged"], unaccounted_differences=settled))["Root cause"]
     r = rows(_inv(root=None, root_causes=[], residual=residual))
     assert r["Root cause"] == "**unexplained**: unexplained residual: recall 0.50 vs 1.00 (reference)"
     # A residual that does not lose leaves the cause explained.

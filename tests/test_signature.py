@@ -10,6 +10,7 @@ import random
 import pytest
 from scipy.stats import kstest
 
+from needlescope.analysis.stats import wilson_interval
 from needlescope.investigate.signature import (
     HOLD,
     NEAR_CHANCE,
@@ -241,3 +242,212 @@ def test_topk_fix_is_paired_and_directional():
     assert (got["runs"][0]["b"], got["runs"][0]["c"]) == (10, 0) and got["runs"][1]["c"] == 8
     assert topk_fix([base, worse])["restores"] is False  # c > b, significant: it hurts
     assert math.isclose(got["runs"][0]["p"], 2 / 2**10)
+
+
+def test_percentile_stats_values_against_scipy():
+    from scipy.stats import t as student_t
+    from scipy.stats import ttest_1samp
+
+    empty = percentile_stats([])
+    assert empty == {
+        "n": 0,
+        "mean_percentile": None,
+        "mean_lower": None,
+        "mean_upper": None,
+        "median_percentile": None,
+        "p_better": 1.0,
+        "p_worse": 1.0,
+        "p_near_chance": 1.0,
+    }
+    one = percentile_stats([0.3])
+    assert (
+        one["mean_percentile"] == 0.3 and one["mean_lower"] is None and one["p_better"] == pytest.approx(0.3)
+    )
+    two = percentile_stats([0.2, 0.4])
+    assert two["mean_lower"] is not None and two["median_percentile"] == pytest.approx(0.3)
+    us = [0.1, 0.5, 0.9, 0.3, 0.45]
+    got = percentile_stats(us)
+    n, mean = len(us), sum(us) / len(us)
+    se = (sum((u - mean) ** 2 for u in us) / (n - 1)) ** 0.5 / n**0.5
+    q = student_t.ppf(0.95, n - 1)
+    assert got["mean_lower"] == pytest.approx(mean - q * se) and got["mean_upper"] == pytest.approx(
+        mean + q * se
+    )
+    ref = ttest_1samp(us, 0.5 - NEAR_CHANCE, alternative="greater").pvalue
+    assert got["p_near_chance"] == pytest.approx(ref)
+    assert got["p_better"] + got["p_worse"] == pytest.approx(1.0)
+    assert percentile_stats([0.99, 0.98])["mean_upper"] == 1.0  # capped
+    assert percentile_stats([0.01, 0.02])["mean_lower"] == 0.0
+
+
+def test_cases_needed_values():
+    assert cases_needed() == cases_needed(1) == cases_needed(0) == 24
+    assert cases_needed(2) == 31
+
+
+def test_sum_uniform_cdf_exact_at_the_switch_and_normal_beyond():
+    from fractions import Fraction
+    from statistics import NormalDist
+
+    def exact(s, n):
+        x = Fraction(s)
+        return float(
+            sum((-1) ** k * math.comb(n, k) * (x - k) ** n for k in range(math.floor(s) + 1))
+            / math.factorial(n)
+        )
+
+    assert sum_uniform_cdf(190.0, 400) == pytest.approx(exact(190.0, 400), rel=1e-12)
+    assert sum_uniform_cdf(190.0, 401) == NormalDist(200.5, math.sqrt(401 / 12)).cdf(190.0)
+    assert sum_uniform_cdf(3.7, 5) == pytest.approx(1 - exact(5 - 3.7, 5), rel=1e-12)
+    with pytest.raises(ValueError, match="n must be >= 1; got 0"):
+        sum_uniform_cdf(0.5, 0)
+
+
+def test_rank_percentile_validation_and_exact_values():
+    assert rank_percentile(1, 10, 1, 0.0) == 0.0 and rank_percentile(10, 10, 1, 1.0) == pytest.approx(1.0)
+    assert rank_percentile(1, 5, 5, 0.5) == pytest.approx(0.5)  # every entry covers the needle
+    assert rank_percentile(2, 10, 1, 0.5) == pytest.approx(0.15)  # P(J < 1) = 0.1, P(J = 1) = 0.1
+    with pytest.raises(ValueError, match="inconsistent rank: best_rank 125, visible 128, needle entries 5"):
+        rank_percentile(125, 128, 5)
+    with pytest.raises(ValueError, match="inconsistent rank"):
+        rank_percentile(1, 4, 5)
+    with pytest.raises(ValueError, match="inconsistent rank"):
+        rank_percentile(1, 4, 0)
+    with pytest.raises(ValueError, match=r"draw must lie in \[0, 1\]; got -0.1"):
+        rank_percentile(1, 128, 5, -0.1)
+
+
+def test_layer_percentiles_skip_small_layers_and_use_the_case_draw():
+    from needlescope.investigate.signature import layer_percentiles
+
+    rec = {
+        "case_id": "c7",
+        "correct": False,
+        "analysed_token": 2,
+        "index_topk": 64,
+        "layers": [],
+        "first_token_layers": [
+            {"layer": 1, "best_rank": 3, "visible": 64, "needle_visible": 5},
+            {"layer": 3, "best_rank": 9, "visible": 128, "needle_visible": 5},
+        ],
+    }
+    got = layer_percentiles([rec])
+    assert list(got) == [3]
+    assert got[3] == [rank_percentile(9, 128, 5, case_draw("c7", 3))]
+    assert case_draw("c7", 3) != case_draw("c7", 1) and case_draw("c7", 3) != case_draw("c8", 3)
+    assert layer_percentiles([{**rec, "first_token_layers": None, "analysed_token": 2}]) == {}
+
+
+def test_signature_structure_and_classes():
+    rng = random.Random(11)
+    informative = [_rec(i, [_gaussian_rank(rng, 2.0)]) for i in range(30)]
+    runs = [
+        _run(64, {256: (30, 30), 512: (3, 30)}, prefix="a"),
+        _run(128, {256: (30, 30), 512: (30, 30)}, prefix="a"),
+    ]
+    sig = signature(informative, runs)
+    assert set(sig) == {
+        "uninformative_ranking",
+        "excluded",
+        "ranking",
+        "collapse",
+        "topk_fix",
+        "layers",
+        "collapse_vs_topk",
+    }
+    assert sig["ranking"] == "informative" and not sig["uninformative_ranking"] and not sig["excluded"]
+    assert set(sig["collapse"]) == {"tracks", "reason", "moved_by"} and sig["collapse"]["tracks"] is True
+    assert sig["topk_fix"]["restores"] is True
+    (fix,) = sig["topk_fix"]["runs"]
+    assert set(fix) == {"index_topk", "n", "b", "c", "p", "restores"} and (fix["index_topk"], fix["n"]) == (
+        128,
+        60,
+    )
+    (layer,) = sig["layers"]
+    assert set(layer) == {
+        "layer",
+        "population",
+        "n",
+        "mean_percentile",
+        "mean_lower",
+        "mean_upper",
+        "median_percentile",
+        "p_better",
+        "p_worse",
+        "p_near_chance",
+        "p_better_holm",
+        "p_worse_holm",
+        "p_near_chance_holm",
+        "ranking",
+        "uninformative",
+        "cases_needed",
+    }
+    assert layer["layer"] == 1 and layer["population"].startswith("every case with more visible entries")
+    assert layer["cases_needed"] == 24
+    row = sig["collapse_vs_topk"][0]
+    assert set(row) == {
+        "index_topk",
+        "capacity_tokens",
+        "recall",
+        "lengths",
+        "last_holding",
+        "first_collapsed",
+        "consistent",
+    }
+    assert row["recall"] == {"256": 1.0, "512": 0.1}
+    assert row["lengths"][1] == {
+        "length": 512,
+        "correct": 3,
+        "n": 30,
+        "ci": list(wilson_interval(3, 30)),
+        "state": "collapsed",
+    }
+    (held,) = collapse_runs([_run(128, {256: (30, 30), 512: (30, 30)})])
+    assert held["first_collapsed"] is None and held["last_holding"] == 512
+    empty = signature([], [])
+    assert empty["ranking"] == "undecided" and empty["collapse"]["tracks"] is None
+    assert empty["collapse"]["reason"] == "fewer than two runs with different index_topk"
+    assert empty["topk_fix"] == {"restores": False, "runs": []}
+    # One case ranked last: too few to call anything.
+    assert layer_ranking([_rec(0, [252])])[0]["ranking"] == "undecided"
+
+
+def test_tracks_topk_decisions_in_detail():
+    # The larger top-k collapses where the smaller did: within its own capacity, not tracking.
+    same = [_run(64, {256: (30, 30), 384: (2, 30)}), _run(128, {256: (30, 30), 384: (3, 30)})]
+    got = tracks_topk(collapse_runs(same))
+    assert got == {
+        "tracks": False,
+        "reason": "not tracking: index_topk 128 collapses at 384 tokens, within its capacity of 512",
+        "moved_by": [],
+    }
+    # The larger holds but the smaller is only unclear at the length between: cannot decide.
+    unclear = [
+        _run(64, {256: (30, 30), 512: (27, 30), 1024: (0, 30)}),
+        _run(128, {256: (30, 30), 512: (30, 30), 1024: (3, 30)}),
+    ]
+    got = tracks_topk(collapse_runs(unclear))
+    assert (
+        got["tracks"] is None
+        and got["reason"].startswith("cannot decide: at no tested length")
+        and got["moved_by"] == []
+    )
+    # The smallest run is undecided (nothing tested within its capacity) though a larger one moves: no decision.
+    base_open = [_run(64, {512: (0, 30), 1024: (27, 30)}), _run(128, {512: (30, 30), 1024: (27, 30)})]
+    assert tracks_topk(collapse_runs(base_open))["tracks"] is None
+    # Two inconsistent runs: the reason names the first.
+    bad = collapse_runs([_run(64, {100: (30, 30), 128: (3, 30)}), _run(128, {100: (30, 30), 128: (2, 30)})])
+    assert (
+        tracks_topk(bad)["reason"]
+        == "not tracking: index_topk 64 collapses at 128 tokens, within its capacity of 256"
+    )
+    never = collapse_runs([_run(64, {512: (3, 30)}), _run(128, {512: (2, 30)})])
+    assert tracks_topk(never)["reason"] == "not tracking: index_topk 64 never holds at any tested length"
+    moved = tracks_topk(collapse_runs([_run(64, {256: (30, 30), 512: (3, 30)}), _run(128, {512: (30, 30)})]))
+    assert moved["reason"] == (
+        "recall holds up to index_topk 64's capacity and collapses past it; index_topk 128 holds where it collapsed"
+    )
+    # Case sets that differ: only shared cases are paired.
+    base = {"index_topk": 64, "cases": {"a": False, "b": False}}
+    other = {"index_topk": 128, "cases": {"a": True, "z": True}}
+    assert topk_fix([base, other])["runs"][0]["n"] == 1

@@ -53,20 +53,36 @@ def _roots(inv: dict) -> list[str]:
     return list(roots)
 
 
+_SETTLED = ("implicated", "exonerated", "diverges_no_effect")
+
+
 def _unexplained(inv: dict) -> list[str]:
-    """Why part of the loss is unexplained: a residual that still loses, differences no suspect covers."""
+    """Why (part of) the loss is unexplained: a residual that still loses, differences no ledger
+    suspect names whose automatic suspect was not settled, suspects left inconclusive."""
     v = inv["verdicts"]
     out = []
     residual = v.get("residual")
     if residual and residual.get("loses"):
         out.append(residual.get("text") or "the candidate without its implicated suspects still loses recall")
-    diffs = v.get("unaccounted_differences") or []
+    diffs = [d for d in v.get("unaccounted_differences") or [] if d.get("verdict") not in _SETTLED]
     if diffs:
-        names = ", ".join(f"`{d['name']}`" for d in diffs[:5]) + (" ..." if len(diffs) > 5 else "")
+        names = ", ".join(f"`{d['name']}` ({d.get('verdict') or 'not tested'})" for d in diffs[:5])
+        more = " ..." if len(diffs) > 5 else ""
         out.append(
-            f"{len(diffs)} difference(s) between reference and candidate that no suspect covers: {names}"
+            f"{len(diffs)} difference(s) from the reference that no ledger suspect names: {names}{more}"
         )
+    open_ = [
+        s["id"] for s in v["suspects"] if s["verdict"] == "inconclusive" and shown_verdict(s) != "workaround"
+    ]
+    if open_:
+        out.append(f"inconclusive: {', '.join(open_)}")
     return out
+
+
+def _lost(inv: dict) -> bool:
+    sy = inv["symptom"]
+    ref, cand = sy["recall_reference"], sy["recall_candidate"]
+    return any(n in cand and cand[n] < ref[n] for n in ref)
 
 
 def _root_cause(inv: dict) -> str:
@@ -81,6 +97,8 @@ def _root_cause(inv: dict) -> str:
     if co:
         parts.append(f"co-factor(s) {', '.join(co)}: necessary, not sufficient on their own")
     unexplained = _unexplained(inv)
+    if not parts and not _lost(inv) and not unexplained:
+        return "none to find: the candidate loses no recall against the reference at the tested lengths"
     if not parts:
         why = "; ".join(unexplained) if unexplained else "no suspect in the ledger is implicated"
         return f"**unexplained**: {why}"

@@ -44,8 +44,9 @@ never holds at any tested length; otherwise undecided. A larger top-k **moves** 
 when, at a tested length ``L`` with ``C_small < L <= C_large`` (at ``L = C_large`` the larger
 top-k covers every visible entry), the smaller run has collapsed and the larger one holds.
 The collapse **tracks top-k** when the smallest run is consistent, a larger run moves its
-collapse, and no run is inconsistent; it is **not tracking** when some run is inconsistent or
-every larger run collapses wherever the smaller one did; otherwise the rule cannot decide.
+collapse, and no run is inconsistent; it is **not tracking** when some run is inconsistent (a
+larger run that collapses where the smaller did collapses within its own capacity); otherwise
+the rule cannot decide.
 
 **Top-k fix.** Each larger-top-k run is paired case by case with the smallest (exact McNemar);
 it *restores* recall when ``p < ALPHA`` and it wins more discordant cases than it loses. Only a
@@ -107,8 +108,8 @@ def rank_percentile(best_rank: int, visible: int, needle_visible: int, draw: flo
         raise ValueError(f"draw must lie in [0, 1]; got {draw}")
     total = math.comb(v, m)
 
-    def at_least(a: int) -> float:
-        return math.comb(v - a, m) / total if a <= v - m else 0.0
+    def at_least(a: int) -> float:  # 0 past v - m: math.comb is 0 when asked for more than there are
+        return math.comb(v - a, m) / total
 
     return (1.0 - at_least(j)) + draw * (at_least(j) - at_least(j + 1))
 
@@ -290,19 +291,17 @@ def collapse_runs(runs: list[dict]) -> list[dict]:
     return out
 
 
-def _moves(small: dict, large: dict) -> bool | None:
-    """Whether ``large`` (more top-k) measurably moves ``small``'s collapse (module doc)."""
+def _moves(small: dict, large: dict) -> bool:
+    """Whether ``large`` (more top-k) measurably moves ``small``'s collapse (module doc). A larger
+    run that collapses at such a length collapses within its own capacity, so it is already
+    inconsistent ("not tracking") before this is asked."""
     s_state = {x["length"]: x["state"] for x in small["lengths"]}
     l_state = {x["length"]: x["state"] for x in large["lengths"]}
-    between = [
-        n for n in s_state if small["capacity_tokens"] < n <= large["capacity_tokens"] and n in l_state
-    ]
-    if any(s_state[n] == "collapsed" and l_state[n] == "holds" for n in between):
-        return True
-    fallen = [n for n in between if s_state[n] == "collapsed"]
-    if fallen and all(l_state[n] == "collapsed" for n in fallen):
-        return False
-    return None
+    return any(
+        s_state[n] == "collapsed" and l_state.get(n) == "holds"
+        for n in s_state
+        if small["capacity_tokens"] < n <= large["capacity_tokens"]
+    )
 
 
 def tracks_topk(runs: list[dict]) -> dict:
@@ -324,20 +323,13 @@ def tracks_topk(runs: list[dict]) -> dict:
             "moved_by": [],
         }
     base, larger = runs[0], runs[1:]
-    moves = {r["index_topk"]: _moves(base, r) for r in larger}
-    moved_by = [k for k, m in moves.items() if m]
+    moved_by = [r["index_topk"] for r in larger if _moves(base, r)]
     if base["consistent"] and moved_by:
         return {
             "tracks": True,
             "reason": f"recall holds up to index_topk {base['index_topk']}'s capacity and collapses past it; "
             f"index_topk {moved_by[0]} holds where it collapsed",
             "moved_by": moved_by,
-        }
-    if all(m is False for m in moves.values()):
-        return {
-            "tracks": False,
-            "reason": "not tracking: a larger index_topk collapses wherever the smaller one did",
-            "moved_by": [],
         }
     return {
         "tracks": None,
