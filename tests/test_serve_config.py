@@ -200,3 +200,21 @@ def test_patch_is_applied_for_the_servers_lifetime(tmp_path):
         assert topk.shape[2] == info["index_topk"] > patched_topk
         selected = (topk >= 0).sum(axis=2)
         assert selected.max() == patched_topk
+
+
+def test_device_placement_and_chunk_settings_are_validated():
+    from needlescope.serve.config import ServeConfig
+
+    for device in ("auto", "cuda:0,cuda:1", "cpu,cpu", "cuda"):
+        ServeConfig(device=device)
+    ServeConfig(device="auto", max_memory="70GiB", prefill_chunk=1024)
+    ServeConfig(device="cuda:0,cuda:1", max_memory="70GiB,60GiB")
+    for kw, message in (
+        ({"device": "tpu"}, "--device must be auto"),
+        ({"device": "cuda:0,"}, "--device must be auto"),
+        ({"device": "auto", "max_memory": "lots"}, "memory size 'lots'"),
+        ({"device": "cuda:0,cuda:1", "max_memory": "1GiB,2GiB,3GiB"}, "3 budgets for 2 devices"),
+        ({"prefill_chunk": 0}, "--prefill-chunk must be at least 1"),
+    ):
+        with pytest.raises(BadInput, match=message):
+            ServeConfig(**kw)

@@ -113,18 +113,24 @@ def test_trickled_head_is_closed_at_the_deadline(server):
 
 
 def test_many_tiny_messages_refused_before_rendering(server):
-    """100,000 empty messages (no characters for the length check to see): refused from their
-    count (400 context_length_exceeded that names the messages), not rendered and tokenised first
-    as before."""
-    messages = [{"role": "user", "content": ""}] * 100_000
-    resp = httpx.post(
-        server.url + "/v1/chat/completions",
-        json={"model": NAME, "messages": messages, "max_tokens": 1},
-        timeout=60,
-    )
-    assert resp.status_code == 400, resp.text[:300]
-    err = resp.json()["error"]
-    assert err["code"] == "context_length_exceeded" and "100000 messages" in err["message"], err
+    """100,000 empty messages (no characters for the length check to see): refused from the raw
+    list's length before any message is validated; 5,000 (under that cap) are refused from their
+    count against the context before rendering. Before, both were rendered and tokenised first."""
+
+    def chat(n: int) -> dict:
+        messages = [{"role": "user", "content": ""}] * n
+        resp = httpx.post(
+            server.url + "/v1/chat/completions",
+            json={"model": NAME, "messages": messages, "max_tokens": 1},
+            timeout=60,
+        )
+        assert resp.status_code == 400, resp.text[:300]
+        return resp.json()["error"]
+
+    err = chat(100_000)
+    assert "at most 16384 messages per request; got 100000" in err["message"], err
+    err = chat(5_000)
+    assert err["code"] == "context_length_exceeded" and "5000 messages" in err["message"], err
 
 
 def _tokens(ckpt: Path, max_pending: int):

@@ -66,9 +66,15 @@ def rank_dump_command(
         "--compare-model",
         help="Also write stability.json: the reference numerics on this second checkpoint vs --model.",
     ),
+    device: str = typer.Option("cpu", "--device", help="cpu | cuda | cuda:N | auto | cuda:0,cuda:1"),
+    max_memory: str = typer.Option(None, "--max-memory", help="Weight bytes per device when placing: 70GiB."),
+    chunk: int = typer.Option(None, "--chunk", help="Prefill in chunks of this many tokens (docs/scale.md)."),
     out: Path = typer.Option(..., "--out", help="Output directory."),
 ) -> None:
-    """Rank of the needle's compressed entries in every CSA layer at the answer positions."""
+    """Rank of the needle's compressed entries in every CSA layer at the answer positions.
+
+    Over 80 lines: one typer option per RankDumpConfig field, nothing else.
+    """
     from needlescope.investigate import rankdump
 
     setting = opt.numerics_from_flags(index_k, index_q, score_dtype, index_topk)
@@ -82,6 +88,9 @@ def rank_dump_command(
         max_new_tokens=max_new_tokens,
         compare_to_reference=compare_to_reference,
         compare_model=compare_model,
+        device=device,
+        max_memory=max_memory,
+        chunk=chunk,
     )
     check_out_dir(out)
     cfg = replace(cfg, setting=opt.with_patch(setting, patch))  # resolved last; it runs when first applied

@@ -32,6 +32,7 @@ from collections.abc import Sequence
 import torch
 
 from needlescope.dsa.emulate import IndexerCapture, csa_indexers, emulate
+from needlescope.dsa.passes import prefill
 from needlescope.dsa.prompt import covering_entries, render_prompt, resolve_needle_span
 from needlescope.dsa.reference import visible_entries
 from needlescope.errors import BadInput
@@ -213,12 +214,12 @@ def compare_topk(
     }
 
 
-def _prefill_topk(model, ids: torch.Tensor, setting: Setting) -> tuple[dict, int, int]:
+def _prefill_topk(model, ids: torch.Tensor, setting: Setting, chunk: int | None) -> tuple[dict, int, int]:
     capture = IndexerCapture(keep_scores=False)
     with torch.no_grad(), emulate(model, setting, capture=capture) as layers:
         indexer = csa_indexers(model)[0][1]
         k, ratio = int(indexer.index_topk), int(indexer.compress_rate)
-        model(ids.to(next(model.parameters()).device), use_cache=False)
+        prefill(model, ids, chunk=chunk)
     return {layer: capture.rows(layer, width=k) for layer in layers}, k, ratio
 
 
@@ -234,8 +235,11 @@ def selection_stability(
     candidate_model=None,
     reference_label: str = "",
     candidate_label: str = "",
+    chunk: int | None = None,
 ) -> dict:
     """Compare the top-k sets of the ``reference`` and ``candidate`` settings on one prompt.
+
+    ``chunk``: prefill in chunks of this many tokens through the KV cache (``dsa.passes``).
 
     ``candidate_model`` (default: ``model``) compares two models with the same tokenizer and
     CSA layers. Returns a dict following ``STABILITY_SCHEMA``.
@@ -244,9 +248,9 @@ def selection_stability(
     P = len(prompt.input_ids)
     span = resolve_needle_span(prompt, needle, needle_span)
     ids = torch.tensor([prompt.input_ids])
-    ref_rows, ref_k, ratio = _prefill_topk(model, ids, reference)
+    ref_rows, ref_k, ratio = _prefill_topk(model, ids, reference, chunk)
     cand_rows, cand_k, _ = _prefill_topk(
-        candidate_model if candidate_model is not None else model, ids, candidate
+        candidate_model if candidate_model is not None else model, ids, candidate, chunk
     )
     if sorted(ref_rows) != sorted(cand_rows):
         raise BadInput(f"the two models have different CSA layers: {sorted(ref_rows)} vs {sorted(cand_rows)}")

@@ -38,8 +38,16 @@ class RankDumpConfig:
     compare_to_reference: bool = False
     compare_model: str | None = None
     device: str = "cpu"
+    """cpu | cuda | cuda:N | auto | a comma-separated list (``dsa.checkpoint.load_bundle``)."""
+    max_memory: str | None = None
+    """Weight bytes per device when placing (``70GiB`` or one per device)."""
+    chunk: int | None = None
+    """Prefill in chunks of this many tokens through the KV cache (``dsa.passes``); None: one pass."""
 
     def __post_init__(self) -> None:
+        from needlescope.dsa.passes import check_chunk
+
+        check_chunk(self.chunk)
         if not self.prompts:
             raise BadInput("give at least one --prompt file")
         if self.needle_span is None and not self.needle:
@@ -103,13 +111,19 @@ def run(cfg: RankDumpConfig) -> RankDumpResult:
     from needlescope.dsa.stability import selection_stability
 
     messages, path, other_path = _check_inputs(cfg)
-    model, tokenizer, _ = load_bundle(path, device=cfg.device)
-    other = load_bundle(other_path, device=cfg.device)[0] if other_path is not None else None
+    model, tokenizer, _ = load_bundle(path, device=cfg.device, max_memory=cfg.max_memory)
+    other = (
+        load_bundle(other_path, device=cfg.device, max_memory=cfg.max_memory)[0]
+        if other_path is not None
+        else None
+    )
     kw = dict(needle=cfg.needle, needle_span=cfg.needle_span)
 
     def usable(m, m_path):
         # A patch that returned no undo changed ``m`` for good: the next run needs a fresh model.
-        return load_bundle(m_path, device=cfg.device)[0] if patched_for_good(m) else m
+        return (
+            load_bundle(m_path, device=cfg.device, max_memory=cfg.max_memory)[0] if patched_for_good(m) else m
+        )
 
     dumps, stabs = [], []
     for p, msgs in zip(cfg.prompts, messages, strict=True):
@@ -124,6 +138,7 @@ def run(cfg: RankDumpConfig) -> RankDumpResult:
                 query_positions=cfg.positions,
                 max_new_tokens=cfg.max_new_tokens or DEFAULT_MAX_NEW_TOKENS,
                 label=p.stem,
+                chunk=cfg.chunk,
             )
         )
         if cfg.compares:
@@ -132,7 +147,7 @@ def run(cfg: RankDumpConfig) -> RankDumpResult:
             ref_model, ref_path = (other, other_path) if other is not None else (usable(model, path), path)
             if ref_model is model and cfg.setting.patch is not None:
                 # The candidate patch may give no undo; the reference must never see it.
-                ref_model = load_bundle(path, device=cfg.device)[0]
+                ref_model = load_bundle(path, device=cfg.device, max_memory=cfg.max_memory)[0]
             stabs.append(
                 selection_stability(
                     ref_model,
@@ -142,6 +157,7 @@ def run(cfg: RankDumpConfig) -> RankDumpResult:
                     reference=Setting(index_topk=cfg.setting.index_topk),
                     candidate=cfg.setting,
                     candidate_model=model,
+                    chunk=cfg.chunk,
                     reference_label=str(ref_path),
                     candidate_label=str(path),
                 )
