@@ -72,6 +72,10 @@ def test_live_emulation_implicates_the_planted_fault(tmp_path, live_server, orga
     by = {s["id"]: s for s in v["suspects"]}
     assert by["page_table"]["verdict"] == "implicated", by["page_table"]
     assert v["root_cause"] == "page_table"
+    # /get_server_info against the reference: the top-k and the patch differ, both named by suspects
+    diffs = {d["name"]: d for d in v["differences"]}
+    assert set(diffs) == {"index_topk", "patch"} and v["unaccounted_differences"] == [], v["differences"]
+    assert diffs["index_topk"]["candidate"] == "16" and diffs["index_topk"]["covered_by"] == ["index_topk"]
     for sid in ("key_slot", "index_keys_fp8", "index_topk"):
         assert by[sid]["verdict"] != "implicated", by[sid]
     ev = {e["metric"]: e["value"] for e in by["page_table"]["evidence"]}

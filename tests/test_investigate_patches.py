@@ -66,7 +66,10 @@ def test_no_undo_patch_runs_once_and_forces_a_fresh_model(tmp_path):
     assert patched_for_good(model) is not None  # the caller's model was changed for good ...
     v = json.loads((out / "verdicts.json").read_text())
     (s,) = v["suspects"]
-    assert s["verdict"] in ("exonerated", "diverges_no_effect"), s  # ... yet every later measure ran
+    # ... yet every later measure ran; two cases cannot exclude any cost, and the verdict says so
+    assert s["verdict"] == "inconclusive" and "too few cases to exclude a cost of 50 points" in s["reason"], s
     configs = json.loads((out / "investigation.json").read_text())["configs"]
     assert configs["remove-for_good"]["label"] == configs["reference"]["label"]
-    assert set(configs) == {"reference", "candidate", "remove-for_good", "topk-32"}
+    # its sufficiency (added alone to the reference) equals the candidate: copied, never applied
+    assert configs["alone-for_good"]["label"] == configs["candidate"]["label"]
+    assert set(configs) == {"reference", "candidate", "remove-for_good", "alone-for_good", "topk-32"}

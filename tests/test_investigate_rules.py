@@ -107,8 +107,19 @@ def test_verdicts_schema():
                 "evidence": [{"check": "x", "metric": "m", "value": 1.0, "threshold": None}],
             }
         ],
+        "root_causes": [],
+        "differences": [],
+        "unaccounted_differences": [],
+        "residual": None,
+        "localization": None,
+        "nonfinite_scores": {"counts": {}, "findings": []},
+        "multiplicity": {"method": "holm", "tests": 0, "alpha": 0.05},
     }
     validate_verdicts(ok)
+    with pytest.raises(ValueError, match="unaccounted_differences"):
+        validate_verdicts({k: v for k, v in ok.items() if k != "unaccounted_differences"})
+    with pytest.raises(ValueError, match="root_cause"):
+        validate_verdicts({**ok, "root_causes": ["b"]})
     with pytest.raises(ValueError, match="verdict"):
         validate_verdicts({**ok, "suspects": [{**ok["suspects"][0], "verdict": "guilty"}]})
     with pytest.raises(ValueError, match="root_cause"):

@@ -18,7 +18,7 @@ from needlescope.errors import BadInput
 from needlescope.investigate.capture import CaptureConfig
 from needlescope.paths import check_out_dir
 from needlescope.run.config import parse_int_list
-from needlescope.setting import REFERENCE
+from needlescope.setting import REFERENCE, PatchRef
 
 # Flag defaults come from the library's config (investigate.capture imports no torch).
 _CAPTURE = CaptureConfig(url="", prompt=Path(), needle="")
@@ -31,11 +31,21 @@ def _write(out: Path, name: str, text: str) -> Path:
     return path
 
 
+_INPUT_IDS_HELP = (
+    "Instead of --prompt/--needle: a JSON file {'input_ids': [...], 'needle_token_span': [start, end]} "
+    "(what 'investigate run' writes to localize/input_ids.json); the last id is the analysed query."
+)
+
+
 @indexer_app.command("diff")
 def diff_command(
     model: str = typer.Option(..., "--model", help="Checkpoint directory or 'organism' (DeepSeek-V4)."),
-    prompt: Path = typer.Option(..., "--prompt", help="Prompt file: plain text or a JSON messages list."),
-    needle: str = typer.Option(..., "--needle", help="The needle's text, as it appears in the prompt."),
+    prompt: Path = typer.Option(None, "--prompt", help="Prompt file: plain text or a JSON messages list."),
+    needle: str = typer.Option(None, "--needle", help="The needle's text, as it appears in the prompt."),
+    input_ids: Path = typer.Option(None, "--input-ids", help=_INPUT_IDS_HELP),
+    extra_patch: list[str] = typer.Option(
+        None, "--extra-patch", help="A model-level patch file the candidate also carries (repeatable)."
+    ),
     out: Path = typer.Option(Path("diff-out"), "--out", help="Output directory (diff.json, diff.md)."),
     index_k: opt.IndexK = None,
     index_q: opt.IndexQ = None,
@@ -56,12 +66,12 @@ def diff_command(
     """Run reference and candidate side by side and name the first module that diverges too much."""
     import torch
 
-    from needlescope.dsa.checkpoint import load_bundle, load_tokenizer, require_deepseek_v4, resolve_model_dir
+    from needlescope.dsa.checkpoint import load_bundle, require_deepseek_v4, resolve_model_dir
     from needlescope.dsa.diff import diff_to_json, localize, parse_allow, render_diff_md, validate_diff
-    from needlescope.dsa.prompt import needle_token_span, read_prompt_file, render_prompt
+    from needlescope.dsa.prompt import read_prompt_file, render_prompt
 
     setting = opt.numerics_from_flags(index_k, index_q, score_dtype, index_topk)
-    if patch is None and setting.with_(index_topk=None) == REFERENCE:
+    if patch is None and not extra_patch and setting.with_(index_topk=None) == REFERENCE:
         raise BadInput(
             "the candidate equals the reference; give candidate numerics (--index-k/--index-q/--score-dtype) "
             "or a --patch FILE"
@@ -69,22 +79,21 @@ def diff_command(
     if growth is not None and growth < 1:
         raise BadInput(f"--growth must be >= 1, got {growth}")
     allowed = parse_allow(allow)
-    messages = read_prompt_file(prompt)
     path = resolve_model_dir(model)
     require_deepseek_v4(path)
     check_out_dir(out)
     # The needle is checked with the tokenizer alone, before the (slower) model loads.
-    rendered = render_prompt(load_tokenizer(path), messages)
-    span = needle_token_span(rendered, needle)
-    setting = opt.with_patch(setting, patch)  # resolved last; it runs when the candidate is first patched
+    token_ids, span = _diff_input(path, prompt, needle, input_ids)
+    # Patches resolved last (never executed here); they run when the candidate is first patched.
+    setting, extras = opt.with_patch(setting, patch), tuple(PatchRef.resolve(p) for p in extra_patch or ())
     reference, tokenizer, _ = load_bundle(path)
     candidate, _, _ = load_bundle(path)
-    if render_prompt(tokenizer, messages).input_ids != rendered.input_ids:
+    if input_ids is None and render_prompt(tokenizer, read_prompt_file(prompt)).input_ids != token_ids:
         raise BadInput(f"the tokenizer of {str(path)!r} renders the prompt differently when loaded twice")
-    ids = torch.tensor([rendered.input_ids])
+    ids = torch.tensor([token_ids])
     with ProgressView(console) as view:
         shown = lambda task, done, total, what: view(f"diff: {task}", done, total, what)  # noqa: E731
-        result = localize(reference, candidate, ids, setting=setting, needle_span=span, growth=growth, allow=allowed, progress=shown)  # fmt: skip
+        result = localize(reference, candidate, ids, setting=setting, needle_span=span, growth=growth, allow=allowed, extra_patches=extras, progress=shown)  # fmt: skip
     validate_diff(result)
     _write(out, "diff.json", diff_to_json(result))
     _write(out, "diff.md", render_diff_md(result))
@@ -104,6 +113,36 @@ def diff_command(
             + ("" if r["rank_consistent"] else " (rank and selection disagree)")
         )
     console.print(f"wrote {out}/diff.json, diff.md")
+
+
+def _diff_input(path: Path, prompt, needle, input_ids) -> tuple[list[int], tuple[int, int]]:
+    """(token ids, needle token span) from --prompt/--needle or --input-ids; BadInput otherwise."""
+    import json
+
+    from needlescope.dsa.checkpoint import load_tokenizer
+    from needlescope.dsa.prompt import needle_token_span, read_prompt_file, render_prompt
+
+    if input_ids is not None:
+        if prompt is not None or needle is not None:
+            raise BadInput("give either --input-ids or --prompt with --needle, not both")
+        try:
+            obj = json.loads(Path(input_ids).read_text(encoding="utf-8"))
+            ids, span = [int(i) for i in obj["input_ids"]], obj["needle_token_span"]
+            a, b = int(span[0]), int(span[1])
+        except (OSError, ValueError, KeyError, TypeError, IndexError) as exc:
+            raise BadInput(
+                f"--input-ids {str(input_ids)!r}: expected a JSON object with 'input_ids' (a list of token ids) "
+                f"and 'needle_token_span' ([start, end]); {type(exc).__name__}: {exc}"
+            ) from None
+        if not ids or not 0 <= a < b <= len(ids):
+            raise BadInput(
+                f"--input-ids {str(input_ids)!r}: the needle span {span} lies outside its {len(ids)} ids"
+            )
+        return ids, (a, b)
+    if prompt is None or needle is None:
+        raise BadInput("give --prompt FILE and --needle TEXT (or --input-ids FILE)")
+    rendered = render_prompt(load_tokenizer(path), read_prompt_file(prompt))
+    return rendered.input_ids, needle_token_span(rendered, needle)
 
 
 @indexer_app.command("capture")

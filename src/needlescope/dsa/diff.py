@@ -83,6 +83,7 @@ from needlescope.dsa.emulate import (
     check_unpatched,
     csa_indexers,
     emulate,
+    patches_applied,
 )
 from needlescope.dsa.prompt import covering_entries
 from needlescope.dsa.quant import get_quantizer, hadamard_128
@@ -478,6 +479,7 @@ def localize(
     draws: int = DEFAULT_DRAWS,
     allow: Mapping[str, str] | None = None,
     reference_setting: Setting | None = None,
+    extra_patches: tuple = (),
     progress: Progress = no_progress,
 ) -> dict:
     """Run both models on ``input_ids`` [1, T] and return the ``diff.json`` object (module docstring).
@@ -487,7 +489,8 @@ def localize(
     checkpoint; the candidate is patched (once) while the run lasts. ``growth`` replaces the
     calibration by a fixed factor; ``allow`` maps module-name patterns (fnmatch) to a reduced
     precision the module is declared to run at. Cost: two forwards, one replay (about one
-    forward), and per amplifying module ``draws`` forwards of that module.
+    forward), and per amplifying module ``draws`` forwards of that module. ``extra_patches``:
+    model-level patch files the candidate also carries (applied after ``setting``).
     """
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise ValueError(f"input_ids must be [1, T], got shape {tuple(input_ids.shape)}")
@@ -508,7 +511,11 @@ def localize(
             topk_by_layer = {layer: int(idx.index_topk) for layer, idx in csa_indexers(reference)}
             progress("forward passes", 0, 2, "reference")
             reference(input_ids=input_ids.to(_device(reference)), use_cache=False)
-        with emulate(candidate, setting, capture=cand_cap), Recorder(candidate) as rec_cand:
+        with (
+            emulate(candidate, setting, capture=cand_cap),
+            patches_applied(candidate, extra_patches),
+            Recorder(candidate) as rec_cand,
+        ):
             progress("forward passes", 1, 2, "candidate")
             candidate(input_ids=input_ids.to(_device(candidate)), use_cache=False)
             progress("forward passes", 2, 2, "")
@@ -528,6 +535,7 @@ def localize(
         "numerics": numerics.numerics_json(),
         "reference_numerics": ref_num.numerics_json(),
         "patch": None if setting.patch is None else setting.patch.spec,
+        "extra_patches": [str(p) for p in extra_patches],
         "prompt_tokens": T,
         "needle_token_span": None if needle_span is None else [int(needle_span[0]), int(needle_span[1])],
         "query_pos": query_pos,

@@ -238,6 +238,21 @@ def apply_patch_once(model: torch.nn.Module, patch, *, check: bool = True) -> Ca
     return None
 
 
+@contextmanager
+def patches_applied(model: torch.nn.Module, patches) -> Iterator[None]:
+    """Apply each of ``patches`` (model-level patch files, after any ``emulate``) for the block,
+    undone in reverse order on exit; a patch without an undo marks the model (``apply_patch_once``)."""
+    undos = []
+    try:
+        for p in patches:
+            undos.append(apply_patch_once(model, p, check=False))
+        yield
+    finally:
+        for undo in reversed(undos):
+            if callable(undo):
+                undo()
+
+
 def patched_for_good(model: torch.nn.Module) -> str | None:
     """The patch without an undo that was applied to ``model``, or None."""
     return getattr(model, _PATCHED_FOR_GOOD, None)

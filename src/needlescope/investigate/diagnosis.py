@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 import needlescope
+from needlescope.investigate import diagnosis_causal as dc
 from needlescope.investigate.diagnosis_summary import COST_ORDER, shown_verdict, summary_box
 from needlescope.investigate.signature import NEAR_CHANCE, layer_percentiles
 from needlescope.report.blocks import render_html, render_md
@@ -103,10 +104,15 @@ def _plots(inv: dict, out: Path) -> list[tuple[str, str]]:
 def diagnosis_blocks(inv: dict, images: list[tuple[str, str]]) -> list[tuple]:
     """The report as blocks: ("h", level, text) | ("p", text) | ("table", header, rows) | ("img", file, caption)."""
     live = inv.get("route") == "live"
+    v = inv["verdicts"]
     b: list[tuple] = [("h", 1, "DIAGNOSIS"), summary_box(inv), ("p", _intro(inv, live))]
+    b += dc.differences_blocks(v)
     b += _symptom_blocks(inv, images)
     b += _root_blocks(inv)
+    b += dc.residual_blocks(v) + dc.localization_blocks(v)
     b += _verdict_blocks(inv, live)
+    b += [("p", t) for t in [dc.multiplicity_text(v)] if t]
+    b += dc.nonfinite_blocks(v)
     if live:
         b += _live_blocks(inv)
     else:
@@ -153,11 +159,24 @@ def _symptom_blocks(inv: dict, images) -> list[tuple]:
 
 def _root_blocks(inv: dict) -> list[tuple]:
     root = inv["verdicts"]["root_cause"]
+    co = [s for s in inv["suspects"] if s["verdict"] == "implicated" and s.get("role") == "co-factor"]
+    extra = [("p", f"Co-factor **{s['id']}** (`{s['maps_to']}`): {s['reason']}.") for s in co]
     if not root:
-        return [("h", 2, "Root cause"), ("p", "No suspect in the ledger is implicated as the root cause.")]
-    s = next(x for x in inv["suspects"] if x["id"] == root)
-    text = f"**{root}** (`{s['maps_to']}`; tier {s['tier']}: {s['hypothesis']}). Decisive measurement: {s['reason']}."
-    return [("h", 2, "Root cause"), ("p", text)]
+        return [
+            ("h", 2, "Root cause"),
+            ("p", "No suspect (ledger or automatic) is implicated as the root cause."),
+            *extra,
+        ]
+    b = [("h", 2, "Root cause")]
+    for rid in inv["verdicts"].get("root_causes") or [root]:
+        s = next(x for x in inv["suspects"] if x["id"] == rid)
+        b.append(
+            (
+                "p",
+                f"**{rid}** (`{s['maps_to']}`; tier {s['tier']}: {s['hypothesis']}). Decisive measurement: {s['reason']}.",
+            )
+        )
+    return b + extra
 
 
 def _verdict_blocks(inv: dict, live: bool) -> list[tuple]:
@@ -437,7 +456,8 @@ def _footer(inv: dict, out: Path, command: str | None) -> tuple:
     state = out / "state.json"
     digest = json.loads(state.read_text(encoding="utf-8")).get("ledger_sha256") if state.exists() else None
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    cmd = command or f"needlescope investigate run {inv['ledger']} --out {out}"
+    # no absolute path of this machine in an artifact: the run directory by its name
+    cmd = command or f"needlescope investigate run {inv['ledger']} --out {Path(out).name}"
     return (
         "footer",
         f"Rendered {when} by needlescope {needlescope.__version__}. Command: `{cmd}`. Ledger "

@@ -39,6 +39,7 @@ endpoint = ""                 # a live server for server_info questions ("" = no
 # answering /generate with return_indexer_topk, e.g. needlescope serve); checks are then
 # "live_emulation" (each suspect emulated in the reference, compared with the live capture).
 env_file = "deployment.env"   # the deployment's environment
+reference_env_file = "reference.env"   # the reference's (every variable that differs is a difference to explain)
 
 [symptom]
 # Multiturn needles, measured in-process on the reference checkpoint under both settings.
@@ -182,6 +183,10 @@ EXAMPLE_FILES: dict[str, str] = {
         "# The deployment's environment, as /proc/PID/environ of the server showed it.\n"
         "CUDA_VISIBLE_DEVICES=0\n"
         "SGLANG_MMA_SPLITK_DECODE=1\n"
+    ),
+    "reference.env": (
+        "# The reference deployment's environment (the variables the two deployments share).\n"
+        "CUDA_VISIBLE_DEVICES=0\n"
     ),
     "patches/hc_mix_bf16.py": _SUBSTITUTE_PATCH.format(
         name="hc_mix_bf16",

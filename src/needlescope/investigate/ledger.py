@@ -17,6 +17,7 @@ Structure (paths are relative to the ledger's directory)::
     extra_patches = []                  # more candidate patch files (not indexer-scorer patches)
     endpoint = ""                       # a live server (server_info questions); "" = none
     env_file = ""                       # the deployment's env file (env questions)
+    reference_env_file = ""             # the reference's env file ("" = an empty environment)
 
     [symptom]
     kind = "multiturn"                  # probe spec, measured in-process on the reference checkpoint
@@ -156,6 +157,8 @@ class Target:
     threads: int = 2
     endpoint: str | None = None
     env_file: Path | None = None
+    reference_env_file: Path | None = None
+    """The reference's env file (``investigate.differences``); None: an empty environment."""
 
     @property
     def live(self) -> bool:
@@ -387,6 +390,7 @@ def _suspect(where: _Where, index: int, s: dict, base: Path) -> Suspect:
 def _target(where: _Where, t: dict, base: Path) -> Target:
     tl = where.table_line("target")
     env_file = t.get("env_file") or None
+    ref_env = t.get("reference_env_file") or None
     cand_text = _expect(where, tl, t, "candidate", str, "a Setting such as 'k=fp8_e4m3 topk=64', or 'live'")
     endpoint = t.get("endpoint") or None
     if cand_text.strip() == LIVE and not endpoint:
@@ -414,6 +418,9 @@ def _target(where: _Where, t: dict, base: Path) -> Target:
         env_file=None
         if env_file is None
         else where.path_inside(env_file, base, where.key_line("env_file", tl), "env_file"),
+        reference_env_file=None
+        if ref_env is None
+        else where.path_inside(ref_env, base, where.key_line("reference_env_file", tl), "reference_env_file"),
     )
     where.in_range("threads", target.threads, tl)
     if target.live and target.extra_patches:

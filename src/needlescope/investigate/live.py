@@ -32,6 +32,7 @@ import asyncio
 from pathlib import Path
 
 from needlescope.errors import BadInput, ProbeError
+from needlescope.investigate.artifacts import relativize
 from needlescope.investigate.ledger import Suspect
 from needlescope.investigate.runner import (
     NO_SIGNATURE,
@@ -179,6 +180,9 @@ class LiveInvestigation(_Investigation):
         self.progress("probe live", len(done), len(self.cases), self.ledger.target.endpoint)
 
         def on_record(case, res, info) -> None:
+            if info and "server_info" not in self.state.data:
+                self.state.data["server_info"] = info
+                self.state.save()
             rec = self.live_record(case, res, info)
             self.state.append_record("live", rec)
             done[case.case_id] = rec
@@ -244,9 +248,31 @@ class LiveInvestigation(_Investigation):
     def at_live_k(self, config):
         return self.Config(config.setting.with_(index_topk=self.live_k), config.extra)
 
+    def server_differences(self) -> None:
+        """Add the live server's ``/get_server_info`` differences from the reference (and an
+        automatic suspect for each one no ledger suspect covers)."""
+        from needlescope.investigate.differences import auto_suspects, server_info_differences
+
+        info = self.state.data.get("server_info")
+        if not info or self._model is None:
+            return
+        topk = int(self.model.config.index_topk)
+        found = server_info_differences(info, self.reference.setting, topk, self.ledger.suspects)
+        self.diffs += found
+        autos = auto_suspects(found, self.ledger)
+        self.suspects += autos
+        self.state.ensure_suspects([s.id for s in autos])
+
     def check_live(self, s: Suspect, failing: list[dict], baseline: dict) -> dict:
         absent_q = self.state.data.get("absent", {}).get(s.id)
         questions = self.question_summary(s.id) or "none asked"
+        if s.id.startswith("auto:") and not s.checks:
+            return suspect_record(
+                s,
+                "blocked",
+                "not testable against a live endpoint: no emulation reproduces this difference",
+                present=True,
+            )
         if absent_q is not None:
             reason = f"not in the deployment: {absent_q} (cheap questions: {questions})"
             return suspect_record(s, "exonerated", reason, present=False)
@@ -332,8 +358,8 @@ class LiveInvestigation(_Investigation):
                 self.blocked_reason = (
                     "the live endpoint answered no case (every request failed; see measure/live.jsonl)"
                 )
-        ordered = self.ledger.ordered_suspects()
-        suspects_out = check_suspects(self, ordered, lambda s: self.check_live(s, failing, baseline))
+        self.server_differences()
+        suspects_out = check_suspects(self, self.suspects, lambda s: self.check_live(s, failing, baseline))
         implicated = sorted(
             (s for s in suspects_out if s["verdict"] == "implicated"), key=lambda s: -gap_closed(s["live"])
         )
@@ -349,28 +375,101 @@ class LiveInvestigation(_Investigation):
             "failing_cases": len(failing),
             "live_index_topk": self.live_k,
         }
-        verdicts = write_verdicts(self, symptom, root, NO_SIGNATURE, suspects_out)
+        loc = live_localization(failing, baseline, self.needle_entries) if root is None else None
+        if loc is not None:
+            loc["command"] = f"needlescope investigate run {self.ledger.path.name} --out {self.out.name}"
+        verdicts = write_verdicts(self, symptom, root, NO_SIGNATURE, suspects_out, localization=loc)
         atomic_write_json(
             self.out / "investigation.json",
-            {
-                "route": "live",
-                "ledger": str(self.ledger.path),
-                "target": {
-                    "model": self.ledger.target.model,
-                    "device": self.ledger.target.device,
-                    "endpoint": self.ledger.target.endpoint,
+            relativize(
+                {
+                    "route": "live",
+                    "ledger": self.ledger.path.name,
+                    "target": {
+                        "model": self.ledger.target.model,
+                        "device": self.ledger.target.device,
+                        "endpoint": self.ledger.target.endpoint,
+                    },
+                    "symptom": symptom,
+                    "configs": self.configs,
+                    "candidate_topk": self.live_k,
+                    "suspects": suspects_out,
+                    "fixes": [],
+                    "explained": None,
+                    "verdicts": verdicts,
                 },
-                "symptom": symptom,
-                "configs": self.configs,
-                "candidate_topk": self.live_k,
-                "suspects": suspects_out,
-                "fixes": [],
-                "explained": None,
-                "verdicts": verdicts,
-            },
+                self.path_map(),
+            ),
         )
         self.progress("verdicts", 1, 1, "")
         return self.out / "verdicts.json"
+
+
+DEPARTS = 0.99
+"""A CSA layer's selection departs from the reference's when their mean Jaccard is below this."""
+
+
+def live_localization(failing: list[dict], baseline: dict, needle_of) -> dict | None:
+    """``localization`` of a live run: the live and the reference (at the live ``index_topk``)
+    selections compared CSA layer by CSA layer over the failing cases; the first layer whose mean
+    Jaccard falls below ``DEPARTS`` is where the selection departs. ``needle_of(record)`` gives
+    the needle entries per layer at the analysed row."""
+    if not failing:
+        return None
+    per: dict[int, dict] = {}
+    for r in failing:
+        needle = needle_of(r)
+        for layer, rows in r["rows"].items():
+            base = baseline[r["case_id"]][layer]
+            a = per.setdefault(int(layer), {"j": [], "visible": 0, "live": 0, "ref": 0})
+            a["j"] += [jaccard(set(x), set(y)) for x, y in zip(rows, base)]
+            ne = set(needle.get(layer, []))
+            a["visible"] += len(ne)
+            a["live"] += len(ne & set(rows[-1]))
+            a["ref"] += len(ne & set(base[-1]))
+    layers = [
+        {
+            "layer": layer,
+            "topk_overlap": sum(a["j"]) / len(a["j"]) if a["j"] else None,
+            "needle_visible": a["visible"],
+            "needle_kept_reference": a["ref"] > 0 if a["visible"] else None,
+            "needle_kept_candidate": a["live"] > 0 if a["visible"] else None,
+        }
+        for layer, a in sorted(per.items())
+    ]
+    first = next(
+        (ly["layer"] for ly in layers if ly["topk_overlap"] is not None and ly["topk_overlap"] < DEPARTS),
+        None,
+    )
+    summary = (
+        f"the live selection departs from the reference's first in CSA layer {first}"
+        if first is not None
+        else "the live selections match the reference's in every CSA layer"
+    )
+    path = {
+        "path": "decode",
+        "diverges": first is not None,
+        "first_divergent_module": None,
+        "module_type": "DeepseekV4Indexer" if first is not None else None,
+        "layer": first,
+        "own_err": None,
+        "own_budget": None,
+        "first_departing_layer": first,
+        "layers": layers,
+        "summary": summary,
+    }
+    r0 = failing[0]
+    return {
+        "case_id": r0["case_id"],
+        "target": "the live endpoint",
+        "config": "live endpoint",
+        "analysed_token": r0["analysed_token"],
+        "query_pos": r0["prompt_tokens"] - 1 + r0["analysed_token"],
+        "paths": [path],
+        "diverges_first": "decode" if first is not None else "neither",
+        "summary": summary + f" (over {len(failing)} failing case(s), the server's own decode path)",
+        "command": "",
+    }
 
 
 def _frac(cmp: dict) -> float:

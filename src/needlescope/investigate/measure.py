@@ -14,7 +14,15 @@ one record (``CASE_RECORD_KEYS``)::
      "compress_ratio": int,
      "layers": [{"layer": int, "query_pos": int, "visible": int, "needle_visible": int,
                  "needle_selected": int, "best_rank": int, "selected": bool}],
-     "first_token_layers": [the same, at the first answer token]}
+     "first_token_layers": [the same, at the first answer token],
+     "output_ids": [int],
+     "nonfinite": {layer: {"neg_inf": int, "nan": int, "pos_inf": int, "first_position": int | None}}}
+
+``nonfinite`` maps a CSA layer (str) to the counts of non-finite indexer scores over the visible
+entries of every query row of the case (prefill and decode), ``{"neg_inf", "nan", "pos_inf",
+"first_position"}`` (the first query position with a NaN or ``+inf``; None if none), for the
+layers that have any. ``-inf`` is a legitimate masked score: it ranks last. NaN ranks last too
+and ``+inf`` first in ``best_rank`` (``rank_scores``); both are findings the report shows.
 
 ``analysed_token`` is the index of the first wrong answer token (the answer compared token by
 token with the expected value, digits and words as the tokenizer splits them); the first
@@ -33,7 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from needlescope.cases.scoring import score_answer
-from needlescope.dsa.emulate import IndexerCapture, apply_patch_once, check_unpatched, csa_indexers, emulate
+from needlescope.dsa.emulate import IndexerCapture, check_unpatched, csa_indexers, emulate, patches_applied
 from needlescope.dsa.prompt import covering_entries, needle_token_span, render_prompt
 from needlescope.dsa.rankdump import greedy_new_tokens, needle_rank_stats
 from needlescope.dsa.reference import visible_entries
@@ -48,6 +56,8 @@ __all__ = [
     "first_wrong_token",
     "applied",
     "analyse_answer",
+    "rank_scores",
+    "nonfinite_counts",
 ]
 
 
@@ -92,16 +102,8 @@ def applied(model, config: Config, capture: IndexerCapture | None = None) -> Ite
     never measured again as if it were clean. Load a fresh model for the next configuration
     (``patched_for_good`` says when). Patch files execute once per process (``load_patch``)."""
     check_unpatched(model)
-    with emulate(model, config.setting, capture=capture) as layers:
-        undos = []
-        try:
-            for p in config.extra:
-                undos.append(apply_patch_once(model, p, check=False))
-            yield layers
-        finally:
-            for undo in reversed(undos):
-                if callable(undo):
-                    undo()
+    with emulate(model, config.setting, capture=capture) as layers, patches_applied(model, config.extra):
+        yield layers
 
 
 def _ids(model, tokenizer, messages: list[dict]) -> tuple[list[int], torch.Tensor]:
@@ -187,6 +189,41 @@ def analyse_answer(tokens: Sequence[int], tokenizer, expected: Sequence[str]) ->
     }
 
 
+def rank_scores(row: torch.Tensor) -> torch.Tensor:
+    """``row`` [v] with its non-finite scores made rankable: -inf and NaN just below the lowest
+    finite score (they rank last, ties counted pessimistically), +inf just above the highest."""
+    finite = torch.isfinite(row)
+    if bool(finite.all()):
+        return row
+    lo = float(row[finite].min()) - 1.0 if bool(finite.any()) else 0.0
+    hi = float(row[finite].max()) + 1.0 if bool(finite.any()) else 1.0
+    out = torch.where(torch.isnan(row) | (row == float("-inf")), torch.full_like(row, lo), row)
+    return torch.where(out == float("inf"), torch.full_like(out, hi), out)
+
+
+def nonfinite_counts(capture: IndexerCapture, layer: int, b: int, ratio: int) -> dict | None:
+    """Non-finite scores of ``layer`` over the visible entries of every query row of batch item
+    ``b`` (module docstring, ``nonfinite``); None when every visible score is finite."""
+    neg = nan = pos = 0
+    first = None
+    for c in capture.calls:
+        if c.layer != layer or c.scores is None:
+            continue
+        sc = c.scores[b]  # [S, L]
+        vis = visible_entries(c.positions[b].to(sc.device), ratio)  # [S]
+        seen = torch.arange(sc.shape[-1]).view(1, -1) < vis.view(-1, 1)  # [S, L]
+        neg += int((seen & (sc == float("-inf"))).sum())
+        bad = seen & (torch.isnan(sc) | (sc == float("inf")))
+        nan += int((seen & torch.isnan(sc)).sum())
+        pos += int((seen & (sc == float("inf"))).sum())
+        rows = bad.any(-1).nonzero()
+        if first is None and len(rows):
+            first = int(c.positions[b][int(rows[0])])
+    if neg == nan == pos == 0:
+        return None
+    return {"neg_inf": neg, "nan": nan, "pos_inf": pos, "first_position": first}
+
+
 def _layer_ranks(capture, layers, b: int, t: int, entries, k: int, ratio: int) -> list[dict]:
     """The needle's rank in every CSA layer at query position ``t`` (layers seeing no needle entry left out)."""
     recs = []
@@ -198,7 +235,7 @@ def _layer_ranks(capture, layers, b: int, t: int, entries, k: int, ratio: int) -
         ne = [e for e in entries if e < visible]
         if not ne:
             continue
-        st = needle_rank_stats(score_rows[row], visible, ne, k)
+        st = needle_rank_stats(rank_scores(score_rows[row][:visible]), visible, ne, k)
         chosen = {int(x) for x in topk_rows[row].tolist() if x >= 0}
         n_sel = sum(1 for e in ne if e in chosen)
         recs.append(
@@ -237,6 +274,10 @@ def _record(case, prompt, tokens: list[int], tokenizer, capture, layers, b: int,
         "compress_ratio": ratio,
         "layers": recs,
         "first_token_layers": first,
+        "output_ids": a["generated"],
+        "nonfinite": {
+            str(layer): c for layer in layers if (c := nonfinite_counts(capture, layer, b, ratio)) is not None
+        },
     }
 
 

@@ -34,7 +34,18 @@ from collections.abc import Callable
 from pathlib import Path
 
 from needlescope.errors import BadInput
+from needlescope.investigate.artifacts import nonfinite_summary, relativize, write_verdicts
+from needlescope.investigate.causal import decide, residual, sufficiency, symptom_loss
+from needlescope.investigate.differences import (
+    AUTO_PREFIX,
+    auto_suspects,
+    differences,
+    file_slug,
+    presence_check,
+    present_in,
+)
 from needlescope.investigate.ledger import Ledger, Suspect, load_ledger
+from needlescope.investigate.localize import localize_residual
 from needlescope.investigate.questions import QuestionContext, answer
 from needlescope.investigate.signature import NO_SIGNATURE, signature
 from needlescope.investigate.state import RunState
@@ -43,12 +54,10 @@ from needlescope.investigate.verdicts import (
     classify_fix,
     evidence,
     paired,
-    resolve_root_cause,
+    root_causes,
     suspect_verdict,
-    validate_verdicts,
 )
 from needlescope.paths import atomic_write_json
-from needlescope.setting import Setting
 
 __all__ = ["run_investigation", "INVESTIGATION_KEYS", "PHASES"]
 
@@ -57,15 +66,6 @@ BATCH = 8
 PHASES = ("questions", "symptom", "checks", "fixes", "verdicts")
 INVESTIGATION_KEYS = ("ledger", "target", "symptom", "configs", "suspects", "fixes", "explained", "verdicts")
 Progress = Callable[[str, int, int, str], None]
-
-
-def _present(s: Suspect, cand: Setting, extra, ref: Setting) -> bool:
-    if s.patch is not None:
-        specs = {p.path for p in extra} | ({cand.patch.path} if cand.patch else set())
-        return s.patch.path in specs
-    return all(getattr(cand, f) == v for f, v in s.setting_fields) and any(
-        getattr(ref, f) != v for f, v in s.setting_fields
-    )
 
 
 def recall_by_length(records: list[dict]) -> dict[str, float]:
@@ -80,45 +80,17 @@ def recall_by_length(records: list[dict]) -> dict[str, float]:
     return {str(n): a[0] / a[1] for n, a in sorted(agg.items())}
 
 
-def _shown(spec: str, base: Path | None) -> str:
-    """A patch spec as the ledger wrote it: file paths relative to the ledger's directory."""
-    p = Path(spec)
-    return (
-        str(p.relative_to(base)) if base is not None and p.is_absolute() and p.is_relative_to(base) else spec
-    )
-
-
-def presence_check(s: Suspect, cand: Setting, extra, ref: Setting, base: Path | None = None) -> str:
-    """What the configuration check found: why ``s`` is (or is not) in the candidate, in words
-    (``base``: the ledger's directory, to show patch files as the ledger names them)."""
-    if s.patch is not None:
-        carried = [_shown(p.spec, base) for p in extra] + (
-            [_shown(cand.patch.spec, base)] if cand.patch else []
-        )
-        where = ", ".join(carried) if carried else "none"
-        verb = "is" if _present(s, cand, extra, ref) else "is not"
-        return (
-            f"source check: patch {_shown(s.patch.spec, base)} {verb} among the candidate's patches ({where})"
-        )
-    parts = []
-    for f, v in s.setting_fields:
-        if getattr(cand, f) != v:
-            parts.append(f"candidate {f}={getattr(cand, f)}, the suspect is {f}={v}")
-        elif getattr(ref, f) == v:
-            parts.append(f"the reference already has {f}={v}")
-        else:
-            parts.append(f"candidate {f}={v}, reference {f}={getattr(ref, f)}")
-    return "config check: " + "; ".join(parts)
-
-
 class _Investigation:
     def __init__(self, ledger: Ledger, out: Path, progress: Progress):
         from needlescope.investigate.measure import Config
 
         self.ledger, self.out, self.progress = ledger, Path(out), progress
+        self.diffs = differences(ledger)
+        self.suspects = ledger.ordered_suspects() + auto_suspects(self.diffs, ledger)
         self.state = RunState(
             self.out, ledger.path.read_text(encoding="utf-8"), [s.id for s in ledger.suspects]
         )
+        self.state.ensure_suspects([s.id for s in self.suspects])
         t = ledger.target
         self.Config = Config
         self.reference = Config(t.reference)
@@ -160,6 +132,14 @@ class _Investigation:
         self.prompt_len = {
             c.case_id: len(render_prompt(self.tokenizer, c.messages).input_ids) for c in self.cases
         }
+
+    def path_map(self) -> dict[str, str]:
+        """Absolute prefixes of this machine -> what artifacts say instead (``artifacts.relativize``)."""
+        m = {str(self.ledger.path.parent) + "/": ""}
+        if self.model_dir is not None:
+            t = self.ledger.target.model
+            m[str(self.model_dir)] = t if t == "organism" else Path(self.model_dir).name
+        return m
 
     @property
     def model(self):
@@ -206,8 +186,9 @@ class _Investigation:
         return {r["case_id"]: r["correct"] for r in records}
 
     # -- suspects ----------------------------------------------------------------------
-    def removal(self, s: Suspect):
-        c, ref = self.candidate, self.ledger.target.reference
+    def removal(self, s: Suspect, base=None):
+        """``base`` (default: the candidate) with ``s`` taken out."""
+        c, ref = base or self.candidate, self.ledger.target.reference
         if s.patch is not None:
             if c.setting.patch is not None and c.setting.patch.path == s.patch.path:
                 return self.Config(c.setting.with_(patch=None), c.extra)
@@ -278,7 +259,10 @@ class _Investigation:
             cm.__enter__()
             return lambda: cm.__exit__(None, None, None)
 
-        ids = torch.tensor([render_prompt(self.tokenizer, probe_case.messages).input_ids])
+        ids = torch.tensor(
+            [render_prompt(self.tokenizer, probe_case.messages).input_ids],
+            device=next(self.model.parameters()).device,
+        )
         ctx = {
             "candidate_topk": cand_records[0]["index_topk"],
             "reference_records": ref_records,
@@ -297,10 +281,10 @@ class _Investigation:
         from needlescope.investigate.measure import final_logits
 
         if present:
-            recs = self.measure(f"remove-{s.id}", self.removal(s))
+            recs = self.measure(f"remove-{file_slug(s.id)}", self.removal(s))
             pair = paired(self.correct(cand_records), self.correct(recs))
         else:
-            recs = self.measure(f"add-{s.id}", self.addition(s))
+            recs = self.measure(f"add-{file_slug(s.id)}", self.addition(s))
             pair = paired(self.correct(recs), self.correct(ref_records))
         a = final_logits(self.model, self.tokenizer, probe_case.messages, self.reference)
         b = final_logits(self.model, self.tokenizer, probe_case.messages, self.addition(s))
@@ -326,12 +310,17 @@ class _Investigation:
 
     def check_suspect(self, s: Suspect, ref_records, cand_records, probe_case) -> dict:
         cand, ref = self.candidate, self.reference
-        present = _present(s, cand.setting, cand.extra, ref.setting)
+        present = present_in(s, cand.setting, cand.extra, ref.setting)
         presence = presence_check(s, cand.setting, cand.extra, ref.setting, self.ledger.path.parent)
         self.state.add_evidence(s.id, [evidence("presence", presence, "present" if present else "absent")])
         blocked, ran = [], 0
         absent_q = self.state.data.get("absent", {}).get(s.id)
-        pair = divergence = None
+        pair = divergence = suff = None
+        if s.id.startswith(AUTO_PREFIX) and not s.checks:
+            blocked.append(
+                "ablation: an environment variable, a server field or a patch only the reference carries "
+                "cannot be removed from or added to the in-process model; map it to a patch or setting suspect"
+            )
         for check in s.checks if absent_q is None else ():
             if self._model is None:
                 blocked.append(f"{check}: {self.blocked_reason}")
@@ -340,18 +329,27 @@ class _Investigation:
                 ran += 1
             elif check == "ablation":
                 pair, divergence = self.ablation(s, present, ref_records, cand_records, probe_case)
+                if present:
+                    suff = sufficiency(self, s, ref_records)
                 ran += 1
-        verdict, reason = suspect_verdict(
+        inputs = {
+            "absent_by_question": absent_q,
+            "blocked": blocked,
+            "ran_checks": ran,
+            "presence": presence,
+            "questions": self.question_summary(s.id),
+        }
+        verdict, reason = suspect_verdict(present=present, pair=pair, divergence=divergence, **inputs)
+        return suspect_record(
+            s,
+            verdict,
+            reason,
             present=present,
             pair=pair,
             divergence=divergence,
-            absent_by_question=absent_q,
-            blocked=blocked,
-            ran_checks=ran,
-            presence=presence,
-            questions=self.question_summary(s.id),
+            sufficiency=suff,
+            inputs=inputs,
         )
-        return suspect_record(s, verdict, reason, present=present, pair=pair, divergence=divergence)
 
 
 def suspect_record(s: Suspect, verdict: str, reason: str, **measured) -> dict:
@@ -366,6 +364,8 @@ def suspect_record(s: Suspect, verdict: str, reason: str, **measured) -> dict:
         "reason": reason,
         "pair": None,
         "divergence": None,
+        "sufficiency": None,
+        "auto": s.id.startswith(AUTO_PREFIX),
         **measured,
     }
 
@@ -402,7 +402,11 @@ def _fix_configs(inv: _Investigation, ordered: list[Suspect], suspects_out: list
     """(name, config, removed suspect id) of every fix to replay: each present suspect's removal,
     and the candidate at twice its ``index_topk`` (unless that is the checkpoint's own top-k)."""
     by_id = {s.id: s for s in ordered}
-    cfgs = [(f"remove-{s['id']}", inv.removal(by_id[s["id"]]), s["id"]) for s in suspects_out if s["present"]]
+    cfgs = [
+        (f"remove-{file_slug(s['id'])}", inv.removal(by_id[s["id"]]), s["id"])
+        for s in suspects_out
+        if s["present"] and s["id"] in by_id and (by_id[s["id"]].patch or by_id[s["id"]].setting_fields)
+    ]
     cand = inv.candidate
     if 2 * k < int(inv.model.config.index_topk):
         cfgs.append((f"topk-{2 * k}", inv.Config(cand.setting.with_(index_topk=2 * k), cand.extra), None))
@@ -446,30 +450,6 @@ def _topk_run(recs: list[dict]) -> dict:
     }
 
 
-def write_verdicts(inv, symptom: dict, root, sig: dict, suspects_out: list[dict]) -> dict:
-    """Build, validate and write ``verdicts.json``; returns it."""
-    verdicts = {
-        "symptom": symptom,
-        "root_cause": root,
-        "signature": sig,
-        "suspects": [
-            {
-                "id": s["id"],
-                "tier": s["tier"],
-                "verdict": s["verdict"],
-                "reason": s["reason"],
-                "evidence": inv.state.evidence(s["id"]),
-            }
-            for s in suspects_out
-        ],
-    }
-    validate_verdicts(verdicts)
-    for s in suspects_out:
-        inv.state.set_status(s["id"], s["verdict"], s["reason"])
-    atomic_write_json(inv.out / "verdicts.json", verdicts)
-    return verdicts
-
-
 def _symptom(inv: _Investigation, ref_records, cand_records) -> dict:
     return {
         **inv.ledger.symptom.to_json(),
@@ -489,6 +469,27 @@ def _explained_record(explained, ref_records, cand_records) -> dict | None:
         "candidate": next(r for r in cand_records if r["case_id"] == explained["case_id"]),
         "reference": next(r for r in ref_records if r["case_id"] == explained["case_id"]),
     }
+
+
+def _unexplained(inv: _Investigation, suspects_out, ref_records, cand_records) -> dict:
+    """The residual, the localizer step when something is left unexplained (or a root cause is
+    an automatic suspect), and the non-finite score counts: ``verdicts.json`` keys."""
+    out: dict = {}
+    if inv.model is not None:
+        out["residual"], res_cfg, res_recs = residual(inv, suspects_out, ref_records, cand_records)
+        if out["residual"]["loses"]:
+            out["localization"] = localize_residual(inv, res_cfg, res_recs, ref_records)
+        elif any(r.startswith(AUTO_PREFIX) for r in root_causes(suspects_out)):
+            # nobody named the root cause: show where in the model it acts (the candidate itself)
+            out["localization"] = localize_residual(
+                inv,
+                inv.candidate,
+                cand_records,
+                ref_records,
+                "the candidate (its root cause is not named by the ledger)",
+            )
+    out["nonfinite_scores"] = nonfinite_summary(inv)
+    return out
 
 
 def run_investigation(
@@ -524,35 +525,47 @@ def run_investigation(
             (c for c in inv.cases if c.case_id == case_id), max(inv.cases, key=lambda c: c.length)
         )
         explained = {"case_id": case_id, "why": why}
-    ordered = ledger.ordered_suspects()
     suspects_out = check_suspects(
-        inv, ordered, lambda s: inv.check_suspect(s, ref_records, cand_records, probe_case)
+        inv, inv.suspects, lambda s: inv.check_suspect(s, ref_records, cand_records, probe_case)
     )
     if inv.model is not None:
-        fixes, topk_runs = replay_fixes(inv, ordered, suspects_out, cand_records, explained)
+        fixes, topk_runs = replay_fixes(inv, inv.suspects, suspects_out, cand_records, explained)
     sig = signature(cand_records, topk_runs) if cand_records else NO_SIGNATURE
-    root = resolve_root_cause(suspects_out, sig["uninformative_ranking"])
+    decided = decide(suspects_out, symptom_loss(ref_records, cand_records), sig["uninformative_ranking"])
+    root = decided["root_cause"]
     for f in fixes:
         f["label_kind"] = classify_fix(
-            f["pair"], removes=f["removes"], root_cause=root, keeps_topk=f["keeps_topk"]
+            f["pair"],
+            removes=f["removes"],
+            root_cause=root_causes(suspects_out) or root,
+            keeps_topk=f["keeps_topk"],
         )
+    extra = {
+        "multiplicity": decided["multiplicity"],
+        **_unexplained(inv, suspects_out, ref_records, cand_records),
+    }
     symptom = _symptom(inv, ref_records, cand_records)
-    verdicts = write_verdicts(inv, symptom, root, sig, suspects_out)
+    verdicts = write_verdicts(inv, symptom, root, sig, suspects_out, **extra)
     atomic_write_json(
         inv.out / "investigation.json",
-        {
-            "route": "in-process",
-            "ledger": str(ledger.path),
-            "target": {"model": ledger.target.model, "device": ledger.target.device},
-            "symptom": symptom,
-            "configs": inv.configs,
-            "candidate_topk": cand_records[0]["index_topk"] if cand_records else None,
-            "suspects": suspects_out,
-            "fixes": fixes,
-            "explained": _explained_record(explained, ref_records, cand_records),
-            "verdicts": verdicts,
-        },
+        relativize(
+            {
+                "route": "in-process",
+                "ledger": ledger.path.name,
+                "target": {"model": ledger.target.model, "device": ledger.target.device},
+                "symptom": symptom,
+                "configs": inv.configs,
+                "candidate_topk": cand_records[0]["index_topk"] if cand_records else None,
+                "suspects": [{k: v for k, v in s.items() if k != "inputs"} for s in suspects_out],
+                "fixes": fixes,
+                "explained": _explained_record(explained, ref_records, cand_records),
+                "verdicts": verdicts,
+            },
+            inv.path_map(),
+        ),
     )
+    inv.state.data = relativize(inv.state.data, inv.path_map())
+    inv.state.save()
     progress("verdicts", 1, 1, "")
     return inv.out / "verdicts.json"
 

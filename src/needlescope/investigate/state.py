@@ -51,6 +51,15 @@ class RunState:
             }
             self.save()
 
+    def ensure_suspects(self, ids: list[str]) -> None:
+        """Add suspects found after the ledger (the automatic ones) as ``pending``."""
+        new = [i for i in ids if i not in self.data["suspects"]]
+        for i in new:
+            self.data["suspects"][i] = {"status": "pending", "reason": ""}
+            self.data["evidence"].setdefault(i, [])
+        if new:
+            self.save()
+
     def save(self) -> None:
         atomic_write_json(self.path, self.data)
 

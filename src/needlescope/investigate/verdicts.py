@@ -5,7 +5,8 @@ the candidate, or, when the candidate does not carry it, the reference with and 
 ``b`` = cases wrong with the suspect and right without it, ``c`` = the reverse. The exact
 McNemar test on (b, c) (``analysis.stats.mcnemar_exact``) gives ``p``.
 
-Per suspect, in this order:
+Per suspect, in this order (``p`` is the Holm-adjusted p across the run's ablations when the
+runner supplies it, ``holm_adjust``):
 
 1. **blocked**: every check it asked for could not run (the reasons are listed).
 2. **exonerated** (not in the deployment): a cheap question's answer equals its
@@ -13,23 +14,37 @@ Per suspect, in this order:
    The reason then says what it rests on: the configuration check (its patch is not among
    the candidate's, or the candidate's field values differ from the suspect's) and the cheap
    questions' answers, and that no causal check ran.
-3. **implicated**: ``p < ALPHA`` and ``b > c`` (the suspect costs recall, paired).
+3. **implicated**: present in the candidate, ``p < ALPHA`` and ``b > c`` (removing it restores
+   recall, paired). A suspect **absent** from the candidate is never implicated: when adding it
+   alone to the reference costs recall it is exonerated as not deployed, with that measurement.
+   ``c > b`` with ``p < ALPHA`` (it helps) is exonerated too.
 4. **diverges_no_effect**: not implicated, the paired recall change ``|b - c| / n`` is at most
-   ``SMALL_EFFECT``, and adding it alone to the reference moves the final logits at the answer
-   position by a relative Frobenius error above ``DIVERGE_REL`` (fp32 CPU runs of identical
-   code are bit-identical, so anything above this is a real numerical change): "diverges, no
-   recall effect at the lengths tested", both numbers given.
-5. **exonerated**: not implicated, the change is at most ``SMALL_EFFECT`` and nothing diverges.
-6. **inconclusive**: otherwise (a change larger than ``SMALL_EFFECT`` that the cases cannot
-   confirm; run more cases).
+   ``SMALL_EFFECT``, the ablation had the power to see the symptom (``power_check``: 80% power
+   at the strictest Holm level for a cost of the symptom's size or ``BOUND_FLOOR``, whichever is
+   larger), and adding it alone to the reference moves the final logits at the answer position
+   by a relative Frobenius error above ``DIVERGE_REL`` (fp32 CPU runs of identical code are
+   bit-identical, so anything above this is a real numerical change): "diverges, no recall
+   effect at the lengths tested", both numbers and the detectable cost given.
+5. **exonerated**: as 4 without the divergence; the reason states the detectable cost.
+6. **inconclusive**: a small change the ablation lacked the power to exclude ("too few cases to
+   exclude a cost of X points", with the cases that would), or a change larger than
+   ``SMALL_EFFECT`` that the cases cannot confirm.
 
-**Root cause.** Among implicated suspects present in the candidate, those whose removal keeps
-the candidate's ``index_topk`` are root causes (ordered by b - c). A suspect implicated only
-through ``index_topk`` (its removal enlarges the top-k) while a root cause exists is
-re-labelled **exonerated**: raising ``index_topk`` is then a workaround. When the
-uninformative-ranking signature fires and no suspect other than ``index_topk`` is implicated,
-there is no root cause among the suspects and ``index_topk`` is **inconclusive** (a workaround
-for a functional indexer bug not in the ledger).
+**Necessity and sufficiency** (``investigate.causal``). A present suspect is also added alone
+to the reference at the deployment ``index_topk``: ``sufficient`` when that costs recall
+(Holm-adjusted in its own family). Implicated and sufficient: a **root cause**; implicated, not
+sufficient: a **co-factor** (stays implicated; the reason names what it interacts with: the
+other implicated suspects). A capacity change (``index_topk``) is a root cause only when
+sufficient on its own; otherwise it is a workaround for whatever it interacts with.
+
+**Root cause.** Among implicated suspects present in the candidate, the root causes (non-capacity
+first, by b - c; every one is listed in ``root_causes``). A capacity suspect implicated but not
+sufficient while a root cause exists is re-labelled **exonerated** ("workaround, not the
+cause"). When the uninformative-ranking signature fires and no suspect other than an
+insufficient (or unmeasured) ``index_topk`` is implicated, there is no root cause among the
+suspects and ``index_topk`` is **inconclusive** (a workaround for a functional indexer bug not
+in the ledger). Without a sufficiency measurement (the live route) capacity is a root cause
+only when nothing else is implicated.
 
 **Fixes.** Every replayed configuration is compared with the candidate on the same cases.
 It *restores* recall when ``p < ALPHA`` and the fix wins more discordant cases than it loses.
@@ -58,8 +73,9 @@ where the emulation selects no more than the live; ``gap_closed`` = (J_emulation
 
 from __future__ import annotations
 
+from needlescope.analysis.significance import holm, mcnemar_power
 from needlescope.analysis.stats import mcnemar_exact
-from needlescope.schema import check_schema
+from needlescope.schema import check_schema, record
 
 __all__ = [
     "ALPHA",
@@ -67,8 +83,15 @@ __all__ = [
     "DIVERGE_REL",
     "VERDICTS",
     "VERDICTS_SCHEMA",
+    "POWER",
+    "BOUND_FLOOR",
     "paired",
     "restores",
+    "detectable_cost",
+    "cases_needed",
+    "power_check",
+    "holm_adjust",
+    "residual_verdict",
     "suspect_verdict",
     "resolve_root_cause",
     "classify_fix",
@@ -80,6 +103,11 @@ __all__ = [
 
 ALPHA = 0.05
 SMALL_EFFECT = 0.10
+POWER = 0.8
+"""A negative verdict needs this power to detect the bound below (``power_check``)."""
+BOUND_FLOOR = 0.5
+"""The smallest recall cost a negative verdict must be able to detect when the symptom is smaller:
+half the cases (a 20-36-case run detects about 30-45 points with 80% power)."""
 DIVERGE_REL = 1e-5
 MIN_FAILURES = 3
 REPRODUCE = 0.8
@@ -103,12 +131,112 @@ _EVIDENCE = {
         "threshold": {"type": ["number", "null"]},
     },
 }
-VERDICTS_SCHEMA: dict = {
-    "type": "object",
-    "required": ["symptom", "root_cause", "signature", "suspects"],
-    "properties": {
+_PAIR = record(
+    {
+        "n": {"type": "integer"},
+        "b": {"type": "integer"},
+        "c": {"type": "integer"},
+        "p": {"type": "number"},
+        "recall_with": {"type": "number"},
+        "recall_without": {"type": "number"},
+    }
+)
+_DIFFERENCE = record(
+    {
+        "kind": {"type": "string"},  # setting | patch | env | server_info
+        "name": {"type": "string"},  # field, patch (relative to the ledger), variable, server field
+        "reference": {"type": ["string", "null"]},
+        "candidate": {"type": ["string", "null"]},
+        "covered_by": {"type": "array", "items": {"type": "string"}},  # ledger suspects naming it
+        "suspect": {"type": ["string", "null"]},  # the automatic suspect ("auto:NAME"), null when covered
+        "testable": {"type": "boolean"},  # an in-process ablation can remove / add it
+        "verdict": {"type": ["string", "null"]},  # the automatic suspect's verdict
+    }
+)
+_RESIDUAL = record(
+    {
+        "removed": {"type": "array", "items": {"type": "string"}},  # implicated suspects taken out
+        "config": {"type": "string"},  # the residual candidate's label
+        "pair": _PAIR,  # with = residual candidate, without = reference
+        "loses": {"type": "boolean"},  # p < ALPHA and b > c
+        "text": {"type": "string"},
+    }
+)
+_LOCAL_LAYER = record(
+    {
+        "layer": {"type": "integer"},
+        "topk_overlap": {"type": ["number", "null"]},  # mean Jaccard of the selected sets
+        "needle_visible": {"type": "integer"},
+        "needle_kept_reference": {"type": ["boolean", "null"]},  # a needle entry selected at the query
+        "needle_kept_candidate": {"type": ["boolean", "null"]},
+    }
+)
+_LOCAL_PATH = record(
+    {
+        "path": {"type": "string"},  # "prefill" (teacher-forced) | "decode" (cache, token by token)
+        "diverges": {"type": "boolean"},
+        "first_divergent_module": {"type": ["string", "null"]},
+        "module_type": {"type": ["string", "null"]},  # its class, e.g. DeepseekV4IndexerScorer
+        "layer": {"type": ["integer", "null"]},
+        "own_err": {"type": ["number", "string", "null"]},
+        "own_budget": {"type": ["number", "string", "null"]},
+        "first_departing_layer": {"type": ["integer", "null"]},  # first CSA layer whose selection departs
+        "layers": {"type": "array", "items": _LOCAL_LAYER},
+        "summary": {"type": "string"},
+    }
+)
+_LOCALIZATION = record(
+    {
+        "case_id": {"type": "string"},
+        "target": {"type": "string"},  # what is localized: the residual candidate, or the candidate itself
+        "config": {"type": "string"},  # its label
+        "analysed_token": {"type": "integer"},
+        "query_pos": {"type": "integer"},
+        "paths": {"type": "array", "items": _LOCAL_PATH},
+        "diverges_first": {"type": "string"},  # "prefill" | "decode" | "decode only" | "neither"
+        "summary": {"type": "string"},
+        "command": {"type": "string"},  # reproduces the localizer step
+    }
+)
+_NONFINITE = record(
+    {
+        "counts": {"type": "object"},  # configuration -> CSA layer (str) -> {neg_inf, nan, pos_inf}
+        "findings": {  # every (configuration, case, layer) with NaN or +inf scores
+            "type": "array",
+            "items": record(
+                {
+                    "config": {"type": "string"},
+                    "case_id": {"type": "string"},
+                    "layer": {"type": "integer"},
+                    "position": {"type": ["integer", "null"]},
+                    "nan": {"type": "integer"},
+                    "pos_inf": {"type": "integer"},
+                }
+            ),
+        },
+    }
+)
+_SUSPECT = record(
+    {
+        "id": {"type": "string"},
+        "tier": {"type": "integer"},
+        "verdict": {"type": "string"},
+        "reason": {"type": "string"},
+        "evidence": {"type": "array", "items": _EVIDENCE},
+        "auto": {"type": "boolean"},  # an automatic suspect (an uncovered difference)
+        "role": {"type": ["string", "null"]},  # "root cause" | "co-factor" | "workaround" | null
+        "necessary": {"type": ["boolean", "null"]},  # removing it restores recall (Holm-adjusted)
+        "sufficient": {"type": ["boolean", "null"]},  # added alone to the reference it costs recall
+        "p_holm": {"type": ["number", "null"]},
+        "power": {"type": ["object", "null"]},  # verdicts.power_check of its ablation
+    },
+    optional=("auto", "role", "necessary", "sufficient", "p_holm", "power"),
+)
+VERDICTS_SCHEMA: dict = record(
+    {
         "symptom": {"type": "object"},
         "root_cause": {"type": ["string", "null"]},
+        "root_causes": {"type": "array", "items": {"type": "string"}},
         "signature": {
             "type": "object",
             "required": ["uninformative_ranking", "layers", "collapse_vs_topk"],
@@ -118,23 +246,21 @@ VERDICTS_SCHEMA: dict = {
                 "collapse_vs_topk": {"type": "array"},
             },
         },
-        "suspects": {
-            "type": "array",
-            "items": {
-                "type": "object",
-                "required": ["id", "tier", "verdict", "reason", "evidence"],
-                "properties": {
-                    "id": {"type": "string"},
-                    "tier": {"type": "integer"},
-                    "verdict": {"type": "string"},
-                    "reason": {"type": "string"},
-                    "evidence": {"type": "array", "items": _EVIDENCE},
-                },
-            },
+        "suspects": {"type": "array", "items": _SUSPECT},
+        "differences": {"type": "array", "items": _DIFFERENCE},
+        "unaccounted_differences": {"type": "array", "items": _DIFFERENCE},
+        "residual": {"type": ["object", "null"], **{k: v for k, v in _RESIDUAL.items() if k != "type"}},
+        "localization": {
+            "type": ["object", "null"],
+            **{k: v for k, v in _LOCALIZATION.items() if k != "type"},
         },
-    },
-}
-"""``verdicts.json``, as issue 16 gives it (checked by ``validate_verdicts``)."""
+        "nonfinite_scores": _NONFINITE,
+        "multiplicity": record(
+            {"method": {"type": "string"}, "tests": {"type": "integer"}, "alpha": {"type": "number"}}
+        ),
+    }
+)
+"""``verdicts.json`` (checked by ``validate_verdicts``); docs/investigate.md gives every key."""
 
 
 def evidence(check: str, metric: str, value, threshold: float | None = None) -> dict:
@@ -162,9 +288,74 @@ def paired(with_suspect: dict[str, bool], without: dict[str, bool]) -> dict:
     }
 
 
-def restores(pair: dict) -> bool:
-    """The run without the suspect (or with the fix) wins significantly."""
-    return pair["p"] < ALPHA and pair["b"] > pair["c"]
+def restores(pair: dict, p: float | None = None) -> bool:
+    """The run without the suspect (or with the fix) wins significantly: ``p`` (default the
+    pair's own, else its Holm-adjusted value) below ``ALPHA`` and ``b > c``."""
+    return (pair["p"] if p is None else p) < ALPHA and pair["b"] > pair["c"]
+
+
+def holm_adjust(pairs: list[dict | None]) -> list[float | None]:
+    """Holm-adjusted p-values of the pairs (None stays None): each suspect's ablation is one
+    test among the run's."""
+    idx = [i for i, x in enumerate(pairs) if x is not None]
+    adj = holm([pairs[i]["p"] for i in idx])
+    out: list[float | None] = [None] * len(pairs)
+    for i, a in zip(idx, adj):
+        out[i] = a
+    return out
+
+
+def detectable_cost(n: int, alpha: float) -> float | None:
+    """The smallest recall cost (a fraction of the cases, in steps of 0.01) the exact McNemar
+    test detects with ``POWER`` at ``n`` pairs and level ``alpha``, assuming the cost shows as
+    cases lost and none gained (``mcnemar_power``); None when even losing every case would not."""
+    for pct in range(1, 101):
+        if mcnemar_power(n, pct / 100, alpha) >= POWER:
+            return pct / 100
+    return None
+
+
+def cases_needed(cost: float, alpha: float, limit: int = 100_000) -> int | None:
+    """The smallest number of pairs at which a cost of ``cost`` is detected with ``POWER``."""
+    lo = 1
+    while lo <= limit and mcnemar_power(lo, cost, alpha) < POWER:
+        lo = lo * 2
+    if lo > limit:
+        return None
+    hi, lo = lo, lo // 2 + 1 if lo > 1 else 1
+    while lo < hi:  # power grows with n (one-sided losses): bisect
+        mid = (lo + hi) // 2
+        lo, hi = (mid + 1, hi) if mcnemar_power(mid, cost, alpha) < POWER else (lo, mid)
+    return hi
+
+
+def power_check(n: int, tests: int, symptom_loss: float) -> dict:
+    """What a negative verdict of one of ``tests`` Holm-corrected ablations at ``n`` pairs rests on.
+
+    ``detectable_cost``: the cost found with ``POWER`` at the strictest Holm level ``ALPHA /
+    tests``; ``bound``: the cost it must be able to detect, the symptom's paired recall loss or
+    ``BOUND_FLOOR`` when that is larger; ``enough``: detectable_cost <= bound; ``cases_needed``:
+    the pairs that would detect ``bound``."""
+    alpha = ALPHA / max(1, tests)
+    mde = detectable_cost(n, alpha)
+    bound = round(max(symptom_loss, BOUND_FLOOR), 4)
+    return {
+        "alpha": alpha,
+        "power": POWER,
+        "detectable_cost": mde,
+        "bound": bound,
+        "enough": mde is not None and mde <= bound,
+        "cases_needed": cases_needed(bound, alpha),
+    }
+
+
+def _power_text(pw: dict) -> str:
+    if pw["detectable_cost"] is None:
+        return f"this run cannot detect any cost with {pw['power']:.0%} power (level {pw['alpha']:.3g})"
+    return (
+        f"this run detects a cost of {pw['detectable_cost'] * 100:.0f} points with {pw['power']:.0%} power "
+        f"(level {pw['alpha']:.3g})"
+    )
 
 
 def suspect_verdict(
@@ -177,12 +368,16 @@ def suspect_verdict(
     ran_checks: int,
     presence: str = "",
     questions: str = "",
+    p_adjusted: float | None = None,
+    power: dict | None = None,
 ) -> tuple[str, str]:
     """(verdict, reason) for one suspect by rules 1-6 of the module docstring.
 
     ``presence``: what the configuration check found (``runner.presence_check``);
     ``questions``: the cheap questions' answers in one line. An exoneration without a causal
-    measurement says what it rests on: both, and that no causal check ran."""
+    measurement says what it rests on: both, and that no causal check ran. ``p_adjusted``: the
+    pair's Holm-adjusted p (default: its own p); ``power``: ``power_check`` of the pair, which a
+    negative verdict states and needs (``enough``), else it is ``inconclusive``."""
     if ran_checks == 0 and blocked:
         return "blocked", "; ".join(blocked)
     asked = f"; cheap questions: {questions}" if questions else "; no cheap question asked"
@@ -197,59 +392,138 @@ def suspect_verdict(
         return "inconclusive", "present in the candidate, but no causal check ran" + (
             f" ({'; '.join(blocked)})" if blocked else ""
         )
+    p = pair["p"] if p_adjusted is None else p_adjusted
     how = "removing it from the candidate" if present else "adding it alone to the reference"
+    holm_txt = "" if p_adjusted is None else f", Holm-adjusted p={p_adjusted:.3g}"
     counts = (
         f"{how}: recall {pair['recall_with']:.2f} with it vs {pair['recall_without']:.2f} without, "
-        f"paired n={pair['n']}, b={pair['b']} c={pair['c']}, exact McNemar p={pair['p']:.3g}"
+        f"paired n={pair['n']}, b={pair['b']} c={pair['c']}, exact McNemar p={pair['p']:.3g}{holm_txt}"
     )
-    if restores(pair):
-        return "implicated", counts
+    if restores(pair, p):
+        if present:
+            return "implicated", counts
+        return "exonerated", (
+            f"not in the deployment ({presence}), so it cannot cause the candidate's loss; {counts}: "
+            "it would cost recall if deployed"
+        )
+    if p < ALPHA and pair["c"] > pair["b"]:
+        return "exonerated", f"{counts}: with it recall is better (c > b), so it does not cause the loss"
     if pair["n"] and abs(pair["b"] - pair["c"]) / pair["n"] <= SMALL_EFFECT:
+        if power is not None and not power["enough"]:
+            need = power["cases_needed"]
+            return "inconclusive", (
+                f"inconclusive: too few cases to exclude a cost of {power['bound'] * 100:.0f} points "
+                f"({_power_text(power)}; {need if need is not None else 'more than 100000'} cases would); {counts}"
+            )
+        stated = f"; {_power_text(power)}" if power is not None else ""
         if divergence is not None and divergence > DIVERGE_REL:
             return "diverges_no_effect", (
                 f"diverges, no recall effect at the lengths tested: final-logit relative error "
-                f"{divergence:.3g} (> {DIVERGE_REL:g}) when added alone to the reference; {counts}"
+                f"{divergence:.3g} (> {DIVERGE_REL:g}) when added alone to the reference; {counts}{stated}"
             )
-        return "exonerated", counts
+        return "exonerated", counts + stated
     return (
         "inconclusive",
         f"{counts}; the change exceeds {SMALL_EFFECT:.2f} but is not significant: run more cases",
     )
 
 
+def _partners(s: dict, implicated: list[dict]) -> str:
+    others = [x["id"] for x in implicated if x["id"] != s["id"]]
+    return ", ".join(others) if others else "a difference no suspect reproduces on its own (see the residual)"
+
+
+def _roles(implicated: list[dict]) -> None:
+    """Mark each implicated suspect's ``role``: a co-factor is necessary but, measured, not
+    sufficient (``sufficient`` False); a capacity change is a root cause only when sufficient."""
+    for s in implicated:
+        suff = s.get("sufficient")
+        if suff is False or (s["changes_topk"] and suff is not True and s.get("sufficiency") is not None):
+            s["role"] = "co-factor"
+        else:
+            s["role"] = "root cause"
+
+
 def resolve_root_cause(suspects: list[dict], signature_fires: bool) -> str | None:
     """Apply the root-cause rule in place on ``suspects`` (each with ``verdict``, ``present``,
-    ``changes_topk``, ``pair``); returns the root cause's id or None."""
+    ``changes_topk``, ``pair`` and optionally ``sufficient``); returns the root cause's id or
+    None. Every root cause gets ``role`` "root cause" (the first, largest b - c, non-capacity
+    first, is returned); a co-factor keeps ``implicated`` with ``role`` "co-factor" and a reason
+    naming what it interacts with; a capacity co-factor beside a root cause is a workaround."""
     implicated = [s for s in suspects if s["verdict"] == "implicated" and s["present"]]
+    _roles(implicated)
+    gain = lambda s: -(s["pair"]["b"] - s["pair"]["c"])  # noqa: E731
     roots = sorted(
-        (s for s in implicated if not s["changes_topk"]), key=lambda s: -(s["pair"]["b"] - s["pair"]["c"])
+        (s for s in implicated if s["role"] == "root cause"), key=lambda s: (s["changes_topk"], gain(s))
     )
-    capacity = [s for s in implicated if s["changes_topk"]]
-    if roots:
+    functional = [s for s in roots if not s["changes_topk"]]
+    capacity = [s for s in implicated if s["changes_topk"] and s not in functional]
+    for s in implicated:
+        if s["role"] == "co-factor" and not s["changes_topk"]:
+            s["reason"] = (
+                f"co-factor: {s['reason']}; necessary but not sufficient: it restores recall when removed and "
+                f"costs nothing added alone to the reference, so it interacts with {_partners(s, implicated)}"
+            )
+    if functional:
         for s in capacity:
-            s["verdict"] = "exonerated"
+            if s.get("sufficient") is True:
+                continue  # a capacity change that costs recall on its own is a root cause too
+            s["verdict"], s["role"] = "exonerated", "workaround"
             s["reason"] = (
                 f"workaround, not the cause: {s['reason']}; the larger index_topk restores recall only while "
-                f"{roots[0]['id']} stays (removing {roots[0]['id']} restores it at the deployment index_topk)"
+                f"{functional[0]['id']} stays (removing {functional[0]['id']} restores it at the deployment index_topk)"
             )
-        return roots[0]["id"]
-    if capacity and signature_fires:
+        return functional[0]["id"]
+    if capacity and signature_fires and all(s.get("sufficient") is not True for s in capacity):
         for s in capacity:
-            s["verdict"] = "inconclusive"
+            s["verdict"], s["role"] = "inconclusive", "workaround"
             s["reason"] = (
                 f"{s['reason']}; but the needle's ranking is uninformative and the collapse tracks "
                 "compress_ratio x index_topk: a larger index_topk is a workaround for a functional indexer "
                 "bug that no suspect in the ledger reproduces"
             )
         return None
-    return capacity[0]["id"] if capacity else None
+    for s in capacity:
+        if s["role"] == "co-factor":
+            s["reason"] = (
+                f"co-factor: {s['reason']}; necessary but not sufficient: the deployment index_topk alone costs "
+                f"nothing at the lengths tested, so it is a workaround for {_partners(s, implicated)}"
+            )
+    return roots[0]["id"] if roots else None
 
 
-def classify_fix(pair: dict, *, removes: str | None, root_cause: str | None, keeps_topk: bool) -> str:
-    """ "root-cause fix" | "workaround" | "no effect" (module docstring, "Fixes")."""
+def root_causes(suspects: list[dict]) -> list[str]:
+    """Every suspect ``resolve_root_cause`` left as a root cause (implicated, role "root cause")."""
+    return [s["id"] for s in suspects if s["verdict"] == "implicated" and s.get("role") == "root cause"]
+
+
+def residual_verdict(pair: dict, removed: list[str]) -> dict:
+    """The residual: the candidate with every implicated suspect in ``removed`` taken out,
+    paired against the reference (``pair``: with = the residual candidate, without = the
+    reference). It still loses when the exact test says so (``restores``)."""
+    loses = restores(pair)
+    what = (
+        "the candidate without " + ", ".join(removed)
+        if removed
+        else "the whole candidate (no suspect implicated)"
+    )
+    text = (
+        f"unexplained residual: recall {pair['recall_with']:.2f} vs {pair['recall_without']:.2f} (reference), "
+        f"{what}; paired n={pair['n']}, b={pair['b']} c={pair['c']}, exact McNemar p={pair['p']:.3g}"
+        if loses
+        else f"no residual: {what} recalls {pair['recall_with']:.2f} vs the reference's "
+        f"{pair['recall_without']:.2f} (b={pair['b']} c={pair['c']}, p={pair['p']:.3g})"
+    )
+    return {"removed": list(removed), "pair": pair, "loses": loses, "text": text}
+
+
+def classify_fix(pair: dict, *, removes: str | None, root_cause, keeps_topk: bool) -> str:
+    """ "root-cause fix" | "workaround" | "no effect" (module docstring, "Fixes"). ``root_cause``:
+    an id, None or a collection of root-cause ids."""
     if not restores(pair):
         return "no effect"
-    if removes is not None and removes == root_cause and keeps_topk:
+    roots = {root_cause} if isinstance(root_cause, str) else set(root_cause or ())
+    if removes is not None and removes in roots and keeps_topk:
         return "root-cause fix"
     return "workaround"
 
@@ -289,5 +563,6 @@ def validate_verdicts(obj: dict) -> None:
         if s["verdict"] not in VERDICTS:
             raise ValueError(f"verdicts.suspects[{i}].verdict: {s['verdict']!r} is not one of {VERDICTS}")
     ids = {s["id"] for s in obj["suspects"]}
-    if obj["root_cause"] is not None and obj["root_cause"] not in ids:
-        raise ValueError(f"verdicts.root_cause {obj['root_cause']!r} names no suspect")
+    for root in [obj["root_cause"], *obj["root_causes"]]:
+        if root is not None and root not in ids:
+            raise ValueError(f"verdicts.root_cause {root!r} names no suspect")
