@@ -44,6 +44,10 @@ TARGETS: dict[str, tuple[str, list[str]]] = {
     "analysis.margins": ("analysis/margins.py", ["test_margins.py"]),
     "investigate.signature": ("investigate/signature.py", ["test_signature.py"]),
     "run.bisect": ("run/bisect.py", ["test_bisect_logic.py"]),
+    "investigate.verdicts": (
+        "investigate/verdicts.py",
+        ["test_investigate_rules.py", "test_investigate_causal.py"],
+    ),
 }
 
 EQUIVALENT: dict[str, str] = {}

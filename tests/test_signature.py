@@ -451,3 +451,13 @@ def test_tracks_topk_decisions_in_detail():
     base = {"index_topk": 64, "cases": {"a": False, "b": False}}
     other = {"index_topk": 128, "cases": {"a": True, "z": True}}
     assert topk_fix([base, other])["runs"][0]["n"] == 1
+
+
+def test_last_holding_stops_at_the_first_collapse_and_the_overall_class():
+    (run,) = collapse_runs([_run(64, {256: (30, 30), 512: (3, 30), 1024: (30, 30)})])
+    assert run["last_holding"] == 256 and run["first_collapsed"] == 512
+    rng = random.Random(12)
+    near = signature([_rec(i, [_random_rank(rng, 256, 5)]) for i in range(80)], [])
+    assert near["ranking"] == "uninformative"
+    few = signature([_rec(i, [_random_rank(rng, 256, 5)]) for i in range(3)], [])
+    assert few["ranking"] == "undecided"

@@ -94,3 +94,8 @@ def test_group_test_worse_and_groups_vs_rest():
     assert y.p_value == pytest.approx(p) and x.p_value == pytest.approx(p)
     assert y.p_holm == pytest.approx(min(1.0, 2 * p))
     assert math.isclose(y.recall, 1 / 6)
+
+
+def test_groups_vs_rest_with_one_group_has_no_rest():
+    (only,) = groups_vs_rest([("a", True), ("a", False)])
+    assert (only.n, only.correct, only.recall, only.rest_recall, only.p_value) == (2, 1, 0.5, None, 1.0)
