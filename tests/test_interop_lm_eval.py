@@ -16,7 +16,6 @@ dropped ids, misaligned logprobs) shows as a zero.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -36,14 +35,10 @@ LENGTH = 192
 def offline():
     """Nothing in this test may reach the network (lm-eval, datasets, the hub)."""
     keys = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    old = {k: os.environ.get(k) for k in keys}
-    os.environ.update(keys)
-    yield
-    for k, v in old.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    with pytest.MonkeyPatch.context() as env:
+        for k, v in keys.items():
+            env.setenv(k, v)
+        yield
 
 
 @pytest.fixture(scope="module")

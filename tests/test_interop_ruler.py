@@ -16,7 +16,6 @@ wrong prompt, a closed assistant turn, dropped ids). docs/serve.md ("Real peers"
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -44,16 +43,12 @@ def offline(tmp_path_factory):
         "TRANSFORMERS_OFFLINE": "1",
         "NLTK_DATA": str(nltk_data),
     }
-    old = {k: os.environ.get(k) for k in keys}
-    os.environ.update(keys)
-    if str(nltk_data) not in nltk.data.path:
-        nltk.data.path.insert(0, str(nltk_data))
-    yield
-    for k, v in old.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    with pytest.MonkeyPatch.context() as env:
+        for k, v in keys.items():
+            env.setenv(k, v)
+        if str(nltk_data) not in nltk.data.path:
+            nltk.data.path.insert(0, str(nltk_data))
+        yield
 
 
 @pytest.fixture(scope="module")

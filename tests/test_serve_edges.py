@@ -15,16 +15,8 @@ import httpx
 import pytest
 
 from needlescope.serve.launch import ChildServer
-from needlescope.testing.checkpoints import save_random
+from needlescope.testing.checkpoints import TINY_SERVE, save_random
 
-SMALL = dict(
-    hidden_size=64,
-    q_lora_rank=32,
-    o_lora_rank=32,
-    moe_intermediate_size=64,
-    index_topk=8,
-    max_position_embeddings=512,
-)
 NAME = "tiny"
 FD_LIMIT = 1024
 HALF_OPEN = 2000
@@ -44,7 +36,7 @@ def _serve_argv(ckpt: Path, *flags: str, fd_limit: int | None = None) -> list[st
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    return save_random(tmp_path_factory.mktemp("ckpt"), seed=3, **SMALL)
+    return save_random(tmp_path_factory.mktemp("ckpt"), seed=3, **TINY_SERVE)
 
 
 HEADER_TIMEOUT = 2.0

@@ -12,16 +12,8 @@ import openai
 import pytest
 
 from needlescope.serve.launch import ServerProcess
-from needlescope.testing.checkpoints import save_random
+from needlescope.testing.checkpoints import TINY_SERVE, save_random
 
-SMALL = dict(
-    hidden_size=64,
-    q_lora_rank=32,
-    o_lora_rank=32,
-    moe_intermediate_size=64,
-    index_topk=8,
-    max_position_embeddings=512,
-)
 NAME = "tiny"
 BODY_LIMIT = 100_000
 WORDS = "the river ran past the old mill and the baker sold bread to every child in the town"
@@ -30,7 +22,7 @@ MSG = [{"role": "user", "content": WORDS}]
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    return save_random(tmp_path_factory.mktemp("ckpt"), seed=3, **SMALL)
+    return save_random(tmp_path_factory.mktemp("ckpt"), seed=3, **TINY_SERVE)
 
 
 @pytest.fixture(scope="module")

@@ -24,16 +24,8 @@ from needlescope.dsa.checkpoint import load_bundle
 from needlescope.dsa.emulate import IndexerCapture, emulate
 from needlescope.serve.launch import ServerProcess
 from needlescope.setting import Setting  # noqa: E402
-from needlescope.testing.checkpoints import save_random
+from needlescope.testing.checkpoints import TINY_SERVE, save_random
 
-SMALL = dict(
-    hidden_size=64,
-    q_lora_rank=32,
-    o_lora_rank=32,
-    moe_intermediate_size=64,
-    index_topk=8,
-    max_position_embeddings=512,
-)
 SERVED_TOPK = 4  # below the checkpoint's 8, so the numerics in force are visible in the payload
 NAME = "tiny"
 WORDS = "the river ran past the old mill and the baker sold bread to every child in the town"
@@ -41,7 +33,7 @@ WORDS = "the river ran past the old mill and the baker sold bread to every child
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    return save_random(tmp_path_factory.mktemp("ckpt"), seed=1, **SMALL)
+    return save_random(tmp_path_factory.mktemp("ckpt"), seed=1, **TINY_SERVE)
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +81,7 @@ def test_models_lists_the_served_name(client, server):
     ids = [m.id for m in client.models.list().data]
     assert ids == [NAME]
     info = httpx.get(server.url + "/v1/models").json()["data"][0]
-    assert info["max_model_len"] == SMALL["max_position_embeddings"]
+    assert info["max_model_len"] == TINY_SERVE["max_position_embeddings"]
 
 
 def test_chat_completion_contract(client, server):
@@ -238,7 +230,7 @@ def test_server_info_reports_numerics_and_args(server):
     info = httpx.get(server.url + "/get_server_info").json()
     assert info["model"] == NAME
     assert info["index_k"] == "fp32" and info["index_q"] == "fp32"
-    assert info["index_topk"] == SERVED_TOPK and info["checkpoint_index_topk"] == SMALL["index_topk"]
+    assert info["index_topk"] == SERVED_TOPK and info["checkpoint_index_topk"] == TINY_SERVE["index_topk"]
     assert info["max_queued_requests"] == 64 and info["max_running_requests"] == 4
     assert info["num_indexer_layers"] == len(info["csa_layers"]) >= 1
     assert isinstance(info["needlescope_version"], str) and info["needlescope_version"]
@@ -311,7 +303,7 @@ def test_bad_inputs_get_openai_errors_and_the_server_keeps_serving(client, serve
         client.completions.create(model=NAME, prompt=too_long, max_tokens=4)
     assert e.value.status_code == 400 and e.value.code == "context_length_exceeded"
     with pytest.raises(openai.BadRequestError) as e:
-        chat(client, max_tokens=SMALL["max_position_embeddings"])
+        chat(client, max_tokens=TINY_SERVE["max_position_embeddings"])
     assert e.value.code == "context_length_exceeded"
     with pytest.raises(openai.NotFoundError) as e:
         client.chat.completions.create(

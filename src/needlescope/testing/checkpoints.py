@@ -11,7 +11,17 @@ from needlescope.dsa.checkpoint import quiet_transformers
 from needlescope.organism.config import init_hash_routing, organism_config
 from needlescope.organism.tokenizer import build_tokenizer
 
-__all__ = ["save_random"]
+__all__ = ["TINY_SERVE", "save_random"]
+
+# The smallest organism-shaped model the serving tests run: fast on CPU, a 512-token context.
+TINY_SERVE = dict(
+    hidden_size=64,
+    q_lora_rank=32,
+    o_lora_rank=32,
+    moe_intermediate_size=64,
+    index_topk=8,
+    max_position_embeddings=512,
+)
 
 
 def save_random(out: str | Path, *, seed: int = 0, **config_overrides) -> Path:
