@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -18,15 +19,21 @@ def ctx(tmp_path, **kw):
     return QuestionContext(base=tmp_path, checkpoint=kw.pop("checkpoint", shipped_dir()), **kw)
 
 
-def test_env_file_and_process(tmp_path, monkeypatch):
+def test_env_file_and_process(tmp_path):
     (tmp_path / "dep.env").write_text("# comment\nexport A_FLAG=1\nB='x y'\n")
     c = ctx(tmp_path, env_file=tmp_path / "dep.env")
     assert answer(Question("env", {"name": "A_FLAG"}), c).value == "1"
     assert answer(Question("env", {"name": "B"}), c).value == "x y"
     assert answer(Question("env", {"name": "C"}), c).value == "<unset>"
-    monkeypatch.setenv("NEEDLESCOPE_TEST_FLAG", "on")  # /proc/self/environ is the start-up env
-    a = answer(Question("env", {"name": "PATH", "process": os.getpid()}), c)
-    assert a.ok and a.value == os.environ["PATH"]
+    # A child with a known start-up environment: the test's own /proc/self/environ is not one
+    # (pytest-xdist's process titles, through setproctitle, overwrite that memory).
+    child = subprocess.Popen(["sleep", "60"], env={"PATH": os.environ["PATH"], "NEEDLESCOPE_TEST_FLAG": "on"})
+    try:
+        a = answer(Question("env", {"name": "NEEDLESCOPE_TEST_FLAG", "process": child.pid}), c)
+    finally:
+        child.kill()
+        child.wait()
+    assert a.ok and a.value == "on"
 
 
 def test_env_unreadable_process_is_blocked(tmp_path):

@@ -190,6 +190,8 @@ def load_bundle(
     from needlescope.dsa.placement import DEFAULT_RESERVE, auto_devices
     from needlescope.dsa.release import is_release_layout
 
+    for one in [] if device == "auto" else device.split(","):
+        check_device(one.strip())
     path = resolve_model_dir(name_or_dir)
     check_weights(path)
     placed = device == "auto" or "," in device or max_memory is not None

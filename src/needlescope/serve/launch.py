@@ -3,8 +3,9 @@
 Both of needlescope's servers announce themselves the same way: the first line on stdout is
 ``READY <port>``. ``ChildServer(argv)`` runs ``argv``, reads that line (the one implementation
 of the handshake), optionally polls a health path until it answers 200, and, used as a context
-manager, stops the process on exit. The child gets SIGTERM when its parent dies, however it
-dies (SIGKILL included), so no server outlives the process that started it.
+manager, stops the process on exit. A child started from the main thread gets SIGTERM when its
+parent dies, however it dies (SIGKILL included), so no such server outlives the process that
+started it (Linux ties that signal to the starting thread: from other threads it is not asked for).
 
 ``ServerProcess(ServeConfig(model=DIR, port=0))`` is ``needlescope serve`` started with the
 whole config as JSON (``python -m needlescope.cli.main serve --config-json ...``), so the
@@ -113,15 +114,17 @@ class ChildServer:
         return " ".join(self.argv[1:4])
 
     def start(self) -> ChildServer:
-        # The parent-death signal fires when the starting *thread* ends: start servers from a
-        # thread that lives as long as they should (every caller here uses its main thread).
+        # The parent-death signal fires when the starting *thread* ends, so it is asked for only
+        # from the main thread: a server started from a pool thread (tests start several at once)
+        # would otherwise be killed as soon as that thread finishes, and outlives a SIGKILL instead.
+        on_main = threading.current_thread() is threading.main_thread()
         self.proc = subprocess.Popen(
             self.argv,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
             env=self.env,
-            preexec_fn=_die_with_parent,
+            preexec_fn=_die_with_parent if on_main else None,
         )
         # Drain stderr continuously so a chatty server never blocks on a full pipe.
         threading.Thread(target=self._drain, daemon=True).start()
