@@ -154,7 +154,11 @@ def _first(layers: list[dict], analysed_token: int) -> dict:
     if pre:
         where = "prefill"
         summary = f"the candidate's selection differs from the reference's already teacher-forced (prefill), in CSA layer(s) {', '.join(map(str, pre))}"
-        summary += f"; the decode path moves the needle's rank further: {ranks}" if moved else ""
+        summary += (
+            f"; the decode path moves the needle's rank further: {ranks}"
+            if moved
+            else "; the decode path ranks the needle exactly as the prefill does"
+        )
     elif dec:
         where = "decode only"
         summary = f"decode-path only: prefill selections identical; the decode path's selection departs in CSA layer(s) {', '.join(map(str, dec))}"
