@@ -105,12 +105,15 @@ def test_an_unpatched_model_ranks_the_needle_identically_on_both_paths(organism)
     inv = SimpleNamespace(cases=[case], tokenizer=tok, model=model, reference=ref, chunk=None)
     rec = measure_case(model, tok, case, ref, max_new_tokens=4)
     assert len(rec["output_ids"]) >= 3
-    rp = rank_paths(inv, ref, {**rec, "analysed_token": 2})  # two answer tokens decoded before it
-    assert rp["query_pos"] == rec["prompt_tokens"] + 1
-    assert all(ly["prefill"] is not None and ly["visible"] > 16 for ly in rp["layers"])
-    assert _stats(rp, "decode") == _stats(rp, "prefill")  # rank for rank, percentile, needle selected
-    assert all(ly["paths_overlap"] == 1.0 for ly in rp["layers"])
-    assert rp["paths_agree"] and rp["diverges_first"] == "neither"
+    # Analysed at a decode step: one answer token (the prefill path runs all ids from scratch) or
+    # two (the prefill path continues the prompt's cache with the answer tokens as one chunk).
+    for a in (1, 2):
+        rp = rank_paths(inv, ref, {**rec, "analysed_token": a})
+        assert rp["query_pos"] == rec["prompt_tokens"] - 1 + a
+        assert all(ly["prefill"] is not None and ly["visible"] > 16 for ly in rp["layers"])
+        assert _stats(rp, "decode") == _stats(rp, "prefill")  # rank for rank, percentile, needle selected
+        assert all(ly["paths_overlap"] == 1.0 for ly in rp["layers"])
+        assert rp["paths_agree"] and rp["diverges_first"] == "neither"
 
 
 LIVE_LEDGER = """

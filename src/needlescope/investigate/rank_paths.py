@@ -40,7 +40,14 @@ def path_selections(
     """path -> CSA layer -> (selected entries, visible scores [v] tensor) of query position
     ``query`` under ``config`` (``measure.Config``), the ids ``prompt_ids + answer`` run
     teacher-forced (``prefill``) and the server's way (``decode``: the prompt into the cache, the
-    answer tokens one per forward)."""
+    answer tokens one per forward).
+
+    The prompt is run once into the cache and both paths continue from a copy of it: the decode
+    path token by token, the prefill path with the answer tokens as one more prefill chunk
+    (equal to one pass: docs/scale.md). One answer token alone would be a one-token call, which
+    is what a decode step is, so then the prefill path runs all the ids from scratch."""
+    import copy
+
     import torch
 
     from needlescope.dsa import passes
@@ -50,28 +57,34 @@ def path_selections(
 
     dev = next(model.parameters()).device
     capture = IndexerCapture(keep_scores=True, score_from=query)
-    out: dict[str, dict] = {}
     with applied(model, config, capture) as layers, torch.no_grad():
         ratio = int(csa_indexers(model)[0][1].compress_rate)
         k = int(csa_indexers(model)[0][1].index_topk)
-        for path in PATHS:
-            capture.clear()
-            if path == "prefill":
-                passes.prefill(model, torch.tensor([prompt_ids + answer], device=dev), chunk=chunk)
-            else:
-                run = passes.prefill(
-                    model, torch.tensor([prompt_ids], device=dev), chunk=chunk, keep_cache=True
-                )
-                if answer:
-                    passes.decode(model, torch.tensor([answer], device=dev), run.cache, logits_at=())
-            v = int(visible_entries(query, ratio))
+        v = int(visible_entries(query, ratio))
+
+        def at_query() -> dict[int, tuple]:
             per = {}
             for layer in layers:
                 pos, rows = capture.rows(layer, width=k)
                 spos, scores = capture.score_rows(layer)
                 i, j = int((pos == query).nonzero()[0]), int((spos == query).nonzero()[0])
                 per[layer] = ([int(e) for e in rows[i].tolist() if e >= 0], scores[j][:v])
-            out[path] = per
+            return per
+
+        run = passes.prefill(model, torch.tensor([prompt_ids], device=dev), chunk=chunk, keep_cache=True)
+        if not answer:  # the analysed query is the prompt's last: both paths are this prefill
+            same = at_query()
+            return {"prefill": same, "decode": same}
+        prompt_calls, fork = list(capture.calls), copy.deepcopy(run.cache)
+        passes.decode(model, torch.tensor([answer], device=dev), run.cache, logits_at=())
+        out = {"decode": at_query()}
+        capture.clear()
+        if len(answer) > 1:
+            capture.calls.extend(prompt_calls)
+            passes.prefill(model, torch.tensor([answer], device=dev), chunk=chunk, cache=fork)
+        else:
+            passes.prefill(model, torch.tensor([prompt_ids + answer], device=dev), chunk=chunk)
+        out["prefill"] = at_query()
     return out
 
 
