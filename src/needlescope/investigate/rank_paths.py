@@ -11,9 +11,13 @@ answer tokens and the analysed token, the first wrong one) and runs the token id
 that token (the prompt plus the answer tokens before it) both ways, under the candidate and
 under the reference at the candidate's ``index_topk``:
 
-* **prefill**: ``dsa.passes.prefill`` over all the ids (teacher-forced);
+* **prefill**: teacher-forced, the answer tokens run as one more prefill chunk after the
+  prompt (``dsa.passes.prefill``; a single answer token: all the ids from scratch);
 * **decode**: the prompt prefilled into the cache, then the answer tokens fed one per forward
   (``dsa.passes.decode``), as the server does.
+
+The prompt itself runs once (in the ledger's ``prefill_chunk`` chunks) and both paths continue
+from a copy of its cache.
 
 Per CSA layer at the analysed query position: the needle's best rank, its rank percentile
 (``signature.rank_percentile``, mid-p: 0 = first, 0.5 = chance), the needle entries selected,
