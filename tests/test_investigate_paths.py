@@ -7,6 +7,10 @@ entry s with the key of entry s - 1, prefill untouched) costs answers at their l
 cases). Teacher-forced, the candidate ranks the needle exactly as the reference does; decoded, it
 does not, and the report says "decode-path only: prefill selections identical". An unpatched
 model ranks the needle identically on both paths.
+
+Both ledgers set ``prefill_chunk`` (100 and 128 tokens, aligned to no window), so every
+in-process pass of these runs (measurements, rank statistics, live emulation) goes through the
+KV cache in chunks; the example ledger's runs (tests/test_investigate_organism.py) keep one pass.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ LEDGER = """
 [target]
 model = "organism"
 threads = 2
+prefill_chunk = 100
 reference = "k=fp32 q=fp32 acc=fp32 topk=8"
 candidate = "k=fp32 q=fp32 acc=fp32 topk=8"
 extra_patches = ["patches/decode_bug.py"]
@@ -120,6 +125,7 @@ LIVE_LEDGER = """
 [target]
 model = "organism"
 threads = 1
+prefill_chunk = 128
 reference = "k=fp32 q=fp32 acc=fp32 topk=cfg"
 candidate = "live"
 endpoint = "{url}"
