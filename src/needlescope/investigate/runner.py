@@ -273,6 +273,7 @@ class _Investigation:
             "candidate_topk": cand_records[0]["index_topk"],
             "reference_records": ref_records,
             "apply_candidate": apply_candidate,
+            "chunk": self.chunk,
         }
         res = run_check(check.split(":", 1)[1], self.model, ids, ctx)
         self.state.add_evidence(
