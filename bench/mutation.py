@@ -50,8 +50,11 @@ TARGETS: dict[str, tuple[str, list[str]]] = {
     ),
     "analysis.taxonomy": ("analysis/taxonomy.py", ["test_regress_analysis.py", "test_taxonomy_rules.py"]),
     "analysis.endpoints": ("analysis/endpoints.py", ["test_regress_analysis.py", "test_endpoints_rules.py"]),
-    "analysis.engine_state": ("analysis/engine_state.py", ["test_analysis_oracle.py"]),
-    "analysis.oracle": ("analysis/oracle.py", ["test_analysis_oracle.py"]),
+    "analysis.engine_state": (
+        "analysis/engine_state.py",
+        ["test_analysis_oracle.py", "test_engine_state_rules.py"],
+    ),
+    "analysis.oracle": ("analysis/oracle.py", ["test_analysis_oracle.py", "test_oracle_rules.py"]),
 }
 
 _V = "needlescope.investigate.verdicts."
