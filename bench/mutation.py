@@ -88,6 +88,19 @@ EQUIVALENT: dict[str, str] = {
     _V + "x_suspect_verdict__mutmut_74": _EXACT_ALPHA,
     _V + "x_restores__mutmut_10": "b >= c: p < 0.05 with b == c is impossible (p = 1)",
     _V + "x_suspect_verdict__mutmut_77": "c >= b: p < 0.05 with b == c is impossible (p = 1)",
+    **dict.fromkeys(
+        [f"needlescope.analysis.oracle.x__kl_common__mutmut_{i}" for i in (24, 27, 28)]
+        + [f"needlescope.analysis.oracle.x_compare_steps__mutmut_{i}" for i in (29, 32, 33)]
+        + [f"needlescope.analysis.oracle.x_first_difference__mutmut_{i}" for i in (4, 7)],
+        "zip(strict=...) over lists of equal length (or strict=None, the same as False)",
+    ),
+    "needlescope.analysis.oracle.x_summarize__mutmut_4": "ids_differ counting 2 a prompt: only its truth is used",
+    **dict.fromkeys(
+        [f"needlescope.analysis.engine_state.x_factor_effect__mutmut_{i}" for i in (14, 16)],
+        "Pair without case_id or depth: paired_group reads only a, b and length",
+    ),
+    "needlescope.analysis.taxonomy.x__cross_case_summary__mutmut_36": "'XXXX' for a missing answer has no digits either",
+    "needlescope.analysis.taxonomy.x_prompt_values__mutmut_13": "total 2 for no text: with no messages there are no values",
 }
 """mutant name -> why it cannot change behaviour (kept in step with docs/mutation.md)."""
 

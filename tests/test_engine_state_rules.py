@@ -21,5 +21,6 @@ def test_factor_effect_fields():
     assert e["mcnemar_p"] == 1.0  # 3 against 2 discordant: two-sided exact p = 1
     pairs = [Pair(x.case_id, x.length, x.depth, bool(x.correct), bool(y.correct)) for x, y in zip(a, b)]
     assert e["recall_ci"] == list(bootstrap_delta_ci(pairs, seed=7))
+    assert factor_effect(a, b)["recall_ci"] == list(bootstrap_delta_ci(pairs, seed=0))  # the default seed
     assert (e["cached_tokens_a"], e["cached_tokens_b"]) == (100, 300)  # B's missing count is left out
     assert e["answers_differ"] == 0 and e["margin"]["n"] == 0

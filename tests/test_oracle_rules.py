@@ -93,6 +93,8 @@ def test_summary_fields():
         "mean_kl": pytest.approx(kl / 2), "max_kl": pytest.approx(kl), "low_margin_positions": 0,
         "verdict": "same_tokens",
     }  # fmt: skip
+    counted = summarize([same, same, same], [True, True, None])
+    assert (counted["prompt_ids_equal"], counted["prompt_ids_unchecked"]) == (2, 1)
     ref = [_step("c", {"c": -0.70, "d": -0.72})]
     flip = compare_steps(ref, [_step("d", {"c": -0.72, "d": -0.70})])
     div = compare_steps([_step("a", {"a": -0.1, "b": -3.0})], [_step("b", {"a": -3.0, "b": -0.1})])
