@@ -48,11 +48,46 @@ TARGETS: dict[str, tuple[str, list[str]]] = {
     "run.bisect": ("run/bisect.py", ["test_bisect_logic.py"]),
     "investigate.verdicts": (
         "investigate/verdicts.py",
-        ["test_investigate_rules.py", "test_investigate_causal.py"],
+        ["test_investigate_rules.py", "test_investigate_causal.py", "test_verdict_boundaries.py"],
     ),
+    "analysis.taxonomy": ("analysis/taxonomy.py", ["test_regress_analysis.py", "test_taxonomy_rules.py"]),
+    "analysis.endpoints": ("analysis/endpoints.py", ["test_regress_analysis.py", "test_endpoints_rules.py"]),
+    "analysis.engine_state": ("analysis/engine_state.py", ["test_analysis_oracle.py"]),
+    "analysis.oracle": ("analysis/oracle.py", ["test_analysis_oracle.py"]),
 }
 
-EQUIVALENT: dict[str, str] = {}
+_V = "needlescope.investigate.verdicts."
+_EXACT_POWER = (
+    "a power exactly POWER (0.8): none at k_min 2-8, n <= 150, costs 0.01-1.00 (scanned 2026-12-05)"
+)
+_EXACT_ALPHA = "p == ALPHA: an exact McNemar p (Holm-adjusted or not) is never exactly 0.05"
+_CASE_INF = "float() reads 'inf', 'nan' in any case"
+
+EQUIVALENT: dict[str, str] = {
+    **dict.fromkeys(
+        [_V + f"x_cases_needed__mutmut_{i}" for i in (18, 19, 20, 22, 24, 25, 26)],
+        "cases_needed's bisection starts at or below the first doubling past the last failing n: power "
+        "grows with n, so it finds the same first n",
+    ),
+    _V + "x_cases_needed__mutmut_1": "limit 100001: no power of two lies between 100000 and 100001",
+    _V
+    + "x_cases_needed__mutmut_3": "starting at 2 pairs: one pair never has power at a level <= 1 (2 x 0.5 = 1)",
+    _V + "x_cases_needed__mutmut_12": _EXACT_POWER,
+    _V + "x_cases_needed__mutmut_43": _EXACT_POWER,
+    _V + "x_detectable_cost__mutmut_15": _EXACT_POWER,
+    _V + "x_detectable_cost__mutmut_3": "a cost of 0 points has power 0: pct = 0 never returns",
+    _V
+    + "x_detectable_cost__mutmut_6": "a cost of 101% is capped at 100%: reached only after 100% failed, it fails too",
+    _V + "x_evidence__mutmut_10": _CASE_INF,
+    _V + "x_evidence__mutmut_13": _CASE_INF,
+    _V + "x_live_verdict__mutmut_22": _CASE_INF,
+    _V + "x_paired__mutmut_37": _CASE_INF,
+    _V + "x_paired__mutmut_46": _CASE_INF,
+    _V + "x_restores__mutmut_7": _EXACT_ALPHA,
+    _V + "x_suspect_verdict__mutmut_74": _EXACT_ALPHA,
+    _V + "x_restores__mutmut_10": "b >= c: p < 0.05 with b == c is impossible (p = 1)",
+    _V + "x_suspect_verdict__mutmut_77": "c >= b: p < 0.05 with b == c is impossible (p = 1)",
+}
 """mutant name -> why it cannot change behaviour (kept in step with docs/mutation.md)."""
 
 

@@ -40,3 +40,16 @@ def test_audit_checks_on_the_organism(tmp_path):
 def test_audit_cli_refuses_unknown_check(run_cli):
     code, _, err = run_cli("audit", "--checks", "hc_mix_bf16,warp_drive")
     assert code == 2 and "warp_drive" in err
+
+
+def test_audit_in_prefill_chunks_gives_the_one_pass_metrics():
+    """Every check through the KV cache in chunks of 100 tokens (aligned to no window): the
+    activations come per call, the compounding chunk by chunk; the metrics are the one-pass ones
+    up to float rounding (the chunked forward reduces over fewer masked keys)."""
+    names = ["routed_scale", "hc_mix_bf16", "decode_splitk_bf16", "indexer_scores_bf16", "index_keys_fp8"]
+    runs = [audit_checkpoint("organism", names, Setting(index_topk=16), 256, chunk=c) for c in (None, 100)]
+    for one, chunked in zip(*runs, strict=True):
+        assert [m["metric"] for m in chunked["metrics"]] == [m["metric"] for m in one["metrics"]]
+        assert chunked["flagged"] == one["flagged"], one["check"]
+        for a, b in zip(one["metrics"], chunked["metrics"], strict=True):
+            assert b["value"] == pytest.approx(a["value"], rel=1e-3, abs=1e-6), (one["check"], a["metric"])

@@ -136,3 +136,71 @@ def test_residue_runs_are_strata_and_corrected():
     res = _run(b, 200, 400, boundaries=(4, 10000))
     (mod4,) = res["residue"]
     assert mod4["strata"] == 3 and mod4["flagged"] == [3]
+
+
+def test_bisect_config_defaults_and_each_bound():
+    d = BisectConfig()
+    assert (d.resolution, d.ci_width, d.coarse_points, d.boundaries, d.residue_runs, d.alpha, d.max_trials) == (
+        16, None, 5, None, 3, 0.05, None,
+    )  # fmt: skip
+    BisectConfig(resolution=1, ci_width=0.5, coarse_points=2, alpha=0.5, max_trials=1, boundaries=(1,))
+    bad = {
+        "resolution": (0, r"--resolution must be at least 1 token; got 0"),
+        "ci_width": (1.0, r"--ci-width must lie in \(0, 1\); got 1.0"),
+        "coarse_points": (1, r"--coarse-points must be at least 2; got 1"),
+        "alpha": (1.0, r"alpha must lie in \(0, 1\); got 1.0"),
+        "max_trials": (0, r"max_trials must be at least 1; got 0"),
+        "boundaries": ((4, 0), r"--boundaries must be positive token counts; got \[4, 0\]"),
+    }
+    for key, (value, message) in bad.items():
+        with pytest.raises(BadInput, match=f"^{message}$"):
+            BisectConfig(**{key: value})
+    for key, value in [("ci_width", 0.0), ("alpha", 0.0)]:
+        with pytest.raises(BadInput):
+            BisectConfig(**{key: value})
+
+
+def test_trials_from_the_interval_width_and_the_cap(tmp_path):
+    cfg = SimpleNamespace(trials=1, threshold=0.85, depths=(0, 100), haystack_file=None)
+    # (2 x 1.96)^2 x 0.85 x 0.15 / 0.2^2 = 48.98: 49 cases a length, 25 trials over 2 depths
+    b = _Bisector(cfg, BisectConfig(ci_width=0.2), None, None, None, None)
+    assert (b.trials, b.max_trials, b.per_point, b.haystack) == (25, 100, 50, None)
+    assert _Bisector(cfg, BisectConfig(ci_width=0.2, max_trials=30), None, None, None, None).max_trials == 30
+    # more --trials than the width asks for: kept; no width: the --trials, 4 x as the cap
+    many = SimpleNamespace(**{**vars(cfg), "trials": 40})
+    assert _Bisector(many, BisectConfig(ci_width=0.2), None, None, None, None).trials == 40
+    (tmp_path / "h.txt").write_text("hay", encoding="utf-8")
+    plain = _Bisector(
+        SimpleNamespace(**{**vars(cfg), "trials": 3, "haystack_file": tmp_path / "h.txt"}),
+        BisectConfig(),
+        *[None] * 4,
+    )
+    assert (plain.trials, plain.max_trials, plain.haystack) == (3, 12, "hay")
+
+
+def test_points_and_the_range_check():
+    from needlescope.analysis.stats import wilson_interval
+    from needlescope.run.bisect import _check_range, _points
+
+    lo, hi = wilson_interval(3, 4)
+    assert _points({400: (3, 4), 600: (0, 0)}, {400: "coarse"}) == [
+        {"length": 400, "phase": "coarse", "n": 4, "correct": 3, "recall": 0.75, "ci_low": lo, "ci_high": hi},
+        {"length": 600, "phase": "?", "n": 0, "correct": 0, "recall": None, "ci_low": 0.0, "ci_high": 1.0},
+    ]
+    _check_range((200, 202))
+    with pytest.raises(
+        BadInput, match=r"--bisect needs a range: give --lengths LO,HI with HI > LO \+ 1; got \[201, 200\]"
+    ):
+        _check_range((201, 200))
+
+
+def test_run_bisect_refuses_graded_scoring_and_a_range_too_short_before_any_request(tmp_path):
+    from needlescope.run.bisect import run_bisect
+    from needlescope.run.config import ProbeConfig
+
+    base = dict(base_urls=("http://127.0.0.1:9/v1",), model="m", out=tmp_path / "o", lengths=(200, 400))
+    for flag in ("graded", "auto_difficulty"):
+        with pytest.raises(BadInput, match="^--bisect measures recall only"):
+            run_bisect(ProbeConfig(**base, **{flag: True}), BisectConfig())
+    with pytest.raises(BadInput, match="--bisect needs a range"):
+        run_bisect(ProbeConfig(**{**base, "lengths": (200, 201)}), BisectConfig())

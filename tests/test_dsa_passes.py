@@ -9,6 +9,8 @@ rounding the model's own fp32 casts (norms, indexer scores) apply, and the runs 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -20,6 +22,7 @@ from needlescope.dsa.passes import decode, greedy, prefill  # noqa: E402
 from needlescope.dsa.prompt import render_prompt  # noqa: E402
 from needlescope.dsa.rankdump import rank_dump, validate_rankdump  # noqa: E402
 from needlescope.errors import BadInput  # noqa: E402
+from needlescope.investigate.measure import Config, case_record, final_logits, measure_cases  # noqa: E402
 from needlescope.setting import Setting  # noqa: E402
 
 # Below the organism's 2048 entries at 8K, so the top-k is a real selection.
@@ -49,7 +52,7 @@ def dumps_8k(organism64):
 
     spec = CaseSpec("single", (8000,), (30.0,), 1, 11, value_digits=trained_value_digits(path))
     case = build_cases(spec, count)[0]
-    out = {}
+    out = {"case": case}
     for chunk in (None, 1024):
         capture = IndexerCapture(keep_scores=True)
         with torch.no_grad(), emulate(model, SETTING, capture=capture):
@@ -75,6 +78,47 @@ def test_chunked_rank_dump_equals_one_pass_token_for_token_and_rank_for_rank(dum
     assert chunked["generated_tokens"] == one["generated_tokens"] and one["generated_tokens"]
     assert chunked["layers"] == one["layers"]  # every rank, tie count, score, margin and selection
     assert any(p["best_rank"] > 1 for layer in one["layers"] for p in layer["positions"])
+
+
+def test_measure_records_of_a_chunked_run_equal_the_one_pass_records(dumps_8k, organism64):
+    """``investigate.measure`` builds its record from the generated tokens and the capture; both
+    come out of the 8K runs identical, at the first answer token and at a decode step."""
+    _, tok, _ = organism64
+    case = dumps_8k["case"]
+    prompt = render_prompt(tok, case.messages)
+    tokens, k = dumps_8k[None][0]["generated_tokens"], SETTING.index_topk
+    answer = tok.decode([t for t in tokens if t != tok.eos_token_id], skip_special_tokens=True).strip()
+    # the same answer scored against a value differing in its last digit: analysed at a decode step
+    wrong = answer[:-1] + str((int(answer[-1]) + 1) % 10)
+    for expected in (case.expected, (wrong,)):
+        c = dataclasses.replace(case, expected=expected)
+        one, chunked = (
+            case_record(
+                c, prompt, dump["generated_tokens"], tok, cap, cap.layers(), 0, k, dump["compress_ratio"]
+            )
+            for dump, cap in (dumps_8k[None], dumps_8k[1024])
+        )
+        assert chunked == one
+        assert one["layers"] and all(ly["visible"] > k for ly in one["layers"])
+    assert one["analysed_token"] > 0 and one["layers"][0]["query_pos"] > one["prompt_tokens"] - 1
+
+
+def test_measure_cases_and_final_logits_in_chunks_equal_one_pass(organism64):
+    model, tok, path = organism64
+
+    def count(msgs):
+        return len(render_prompt(tok, msgs).input_ids)
+
+    cases = build_cases(
+        CaseSpec("multiturn", (300,), (20.0, 80.0), 1, 3, value_digits=trained_value_digits(path)), count
+    )
+    cfg = Config(Setting(index_topk=16))
+    with torch.no_grad():
+        one = measure_cases(model, tok, cases, cfg, max_new_tokens=4)
+        chunked = measure_cases(model, tok, cases, cfg, max_new_tokens=4, chunk=64)
+        logits = [final_logits(model, tok, cases[0].messages, cfg, chunk=c) for c in (None, 50)]
+    assert chunked == one and len(one) == 2 and all(r["layers"] for r in one)
+    torch.testing.assert_close(logits[1], logits[0], rtol=0, atol=1e-9)
 
 
 def test_chunked_capture_has_the_one_pass_topk_rows_and_scores(dumps_8k):

@@ -111,3 +111,32 @@ def test_live_candidate_needs_an_endpoint_and_live_checks(tmp_path):
     assert ledger.target.live and ledger.target.candidate is None
     back = ok.replace('candidate = "live"', 'candidate = "k=fp8_e4m3 topk=64"')
     assert "check 'live_emulation' needs candidate" in _bad(tmp_path, back)
+
+
+def test_prefill_chunk_is_a_validated_target_field(tmp_path):
+    assert load_ledger(write_example(tmp_path)).target.prefill_chunk is None  # one pass by default
+    path = tmp_path / "investigation.toml"
+    path.write_text(EXAMPLE_LEDGER.replace("threads = 2", "threads = 2\nprefill_chunk = 1024", 1))
+    assert load_ledger(path).target.prefill_chunk == 1024
+    for bad, says in (
+        ("0", "prefill_chunk = 0; expected 1..1048576"),
+        ('"1K"', "a positive number of tokens"),
+    ):
+        text = EXAMPLE_LEDGER.replace("threads = 2", f"threads = 2\nprefill_chunk = {bad}", 1)
+        line = text.splitlines().index(f"prefill_chunk = {bad}") + 1
+        msg = _bad(tmp_path, text)
+        assert f"investigation.toml:{line}:" in msg and says in msg, msg
+
+
+def test_cli_prefill_chunk_is_validated_before_anything_runs(tmp_path, run_cli):
+    write_example(tmp_path)
+    code, _, err = run_cli(
+        "investigate",
+        "run",
+        str(tmp_path / "investigation.toml"),
+        "--out",
+        str(tmp_path / "o"),
+        "--prefill-chunk",
+        "0",
+    )
+    assert code == 2 and "chunk must be a positive number" in err and not (tmp_path / "o").exists()

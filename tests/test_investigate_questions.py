@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -26,13 +27,22 @@ def test_env_file_and_process(tmp_path):
     assert answer(Question("env", {"name": "B"}), c).value == "x y"
     assert answer(Question("env", {"name": "C"}), c).value == "<unset>"
     # A child with a known start-up environment: the test's own /proc/self/environ is not one
-    # (pytest-xdist's process titles, through setproctitle, overwrite that memory).
-    child = subprocess.Popen(["sleep", "60"], env={"PATH": os.environ["PATH"], "NEEDLESCOPE_TEST_FLAG": "on"})
+    # (pytest-xdist's process titles, through setproctitle, overwrite that memory). The child
+    # says when it runs: Popen returns once exec has begun, and until the kernel has set up the
+    # new image /proc/PID/environ reads empty (CI read '<unset>' in that window).
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import time; print('ready', flush=True); time.sleep(60)"],
+        env={"PATH": os.environ["PATH"], "NEEDLESCOPE_TEST_FLAG": "on"},
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
+        assert child.stdout.readline().strip() == "ready"
         a = answer(Question("env", {"name": "NEEDLESCOPE_TEST_FLAG", "process": child.pid}), c)
     finally:
         child.kill()
         child.wait()
+        child.stdout.close()
     assert a.ok and a.value == "on"
 
 

@@ -112,6 +112,7 @@ def test_verdicts_schema():
         "unaccounted_differences": [],
         "residual": None,
         "localization": None,
+        "rank_paths": None,
         "nonfinite_scores": {"counts": {}, "findings": []},
         "multiplicity": {"method": "holm", "tests": 0, "alpha": 0.05},
     }

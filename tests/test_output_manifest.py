@@ -82,19 +82,27 @@ def _alive(pid: int) -> bool:
 
 
 PARENT = """
-import sys, time
+import sys, threading, time
 from needlescope.testing.servers import scripted
-srv = scripted(window=100).start()
-print(srv.pid, flush=True)
+started = []
+if sys.argv[1] == "thread":  # started from a thread that ends at once, as pool threads do
+    t = threading.Thread(target=lambda: started.append(scripted(window=100).start()))
+    t.start()
+    t.join()
+    time.sleep(1.5)  # past the child's first parent checks: the thread's end must not stop it
+else:
+    started.append(scripted(window=100).start())
+print(started[0].pid, flush=True)
 time.sleep(120)
 """
 
 
-def test_server_child_dies_with_a_sigkilled_parent(tmp_path):
-    parent = subprocess.Popen([sys.executable, "-c", PARENT], stdout=subprocess.PIPE, text=True)
+@pytest.mark.parametrize("start_from", ["main", "thread"])
+def test_server_child_dies_with_a_sigkilled_parent(tmp_path, start_from):
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, start_from], stdout=subprocess.PIPE, text=True)
     try:
         child = int(parent.stdout.readline())
-        assert _alive(child)
+        assert _alive(child), "the server child died before its parent did"
         parent.send_signal(signal.SIGKILL)
         parent.wait(timeout=10)
         for _ in range(100):

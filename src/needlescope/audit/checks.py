@@ -40,6 +40,7 @@ import torch.nn.functional as F
 
 from needlescope.audit.substitutes import attn_out_bf16, hc_mix_bf16, hc_modules
 from needlescope.dsa.emulate import csa_indexers
+from needlescope.dsa.passes import new_cache, prefill
 from needlescope.dsa.quant import get_quantizer, hadamard_128
 from needlescope.dsa.reference import lightning_scores, visible_entries
 
@@ -55,30 +56,53 @@ def _m(metric: str, value: float, threshold: float | None = None) -> dict:
     return {"metric": metric, "value": float(value), "threshold": threshold}
 
 
-def _err(ref: torch.Tensor, cand: torch.Tensor) -> tuple[float, float, float]:
-    ref, cand = ref.double().flatten(), cand.double().flatten()
-    rel = float((cand - ref).norm() / ref.norm().clamp_min(1e-30))
-    return rel, float((cand - ref).abs().max()), float(F.cosine_similarity(ref, cand, dim=0))
+def _err(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float, float]:
+    """(relative Frobenius error, max abs error, cosine) of the candidate against the reference
+    over every (reference, candidate) part together (the parts of a chunked run: one per call)."""
+    sq_diff = sq_ref = sq_cand = dot = 0.0
+    mx = 0.0
+    for ref, cand in pairs:
+        ref, cand = ref.double().flatten(), cand.double().flatten()
+        sq_diff += float(((cand - ref) ** 2).sum())
+        sq_ref, sq_cand, dot = (
+            sq_ref + float((ref**2).sum()),
+            sq_cand + float((cand**2).sum()),
+            dot + float(ref @ cand),
+        )
+        mx = max(mx, float((cand - ref).abs().max()))
+    rel = math.sqrt(sq_diff) / max(math.sqrt(sq_ref), 1e-30)
+    return rel, mx, dot / max(math.sqrt(sq_ref) * math.sqrt(sq_cand), 1e-30)
 
 
-@torch.no_grad()
-def _logits(model, ids: torch.Tensor) -> torch.Tensor:
-    return model(ids, use_cache=False).logits[0].float()  # [S, V]
+def _forward(model, ids: torch.Tensor, ctx: dict) -> None:
+    """The prompt through ``model``: one forward, or ``ctx["chunk"]``-token chunks through the cache."""
+    prefill(model, ids, chunk=ctx.get("chunk"))
 
 
-def compounding(model, ids: torch.Tensor, substitute) -> list[dict]:
-    """Top-1 agreement and mean KL of the final logits with ``substitute`` in every layer."""
-    ref = _logits(model, ids)
-    undo = substitute(model)
-    try:
-        cand = _logits(model, ids)
-    finally:
-        undo()
-    top1 = float((ref.argmax(-1) == cand.argmax(-1)).float().mean())
-    kl = float(
-        F.kl_div(cand.log_softmax(-1), ref.log_softmax(-1), log_target=True, reduction="none").sum(-1).mean()
-    )
-    return [_m("compounded top-1 agreement", top1, TOP1_MIN), _m("compounded mean KL (nats)", kl, KL_MAX)]
+def compounding(model, ids: torch.Tensor, substitute, chunk: int | None = None) -> list[dict]:
+    """Top-1 agreement and mean KL of the final logits with ``substitute`` in every layer, over
+    every prompt position. ``chunk``: reference and candidate run side by side, chunk by chunk,
+    each through its own cache, so only one chunk's logits exist at a time."""
+    S = ids.shape[1]
+    step = S if chunk is None else chunk
+    caches = (None, None) if chunk is None else (new_cache(model), new_cache(model))
+    agree, kl = 0, 0.0
+    for lo in range(0, S, step):
+        part, at = ids[:, lo : lo + step], range(lo, min(lo + step, S))
+        ref = prefill(model, part, logits_at=at, cache=caches[0]).logits[0]  # [s, V]
+        undo = substitute(model)
+        try:
+            cand = prefill(model, part, logits_at=at, cache=caches[1]).logits[0]
+        finally:
+            undo()
+        agree += int((ref.argmax(-1) == cand.argmax(-1)).sum())
+        kl += float(
+            F.kl_div(cand.log_softmax(-1), ref.log_softmax(-1), log_target=True, reduction="none").sum()
+        )
+    return [
+        _m("compounded top-1 agreement", agree / S, TOP1_MIN),
+        _m("compounded mean KL (nats)", kl / S, KL_MAX),
+    ]
 
 
 def _flag_compound(metrics: list[dict]) -> bool:
@@ -89,10 +113,11 @@ def _flag_compound(metrics: list[dict]) -> bool:
 
 @contextmanager
 def _capture_inputs(modules: list[torch.nn.Module]):
-    got: dict[int, tuple] = {}
+    """module index -> [(args, kwargs)] of every call while the block runs (one per chunk)."""
+    got: dict[int, list[tuple]] = {}
     handles = [
         m.register_forward_pre_hook(
-            lambda mod, args, kw, _i=i: got.setdefault(_i, (args, kw)), with_kwargs=True
+            lambda mod, args, kw, _i=i: got.setdefault(_i, []).append((args, kw)), with_kwargs=True
         )
         for i, m in enumerate(modules)
     ]
@@ -106,21 +131,22 @@ def _capture_inputs(modules: list[torch.nn.Module]):
 def check_hc_mix_bf16(model, ids, ctx) -> dict:
     mods = [m for _, m in hc_modules(model)]
     with _capture_inputs(mods) as got, torch.no_grad():
-        model(ids, use_cache=False)
+        _forward(model, ids, ctx)
     rels, maxs, coss = [], [], []
     for i, mod in enumerate(mods):
-        (streams,), _ = got[i][0], got[i][1]
-        flat = mod.input_norm(streams.reshape(*streams.shape[:2], -1).float())
-        ref = F.linear(flat, mod.fn.float())
-        cand = F.linear(flat.bfloat16().float(), mod.fn.bfloat16().float())
-        r, mx, c = _err(ref, cand)
+        pairs = []
+        for (streams,), _ in got[i]:
+            flat = mod.input_norm(streams.reshape(*streams.shape[:2], -1).float())
+            ref = F.linear(flat, mod.fn.float())
+            pairs.append((ref, F.linear(flat.bfloat16().float(), mod.fn.bfloat16().float())))
+        r, mx, c = _err(pairs)
         rels.append(r), maxs.append(mx), coss.append(c)
     metrics = [
         _m("mixing GEMM max relative Frobenius error", max(rels)),
         _m("mixing GEMM max abs error", max(maxs)),
         _m("mixing GEMM min cosine", min(coss)),
         _m("mixing GEMM error in bf16 units", max(rels) / BF16_UNIT),
-        *compounding(model, ids, hc_mix_bf16),
+        *compounding(model, ids, hc_mix_bf16, ctx.get("chunk")),
     ]
     flagged = _flag_compound(metrics)
     return {
@@ -136,15 +162,16 @@ def check_decode_splitk_bf16(model, ids, ctx) -> dict:
     handles = [m.register_forward_hook(lambda mod, a, o: outs.append(o[0].detach())) for m in mods]
     try:
         with torch.no_grad():
-            model(ids, use_cache=False)
+            _forward(model, ids, ctx)
     finally:
         for h in handles:
             h.remove()
-    rels = [_err(o, o.bfloat16().float())[0] for o in outs]
+    # one output per module and call, in call order: the calls of module j are outs[j::len(mods)]
+    rels = [_err([(o, o.bfloat16().float()) for o in outs[j :: len(mods)]])[0] for j in range(len(mods))]
     metrics = [
         _m("attention output max relative error (bf16 merge)", max(rels)),
         _m("attention output error in bf16 units", max(rels) / BF16_UNIT),
-        *compounding(model, ids, attn_out_bf16),
+        *compounding(model, ids, attn_out_bf16, ctx.get("chunk")),
     ]
     return {
         "metrics": metrics,
@@ -167,7 +194,7 @@ def check_routed_scale(model, ids, ctx) -> dict:
     undo = ctx["apply_candidate"](model)
     try:
         with torch.no_grad():
-            model(ids, use_cache=False)
+            _forward(model, ids, ctx)
     finally:
         undo()
         for h in handles:
@@ -196,19 +223,22 @@ def check_routed_scale(model, ids, ctx) -> dict:
     }
 
 
-def _indexer_inputs(
-    model, ids
-) -> list[tuple[torch.nn.Module, torch.Tensor, torch.Tensor, torch.Tensor, int]]:
+def _indexer_inputs(model, ids, ctx) -> list[tuple[torch.nn.Module, int, list[tuple]]]:
+    """Per CSA layer: (scorer, compress ratio, [(start, q, keys, hidden)] per call), ``start`` the
+    absolute position of the call's first query row (one call, or one per chunk: a call's keys
+    are the entries emitted so far, all its rows can see)."""
     idx = [m for _, m in csa_indexers(model)]
     with _capture_inputs([m.scorer for m in idx]) as got, torch.no_grad():
-        model(ids, use_cache=False)
+        _forward(model, ids, ctx)
     out = []
     for i, m in enumerate(idx):
-        args, kw = got[i]
-        q, kv, hs = (list(args) + [kw.get(k) for k in ("q", "compressed_kv", "hidden_states")][len(args) :])[
-            :3
-        ]
-        out.append((m.scorer, q.float(), kv.float(), hs, int(m.compress_rate)))
+        calls, start = [], 0
+        for args, kw in got[i]:
+            names = ("q", "compressed_kv", "hidden_states")
+            q, kv, hs = (list(args) + [kw.get(k) for k in names][len(args) :])[:3]
+            calls.append((start, q.float(), kv.float(), hs))
+            start += q.shape[1]
+        out.append((m.scorer, int(m.compress_rate), calls))
     return out
 
 
@@ -219,17 +249,29 @@ def _scores(scorer, q, k, hs, acc=torch.float32) -> torch.Tensor:
     ).float()
 
 
-def _overlap(ref: torch.Tensor, cand: torch.Tensor, k: int, ratio: int) -> float:
-    """Mean top-k set overlap over query rows that see more than k entries (causal visibility)."""
+def _overlaps(ref: torch.Tensor, cand: torch.Tensor, k: int, ratio: int, start: int) -> list[float]:
+    """Top-k set overlap of every query row (absolute positions ``start``...) that sees more than
+    k entries (causal visibility)."""
     S, L = ref.shape[-2:]
     fracs = []
     for t in range(S):
-        v = min(visible_entries(t, ratio), L)
+        v = min(visible_entries(start + t, ratio), L)
         if v <= k:
             continue
         a = set(ref[0, t, :v].topk(k).indices.tolist())
         b = set(cand[0, t, :v].topk(k).indices.tolist())
         fracs.append(len(a & b) / k)
+    return fracs
+
+
+def _visible(scores: torch.Tensor, ratio: int, start: int) -> torch.Tensor:
+    """Mask [B, S, L] of the entries query row ``start + t`` can see (causal visibility)."""
+    S, L = scores.shape[-2:]
+    vis = torch.tensor([visible_entries(start + t, ratio) for t in range(S)], device=scores.device)
+    return (torch.arange(L, device=scores.device).view(1, -1) < vis.view(-1, 1)).expand_as(scores)
+
+
+def _mean(fracs: list[float]) -> float:
     return sum(fracs) / len(fracs) if fracs else 1.0
 
 
@@ -237,10 +279,18 @@ def check_indexer_scores_bf16(model, ids, ctx) -> dict:
     k = ctx["candidate_topk"]
     rels, overlaps = [], []
     with torch.no_grad():
-        for scorer, q, kv, hs, ratio in _indexer_inputs(model, ids):
-            ref, cand = _scores(scorer, q, kv, hs), _scores(scorer, q, kv, hs, torch.bfloat16)
-            rels.append(_err(ref, cand)[0])
-            overlaps.append(_overlap(ref, cand, k, ratio))
+        for scorer, ratio, calls in _indexer_inputs(model, ids, ctx):
+            pairs = [
+                (_scores(scorer, q, kv, hs), _scores(scorer, q, kv, hs, torch.bfloat16))
+                for _, q, kv, hs in calls
+            ]
+            # the error over the entries each query row can see (a one-pass call also scores the
+            # future entries, which no row uses and a chunked call never computes)
+            seen = [_visible(r, ratio, st) for (st, *_), (r, _) in zip(calls, pairs)]
+            rels.append(_err([(r[m], c[m]) for m, (r, c) in zip(seen, pairs)])[0])
+            overlaps.append(
+                _mean([f for (st, *_), (r, c) in zip(calls, pairs) for f in _overlaps(r, c, k, ratio, st)])
+            )
     metrics = [
         _m("score max relative error", max(rels)),
         _m("score error in bf16 units", max(rels) / BF16_UNIT),
@@ -257,14 +307,18 @@ def check_index_keys_fp8(model, ids, ctx) -> dict:
     k = ctx["candidate_topk"]
     res: dict[str, list[float]] = {"fp8_e4m3": [], "bf16": [], "fp4_e2m1": []}
     with torch.no_grad():
-        for scorer, q, kv, hs, ratio in _indexer_inputs(model, ids):
-            ref = _scores(scorer, q, kv, hs)
+        for scorer, ratio, calls in _indexer_inputs(model, ids, ctx):
+            fracs: dict[str, list[float]] = {name: [] for name in res}
+            for start, q, kv, hs in calls:
+                ref = _scores(scorer, q, kv, hs)
+                for name in res:
+                    if name == "fp4_e2m1":  # trained numerics: rotate, then quantise both sides
+                        qq, kk = get_quantizer(name)(hadamard_128(q)), get_quantizer(name)(hadamard_128(kv))
+                    else:
+                        qq, kk = q, get_quantizer(name)(kv)
+                    fracs[name] += _overlaps(ref, _scores(scorer, qq, kk, hs), k, ratio, start)
             for name in res:
-                if name == "fp4_e2m1":  # trained numerics: rotate, then quantise both sides
-                    qq, kk = get_quantizer(name)(hadamard_128(q)), get_quantizer(name)(hadamard_128(kv))
-                else:
-                    qq, kk = q, get_quantizer(name)(kv)
-                res[name].append(_overlap(ref, _scores(scorer, qq, kk, hs), k, ratio))
+                res[name].append(_mean(fracs[name]))
     worst = {name: min(v) for name, v in res.items()}
     metrics = [_m(f"top-{k} overlap with fp32, {name} keys", v) for name, v in worst.items()]
     margin = worst["fp4_e2m1"] - worst["fp8_e4m3"]
@@ -310,7 +364,9 @@ CHECKS = {
 
 def run_check(name: str, model, ids: torch.Tensor, ctx: dict) -> dict:
     """Run built-in check ``name`` on prompt ``ids`` [1, S]; ``ctx`` gives ``candidate_topk``,
-    ``reference_records`` and ``apply_candidate(model) -> undo``."""
+    ``reference_records``, ``apply_candidate(model) -> undo`` and optionally ``chunk`` (the prompt
+    through the KV cache in chunks of that many tokens: activations captured per call, the
+    compounding run chunk by chunk; the metrics are the one-pass ones up to float rounding)."""
     with torch.no_grad():
         out = CHECKS[name](model, ids, ctx)
     for m in out["metrics"]:

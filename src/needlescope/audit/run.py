@@ -10,13 +10,18 @@ from needlescope.setting import Setting
 __all__ = ["audit_checkpoint"]
 
 
-def audit_checkpoint(model_name: str, checks: list[str], candidate: Setting, length: int) -> list[dict]:
-    """Results of ``checks`` on a multiturn case of ``length`` tokens (``run_check`` records)."""
+def audit_checkpoint(
+    model_name: str, checks: list[str], candidate: Setting, length: int, *, chunk: int | None = None
+) -> list[dict]:
+    """Results of ``checks`` on a multiturn case of ``length`` tokens (``run_check`` records);
+    ``chunk``: the prompt runs through the KV cache in chunks of that many tokens."""
     from needlescope.cases.assemble import CaseSpec, build_cases
     from needlescope.dsa.checkpoint import load_bundle, resolve_model_dir, trained_value_digits
     from needlescope.dsa.emulate import emulate
+    from needlescope.dsa.passes import check_chunk
     from needlescope.dsa.prompt import render_prompt
 
+    check_chunk(chunk)
     path = resolve_model_dir(model_name)
     model, tokenizer, _ = load_bundle(path)
     spec = CaseSpec(
@@ -36,5 +41,10 @@ def audit_checkpoint(model_name: str, checks: list[str], candidate: Setting, len
         cm.__enter__()
         return lambda: cm.__exit__(None, None, None)
 
-    ctx = {"candidate_topk": topk, "reference_records": [], "apply_candidate": apply_candidate}
+    ctx = {
+        "candidate_topk": topk,
+        "reference_records": [],
+        "apply_candidate": apply_candidate,
+        "chunk": chunk,
+    }
     return [run_check(name, model, ids, ctx) for name in checks]

@@ -33,6 +33,11 @@ def audit_command(
         1024, "--length", help="Tokens of the probe prompt the activations come from."
     ),
     out: Path = typer.Option(None, "--out", help="Write the results as JSON here."),
+    prefill_chunk: int = typer.Option(
+        None,
+        "--prefill-chunk",
+        help="Run the prompt through the KV cache in chunks of this many tokens (docs/scale.md).",
+    ),
 ) -> None:
     """Op-level microtests and compounding of reduced-precision ops against the fp32 reference."""
     from needlescope.audit.checks import CHECKS
@@ -47,7 +52,7 @@ def audit_command(
     from needlescope.audit.run import audit_checkpoint
     from needlescope.setting import Setting
 
-    results = audit_checkpoint(model, names, Setting.parse(candidate), length)
+    results = audit_checkpoint(model, names, Setting.parse(candidate), length, chunk=prefill_chunk)
     table = Table("check", "metric", "value", "threshold", "flagged")
     for r in results:
         for m in r["metrics"]:

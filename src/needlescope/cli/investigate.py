@@ -52,7 +52,9 @@ def init_command(
     console.print(f"next: needlescope investigate run {path} --out investigation-out")
 
 
-def run_investigation_cli(ledger: Path, out: Path, allow_outside: bool = False) -> Path:
+def run_investigation_cli(
+    ledger: Path, out: Path, allow_outside: bool = False, prefill_chunk: int | None = None
+) -> Path:
     """Run with progress per phase (``cli.progress``); returns DIAGNOSIS.md's path."""
     from needlescope.cli.progress import ProgressView
     from needlescope.investigate.diagnosis import write_reports
@@ -64,6 +66,7 @@ def run_investigation_cli(ledger: Path, out: Path, allow_outside: bool = False) 
             out,
             lambda phase, done, total, what: view(phase, done, total, what[:60]),
             allow_outside=allow_outside,
+            prefill_chunk=prefill_chunk,
         )
     md, _ = write_reports(out, command=shlex.join(["needlescope", *sys.argv[1:]]))
     return md
@@ -76,11 +79,16 @@ def run_command(
     allow_outside: bool = typer.Option(
         False, "--allow-outside", help="Accept ledger paths (patches, env file, sources) outside its folder."
     ),
+    prefill_chunk: int = typer.Option(
+        None,
+        "--prefill-chunk",
+        help="Run prompts through the KV cache in chunks of this many tokens (overrides [target] prefill_chunk; docs/scale.md).",
+    ),
 ) -> None:
     """Run the ledger: cheap questions, symptom, checks in tier order, fixes, verdicts, DIAGNOSIS."""
     import json
 
-    md = run_investigation_cli(ledger, out, allow_outside)
+    md = run_investigation_cli(ledger, out, allow_outside, prefill_chunk)
     verdicts = json.loads((out / "verdicts.json").read_text(encoding="utf-8"))
     for s in verdicts["suspects"]:
         console.say("  tier {} {}: [bold]{}[/] - {}", s["tier"], s["id"], s["verdict"], s["reason"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 from needlescope.cli import indexer_diff, indexer_rank, indexer_sweep  # noqa: F401  (they register their commands)
@@ -19,6 +20,7 @@ from needlescope.cli.replay import replay_command
 from needlescope.cli.serve import serve_command
 from needlescope.cli.watch import canary_command, health_command
 from needlescope.errors import BadInput
+from needlescope.serve.parent_watch import exit_with_parent
 
 app = typer_app(
     add_completion=False,
@@ -55,6 +57,7 @@ EXTRA_OF = {
 
 
 def main() -> None:
+    exit_with_parent(os.environ)  # a no-op unless a ChildServer started this process
     # Click handles usage errors itself (exit 2); BadInput from the library is printed as one line.
     try:
         app()

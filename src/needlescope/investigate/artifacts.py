@@ -86,7 +86,10 @@ def write_verdicts(inv, symptom: dict, root, sig: dict, suspects_out: list[dict]
                 "verdict": s["verdict"],
                 "reason": s["reason"],
                 "evidence": inv.state.evidence(s["id"]),
-                **{k: s.get(k) for k in ("auto", "role", "necessary", "sufficient", "p_holm", "power")},
+                **{
+                    k: s.get(k)
+                    for k in ("auto", "role", "necessary", "sufficient", "p_holm", "power", "live_paths")
+                },
             }
             for s in suspects_out
         ],
@@ -94,6 +97,7 @@ def write_verdicts(inv, symptom: dict, root, sig: dict, suspects_out: list[dict]
         "unaccounted_differences": [d for d in diffs if not d["covered_by"] and (d["suspect"] in ids)],
         "residual": None,
         "localization": None,
+        "rank_paths": None,
         "nonfinite_scores": {"counts": {}, "findings": []},
         "multiplicity": {
             "method": "holm",

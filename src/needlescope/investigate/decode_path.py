@@ -106,9 +106,11 @@ def departures(cand: dict, ref: dict, pos: int, ratio: int) -> list[dict]:
     return out
 
 
-def _run_both(model, ids: list[int], n_prompt: int, cap: IndexerCapture) -> list[dict]:
+def _run_both(model, ids: list[int], n_prompt: int, cap: IndexerCapture, chunk: int | None) -> list[dict]:
     """Per decoded position: {key: ((name, type, decode output), (name, type, prefill output))};
-    ``cap`` (attached by the caller's ``emulate``) ends holding the decode path's selections."""
+    ``cap`` (attached by the caller's ``emulate``) ends holding the decode path's selections. The
+    decode path's prompt goes into the cache in ``chunk``-token forwards; the teacher-forced
+    side records every module's output over all ids in one forward."""
     from needlescope.dsa import passes
 
     dev = next(model.parameters()).device
@@ -119,7 +121,7 @@ def _run_both(model, ids: list[int], n_prompt: int, cap: IndexerCapture) -> list
     tf = _keyed(tf_rows)
     cap.clear()
     steps = []
-    run = passes.prefill(model, torch.tensor([ids[:n_prompt]], device=dev), keep_cache=True)
+    run = passes.prefill(model, torch.tensor([ids[:n_prompt]], device=dev), chunk=chunk, keep_cache=True)
     for i, p in enumerate(positions):
         with _outputs(model, lambda t: t[:, :1].detach() if t.shape[1] == 1 else None) as rows:
             run = passes.decode(model, torch.tensor([[ids[p]]], device=dev), run.cache)
@@ -161,9 +163,9 @@ def decode_path(inv, twin, cfg, ref_setting, prompt_ids: list[int], answer: list
         }
     ref_cap, cand_cap = IndexerCapture(), IndexerCapture()
     with torch.no_grad(), emulate(inv.model, ref_setting, capture=ref_cap):
-        ref_steps = _run_both(inv.model, ids, P, ref_cap)
+        ref_steps = _run_both(inv.model, ids, P, ref_cap, inv.chunk)
     with torch.no_grad(), emulate(twin, cfg.setting, capture=cand_cap), patches_applied(twin, cfg.extra):
-        cand_steps = _run_both(twin, ids, P, cand_cap)
+        cand_steps = _run_both(twin, ids, P, cand_cap, inv.chunk)
     first = None
     for i, (cs, rs) in enumerate(zip(cand_steps, ref_steps)):
         found = departures(cs, rs, P + i, ratio)

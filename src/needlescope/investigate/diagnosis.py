@@ -118,6 +118,7 @@ def diagnosis_blocks(inv: dict, images: list[tuple[str, str]]) -> list[tuple]:
     else:
         b += _signature_blocks(inv["verdicts"]["signature"], images)
         b += _rankdump_blocks(inv.get("explained"))
+        b += rank_paths_blocks(inv["verdicts"].get("rank_paths"))
         b += _fix_blocks(inv)
     b += _blocked_blocks(inv)
     b.append(_evidence_block(inv))
@@ -338,6 +339,50 @@ def _rankdump_blocks(ex: dict | None) -> list[tuple]:
     ]
 
 
+def _stat_cells(st: dict | None) -> list:
+    if st is None:
+        return ["-", "-", "-"]
+    return [st["needle_selected"], st["best_rank"], f"{st['percentile']:.2f}"]
+
+
+def rank_paths_blocks(rp: dict | None) -> list[tuple]:
+    """The failing case's rank statistics on both paths (``verdicts.json`` ``rank_paths``)."""
+    if not rp:
+        return []
+    rows = [
+        [
+            ly["layer"],
+            path,
+            *_stat_cells(ly[path]),
+            *_stat_cells(ly[f"reference_{path}"])[:2],
+            "yes" if ly[f"{path}_same_as_reference"] else "no",
+        ]
+        for ly in rp["layers"]
+        for path in ("prefill", "decode")
+    ]
+    return [
+        ("h", 3, "Both paths: teacher-forced prefill and the server's decode"),
+        (
+            "p",
+            f"The same token ids (prompt and answer up to answer token {rp['analysed_token']}, query position {rp['query_pos']}) run teacher-forced (prefill) and the way a server runs them (the prompt prefilled into the cache, the answer decoded one token per forward), under the candidate and under the reference `{rp['reference']}`. Diverges first: **{rp['diverges_first']}**: {rp['summary']}.",
+        ),
+        (
+            "table",
+            [
+                "CSA layer",
+                "path",
+                "needle entries selected",
+                "best rank",
+                "percentile",
+                "reference: selected",
+                "reference: best rank",
+                "same selection as the reference",
+            ],
+            rows,
+        ),
+    ]
+
+
 _LABEL_ORDER = {"root-cause fix": 0, "workaround": 1, "no effect": 2}
 
 
@@ -395,6 +440,15 @@ def _fix_blocks(inv: dict) -> list[tuple]:
     ]
 
 
+def _decode_cell(s: dict) -> str:
+    """The decode-path emulation's numbers of a live suspect ("-" for runs before both paths)."""
+    lp = s.get("live_paths")
+    if not lp:
+        return "-"
+    d = lp["decode"]
+    return f"{d['reproduced']} of {d['failures']}, Jaccard {d['jaccard_emulation']:.3f} (baseline {d['jaccard_baseline']:.3f})"
+
+
 def _live_blocks(inv: dict) -> list[tuple]:
     sy = inv["symptom"]
     rows = [
@@ -405,6 +459,8 @@ def _live_blocks(inv: dict) -> list[tuple]:
             f"{s['live']['jaccard_emulation']:.3f}",
             f"{s['live']['jaccard_baseline']:.3f}",
             f"{s['live']['needle_emulation']} / {s['live']['needle_live']} / {s['live']['needle_baseline']} of {s['live']['needle_visible']}",
+            _decode_cell(s),
+            (s.get("live_paths") or {}).get("decided_by", "prefill"),
         ]
         for s in inv["suspects"]
         if s.get("live")
@@ -416,12 +472,14 @@ def _live_blocks(inv: dict) -> list[tuple]:
         "Jaccard emulation vs live",
         "Jaccard baseline vs live",
         "needle entries selected: emulation / live / baseline",
+        "decode path: failures reproduced, Jaccard",
+        "decided by",
     ]
     return [
         ("h", 2, "Live selection vs each suspect's emulation"),
         (
             "p",
-            f"The live endpoint cannot be ablated, so each suspect is emulated in the reference at the live index_topk ({sy.get('live_index_topk')}) on the live token ids of the {sy.get('failing_cases', 0)} failing case(s) (wrong live, right under the reference), and its top-k compared with the live capture per CSA layer; the baseline is the reference at the same index_topk with nothing added. No fix is replayed on a live endpoint, and the rank signature needs scores the capture does not hold.",
+            f"The live endpoint cannot be ablated, so each suspect is emulated in the reference at the live index_topk ({sy.get('live_index_topk')}) on the live token ids of the {sy.get('failing_cases', 0)} failing case(s) (wrong live, right under the reference), and its top-k compared with the live capture per CSA layer; the baseline is the reference at the same index_topk with nothing added. Both paths run: teacher-forced (prefill) and the server's own (the prompt prefilled into the cache, the answer decoded one token per forward); the first columns are the path that decides the verdict (the teacher-forced one unless only the decode path reproduces the live failure: decode-path only). No fix is replayed on a live endpoint, and the rank signature needs scores the capture does not hold.",
         ),
         ("table", head, rows),
     ]

@@ -11,6 +11,7 @@ Structure (paths are relative to the ledger's directory)::
     model = "organism"                  # reference checkpoint: 'organism' or a DeepSeek-V4 dir
     device = "cpu"
     threads = 2                         # torch threads for the in-process measurements
+    # prefill_chunk = 1024              # run prompts through the KV cache in chunks (docs/scale.md)
     reference = "k=fp32 q=fp32 acc=fp32 topk=cfg"        # a Setting (needlescope.setting)
     candidate = "k=fp8_e4m3 q=fp32 acc=fp32 topk=64 patch=fault:indexer_page_table"
     # candidate = "live"                # or: the endpoint below IS the candidate (live route)
@@ -52,7 +53,7 @@ from __future__ import annotations
 
 import re
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from needlescope.errors import BadInput
@@ -159,6 +160,9 @@ class Target:
     env_file: Path | None = None
     reference_env_file: Path | None = None
     """The reference's env file (``investigate.differences``); None: an empty environment."""
+    prefill_chunk: int | None = None
+    """Every in-process pass runs its prompt through the model's KV cache in chunks of this many
+    tokens (``dsa.passes``: peak memory bounded by the chunk); None: one forward per prompt."""
 
     @property
     def live(self) -> bool:
@@ -414,6 +418,11 @@ def _target(where: _Where, t: dict, base: Path) -> Target:
         ),
         device=_expect(where, tl, t, "device", str, "cpu | cuda | cuda:N", "cpu"),
         threads=_expect(where, tl, t, "threads", int, "a positive integer", 2),
+        prefill_chunk=_expect(
+            where, tl, t, "prefill_chunk", int, "a positive number of tokens (leave it out for one pass)"
+        )
+        if "prefill_chunk" in t
+        else None,
         endpoint=endpoint,
         env_file=None
         if env_file is None
@@ -423,12 +432,24 @@ def _target(where: _Where, t: dict, base: Path) -> Target:
         else where.path_inside(ref_env, base, where.key_line("reference_env_file", tl), "reference_env_file"),
     )
     where.in_range("threads", target.threads, tl)
+    if target.prefill_chunk is not None:
+        where.in_range("prefill_chunk", target.prefill_chunk, tl)
     if target.live and target.extra_patches:
         raise where.error(
             where.key_line("extra_patches", tl),
             'extra_patches describe an in-process candidate; with candidate = "live" leave them out',
         )
     return target
+
+
+def with_chunk(ledger: Ledger, prefill_chunk: int | None) -> Ledger:
+    """``ledger`` with its ``prefill_chunk`` replaced (``investigate run --prefill-chunk``);
+    unchanged when None. BadInput for a chunk that is not a positive token count."""
+    if prefill_chunk is None:
+        return ledger
+    from needlescope.dsa.passes import check_chunk  # torch: only when a chunk is given
+
+    return replace(ledger, target=replace(ledger.target, prefill_chunk=check_chunk(prefill_chunk)))
 
 
 def _check_routes(where: _Where, target: Target, suspects: tuple[Suspect, ...]) -> None:

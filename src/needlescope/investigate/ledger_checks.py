@@ -24,6 +24,7 @@ LIMITS: dict[str, tuple[int, int]] = {
     "max_new_tokens": (1, 4096),
     "seed": (0, 2**63 - 1),
     "threads": (1, 1024),
+    "prefill_chunk": (1, 1_048_576),
     "tier": (1, 99),
 }
 """Inclusive ranges of the ledger's integers (lengths per entry): the probe's own flag limits

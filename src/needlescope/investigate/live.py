@@ -13,11 +13,14 @@ A ledger with ``candidate = "live"`` and an ``endpoint`` takes this route
 3. **failing cases**: wrong live, right under the reference.
 4. **per suspect** with ``live_emulation`` (tier order): the reference at the live
    ``index_topk`` with the suspect added alone is run on the *same token ids* (the prompt plus
-   the live answer tokens up to the analysed one, one teacher-forced forward pass); its top-k
-   rows are compared with the live capture per CSA layer (``compare_rows``), next to the
-   *baseline*, the reference at the live ``index_topk`` with nothing added.
-5. **verdicts** by ``verdicts.live_verdict`` (thresholds there), ``verdicts.json``,
-   ``investigation.json`` (``route = "live"``).
+   the live answer tokens up to the analysed one) on both paths: teacher-forced (``prefill``:
+   one pass, or the ledger's ``prefill_chunk`` chunks) and the way the server ran them
+   (``decode``: the prompt prefilled into the cache, the answer tokens one per forward); its
+   top-k rows are compared with the live capture per CSA layer (``compare_rows``), next to the
+   *baseline*, the reference at the live ``index_topk`` with nothing added, on the same path.
+5. **verdicts** by ``verdicts.live_verdict_paths`` (``live_verdict`` per path, thresholds there;
+   a reproduction on the decode path only is "decode-path only"), ``verdicts.json`` (each
+   suspect's ``live_paths``), ``investigation.json`` (``route = "live"``).
 
 Comparison (per failing case, CSA layer and compared row): the Jaccard overlap of the selected
 entry sets, emulation vs live and baseline vs live; and at the analysed row, the needle entries
@@ -42,7 +45,7 @@ from needlescope.investigate.runner import (
     suspect_record,
     write_verdicts,
 )
-from needlescope.investigate.verdicts import LIVE_THRESHOLDS, evidence, live_verdict
+from needlescope.investigate.verdicts import LIVE_THRESHOLDS, PATHS, evidence, live_verdict_paths
 from needlescope.paths import atomic_write_json
 
 __all__ = ["LiveInvestigation", "compare_rows", "jaccard"]
@@ -202,24 +205,35 @@ class LiveInvestigation(_Investigation):
 
         return [layer for layer, _ in csa_indexers(self.model)]
 
-    def emulate_rows(self, config, failing: list[dict]) -> dict[str, dict]:
-        """case id -> CSA layer (str) -> top-k rows of ``config`` at the live record's rows,
-        teacher-forced on the live token ids (one forward per case, the config applied once)."""
+    def emulate_rows(self, config, failing: list[dict], path: str = "prefill") -> dict[str, dict]:
+        """case id -> CSA layer (str) -> top-k rows of ``config`` at the live record's rows, on the
+        live token ids (the prompt plus the live answer tokens before the analysed one), the
+        config applied once. ``path``: ``prefill`` runs them teacher-forced (one pass, or the
+        ledger's ``prefill_chunk`` chunks through the cache); ``decode`` the way the server did,
+        the prompt prefilled into the cache and the answer tokens fed one per forward."""
         import torch
 
+        from needlescope.dsa import passes
         from needlescope.dsa.emulate import IndexerCapture
         from needlescope.investigate.measure import applied
 
         by_id = {c.case_id: c for c in self.cases}
         capture = IndexerCapture()
+        dev = next(self.model.parameters()).device
         out: dict[str, dict] = {}
         with applied(self.model, config, capture) as layers, torch.no_grad():
             for rec in failing:
-                ids = (
-                    self._prompt(by_id[rec["case_id"]]).input_ids + rec["output_ids"][: rec["analysed_token"]]
-                )
+                prompt = self._prompt(by_id[rec["case_id"]]).input_ids
+                answer = rec["output_ids"][: rec["analysed_token"]]
                 capture.clear()
-                self.model(torch.tensor([ids], device=next(self.model.parameters()).device), use_cache=False)
+                if path == "decode":
+                    run = passes.prefill(
+                        self.model, torch.tensor([prompt], device=dev), chunk=self.chunk, keep_cache=True
+                    )
+                    if answer:
+                        passes.decode(self.model, torch.tensor([answer], device=dev), run.cache, logits_at=())
+                else:
+                    passes.prefill(self.model, torch.tensor([prompt + answer], device=dev), chunk=self.chunk)
                 first = rec["prompt_tokens"] - 1
                 n = len(next(iter(rec["rows"].values())))
                 out[rec["case_id"]] = {
@@ -286,55 +300,23 @@ class LiveInvestigation(_Investigation):
             return suspect_record(s, "blocked", f"live_emulation: {self.blocked_reason}", present=None)
         config = self.at_live_k(self.addition(s))
         self.configs[f"emulate-{s.id}"] = config.to_json()
-        rows = self.emulate_rows(config, failing)
-        cmp = summarise(
-            [
-                compare_rows(r["rows"], rows[r["case_id"]], baseline[r["case_id"]], self.needle_entries(r))
-                for r in failing
-            ]
+        cmps = {}
+        for path in PATHS:
+            rows = self.emulate_rows(config, failing, path)
+            cmps[path] = summarise(
+                [
+                    compare_rows(
+                        r["rows"], rows[r["case_id"]], baseline[path][r["case_id"]], self.needle_entries(r)
+                    )
+                    for r in failing
+                ]
+            )
+        verdict, reason, decided_by = live_verdict_paths(cmps)
+        cmp = cmps[decided_by]
+        self.state.add_evidence(s.id, _live_evidence(config, cmps, decided_by))
+        return suspect_record(
+            s, verdict, reason, present=None, live=cmp, live_paths={**cmps, "decided_by": decided_by}
         )
-        verdict, reason = live_verdict(cmp)
-        t = LIVE_THRESHOLDS
-        self.state.add_evidence(
-            s.id,
-            [
-                evidence(
-                    "live_emulation", f"emulated: `{config.label()}`; failing cases compared", cmp["cases"]
-                ),
-                evidence(
-                    "live_emulation",
-                    "selection failures (live selects fewer needle entries than the baseline)",
-                    cmp["failures"],
-                    t["min_failures"],
-                ),
-                evidence(
-                    "live_emulation",
-                    "failures the emulation reproduces (fraction)",
-                    _frac(cmp),
-                    t["reproduce"],
-                ),
-                evidence(
-                    "live_emulation", "Jaccard emulation vs live (mean over rows)", cmp["jaccard_emulation"]
-                ),
-                evidence(
-                    "live_emulation", "Jaccard baseline vs live (mean over rows)", cmp["jaccard_baseline"]
-                ),
-                evidence(
-                    "live_emulation",
-                    "share of the baseline's Jaccard gap the emulation closes",
-                    gap_closed(cmp),
-                    t["gap_closed"],
-                ),
-                evidence(
-                    "live_emulation",
-                    f"needle entries selected at the analysed rows, of {cmp['needle_visible']} visible: live",
-                    cmp["needle_live"],
-                ),
-                evidence("live_emulation", "needle entries selected: emulation", cmp["needle_emulation"]),
-                evidence("live_emulation", "needle entries selected: baseline", cmp["needle_baseline"]),
-            ],
-        )
-        return suspect_record(s, verdict, reason, present=None, live=cmp)
 
     def run(self, loaded=None) -> Path:
         st = self.state
@@ -353,7 +335,7 @@ class LiveInvestigation(_Investigation):
                 self.live_k = scored[0]["index_topk"]
                 base = self.at_live_k(self.reference)
                 self.configs["baseline"] = base.to_json()
-                baseline = self.emulate_rows(base, failing)
+                baseline = {path: self.emulate_rows(base, failing, path) for path in PATHS}
             elif self.blocked_reason is None:
                 self.blocked_reason = (
                     "the live endpoint answered no case (every request failed; see measure/live.jsonl)"
@@ -375,7 +357,11 @@ class LiveInvestigation(_Investigation):
             "failing_cases": len(failing),
             "live_index_topk": self.live_k,
         }
-        loc = live_localization(failing, baseline, self.needle_entries) if root is None else None
+        loc = (
+            live_localization(failing, baseline.get("prefill", {}), self.needle_entries)
+            if root is None
+            else None
+        )
         if loc is not None:
             loc["command"] = f"needlescope investigate run {self.ledger.path.name} --out {self.out.name}"
         verdicts = write_verdicts(self, symptom, root, NO_SIGNATURE, suspects_out, localization=loc)
@@ -470,6 +456,54 @@ def live_localization(failing: list[dict], baseline: dict, needle_of) -> dict | 
         "summary": summary + f" (over {len(failing)} failing case(s), the server's own decode path)",
         "command": "",
     }
+
+
+def _live_evidence(config, cmps: dict[str, dict], decided_by: str) -> list[dict]:
+    """Evidence records of a suspect's live emulation: the deciding path's numbers, then both paths'."""
+    cmp, t = cmps[decided_by], LIVE_THRESHOLDS
+    return [
+        evidence("live_emulation", f"emulated: `{config.label()}`; failing cases compared", cmp["cases"]),
+        evidence(
+            "live_emulation",
+            "selection failures (live selects fewer needle entries than the baseline)",
+            cmp["failures"],
+            t["min_failures"],
+        ),
+        evidence(
+            "live_emulation",
+            "failures the emulation reproduces (fraction)",
+            _frac(cmp),
+            t["reproduce"],
+        ),
+        evidence("live_emulation", "Jaccard emulation vs live (mean over rows)", cmp["jaccard_emulation"]),
+        evidence("live_emulation", "Jaccard baseline vs live (mean over rows)", cmp["jaccard_baseline"]),
+        evidence(
+            "live_emulation",
+            "share of the baseline's Jaccard gap the emulation closes",
+            gap_closed(cmp),
+            t["gap_closed"],
+        ),
+        evidence(
+            "live_emulation",
+            f"needle entries selected at the analysed rows, of {cmp['needle_visible']} visible: live",
+            cmp["needle_live"],
+        ),
+        evidence("live_emulation", "needle entries selected: emulation", cmp["needle_emulation"]),
+        evidence("live_emulation", "needle entries selected: baseline", cmp["needle_baseline"]),
+        evidence("live_emulation", "path whose comparison decides (prefill | decode)", decided_by),
+        *(
+            evidence(
+                "live_emulation",
+                f"{path} path: failures the emulation reproduces (fraction)",
+                _frac(c),
+            )
+            for path, c in cmps.items()
+        ),
+        *(
+            evidence("live_emulation", f"{path} path: Jaccard emulation vs live", c["jaccard_emulation"])
+            for path, c in cmps.items()
+        ),
+    ]
 
 
 def _frac(cmp: dict) -> float:

@@ -16,7 +16,7 @@ tokens before that one):
 * **decode** (``investigate.decode_path``): the same ids the way a server runs them, the prompt
   prefilled into the cache and the answer tokens decoded one at a time.
 
-``verdicts.json`` ``localization`` (schema ``verdicts._LOCALIZATION``) names the path that
+``verdicts.json`` ``localization`` (schema ``verdicts_schema._LOCALIZATION``) names the path that
 diverges first ("decode only" when the teacher-forced prefill finds nothing and the decode path
 departs) and the command that reproduces the prefill step.
 """
@@ -44,7 +44,12 @@ def _answer_ids(inv, cfg, case, rec: dict) -> list[int]:
     from needlescope.investigate.measure import measure_cases
 
     return measure_cases(
-        inv.model, inv.tokenizer, [case], cfg, max_new_tokens=inv.ledger.symptom.max_new_tokens
+        inv.model,
+        inv.tokenizer,
+        [case],
+        cfg,
+        max_new_tokens=inv.ledger.symptom.max_new_tokens,
+        chunk=inv.chunk,
     )[0]["output_ids"]
 
 

@@ -42,6 +42,7 @@ import torch
 
 from needlescope.cases.scoring import score_answer
 from needlescope.dsa.emulate import IndexerCapture, check_unpatched, csa_indexers, emulate, patches_applied
+from needlescope.dsa.passes import check_chunk, prefill
 from needlescope.dsa.prompt import covering_entries, needle_token_span, render_prompt
 from needlescope.dsa.rankdump import greedy_new_tokens, needle_rank_stats
 from needlescope.dsa.reference import visible_entries
@@ -50,6 +51,7 @@ from needlescope.setting import PatchRef, Setting
 __all__ = [
     "Config",
     "measure_case",
+    "case_record",
     "measure_cases",
     "measuring",
     "final_logits",
@@ -112,28 +114,34 @@ def _ids(model, tokenizer, messages: list[dict]) -> tuple[list[int], torch.Tenso
     return prompt, ids
 
 
-def measure_case(model, tokenizer, case, config: Config, *, max_new_tokens: int = 8) -> dict:
+def measure_case(
+    model, tokenizer, case, config: Config, *, max_new_tokens: int = 8, chunk: int | None = None
+) -> dict:
     """One record for ``case`` (a ``cases.assemble.Case``) under ``config``; see the module docstring."""
-    return measure_cases(model, tokenizer, [case], config, max_new_tokens=max_new_tokens)[0]
+    return measure_cases(model, tokenizer, [case], config, max_new_tokens=max_new_tokens, chunk=chunk)[0]
 
 
 def measure_cases(
-    model, tokenizer, cases: Sequence, config: Config, *, max_new_tokens: int = 8
+    model, tokenizer, cases: Sequence, config: Config, *, max_new_tokens: int = 8, chunk: int | None = None
 ) -> list[dict]:
     """Records for ``cases`` under ``config`` (one application of it; see ``measuring``)."""
-    with measuring(model, tokenizer, config, max_new_tokens=max_new_tokens) as measure:
+    with measuring(model, tokenizer, config, max_new_tokens=max_new_tokens, chunk=chunk) as measure:
         return measure(cases)
 
 
 @contextmanager
 def measuring(
-    model, tokenizer, config: Config, *, max_new_tokens: int = 8
+    model, tokenizer, config: Config, *, max_new_tokens: int = 8, chunk: int | None = None
 ) -> Iterator[Callable[[Sequence], list[dict]]]:
     """Apply ``config`` once and yield ``measure(cases) -> records`` for any number of batches.
 
-    A batch is decoded together: every case's prompt must have the same token count (V4's
-    compressors would pool padding into entries, so batches are never padded). Greedy decoding
-    is per row, so a batch gives the same answers as one case at a time."""
+    ``chunk=None``: a batch is decoded together by ``model.generate``: every case's prompt must
+    have the same token count (V4's compressors would pool padding into entries, so batches are
+    never padded). Greedy decoding is per row, so a batch gives the same answers as one case at a
+    time. ``chunk=C``: each case runs alone, its prompt prefilled through the KV cache in chunks
+    of C tokens and its answer decoded token by token (``dsa.passes.greedy``), so peak memory is
+    bounded by the chunk; the records are the one-pass ones (tests/test_dsa_passes.py)."""
+    chunk = check_chunk(chunk)
     capture = IndexerCapture(keep_scores=True)
     with applied(model, config, capture) as layers, torch.no_grad():
         k = int(csa_indexers(model)[0][1].index_topk)
@@ -144,13 +152,18 @@ def measuring(
             P = len(prompts[0].input_ids)
             if any(len(p.input_ids) != P for p in prompts):
                 raise ValueError("a batch needs prompts of one token length")
-            ids = torch.tensor([p.input_ids for p in prompts], device=next(model.parameters()).device)
-            capture.clear()
-            new = greedy_new_tokens(model, tokenizer, ids, max_new_tokens)
-            return [
-                _record(case, prompt, new[b].tolist(), tokenizer, capture, layers, b, k, ratio)
-                for b, (case, prompt) in enumerate(zip(cases, prompts, strict=True))
-            ]
+            step = len(cases) if chunk is None else 1  # passes.greedy decodes one prompt at a time
+            out = []
+            for lo in range(0, len(cases), step):
+                batch = prompts[lo : lo + step]
+                ids = torch.tensor([p.input_ids for p in batch], device=next(model.parameters()).device)
+                capture.clear()
+                new = greedy_new_tokens(model, tokenizer, ids, max_new_tokens, chunk=chunk)
+                out += [
+                    case_record(case, prompt, new[b].tolist(), tokenizer, capture, layers, b, k, ratio)
+                    for b, (case, prompt) in enumerate(zip(cases[lo : lo + step], batch, strict=True))
+                ]
+            return out
 
         yield measure
 
@@ -252,7 +265,11 @@ def _layer_ranks(capture, layers, b: int, t: int, entries, k: int, ratio: int) -
     return recs
 
 
-def _record(case, prompt, tokens: list[int], tokenizer, capture, layers, b: int, k: int, ratio: int) -> dict:
+def case_record(
+    case, prompt, tokens: list[int], tokenizer, capture, layers, b: int, k: int, ratio: int
+) -> dict:
+    """The record of ``case`` (module docstring) from its rendered ``prompt``, its generated
+    ``tokens`` and ``capture``'s calls (batch row ``b``; CSA ``layers``, ``index_topk`` ``k``)."""
     P = len(prompt.input_ids)
     a = analyse_answer(tokens, tokenizer, case.expected)
     tok_i = a["analysed_token"]
@@ -282,8 +299,11 @@ def _record(case, prompt, tokens: list[int], tokenizer, capture, layers, b: int,
 
 
 @torch.no_grad()
-def final_logits(model, tokenizer, messages: list[dict], config: Config | None) -> torch.Tensor:
-    """Logits [V] (fp32) at the last prompt position under ``config`` (None: the model as loaded)."""
+def final_logits(
+    model, tokenizer, messages: list[dict], config: Config | None, *, chunk: int | None = None
+) -> torch.Tensor:
+    """Logits [V] (fp32) at the last prompt position under ``config`` (None: the model as loaded);
+    ``chunk``: the prompt runs through the KV cache in chunks of that many tokens (``dsa.passes``)."""
     _, ids = _ids(model, tokenizer, messages)
     with nullcontext() if config is None else applied(model, config):
-        return model(ids, use_cache=False).logits[0, -1].float().cpu()
+        return prefill(model, ids, chunk=chunk, logits_at=[ids.shape[1] - 1]).logits[0, 0].cpu()

@@ -44,9 +44,10 @@ from needlescope.investigate.differences import (
     presence_check,
     present_in,
 )
-from needlescope.investigate.ledger import Ledger, Suspect, load_ledger
+from needlescope.investigate.ledger import Ledger, Suspect, load_ledger, with_chunk
 from needlescope.investigate.localize import localize_residual
 from needlescope.investigate.questions import QuestionContext, answer
+from needlescope.investigate.rank_paths import failing_rank_paths
 from needlescope.investigate.signature import NO_SIGNATURE, signature
 from needlescope.investigate.state import RunState
 from needlescope.investigate.verdicts import (
@@ -101,6 +102,11 @@ class _Investigation:
         self._model = self.tokenizer = self.cases = None
         self.model_dir: Path | None = None
         self.blocked_reason: str | None = None
+
+    @property
+    def chunk(self) -> int | None:
+        """The ledger's ``prefill_chunk``: every in-process pass runs its prompt in chunks of it."""
+        return self.ledger.target.prefill_chunk
 
     # -- model and cases -------------------------------------------------------------
     def load(self, loaded=None) -> None:
@@ -172,7 +178,7 @@ class _Investigation:
         self.progress(f"measure {name}", len(done), len(self.cases), config.label())
         if todo:  # the configuration is applied once for all its batches
             mx = self.ledger.symptom.max_new_tokens
-            with measuring(self.model, self.tokenizer, config, max_new_tokens=mx) as run:
+            with measuring(self.model, self.tokenizer, config, max_new_tokens=mx, chunk=self.chunk) as run:
                 for _, group in sorted(todo.items()):
                     for i in range(0, len(group), BATCH):
                         for rec in run(group[i : i + BATCH]):
@@ -267,6 +273,7 @@ class _Investigation:
             "candidate_topk": cand_records[0]["index_topk"],
             "reference_records": ref_records,
             "apply_candidate": apply_candidate,
+            "chunk": self.chunk,
         }
         res = run_check(check.split(":", 1)[1], self.model, ids, ctx)
         self.state.add_evidence(
@@ -286,8 +293,8 @@ class _Investigation:
         else:
             recs = self.measure(f"add-{file_slug(s.id)}", self.addition(s))
             pair = paired(self.correct(recs), self.correct(ref_records))
-        a = final_logits(self.model, self.tokenizer, probe_case.messages, self.reference)
-        b = final_logits(self.model, self.tokenizer, probe_case.messages, self.addition(s))
+        a = final_logits(self.model, self.tokenizer, probe_case.messages, self.reference, chunk=self.chunk)
+        b = final_logits(self.model, self.tokenizer, probe_case.messages, self.addition(s), chunk=self.chunk)
         divergence = float((b - a).norm() / a.norm())
         how = "removed from the candidate" if present else "added alone to the reference"
         self.state.add_evidence(
@@ -370,6 +377,9 @@ def suspect_record(s: Suspect, verdict: str, reason: str, **measured) -> dict:
     }
 
 
+CANDIDATE_ONLY = "right under the reference, wrong under the candidate"
+
+
 def _explained_case(ref_records, cand_records) -> tuple[str | None, str]:
     ref_ok = {r["case_id"] for r in ref_records if r["correct"]}
     misses = sorted(
@@ -377,7 +387,7 @@ def _explained_case(ref_records, cand_records) -> tuple[str | None, str]:
     )
     for r in misses:
         if r["case_id"] in ref_ok:
-            return r["case_id"], "right under the reference, wrong under the candidate"
+            return r["case_id"], CANDIDATE_ONLY
     if misses:
         return misses[0]["case_id"], "wrong under both (no candidate-only failure)"
     return None, "the candidate answered every case correctly"
@@ -499,13 +509,15 @@ def run_investigation(
     *,
     loaded=None,
     allow_outside: bool = False,
+    prefill_chunk: int | None = None,
 ) -> Path:
     """Run (or resume) the investigation of ``ledger_path`` into ``out``; returns verdicts.json's path.
 
     ``loaded``: an already loaded (model, tokenizer) of the ledger's checkpoint, to reuse it.
     A ledger whose candidate is ``live`` takes the live-endpoint route (``investigate.live``).
-    ``allow_outside``: accept ledger paths outside its folder (``--allow-outside``)."""
-    ledger = load_ledger(ledger_path, allow_outside=allow_outside)
+    ``allow_outside``: accept ledger paths outside its folder (``--allow-outside``).
+    ``prefill_chunk``: overrides the ledger's ``[target] prefill_chunk`` (``--prefill-chunk``)."""
+    ledger = with_chunk(load_ledger(ledger_path, allow_outside=allow_outside), prefill_chunk)
     if ledger.target.live:
         from needlescope.investigate.live import LiveInvestigation
 
@@ -543,6 +555,7 @@ def run_investigation(
     extra = {
         "multiplicity": decided["multiplicity"],
         **_unexplained(inv, suspects_out, ref_records, cand_records),
+        "rank_paths": failing_rank_paths(inv, explained, CANDIDATE_ONLY, cand_records),
     }
     symptom = _symptom(inv, ref_records, cand_records)
     verdicts = write_verdicts(inv, symptom, root, sig, suspects_out, **extra)

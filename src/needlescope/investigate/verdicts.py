@@ -75,7 +75,8 @@ from __future__ import annotations
 
 from needlescope.analysis.significance import holm, mcnemar_power
 from needlescope.analysis.stats import mcnemar_exact
-from needlescope.schema import check_schema, record
+from needlescope.investigate.verdicts_schema import VERDICTS_SCHEMA
+from needlescope.schema import check_schema
 
 __all__ = [
     "ALPHA",
@@ -96,6 +97,8 @@ __all__ = [
     "resolve_root_cause",
     "classify_fix",
     "live_verdict",
+    "live_verdict_paths",
+    "PATHS",
     "LIVE_THRESHOLDS",
     "evidence",
     "validate_verdicts",
@@ -120,147 +123,6 @@ LIVE_THRESHOLDS = {
     "gap_closed": GAP_CLOSED,
 }
 VERDICTS = ("implicated", "exonerated", "inconclusive", "blocked", "diverges_no_effect")
-
-_EVIDENCE = {
-    "type": "object",
-    "required": ["check", "metric", "value", "threshold"],
-    "properties": {
-        "check": {"type": "string"},
-        "metric": {"type": "string"},
-        "value": {"type": ["number", "string"]},
-        "threshold": {"type": ["number", "null"]},
-    },
-}
-_PAIR = record(
-    {
-        "n": {"type": "integer"},
-        "b": {"type": "integer"},
-        "c": {"type": "integer"},
-        "p": {"type": "number"},
-        "recall_with": {"type": "number"},
-        "recall_without": {"type": "number"},
-    }
-)
-_DIFFERENCE = record(
-    {
-        "kind": {"type": "string"},  # setting | patch | env | server_info
-        "name": {"type": "string"},  # field, patch (relative to the ledger), variable, server field
-        "reference": {"type": ["string", "null"]},
-        "candidate": {"type": ["string", "null"]},
-        "covered_by": {"type": "array", "items": {"type": "string"}},  # ledger suspects naming it
-        "suspect": {"type": ["string", "null"]},  # the automatic suspect ("auto:NAME"), null when covered
-        "testable": {"type": "boolean"},  # an in-process ablation can remove / add it
-        "verdict": {"type": ["string", "null"]},  # the automatic suspect's verdict
-    }
-)
-_RESIDUAL = record(
-    {
-        "removed": {"type": "array", "items": {"type": "string"}},  # implicated suspects taken out
-        "config": {"type": "string"},  # the residual candidate's label
-        "pair": _PAIR,  # with = residual candidate, without = reference
-        "loses": {"type": "boolean"},  # p < ALPHA and b > c
-        "text": {"type": "string"},
-    }
-)
-_LOCAL_LAYER = record(
-    {
-        "layer": {"type": "integer"},
-        "topk_overlap": {"type": ["number", "null"]},  # mean Jaccard of the selected sets
-        "needle_visible": {"type": "integer"},
-        "needle_kept_reference": {"type": ["boolean", "null"]},  # a needle entry selected at the query
-        "needle_kept_candidate": {"type": ["boolean", "null"]},
-    }
-)
-_LOCAL_PATH = record(
-    {
-        "path": {"type": "string"},  # "prefill" (teacher-forced) | "decode" (cache, token by token)
-        "diverges": {"type": "boolean"},
-        "first_divergent_module": {"type": ["string", "null"]},
-        "module_type": {"type": ["string", "null"]},  # its class, e.g. DeepseekV4IndexerScorer
-        "layer": {"type": ["integer", "null"]},
-        "own_err": {"type": ["number", "string", "null"]},
-        "own_budget": {"type": ["number", "string", "null"]},
-        "first_departing_layer": {"type": ["integer", "null"]},  # first CSA layer whose selection departs
-        "layers": {"type": "array", "items": _LOCAL_LAYER},
-        "summary": {"type": "string"},
-    }
-)
-_LOCALIZATION = record(
-    {
-        "case_id": {"type": "string"},
-        "target": {"type": "string"},  # what is localized: the residual candidate, or the candidate itself
-        "config": {"type": "string"},  # its label
-        "analysed_token": {"type": "integer"},
-        "query_pos": {"type": "integer"},
-        "paths": {"type": "array", "items": _LOCAL_PATH},
-        "diverges_first": {"type": "string"},  # "prefill" | "decode" | "decode only" | "neither"
-        "summary": {"type": "string"},
-        "command": {"type": "string"},  # reproduces the localizer step
-    }
-)
-_NONFINITE = record(
-    {
-        "counts": {"type": "object"},  # configuration -> CSA layer (str) -> {neg_inf, nan, pos_inf}
-        "findings": {  # every (configuration, case, layer) with NaN or +inf scores
-            "type": "array",
-            "items": record(
-                {
-                    "config": {"type": "string"},
-                    "case_id": {"type": "string"},
-                    "layer": {"type": "integer"},
-                    "position": {"type": ["integer", "null"]},
-                    "nan": {"type": "integer"},
-                    "pos_inf": {"type": "integer"},
-                }
-            ),
-        },
-    }
-)
-_SUSPECT = record(
-    {
-        "id": {"type": "string"},
-        "tier": {"type": "integer"},
-        "verdict": {"type": "string"},
-        "reason": {"type": "string"},
-        "evidence": {"type": "array", "items": _EVIDENCE},
-        "auto": {"type": "boolean"},  # an automatic suspect (an uncovered difference)
-        "role": {"type": ["string", "null"]},  # "root cause" | "co-factor" | "workaround" | null
-        "necessary": {"type": ["boolean", "null"]},  # removing it restores recall (Holm-adjusted)
-        "sufficient": {"type": ["boolean", "null"]},  # added alone to the reference it costs recall
-        "p_holm": {"type": ["number", "null"]},
-        "power": {"type": ["object", "null"]},  # verdicts.power_check of its ablation
-    },
-    optional=("auto", "role", "necessary", "sufficient", "p_holm", "power"),
-)
-VERDICTS_SCHEMA: dict = record(
-    {
-        "symptom": {"type": "object"},
-        "root_cause": {"type": ["string", "null"]},
-        "root_causes": {"type": "array", "items": {"type": "string"}},
-        "signature": {
-            "type": "object",
-            "required": ["uninformative_ranking", "layers", "collapse_vs_topk"],
-            "properties": {
-                "uninformative_ranking": {"type": "boolean"},
-                "layers": {"type": "array"},
-                "collapse_vs_topk": {"type": "array"},
-            },
-        },
-        "suspects": {"type": "array", "items": _SUSPECT},
-        "differences": {"type": "array", "items": _DIFFERENCE},
-        "unaccounted_differences": {"type": "array", "items": _DIFFERENCE},
-        "residual": {"type": ["object", "null"], **{k: v for k, v in _RESIDUAL.items() if k != "type"}},
-        "localization": {
-            "type": ["object", "null"],
-            **{k: v for k, v in _LOCALIZATION.items() if k != "type"},
-        },
-        "nonfinite_scores": _NONFINITE,
-        "multiplicity": record(
-            {"method": {"type": "string"}, "tests": {"type": "integer"}, "alpha": {"type": "number"}}
-        ),
-    }
-)
-"""``verdicts.json`` (checked by ``validate_verdicts``); docs/investigate.md gives every key."""
 
 
 def evidence(check: str, metric: str, value, threshold: float | None = None) -> dict:
@@ -553,6 +415,33 @@ def live_verdict(cmp: dict) -> tuple[str, str]:
     return (
         "inconclusive",
         f"a partial reproduction (needs >= {REPRODUCE:.0%} and gap closed >= {GAP_CLOSED}): {counts}",
+    )
+
+
+PATHS = ("prefill", "decode")
+"""The two ways a white-box comparison runs token ids: teacher-forced, and a server's (the prompt
+prefilled into the cache, then one token per forward)."""
+
+
+def live_verdict_paths(cmps: dict[str, dict]) -> tuple[str, str, str]:
+    """(verdict, reason, deciding path) of a live emulation run on both paths: ``cmps`` maps
+    ``prefill`` and ``decode`` to their comparisons. The teacher-forced verdict stands unless only
+    the decode-path emulation reproduces the live failure (the server decodes: a bug of its decode
+    path is reproduced only there), which implicates the suspect as "decode-path only"."""
+    pv, pr = live_verdict(cmps["prefill"])
+    dv, dr = live_verdict(cmps["decode"])
+    if dv == "implicated" and pv != "implicated":
+        return (
+            dv,
+            f"decode-path only: its teacher-forced emulation is {pv}; on the decode path {dr}",
+            "decode",
+        )
+    d = cmps["decode"]
+    return (
+        pv,
+        f"{pr}; on the decode path: {dv} ({d['reproduced']} of {d['failures']} reproduced, mean Jaccard "
+        f"emulation {d['jaccard_emulation']:.3f} vs baseline {d['jaccard_baseline']:.3f})",
+        "prefill",
     )
 
 

@@ -3,9 +3,11 @@
 Both of needlescope's servers announce themselves the same way: the first line on stdout is
 ``READY <port>``. ``ChildServer(argv)`` runs ``argv``, reads that line (the one implementation
 of the handshake), optionally polls a health path until it answers 200, and, used as a context
-manager, stops the process on exit. A child started from the main thread gets SIGTERM when its
-parent dies, however it dies (SIGKILL included), so no such server outlives the process that
-started it (Linux ties that signal to the starting thread: from other threads it is not asked for).
+manager, stops the process on exit. No such server outlives the process that started it, however
+that process dies (SIGKILL included): the child learns its parent's pid from
+``NEEDLESCOPE_PARENT_PID`` and stops itself when the parent is gone (``parent_watch``), and a child
+started from the main thread also gets Linux's parent-death signal, which is immediate (Linux ties
+that signal to the starting thread, so from other threads it is not asked for).
 
 ``ServerProcess(ServeConfig(model=DIR, port=0))`` is ``needlescope serve`` started with the
 whole config as JSON (``python -m needlescope.cli.main serve --config-json ...``), so the
@@ -27,6 +29,7 @@ import httpx
 
 from needlescope.errors import BadInput
 from needlescope.serve.config import ServeConfig
+from needlescope.serve.parent_watch import PARENT_ENV
 
 __all__ = ["SERVE_ARGV", "ChildServer", "ServerProcess", "stop_process", "wait_answering"]
 
@@ -116,14 +119,15 @@ class ChildServer:
     def start(self) -> ChildServer:
         # The parent-death signal fires when the starting *thread* ends, so it is asked for only
         # from the main thread: a server started from a pool thread (tests start several at once)
-        # would otherwise be killed as soon as that thread finishes, and outlives a SIGKILL instead.
+        # would otherwise be killed as soon as that thread finishes; the child's parent watch
+        # covers those.
         on_main = threading.current_thread() is threading.main_thread()
         self.proc = subprocess.Popen(
             self.argv,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-            env=self.env,
+            env={**(os.environ if self.env is None else self.env), PARENT_ENV: str(os.getpid())},
             preexec_fn=_die_with_parent if on_main else None,
         )
         # Drain stderr continuously so a chatty server never blocks on a full pipe.

@@ -41,6 +41,8 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from needlescope.serve.parent_watch import exit_with_parent
+
 # "What is the <key>?" (single, multikey, multiturn) or "What are all the <key>?" (multivalue).
 QUESTION = re.compile(r"what\s+(?:is|are)\s+(?:all\s+)?the\s+(.+?)\s*\?", re.IGNORECASE)
 # The value list after "<key> is|are": "12345", or "1, 2 and 3" for multivalue.
@@ -406,6 +408,7 @@ def parse_options(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     opts = parse_options(argv)
+    exit_with_parent(os.environ)
     Handler.state = State(opts)
     server = ThreadingHTTPServer(("127.0.0.1", opts.port), Handler)
     server.daemon_threads = True
