@@ -41,7 +41,9 @@ TARGETS: dict[str, tuple[str, list[str]]] = {
     ),
     "analysis.paired": ("analysis/paired.py", ["test_regress_analysis.py", "test_compare_fpr.py"]),
     "analysis.bisect": ("analysis/bisect.py", ["test_bisect_analysis.py", "test_regress_analysis.py"]),
-    "analysis.margins": ("analysis/margins.py", ["test_margins.py"]),
+    "analysis.margins": ("analysis/margins.py", ["test_margins.py", "test_margins_exact.py"]),
+    "analysis.curve": ("analysis/curve.py", ["test_analysis.py", "test_curve.py"]),
+    "analysis.depth": ("analysis/depth.py", ["test_depth.py"]),
     "investigate.signature": ("investigate/signature.py", ["test_signature.py"]),
     "run.bisect": ("run/bisect.py", ["test_bisect_logic.py"]),
     "investigate.verdicts": (
