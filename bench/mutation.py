@@ -45,7 +45,7 @@ TARGETS: dict[str, tuple[str, list[str]]] = {
     "analysis.curve": ("analysis/curve.py", ["test_analysis.py", "test_curve.py"]),
     "analysis.depth": ("analysis/depth.py", ["test_depth.py"]),
     "investigate.signature": ("investigate/signature.py", ["test_signature.py"]),
-    "run.bisect": ("run/bisect.py", ["test_bisect_logic.py"]),
+    "run.bisect": ("run/bisect.py", ["test_bisect_logic.py", "test_bisect.py"]),
     "investigate.verdicts": (
         "investigate/verdicts.py",
         ["test_investigate_rules.py", "test_investigate_causal.py", "test_verdict_boundaries.py"],
