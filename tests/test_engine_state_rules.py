@@ -19,8 +19,13 @@ def test_factor_effect_fields():
     assert (e["pairs"], e["errors"], e["recall_a"], e["recall_b"]) == (8, 0, 6 / 8, 5 / 8)
     assert (e["recall_delta"], e["a_only"], e["b_only"]) == (-1 / 8, 3, 2)
     assert e["mcnemar_p"] == 1.0  # 3 against 2 discordant: two-sided exact p = 1
-    pairs = [Pair(x.case_id, x.length, x.depth, bool(x.correct), bool(y.correct)) for x, y in zip(a, b)]
-    assert e["recall_ci"] == list(bootstrap_delta_ci(pairs, seed=7))
-    assert factor_effect(a, b)["recall_ci"] == list(bootstrap_delta_ci(pairs, seed=0))  # the default seed
+    # the seed reaches the bootstrap: over 60 pairs its percentiles move with the seed
+    wide_a = [_row(i, i % 3 != 0, 0) for i in range(60)]
+    wide_b = [_row(i, i % 5 != 0, 0) for i in range(60)]
+    pairs = [Pair(x.case_id, 512, 50.0, bool(x.correct), bool(y.correct)) for x, y in zip(wide_a, wide_b)]
+    ci = {seed: list(bootstrap_delta_ci(pairs, seed=seed)) for seed in (0, 1)}
+    assert ci[0] != ci[1]
+    assert factor_effect(wide_a, wide_b, seed=1)["recall_ci"] == ci[1]
+    assert factor_effect(wide_a, wide_b)["recall_ci"] == ci[0]  # the default seed
     assert (e["cached_tokens_a"], e["cached_tokens_b"]) == (100, 300)  # B's missing count is left out
     assert e["answers_differ"] == 0 and e["margin"]["n"] == 0
