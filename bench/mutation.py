@@ -39,7 +39,10 @@ TARGETS: dict[str, tuple[str, list[str]]] = {
         "analysis/significance.py",
         ["test_stats_exact.py", "test_regress_analysis.py"],
     ),
-    "analysis.paired": ("analysis/paired.py", ["test_regress_analysis.py", "test_compare_fpr.py"]),
+    "analysis.paired": (
+        "analysis/paired.py",
+        ["test_regress_analysis.py", "test_compare_fpr.py", "test_paired_exact.py"],
+    ),
     "analysis.bisect": ("analysis/bisect.py", ["test_bisect_analysis.py", "test_regress_analysis.py"]),
     "analysis.margins": ("analysis/margins.py", ["test_margins.py", "test_margins_exact.py"]),
     "analysis.curve": ("analysis/curve.py", ["test_analysis.py", "test_curve.py"]),
