@@ -61,6 +61,7 @@ TARGETS: dict[str, tuple[str, list[str]]] = {
 
 _V = "needlescope.investigate.verdicts."
 _M = "needlescope.analysis.margins."
+_P = "needlescope.analysis.paired."
 _EXACT_POWER = (
     "a power exactly POWER (0.8): none at k_min 2-8, n <= 150, costs 0.01-1.00 (scanned 2026-12-05)"
 )
@@ -113,6 +114,12 @@ EQUIVALENT: dict[str, str] = {
     _M + "x_wilcoxon_signed_rank__mutmut_105": "min(2.0, erfc(z / sqrt 2)): erfc of z >= 0 is <= 1",
     _M + "x_hodges_lehmann__mutmut_36": "ranks 0..n: a rank 0 leaves the signed-rank null unchanged",
     "needlescope.analysis.depth.x__middle_hole__mutmut_61": "middle <= ends: equal recalls give p = 1, never < alpha",
+    **dict.fromkeys(
+        [_P + "x__verdict__mutmut_8", _P + "x__verdict__mutmut_17", _P + "x_compare_pairs__mutmut_76"],
+        "delta <= 0 / >= 0: a delta of 0 has a_only == b_only, McNemar p = 1, never < alpha",
+    ),
+    _P
+    + "x_bucket_of__mutmut_10": "i = -1 reads the largest edge, which a length below the first is below too",
 }
 """mutant name -> why it cannot change behaviour (kept in step with docs/mutation.md)."""
 

@@ -97,10 +97,10 @@ def _power(n: int, drop: float, level: float) -> float:
 
 
 def test_no_difference_quotes_the_power_at_the_strictest_holm_level():
-    one = compare_pairs(_pairs(100, "2" * 20), power_drop=0.7, n_boot=10)
+    one = compare_pairs(_pairs(100, "2" * 8), power_drop=0.7, n_boot=10)
     # One bucket: level 0.05, k = 6. 0.7 of a point rounds to 70, not 71.
     assert one["verdict"] == (
-        f"no detectable difference (power to detect a 70-point drop: {_power(20, 0.7, 0.05):.2f} with 20 pairs "
+        f"no detectable difference (power to detect a 70-point drop: {_power(8, 0.7, 0.05):.2f} with 8 pairs "
         "in the smallest bucket)"
     )
     two = compare_pairs(_pairs(100, "2" * 12) + _pairs(200, "2" * 9), power_drop=0.5, n_boot=10)
@@ -118,14 +118,27 @@ def test_a_regression_and_an_improvement_each_get_a_line():
         "B regresses from 100 tokens (p=0.0039, Holm-corrected; recall 1.00 -> 0.00); "
         "B improves from 200 tokens (p=0.0039, Holm-corrected; recall 0.00 -> 1.00)"
     )
-    better = compare_pairs(_pairs(100, "b" * 10), n_boot=10)
+    # An improvement of less than a whole point (10 of 15 pairs) is no regression either.
+    better = compare_pairs(_pairs(100, "b" * 10 + "2" * 5), n_boot=10)
     assert better["regresses_from"] is None and better["verdict"].startswith("B improves from 100 tokens")
+    assert "regresses" not in better["verdict"]
 
 
 def test_p_equal_to_alpha_and_a_drop_that_is_not_significant_are_no_regression():
     # Six pairs lost on B: p = 2/64 = 0.03125 exactly, not below alpha 0.03125.
     six = compare_pairs(_pairs(100, "a" * 6), alpha=0.03125, n_boot=10)
     assert six["regresses_from"] is None and six["verdict"].startswith("no detectable difference")
+    six_up = compare_pairs(_pairs(100, "b" * 6), alpha=0.03125, n_boot=10)
+    assert six_up["verdict"].startswith("no detectable difference")
     # Two pairs lost on B: a drop, p = 0.5.
     two = compare_pairs(_pairs(100, "a" * 2 + "2" * 5), n_boot=10)
     assert two["regresses_from"] is None and two["verdict"].startswith("no detectable difference")
+
+
+def test_given_edges_pool_lengths_and_the_bootstrap_is_seeded():
+    pairs = _pairs(100, "ab2a0b2") + _pairs(200, "aab2")
+    pooled = compare_pairs(pairs, bucket_edges=[0], n_boot=200)
+    assert [(b["length_lo"], b["length_hi"], b["n"]) for b in pooled["buckets"]] == [(100, 200, 11)]
+    # The same input gives the same intervals, run after run (a seeded bootstrap).
+    assert compare_pairs(pairs, n_boot=200) == compare_pairs(pairs, n_boot=200)
+    assert paired_group(pairs, n_boot=200) == paired_group(pairs, n_boot=200)
