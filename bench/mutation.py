@@ -48,15 +48,18 @@ TARGETS: dict[str, tuple[str, list[str]]] = {
     "analysis.curve": ("analysis/curve.py", ["test_analysis.py", "test_curve.py"]),
     "analysis.depth": ("analysis/depth.py", ["test_depth.py"]),
     "investigate.signature": ("investigate/signature.py", ["test_signature.py"]),
-    "run.bisect": ("run/bisect.py", ["test_bisect_logic.py"]),
+    "run.bisect": ("run/bisect.py", ["test_bisect_logic.py", "test_bisect.py"]),
     "investigate.verdicts": (
         "investigate/verdicts.py",
         ["test_investigate_rules.py", "test_investigate_causal.py", "test_verdict_boundaries.py"],
     ),
     "analysis.taxonomy": ("analysis/taxonomy.py", ["test_regress_analysis.py", "test_taxonomy_rules.py"]),
     "analysis.endpoints": ("analysis/endpoints.py", ["test_regress_analysis.py", "test_endpoints_rules.py"]),
-    "analysis.engine_state": ("analysis/engine_state.py", ["test_analysis_oracle.py"]),
-    "analysis.oracle": ("analysis/oracle.py", ["test_analysis_oracle.py"]),
+    "analysis.engine_state": (
+        "analysis/engine_state.py",
+        ["test_analysis_oracle.py", "test_engine_state_rules.py"],
+    ),
+    "analysis.oracle": ("analysis/oracle.py", ["test_analysis_oracle.py", "test_oracle_rules.py"]),
 }
 
 _V = "needlescope.investigate.verdicts."
@@ -120,6 +123,19 @@ EQUIVALENT: dict[str, str] = {
     ),
     _P
     + "x_bucket_of__mutmut_10": "i = -1 reads the largest edge, which a length below the first is below too",
+    **dict.fromkeys(
+        [f"needlescope.analysis.oracle.x__kl_common__mutmut_{i}" for i in (24, 27, 28)]
+        + [f"needlescope.analysis.oracle.x_compare_steps__mutmut_{i}" for i in (29, 32, 33)]
+        + [f"needlescope.analysis.oracle.x_first_difference__mutmut_{i}" for i in (4, 7)],
+        "zip(strict=...) over lists of equal length (or strict=None, the same as False)",
+    ),
+    "needlescope.analysis.oracle.x_summarize__mutmut_4": "ids_differ counting 2 a prompt: only its truth is used",
+    **dict.fromkeys(
+        [f"needlescope.analysis.engine_state.x_factor_effect__mutmut_{i}" for i in (14, 16)],
+        "Pair without case_id or depth: paired_group reads only a, b and length",
+    ),
+    "needlescope.analysis.taxonomy.x__cross_case_summary__mutmut_36": "'XXXX' for a missing answer has no digits either",
+    "needlescope.analysis.taxonomy.x_prompt_values__mutmut_13": "total 2 for no text: with no messages there are no values",
 }
 """mutant name -> why it cannot change behaviour (kept in step with docs/mutation.md)."""
 

@@ -30,8 +30,12 @@ def test_the_worse_endpoint_differs_and_the_better_one_does_not():
     # Holm over the two groups: the smaller of two equal p-values times 2, the other no smaller
     assert b["p_value"] == pytest.approx(p) and a["p_holm"] == b["p_holm"] == pytest.approx(2 * p)
     assert out["differs"] == ["http://b"] and out["replicas"] == []
-    assert out["replica_note"].startswith("the responses name no replica")
+    assert out["replica_note"] == (
+        "the responses name no replica; behind a router, per-replica attribution needs each "
+        "replica's URL as its own --base-url"
+    )
     assert endpoint_breakdown(rows, alpha=1.5 * p)["differs"] == []  # p < alpha, p_holm not
+    assert endpoint_breakdown(rows, alpha=b["p_holm"])["differs"] == []  # significant means below alpha
 
 
 def test_a_difference_the_cases_cannot_confirm_is_not_named():
@@ -60,3 +64,5 @@ def test_check_same_models():
         check_same_models({"http://a": ["m"], "http://b": []})
     with pytest.raises(BadInput, match=r"http://c serves x but http://a serves \(nothing\)"):
         check_same_models({"http://a": [], "http://b": [], "http://c": ["x"]})
+    with pytest.raises(BadInput, match=r"http://b serves m but http://a serves m, x;"):
+        check_same_models({"http://a": ["x", "m"], "http://b": ["m"]})

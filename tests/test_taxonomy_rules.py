@@ -236,3 +236,44 @@ def test_cross_case_count_against_chance():
     ]
     assert summarize_failures(many)["cross_case"]["chance"] == 1.0
     assert math.isclose(summarize_failures(many[:11])["cross_case"]["chance"], 10 / 100)
+
+
+def test_edges_of_each_rule():
+    assert edit_distance("abc", "ac") == edit_distance("4173559", "417359") == 1  # one deletion
+    assert classify(answer=None, expected=GOLD, finish_reason="length").category == "empty_or_length"
+    # right first digit, then five wrong ones: a partial from position 1
+    assert classify(answer="4999999", expected=GOLD) == Failure(
+        "partial", value="4999999", edit_distance=5, first_wrong=1
+    )
+    # an empty message still counts its separator; the third message starts after both before it
+    ((_, depth),) = prompt_values([{"content": None}, {"content": "5"}])
+    assert depth == pytest.approx(100 / 3)
+    ((_, depth),) = prompt_values([{"content": "ab"}, {"content": "cd"}, {"content": "7"}])
+    assert depth == pytest.approx(600 / 8)
+
+
+def test_case_index_edges():
+    # nothing sent before: the earliest of those sent after, whatever the order of the rows
+    late = CaseIndex(
+        [_row("f", ["5"], 30.0, "c"), _row("g", ["5"], 25.0, "c"), {"case_id": "u", "expected": ["6"]}]
+    )
+    assert late.source(_row("x", ["1"], 20.0, "c"), "5")["source_case"] == "g"
+    # a source without a send time: no lag, even when the asking row has one
+    assert late.source(_row("x", ["1"], 20.0, "c"), "6") == {
+        "source_case": "u", "sent_before_s": None, "same_connection": None,
+    }  # fmt: skip
+    mixed = CaseIndex([{"case_id": "u", "expected": ["6"]}, _row("t", ["6"], 1.0, "c")])
+    assert mixed.source(_row("x", ["1"], 20.0, "c"), "6")["source_case"] == "t"
+
+
+def test_summary_edges():
+    rows = [{"status": "error", "case_id": "e1"}, {"status": "error", "case_id": "e2"},
+            _miss("n", None, ["1"], "unrelated")]  # fmt: skip
+    s = summarize_failures(rows)
+    assert s["errors"] == 2 and s["examples"]["unrelated"][0]["answer"] == ""
+
+    def cross(cid, same):
+        return _miss(cid, "222", ["111"], "cross_case", detail={"source_case": "s", "same_connection": same})
+
+    cc = summarize_failures([cross("a", True), cross("b", True), cross("c", None)])["cross_case"]
+    assert (cc["same_connection"], cc["other_connection"], cc["connection_unknown"]) == (2, 0, 1)

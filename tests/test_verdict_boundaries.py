@@ -101,3 +101,24 @@ def test_live_verdict_thresholds():
 def test_schema_errors_name_the_verdicts_record():
     with pytest.raises(ValueError, match=r"^verdicts: missing key 'symptom'"):
         validate_verdicts({})
+
+
+def test_both_paths_the_teacher_forced_verdict_stands_unless_only_decode_reproduces():
+    from needlescope.investigate.verdicts import live_verdict_paths
+
+    hit, miss = _cmp(5, 5, 1.0, 0.0), _cmp(5, 0, 0.0, 0.0)
+    v, reason, path = live_verdict_paths({"prefill": miss, "decode": hit})
+    assert (v, path) == ("implicated", "decode")
+    assert reason == (
+        "decode-path only: its teacher-forced emulation is exonerated; on the decode path "
+        + live_verdict(hit)[1]
+    )
+    v, reason, path = live_verdict_paths({"prefill": hit, "decode": hit})
+    assert (v, path) == ("implicated", "prefill")
+    assert reason == (
+        live_verdict(hit)[1] + "; on the decode path: implicated (5 of 5 reproduced, mean Jaccard emulation "
+        "1.000 vs baseline 0.000)"
+    )
+    v, reason, path = live_verdict_paths({"prefill": hit, "decode": miss})
+    assert (v, path) == ("implicated", "prefill") and "on the decode path: exonerated (0 of 5" in reason
+    assert live_verdict_paths({"prefill": miss, "decode": miss})[0] == "exonerated"
