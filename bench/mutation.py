@@ -39,7 +39,10 @@ TARGETS: dict[str, tuple[str, list[str]]] = {
         "analysis/significance.py",
         ["test_stats_exact.py", "test_regress_analysis.py"],
     ),
-    "analysis.paired": ("analysis/paired.py", ["test_regress_analysis.py", "test_compare_fpr.py"]),
+    "analysis.paired": (
+        "analysis/paired.py",
+        ["test_regress_analysis.py", "test_compare_fpr.py", "test_paired_exact.py"],
+    ),
     "analysis.bisect": ("analysis/bisect.py", ["test_bisect_analysis.py", "test_regress_analysis.py"]),
     "analysis.margins": ("analysis/margins.py", ["test_margins.py", "test_margins_exact.py"]),
     "analysis.curve": ("analysis/curve.py", ["test_analysis.py", "test_curve.py"]),
@@ -60,6 +63,8 @@ TARGETS: dict[str, tuple[str, list[str]]] = {
 }
 
 _V = "needlescope.investigate.verdicts."
+_M = "needlescope.analysis.margins."
+_P = "needlescope.analysis.paired."
 _EXACT_POWER = (
     "a power exactly POWER (0.8): none at k_min 2-8, n <= 150, costs 0.01-1.00 (scanned 2026-12-05)"
 )
@@ -90,6 +95,34 @@ EQUIVALENT: dict[str, str] = {
     _V + "x_suspect_verdict__mutmut_74": _EXACT_ALPHA,
     _V + "x_restores__mutmut_10": "b >= c: p < 0.05 with b == c is impossible (p = 1)",
     _V + "x_suspect_verdict__mutmut_77": "c >= b: p < 0.05 with b == c is impossible (p = 1)",
+    **dict.fromkeys(
+        [_M + f"x_compare_margins__mutmut_{i}" for i in (71, 74, 78)]
+        + [_M + f"x_paired_differences__mutmut_{i}" for i in (7, 10, 11)]
+        + [_M + f"x_wilcoxon_signed_rank__mutmut_{i}" for i in (18, 21, 22)]
+        + ["needlescope.analysis.curve.x_cliff__mutmut_6", "needlescope.analysis.curve.x_cliff__mutmut_9"],
+        "zip without strict=True: the sequences always have one length (checked before, or built together)",
+    ),
+    **dict.fromkeys(
+        [_M + f"x_wilcoxon_signed_rank__mutmut_{i}" for i in (86, 87, 88)],
+        "var <= 0 / <= 1: the tie-corrected variance is at least n(n+1)(3n+3)/48 > 1 (all ties)",
+    ),
+    **dict.fromkeys(
+        [_M + "x__sign__mutmut_7", _M + "x__sign__mutmut_11"],
+        "_sign giving 2 or -2: margin_direction only compares signs with each other and with 0",
+    ),
+    _M + "x__sign__mutmut_8": "x >= 0: x == 0 returned 0 on the line before",
+    _M + "x__midranks__mutmut_10": "ranks start at 1.0: every entry is overwritten",
+    _M + "x_margin_direction__mutmut_27": "test >= 0: test is never 0 there ('none' returned before)",
+    _M + "x_wilcoxon_signed_rank__mutmut_23": "x >= 0: zeros were dropped (|x| > zero_tol, a tolerance >= 0)",
+    _M + "x_wilcoxon_signed_rank__mutmut_105": "min(2.0, erfc(z / sqrt 2)): erfc of z >= 0 is <= 1",
+    _M + "x_hodges_lehmann__mutmut_36": "ranks 0..n: a rank 0 leaves the signed-rank null unchanged",
+    "needlescope.analysis.depth.x__middle_hole__mutmut_61": "middle <= ends: equal recalls give p = 1, never < alpha",
+    **dict.fromkeys(
+        [_P + "x__verdict__mutmut_8", _P + "x__verdict__mutmut_17", _P + "x_compare_pairs__mutmut_76"],
+        "delta <= 0 / >= 0: a delta of 0 has a_only == b_only, McNemar p = 1, never < alpha",
+    ),
+    _P
+    + "x_bucket_of__mutmut_10": "i = -1 reads the largest edge, which a length below the first is below too",
     **dict.fromkeys(
         [f"needlescope.analysis.oracle.x__kl_common__mutmut_{i}" for i in (24, 27, 28)]
         + [f"needlescope.analysis.oracle.x_compare_steps__mutmut_{i}" for i in (29, 32, 33)]

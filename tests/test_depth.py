@@ -121,10 +121,18 @@ def test_depths_sort_numerically_and_the_middle_is_every_depth_strictly_inside()
 
 
 def test_a_middle_better_than_the_ends_is_no_hole_however_small_p():
-    cells = [_cell(100, 0.0, 10, 0), _cell(100, 0.5, 20, 20), _cell(100, 1.0, 10, 0)]
+    cells = [_cell(100, 0.0, 10, 2), _cell(100, 0.5, 20, 20), _cell(100, 1.0, 10, 3)]
     hole = depth_profile(cells)["middle_hole"]
-    assert hole["p_value"] < 1e-6 and hole["middle_recall"] == 1.0 and hole["end_recall"] == 0.0
+    assert hole["p_value"] < 1e-5 and hole["middle_recall"] == 1.0 and hole["end_recall"] == 0.25
     assert hole["found"] is False
+
+
+def test_a_p_value_equal_to_alpha_is_no_hole():
+    cells = [_cell(100, 0.0, 10, 10), _cell(100, 0.5, 10, 7), _cell(100, 1.0, 10, 10)]
+    p = depth_profile(cells)["middle_hole"]["p_value"]
+    assert p == pytest.approx(_fisher(7, 3, 20, 0), rel=1e-9)
+    assert depth_profile(cells, alpha=p)["middle_hole"]["found"] is False
+    assert depth_profile(cells, alpha=p * (1 + 1e-9))["middle_hole"]["found"] is True
 
 
 def test_alpha_sets_the_level_of_every_depth_test():
