@@ -90,7 +90,10 @@ def test_a_step_that_cannot_be_confirmed_stops_the_bisection():
     stops = [s for s in res["steps"] if not s["narrowed"]]
     assert len(stops) == 1 and stops[0]["p_value"] > 0.05 and stops[0]["tested"] == 500
     assert (stops[0]["first_fail"]["correct"], stops[0]["first_fail"]["n"]) == (6, 8)
-    assert "stopped before the resolution of 8" in res["message"]
+    assert res["message"] == (
+        "recall falls below 0.85 between 400 and 600 tokens (stopped before the resolution of 8: a step's "
+        f"ends did not differ significantly with up to 8 cases a length); {res['crossing']['meaning']}"
+    )
     assert res["bracket"] == (400, 600)
 
 
@@ -98,6 +101,10 @@ def test_a_passing_midpoint_moves_the_lower_end_and_a_failing_one_the_upper():
     down = _run(TableBisector(lambda n, i: n < 450, resolution=100))
     (step,) = [s for s in down["steps"] if s["tested"] is not None]
     assert step["tested"] == 500 and step["first_fail"]["length"] == 500 and down["bracket"] == (400, 500)
+    # A bracket exactly the resolution wide has reached it.
+    assert down["message"] == (
+        f"recall falls below 0.85 between 400 and 500 tokens (resolution 100); {down['crossing']['meaning']}"
+    )
     up = _run(TableBisector(lambda n, i: n < 550, resolution=100))
     (step,) = [s for s in up["steps"] if s["tested"] is not None]
     assert step["tested"] == 500 and step["last_pass"]["length"] == 500 and up["bracket"] == (500, 600)
@@ -136,6 +143,23 @@ def test_residue_runs_are_strata_and_corrected():
     res = _run(b, 200, 400, boundaries=(4, 10000))
     (mod4,) = res["residue"]
     assert mod4["strata"] == 3 and mod4["flagged"] == [3]
+    # The bisection's alpha is the residue tests' too.
+    (strict,) = _run(
+        TableBisector(lambda n, i: n % 4 != 3, resolution=8, residue_runs=3, alpha=1e-6), 200, 400, (4,)
+    )["residue"]
+    assert strict["p_value"] == mod4["p_value"] > 1e-6 and strict["flagged"] == []
+
+
+def test_residue_moduli_from_2_to_the_largest_and_runs_below_the_bracket():
+    from needlescope.analysis.bisect import RESIDUE_MAX_MOD
+
+    b = TableBisector(lambda n, i: n < 733, resolution=8)
+    res = _run(b, boundaries=(1, 2, RESIDUE_MAX_MOD, RESIDUE_MAX_MOD + 1))
+    assert [t["modulus"] for t in res["residue"]] == [2, RESIDUE_MAX_MOD]
+    residue = [e for name, e in b.events if name == "evaluate" and e["phase"].startswith("residue")]
+    assert [e["phase"] for e in residue] == ["residue mod 2", f"residue mod {RESIDUE_MAX_MOD}"]
+    # The runs stay at or below the last passing length.
+    assert max(n for e in residue for n in e["lengths"]) == res["bracket"][0]
 
 
 def test_bisect_config_defaults_and_each_bound():
@@ -204,3 +228,64 @@ def test_run_bisect_refuses_graded_scoring_and_a_range_too_short_before_any_requ
             run_bisect(ProbeConfig(**base, **{flag: True}), BisectConfig())
     with pytest.raises(BadInput, match="--bisect needs a range"):
         run_bisect(ProbeConfig(**{**base, "lengths": (200, 201)}), BisectConfig())
+
+
+def test_a_midpoint_exactly_at_the_threshold_passes():
+    # 17 of 20 cases right at the midpoint 500 is recall 0.85, which passes (>=): the bracket
+    # moves up to (500, 600) rather than down to (400, 500).
+    b = TableBisector(lambda n, i: n < 500 or (n == 500 and i % 20 < 17), trials=10, resolution=100)
+    res = _run(b)
+    assert res["bracket"] == (500, 600) and res["confirmed"]
+    (step,) = [s for s in res["steps"] if s["tested"] == 500]
+    assert step["last_pass"]["length"] == 500 and step["last_pass"]["correct"] == 17 and step["narrowed"]
+
+
+def test_an_end_that_stops_bracketing_after_more_trials_stops_the_step():
+    # The lower end passes on 2 cases (2/2) and fails on 4 (2/4): no longer a bracket, so the
+    # step stops there, untested (p recorded as 1), not escalated further.
+    low = _run(TableBisector(lambda n, i: n < 600 and not (n == 400 and i >= 2), resolution=8))
+    (step,) = low["steps"]
+    assert (step["p_value"], step["narrowed"], step["tested"]) == (1.0, False, None)
+    assert (step["last_pass"]["correct"], step["last_pass"]["n"], step["first_fail"]["n"]) == (2, 4, 4)
+    assert not low["confirmed"] and low["bracket"] == (400, 600)
+    assert low["message"] == (
+        "recall crosses 0.85 between 400 and 600 tokens in this sample, but the two do not differ "
+        "significantly (Fisher p=1 with 4 cases at 600): not narrowed; raise --trials; "
+        + low["crossing"]["meaning"]
+    )
+    # The upper end fails on 10 cases (8/10) and passes on 20 (17/20): the same.
+    wrong = {0, 1, 10, 20, 21, 22}
+    up = _run(TableBisector(lambda n, i: n < 600 or (n == 600 and i not in wrong), trials=5, resolution=8))
+    (step,) = up["steps"]
+    assert (step["p_value"], step["narrowed"]) == (1.0, False)
+    assert (step["first_fail"]["correct"], step["first_fail"]["n"]) == (17, 20) and not up["confirmed"]
+
+
+def test_passes_needs_cases_and_compares_inclusively():
+    from needlescope.run.bisect import _passes
+
+    assert not _passes({}, 400, 0.85) and not _passes({400: (0, 0)}, 400, 0.85)
+    assert _passes({400: (1, 1)}, 400, 0.85) and _passes({400: (17, 20)}, 400, 0.85)
+    assert not _passes({400: (16, 20)}, 400, 0.85)
+
+
+def test_no_bracket_messages_whole():
+    assert _no_bracket({200: (1, 2)}, 200, 400, 0.85) == (
+        "cannot bracket a boundary in [200, 400]: recall is already 0.50 < 0.85 at 200 tokens; "
+        "lower the shortest --lengths"
+    )
+    assert _no_bracket({200: (17, 20)}, 200, 400, 0.85) == (
+        "cannot bracket a boundary in [200, 400]: recall stays at or above 0.85 at every tested "
+        "length; raise the longest --lengths"
+    )
+
+
+def test_a_midpoint_with_no_scored_case_cannot_be_bisected():
+    class Missing(TableBisector):
+        def tally(self):
+            return {n: v for n, v in super().tally().items() if n != 700}
+
+    with pytest.raises(
+        BadInput, match=r"^every request at 700 tokens failed; the server cannot be bisected, see results$"
+    ):
+        _run(Missing(lambda n, i: n < 733, resolution=8))

@@ -16,6 +16,7 @@ replays the same decisions from the stored results and sends only what is missin
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
@@ -325,7 +326,9 @@ def run_bisect(cfg: ProbeConfig, bis: BisectConfig, on_event: Event | None = Non
     counter = _token_counter(cfg, roots[0][0])
     cfg.out.mkdir(parents=True, exist_ok=True)
     store = ResultStore(cfg.out / STORE_NAME)
-    fingerprint = {**cfg.fingerprint(digits), "bisect": asdict(bis)}
+    # As the store gives it back (JSON: --boundaries' tuple becomes a list), so a resume with the
+    # same settings compares equal.
+    fingerprint = json.loads(json.dumps({**cfg.fingerprint(digits), "bisect": asdict(bis)}))
     try:
         if store.get_meta("bisect") not in (None, fingerprint):
             raise BadInput(
