@@ -13,6 +13,7 @@ from needlescope.analysis.bisect import (
     coarse_grid,
     correct_residues,
     end_evidence,
+    ends_differ,
     fine_lengths,
     full_grid_points,
     midpoint,
@@ -22,6 +23,7 @@ from needlescope.analysis.bisect import (
     stratified_class_test,
     tally_slice,
 )
+from needlescope.analysis.significance import fisher_exact
 
 
 def test_cases_for_ci_width():
@@ -112,3 +114,11 @@ def test_boundaries_from_server_info_scopes_and_lists():
     assert boundaries_from_server_info({"compress_ratios": [4, 128], "index_topk": 64}) == [4, 128, 256, 8192]
     assert boundaries_from_server_info({"page_size": 2, "sliding_window": 1}) == [2]
     assert boundaries_from_server_info({"page_size": True, "window": "x"}) == []
+
+
+def test_ends_differ_rejects_only_below_alpha():
+    # p < alpha narrows; a p equal to alpha does not (the project's one convention).
+    tally = {400: (3, 3), 600: (0, 3)}
+    p = fisher_exact(3, 0, 0, 3)
+    assert ends_differ(tally, 400, 600, p) == (False, p)
+    assert ends_differ(tally, 400, 600, math.nextafter(p, 1.0)) == (True, p)

@@ -75,6 +75,9 @@ def test_mcnemar_power_edges():
     # k_min = 6 at alpha 0.05: P(Binomial(10, 0.3) >= 6).
     assert mcnemar_power(10, 0.3, 0.05) == pytest.approx(float(binom.sf(5, 10, 0.3)))
     assert mcnemar_power(10, 1.5, 0.05) == pytest.approx(1.0)  # a drop above 1 is 1
+    # The cap is applied before the binomial (with p = 1.5 the sum over 6..7 of 7 is negative),
+    # and a negative drop has no power (it is not fed to the binomial either).
+    assert mcnemar_power(7, 1.5, 0.05) == pytest.approx(1.0) and mcnemar_power(10, -0.2, 0.05) == 0.0
     # alpha 0.07: 5 one-way pairs give p = 0.0625 < 0.07 (k_min 5), 4 give 0.125.
     assert mcnemar_power(5, 1.0, 0.07) == pytest.approx(1.0) and mcnemar_power(4, 1.0, 0.07) == 0.0
 
