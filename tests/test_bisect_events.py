@@ -249,9 +249,19 @@ def test_failed_requests_are_counted_as_errors_not_misses(scripted_server, tmp_p
     assert sum(p["n"] for p in res["points"]) == len(results) - len(failed)
 
 
-def test_lengths_past_the_context_are_skipped_with_an_event(scripted_server, tmp_path):
-    # The server's context is 1000 tokens: 1200 (plus the answer's 32) does not fit.
+def test_lengths_past_the_context_are_skipped_with_an_event(scripted_server, tmp_path, monkeypatch):
+    # The server's context is 1000 tokens: 1200 (plus the answer's 32) does not fit. Here it is
+    # read from /v1/models (its /get_server_info context_length hidden), which lists a smaller
+    # model first, whose context is not the one to fit to.
     url = scripted_server(max_len=1000)
+    other = {"id": "other", "object": "model", "max_model_len": 500}
+
+    def two_models(p: dict) -> dict:
+        info = {k: v for k, v in p["/get_server_info"].items() if k != "context_length"}
+        models = {**p["/v1/models"], "data": [other, *p["/v1/models"]["data"]]}
+        return {**p, "/get_server_info": info, "/v1/models": models}
+
+    _spy(monkeypatch, "collect_provenance", two_models)
     events, on_event = _recorder()
     cfg = _small(url, tmp_path / "run", skip_long_lengths=True)
     res = run_bisect(replace(cfg, lengths=(200, 600, 1200)), BisectConfig(boundaries=()), on_event)
@@ -261,7 +271,7 @@ def test_lengths_past_the_context_are_skipped_with_an_event(scripted_server, tmp
         [200, 600],
         1000,
     )
-    assert (res["lo"], res["hi"]) == (200, 600)
+    assert skipped[0]["from"] == "/v1/models max_model_len" and (res["lo"], res["hi"]) == (200, 600)
     # What is left must still be a range.
     with pytest.raises(BadInput, match=r"^--bisect needs a range: .* got \[200\]$"):
         run_bisect(replace(cfg, lengths=(200, 1200), out=tmp_path / "other"), BisectConfig(boundaries=()))
