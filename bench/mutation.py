@@ -48,7 +48,7 @@ TARGETS: dict[str, tuple[str, list[str]]] = {
     "analysis.curve": ("analysis/curve.py", ["test_analysis.py", "test_curve.py"]),
     "analysis.depth": ("analysis/depth.py", ["test_depth.py"]),
     "investigate.signature": ("investigate/signature.py", ["test_signature.py"]),
-    "run.bisect": ("run/bisect.py", ["test_bisect_logic.py", "test_bisect.py"]),
+    "run.bisect": ("run/bisect.py", ["test_bisect_logic.py", "test_bisect.py", "test_bisect_events.py"]),
     "investigate.verdicts": (
         "investigate/verdicts.py",
         ["test_investigate_rules.py", "test_investigate_causal.py", "test_verdict_boundaries.py"],
@@ -65,6 +65,10 @@ TARGETS: dict[str, tuple[str, list[str]]] = {
 _V = "needlescope.investigate.verdicts."
 _M = "needlescope.analysis.margins."
 _P = "needlescope.analysis.paired."
+_S = "needlescope.analysis.significance."
+_B = "needlescope.analysis.bisect."
+_G = "needlescope.investigate.signature."
+_R = "needlescope.run.bisect."
 _EXACT_POWER = (
     "a power exactly POWER (0.8): none at k_min 2-8, n <= 150, costs 0.01-1.00 (scanned 2026-12-05)"
 )
@@ -136,6 +140,75 @@ EQUIVALENT: dict[str, str] = {
     ),
     "needlescope.analysis.taxonomy.x__cross_case_summary__mutmut_36": "'XXXX' for a missing answer has no digits either",
     "needlescope.analysis.taxonomy.x_prompt_values__mutmut_13": "total 2 for no text: with no messages there are no values",
+    _S + "x_holm__mutmut_11": "out starts as [1.0] * m: every entry is overwritten",
+    _S + "x_fisher_exact__mutmut_8": "n == 1 returns 1.0: a table of one case has p = 1 anyway",
+    **dict.fromkeys(
+        [_S + "x_fisher_exact__mutmut_17", _S + "x_fisher_exact__mutmut_35"],
+        "summing from 0 (max(0, row1 - col1 - n) is 0): the hypergeometric pmf is 0 below the support",
+    ),
+    _S
+    + "x_fisher_exact__mutmut_47": "q < observed * (1 + 1e-7): the tolerance still admits the observed table and its ties",
+    _S + "x_mcnemar_power__mutmut_2": "n < 0: n == 0 is below k_min >= 1 and returns 0 on the next test",
+    _S
+    + "x_mcnemar_power__mutmut_3": "n <= 1: one pair is below k_min >= 2 (alpha < 1) and returns 0 on the next test",
+    _S + "x_mcnemar_power__mutmut_4": "drop < 0: a drop of 0 gives binomial_tail(k_min >= 1, n, 0) = 0",
+    _S + "x_mcnemar_power__mutmut_12": "max(2, ...): floor(log2(2 / alpha)) + 1 >= 2 for any alpha < 1",
+    _S + "x_groups_vs_rest__mutmut_71": "k / n if (n) or True: a group present in the outcomes has n >= 1",
+    **dict.fromkeys(
+        [_B + f"x_coarse_grid__mutmut_{i}" for i in (2, 3, 4)],
+        "points <= 2 / < 3 / hi < lo: the formula gives the same {lo, hi} (or {lo}) at the edge",
+    ),
+    _B + "x__passes__mutmut_3": "n >= 0: only lengths with cases (n > 0) reach it (bracket filters them)",
+    **dict.fromkeys(
+        [_B + f"x_correct_residues__mutmut_{i}" for i in (7, 10, 14)],
+        "zip without strict=True: holm returns a list as long as its input",
+    ),
+    _B + "x_ends_differ__mutmut_17": "ka * nb >= kb * na: equal proportions have Fisher p = 1, never < alpha",
+    _B
+    + "x_residue_test__mutmut_52": "stratified_class_test of no strata is 1.0 (the empty product's whole tail)",
+    _B
+    + "x_stratified_class_test__mutmut_36": "min(2.0, ...): a head of a distribution sums to at most 1 (fsum, exactly rounded)",
+    **dict.fromkeys(
+        [_G + f"x__layer_class__mutmut_{i}" for i in (4, 16, 21)] + [_G + "x_topk_fix__mutmut_56"],
+        "p <= ALPHA: the p-values are continuous (t, Irwin-Hall) or 2 x 0.5^k, never exactly 0.05",
+    ),
+    _G
+    + "x__layer_class__mutmut_9": "> 0.5 + NEAR_CHANCE: a t bound on a mean of mid-p values never equals it exactly",
+    **dict.fromkeys(
+        [_G + "x__state__mutmut_7", _G + "x__state__mutmut_11"],
+        "lo >= HOLD / hi <= HOLD: a Wilson bound never equals the threshold exactly",
+    ),
+    _G + "x_topk_fix__mutmut_57": "b >= c: p < 0.05 with b == c is impossible (p = 1)",
+    **dict.fromkeys(
+        [_G + f"x_layer_ranking__mutmut_{i}" for i in (18, 21, 23)],
+        "zip without strict=True: holm returns a list as long as its input",
+    ),
+    _G + "x_case_draw__mutmut_5": "int.from_bytes without 'big': Python 3.11's default byte order is big",
+    **dict.fromkeys(
+        [_G + "x_case_draw__mutmut_11", _G + "x_case_draw__mutmut_12"],
+        "(h - 0.5) or (h + 1.5) / 2^64: moves the draw by 2^-64, below float resolution near any decision",
+    ),
+    **dict.fromkeys(
+        [_G + "x_sum_uniform_cdf__mutmut_4", _G + "x_sum_uniform_cdf__mutmut_7"],
+        "s < 0 / s > n: the Irwin-Hall formula gives the same 0 and 1 at the ends",
+    ),
+    _G
+    + "x_sum_uniform_cdf__mutmut_21": "s > n * 2: the direct sum equals the symmetric one (exact in rationals)",
+    _G + "x_collapse_runs__mutmut_45": "n >= cap: a length at the capacity is already judged as inside it",
+    _G + "x_collapse_runs__mutmut_108": "m < n: n itself is holding, so excluding it changes nothing",
+    _G + "x__moves__mutmut_26": "<= at the small capacity: a collapse there makes the run inconsistent first",
+    _R + "xǁ_Bisectorǁ__init____mutmut_32": "encoding='UTF-8': codec names ignore case",
+    _R + "x_run_bisect__mutmut_3": "the default on_event returning 0: its value is never used",
+    _R
+    + "xǁ_Bisectorǁevaluate__mutmut_34": "CaseSpec without max_answer_tokens: it is only validated (>= 1), no case depends on it",
+    _R + "xǁ_Bisectorǁconfirm__mutmut_10": "(1, 0) for a missing midpoint: n = 0 raises before k is read",
+    **dict.fromkeys(
+        [_R + f"xǁ_Bisectorǁconfirm__mutmut_{i}" for i in (53, 55, 56, 102, 104)],
+        "trials_at.get's default: both ends of a candidate bracket were evaluated, so it is never used",
+    ),
+    _R + "x__passes__mutmut_6": "(1, 0) for a missing length: n = 0 fails before k is read",
+    _R + "x__passes__mutmut_7": "(0, 1) for a missing length: recall 0 is below every threshold in (0, 1]",
+    _R + "x__no_bracket__mutmut_6": "(1, 0) for a missing length: n = 0 skips the branch that reads k",
 }
 """mutant name -> why it cannot change behaviour (kept in step with docs/mutation.md)."""
 
