@@ -160,3 +160,21 @@ def test_no_cells_give_an_empty_profile():
         "length_tests": [],
         "pattern": None,
     }
+
+
+def test_a_middle_hole_with_no_length_worse_is_depth_not_length_and_still_a_hole():
+    # Depth 50% wrong at every length (the scripted "band" fault): the middle depths are worse than
+    # the ends, and depth 50% is worse than the rest while no length is. Both hold; the pattern is
+    # depth_not_length, the one that decides the headline (no effective length is stated), and the
+    # hole stays in middle_hole (its own headline line).
+    cells = []
+    for length in (300, 600, 1200):
+        cells += [_cell(length, d, 3, 0 if d == 50.0 else 3) for d in (0.0, 25.0, 50.0, 75.0, 100.0)]
+    prof = depth_profile(cells)
+    hole = prof["middle_hole"]
+    assert (hole["middle_correct"], hole["middle_n"], hole["end_correct"], hole["end_n"]) == (18, 27, 18, 18)
+    assert hole["p_value"] == pytest.approx(_fisher(18, 9, 18, 0), rel=1e-9) and hole["p_value"] < DEPTH_ALPHA
+    assert hole["found"] is True
+    assert [t["group"] for t in prof["depth_tests"] if t["worse"]] == [50.0]
+    assert not any(t["worse"] for t in prof["length_tests"])
+    assert prof["pattern"] == "depth_not_length"

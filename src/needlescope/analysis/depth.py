@@ -89,8 +89,13 @@ def depth_profile(cells: Iterable[Cell], alpha: float = DEPTH_ALPHA) -> dict:
 
     Returns ``depths`` (per depth, pooled over lengths: n, correct, recall, 95% Wilson interval),
     ``middle_hole`` (the middle-vs-ends test; None with fewer than three depths with data),
-    ``depth_tests`` and ``length_tests`` (each group against the rest), ``pattern``
-    (``lost_in_the_middle``, ``depth_not_length`` or None) and ``alpha``.
+    ``depth_tests`` and ``length_tests`` (each group against the rest), ``pattern`` and ``alpha``.
+
+    ``pattern`` is ``depth_not_length`` when some depth is worse than the rest and no length is,
+    else ``lost_in_the_middle`` when the middle-vs-ends test finds a hole, else None. When both
+    hold (a middle band that fails at every length), ``depth_not_length`` is the pattern: it is the
+    one that decides the headline (the length curve is not stated), and the hole is still reported
+    by ``middle_hole["found"]`` and its own headline line.
     """
     cells = [c for c in cells if c.n]
     by_depth = _pooled(cells, lambda c: c.depth)
@@ -105,7 +110,7 @@ def depth_profile(cells: Iterable[Cell], alpha: float = DEPTH_ALPHA) -> dict:
     if hole is not None and hole["found"]:
         pattern = "lost_in_the_middle"
     if any(t["worse"] for t in depth_tests) and not any(t["worse"] for t in length_tests):
-        pattern = "depth_not_length"
+        pattern = "depth_not_length"  # over lost_in_the_middle, on purpose (see the docstring)
     for t in length_tests:  # groups_vs_rest sorts names as text; lengths read best in numeric order
         t["group"] = int(t["group"])
     length_tests.sort(key=lambda t: t["group"])
