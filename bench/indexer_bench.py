@@ -33,6 +33,7 @@ import json
 import platform
 import subprocess
 import sys
+import time
 import traceback
 from functools import partial
 from pathlib import Path
@@ -119,29 +120,51 @@ def decode_cell(cfg: dict, c: dict, kd: str, k: int) -> dict:
     logits + top-k, fused (8- and 11-bit digits), and the previous pipeline (split bisection)."""
     args = (c["q"], c["w"], c["paged"], c["lens"])
     zeros = torch.zeros_like(c["lens"])
-    base = triton_logits.paged_logits(*args)
-    pre = triton_logits.paged_logits(*args, prefetch=True)
+    base = triton_logits.paged_logits(*args, persistent=False)
+    pre = triton_logits.paged_logits(*args, prefetch=True, persistent=False)
+    pers = triton_logits.paged_logits(*args, persistent=True)
     nbytes = decode_bytes(c, kd)
     res = {
         "roofline_us": nbytes / cfg["copy_GBps"] / 1e3,
         "prefetch_logits_equal": bool(torch.equal(base, pre)),
+        "persistent_logits_equal": bool(torch.equal(base, pers)),
     }
-    for name, kw in (("logits", {}), ("prefetch", {"prefetch": True})):
+    # The same byte count as a device copy (half read, half written) timed the same way: the L2
+    # flush between reps leaves L2 dirty, and its write-back costs every kernel the same fixed time.
+    half = torch.empty(nbytes // 2, dtype=torch.uint8, device=DEV)
+    other = torch.empty_like(half)
+    res["copy_same_bytes_us"] = med(partial(other.copy_, half))
+    del half, other
+    loops = (
+        ("logits", {"persistent": False}),
+        ("prefetch", {"prefetch": True, "persistent": False}),
+        ("persistent", {"persistent": True}),
+    )
+    for name, kw in loops:
         t = med(partial(triton_logits.paged_logits, *args, out=base, **kw))
         res[f"{name}_us"] = t
         res[f"{name}_pct_copy"] = 100 * res["roofline_us"] / t
+        res[f"{name}_pct_same_copy"] = 100 * res["copy_same_bytes_us"] / t
     if kd != "fp8_e4m3":
         return res
     res["topk_us"] = med(partial(triton_topk.topk, base, k, zeros, c["lens"]), graph=True)
     res["topk_method"] = triton_topk.topk_method(*base.shape, k)
     want = triton_topk.topk(base, k, zeros, c["lens"], method="bisect").sort(1).values
     pipelines = {
-        "unfused": partial(triton_decode.decode_topk, *args, k, fused=False),
-        "fused": partial(triton_decode.decode_topk, *args, k, fused=True),
+        "unfused": partial(
+            triton_decode.decode_topk, *args, k, fused=False, logits_args={"persistent": False}
+        ),
+        "fused": partial(triton_decode.decode_topk, *args, k, fused=True, logits_args={"persistent": False}),
+        "unfused_persistent": partial(
+            triton_decode.decode_topk, *args, k, fused=False, logits_args={"persistent": True}
+        ),
+        "fused_persistent": partial(
+            triton_decode.decode_topk, *args, k, fused=True, logits_args={"persistent": True}
+        ),
         "fused11": partial(triton_decode.decode_topk, *args, k, fused=True, bits=11),
         "default": partial(triton_decode.decode_topk, *args, k),
         "old_pipeline": lambda: triton_topk.topk(
-            triton_logits.paged_logits(*args), k, zeros, c["lens"], method="bisect"
+            triton_logits.paged_logits(*args, persistent=False), k, zeros, c["lens"], method="bisect"
         ),
     }
     for name, fn in pipelines.items():
@@ -186,6 +209,10 @@ DECODE_CONFIGS = [  # (pages per program, warps, stages, prefetch)
 ]
 
 
+PERSISTENT_CONFIGS = [(2, 4, 2), (2, 4, 3), (4, 4, 2), (4, 4, 3), (4, 4, 4), (8, 4, 2), (8, 4, 3), (4, 8, 3)]
+"""(programs per SM, warps, stages) of the persistent loop."""
+
+
 def bench_decode_variants(out: dict) -> None:
     """Logits configs at the four goal cells (batch 32/64 x 128K/256K), fp8 keys."""
     res = []
@@ -194,8 +221,20 @@ def bench_decode_variants(out: dict) -> None:
             c = decode_case(B, ctx, kd, seed=B * 7 + ctx)
             args = (c["q"], c["w"], c["paged"], c["lens"])
             o = triton_logits.paged_logits(*args)
-            for ppp, nw, ns, pre in DECODE_CONFIGS:
-                kw = {"pages_per_prog": ppp, "num_warps": nw, "num_stages": ns, "prefetch": pre}
+            configs = [
+                {
+                    "pages_per_prog": ppp,
+                    "num_warps": nw,
+                    "num_stages": ns,
+                    "prefetch": pre,
+                    "persistent": False,
+                }
+                for ppp, nw, ns, pre in DECODE_CONFIGS
+            ] + [
+                {"programs_per_sm": pps, "num_warps": nw, "num_stages": ns, "persistent": True}
+                for pps, nw, ns in PERSISTENT_CONFIGS
+            ]
+            for kw in configs:
                 try:
                     t = med(partial(triton_logits.paged_logits, *args, out=o, **kw))
                 except Exception as e:  # a config that does not fit (registers, shared memory)
@@ -268,8 +307,9 @@ TOPK_CASES = [
 ROTATE = 4  # input sets a timed call cycles through
 
 
-def topk_variants(k: int) -> dict:
-    """name -> fn(x, starts, ends) for every top-k timed side by side (radix/BITS/CHUNK)."""
+def topk_variants(k: int, rows: int, length: int) -> dict:
+    """name -> fn(x, starts, ends) for every top-k timed side by side (radix/BITS/CHUNK over a
+    launch per pass; radix1/8/CHUNK in one launch, where its programs fit one per SM)."""
     tk = triton_topk.topk
     v = {
         "torch.topk": lambda x, st, en: torch.topk(x, k, dim=1, sorted=False).indices,
@@ -280,7 +320,13 @@ def topk_variants(k: int) -> dict:
     for bits in triton_radix.DIGIT_BITS:
         for ch in (512, 1024, 2048):
             v[f"radix/{bits}/{ch}"] = lambda x, st, en, b=bits, c=ch: tk(
-                x, k, st, en, method="radix", bits=b, chunk=c
+                x, k, st, en, method="radix", bits=b, chunk=c, one_launch=False
+            )
+    sms = torch.cuda.get_device_properties(DEV).multi_processor_count
+    for ch in (512, 1024, 2048, 4096, 8192, 16384):
+        if rows * triton.cdiv(length, ch) <= sms:
+            v[f"radix1/8/{ch}"] = lambda x, st, en, c=ch: tk(
+                x, k, st, en, method="radix", chunk=c, one_launch=True
             )
     return v
 
@@ -295,9 +341,9 @@ def bench_topk(out: dict, quick: bool) -> None:
         st = torch.zeros(R, dtype=torch.int32, device=DEV)
         en = torch.full((R,), L, dtype=torch.int32, device=DEV)
         row = {"rows": R, "length": L, "k": k, "method": triton_topk.topk_method(R, L, k)}
-        row["default_chunk"] = triton_radix.radix_chunk(R, L)
+        row["default_chunk"], row["default_one_launch"] = triton_radix.radix_plan(R, L, DEV)
         want = triton_topk.topk(xs[0], k, st, en, method="bisect", segment=0).long().sort(1).values
-        for name, fn in topk_variants(k).items():
+        for name, fn in topk_variants(k, R, L).items():
             try:
                 same = bool(torch.equal(fn(xs[0], st, en).long().sort(1).values, want))
                 t = med(lambda fn=fn, xs=xs, st=st, en=en: [fn(x, st, en) for x in xs], graph=True) / ROTATE
@@ -412,20 +458,26 @@ def main() -> None:
     for name, fn in sections:
         if name in skip:
             continue
+        t0 = time.perf_counter()
         try:
             fn()
         except Exception:  # one broken section must not cost the others' numbers in a short GPU lease
             traceback.print_exc()
             out.setdefault("errors", []).append(f"{name}: {traceback.format_exc(limit=3)}")
+        out.setdefault("section_seconds", {})[name] = round(time.perf_counter() - t0, 1)
         (args.out / "indexer_bench.json").write_text(json.dumps(out, indent=1))  # keep partial results
     print(render_markdown(out))
 
 
 def _decode_lines(out: dict) -> list[str]:
+    def pct(cell: dict, name: str) -> str:
+        return f"{cell[name + '_us']:.1f} ({cell[name + '_pct_copy']:.0f}%)"
+
     lines = [
-        "| batch | context | fp8 roofline µs | fp8 logits µs (% copy) | prefetch µs (% copy) | bf16 roofline µs | bf16 logits µs (% copy) "
-        "| prefetch µs (% copy) | top-k 512 µs (method) | logits+top-k µs | fused µs | fused 11-bit µs | default µs | previous pipeline µs | torch ref µs |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| batch | context | fp8 roofline µs | fp8 logits µs (% copy) | prefetch | persistent | bf16 roofline µs "
+        "| bf16 logits µs (% copy) | prefetch | persistent | top-k 512 µs (method) | logits+top-k µs | fused µs "
+        "| persistent logits+top-k µs | persistent fused µs | fused 11-bit µs | default µs | previous pipeline µs | torch ref µs |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in out["decode"]:
         f, b = r["fp8_e4m3"], r["bf16"]
@@ -437,9 +489,10 @@ def _decode_lines(out: dict) -> list[str]:
             if n.endswith(("_same_set", "_equal")) and not v
         ]
         lines.append(
-            f"| {r['batch']} | {r['context'] // 1024}K | {f['roofline_us']:.1f} | {f['logits_us']:.1f} ({f['logits_pct_copy']:.0f}%) "
-            f"| {f['prefetch_us']:.1f} ({f['prefetch_pct_copy']:.0f}%) | {b['roofline_us']:.1f} | {b['logits_us']:.1f} ({b['logits_pct_copy']:.0f}%) "
-            f"| {b['prefetch_us']:.1f} ({b['prefetch_pct_copy']:.0f}%) | {f['topk_us']:.1f} ({f['topk_method']}) | {f['unfused_us']:.1f} | {f['fused_us']:.1f} "
+            f"| {r['batch']} | {r['context'] // 1024}K | {f['roofline_us']:.1f} | {pct(f, 'logits')} | {pct(f, 'prefetch')} "
+            f"| {pct(f, 'persistent')} | {b['roofline_us']:.1f} | {pct(b, 'logits')} | {pct(b, 'prefetch')} | {pct(b, 'persistent')} "
+            f"| {f['topk_us']:.1f} ({f['topk_method']}) | {f['unfused_us']:.1f} | {f['fused_us']:.1f} "
+            f"| {f['unfused_persistent_us']:.1f} | {f['fused_persistent_us']:.1f} "
             f"| {f['fused11_us']:.1f} | {f['default_us']:.1f} | {f['old_pipeline_us']:.1f} | {'n/a' if ref is None else f'{ref:.0f}'} |"
             + (f" MISMATCH: {bad}" if bad else "")
         )
@@ -459,7 +512,8 @@ def _topk_lines(out: dict) -> list[str]:
         bad = [n for n, v in r.items() if isinstance(v, dict) and not v["same_set"]]
         lines.append(
             f"| {r['rows']} | {r['length']} | {r['k']} | {g('torch.topk'):.1f} | {g('unsplit'):.1f} | {g('split'):.1f} "
-            f"| {g(best):.1f} ({best[6:]}) | {g('default'):.1f} ({r['method']}, chunk {r['default_chunk']}) "
+            f"| {g(best):.1f} ({best}) | {g('default'):.1f} ({r['method']}, chunk {r['default_chunk']}"
+            f"{', one launch' if r.get('default_one_launch') else ''}) "
             f"| {g('default') / g('torch.topk'):.2f} |" + (f" DIFFERENT SETS: {bad}" if bad else "")
         )
     return [*lines, ""]
@@ -467,13 +521,18 @@ def _topk_lines(out: dict) -> list[str]:
 
 def _variant_lines(out: dict) -> list[str]:
     lines = [
-        "| batch | context | keys | pages/prog | warps | stages | prefetch | µs |",
-        "|---:|---:|---|---:|---:|---:|---|---:|",
+        "| batch | context | keys | loop | pages/prog or programs/SM | warps | stages | prefetch | µs |",
+        "|---:|---:|---|---|---:|---:|---:|---|---:|",
     ]
     for v in out["decode_variants"]:
+        loop, size = (
+            ("persistent", v["programs_per_sm"])
+            if v.get("persistent")
+            else ("per pages", v["pages_per_prog"])
+        )
         lines.append(
-            f"| {v['batch']} | {v['context'] // 1024}K | {v['key_dtype']} | {v['pages_per_prog']} | {v['num_warps']} "
-            f"| {v['num_stages']} | {v['prefetch']} | {v['us']:.1f} |"
+            f"| {v['batch']} | {v['context'] // 1024}K | {v['key_dtype']} | {loop} | {size} | {v['num_warps']} "
+            f"| {v['num_stages']} | {v.get('prefetch', False)} | {v['us']:.1f} |"
         )
     return [*lines, ""]
 

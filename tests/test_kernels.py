@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
 
 from needlescope.dsa.reference import topk_indices  # noqa: E402
 from needlescope.errors import BadInput  # noqa: E402
@@ -193,6 +193,26 @@ def test_paged_logits_match_contiguous_reference(key_dtype: str, pages_per_mma: 
     _check_logits(out, ref)
 
 
+@pytest.mark.parametrize("programs_per_sm", [1, 2, 4])
+@pytest.mark.parametrize("key_dtype", ["bf16", "fp8_e4m3"])
+def test_persistent_paged_logits_match_reference_and_histogram(key_dtype: str, programs_per_sm: int) -> None:
+    """The persistent loop (equal runs of consecutive pages, crossing rows mid-run: under the
+    interpreter one SM, so 1, 2 or 4 programs over 3 rows) gives the reference's logits and the
+    same pass-0 histograms as the program-per-pages kernel."""
+    qc, wf, keys, paged, lens = _paged(key_dtype, _gen(6))
+    out = torch.full((3, paged.width), float("nan"), device=DEV)
+    hist = torch.zeros(3, 256, dtype=torch.int32, device=DEV)
+    triton_logits.paged_logits(
+        qc, wf, paged, lens, out=out, persistent=True, programs_per_sm=programs_per_sm, hist=hist
+    )
+    zeros = torch.zeros_like(lens)
+    _check_logits(out, logits_reference(qc, wf, keys, zeros, lens, dtype=torch.float64))
+    want = torch.zeros_like(hist)
+    triton_logits.paged_logits(qc, wf, paged, lens, hist=want)
+    assert torch.equal(hist, want)
+    assert hist.sum(1).tolist() == lens.tolist()
+
+
 @pytest.mark.parametrize("key_dtype", ["bf16", "fp8_e4m3"])
 def test_fused_decode_topk_equals_logits_then_topk(key_dtype: str) -> None:
     """The fused path (pass 0 of the radix select inside the logits kernel) gives the radix
@@ -254,3 +274,77 @@ def test_dispatch_refuses_what_cannot_run() -> None:
         indexer_logits(qc, wf, keys, fault="indexer_page_table")
     with pytest.raises(BadInput, match="context_lens"):
         indexer_logits(qc, wf, keys, context_lens=torch.ones(2, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("bits", triton_radix.DIGIT_BITS)
+def test_one_launch_select_equals_the_launch_per_pass(bits: int) -> None:
+    """Every pass in one launch (programs of a row meeting at a counter barrier) gives the
+    launch-per-pass result, order included, from pass 0 and from a pass-0 histogram built by the
+    logits kernel (the fused decode path), and leaves histograms and counters as it found them.
+    Under the interpreter a row is one chunk (programs run in turn); on a GPU rows span many."""
+    g = _gen(12)
+    R, L = SHAPES["rows"], SHAPES["length"]
+    chunk = 16384 if FULL else triton.next_power_of_2(L)
+    for k in SHAPES["ks"]:
+        x = torch.randn(R, L, generator=g, device=DEV)
+        st, en = _ranges(R, L, k, g)
+        en = torch.maximum(en, st)
+        per_pass = triton_radix.radix_topk(x, k, st, en, bits=bits, chunk=chunk, one_launch=False)
+        one = triton_radix.radix_topk(x, k, st, en, bits=bits, chunk=chunk, one_launch=True)
+        assert torch.equal(one, per_pass), k
+        assert torch.equal(one.sort(1).values, topk_reference(x, k, st, en).sort(1).values), k
+        ws = triton_radix.radix_workspace(R, DEV, bits)
+        assert not ws[:-1].any(), "histograms left non-zero"
+        assert not triton_radix._cached_zeros("barrier", (R,), DEV, bits).any(), (
+            "barrier counters left non-zero"
+        )
+    qc, wf, _, paged, lens = _paged("fp8_e4m3", _gen(13))
+    zeros = torch.zeros_like(lens)
+    for k in (*SHAPES["ks"], 100):
+        hist = triton_radix.radix_workspace(lens.shape[0], DEV, bits)
+        logits = triton_logits.paged_logits(qc, wf, paged, lens, hist=hist[0], hist_bits=bits)
+        width = logits.shape[1]
+        fused = triton_radix.radix_topk(
+            logits,
+            k,
+            zeros,
+            lens,
+            bits=bits,
+            hist=hist,
+            first_pass=1,
+            one_launch=True,
+            chunk=16384 if FULL else triton.next_power_of_2(width),
+        )
+        assert torch.equal(
+            fused, triton_radix.radix_topk(logits, k, zeros, lens, bits=bits, one_launch=False)
+        ), k
+        assert not hist[:-1].any()
+
+
+def test_one_launch_refuses_programs_that_cannot_meet() -> None:
+    x = torch.randn(2, 3000, device=DEV)
+    st, en = (
+        torch.zeros(2, dtype=torch.int32, device=DEV),
+        torch.full((2,), 3000, dtype=torch.int32, device=DEV),
+    )
+    with pytest.raises(ValueError, match="resident at once"):
+        triton_radix.radix_topk(x, 16, st, en, chunk=256 if not FULL else 16, one_launch=True)
+
+
+@pytest.mark.parametrize("one_launch", [False, True])
+def test_radix_clamps_raw_ranges_itself(one_launch: bool) -> None:
+    """The radix kernels take ranges as given (no clamping launches): a start below 0 or past the
+    row, an end past the row or before the start, and no starts at all (every row from 0) give
+    what the bisection gives on the same ranges, which torch clamps first."""
+    g = _gen(14)
+    R, L, k = 6, SHAPES["length"], SHAPES["ks"][0]
+    x = torch.randn(R, L, generator=g, device=DEV)
+    st = torch.tensor([-5, 0, L + 3, 10, 7, 0], dtype=torch.int32, device=DEV)
+    en = torch.tensor([L + 100, 2, L + 9, 4, L, -3], dtype=torch.int32, device=DEV)
+    chunk = 16384 if FULL else triton.next_power_of_2(L)
+    kw = {"method": "radix", "chunk": chunk, "one_launch": one_launch}
+    want = triton_topk.topk(x, k, st, en, method="bisect")
+    assert torch.equal(triton_topk.topk(x, k, st, en, **kw).sort(1).values, want.sort(1).values)
+    got = triton_radix.radix_topk(x, k, None, en, chunk=chunk, one_launch=one_launch)
+    zeros = torch.zeros_like(st)
+    assert torch.equal(got.sort(1).values, triton_topk.topk(x, k, zeros, en, method="bisect").sort(1).values)

@@ -45,14 +45,16 @@ def decode_topk(
     ``bits``: the radix digit width of the fused path.
     ``logits_args``: tuning keywords of ``triton_logits.paged_logits``."""
     B = q.shape[0]
-    lens = context_lens.to(device=q.device, dtype=torch.int32).clamp(0, paged.width).contiguous()
-    zeros = torch.zeros_like(lens)
+    # No clamping kernel: every kernel here bounds entries by the width as well as by the length.
+    lens = context_lens.to(device=q.device, dtype=torch.int32).contiguous()
     if fused is None:
         fused = fuse_decode(B, paged.width, k)
     kw = logits_args or {}
     if not fused:
         logits = triton_logits.paged_logits(q, w, paged, lens, fault=fault, **kw)
-        return triton_topk.topk(logits, k, zeros, lens)
+        if triton_topk.topk_method(B, paged.width, k) == "radix":
+            return triton_radix.radix_topk(logits, k, None, lens)
+        return triton_topk.topk(logits, k, torch.zeros_like(lens), lens, method="bisect")
     hist = triton_radix.radix_workspace(B, q.device, bits)
     logits = triton_logits.paged_logits(q, w, paged, lens, fault=fault, hist=hist[0], hist_bits=bits, **kw)
-    return triton_radix.radix_topk(logits, k, zeros, lens, bits=bits, hist=hist, first_pass=1)
+    return triton_radix.radix_topk(logits, k, None, lens, bits=bits, hist=hist, first_pass=1)

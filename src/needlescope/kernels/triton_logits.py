@@ -13,18 +13,15 @@ Products of bf16-representable values are exact in fp32, so the math is the same
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from needlescope.kernels.layout import ContiguousKeys, PagedKeys
 from needlescope.kernels.triton_radix import digit0_histogram
+from needlescope.kernels.triton_topk import INTERPRET
 
 __all__ = ["prefill_logits", "paged_logits", "INTERPRET"]
-
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @triton.jit
@@ -130,21 +127,111 @@ def _paged_kernel(
         else:
             phys, slot = _page_rows(bt_row, page, n, offs_e, PAGES_PER_MMA, FAULT_PAGE_TABLE, FAULT_KEY_SLOT)
             sc = _page_scales(scales_ptr, phys, slot, valid, D, FP8)
-        if FP8:
-            kp = vals_ptr + phys * (64 * (D + 4)) + slot * D
-        else:
-            kp = vals_ptr + (phys * 64 + slot) * D
-        k = tl.load(kp[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
-        # Entries as the MMA's rows, heads as its columns: the head sum stays inside each warp.
-        s = _scores(k, q, NATIVE_FP8, IEEE)  # [64 * PAGES_PER_MMA, BLOCK_H]
-        logit = tl.sum(tl.maximum(s, 0.0) * w[None, :], axis=1) * sc
-        logit = tl.where(valid, logit, float("-inf"))
+        logit = _page_logit(q, w, vals_ptr, phys, slot, sc, valid, offs_d, D, FP8, NATIVE_FP8, IEEE)
         tl.store(out_ptr + b.to(tl.int64) * out_stride + ent, logit, mask=ent < out_stride)
     if HIST_BITS > 0:  # the program's logits again (this SM just wrote them), one histogram
         tl.debug_barrier()
-        ents = page0 * 64 + tl.arange(0, PAGES_PER_PROG * 64)
-        mine = tl.load(out_ptr + b.to(tl.int64) * out_stride + ents, mask=ents < n, other=0.0)
-        h = digit0_histogram(mine, ents < n, HIST_BITS)
+        _row_histogram(
+            out_ptr + b.to(tl.int64) * out_stride,
+            hist_ptr,
+            b,
+            page0 * 64,
+            (page0 + PAGES_PER_PROG) * 64,
+            n,
+            PAGES_PER_PROG * 64,
+            HIST_BITS,
+        )
+
+
+@triton.jit
+def _paged_persistent_kernel(
+    q_ptr,
+    w_ptr,
+    vals_ptr,
+    scales_ptr,
+    bt_ptr,
+    lens_ptr,
+    out_ptr,
+    hist_ptr,
+    H,
+    bt_stride,
+    out_stride,
+    pages_per_row,
+    total,  # B * pages_per_row: the pages of all rows, row after row
+    per,  # pages a program: program p scores pages [p * per, (p + 1) * per) of that sequence
+    D: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    FP8: tl.constexpr,
+    NATIVE_FP8: tl.constexpr,
+    IEEE: tl.constexpr,
+    HIST_BITS: tl.constexpr,
+    HIST_BLOCK: tl.constexpr,
+):
+    """A few programs per SM, each scoring an equal run of consecutive pages (crossing into the
+    next row at most a few times): no program tail, one prologue (queries, weights, pipeline
+    fill) per row run instead of per 8 pages."""
+    pid = tl.program_id(0)
+    lo = pid * per
+    hi = tl.minimum(lo + per, total)
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, D)
+    offs_e = tl.arange(0, 64)
+    hmask = offs_h < H
+    for b in range(lo // pages_per_row, (hi - 1) // pages_per_row + 1):
+        first = tl.maximum(lo - b * pages_per_row, 0)
+        last = tl.minimum(hi - b * pages_per_row, pages_per_row)
+        q = tl.load(q_ptr + b * H * D + offs_h[:, None] * D + offs_d[None, :], mask=hmask[:, None], other=0.0)
+        w = tl.load(w_ptr + b * H + offs_h, mask=hmask, other=0.0)
+        n = tl.load(lens_ptr + b)
+        bt_row = bt_ptr + b * bt_stride
+        orow = out_ptr + (tl.zeros([], tl.int64) + b) * out_stride  # b: a plain int under the interpreter
+        for page in range(first, last):
+            ent = page * 64 + offs_e
+            valid = ent < n
+            phys, slot = _page_rows(bt_row, page, n, offs_e, 1, False, False)
+            sc = _page_scales(scales_ptr, phys, slot, valid, D, FP8)
+            logit = _page_logit(q, w, vals_ptr, phys, slot, sc, valid, offs_d, D, FP8, NATIVE_FP8, IEEE)
+            tl.store(orow + ent, logit, mask=ent < out_stride)
+        if HIST_BITS > 0:
+            tl.debug_barrier()
+            _row_histogram(orow, hist_ptr, b, first * 64, last * 64, n, HIST_BLOCK, HIST_BITS)
+
+
+@triton.jit
+def _page_logit(
+    q,
+    w,
+    vals_ptr,
+    phys,
+    slot,
+    sc,
+    valid,
+    offs_d,
+    D: tl.constexpr,
+    FP8: tl.constexpr,
+    NATIVE_FP8: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """fp32 [E]: the logits of E paged entries (physical page, slot, key scale), -inf where not valid."""
+    if FP8:
+        kp = vals_ptr + phys * (64 * (D + 4)) + slot * D
+    else:
+        kp = vals_ptr + (phys * 64 + slot) * D
+    k = tl.load(kp[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
+    # Entries as the MMA's rows, heads as its columns: the head sum stays inside each warp.
+    s = _scores(k, q, NATIVE_FP8, IEEE)  # [E, BLOCK_H]
+    logit = tl.sum(tl.maximum(s, 0.0) * w[None, :], axis=1) * sc
+    return tl.where(valid, logit, float("-inf"))
+
+
+@triton.jit
+def _row_histogram(orow, hist_ptr, b, lo, hi, n, BLOCK: tl.constexpr, HIST_BITS: tl.constexpr):
+    """Add the pass-0 radix histogram of logits [lo, hi) of row b (this program just wrote them;
+    the caller's barrier makes them visible to all its threads) to the row's."""
+    for c in range(lo, hi, BLOCK):
+        ents = c + tl.arange(0, BLOCK)
+        ok = (ents < hi) & (ents < n)
+        h = digit0_histogram(tl.load(orow + ents, mask=ok, other=0.0), ok, HIST_BITS)
         tl.atomic_add(
             hist_ptr + (b << HIST_BITS) + tl.arange(0, 1 << HIST_BITS), h, mask=h != 0, sem="relaxed"
         )
@@ -219,6 +306,8 @@ def paged_logits(
     num_warps: int = 4,
     num_stages: int = 2,
     prefetch: bool = False,
+    persistent: bool | None = None,
+    programs_per_sm: int = 8,
     out: torch.Tensor | None = None,
     hist: torch.Tensor | None = None,
     hist_bits: int = 8,
@@ -229,6 +318,9 @@ def paged_logits(
     load before the loop and each page's scales one page early. Without it the compiled loop
     (PTX read on Triton 3.9, sm_90) waits on a block-table load right before the ``cp.async`` of
     the page it addresses and on a scale load in the same iteration's epilogue.
+    ``persistent`` (one page per MMA, no prefetch, no fault): ``programs_per_sm`` programs per SM,
+    each scoring an equal run of consecutive pages of the row-after-row page sequence, instead of
+    one program per ``pages_per_prog`` pages of a row. None: on CUDA wherever it applies.
     ``hist`` (int32 [B, 2**hist_bits], a ``triton_radix`` workspace row): also add each row's
     pass-0 histogram of the radix select (the fused decode path).
     """
@@ -242,8 +334,7 @@ def paged_logits(
     fp8 = paged.key_dtype == "fp8_e4m3"
     vals = paged.data.view(torch.float8_e4m3fn) if fp8 else paged.data
     scales = paged.data.view(torch.float32) if fp8 else paged.data
-    grid = (B, triton.cdiv(paged.block_table.shape[1], pages_per_prog))
-    _paged_kernel[grid](
+    operands = (
         q.contiguous(),
         w.float().contiguous(),
         vals,
@@ -255,18 +346,42 @@ def paged_logits(
         H,
         paged.block_table.stride(0),
         width,
-        D=D,
-        BLOCK_H=max(16, triton.next_power_of_2(H)),
+    )
+    meta = {
+        "D": D,
+        "BLOCK_H": max(16, triton.next_power_of_2(H)),
+        "HIST_BITS": 0 if hist is None else hist_bits,
+        "num_warps": num_warps,
+        "num_stages": num_stages,
+        **_modes(q, fp8, native_fp8),
+    }
+    if persistent is None:
+        persistent = q.is_cuda and not INTERPRET and pages_per_mma == 1 and not prefetch
+    if persistent and fault is None:
+        per_row = paged.block_table.shape[1]
+        total = B * per_row
+        sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 1
+        per = triton.cdiv(total, max(1, min(total, sms * programs_per_sm)))
+        _paged_persistent_kernel[(triton.cdiv(total, per),)](
+            *operands,
+            per_row,
+            total,
+            per,
+            FP8=fp8,
+            HIST_BLOCK=512,
+            **meta,
+        )
+        return out
+    grid = (B, triton.cdiv(paged.block_table.shape[1], pages_per_prog))
+    _paged_kernel[grid](
+        *operands,
         PAGES_PER_PROG=pages_per_prog,
         PAGES_PER_MMA=pages_per_mma,
         FP8=fp8,
         FAULT_PAGE_TABLE=fault == "indexer_page_table",
         FAULT_KEY_SLOT=fault == "indexer_key_slot",
         PREFETCH=prefetch and pages_per_mma == 1 and fault is None,
-        HIST_BITS=0 if hist is None else hist_bits,
-        num_warps=num_warps,
-        num_stages=num_stages,
-        **_modes(q, fp8, native_fp8),
+        **meta,
     )
     return out
 

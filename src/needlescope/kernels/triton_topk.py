@@ -30,12 +30,16 @@ unsplit one too: candidates keep index order within a segment and segments are i
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import triton
 import triton.language as tl
 
-__all__ = ["topk", "split_segment", "topk_method"]
+__all__ = ["topk", "split_segment", "topk_method", "INTERPRET"]
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+"""Kernels run under Triton's interpreter (on the CPU, programs one after another)."""
 
 
 @triton.jit
@@ -256,6 +260,7 @@ def topk(
     segment: int | None = None,
     method: str | None = None,
     chunk: int | None = None,
+    one_launch: bool | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """logits fp32 [R, L], starts/ends int32 [R] (clamped to [0, L]) -> int32 [R, k] (module docstring).
@@ -265,25 +270,35 @@ def topk(
     top-k among those candidates (same threshold search, ties to the lower index: the result
     equals the unsplit one). None: ``split_segment``'s choice; 0: never split.
     ``method``: ``radix`` (``triton_radix.radix_topk``: ``chunk`` columns a program, ``bits`` its
-    digit width, 8 or 11) or ``bisect`` (the threshold searches here); None: ``topk_method``'s choice.
+    digit width, 8 or 11, ``one_launch`` every pass in one launch) or ``bisect`` (the threshold searches here); None: ``topk_method``'s choice.
     ``out`` (int32 [R, k], optional) is written in place; every element gets written.
     """
     R, L = logits.shape
     if logits.stride(1) != 1:
         logits = logits.contiguous()
-    st = starts.to(torch.int32).clamp(0, L).contiguous()
-    en = torch.maximum(ends.to(torch.int32).clamp(0, L), st).contiguous()
     out = torch.empty(R, k, dtype=torch.int32, device=logits.device) if out is None else out
     if R == 0:
         return out
     if method is None:
         method = topk_method(R, L, k)
-    if method == "radix":
+    if method == "radix":  # its kernels clamp the ranges themselves: no clamping launches
         from needlescope.kernels.triton_radix import radix_topk
 
-        return radix_topk(logits, k, st, en, chunk=chunk, bits=bits or 8, num_warps=num_warps, out=out)
+        return radix_topk(
+            logits,
+            k,
+            starts,
+            ends,
+            chunk=chunk,
+            bits=bits or 8,
+            num_warps=num_warps,
+            out=out,
+            one_launch=one_launch,
+        )
     if method != "bisect":
         raise ValueError(f"method must be radix or bisect, got {method!r}")
+    st = starts.to(torch.int32).clamp(0, L).contiguous()
+    en = torch.maximum(ends.to(torch.int32).clamp(0, L), st).contiguous()
     if segment is None:
         segment = split_segment(R, L, k)
     if not segment or segment >= L:
