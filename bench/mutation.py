@@ -140,6 +140,17 @@ EQUIVALENT: dict[str, str] = {
     ),
     "needlescope.analysis.taxonomy.x__cross_case_summary__mutmut_36": "'XXXX' for a missing answer has no digits either",
     "needlescope.analysis.taxonomy.x_prompt_values__mutmut_13": "total 2 for no text: with no messages there are no values",
+    "needlescope.analysis.endpoints.x_endpoint_breakdown__mutmut_57": "recall <= rest_recall: equal recalls give "
+    "Fisher p = 1 (Holm-adjusted too), never < alpha",
+    "needlescope.analysis.taxonomy.x__cross_case_summary__mutmut_84": "p <= CROSS_CASE_ALPHA: no binomial tail equals "
+    "0.01 exactly (none for 2 <= k <= n < 60, chance (v - 1) / 10^d, v < 200, d 1-4: scanned 2026-12-06)",
+    "needlescope.analysis.stats.x_binomial_tail__mutmut_1": "k < 0 for k <= 0: at k = 0 the sum over every outcome "
+    "is 1 up to an ulp of rounding; callers pass k >= 1, or k = n = 0 (exactly 1)",
+    "needlescope.analysis.stats.x_binomial_tail__mutmut_10": "min(2.0, ...): a binomial tail is at most 1 (up to an ulp)",
+    "needlescope.analysis.stats.x_mcnemar_exact__mutmut_4": "n == 1 returns 1.0: n == 0 gives 2 x 1 capped at 1, n == 1 "
+    "gives 2 x 0.5 = 1 either way",
+    "needlescope.analysis.stats.x_wilson_interval__mutmut_55": "min(2.0, centre + half): below k == n the Wilson upper "
+    "bound is below 1",
     _S + "x_holm__mutmut_11": "out starts as [1.0] * m: every entry is overwritten",
     _S + "x_fisher_exact__mutmut_8": "n == 1 returns 1.0: a table of one case has p = 1 anyway",
     **dict.fromkeys(

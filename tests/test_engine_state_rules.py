@@ -23,9 +23,11 @@ def test_factor_effect_fields():
     wide_a = [_row(i, i % 3 != 0, 0) for i in range(60)]
     wide_b = [_row(i, i % 5 != 0, 0) for i in range(60)]
     pairs = [Pair(x.case_id, 512, 50.0, bool(x.correct), bool(y.correct)) for x, y in zip(wide_a, wide_b)]
-    ci = {seed: list(bootstrap_delta_ci(pairs, seed=seed)) for seed in (0, 1)}
-    assert ci[0] != ci[1]
-    assert factor_effect(wide_a, wide_b, seed=1)["recall_ci"] == ci[1]
+    # (checked at 8 seeds: an unseeded bootstrap of these pairs often lands on one seed's
+    # interval by chance, since neighbouring bootstrap means tie, but not on all 8)
+    ci = {seed: list(bootstrap_delta_ci(pairs, seed=seed)) for seed in range(8)}
+    assert len({tuple(v) for v in ci.values()}) > 1
+    assert all(factor_effect(wide_a, wide_b, seed=s)["recall_ci"] == ci[s] for s in range(8))
     assert factor_effect(wide_a, wide_b)["recall_ci"] == ci[0]  # the default seed
     assert (e["cached_tokens_a"], e["cached_tokens_b"]) == (100, 300)  # B's missing count is left out
     assert e["answers_differ"] == 0 and e["margin"]["n"] == 0

@@ -230,7 +230,11 @@ def test_collapse_that_never_holds_or_falls_before_capacity_is_not_tracking():
     assert tracks_topk(early)["tracks"] is False and "within its capacity" in tracks_topk(early)["reason"]
     # A single run: nothing to compare.
     one = collapse_runs([_run(64, {256: (30, 30), 512: (3, 30)})])
-    assert one[0]["consistent"] is True and tracks_topk(one)["tracks"] is None
+    assert one[0]["consistent"] is True and tracks_topk(one) == {
+        "tracks": None,
+        "reason": "fewer than two runs with different index_topk",
+        "moved_by": [],
+    }
 
 
 def test_topk_fix_is_paired_and_directional():
@@ -427,11 +431,13 @@ def test_tracks_topk_decisions_in_detail():
         _run(128, {256: (30, 30), 512: (30, 30), 1024: (3, 30)}),
     ]
     got = tracks_topk(collapse_runs(unclear))
-    assert (
-        got["tracks"] is None
-        and got["reason"].startswith("cannot decide: at no tested length")
-        and got["moved_by"] == []
-    )
+    assert got == {
+        "tracks": None,
+        "reason": "cannot decide: at no tested length between consecutive capacities do the Wilson intervals "
+        f"show one run holding above {HOLD} and the smaller one collapsed below it (more cases per length, or "
+        "a length between the capacities, would decide)",
+        "moved_by": [],
+    }
     # The smallest run is undecided (nothing tested within its capacity) though a larger one moves: no decision.
     base_open = [_run(64, {512: (0, 30), 1024: (27, 30)}), _run(128, {512: (30, 30), 1024: (27, 30)})]
     assert tracks_topk(collapse_runs(base_open))["tracks"] is None
