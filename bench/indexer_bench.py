@@ -323,7 +323,7 @@ def topk_variants(k: int, rows: int, length: int) -> dict:
                 x, k, st, en, method="radix", bits=b, chunk=c, one_launch=False
             )
     sms = torch.cuda.get_device_properties(DEV).multi_processor_count
-    for ch in (512, 1024, 2048, 4096, 8192, 16384):
+    for ch in (256, 512, 1024, 2048, 4096, 8192):
         if rows * triton.cdiv(length, ch) <= sms:
             v[f"radix1/8/{ch}"] = lambda x, st, en, c=ch: tk(
                 x, k, st, en, method="radix", chunk=c, one_launch=True
