@@ -474,10 +474,11 @@ def _decode_lines(out: dict) -> list[str]:
         return f"{cell[name + '_us']:.1f} ({cell[name + '_pct_copy']:.0f}%)"
 
     lines = [
-        "| batch | context | fp8 roofline µs | fp8 logits µs (% copy) | prefetch | persistent | bf16 roofline µs "
+        "| batch | context | fp8 roofline µs | fp8 same-byte copy µs | fp8 logits µs (% copy) | prefetch | persistent "
+        "| persistent % of same-byte copy | bf16 roofline µs "
         "| bf16 logits µs (% copy) | prefetch | persistent | top-k 512 µs (method) | logits+top-k µs | fused µs "
         "| persistent logits+top-k µs | persistent fused µs | fused 11-bit µs | default µs | previous pipeline µs | torch ref µs |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in out["decode"]:
         f, b = r["fp8_e4m3"], r["bf16"]
@@ -489,8 +490,9 @@ def _decode_lines(out: dict) -> list[str]:
             if n.endswith(("_same_set", "_equal")) and not v
         ]
         lines.append(
-            f"| {r['batch']} | {r['context'] // 1024}K | {f['roofline_us']:.1f} | {pct(f, 'logits')} | {pct(f, 'prefetch')} "
-            f"| {pct(f, 'persistent')} | {b['roofline_us']:.1f} | {pct(b, 'logits')} | {pct(b, 'prefetch')} | {pct(b, 'persistent')} "
+            f"| {r['batch']} | {r['context'] // 1024}K | {f['roofline_us']:.1f} | {f['copy_same_bytes_us']:.1f} "
+            f"| {pct(f, 'logits')} | {pct(f, 'prefetch')} | {pct(f, 'persistent')} "
+            f"| {f['persistent_pct_same_copy']:.0f}% | {b['roofline_us']:.1f} | {pct(b, 'logits')} | {pct(b, 'prefetch')} | {pct(b, 'persistent')} "
             f"| {f['topk_us']:.1f} ({f['topk_method']}) | {f['unfused_us']:.1f} | {f['fused_us']:.1f} "
             f"| {f['unfused_persistent_us']:.1f} | {f['fused_persistent_us']:.1f} "
             f"| {f['fused11_us']:.1f} | {f['default_us']:.1f} | {f['old_pipeline_us']:.1f} | {'n/a' if ref is None else f'{ref:.0f}'} |"

@@ -320,7 +320,9 @@ def paged_logits(
     the page it addresses and on a scale load in the same iteration's epilogue.
     ``persistent`` (one page per MMA, no prefetch, no fault): ``programs_per_sm`` programs per SM,
     each scoring an equal run of consecutive pages of the row-after-row page sequence, instead of
-    one program per ``pages_per_prog`` pages of a row. None: on CUDA wherever it applies.
+    one program per ``pages_per_prog`` pages of a row. None: on CUDA wherever it applies, except
+    with ``hist``: its per-run histograms made the fused decode path 0-50 us slower than with the
+    program-per-pages loop (docs/perf/indexer.md, run 10), while the logits alone gain 1-4 us.
     ``hist`` (int32 [B, 2**hist_bits], a ``triton_radix`` workspace row): also add each row's
     pass-0 histogram of the radix select (the fused decode path).
     """
@@ -356,7 +358,7 @@ def paged_logits(
         **_modes(q, fp8, native_fp8),
     }
     if persistent is None:
-        persistent = q.is_cuda and not INTERPRET and pages_per_mma == 1 and not prefetch
+        persistent = q.is_cuda and not INTERPRET and pages_per_mma == 1 and not prefetch and hist is None
     if persistent and fault is None:
         per_row = paged.block_table.shape[1]
         total = B * per_row

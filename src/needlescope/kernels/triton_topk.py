@@ -207,8 +207,10 @@ def topk_method(rows: int, width: int, k: int) -> str:
     """``radix`` (``triton_radix``: cooperative radix select) or ``bisect`` (this module) for a
     [rows, width] top-k, measured on the H200 (docs/perf/indexer.md, run 7): one program per row
     wins up to 2048 entries (8K-token decode rows: 10-12 us, launch-bound either way), and the
-    split bisection at 64 rows x 32K with k = 512 (51.8 us against 62.9); radix select elsewhere."""
-    if width <= 4096 or (rows >= 64 and k <= 512 and width <= 32768):
+    split bisection at 64 rows x 32K with k = 512 (51.8 us against 62.9) and, from the decode
+    pipelines of runs 8 and 10 (H200, H100), at 32 rows x 32K with k = 512 (logits + split
+    bisection 83.2 / 96.0 us against logits + radix 88.1 / 129.3); radix select elsewhere."""
+    if width <= 4096 or (rows >= 32 and k <= 512 and width <= 32768):
         return "bisect"
     return "radix"
 
