@@ -293,6 +293,33 @@ def _modes(q: torch.Tensor, key_fp8: bool, native_fp8: bool) -> dict:
     return {"NATIVE_FP8": bool(both_fp8 and native_fp8 and not INTERPRET), "IEEE": INTERPRET}
 
 
+def _paged_args(q, w, paged: PagedKeys, context_lens, out, hist, hist_bits: int, native_fp8: bool) -> tuple:
+    """(positional operands, constexpr keywords) shared by both paged kernels."""
+    B, H, D = q.shape
+    fp8 = paged.key_dtype == "fp8_e4m3"
+    operands = (
+        q.contiguous(),
+        w.float().contiguous(),
+        paged.data.view(torch.float8_e4m3fn) if fp8 else paged.data,  # codes
+        paged.data.view(torch.float32) if fp8 else paged.data,  # the fp8 pages' scales
+        paged.block_table,
+        context_lens.to(torch.int32).contiguous(),
+        out,
+        out if hist is None else hist,
+        H,
+        paged.block_table.stride(0),
+        paged.width,
+    )
+    meta = {
+        "D": D,
+        "BLOCK_H": max(16, triton.next_power_of_2(H)),
+        "FP8": fp8,
+        "HIST_BITS": 0 if hist is None else hist_bits,
+        **_modes(q, fp8, native_fp8),
+    }
+    return operands, meta
+
+
 def paged_logits(
     q: torch.Tensor,
     w: torch.Tensor,
@@ -326,52 +353,23 @@ def paged_logits(
     ``hist`` (int32 [B, 2**hist_bits], a ``triton_radix`` workspace row): also add each row's
     pass-0 histogram of the radix select (the fused decode path).
     """
-    B, H, D = q.shape
+    B = q.shape[0]
     if pages_per_mma not in (1, 2) or pages_per_prog % pages_per_mma:
         raise ValueError(f"pages_per_mma must be 1 or 2 and divide pages_per_prog={pages_per_prog}")
     if fault is not None:  # the fault variants gather entry by entry, one page per MMA
         pages_per_mma = 1
-    width = paged.width
-    out = torch.empty(B, width, dtype=torch.float32, device=q.device) if out is None else out
-    fp8 = paged.key_dtype == "fp8_e4m3"
-    vals = paged.data.view(torch.float8_e4m3fn) if fp8 else paged.data
-    scales = paged.data.view(torch.float32) if fp8 else paged.data
-    operands = (
-        q.contiguous(),
-        w.float().contiguous(),
-        vals,
-        scales,
-        paged.block_table,
-        context_lens.to(torch.int32).contiguous(),
-        out,
-        out if hist is None else hist,
-        H,
-        paged.block_table.stride(0),
-        width,
-    )
-    meta = {
-        "D": D,
-        "BLOCK_H": max(16, triton.next_power_of_2(H)),
-        "HIST_BITS": 0 if hist is None else hist_bits,
-        "num_warps": num_warps,
-        "num_stages": num_stages,
-        **_modes(q, fp8, native_fp8),
-    }
+    out = torch.empty(B, paged.width, dtype=torch.float32, device=q.device) if out is None else out
+    operands, meta = _paged_args(q, w, paged, context_lens, out, hist, hist_bits, native_fp8)
+    meta.update(num_warps=num_warps, num_stages=num_stages)
     if persistent is None:
         persistent = q.is_cuda and not INTERPRET and pages_per_mma == 1 and not prefetch and hist is None
     if persistent and fault is None:
-        per_row = paged.block_table.shape[1]
-        total = B * per_row
+        total = B * paged.block_table.shape[1]
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 1
         per = triton.cdiv(total, max(1, min(total, sms * programs_per_sm)))
-        _paged_persistent_kernel[(triton.cdiv(total, per),)](
-            *operands,
-            per_row,
-            total,
-            per,
-            FP8=fp8,
-            HIST_BLOCK=512,
-            **meta,
+        grid = (triton.cdiv(total, per),)
+        _paged_persistent_kernel[grid](
+            *operands, paged.block_table.shape[1], total, per, HIST_BLOCK=512, **meta
         )
         return out
     grid = (B, triton.cdiv(paged.block_table.shape[1], pages_per_prog))
@@ -379,7 +377,6 @@ def paged_logits(
         *operands,
         PAGES_PER_PROG=pages_per_prog,
         PAGES_PER_MMA=pages_per_mma,
-        FP8=fp8,
         FAULT_PAGE_TABLE=fault == "indexer_page_table",
         FAULT_KEY_SLOT=fault == "indexer_key_slot",
         PREFETCH=prefetch and pages_per_mma == 1 and fault is None,
