@@ -5,8 +5,11 @@ slower on the H200, docs/perf/indexer.md, and kept as the measured alternative.)
 entries above the threshold in index order, then the ties in index order). Keys are the fp32
 scores mapped to order-preserving uint32 (``triton_topk._ordered_key``).
 
-Five launches over a grid of (row, chunk) programs, each program holding ``chunk`` columns in
-registers:
+Five passes over a grid of (row, chunk) programs, each program holding ``chunk`` columns in
+registers; either a launch per pass (``_radix_pass``) or all of them in one launch
+(``_radix_one_launch``: the programs of a row meet at a counter barrier between passes, which
+needs every program resident at once, so ``radix_plan`` uses it only where they fit one per SM).
+The kernels clamp each row's range themselves, so a call launches nothing else.
 
 * passes 0-3: the 256-bin histogram of digit p (bits 31-24, 23-16, 15-8, 7-0) over the chunk's
   entries whose higher digits equal the prefix found so far, added to the row's global histogram
@@ -22,7 +25,8 @@ registers:
 
 Why not a serial search per program (``triton_topk``): that is ~20 dependent block-wide counts in
 one program (docs/perf/indexer-notes.md), where here each program makes four histogram passes
-over a short chunk, all chunks of all rows in parallel, and the serial part is five launches.
+over a short chunk, all chunks of all rows in parallel, and the serial part is five launches
+(or four barriers).
 ``first_pass`` lets a producer (the fused decode path, ``triton_decode``) build pass 0's
 histogram with the logits. The histograms live in a workspace cached per device
 (``radix_workspace``) that the launches leave zeroed, so a call needs no memset launch.
