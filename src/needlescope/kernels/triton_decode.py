@@ -52,9 +52,7 @@ def decode_topk(
     kw = logits_args or {}
     if not fused:
         logits = triton_logits.paged_logits(q, w, paged, lens, fault=fault, **kw)
-        if triton_topk.topk_method(B, paged.width, k) == "radix":
-            return triton_radix.radix_topk(logits, k, None, lens)
-        return triton_topk.topk(logits, k, torch.zeros_like(lens), lens, method="bisect")
+        return triton_topk.topk(logits, k, None, lens)
     hist = triton_radix.radix_workspace(B, q.device, bits)
     logits = triton_logits.paged_logits(q, w, paged, lens, fault=fault, hist=hist[0], hist_bits=bits, **kw)
     return triton_radix.radix_topk(logits, k, None, lens, bits=bits, hist=hist, first_pass=1)

@@ -253,7 +253,7 @@ def _launch(logits, cand, st, en, out, width: int, k: int, grid, seg: int, tune:
 def topk(
     logits: torch.Tensor,
     k: int,
-    starts: torch.Tensor,
+    starts: torch.Tensor | None,
     ends: torch.Tensor,
     *,
     block: int | None = None,
@@ -265,7 +265,7 @@ def topk(
     one_launch: bool | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """logits fp32 [R, L], starts/ends int32 [R] (clamped to [0, L]) -> int32 [R, k] (module docstring).
+    """logits fp32 [R, L], starts (None: all 0) / ends int32 [R] (clamped to [0, L]) -> int32 [R, k] (module docstring).
 
     ``segment`` splits each row: the exact top-k of every ``segment`` columns in parallel
     (``block``/``num_warps`` tune that stage, ``bits`` both stages), then a merge program per row picks the
@@ -299,8 +299,9 @@ def topk(
         )
     if method != "bisect":
         raise ValueError(f"method must be radix or bisect, got {method!r}")
-    st = starts.to(torch.int32).clamp(0, L).contiguous()
-    en = torch.maximum(ends.to(torch.int32).clamp(0, L), st).contiguous()
+    ends = ends.to(device=logits.device, dtype=torch.int32)
+    st = torch.zeros_like(ends) if starts is None else starts.to(torch.int32).clamp(0, L).contiguous()
+    en = torch.maximum(ends.clamp(0, L), st).contiguous()
     if segment is None:
         segment = split_segment(R, L, k)
     if not segment or segment >= L:
