@@ -161,6 +161,9 @@ def decode_cell(cfg: dict, c: dict, kd: str, k: int) -> dict:
         "fused_persistent": partial(
             triton_decode.decode_topk, *args, k, fused=True, logits_args={"persistent": True}
         ),
+        "fused_rep1": partial(
+            triton_decode.decode_topk, *args, k, fused=True, replicas=1, logits_args={"persistent": False}
+        ),
         "fused11": partial(triton_decode.decode_topk, *args, k, fused=True, bits=11),
         "default": partial(triton_decode.decode_topk, *args, k),
         "old_pipeline": lambda: triton_topk.topk(
@@ -173,43 +176,38 @@ def decode_cell(cfg: dict, c: dict, kd: str, k: int) -> dict:
     return res
 
 
-def bench_decode(cfg: dict, out: dict, quick: bool) -> None:
-    """Paged decode cells: both key dtypes, logits against the copy roofline, top-k 512, the
-    unfused and fused pipelines (new top-k), the previous pipeline and the torch reference."""
+def bench_decode(cfg: dict, out: dict, quick: bool, cells: list[tuple[int, int]] | None = None) -> None:
+    """Paged decode cells (``cells``: (batch, context) pairs, None: the full grid): both key
+    dtypes, logits against the copy roofline, top-k 512, the unfused and fused pipelines (new
+    top-k), the previous pipeline and the torch reference."""
     rows = []
     batches, contexts = (
         ((1, 64), (8192, 131072)) if quick else ((1, 8, 32, 64), (8192, 32768, 131072, 262144))
     )
-    for B in batches:
-        for ctx in contexts:
-            row = {"batch": B, "context": ctx, "entries": ctx // 4}
-            for kd in ("fp8_e4m3", "bf16"):
-                c = decode_case(B, ctx, kd, seed=B * 7 + ctx)
-                row[kd] = decode_cell(cfg, c, kd, 512)
-                if kd == "fp8_e4m3":
-                    try:
-                        row["reference_us"] = med(reference_decode(c, 512), graph=True)
-                    except torch.OutOfMemoryError:
-                        row["reference_us"] = None
-                del c
-                torch.cuda.empty_cache()
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+    for B, ctx in cells or [(B, ctx) for B in batches for ctx in contexts]:
+        row = {"batch": B, "context": ctx, "entries": ctx // 4}
+        for kd in ("fp8_e4m3", "bf16"):
+            c = decode_case(B, ctx, kd, seed=B * 7 + ctx)
+            row[kd] = decode_cell(cfg, c, kd, 512)
+            if kd == "fp8_e4m3":
+                try:
+                    row["reference_us"] = med(reference_decode(c, 512), graph=True)
+                except torch.OutOfMemoryError:
+                    row["reference_us"] = None
+            del c
+            torch.cuda.empty_cache()
+        rows.append(row)
+        print(json.dumps(row), flush=True)
     out["decode"] = rows
 
 
-DECODE_CONFIGS = [  # (pages per program, warps, stages, prefetch)
+DECODE_CONFIGS = [  # (pages per program, warps, stages, prefetch): the best two of runs 7-9
     (8, 4, 2, False),
-    (8, 4, 3, False),
-    (8, 4, 2, True),
     (8, 4, 3, True),
-    (16, 4, 3, True),
-    (4, 4, 2, True),
-    (8, 8, 2, True),
 ]
 
 
-PERSISTENT_CONFIGS = [(2, 4, 2), (2, 4, 3), (4, 4, 2), (4, 4, 3), (4, 4, 4), (8, 4, 2), (8, 4, 3), (4, 8, 3)]
+PERSISTENT_CONFIGS = [(4, 4, 2), (6, 4, 2), (7, 4, 2), (8, 4, 2), (8, 4, 3), (4, 8, 2), (4, 8, 3)]
 """(programs per SM, warps, stages) of the persistent loop."""
 
 
@@ -301,6 +299,7 @@ TOPK_CASES = [
     (1, 32768, 2048),
     (64, 32768, 512),
     (64, 32768, 2048),
+    (32, 32768, 512),
     (1, 262144, 2048),
     (8, 262144, 512),
 ]
@@ -308,9 +307,11 @@ ROTATE = 4  # input sets a timed call cycles through
 
 
 def topk_variants(k: int, rows: int, length: int) -> dict:
-    """name -> fn(x, starts, ends) for every top-k timed side by side (radix/BITS/CHUNK over a
-    launch per pass; radix1/8/CHUNK in one launch, where its programs fit one per SM)."""
-    tk = triton_topk.topk
+    """name -> fn(x, starts, ends) for every top-k timed side by side: radix/BITS/CHUNK over a
+    launch per pass, radix1/8/CHUNK in one cooperative launch (where its programs are resident at
+    once); ``/rep1``: the same with one histogram copy (``tl.histogram`` alone) instead of
+    ``triton_radix.HIST_REPLICAS``."""
+    tk, rt = triton_topk.topk, triton_radix.radix_topk
     v = {
         "torch.topk": lambda x, st, en: torch.topk(x, k, dim=1, sorted=False).indices,
         "unsplit": lambda x, st, en: tk(x, k, st, en, method="bisect", segment=0),
@@ -319,15 +320,20 @@ def topk_variants(k: int, rows: int, length: int) -> dict:
     }
     for bits in triton_radix.DIGIT_BITS:
         for ch in (512, 1024, 2048):
-            v[f"radix/{bits}/{ch}"] = lambda x, st, en, b=bits, c=ch: tk(
-                x, k, st, en, method="radix", bits=b, chunk=c, one_launch=False
+            v[f"radix/{bits}/{ch}"] = lambda x, st, en, b=bits, c=ch: rt(
+                x, k, st, en, bits=b, chunk=c, one_launch=False
             )
+    for ch in (512, 2048):
+        v[f"radix/8/{ch}/rep1"] = lambda x, st, en, c=ch: rt(
+            x, k, st, en, chunk=c, one_launch=False, replicas=1
+        )
     sms = torch.cuda.get_device_properties(DEV).multi_processor_count
     for ch in (256, 512, 1024, 2048, 4096, 8192):
-        if rows * triton.cdiv(length, ch) <= sms:
-            v[f"radix1/8/{ch}"] = lambda x, st, en, c=ch: tk(
-                x, k, st, en, method="radix", chunk=c, one_launch=True
-            )
+        for rep, tag in ((None, ""), (1, "/rep1")):
+            if rows * triton.cdiv(length, ch) <= sms * triton_radix.resident_per_sm(DEV, ch, replicas=rep):
+                v[f"radix1/8/{ch}{tag}"] = lambda x, st, en, c=ch, r=rep: rt(
+                    x, k, st, en, chunk=c, one_launch=True, replicas=r
+                )
     return v
 
 
@@ -441,7 +447,13 @@ def main() -> None:
     ap.add_argument(
         "--skip", default="", help="comma-separated sections to skip: decode,variants,prefill,topk,deepgemm"
     )
+    ap.add_argument(
+        "--cells",
+        default="",
+        help="decode cells only, BATCHxCONTEXT comma-separated (e.g. 32x131072); default all",
+    )
     args = ap.parse_args()
+    cells = [tuple(int(v) for v in c.split("x")) for c in filter(None, args.cells.split(","))]
     skip = set(filter(None, args.skip.split(",")))
     out: dict = {"env": environment()}
     print(json.dumps(out["env"]), flush=True)
@@ -451,7 +463,7 @@ def main() -> None:
     sections = [
         ("topk", lambda: bench_topk(out, args.quick)),
         ("variants", lambda: bench_decode_variants(out)),
-        ("decode", lambda: bench_decode(out["ceilings"], out, args.quick)),
+        ("decode", lambda: bench_decode(out["ceilings"], out, args.quick, cells or None)),
         ("prefill", lambda: bench_prefill(out["ceilings"], out, args.quick)),
         ("deepgemm", lambda: bench_deepgemm(out)),
     ]
@@ -477,8 +489,8 @@ def _decode_lines(out: dict) -> list[str]:
         "| batch | context | fp8 roofline µs | fp8 same-byte copy µs | fp8 logits µs (% copy) | prefetch | persistent "
         "| persistent % of same-byte copy | bf16 roofline µs "
         "| bf16 logits µs (% copy) | prefetch | persistent | top-k 512 µs (method) | logits+top-k µs | fused µs "
-        "| persistent logits+top-k µs | persistent fused µs | fused 11-bit µs | default µs | previous pipeline µs | torch ref µs |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| persistent logits+top-k µs | persistent fused µs | fused 1 copy µs | fused 11-bit µs | default µs | previous pipeline µs | torch ref µs |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in out["decode"]:
         f, b = r["fp8_e4m3"], r["bf16"]
@@ -494,7 +506,7 @@ def _decode_lines(out: dict) -> list[str]:
             f"| {pct(f, 'logits')} | {pct(f, 'prefetch')} | {pct(f, 'persistent')} "
             f"| {f['persistent_pct_same_copy']:.0f}% | {b['roofline_us']:.1f} | {pct(b, 'logits')} | {pct(b, 'prefetch')} | {pct(b, 'persistent')} "
             f"| {f['topk_us']:.1f} ({f['topk_method']}) | {f['unfused_us']:.1f} | {f['fused_us']:.1f} "
-            f"| {f['unfused_persistent_us']:.1f} | {f['fused_persistent_us']:.1f} "
+            f"| {f['unfused_persistent_us']:.1f} | {f['fused_persistent_us']:.1f} | {f['fused_rep1_us']:.1f} "
             f"| {f['fused11_us']:.1f} | {f['default_us']:.1f} | {f['old_pipeline_us']:.1f} | {'n/a' if ref is None else f'{ref:.0f}'} |"
             + (f" MISMATCH: {bad}" if bad else "")
         )

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from needlescope.kernels.layout import ContiguousKeys, PagedKeys
-from needlescope.kernels.triton_radix import digit0_histogram
+from needlescope.kernels.triton_radix import HIST_REPLICAS, digit0_histogram
 from needlescope.kernels.triton_topk import INTERPRET
 
 __all__ = ["prefill_logits", "paged_logits", "INTERPRET"]
@@ -97,6 +97,7 @@ def _paged_kernel(
     FAULT_KEY_SLOT: tl.constexpr,
     PREFETCH: tl.constexpr,  # block-table entries up front, scales a page ahead (one page per MMA)
     HIST_BITS: tl.constexpr,  # > 0: also build triton_radix's first histogram of each row
+    HIST_REP: tl.constexpr,  # its copies (triton_radix.replicated_histogram)
 ):
     b = tl.program_id(0)
     chunk = tl.program_id(1)
@@ -140,6 +141,7 @@ def _paged_kernel(
             n,
             PAGES_PER_PROG * 64,
             HIST_BITS,
+            HIST_REP,
         )
 
 
@@ -158,21 +160,23 @@ def _paged_persistent_kernel(
     out_stride,
     pages_per_row,
     total,  # B * pages_per_row: the pages of all rows, row after row
-    per,  # pages a program: program p scores pages [p * per, (p + 1) * per) of that sequence
+    progs,  # programs: program p scores pages [p * total // progs, (p + 1) * total // progs)
     D: tl.constexpr,
     BLOCK_H: tl.constexpr,
     FP8: tl.constexpr,
     NATIVE_FP8: tl.constexpr,
     IEEE: tl.constexpr,
     HIST_BITS: tl.constexpr,
+    HIST_REP: tl.constexpr,
     HIST_BLOCK: tl.constexpr,
 ):
     """A few programs per SM, each scoring an equal run of consecutive pages (crossing into the
     next row at most a few times): no program tail, one prologue (queries, weights, pipeline
-    fill) per row run instead of per 8 pages."""
-    pid = tl.program_id(0)
-    lo = pid * per
-    hi = tl.minimum(lo + per, total)
+    fill) per row run instead of per 8 pages. Runs differ by at most a page, so every SM gets
+    the same share (whole runs of ceil(total / progs) pages left ~3% of the SMs a program short)."""
+    pid = tl.program_id(0).to(tl.int64)
+    lo = (pid * total // progs).to(tl.int32)  # runs differ by at most one page
+    hi = ((pid + 1) * total // progs).to(tl.int32)
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, D)
     offs_e = tl.arange(0, 64)
@@ -194,7 +198,7 @@ def _paged_persistent_kernel(
             tl.store(orow + ent, logit, mask=ent < out_stride)
         if HIST_BITS > 0:
             tl.debug_barrier()
-            _row_histogram(orow, hist_ptr, b, first * 64, last * 64, n, HIST_BLOCK, HIST_BITS)
+            _row_histogram(orow, hist_ptr, b, first * 64, last * 64, n, HIST_BLOCK, HIST_BITS, HIST_REP)
 
 
 @triton.jit
@@ -225,13 +229,15 @@ def _page_logit(
 
 
 @triton.jit
-def _row_histogram(orow, hist_ptr, b, lo, hi, n, BLOCK: tl.constexpr, HIST_BITS: tl.constexpr):
+def _row_histogram(
+    orow, hist_ptr, b, lo, hi, n, BLOCK: tl.constexpr, HIST_BITS: tl.constexpr, HIST_REP: tl.constexpr
+):
     """Add the pass-0 radix histogram of logits [lo, hi) of row b (this program just wrote them;
     the caller's barrier makes them visible to all its threads) to the row's."""
     for c in range(lo, hi, BLOCK):
         ents = c + tl.arange(0, BLOCK)
         ok = (ents < hi) & (ents < n)
-        h = digit0_histogram(tl.load(orow + ents, mask=ok, other=0.0), ok, HIST_BITS)
+        h = digit0_histogram(tl.load(orow + ents, mask=ok, other=0.0), ok, HIST_BITS, HIST_REP)
         tl.atomic_add(
             hist_ptr + (b << HIST_BITS) + tl.arange(0, 1 << HIST_BITS), h, mask=h != 0, sem="relaxed"
         )
@@ -293,7 +299,9 @@ def _modes(q: torch.Tensor, key_fp8: bool, native_fp8: bool) -> dict:
     return {"NATIVE_FP8": bool(both_fp8 and native_fp8 and not INTERPRET), "IEEE": INTERPRET}
 
 
-def _paged_args(q, w, paged: PagedKeys, context_lens, out, hist, hist_bits: int, native_fp8: bool) -> tuple:
+def _paged_args(
+    q, w, paged: PagedKeys, context_lens, out, hist, hist_bits: int, hist_replicas: int, native_fp8: bool
+) -> tuple:
     """(positional operands, constexpr keywords) shared by both paged kernels."""
     B, H, D = q.shape
     fp8 = paged.key_dtype == "fp8_e4m3"
@@ -315,6 +323,7 @@ def _paged_args(q, w, paged: PagedKeys, context_lens, out, hist, hist_bits: int,
         "BLOCK_H": max(16, triton.next_power_of_2(H)),
         "FP8": fp8,
         "HIST_BITS": 0 if hist is None else hist_bits,
+        "HIST_REP": hist_replicas,
         **_modes(q, fp8, native_fp8),
     }
     return operands, meta
@@ -338,6 +347,7 @@ def paged_logits(
     out: torch.Tensor | None = None,
     hist: torch.Tensor | None = None,
     hist_bits: int = 8,
+    hist_replicas: int = HIST_REPLICAS,
 ) -> torch.Tensor:
     """q [B, H, D] codes, w [B, H] fp32, context_lens int32 [B] -> logits fp32 [B, width] (into ``out`` if given).
 
@@ -351,7 +361,8 @@ def paged_logits(
     with ``hist``: its per-run histograms made the fused decode path 0-50 us slower than with the
     program-per-pages loop (docs/perf/indexer.md, run 10), while the logits alone gain 1-4 us.
     ``hist`` (int32 [B, 2**hist_bits], a ``triton_radix`` workspace row): also add each row's
-    pass-0 histogram of the radix select (the fused decode path).
+    pass-0 histogram of the radix select (the fused decode path), over ``hist_replicas`` copies
+    (``triton_radix.replicated_histogram``).
     """
     B = q.shape[0]
     if pages_per_mma not in (1, 2) or pages_per_prog % pages_per_mma:
@@ -359,17 +370,16 @@ def paged_logits(
     if fault is not None:  # the fault variants gather entry by entry, one page per MMA
         pages_per_mma = 1
     out = torch.empty(B, paged.width, dtype=torch.float32, device=q.device) if out is None else out
-    operands, meta = _paged_args(q, w, paged, context_lens, out, hist, hist_bits, native_fp8)
+    operands, meta = _paged_args(q, w, paged, context_lens, out, hist, hist_bits, hist_replicas, native_fp8)
     meta.update(num_warps=num_warps, num_stages=num_stages)
     if persistent is None:
         persistent = q.is_cuda and not INTERPRET and pages_per_mma == 1 and not prefetch and hist is None
     if persistent and fault is None:
         total = B * paged.block_table.shape[1]
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 1
-        per = triton.cdiv(total, max(1, min(total, sms * programs_per_sm)))
-        grid = (triton.cdiv(total, per),)
-        _paged_persistent_kernel[grid](
-            *operands, paged.block_table.shape[1], total, per, HIST_BLOCK=512, **meta
+        progs = max(1, min(total, sms * programs_per_sm))
+        _paged_persistent_kernel[(progs,)](
+            *operands, paged.block_table.shape[1], total, progs, HIST_BLOCK=512, **meta
         )
         return out
     grid = (B, triton.cdiv(paged.block_table.shape[1], pages_per_prog))
