@@ -43,6 +43,7 @@ import triton
 from triton.testing import do_bench, do_bench_cudagraph
 
 from needlescope.kernels import (
+    occupancy,
     page_keys,
     quantize_keys,
     quantize_queries,
@@ -207,8 +208,8 @@ DECODE_CONFIGS = [  # (pages per program, warps, stages, prefetch): the best two
 ]
 
 
-PERSISTENT_CONFIGS = [(4, 4, 2), (6, 4, 2), (7, 4, 2), (8, 4, 2), (8, 4, 3), (4, 8, 2), (4, 8, 3)]
-"""(programs per SM, warps, stages) of the persistent loop."""
+PERSISTENT_CONFIGS = [(None, 4, 2), (None, 4, 3), (None, 4, 4), (8, 4, 2), (6, 4, 3), (5, 4, 4), (4, 8, 3)]
+"""(programs per SM, None: what the occupancy calculator allows; warps; stages) of the persistent loop."""
 
 
 def bench_decode_variants(out: dict) -> None:
@@ -477,6 +478,7 @@ def main() -> None:
             traceback.print_exc()
             out.setdefault("errors", []).append(f"{name}: {traceback.format_exc(limit=3)}")
         out.setdefault("section_seconds", {})[name] = round(time.perf_counter() - t0, 1)
+        out["programs_per_sm"] = {repr(k): v for k, v in occupancy._CACHE.items()}  # what the defaults used
         (args.out / "indexer_bench.json").write_text(json.dumps(out, indent=1))  # keep partial results
     print(render_markdown(out))
 
@@ -540,7 +542,7 @@ def _variant_lines(out: dict) -> list[str]:
     ]
     for v in out["decode_variants"]:
         loop, size = (
-            ("persistent", v["programs_per_sm"])
+            ("persistent", v["programs_per_sm"] or "occupancy")
             if v.get("persistent")
             else ("per pages", v["pages_per_prog"])
         )

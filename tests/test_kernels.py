@@ -193,11 +193,12 @@ def test_paged_logits_match_contiguous_reference(key_dtype: str, pages_per_mma: 
     _check_logits(out, ref)
 
 
-@pytest.mark.parametrize("programs_per_sm", [1, 2, 4])
+@pytest.mark.parametrize("programs_per_sm", [1, 2, 4, None])
 @pytest.mark.parametrize("key_dtype", ["bf16", "fp8_e4m3"])
 def test_persistent_paged_logits_match_reference_and_histogram(key_dtype: str, programs_per_sm: int) -> None:
     """The persistent loop (equal runs of consecutive pages, crossing rows mid-run: under the
-    interpreter one SM, so 1, 2 or 4 programs over 3 rows) gives the reference's logits and the
+    interpreter one SM, so 1, 2, 4 or, left to the occupancy rule, 8 programs over 3 rows; on a
+    GPU that rule asks the occupancy calculator) gives the reference's logits and the
     same pass-0 histograms as the program-per-pages kernel."""
     qc, wf, keys, paged, lens = _paged(key_dtype, _gen(6))
     out = torch.full((3, paged.width), float("nan"), device=DEV)

@@ -18,10 +18,13 @@ import triton
 import triton.language as tl
 
 from needlescope.kernels.layout import ContiguousKeys, PagedKeys
+from needlescope.kernels.occupancy import cached_blocks_per_sm, normal_device
 from needlescope.kernels.triton_radix import HIST_REPLICAS, digit0_histogram
 from needlescope.kernels.triton_topk import INTERPRET
 
 __all__ = ["prefill_logits", "paged_logits", "INTERPRET"]
+
+_ASM_LOADS = tl.constexpr(not INTERPRET)  # the interpreter runs no PTX
 
 
 @triton.jit
@@ -189,16 +192,42 @@ def _paged_persistent_kernel(
         n = tl.load(lens_ptr + b)
         bt_row = bt_ptr + b * bt_stride
         orow = out_ptr + (tl.zeros([], tl.int64) + b) * out_stride  # b: a plain int under the interpreter
+        sc = _page_scales(scales_ptr, _bt_entry(bt_row, first), offs_e, first * 64 + offs_e < n, D, FP8)
         for page in range(first, last):
             ent = page * 64 + offs_e
             valid = ent < n
-            phys, slot = _page_rows(bt_row, page, n, offs_e, 1, False, False)
-            sc = _page_scales(scales_ptr, phys, slot, valid, D, FP8)
-            logit = _page_logit(q, w, vals_ptr, phys, slot, sc, valid, offs_d, D, FP8, NATIVE_FP8, IEEE)
+            # The next page's scales now (a load the pipeliner leaves in the loop, where it would
+            # wait a full memory latency every page); its key codes come through the pipeline.
+            ahead = (ent + 64 < n) & (ent + 64 < last * 64)  # page + 1 < last
+            sc_next = _page_scales(
+                scales_ptr, _bt_entry(bt_row, tl.minimum(page + 1, last - 1)), offs_e, ahead, D, FP8
+            )
+            logit = _page_logit(
+                q, w, vals_ptr, _bt_entry(bt_row, page), offs_e, sc, valid, offs_d, D, FP8, NATIVE_FP8, IEEE
+            )
             tl.store(orow + ent, logit, mask=ent < out_stride)
+            sc = sc_next
         if HIST_BITS > 0:
             tl.debug_barrier()
             _row_histogram(orow, hist_ptr, b, first * 64, last * 64, n, HIST_BLOCK, HIST_BITS, HIST_REP)
+
+
+@triton.jit
+def _bt_entry(bt_row, page):
+    """int64: the block-table entry of ``page`` (inside the table's width).
+
+    Read by inline PTX on the GPU: as a ``tl.load`` the pipeliner turns it into an async copy
+    into a one-slot buffer and the page loop then waits on every copy in flight (``async_wait
+    0``, TTGIR read on Triton 3.9), so each page's key codes load only after the previous page's
+    math; read so, the key loads get ``num_stages`` buffers and ``num_stages - 2`` stay in flight
+    across the math. ``.nc``: the table is read-only here, and its lines stay in L1."""
+    if _ASM_LOADS:
+        e = tl.inline_asm_elementwise(
+            "ld.global.nc.b32 $0, [$1];", "=r,l", [bt_row + page], dtype=tl.int32, is_pure=True, pack=1
+        )
+    else:
+        e = tl.load(bt_row + page)
+    return e.to(tl.int64)
 
 
 @triton.jit
@@ -340,10 +369,10 @@ def paged_logits(
     pages_per_mma: int = 1,
     native_fp8: bool = True,
     num_warps: int = 4,
-    num_stages: int = 2,
+    num_stages: int | None = None,
     prefetch: bool = False,
     persistent: bool | None = None,
-    programs_per_sm: int = 8,
+    programs_per_sm: int | None = None,
     out: torch.Tensor | None = None,
     hist: torch.Tensor | None = None,
     hist_bits: int = 8,
@@ -355,9 +384,11 @@ def paged_logits(
     load before the loop and each page's scales one page early. Without it the compiled loop
     (PTX read on Triton 3.9, sm_90) waits on a block-table load right before the ``cp.async`` of
     the page it addresses and on a scale load in the same iteration's epilogue.
-    ``persistent`` (one page per MMA, no prefetch, no fault): ``programs_per_sm`` programs per SM,
-    each scoring an equal run of consecutive pages of the row-after-row page sequence, instead of
-    one program per ``pages_per_prog`` pages of a row. None: on CUDA wherever it applies, except
+    ``persistent`` (one page per MMA, no prefetch, no fault): ``programs_per_sm`` programs per SM
+    (None: as many as the occupancy calculator says one SM holds at once), each scoring an equal
+    run of consecutive pages of the row-after-row page sequence, instead of one program per
+    ``pages_per_prog`` pages of a row. ``num_stages`` None: 3 for the persistent loop (two key
+    loads in flight across a page's math), 2 for the other. None: on CUDA wherever it applies, except
     with ``hist``: its per-run histograms made the fused decode path 0-50 us slower than with the
     program-per-pages loop (docs/perf/indexer.md, run 10), while the logits alone gain 1-4 us.
     ``hist`` (int32 [B, 2**hist_bits], a ``triton_radix`` workspace row): also add each row's
@@ -371,16 +402,26 @@ def paged_logits(
         pages_per_mma = 1
     out = torch.empty(B, paged.width, dtype=torch.float32, device=q.device) if out is None else out
     operands, meta = _paged_args(q, w, paged, context_lens, out, hist, hist_bits, hist_replicas, native_fp8)
-    meta.update(num_warps=num_warps, num_stages=num_stages)
     if persistent is None:
         persistent = q.is_cuda and not INTERPRET and pages_per_mma == 1 and not prefetch and hist is None
-    if persistent and fault is None:
-        total = B * paged.block_table.shape[1]
+    persistent = persistent and fault is None
+    meta.update(num_warps=num_warps, num_stages=num_stages or (3 if persistent else 2))
+    if persistent:
+        total, ppr = B * paged.block_table.shape[1], paged.block_table.shape[1]
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 1
+        if programs_per_sm is None:
+            programs_per_sm = (
+                8
+                if INTERPRET or not q.is_cuda
+                else cached_blocks_per_sm(
+                    ("paged_persistent", normal_device(q.device), *sorted(meta.items())),
+                    lambda: _paged_persistent_kernel.warmup(
+                        *operands, ppr, total, sms * 8, grid=(1,), HIST_BLOCK=512, **meta
+                    ),
+                )
+            )
         progs = max(1, min(total, sms * programs_per_sm))
-        _paged_persistent_kernel[(progs,)](
-            *operands, paged.block_table.shape[1], total, progs, HIST_BLOCK=512, **meta
-        )
+        _paged_persistent_kernel[(progs,)](*operands, ppr, total, progs, HIST_BLOCK=512, **meta)
         return out
     grid = (B, triton.cdiv(paged.block_table.shape[1], pages_per_prog))
     _paged_kernel[grid](

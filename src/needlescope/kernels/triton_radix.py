@@ -34,12 +34,11 @@ histogram with the logits. The histograms live in a workspace cached per device
 
 from __future__ import annotations
 
-import ctypes
-
 import torch
 import triton
 import triton.language as tl
 
+from needlescope.kernels.occupancy import cached_blocks_per_sm, normal_device
 from needlescope.kernels.triton_topk import INTERPRET, _ordered_key
 
 __all__ = ["radix_topk", "radix_chunk", "radix_plan", "radix_workspace", "digit0_histogram", "DIGIT_BITS"]
@@ -357,7 +356,6 @@ def radix_chunk(rows: int, width: int) -> int:
 
 
 MAX_ONE_LAUNCH_CHUNK = 8192  # 32 keys a thread at 8 warps: still in registers
-_RESIDENT: dict = {}
 
 
 def _sm_count(dev: torch.device) -> int:
@@ -368,37 +366,21 @@ def _warps(chunk: int) -> int:
     return 4 if chunk <= 2048 else 8
 
 
-def _occupancy(function: int, threads: int, shared: int) -> int:
-    """Blocks of a loaded kernel one SM holds at once (the CUDA occupancy calculator)."""
-    cuda = ctypes.CDLL("libcuda.so.1")
-    n = ctypes.c_int(0)
-    rc = cuda.cuOccupancyMaxActiveBlocksPerMultiprocessor(
-        ctypes.byref(n), ctypes.c_void_p(function), ctypes.c_int(threads), ctypes.c_size_t(shared)
-    )
-    if rc != 0:
-        raise RuntimeError(f"cuOccupancyMaxActiveBlocksPerMultiprocessor returned CUresult {rc}")
-    return n.value
-
-
 def resident_per_sm(device, chunk: int, bits: int = 8, replicas: int | None = None) -> int:
     """Programs of the one-launch select (chunks of ``chunk`` columns) that one SM of ``device``
     holds at once, from the compiled kernel's registers and shared memory (cached)."""
-    dev = torch.device(device)
-    if dev.type == "cuda" and dev.index is None:
-        dev = torch.device("cuda", torch.cuda.current_device())
+    dev = normal_device(device)
     rep = HIST_REPLICAS if replicas is None else replicas
-    key = (dev, chunk, bits, rep)
-    if key not in _RESIDENT:
-        warps = _warps(chunk)
-        ptr = torch.int32
-        kern = _radix_one_launch.warmup(
+    warps = _warps(chunk)
+    ptr = torch.int32
+    return cached_blocks_per_sm(
+        ("radix_one_launch", dev, chunk, bits, rep),
+        lambda: _radix_one_launch.warmup(
             torch.float32, ptr, ptr, ptr, ptr, ptr, ptr, 2, 1024, 1024, 512, 1024, 512,
             grid=(1, 1), CH=chunk, FIRST=0, NP=len(_digits(bits)), BITS=bits, SB=256, HAS_START=True,
             REP=rep, num_warps=warps, launch_cooperative_grid=True,
-        )  # fmt: skip
-        kern._init_handles()
-        _RESIDENT[key] = _occupancy(kern.function, warps * 32, kern.metadata.shared)
-    return _RESIDENT[key]
+        ),
+    )  # fmt: skip
 
 
 def radix_plan(rows: int, width: int, device, replicas: int | None = None, bits: int = 8) -> tuple[int, bool]:
@@ -426,9 +408,7 @@ def _cached_zeros(kind: str, shape: tuple[int, ...], device, bits: int) -> torch
     """A zero int32 buffer of at least ``shape`` (rows on dim 1 for histograms, dim 0 for
     counters), cached per (device, kind, digit width); the kernels leave it zero. Calls that share
     it must be ordered (one stream, as a decode loop's). Not cached while a CUDA graph is captured."""
-    dev = torch.device(device)
-    if dev.type == "cuda" and dev.index is None:  # "cuda" and "cuda:0" must share one workspace
-        dev = torch.device("cuda", torch.cuda.current_device())
+    dev = normal_device(device)  # "cuda" and "cuda:0" must share one workspace
     key = (dev, kind, bits)
     rows_dim = 1 if kind == "hist" else 0
     buf = _WORKSPACES.get(key)

@@ -1,0 +1,48 @@
+"""How many programs of a compiled Triton kernel one SM holds at once.
+
+The persistent decode loop launches that many programs a SM, and the one-launch radix select
+may only launch programs that are all resident together (its programs wait for each other).
+Both ask the CUDA occupancy calculator about the exact compiled kernel (registers, shared
+memory, threads), so the numbers follow the Triton version and the GPU instead of a table.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+__all__ = ["blocks_per_sm", "cached_blocks_per_sm", "normal_device"]
+
+_CACHE: dict = {}
+
+
+def normal_device(device) -> torch.device:
+    """``device`` with its index filled in ("cuda" and "cuda:0" are one device)."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+def blocks_per_sm(compiled) -> int:
+    """Programs of ``compiled`` (a Triton ``CompiledKernel``) one SM of the current device holds at once."""
+    compiled._init_handles()
+    cuda = ctypes.CDLL("libcuda.so.1")
+    n = ctypes.c_int(0)
+    rc = cuda.cuOccupancyMaxActiveBlocksPerMultiprocessor(
+        ctypes.byref(n),
+        ctypes.c_void_p(compiled.function),
+        ctypes.c_int(compiled.metadata.num_warps * 32),
+        ctypes.c_size_t(compiled.metadata.shared),
+    )
+    if rc != 0:
+        raise RuntimeError(f"cuOccupancyMaxActiveBlocksPerMultiprocessor returned CUresult {rc}")
+    return n.value
+
+
+def cached_blocks_per_sm(key: tuple, compile_kernel) -> int:
+    """``blocks_per_sm`` of ``compile_kernel()`` (a ``JITFunction.warmup`` call), once per ``key``."""
+    if key not in _CACHE:
+        _CACHE[key] = blocks_per_sm(compile_kernel())
+    return _CACHE[key]
