@@ -222,8 +222,12 @@ def _bt_entry(bt_row, page):
     math; read so, the key loads get ``num_stages`` buffers and ``num_stages - 2`` stay in flight
     across the math. ``.nc``: the table is read-only here, and its lines stay in L1."""
     if _ASM_LOADS:
-        e = tl.inline_asm_elementwise(
-            "ld.global.nc.b32 $0, [$1];", "=r,l", [bt_row + page], dtype=tl.int32, is_pure=True, pack=1
+        one = bt_row + page + tl.zeros([1], tl.int32)  # a tensor operand, as every Triton version takes
+        e = tl.sum(
+            tl.inline_asm_elementwise(
+                "ld.global.nc.b32 $0, [$1];", "=r,l", [one], dtype=tl.int32, is_pure=True, pack=1
+            ),
+            0,
         )
     else:
         e = tl.load(bt_row + page)
