@@ -165,6 +165,12 @@ def decode_cell(cfg: dict, c: dict, kd: str, k: int) -> dict:
         "fused_rep1": partial(
             triton_decode.decode_topk, *args, k, fused=True, replicas=1, logits_args={"persistent": False}
         ),
+        "fused_rep8": partial(
+            triton_decode.decode_topk, *args, k, fused=True, replicas=8, logits_args={"persistent": False}
+        ),
+        "fused_persistent_rep8": partial(
+            triton_decode.decode_topk, *args, k, fused=True, replicas=8, logits_args={"persistent": True}
+        ),
         "fused11": partial(triton_decode.decode_topk, *args, k, fused=True, bits=11),
         "default": partial(triton_decode.decode_topk, *args, k),
         "old_pipeline": lambda: triton_topk.topk(
