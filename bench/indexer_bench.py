@@ -315,8 +315,7 @@ ROTATE = 4  # input sets a timed call cycles through
 
 def topk_variants(k: int, rows: int, length: int) -> dict:
     """name -> fn(x, starts, ends) for every top-k timed side by side: radix/BITS/CHUNK over a
-    launch per pass, radix1/8/CHUNK in one cooperative launch (where its programs are resident at
-    once); ``/rep1``: the same with one histogram copy (``tl.histogram`` alone) instead of
+    launch per pass, radix1/8/CHUNK in one launch (where its programs fit one per SM); ``/rep1``: the same with one histogram copy (``tl.histogram`` alone) instead of
     ``triton_radix.HIST_REPLICAS``."""
     tk, rt = triton_topk.topk, triton_radix.radix_topk
     v = {
@@ -336,7 +335,7 @@ def topk_variants(k: int, rows: int, length: int) -> dict:
     sms = torch.cuda.get_device_properties(DEV).multi_processor_count
     for ch in (256, 512, 1024, 2048, 4096, 8192):
         for rep, tag in ((None, ""), (1, "/rep1")):
-            if rows * triton.cdiv(length, ch) <= sms * triton_radix.resident_per_sm(DEV, ch, replicas=rep):
+            if rows * triton.cdiv(length, ch) <= sms:
                 v[f"radix1/8/{ch}{tag}"] = lambda x, st, en, c=ch, r=rep: rt(
                     x, k, st, en, chunk=c, one_launch=True, replicas=r
                 )
@@ -458,7 +457,15 @@ def main() -> None:
         default="",
         help="decode cells only, BATCHxCONTEXT comma-separated (e.g. 32x131072); default all",
     )
+    ap.add_argument(
+        "--replicas",
+        type=int,
+        default=None,
+        help="histogram copies of the radix select for this run (default: the library's)",
+    )
     args = ap.parse_args()
+    if args.replicas is not None:
+        triton_radix.HIST_REPLICAS = args.replicas
     cells = [tuple(int(v) for v in c.split("x")) for c in filter(None, args.cells.split(","))]
     skip = set(filter(None, args.skip.split(",")))
     out: dict = {"env": environment()}

@@ -1,9 +1,8 @@
 """How many programs of a compiled Triton kernel one SM holds at once.
 
-The persistent decode loop launches that many programs a SM, and the one-launch radix select
-may only launch programs that are all resident together (its programs wait for each other).
-Both ask the CUDA occupancy calculator about the exact compiled kernel (registers, shared
-memory, threads), so the numbers follow the Triton version and the GPU instead of a table.
+The persistent decode loop launches that many programs a SM: it asks the CUDA occupancy
+calculator about the exact compiled kernel (registers, shared memory, threads), so the number
+follows the Triton version and the GPU instead of a table.
 """
 
 from __future__ import annotations

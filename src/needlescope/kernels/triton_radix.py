@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from needlescope.kernels.occupancy import cached_blocks_per_sm, normal_device
+from needlescope.kernels.occupancy import normal_device
 from needlescope.kernels.triton_topk import INTERPRET, _ordered_key
 
 __all__ = ["radix_topk", "radix_chunk", "radix_plan", "radix_workspace", "digit0_histogram", "DIGIT_BITS"]
@@ -366,41 +366,25 @@ def _warps(chunk: int) -> int:
     return 4 if chunk <= 2048 else 8
 
 
-def resident_per_sm(device, chunk: int, bits: int = 8, replicas: int | None = None) -> int:
-    """Programs of the one-launch select (chunks of ``chunk`` columns) that one SM of ``device``
-    holds at once, from the compiled kernel's registers and shared memory (cached)."""
-    dev = normal_device(device)
-    rep = HIST_REPLICAS if replicas is None else replicas
-    warps = _warps(chunk)
-    ptr = torch.int32
-    return cached_blocks_per_sm(
-        ("radix_one_launch", dev, chunk, bits, rep),
-        lambda: _radix_one_launch.warmup(
-            torch.float32, ptr, ptr, ptr, ptr, ptr, ptr, 2, 1024, 1024, 512, 1024, 512,
-            grid=(1, 1), CH=chunk, FIRST=0, NP=len(_digits(bits)), BITS=bits, SB=256, HAS_START=True,
-            REP=rep, num_warps=warps, launch_cooperative_grid=True,
-        ),
-    )  # fmt: skip
-
-
-def radix_plan(rows: int, width: int, device, replicas: int | None = None, bits: int = 8) -> tuple[int, bool]:
+def radix_plan(rows: int, width: int, device) -> tuple[int, bool]:
     """(chunk, one launch?) for a [rows, width] select on ``device``: one launch (every pass, the
-    programs of a row meeting at a counter barrier) wherever all programs are resident at once
-    (``resident_per_sm`` a SM) with chunks of at most ``MAX_ONE_LAUNCH_CHUNK`` columns, the chunk
-    doubled from ``radix_chunk`` until they are; otherwise ``radix_chunk`` over five launches.
-    The one launch is cooperative: the driver starts it only with every program resident, and
-    refuses it rather than let the barrier wait forever. Never one launch under the interpreter
-    (it runs programs one after another)."""
+    programs of a row meeting at a counter barrier) wherever all programs fit one per SM with
+    chunks of at most ``MAX_ONE_LAUNCH_CHUNK`` columns, the chunk doubled from ``radix_chunk``
+    until they do; otherwise ``radix_chunk`` over five launches. Never one launch under the
+    interpreter (it runs programs one after another, so a barrier would wait forever).
+
+    Not more programs than SMs: a cooperative launch planned from the occupancy calculator
+    (several programs a SM) hung on an H100 with Triton 3.6 (run 11, docs/perf/indexer-notes.md)."""
     dev = torch.device(device)
     ch = radix_chunk(rows, width)
     if dev.type != "cuda" or INTERPRET:
         return ch, False
     sms = _sm_count(dev)
     one = ch
-    while one <= MAX_ONE_LAUNCH_CHUNK:
-        if rows * triton.cdiv(max(width, 1), one) <= sms * resident_per_sm(dev, one, bits, replicas):
-            return one, True
+    while rows * triton.cdiv(max(width, 1), one) > sms and one < MAX_ONE_LAUNCH_CHUNK:
         one *= 2
+    if rows * triton.cdiv(max(width, 1), one) <= sms:
+        return one, True
     return ch, False
 
 
@@ -448,9 +432,9 @@ def radix_topk(
     """logits fp32 [R, L], starts (None: all 0) / ends int32 [R] -> int32 [R, k]. The kernels clamp
     each range to [0, L] (end at least start).
 
-    ``chunk`` (a power of two) columns per program and ``one_launch`` (every pass in one
-    cooperative launch, the programs of a row meeting at a counter barrier: all R x ceil(L / chunk)
-    programs must be resident together), None: ``radix_plan``'s; ``bits`` the digit width
+    ``chunk`` (a power of two) columns per program and ``one_launch`` (every pass in one launch,
+    the programs of a row meeting at a counter barrier: all R x ceil(L / chunk) programs must be
+    resident together), None: ``radix_plan``'s; ``bits`` the digit width
     (``DIGIT_BITS``); ``replicas`` the histogram copies (None: ``HIST_REPLICAS``).
     ``hist``: a workspace as ``radix_workspace`` returns (None: the cached one), with pass 0's
     histogram already built when ``first_pass`` is 1 (over exactly the entries in [start, end)).
@@ -458,13 +442,13 @@ def radix_topk(
     R, L = logits.shape
     dev = logits.device
     rep = HIST_REPLICAS if replicas is None else replicas
-    plan_chunk, plan_one = radix_plan(R, L, dev, rep, bits)
+    plan_chunk, plan_one = radix_plan(R, L, dev)
     ch = plan_chunk if chunk is None else chunk
     one_launch = plan_one and chunk is None if one_launch is None else one_launch
     S = triton.cdiv(max(L, 1), ch)
-    if one_launch and S > 1 and (INTERPRET or R * S > _sm_count(dev) * resident_per_sm(dev, ch, bits, rep)):
+    if one_launch and S > 1 and (INTERPRET or R * S > _sm_count(dev)):
         raise ValueError(
-            f"one_launch needs all {R} x {S} programs resident at once (resident_per_sm a SM), and one "
+            f"one_launch needs all {R} x {S} programs resident at once: at most one per SM, and one "
             "chunk a row under TRITON_INTERPRET (programs run in turn); use larger chunks or one_launch=False"
         )
     out = torch.empty(R, k, dtype=torch.int32, device=dev) if out is None else out
@@ -488,8 +472,6 @@ def radix_topk(
     }
     if one_launch:
         bar = _cached_zeros("barrier", (R,), dev, bits)
-        if not INTERPRET:
-            meta["launch_cooperative_grid"] = True
         _radix_one_launch[(R, S)](
             logits, starts, ends, hist, bar, below, out, *common, FIRST=first_pass, **meta
         )
