@@ -162,15 +162,6 @@ def decode_cell(cfg: dict, c: dict, kd: str, k: int) -> dict:
         "fused_persistent": partial(
             triton_decode.decode_topk, *args, k, fused=True, logits_args={"persistent": True}
         ),
-        "fused_rep1": partial(
-            triton_decode.decode_topk, *args, k, fused=True, replicas=1, logits_args={"persistent": False}
-        ),
-        "fused_rep8": partial(
-            triton_decode.decode_topk, *args, k, fused=True, replicas=8, logits_args={"persistent": False}
-        ),
-        "fused_persistent_rep8": partial(
-            triton_decode.decode_topk, *args, k, fused=True, replicas=8, logits_args={"persistent": True}
-        ),
         "fused11": partial(triton_decode.decode_topk, *args, k, fused=True, bits=11),
         "default": partial(triton_decode.decode_topk, *args, k),
         "old_pipeline": lambda: triton_topk.topk(
@@ -314,10 +305,9 @@ ROTATE = 4  # input sets a timed call cycles through
 
 
 def topk_variants(k: int, rows: int, length: int) -> dict:
-    """name -> fn(x, starts, ends) for every top-k timed side by side: radix/BITS/CHUNK over a
-    launch per pass, radix1/8/CHUNK in one launch (where its programs fit one per SM); ``/rep1``: the same with one histogram copy (``tl.histogram`` alone) instead of
-    ``triton_radix.HIST_REPLICAS``."""
-    tk, rt = triton_topk.topk, triton_radix.radix_topk
+    """name -> fn(x, starts, ends) for every top-k timed side by side (radix/BITS/CHUNK over a
+    launch per pass; radix1/8/CHUNK in one launch, where its programs fit one per SM)."""
+    tk = triton_topk.topk
     v = {
         "torch.topk": lambda x, st, en: torch.topk(x, k, dim=1, sorted=False).indices,
         "unsplit": lambda x, st, en: tk(x, k, st, en, method="bisect", segment=0),
@@ -325,20 +315,15 @@ def topk_variants(k: int, rows: int, length: int) -> dict:
         "default": lambda x, st, en: tk(x, k, st, en),
     }
     for bits, ch in ((8, 512), (8, 1024), (8, 2048), (11, 2048)):  # 11 bits: 2-10x slower (run 8)
-        v[f"radix/{bits}/{ch}"] = lambda x, st, en, b=bits, c=ch: rt(
-            x, k, st, en, bits=b, chunk=c, one_launch=False
-        )
-    for ch in (2048,):
-        v[f"radix/8/{ch}/rep1"] = lambda x, st, en, c=ch: rt(
-            x, k, st, en, chunk=c, one_launch=False, replicas=1
+        v[f"radix/{bits}/{ch}"] = lambda x, st, en, b=bits, c=ch: tk(
+            x, k, st, en, method="radix", bits=b, chunk=c, one_launch=False
         )
     sms = torch.cuda.get_device_properties(DEV).multi_processor_count
     for ch in (256, 512, 1024, 2048, 4096, 8192):
-        for rep, tag in ((None, ""), (1, "/rep1")):
-            if rows * triton.cdiv(length, ch) <= sms:
-                v[f"radix1/8/{ch}{tag}"] = lambda x, st, en, c=ch, r=rep: rt(
-                    x, k, st, en, chunk=c, one_launch=True, replicas=r
-                )
+        if rows * triton.cdiv(length, ch) <= sms:
+            v[f"radix1/8/{ch}"] = lambda x, st, en, c=ch: tk(
+                x, k, st, en, method="radix", chunk=c, one_launch=True
+            )
     return v
 
 
@@ -457,15 +442,7 @@ def main() -> None:
         default="",
         help="decode cells only, BATCHxCONTEXT comma-separated (e.g. 32x131072); default all",
     )
-    ap.add_argument(
-        "--replicas",
-        type=int,
-        default=None,
-        help="histogram copies of the radix select for this run (default: the library's)",
-    )
     args = ap.parse_args()
-    if args.replicas is not None:
-        triton_radix.HIST_REPLICAS = args.replicas
     cells = [tuple(int(v) for v in c.split("x")) for c in filter(None, args.cells.split(","))]
     skip = set(filter(None, args.skip.split(",")))
     out: dict = {"env": environment()}
@@ -490,7 +467,7 @@ def main() -> None:
             traceback.print_exc()
             out.setdefault("errors", []).append(f"{name}: {traceback.format_exc(limit=3)}")
         out.setdefault("section_seconds", {})[name] = round(time.perf_counter() - t0, 1)
-        out["programs_per_sm"] = {repr(k): v for k, v in occupancy._CACHE.items()}  # what the defaults used
+        out["programs_per_sm"] = occupancy.known_blocks_per_sm()  # what the defaults used
         (args.out / "indexer_bench.json").write_text(json.dumps(out, indent=1))  # keep partial results
     print(render_markdown(out))
 
@@ -503,8 +480,8 @@ def _decode_lines(out: dict) -> list[str]:
         "| batch | context | fp8 roofline µs | fp8 same-byte copy µs | fp8 logits µs (% copy) | prefetch | persistent "
         "| persistent % of same-byte copy | bf16 roofline µs "
         "| bf16 logits µs (% copy) | prefetch | persistent | top-k 512 µs (method) | logits+top-k µs | fused µs "
-        "| persistent logits+top-k µs | persistent fused µs | fused 1 copy µs | fused 11-bit µs | default µs | previous pipeline µs | torch ref µs |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| persistent logits+top-k µs | persistent fused µs | fused 11-bit µs | default µs | previous pipeline µs | torch ref µs |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in out["decode"]:
         f, b = r["fp8_e4m3"], r["bf16"]
@@ -520,7 +497,7 @@ def _decode_lines(out: dict) -> list[str]:
             f"| {pct(f, 'logits')} | {pct(f, 'prefetch')} | {pct(f, 'persistent')} "
             f"| {f['persistent_pct_same_copy']:.0f}% | {b['roofline_us']:.1f} | {pct(b, 'logits')} | {pct(b, 'prefetch')} | {pct(b, 'persistent')} "
             f"| {f['topk_us']:.1f} ({f['topk_method']}) | {f['unfused_us']:.1f} | {f['fused_us']:.1f} "
-            f"| {f['unfused_persistent_us']:.1f} | {f['fused_persistent_us']:.1f} | {f['fused_rep1_us']:.1f} "
+            f"| {f['unfused_persistent_us']:.1f} | {f['fused_persistent_us']:.1f} "
             f"| {f['fused11_us']:.1f} | {f['default_us']:.1f} | {f['old_pipeline_us']:.1f} | {'n/a' if ref is None else f'{ref:.0f}'} |"
             + (f" MISMATCH: {bad}" if bad else "")
         )

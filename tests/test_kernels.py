@@ -326,8 +326,6 @@ def test_one_launch_select_equals_the_launch_per_pass(bits: int) -> None:
 
 
 def test_one_launch_refuses_programs_that_cannot_meet() -> None:
-    """More programs than one a SM (under the interpreter: more than one chunk a row) are refused,
-    not launched to wait forever at the barrier."""
     x = torch.randn(2, 3000, device=DEV)
     st, en = (
         torch.zeros(2, dtype=torch.int32, device=DEV),
@@ -354,28 +352,3 @@ def test_radix_clamps_raw_ranges_itself(one_launch: bool) -> None:
     got = triton_radix.radix_topk(x, k, None, en, chunk=chunk, one_launch=one_launch)
     zeros = torch.zeros_like(st)
     assert torch.equal(got.sort(1).values, triton_topk.topk(x, k, zeros, en, method="bisect").sort(1).values)
-
-
-@pytest.mark.parametrize("bits", triton_radix.DIGIT_BITS)
-def test_histogram_copies_change_no_result(bits: int) -> None:
-    """A select whose histograms have 1, 8 or 32 copies (``replicated_histogram``; 2048-bin
-    histograms cap the copies at 4) gives the same entries in the same order, on rows whose
-    scores share a few top digits (the case the copies are for), and so does the fused decode
-    path's pass-0 histogram built by the logits kernel."""
-    g = _gen(15)
-    R, L = SHAPES["rows"], SHAPES["length"]
-    k = SHAPES["ks"][0]
-    x = 1.0 + torch.rand(R, L, generator=g, device=DEV) * 1e-3  # one top digit, a few second ones
-    st, en = _ranges(R, L, k, g)
-    en = torch.maximum(en, st)
-    got = {rep: triton_radix.radix_topk(x, k, st, en, bits=bits, replicas=rep) for rep in (1, 8, 32)}
-    assert torch.equal(got[1], got[8]) and torch.equal(got[1], got[32])
-    assert torch.equal(got[1].sort(1).values, topk_reference(x, k, st, en).sort(1).values)
-    qc, wf, _, paged, lens = _paged("fp8_e4m3", _gen(16))
-    fused = {
-        rep: triton_decode.decode_topk(qc, wf, paged, lens, k, fused=True, bits=bits, replicas=rep)
-        for rep in (1, 32)
-    }
-    assert torch.equal(fused[1], fused[32])
-    unfused = triton_decode.decode_topk(qc, wf, paged, lens, k, fused=False)
-    assert torch.equal(fused[1].sort(1).values, unfused.sort(1).values)

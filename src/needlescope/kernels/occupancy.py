@@ -11,7 +11,7 @@ import ctypes
 
 import torch
 
-__all__ = ["blocks_per_sm", "cached_blocks_per_sm", "normal_device"]
+__all__ = ["blocks_per_sm", "cached_blocks_per_sm", "known_blocks_per_sm", "normal_device"]
 
 _CACHE: dict = {}
 
@@ -45,3 +45,8 @@ def cached_blocks_per_sm(key: tuple, compile_kernel) -> int:
     if key not in _CACHE:
         _CACHE[key] = blocks_per_sm(compile_kernel())
     return _CACHE[key]
+
+
+def known_blocks_per_sm() -> dict:
+    """Every ``cached_blocks_per_sm`` answer so far, keyed by the repr of its key (for benchmark records)."""
+    return {repr(k): v for k, v in _CACHE.items()}

@@ -37,14 +37,12 @@ def decode_topk(
     *,
     fused: bool | None = None,
     bits: int = 8,
-    replicas: int | None = None,
     fault: str | None = None,
     logits_args: dict | None = None,
 ) -> torch.Tensor:
     """q [B, H, D] codes, w [B, H] fp32, context_lens int32 [B] -> int32 [B, k]: the exact top-k
     entries of each request (ties to the lower index, -1 padding). ``fused`` None: ``fuse_decode``;
-    ``bits``: the radix digit width of the fused path, ``replicas`` its histogram copies (None:
-    ``triton_radix.HIST_REPLICAS``).
+    ``bits``: the radix digit width of the fused path.
     ``logits_args``: tuning keywords of ``triton_logits.paged_logits``."""
     B = q.shape[0]
     # No clamping kernel: every kernel here bounds entries by the width as well as by the length.
@@ -55,9 +53,6 @@ def decode_topk(
     if not fused:
         logits = triton_logits.paged_logits(q, w, paged, lens, fault=fault, **kw)
         return triton_topk.topk(logits, k, None, lens)
-    rep = triton_radix.HIST_REPLICAS if replicas is None else replicas
     hist = triton_radix.radix_workspace(B, q.device, bits)
-    logits = triton_logits.paged_logits(
-        q, w, paged, lens, fault=fault, hist=hist[0], hist_bits=bits, hist_replicas=rep, **kw
-    )
-    return triton_radix.radix_topk(logits, k, None, lens, bits=bits, hist=hist, first_pass=1, replicas=rep)
+    logits = triton_logits.paged_logits(q, w, paged, lens, fault=fault, hist=hist[0], hist_bits=bits, **kw)
+    return triton_radix.radix_topk(logits, k, None, lens, bits=bits, hist=hist, first_pass=1)

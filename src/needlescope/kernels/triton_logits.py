@@ -19,7 +19,7 @@ import triton.language as tl
 
 from needlescope.kernels.layout import ContiguousKeys, PagedKeys
 from needlescope.kernels.occupancy import cached_blocks_per_sm, normal_device
-from needlescope.kernels.triton_radix import HIST_REPLICAS, digit0_histogram
+from needlescope.kernels.triton_radix import digit0_histogram
 from needlescope.kernels.triton_topk import INTERPRET
 
 __all__ = ["prefill_logits", "paged_logits", "INTERPRET"]
@@ -100,7 +100,6 @@ def _paged_kernel(
     FAULT_KEY_SLOT: tl.constexpr,
     PREFETCH: tl.constexpr,  # block-table entries up front, scales a page ahead (one page per MMA)
     HIST_BITS: tl.constexpr,  # > 0: also build triton_radix's first histogram of each row
-    HIST_REP: tl.constexpr,  # its copies (triton_radix.replicated_histogram)
 ):
     b = tl.program_id(0)
     chunk = tl.program_id(1)
@@ -144,7 +143,6 @@ def _paged_kernel(
             n,
             PAGES_PER_PROG * 64,
             HIST_BITS,
-            HIST_REP,
         )
 
 
@@ -170,7 +168,6 @@ def _paged_persistent_kernel(
     NATIVE_FP8: tl.constexpr,
     IEEE: tl.constexpr,
     HIST_BITS: tl.constexpr,
-    HIST_REP: tl.constexpr,
     HIST_BLOCK: tl.constexpr,
 ):
     """A few programs per SM, each scoring an equal run of consecutive pages (crossing into the
@@ -209,7 +206,7 @@ def _paged_persistent_kernel(
             sc = sc_next
         if HIST_BITS > 0:
             tl.debug_barrier()
-            _row_histogram(orow, hist_ptr, b, first * 64, last * 64, n, HIST_BLOCK, HIST_BITS, HIST_REP)
+            _row_histogram(orow, hist_ptr, b, first * 64, last * 64, n, HIST_BLOCK, HIST_BITS)
 
 
 @triton.jit
@@ -262,15 +259,13 @@ def _page_logit(
 
 
 @triton.jit
-def _row_histogram(
-    orow, hist_ptr, b, lo, hi, n, BLOCK: tl.constexpr, HIST_BITS: tl.constexpr, HIST_REP: tl.constexpr
-):
+def _row_histogram(orow, hist_ptr, b, lo, hi, n, BLOCK: tl.constexpr, HIST_BITS: tl.constexpr):
     """Add the pass-0 radix histogram of logits [lo, hi) of row b (this program just wrote them;
     the caller's barrier makes them visible to all its threads) to the row's."""
     for c in range(lo, hi, BLOCK):
         ents = c + tl.arange(0, BLOCK)
         ok = (ents < hi) & (ents < n)
-        h = digit0_histogram(tl.load(orow + ents, mask=ok, other=0.0), ok, HIST_BITS, HIST_REP)
+        h = digit0_histogram(tl.load(orow + ents, mask=ok, other=0.0), ok, HIST_BITS)
         tl.atomic_add(
             hist_ptr + (b << HIST_BITS) + tl.arange(0, 1 << HIST_BITS), h, mask=h != 0, sem="relaxed"
         )
@@ -332,9 +327,7 @@ def _modes(q: torch.Tensor, key_fp8: bool, native_fp8: bool) -> dict:
     return {"NATIVE_FP8": bool(both_fp8 and native_fp8 and not INTERPRET), "IEEE": INTERPRET}
 
 
-def _paged_args(
-    q, w, paged: PagedKeys, context_lens, out, hist, hist_bits: int, hist_replicas: int, native_fp8: bool
-) -> tuple:
+def _paged_args(q, w, paged: PagedKeys, context_lens, out, hist, hist_bits: int, native_fp8: bool) -> tuple:
     """(positional operands, constexpr keywords) shared by both paged kernels."""
     B, H, D = q.shape
     fp8 = paged.key_dtype == "fp8_e4m3"
@@ -356,7 +349,6 @@ def _paged_args(
         "BLOCK_H": max(16, triton.next_power_of_2(H)),
         "FP8": fp8,
         "HIST_BITS": 0 if hist is None else hist_bits,
-        "HIST_REP": hist_replicas,
         **_modes(q, fp8, native_fp8),
     }
     return operands, meta
@@ -380,7 +372,6 @@ def paged_logits(
     out: torch.Tensor | None = None,
     hist: torch.Tensor | None = None,
     hist_bits: int = 8,
-    hist_replicas: int = HIST_REPLICAS,
 ) -> torch.Tensor:
     """q [B, H, D] codes, w [B, H] fp32, context_lens int32 [B] -> logits fp32 [B, width] (into ``out`` if given).
 
@@ -396,8 +387,7 @@ def paged_logits(
     with ``hist``: its per-run histograms made the fused decode path 0-50 us slower than with the
     program-per-pages loop (docs/perf/indexer.md, run 10), while the logits alone gain 1-4 us.
     ``hist`` (int32 [B, 2**hist_bits], a ``triton_radix`` workspace row): also add each row's
-    pass-0 histogram of the radix select (the fused decode path), over ``hist_replicas`` copies
-    (``triton_radix.replicated_histogram``).
+    pass-0 histogram of the radix select (the fused decode path).
     """
     B = q.shape[0]
     if pages_per_mma not in (1, 2) or pages_per_prog % pages_per_mma:
@@ -405,7 +395,7 @@ def paged_logits(
     if fault is not None:  # the fault variants gather entry by entry, one page per MMA
         pages_per_mma = 1
     out = torch.empty(B, paged.width, dtype=torch.float32, device=q.device) if out is None else out
-    operands, meta = _paged_args(q, w, paged, context_lens, out, hist, hist_bits, hist_replicas, native_fp8)
+    operands, meta = _paged_args(q, w, paged, context_lens, out, hist, hist_bits, native_fp8)
     if persistent is None:
         persistent = q.is_cuda and not INTERPRET and pages_per_mma == 1 and not prefetch and hist is None
     persistent = persistent and fault is None

@@ -38,7 +38,6 @@ import torch
 import triton
 import triton.language as tl
 
-from needlescope.kernels.occupancy import normal_device
 from needlescope.kernels.triton_topk import INTERPRET, _ordered_key
 
 __all__ = ["radix_topk", "radix_chunk", "radix_plan", "radix_workspace", "digit0_histogram", "DIGIT_BITS"]
@@ -58,46 +57,11 @@ def _digits(bits: int) -> list[tuple[int, int]]:
     return out
 
 
-HIST_REPLICAS = 32
-"""Copies of every histogram a program builds (``replicated_histogram``); 1: ``tl.histogram`` alone."""
-_LANE_ASM = tl.constexpr(not INTERPRET)  # the interpreter runs no PTX
-
-
 @triton.jit
-def _lane(x):
-    """int32, x's shape: the lane (0-31) of the thread that holds each element."""
-    return tl.inline_asm_elementwise(
-        "mov.u32 $0, %laneid;", "=r,r", [x], dtype=tl.int32, is_pure=True, pack=1
-    )
-
-
-@triton.jit
-def replicated_histogram(digit, sel, NB: tl.constexpr, REP: tl.constexpr):
-    """int32 [NB]: how many selected ``digit`` (int32 [N], each in [0, NB)) fall in each bin.
-
-    ``tl.histogram`` is one shared-memory atomic per element (PTX read on Triton 3.9), and the
-    lanes of a warp that add to one bin serialize: with the few bins most scores share (the top
-    digit of similar floats) a pass over a chunk ran at ~1 us per element a thread (run 9). With
-    REP > 1 the histogram has REP copies and an element goes to copy lane % REP, so lanes adding
-    to the same bin hit different words (with 32 copies, different banks); the copies are summed.
-    Copies are capped at 8192 bins in all (32 KB of shared memory)."""
-    R: tl.constexpr = REP if REP * NB <= 8192 else max(8192 // NB, 1)
-    if R == 1:
-        h = tl.histogram(digit, NB, mask=sel)
-    else:
-        if _LANE_ASM:
-            copy = _lane(digit) % R
-        else:  # which copy an element goes to never changes the sum
-            copy = tl.arange(0, digit.shape[0]) % R
-        h = tl.sum(tl.reshape(tl.histogram(digit * R + copy, NB * R, mask=sel), [NB, R]), 1)
-    return h
-
-
-@triton.jit
-def digit0_histogram(logit, valid, BITS: tl.constexpr, REP: tl.constexpr):
+def digit0_histogram(logit, valid, BITS: tl.constexpr):
     """int32 [2**BITS]: how many of the valid fp32 ``logit`` fall in each bin of their key's top BITS bits."""
     key = _ordered_key(logit)
-    return replicated_histogram((key >> (32 - BITS)).to(tl.int32), valid, 1 << BITS, REP)
+    return tl.histogram((key >> (32 - BITS)).to(tl.int32), 1 << BITS, mask=valid)
 
 
 @triton.jit
@@ -197,7 +161,6 @@ def _hist_pass(
     P: tl.constexpr,
     NP: tl.constexpr,
     BITS: tl.constexpr,
-    REP: tl.constexpr,
 ):
     """Pass P: add the histogram of digit P over the chunk's entries matching ``prefix`` (digits
     0..P-1) to the row's; the last pass also stores the chunk's counts for the output pass."""
@@ -208,7 +171,7 @@ def _hist_pass(
     sel = m
     if P > 0:
         sel = m & ((key >> (SHIFT + WIDTH)) == prefix)
-    h = replicated_histogram(((key >> SHIFT) & ((1 << WIDTH) - 1)).to(tl.int32), sel, NB, REP)
+    h = tl.histogram(((key >> SHIFT) & ((1 << WIDTH) - 1)).to(tl.int32), NB, mask=sel)
     tl.atomic_add(hist_ptr + P * h_stride + r * NB + bins, h, mask=h != 0, sem="relaxed")
     if P == NP - 1:
         above = tl.sum((m & ((key >> WIDTH) > prefix)).to(tl.int32), 0)
@@ -247,7 +210,6 @@ def _radix_pass(
     BITS: tl.constexpr,  # digit width (the last digit may be narrower)
     SB: tl.constexpr,  # how many earlier chunks the output pass reads at a time
     HAS_START: tl.constexpr,  # False: every row starts at 0 (starts_ptr unused)
-    REP: tl.constexpr,  # histogram copies (replicated_histogram)
 ):
     """One pass of the multi-launch select: launch p runs pass p over a (row, chunk) grid."""
     r = tl.program_id(0)
@@ -273,7 +235,7 @@ def _radix_pass(
                 tl.store(state_ptr + (r * NP + PASS - 1) * 2 + 1, krem)
         cols, m, key = _chunk_keys(x_ptr, r, s, st, en, x_stride, L, CH)
         if PASS < NP:
-            _hist_pass(hist_ptr, below_ptr, r, s, S, h_stride, m, key, prefix, PASS, NP, BITS, REP)
+            _hist_pass(hist_ptr, below_ptr, r, s, S, h_stride, m, key, prefix, PASS, NP, BITS)
         else:
             _place(orow, below_ptr, r, s, S, cols, m, key, prefix, krem, K, NP, BITS, SB)
 
@@ -311,7 +273,6 @@ def _radix_one_launch(
     BITS: tl.constexpr,
     SB: tl.constexpr,
     HAS_START: tl.constexpr,
-    REP: tl.constexpr,
 ):
     """Every pass in one launch: the programs of a row meet at a counter barrier after each
     histogram pass instead of at a kernel boundary. All R x S programs must be resident at once
@@ -338,7 +299,7 @@ def _radix_one_launch(
             if P >= 1:
                 prefix, krem = _resolve(hist_ptr + (P - 1) * h_stride + r * NB, prefix, krem, P - 1, BITS)
             if P < NP:
-                _hist_pass(hist_ptr, below_ptr, r, s, S, h_stride, m, key, prefix, P, NP, BITS, REP)
+                _hist_pass(hist_ptr, below_ptr, r, s, S, h_stride, m, key, prefix, P, NP, BITS)
         _place(orow, below_ptr, r, s, S, cols, m, key, prefix, krem, K, NP, BITS, SB)
         # Leave the counter zero: the last program to get here has seen every other one leave
         # the final barrier.
@@ -362,19 +323,12 @@ def _sm_count(dev: torch.device) -> int:
     return torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 1
 
 
-def _warps(chunk: int) -> int:
-    return 4 if chunk <= 2048 else 8
-
-
 def radix_plan(rows: int, width: int, device) -> tuple[int, bool]:
     """(chunk, one launch?) for a [rows, width] select on ``device``: one launch (every pass, the
     programs of a row meeting at a counter barrier) wherever all programs fit one per SM with
     chunks of at most ``MAX_ONE_LAUNCH_CHUNK`` columns, the chunk doubled from ``radix_chunk``
     until they do; otherwise ``radix_chunk`` over five launches. Never one launch under the
-    interpreter (it runs programs one after another, so a barrier would wait forever).
-
-    Not more programs than SMs: a cooperative launch planned from the occupancy calculator
-    (several programs a SM) hung on an H100 with Triton 3.6 (run 11, docs/perf/indexer-notes.md)."""
+    interpreter (it runs programs one after another, so a barrier would wait forever)."""
     dev = torch.device(device)
     ch = radix_chunk(rows, width)
     if dev.type != "cuda" or INTERPRET:
@@ -392,7 +346,9 @@ def _cached_zeros(kind: str, shape: tuple[int, ...], device, bits: int) -> torch
     """A zero int32 buffer of at least ``shape`` (rows on dim 1 for histograms, dim 0 for
     counters), cached per (device, kind, digit width); the kernels leave it zero. Calls that share
     it must be ordered (one stream, as a decode loop's). Not cached while a CUDA graph is captured."""
-    dev = normal_device(device)  # "cuda" and "cuda:0" must share one workspace
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:  # "cuda" and "cuda:0" must share one workspace
+        dev = torch.device("cuda", torch.cuda.current_device())
     key = (dev, kind, bits)
     rows_dim = 1 if kind == "hist" else 0
     buf = _WORKSPACES.get(key)
@@ -427,21 +383,18 @@ def radix_topk(
     hist: torch.Tensor | None = None,
     first_pass: int = 0,
     one_launch: bool | None = None,
-    replicas: int | None = None,
 ) -> torch.Tensor:
     """logits fp32 [R, L], starts (None: all 0) / ends int32 [R] -> int32 [R, k]. The kernels clamp
     each range to [0, L] (end at least start).
 
     ``chunk`` (a power of two) columns per program and ``one_launch`` (every pass in one launch,
     the programs of a row meeting at a counter barrier: all R x ceil(L / chunk) programs must be
-    resident together), None: ``radix_plan``'s; ``bits`` the digit width
-    (``DIGIT_BITS``); ``replicas`` the histogram copies (None: ``HIST_REPLICAS``).
+    resident together), None: ``radix_plan``'s; ``bits`` the digit width (``DIGIT_BITS``).
     ``hist``: a workspace as ``radix_workspace`` returns (None: the cached one), with pass 0's
     histogram already built when ``first_pass`` is 1 (over exactly the entries in [start, end)).
     """
     R, L = logits.shape
     dev = logits.device
-    rep = HIST_REPLICAS if replicas is None else replicas
     plan_chunk, plan_one = radix_plan(R, L, dev)
     ch = plan_chunk if chunk is None else chunk
     one_launch = plan_one and chunk is None if one_launch is None else one_launch
@@ -467,16 +420,17 @@ def radix_topk(
         "BITS": bits,
         "SB": min(triton.next_power_of_2(S), 256),
         "HAS_START": has_start,
-        "REP": rep,
-        "num_warps": num_warps or _warps(ch),
     }
+    warps = num_warps or (4 if ch <= 2048 else 8)
     if one_launch:
         bar = _cached_zeros("barrier", (R,), dev, bits)
         _radix_one_launch[(R, S)](
-            logits, starts, ends, hist, bar, below, out, *common, FIRST=first_pass, **meta
+            logits, starts, ends, hist, bar, below, out, *common, FIRST=first_pass, **meta, num_warps=warps
         )
         return out
     state = torch.empty(R, NP, 2, dtype=torch.int32, device=dev)
     for p in range(first_pass, NP + 1):
-        _radix_pass[(R, S)](logits, starts, ends, hist, state, below, out, *common, PASS=p, **meta)
+        _radix_pass[(R, S)](
+            logits, starts, ends, hist, state, below, out, *common, PASS=p, **meta, num_warps=warps
+        )
     return out
