@@ -217,7 +217,8 @@ def _bt_entry(bt_row, page):
     into a one-slot buffer and the page loop then waits on every copy in flight (``async_wait
     0``, TTGIR read on Triton 3.9), so each page's key codes load only after the previous page's
     math; read so, the key loads get ``num_stages`` buffers and ``num_stages - 2`` stay in flight
-    across the math. ``.nc``: the table is read-only here, and its lines stay in L1."""
+    across the math. ``.nc``: the table is read-only here, and its lines stay in L1. Measured
+    with the other persistent-loop changes of run 12: ~1% faster (docs/perf/indexer-notes.md)."""
     if _ASM_LOADS:
         one = bt_row + page + tl.zeros([1], tl.int32)  # a tensor operand, as every Triton version takes
         e = tl.sum(
@@ -382,8 +383,8 @@ def paged_logits(
     ``persistent`` (one page per MMA, no prefetch, no fault): ``programs_per_sm`` programs per SM
     (None: as many as the occupancy calculator says one SM holds at once), each scoring an equal
     run of consecutive pages of the row-after-row page sequence, instead of one program per
-    ``pages_per_prog`` pages of a row. ``num_stages`` None: 3 for the persistent loop (two key
-    loads in flight across a page's math), 2 for the other. None: on CUDA wherever it applies, except
+    ``pages_per_prog`` pages of a row. ``num_stages`` None: 3 for the persistent loop (the
+    fastest of 2-4 on an H100, run 12, by ~1%), 2 for the other. None: on CUDA wherever it applies, except
     with ``hist``: its per-run histograms made the fused decode path 0-50 us slower than with the
     program-per-pages loop (docs/perf/indexer.md, run 10), while the logits alone gain 1-4 us.
     ``hist`` (int32 [B, 2**hist_bits], a ``triton_radix`` workspace row): also add each row's
