@@ -383,10 +383,11 @@ def paged_logits(
     ``persistent`` (one page per MMA, no prefetch, no fault): ``programs_per_sm`` programs per SM
     (None: as many as the occupancy calculator says one SM holds at once), each scoring an equal
     run of consecutive pages of the row-after-row page sequence, instead of one program per
-    ``pages_per_prog`` pages of a row. ``num_stages`` None: 3 for the persistent loop (the
-    fastest of 2-4 on an H100, run 12, by ~1%), 2 for the other. None: on CUDA wherever it applies, except
+    ``pages_per_prog`` pages of a row. ``persistent`` None: on CUDA wherever it applies, except
     with ``hist``: its per-run histograms made the fused decode path 0-50 us slower than with the
-    program-per-pages loop (docs/perf/indexer.md, run 10), while the logits alone gain 1-4 us.
+    program-per-pages loop (docs/perf/indexer.md, runs 10 and 12), while the logits alone gain 1-4 us.
+    ``num_stages`` None: 3 for the persistent loop (the fastest of 2-4 on an H100, run 12, by
+    ~1%), 2 for the other.
     ``hist`` (int32 [B, 2**hist_bits], a ``triton_radix`` workspace row): also add each row's
     pass-0 histogram of the radix select (the fused decode path).
     """
