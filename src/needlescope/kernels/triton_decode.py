@@ -21,11 +21,15 @@ __all__ = ["decode_topk", "fuse_decode"]
 
 
 def fuse_decode(batch: int, width: int, k: int) -> bool:
-    """Whether the fused path is used for a [batch, width] decode top-k: wherever the radix
-    select is the top-k method. Measured on the H200 (docs/perf/indexer.md, run 8): fused 4.5-7.8
-    us under logits + radix top-k from 32K tokens on; where the bisection is the method (8K
-    tokens; 64 x 32K-128K) logits + bisection is as fast or faster."""
-    return triton_topk.topk_method(batch, width, k) == "radix"
+    """Whether the fused path is used for a [batch, width] decode top-k: at batch >= 32 wherever
+    the radix select is the top-k method. Measured (docs/perf/indexer.md): on the H200 (run 8)
+    fused 4.5-7.8 us under logits + radix top-k from 32K tokens on, against the program-per-pages
+    logits; on the H100 (runs 10 and 12) the persistent logits loop, which the unfused path uses,
+    made unfused the faster at batch 1-8 in five of six cells (1 x 32K: 14.3-14.5 us against
+    16.8-16.9; 8 x 256K: 50.3 against 53.2; 8 x 128K the exception, by ~1 us), while fused stays
+    ahead at 32-64 x 256K (157.6 / 293.0 against 160.1 / 301.7). Where the bisection is the method
+    (8K tokens; 32-64 x 32K-128K) logits + bisection is as fast or faster."""
+    return batch >= 32 and triton_topk.topk_method(batch, width, k) == "radix"
 
 
 def decode_topk(
