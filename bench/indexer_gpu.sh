@@ -2,6 +2,8 @@
 # One call on one GPU: environment, kernel correctness at full shapes, the random-layer sweep at
 # 128K tokens through both kernels, then the benchmark.
 # Usage (from the repository root): OUT=/some/dir [STEPS="tests sweep bench"] bash bench/indexer_gpu.sh [bench args]
+# STEPS may also name "profile": ncu's speed-of-light, occupancy, warp-stall, scheduler and memory
+# sections of the persistent fp8 decode loop at 32 x 128K (bench/decode_profile.py), into $OUT/profile.txt.
 # Optional: wheels in $WHEELS (default .whl/; e.g. transformers for the random layer, sgl-deep-gemm
 # for the side-by-side DeepGEMM timing) are installed into /tmp/site first; nothing else is installed.
 set -uo pipefail
@@ -34,6 +36,13 @@ if [[ " $STEPS " == *" sweep "* ]]; then
     rc=$(( rc || PIPESTATUS[0] ))
     echo "sweep --kernel $kernel wall $(( ($(date +%s%N) - start) / 1000000 )) ms" | tee -a "$OUT/sweep-$kernel.log"
   done
+fi
+if [[ " $STEPS " == *" profile "* ]]; then
+  ncu --clock-control none -k regex:_paged --launch-skip 3 --launch-count 1 \
+    --section SpeedOfLight --section Occupancy --section WarpStateStats --section SchedulerStats \
+    --section MemoryWorkloadAnalysis \
+    $PY bench/decode_profile.py --batch 32 --context 131072 --loop persistent 2>&1 | tee "$OUT/profile.txt"
+  rc=$(( rc || PIPESTATUS[0] ))
 fi
 if [[ " $STEPS " == *" bench "* ]]; then
   $PY bench/indexer_bench.py --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log"
