@@ -38,6 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
+from needlescope.kernels.occupancy import normal_device
 from needlescope.kernels.triton_topk import INTERPRET, _ordered_key
 
 __all__ = ["radix_topk", "radix_chunk", "radix_plan", "radix_workspace", "digit0_histogram", "DIGIT_BITS"]
@@ -346,9 +347,7 @@ def _cached_zeros(kind: str, shape: tuple[int, ...], device, bits: int) -> torch
     """A zero int32 buffer of at least ``shape`` (rows on dim 1 for histograms, dim 0 for
     counters), cached per (device, kind, digit width); the kernels leave it zero. Calls that share
     it must be ordered (one stream, as a decode loop's). Not cached while a CUDA graph is captured."""
-    dev = torch.device(device)
-    if dev.type == "cuda" and dev.index is None:  # "cuda" and "cuda:0" must share one workspace
-        dev = torch.device("cuda", torch.cuda.current_device())
+    dev = normal_device(device)  # "cuda" and "cuda:0" must share one workspace
     key = (dev, kind, bits)
     rows_dim = 1 if kind == "hist" else 0
     buf = _WORKSPACES.get(key)
