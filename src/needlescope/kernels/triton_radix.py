@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from needlescope.kernels.occupancy import normal_device
-from needlescope.kernels.triton_topk import INTERPRET, _ordered_key
+from needlescope.kernels.triton_topk import INTERPRET, _ordered_key, _write_chunk
 
 __all__ = ["radix_topk", "radix_chunk", "radix_plan", "radix_workspace", "digit0_histogram", "DIGIT_BITS"]
 
@@ -111,12 +111,7 @@ def _place(
         above = tl.load(row + d + 1, mask=j < s, other=0, cache_modifier=".cg")
         gt_before += tl.sum(above, 0)
         eq_before += tl.sum(at_or_above - above, 0)
-    gt = (m & (key > thr)).to(tl.int32)
-    eq = (m & (key == thr)).to(tl.int32)
-    pos_gt = gt_before + tl.cumsum(gt, 0) - 1
-    tl.store(orow + pos_gt, cols, mask=gt != 0)
-    pos_eq = eq_before + tl.cumsum(eq, 0) - 1
-    tl.store(orow + (K - krem) + pos_eq, cols, mask=(eq != 0) & (pos_eq < krem))
+    _write_chunk(orow, cols, m, key, thr, krem, K, gt_before, eq_before)
 
 
 @triton.jit

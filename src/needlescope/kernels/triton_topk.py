@@ -1,7 +1,8 @@
 """Exact top-k over fp32 rows in Triton: one program per row, or a row split over many programs.
 
-``topk`` also dispatches to the cooperative radix select of ``triton_radix`` (``method``;
-``topk_method`` is the measured rule); what follows describes this module's threshold searches.
+``topk`` also dispatches to the cooperative radix select of ``triton_radix`` and to the group-max
+filter of ``triton_filter`` (``method``; ``topk_method`` is the measured rule, which does not pick the
+filter yet); what follows describes this module's threshold searches.
 
 Each fp32 score maps to a uint32 key whose unsigned order is the float order (flip all bits of
 negatives, the sign bit of positives; -0.0 is folded onto +0.0). A threshold search finds the
@@ -70,13 +71,22 @@ def _chunk(row, cand, c, offs, L, st, en, CAND: tl.constexpr):
 
 
 @triton.jit
+def _select_bin(hist, krem, NB: tl.constexpr):
+    """(the bin holding the krem-th largest of the keys counted in ``hist``, how many of the krem
+    are left to take inside that bin). Fewer than krem keys in all: bin 0."""
+    bins = tl.arange(0, NB)
+    ge = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist  # entries with digit >= bin
+    b = tl.max(tl.where(ge >= krem, bins, 0), 0)
+    return b, krem - tl.sum(tl.where(bins > b, hist, 0), 0)
+
+
+@triton.jit
 def _radix_threshold(
     row, cand, st, en, c0, L, K: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr, CAND: tl.constexpr
 ):
     """(key of the k-th largest entry, how many entries equal to it to take): one histogram pass per digit."""
     offs = tl.arange(0, BLOCK)
     NB: tl.constexpr = 1 << BITS
-    bins = tl.arange(0, NB)
     prefix = tl.zeros([], dtype=tl.uint32)
     pmask = tl.zeros([], dtype=tl.uint32)
     krem = K + tl.zeros([], dtype=tl.int32)
@@ -88,9 +98,7 @@ def _radix_threshold(
             idx, m, key = _chunk(row, cand, c, offs, L, st, en, CAND)
             sel = m & ((key & pmask) == prefix)
             hist += tl.histogram(((key >> shift) & dmask).to(tl.int32), NB, mask=sel)
-        ge = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist  # entries with digit >= bin
-        b = tl.max(tl.where(ge >= krem, bins, 0), 0)
-        krem -= tl.sum(tl.where(bins > b, hist, 0), 0)
+        b, krem = _select_bin(hist, krem, NB)
         prefix = prefix | (b.to(tl.uint32) << shift)
         pmask = pmask | (tl.full([], dmask, tl.uint32) << shift)
     return prefix, krem
@@ -135,6 +143,35 @@ def _bisect_threshold(
 
 
 @triton.jit
+def _write_chunk(orow, idx, m, key, thr, krem, K, cnt_gt, cnt_eq):
+    """Output of one chunk (entries ``idx`` with keys ``key``, mask ``m``) given the threshold key
+    ``thr`` and krem (how many entries equal to it are taken): entries above ``thr`` go to slot
+    cnt_gt onwards, ties to slot K - krem + cnt_eq onwards while fewer than krem are placed, both
+    in the chunk's order. cnt_gt / cnt_eq: how many of each the earlier chunks had; returns the
+    counts after this chunk."""
+    gt = (m & (key > thr)).to(tl.int32)
+    eq = (m & (key == thr)).to(tl.int32)
+    pos_gt = cnt_gt + tl.cumsum(gt, 0) - 1
+    tl.store(orow + pos_gt, idx, mask=gt != 0)
+    pos_eq = cnt_eq + tl.cumsum(eq, 0) - 1
+    tl.store(orow + (K - krem) + pos_eq, idx, mask=(eq != 0) & (pos_eq < krem))
+    return cnt_gt + tl.sum(gt, 0), cnt_eq + tl.sum(eq, 0)
+
+
+@triton.jit
+def _write_topk(orow, row, cand, st, en, c0, L, thr, krem, K, BLOCK: tl.constexpr, CAND: tl.constexpr):
+    """The output pass: one ``_write_chunk`` per BLOCK entries of [st, en) from c0 (``_chunk``'s
+    positions; CAND: over a candidate list), so above-threshold entries and then the ties land in
+    index order."""
+    offs = tl.arange(0, BLOCK)
+    cnt_gt = tl.zeros([], dtype=tl.int32)
+    cnt_eq = tl.zeros([], dtype=tl.int32)
+    for c in range(c0, en, BLOCK):
+        idx, m, key = _chunk(row, cand, c, offs, L, st, en, CAND)
+        cnt_gt, cnt_eq = _write_chunk(orow, idx, m, key, thr, krem, K, cnt_gt, cnt_eq)
+
+
+@triton.jit
 def _topk_kernel(
     x_ptr,  # fp32 [R, x_stride]
     cand_ptr,  # CAND: int32 [R, L] candidate columns (-1: none); unused otherwise
@@ -175,19 +212,7 @@ def _topk_kernel(
             thr, krem = _bisect_threshold(row, cand, st, en, c0, L, K, BLOCK, SINGLE, CAND)
         else:
             thr, krem = _radix_threshold(row, cand, st, en, c0, L, K, BLOCK, BITS, CAND)
-        n_above = K - krem
-        cnt_gt = tl.zeros([], dtype=tl.int32)
-        cnt_eq = tl.zeros([], dtype=tl.int32)
-        for c in range(c0, en, BLOCK):
-            idx, m, key = _chunk(row, cand, c, offs, L, st, en, CAND)
-            gt = (m & (key > thr)).to(tl.int32)
-            eq = (m & (key == thr)).to(tl.int32)
-            pos_gt = cnt_gt + tl.cumsum(gt, 0) - 1
-            tl.store(orow + pos_gt, idx, mask=gt != 0)
-            pos_eq = cnt_eq + tl.cumsum(eq, 0) - 1
-            tl.store(orow + n_above + pos_eq, idx, mask=(eq != 0) & (pos_eq < krem))
-            cnt_gt += tl.sum(gt, 0)
-            cnt_eq += tl.sum(eq, 0)
+        _write_topk(orow, row, cand, st, en, c0, L, thr, krem, K, BLOCK, CAND)
 
 
 def split_segment(rows: int, width: int, k: int) -> int:
@@ -263,6 +288,7 @@ def topk(
     method: str | None = None,
     chunk: int | None = None,
     one_launch: bool | None = None,
+    cand_block: int | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """logits fp32 [R, L], starts (None: all 0) / ends int32 [R] (clamped to [0, L]) -> int32 [R, k] (module docstring).
@@ -272,7 +298,9 @@ def topk(
     top-k among those candidates (same threshold search, ties to the lower index: the result
     equals the unsplit one). None: ``split_segment``'s choice; 0: never split.
     ``method``: ``radix`` (``triton_radix.radix_topk``: ``chunk`` columns a program, ``bits`` its
-    digit width, 8 or 11, ``one_launch`` every pass in one launch) or ``bisect`` (the threshold searches here); None: ``topk_method``'s choice.
+    digit width, 8 or 11, ``one_launch`` every pass in one launch), ``filter``
+    (``triton_filter.filter_topk``: group-max filtering, ``block`` and ``cand_block`` its blocks) or
+    ``bisect`` (the threshold searches here); None: ``topk_method``'s choice.
     ``out`` (int32 [R, k], optional) is written in place; every element gets written.
     """
     R, L = logits.shape
@@ -297,8 +325,14 @@ def topk(
             out=out,
             one_launch=one_launch,
         )
+    if method == "filter":  # one launch; the kernel clamps the ranges itself
+        from needlescope.kernels.triton_filter import filter_topk
+
+        return filter_topk(
+            logits, k, starts, ends, block=block, cand_block=cand_block, num_warps=num_warps, out=out
+        )
     if method != "bisect":
-        raise ValueError(f"method must be radix or bisect, got {method!r}")
+        raise ValueError(f"method must be radix, filter or bisect, got {method!r}")
     ends = ends.to(device=logits.device, dtype=torch.int32)
     st = torch.zeros_like(ends) if starts is None else starts.to(torch.int32).clamp(0, L).contiguous()
     en = torch.maximum(ends.clamp(0, L), st).contiguous()
