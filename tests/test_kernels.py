@@ -68,7 +68,8 @@ def _ranges(rows: int, length: int, k: int, g: torch.Generator) -> tuple[torch.T
 
 # Threshold searches: bisection with the row in registers, bisection over chunks, radix select; rows
 # split over several programs (exact per-segment top-k, then a merge over the candidates); and the
-# cooperative radix select of triton_radix (every row split into chunks, 8 bits a pass).
+# cooperative radix select of triton_radix (every row split into chunks, 8 bits a pass); the
+# group-max filter of triton_filter (one program a row), also with more candidates than registers.
 ALGOS = {
     "bisect-registers": {"method": "bisect", "bits": 0},
     "bisect-chunks": {"method": "bisect", "bits": 0, "block": 1024},
@@ -79,6 +80,8 @@ ALGOS = {
     "coop-radix": {"method": "radix"},
     "coop-radix-small-chunks": {"method": "radix", "chunk": 256},
     "coop-radix11": {"method": "radix", "bits": 11, "chunk": 512},
+    "filter": {"method": "filter"},  # triton_filter: group maxima, candidates, exact search
+    "filter-small-cand": {"method": "filter", "cand_block": 64, "block": 1024},  # chunked search
     "default": {},
 }
 
