@@ -146,10 +146,18 @@ def decode_cell(cfg: dict, c: dict, kd: str, k: int) -> dict:
         res[f"{name}_us"] = t
         res[f"{name}_pct_copy"] = 100 * res["roofline_us"] / t
         res[f"{name}_pct_same_copy"] = 100 * res["copy_same_bytes_us"] / t
+    if nbytes >= GRAPH_TIMED_BYTES:
+        graph_timings(res, nbytes, partial(triton_logits.paged_logits, *args, out=base, persistent=True))
+    res["persistent_host_us"] = host_time(
+        partial(triton_logits.paged_logits, *args, out=base, persistent=True)
+    )
     if kd != "fp8_e4m3":
         return res
     res["topk_us"] = med(partial(triton_topk.topk, base, k, zeros, c["lens"]), graph=True)
     res["topk_method"] = triton_topk.topk_method(*base.shape, k)
+    res["topk_filter_us"] = med(
+        partial(triton_topk.topk, base, k, zeros, c["lens"], method="filter"), graph=True
+    )
     want = triton_topk.topk(base, k, zeros, c["lens"], method="bisect").sort(1).values
     pipelines = {
         "unfused": partial(
@@ -163,6 +171,10 @@ def decode_cell(cfg: dict, c: dict, kd: str, k: int) -> dict:
             triton_decode.decode_topk, *args, k, fused=True, logits_args={"persistent": True}
         ),
         "fused11": partial(triton_decode.decode_topk, *args, k, fused=True, bits=11),
+        "unfused_filter": lambda: triton_topk.topk(
+            triton_logits.paged_logits(*args), k, None, c["lens"], method="filter"
+        ),
+        "fused_filter": partial(triton_decode.decode_topk, *args, k, fused=True, select="filter"),
         "default": partial(triton_decode.decode_topk, *args, k),
         "old_pipeline": lambda: triton_topk.topk(
             triton_logits.paged_logits(*args, persistent=False), k, zeros, c["lens"], method="bisect"
@@ -171,7 +183,44 @@ def decode_cell(cfg: dict, c: dict, kd: str, k: int) -> dict:
     for name, fn in pipelines.items():
         res[f"{name}_same_set"] = bool(torch.equal(fn().sort(1).values, want))
         res[f"{name}_us"] = med(fn, graph=True)
+        if name in ("default", "fused_filter", "unfused_filter"):
+            res[f"{name}_host_us"] = host_time(fn)
     return res
+
+
+GRAPH_TIMED_BYTES = 100 << 20
+"""Decode cells moving at least this many bytes (twice an H100's or H200's 50 MB L2) are also
+timed by CUDA-graph replays without an L2 flush: a call finds none of its keys left in L2 by the
+previous one (they are read in the same order, and ~100 MB of other keys come in between), and
+no flush leaves ~50 MB of dirty lines for the call to write back. ncu's duration of the
+persistent fp8 loop at 32 x 128K (54.8 us, run 13) against do_bench's 63.1 us measured that
+write-back and the flush's launch gap as ~8 us of the flushed time."""
+
+
+def host_time(fn, calls: int = 200) -> float:
+    """Host microseconds a call of ``fn`` takes to launch its work (no synchronization inside the
+    timed loop; the GPU queue absorbs the calls). Where it exceeds the flush's ~85 us, do_bench's
+    flushed times include launch gaps."""
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t = (time.perf_counter() - t0) / calls * 1e6
+    torch.cuda.synchronize()
+    return t
+
+
+def graph_timings(res: dict, nbytes: int, fn, prefix: str = "persistent") -> None:
+    """``fn``'s CUDA-graph replay time and a same-byte copy's, and the percentages of the copy rate."""
+    half = torch.empty(nbytes // 2, dtype=torch.uint8, device=DEV)
+    other = torch.empty_like(half)
+    res["copy_same_bytes_graph_us"] = med(partial(other.copy_, half), graph=True)
+    del half, other
+    t = med(fn, graph=True)
+    res[f"{prefix}_graph_us"] = t
+    res[f"{prefix}_graph_pct_copy"] = 100 * res["roofline_us"] / t
+    res[f"{prefix}_graph_pct_same_copy"] = 100 * res["copy_same_bytes_graph_us"] / t
 
 
 def bench_decode(cfg: dict, out: dict, quick: bool, cells: list[tuple[int, int]] | None = None) -> None:
@@ -199,47 +248,51 @@ def bench_decode(cfg: dict, out: dict, quick: bool, cells: list[tuple[int, int]]
     out["decode"] = rows
 
 
-DECODE_CONFIGS = [  # (pages per program, warps, stages, prefetch): the best two of runs 7-9
-    (8, 4, 2, False),
-    (8, 4, 3, True),
-]
+LOOP_VARIANTS = {  # the persistent loop's variants (paged_logits keywords)
+    "persistent": {},
+    "late_scales": {"late_scales": True},
+    "q_as_a": {"q_as_a": True},
+    "q_as_a_late": {"q_as_a": True, "late_scales": True},
+    "tma": {"tma": True},
+    "tma_late": {"tma": True, "late_scales": True},
+    "tma_q_as_a_late": {"tma": True, "q_as_a": True, "late_scales": True},
+    "stages4_late": {"late_scales": True, "num_stages": 4},
+}
 
 
-PERSISTENT_CONFIGS = [(None, 4, 2), (None, 4, 3), (None, 4, 4), (8, 4, 2), (6, 4, 3), (5, 4, 4), (4, 8, 3)]
-"""(programs per SM, None: what the occupancy calculator allows; warps; stages) of the persistent loop."""
-
-
-def bench_decode_variants(out: dict) -> None:
-    """Logits configs at the four goal cells (batch 32/64 x 128K/256K), fp8 keys."""
+def bench_decode_variants(cfg: dict, out: dict, cells: list[tuple[int, int]] | None = None) -> None:
+    """The persistent loop's variants at the goal cells (batch 32/64 x 128K/256K) for both key
+    dtypes: flushed (do_bench) and graph-replay times, each against the copy roofline; every
+    variant's logits checked equal to the default loop's."""
     res = []
-    for B, ctx in ((32, 131072), (64, 131072), (32, 262144), (64, 262144)):
-        for kd in ("fp8_e4m3",):
+    for B, ctx in cells or ((32, 131072), (64, 131072), (32, 262144), (64, 262144)):
+        for kd in ("fp8_e4m3", "bf16"):
             c = decode_case(B, ctx, kd, seed=B * 7 + ctx)
             args = (c["q"], c["w"], c["paged"], c["lens"])
-            o = triton_logits.paged_logits(*args)
-            configs = [
-                {
-                    "pages_per_prog": ppp,
-                    "num_warps": nw,
-                    "num_stages": ns,
-                    "prefetch": pre,
-                    "persistent": False,
-                }
-                for ppp, nw, ns, pre in DECODE_CONFIGS
-            ] + [
-                {"programs_per_sm": pps, "num_warps": nw, "num_stages": ns, "persistent": True}
-                for pps, nw, ns in PERSISTENT_CONFIGS
-            ]
-            for kw in configs:
+            want = triton_logits.paged_logits(*args, persistent=True)
+            o = torch.empty_like(want)
+            nbytes = decode_bytes(c, kd)
+            row = {
+                "batch": B,
+                "context": ctx,
+                "key_dtype": kd,
+                "roofline_us": nbytes / cfg["copy_GBps"] / 1e3,
+            }
+            for name, kw in LOOP_VARIANTS.items():
+                fn = partial(triton_logits.paged_logits, *args, out=o, persistent=True, **kw)
                 try:
-                    t = med(partial(triton_logits.paged_logits, *args, out=o, **kw))
-                except Exception as e:  # a config that does not fit (registers, shared memory)
-                    print(f"decode variant {kw}: {type(e).__name__}: {str(e)[:120]}")
-                    continue
-                res.append({"batch": B, "context": ctx, "key_dtype": kd, **kw, "us": t})
-            del c, args, o
+                    o.fill_(float("nan"))
+                    fn()
+                    row[f"{name}_equal"] = bool(torch.equal(o, want))
+                    row[f"{name}_us"] = med(fn)
+                    graph_timings(row, nbytes, fn, prefix=name)
+                except Exception as e:  # a variant that does not compile here (registers, TMA)
+                    row[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                    print(f"loop variant {name} {B}x{ctx} {kd}: {row[f'{name}_error']}", flush=True)
+            print(json.dumps(row), flush=True)
+            res.append(row)
+            del c, args, o, want
             torch.cuda.empty_cache()
-    print(json.dumps(res), flush=True)
     out["decode_variants"] = res
 
 
@@ -313,7 +366,10 @@ def topk_variants(k: int, rows: int, length: int) -> dict:
         "unsplit": lambda x, st, en: tk(x, k, st, en, method="bisect", segment=0),
         "split": lambda x, st, en: tk(x, k, st, en, method="bisect"),
         "default": lambda x, st, en: tk(x, k, st, en),
+        "filter": lambda x, st, en: tk(x, k, st, en, method="filter"),
     }
+    for warps in (4, 8, 16):
+        v[f"filter/w{warps}"] = lambda x, st, en, nw=warps: tk(x, k, st, en, method="filter", num_warps=nw)
     for bits, ch in ((8, 512), (8, 1024), (8, 2048), (11, 2048)):  # 11 bits: 2-10x slower (run 8)
         v[f"radix/{bits}/{ch}"] = lambda x, st, en, b=bits, c=ch: tk(
             x, k, st, en, method="radix", bits=b, chunk=c, one_launch=False
@@ -452,7 +508,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     sections = [
         ("topk", lambda: bench_topk(out, args.quick)),
-        ("variants", lambda: bench_decode_variants(out)),
+        ("variants", lambda: bench_decode_variants(out["ceilings"], out, cells or None)),
         ("decode", lambda: bench_decode(out["ceilings"], out, args.quick, cells or None)),
         ("prefill", lambda: bench_prefill(out["ceilings"], out, args.quick)),
         ("deepgemm", lambda: bench_deepgemm(out)),
@@ -474,14 +530,21 @@ def main() -> None:
 
 def _decode_lines(out: dict) -> list[str]:
     def pct(cell: dict, name: str) -> str:
+        if f"{name}_us" not in cell:
+            return "n/a"
         return f"{cell[name + '_us']:.1f} ({cell[name + '_pct_copy']:.0f}%)"
 
+    def us(cell: dict, name: str) -> str:
+        return f"{cell[name]:.1f}" if name in cell else "n/a"
+
     lines = [
-        "| batch | context | fp8 roofline µs | fp8 same-byte copy µs | fp8 logits µs (% copy) | prefetch | persistent "
-        "| persistent % of same-byte copy | bf16 roofline µs "
-        "| bf16 logits µs (% copy) | prefetch | persistent | top-k 512 µs (method) | logits+top-k µs | fused µs "
-        "| persistent logits+top-k µs | persistent fused µs | fused 11-bit µs | default µs | previous pipeline µs | torch ref µs |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "Logits: flushed = do_bench with an L2 flush between calls; graph = CUDA-graph replays (cells of at "
+        "least 100 MB); % of the 1 GiB copy rate. Pipelines and top-k: graph replays.",
+        "",
+        "| batch | context | fp8 roofline µs | same-byte copy µs flushed / graph | fp8 persistent flushed | fp8 persistent graph "
+        "| bf16 persistent flushed | top-k 512 µs (method) | filter top-k µs | logits+top-k µs | fused radix µs "
+        "| logits+filter µs | fused filter µs | default µs | previous pipeline µs | torch ref µs |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in out["decode"]:
         f, b = r["fp8_e4m3"], r["bf16"]
@@ -493,12 +556,12 @@ def _decode_lines(out: dict) -> list[str]:
             if n.endswith(("_same_set", "_equal")) and not v
         ]
         lines.append(
-            f"| {r['batch']} | {r['context'] // 1024}K | {f['roofline_us']:.1f} | {f['copy_same_bytes_us']:.1f} "
-            f"| {pct(f, 'logits')} | {pct(f, 'prefetch')} | {pct(f, 'persistent')} "
-            f"| {f['persistent_pct_same_copy']:.0f}% | {b['roofline_us']:.1f} | {pct(b, 'logits')} | {pct(b, 'prefetch')} | {pct(b, 'persistent')} "
-            f"| {f['topk_us']:.1f} ({f['topk_method']}) | {f['unfused_us']:.1f} | {f['fused_us']:.1f} "
-            f"| {f['unfused_persistent_us']:.1f} | {f['fused_persistent_us']:.1f} "
-            f"| {f['fused11_us']:.1f} | {f['default_us']:.1f} | {f['old_pipeline_us']:.1f} | {'n/a' if ref is None else f'{ref:.0f}'} |"
+            f"| {r['batch']} | {r['context'] // 1024}K | {f['roofline_us']:.1f} "
+            f"| {f['copy_same_bytes_us']:.1f} / {us(f, 'copy_same_bytes_graph_us')} "
+            f"| {pct(f, 'persistent')} | {pct(f, 'persistent_graph')} | {pct(b, 'persistent')} "
+            f"| {f['topk_us']:.1f} ({f['topk_method']}) | {us(f, 'topk_filter_us')} | {f['unfused_persistent_us']:.1f} "
+            f"| {f['fused_us']:.1f} | {us(f, 'unfused_filter_us')} | {us(f, 'fused_filter_us')} "
+            f"| {f['default_us']:.1f} | {f['old_pipeline_us']:.1f} | {'n/a' if ref is None else f'{ref:.0f}'} |"
             + (f" MISMATCH: {bad}" if bad else "")
         )
     return [*lines, ""]
@@ -506,18 +569,21 @@ def _decode_lines(out: dict) -> list[str]:
 
 def _topk_lines(out: dict) -> list[str]:
     lines = [
-        "| rows | length | k | torch.topk µs | unsplit µs | split µs | best radix µs (bits/chunk) | default µs (method) | default / torch.topk |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| rows | length | k | torch.topk µs | unsplit µs | split µs | best radix µs (bits/chunk) | filter µs (best warps) "
+        "| default µs (method) | default / torch.topk |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     nan = {"us": float("nan"), "same_set": True}
     for r in out["topk"]:
         radix = {n: v for n, v in r.items() if n.startswith("radix") and isinstance(v, dict)}
         best = min(radix, key=lambda n: radix[n]["us"]) if radix else "radix/none"
         g = lambda n, r=r: r.get(n, nan)["us"]  # noqa: E731
+        filt = {n: v for n, v in r.items() if n.startswith("filter/") and isinstance(v, dict)}
+        best_filter = min(filt, key=lambda n: filt[n]["us"]) if filt else "filter/none"
         bad = [n for n, v in r.items() if isinstance(v, dict) and not v["same_set"]]
         lines.append(
             f"| {r['rows']} | {r['length']} | {r['k']} | {g('torch.topk'):.1f} | {g('unsplit'):.1f} | {g('split'):.1f} "
-            f"| {g(best):.1f} ({best}) | {g('default'):.1f} ({r['method']}, chunk {r['default_chunk']}"
+            f"| {g(best):.1f} ({best}) | {g('filter'):.1f} ({g(best_filter):.1f} {best_filter}) | {g('default'):.1f} ({r['method']}, chunk {r['default_chunk']}"
             f"{', one launch' if r.get('default_one_launch') else ''}) "
             f"| {g('default') / g('torch.topk'):.2f} |" + (f" DIFFERENT SETS: {bad}" if bad else "")
         )
@@ -525,19 +591,26 @@ def _topk_lines(out: dict) -> list[str]:
 
 
 def _variant_lines(out: dict) -> list[str]:
+    names = list(LOOP_VARIANTS)
     lines = [
-        "| batch | context | keys | loop | pages/prog or programs/SM | warps | stages | prefetch | µs |",
-        "|---:|---:|---|---|---:|---:|---:|---|---:|",
+        "Persistent loop variants, µs flushed / graph-replayed (graph % of the copy rate); same-byte copy graph-replayed:",
+        "",
+        "| batch | context | keys | roofline µs | same-byte copy µs | " + " | ".join(names) + " |",
+        "|---:|---:|---|---:|---:|" + "---:|" * len(names),
     ]
     for v in out["decode_variants"]:
-        loop, size = (
-            ("persistent", v["programs_per_sm"] or "occupancy")
-            if v.get("persistent")
-            else ("per pages", v["pages_per_prog"])
-        )
+        cells = []
+        for n in names:
+            if f"{n}_us" not in v:
+                cells.append("error")
+                continue
+            cells.append(
+                f"{v[n + '_us']:.1f} / {v[n + '_graph_us']:.1f} ({v[n + '_graph_pct_copy']:.0f}%)"
+                + ("" if v[f"{n}_equal"] else " DIFFERENT")
+            )
         lines.append(
-            f"| {v['batch']} | {v['context'] // 1024}K | {v['key_dtype']} | {loop} | {size} | {v['num_warps']} "
-            f"| {v['num_stages']} | {v.get('prefetch', False)} | {v['us']:.1f} |"
+            f"| {v['batch']} | {v['context'] // 1024}K | {v['key_dtype']} | {v['roofline_us']:.1f} "
+            f"| {v.get('copy_same_bytes_graph_us', float('nan')):.1f} | " + " | ".join(cells) + " |"
         )
     return [*lines, ""]
 

@@ -196,32 +196,57 @@ def test_paged_logits_match_contiguous_reference(key_dtype: str, pages_per_mma: 
     _check_logits(out, ref)
 
 
-@pytest.mark.parametrize("programs_per_sm", [1, 2, 4, None])
+PERSISTENT_LOOPS = {  # programs per SM, then paged_logits' loop keywords
+    "1-per-sm": (1, {}),
+    "2-per-sm": (2, {}),
+    "4-per-sm-q-as-a": (4, {"q_as_a": True}),
+    "occupancy-late-scales": (None, {"late_scales": True}),
+    "tma": (2, {"tma": True}),
+    "tma-q-as-a-late-scales": (None, {"tma": True, "q_as_a": True, "late_scales": True}),
+}
+
+
+@pytest.mark.parametrize("loop", list(PERSISTENT_LOOPS))
 @pytest.mark.parametrize("key_dtype", ["bf16", "fp8_e4m3"])
-def test_persistent_paged_logits_match_reference_and_histogram(key_dtype: str, programs_per_sm: int) -> None:
+def test_persistent_paged_logits_match_reference_histogram_and_group_maxima(
+    key_dtype: str, loop: str
+) -> None:
     """The persistent loop (equal runs of consecutive pages, crossing rows mid-run: under the
     interpreter one SM, so 1, 2, 4 or, left to the occupancy rule, 8 programs over 3 rows; on a
-    GPU that rule asks the occupancy calculator) gives the reference's logits and the
-    same pass-0 histograms as the program-per-pages kernel."""
+    GPU that rule asks the occupancy calculator), with plain or TMA loads and either MMA operand
+    order, gives the reference's logits and the same pass-0 histograms as the program-per-pages
+    kernel; its group maxima are the largest keys of each 16 consecutive entries."""
+    programs_per_sm, loop_kw = PERSISTENT_LOOPS[loop]
     qc, wf, keys, paged, lens = _paged(key_dtype, _gen(6))
     out = torch.full((3, paged.width), float("nan"), device=DEV)
     hist = torch.zeros(3, 256, dtype=torch.int32, device=DEV)
-    triton_logits.paged_logits(
-        qc, wf, paged, lens, out=out, persistent=True, programs_per_sm=programs_per_sm, hist=hist
-    )
+    pages = paged.block_table.shape[1]
+    gmax = torch.full((3, pages * 4 + 1), POISON_IDX, dtype=torch.int32, device=DEV)
+    kw = {"persistent": True, "programs_per_sm": programs_per_sm, **loop_kw}
+    triton_logits.paged_logits(qc, wf, paged, lens, out=out, hist=hist, gmax=gmax, **kw)
     zeros = torch.zeros_like(lens)
     _check_logits(out, logits_reference(qc, wf, keys, zeros, lens, dtype=torch.float64))
     want = torch.zeros_like(hist)
     triton_logits.paged_logits(qc, wf, paged, lens, hist=want)
     assert torch.equal(hist, want)
     assert hist.sum(1).tolist() == lens.tolist()
+    assert (gmax[:, -1] == POISON_IDX).all(), "written past the page groups"
+    want_max = _ordered_keys(out).view(3, pages * 4, 16).max(dim=2).values
+    assert torch.equal(gmax[:, :-1].long() & 0xFFFFFFFF, want_max)
+
+
+def _ordered_keys(x: torch.Tensor) -> torch.Tensor:
+    """int64 keys with the float order of fp32 ``x`` (``triton_topk._ordered_key``'s mapping)."""
+    u = x.contiguous().view(torch.int32).long() & 0xFFFFFFFF
+    u = torch.where(u == 0x80000000, 0, u)
+    return torch.where(u >= 0x80000000, u ^ 0xFFFFFFFF, u ^ 0x80000000)
 
 
 @pytest.mark.parametrize("key_dtype", ["bf16", "fp8_e4m3"])
 def test_fused_decode_topk_equals_logits_then_topk(key_dtype: str) -> None:
-    """The fused path (pass 0 of the radix select inside the logits kernel) gives the radix
-    select's result on the kernel's logits exactly, order included; its set equals the unfused
-    path's and the reference's. (Orders differ between methods: the bisection's threshold need
+    """The fused paths (pass 0 of the radix select, or the filter's group maxima, inside the
+    logits kernel) give their select's result on the kernel's logits exactly, order included;
+    their sets equal the unfused path's and the reference's. (Orders differ between methods: the bisection's threshold need
     not be an entry's key, so with no tie at the k-th entry it lists all k in index order.)"""
     qc, wf, keys, paged, lens = _paged(key_dtype, _gen(10))
     zeros = torch.zeros_like(lens)
@@ -229,9 +254,13 @@ def test_fused_decode_topk_equals_logits_then_topk(key_dtype: str) -> None:
     for k in (*SHAPES["ks"], 100):
         fused = triton_decode.decode_topk(qc, wf, paged, lens, k, fused=True)
         fused11 = triton_decode.decode_topk(qc, wf, paged, lens, k, fused=True, bits=11)
+        fused_filter = triton_decode.decode_topk(qc, wf, paged, lens, k, fused=True, select="filter")
         logits = triton_logits.paged_logits(qc, wf, paged, lens)
         assert torch.equal(fused, triton_topk.topk(logits, k, zeros, lens, method="radix")), k
         assert torch.equal(fused11, fused), k
+        # The filter path from the logits kernel's group maxima gives what it gives from its own.
+        assert torch.equal(fused_filter, triton_topk.topk(logits, k, zeros, lens, method="filter")), k
+        assert torch.equal(fused_filter.sort(1).values, fused.sort(1).values), k
         unfused = triton_decode.decode_topk(qc, wf, paged, lens, k, fused=False)
         assert torch.equal(fused.sort(1).values, unfused.sort(1).values), k
         # Exact selection on the kernel's logits; those are checked against the float64

@@ -40,13 +40,16 @@ def decode_topk(
     k: int,
     *,
     fused: bool | None = None,
+    select: str = "radix",
     bits: int = 8,
     fault: str | None = None,
     logits_args: dict | None = None,
 ) -> torch.Tensor:
     """q [B, H, D] codes, w [B, H] fp32, context_lens int32 [B] -> int32 [B, k]: the exact top-k
-    entries of each request (ties to the lower index, -1 padding). ``fused`` None: ``fuse_decode``;
-    ``bits``: the radix digit width of the fused path.
+    entries of each request (ties to the lower index, -1 padding). ``fused`` None: ``fuse_decode``.
+    ``select``: the fused path's top-k: ``radix`` (pass 0's histogram in the logits kernel, ``bits``
+    its digit width) or ``filter`` (the logits kernel writes the group maxima ``triton_filter``
+    starts from, so the select reads the logits row once).
     ``logits_args``: tuning keywords of ``triton_logits.paged_logits``."""
     B = q.shape[0]
     # No clamping kernel: every kernel here bounds entries by the width as well as by the length.
@@ -57,6 +60,19 @@ def decode_topk(
     if not fused:
         logits = triton_logits.paged_logits(q, w, paged, lens, fault=fault, **kw)
         return triton_topk.topk(logits, k, None, lens)
+    if select == "filter":
+        from needlescope.kernels import triton_filter
+
+        if fault is not None:  # the fault variants have no persistent loop to write group maxima
+            logits = triton_logits.paged_logits(q, w, paged, lens, fault=fault, **kw)
+            return triton_filter.filter_topk(logits, k, None, lens)
+        gmax = torch.empty(
+            B, paged.block_table.shape[1] * triton_logits.GROUPS_PER_PAGE, dtype=torch.int32, device=q.device
+        )
+        logits = triton_logits.paged_logits(q, w, paged, lens, fault=fault, gmax=gmax, **kw)
+        return triton_filter.filter_topk(logits, k, None, lens, gmax=gmax)
+    if select != "radix":
+        raise ValueError(f"select must be radix or filter, got {select!r}")
     hist = triton_radix.radix_workspace(B, q.device, bits)
     logits = triton_logits.paged_logits(q, w, paged, lens, fault=fault, hist=hist[0], hist_bits=bits, **kw)
     return triton_radix.radix_topk(logits, k, None, lens, bits=bits, hist=hist, first_pass=1)

@@ -20,7 +20,7 @@ import triton.language as tl
 from needlescope.kernels.layout import ContiguousKeys, PagedKeys
 from needlescope.kernels.occupancy import cached_blocks_per_sm, normal_device
 from needlescope.kernels.triton_radix import digit0_histogram
-from needlescope.kernels.triton_topk import INTERPRET
+from needlescope.kernels.triton_topk import INTERPRET, _ordered_key
 
 __all__ = ["prefill_logits", "paged_logits", "INTERPRET"]
 
@@ -152,16 +152,19 @@ def _paged_persistent_kernel(
     w_ptr,
     vals_ptr,
     scales_ptr,
+    kdesc,  # TMA: a tensor descriptor of the key codes [P, 64, D] (vals_ptr otherwise, unused)
     bt_ptr,
     lens_ptr,
     out_ptr,
     hist_ptr,
+    gmax_ptr,  # GMAX: int32 [B, gmax_stride] group maxima (unused otherwise)
     H,
     bt_stride,
     out_stride,
     pages_per_row,
     total,  # B * pages_per_row: the pages of all rows, row after row
     progs,  # programs: program p scores pages [p * total // progs, (p + 1) * total // progs)
+    gmax_stride,
     D: tl.constexpr,
     BLOCK_H: tl.constexpr,
     FP8: tl.constexpr,
@@ -169,6 +172,10 @@ def _paged_persistent_kernel(
     IEEE: tl.constexpr,
     HIST_BITS: tl.constexpr,
     HIST_BLOCK: tl.constexpr,
+    TMA: tl.constexpr,  # key codes by tensor-memory-accelerator loads
+    LATE_SCALES: tl.constexpr,  # load the next page's scales after this page's math, not before
+    Q_AS_A: tl.constexpr,  # queries as the MMA's A operand (registers), keys as B
+    GMAX: tl.constexpr,  # also write each page's 4 group maxima (``GROUPS_PER_PAGE``)
 ):
     """A few programs per SM, each scoring an equal run of consecutive pages (crossing into the
     next row at most a few times): no program tail, one prologue (queries, weights, pipeline
@@ -189,24 +196,43 @@ def _paged_persistent_kernel(
         n = tl.load(lens_ptr + b)
         bt_row = bt_ptr + b * bt_stride
         orow = out_ptr + (tl.zeros([], tl.int64) + b) * out_stride  # b: a plain int under the interpreter
+        grow = gmax_ptr + (tl.zeros([], tl.int64) + b) * gmax_stride
         sc = _page_scales(scales_ptr, _bt_entry(bt_row, first), offs_e, first * 64 + offs_e < n, D, FP8)
         for page in range(first, last):
             ent = page * 64 + offs_e
             valid = ent < n
-            # The next page's scales now (a load the pipeliner leaves in the loop, where it would
-            # wait a full memory latency every page); its key codes come through the pipeline.
+            nxt = tl.minimum(page + 1, last - 1)
             ahead = (ent + 64 < n) & (ent + 64 < last * 64)  # page + 1 < last
-            sc_next = _page_scales(
-                scales_ptr, _bt_entry(bt_row, tl.minimum(page + 1, last - 1)), offs_e, ahead, D, FP8
-            )
-            logit = _page_logit(
-                q, w, vals_ptr, _bt_entry(bt_row, page), offs_e, sc, valid, offs_d, D, FP8, NATIVE_FP8, IEEE
-            )
+            if not LATE_SCALES:  # the next page's scales before this page's math
+                sc_next = _page_scales(scales_ptr, _bt_entry(bt_row, nxt), offs_e, ahead, D, FP8)
+            phys = _bt_entry(bt_row, page)
+            if TMA:  # out-of-range pages (past the length, any table entry) load zeros or unused codes
+                k = tl.reshape(kdesc.load([phys.to(tl.int32), 0, 0]), (64, D))
+            else:
+                k = _page_codes(vals_ptr, phys, offs_e, valid, offs_d, D, FP8)
+            logit = _entry_logits(q, w, k, sc, valid, NATIVE_FP8, IEEE, Q_AS_A)
             tl.store(orow + ent, logit, mask=ent < out_stride)
-            sc = sc_next
+            if GMAX:
+                _store_group_max(grow, page, logit)
+            if LATE_SCALES:  # after this page's last use of sc: the load can take its register
+                sc = _page_scales(scales_ptr, _bt_entry(bt_row, nxt), offs_e, ahead, D, FP8)
+            else:
+                sc = sc_next
         if HIST_BITS > 0:
             tl.debug_barrier()
             _row_histogram(orow, hist_ptr, b, first * 64, last * 64, n, HIST_BLOCK, HIST_BITS)
+
+
+GROUPS_PER_PAGE = 4
+"""Group maxima a page gives the filter top-k (``triton_filter``): 16 entries a group."""
+
+
+@triton.jit
+def _store_group_max(grow, page, logit):
+    """The ordered-key maxima of the page's 4 groups of 16 consecutive logits."""
+    key = _ordered_key(logit)
+    g = tl.max(tl.reshape(key, (4, 16)), axis=1)
+    tl.store(grow + page * 4 + tl.arange(0, 4), g.to(tl.int32, bitcast=True))
 
 
 @triton.jit
@@ -233,6 +259,28 @@ def _bt_entry(bt_row, page):
 
 
 @triton.jit
+def _page_codes(vals_ptr, phys, slot, valid, offs_d, D: tl.constexpr, FP8: tl.constexpr):
+    """[E, D] key codes of E paged entries (physical page, slot); 0 where not valid."""
+    if FP8:
+        kp = vals_ptr + phys * (64 * (D + 4)) + slot * D
+    else:
+        kp = vals_ptr + (phys * 64 + slot) * D
+    return tl.load(kp[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
+
+
+@triton.jit
+def _entry_logits(q, w, k, sc, valid, NATIVE_FP8: tl.constexpr, IEEE: tl.constexpr, Q_AS_A: tl.constexpr):
+    """fp32 [E]: ``sc * sum_h w[h] * ReLU(q[h] . k[e])``, -inf where not valid (q [H, D], k [E, D])."""
+    if Q_AS_A:  # heads as the MMA's rows: q stays in registers, the head sum crosses warps
+        s = _scores(q, k, NATIVE_FP8, IEEE)  # [H, E]
+        logit = tl.sum(tl.maximum(s, 0.0) * w[:, None], axis=0) * sc
+    else:  # entries as the MMA's rows, heads as its columns: the head sum stays inside each warp
+        s = _scores(k, q, NATIVE_FP8, IEEE)  # [E, H]
+        logit = tl.sum(tl.maximum(s, 0.0) * w[None, :], axis=1) * sc
+    return tl.where(valid, logit, float("-inf"))
+
+
+@triton.jit
 def _page_logit(
     q,
     w,
@@ -248,15 +296,8 @@ def _page_logit(
     IEEE: tl.constexpr,
 ):
     """fp32 [E]: the logits of E paged entries (physical page, slot, key scale), -inf where not valid."""
-    if FP8:
-        kp = vals_ptr + phys * (64 * (D + 4)) + slot * D
-    else:
-        kp = vals_ptr + (phys * 64 + slot) * D
-    k = tl.load(kp[:, None] + offs_d[None, :], mask=valid[:, None], other=0.0)
-    # Entries as the MMA's rows, heads as its columns: the head sum stays inside each warp.
-    s = _scores(k, q, NATIVE_FP8, IEEE)  # [E, BLOCK_H]
-    logit = tl.sum(tl.maximum(s, 0.0) * w[None, :], axis=1) * sc
-    return tl.where(valid, logit, float("-inf"))
+    k = _page_codes(vals_ptr, phys, slot, valid, offs_d, D, FP8)
+    return _entry_logits(q, w, k, sc, valid, NATIVE_FP8, IEEE, False)
 
 
 @triton.jit
@@ -355,6 +396,19 @@ def _paged_args(q, w, paged: PagedKeys, context_lens, out, hist, hist_bits: int,
     return operands, meta
 
 
+def _key_descriptor(paged: PagedKeys, D: int):
+    """A TMA descriptor of a paged cache's key codes [P, 64, D] (page stride from the layout).
+    (The fp8 scales stay plain loads: Triton 3.9's pipeliner leaves a TMA load that feeds no dot
+    in its own iteration, issued and waited on at once, TTGIR read on sm_90.)"""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    P = paged.data.shape[0]
+    if paged.key_dtype == "fp8_e4m3":
+        codes = paged.data.view(torch.float8_e4m3fn)
+        return TensorDescriptor(codes, [P, 64, D], [64 * (D + 4), D, 1], [1, 64, D])
+    return TensorDescriptor(paged.data, [P, 64, D], [64 * D, D, 1], [1, 64, D])
+
+
 def paged_logits(
     q: torch.Tensor,
     w: torch.Tensor,
@@ -370,9 +424,13 @@ def paged_logits(
     prefetch: bool = False,
     persistent: bool | None = None,
     programs_per_sm: int | None = None,
+    tma: bool = False,
+    q_as_a: bool = False,
+    late_scales: bool = False,
     out: torch.Tensor | None = None,
     hist: torch.Tensor | None = None,
     hist_bits: int = 8,
+    gmax: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [B, H, D] codes, w [B, H] fp32, context_lens int32 [B] -> logits fp32 [B, width] (into ``out`` if given).
 
@@ -388,10 +446,16 @@ def paged_logits(
     program-per-pages loop (docs/perf/indexer.md, runs 10 and 12), while the logits alone gain 1-4 us.
     ``num_stages`` None: 3 for the persistent loop (the fastest of 2-4 on an H100, run 12, by
     ~1%), 2 for the other.
+    ``tma`` / ``q_as_a`` / ``late_scales`` (persistent loop only): key codes by TMA loads (a
+    tensor descriptor; on the GPU, Hopper or later); queries as the MMA's A operand (kept in
+    shared memory across pages instead of stored there again every page); the next page's fp8
+    scales loaded after this page's math instead of before it.
     ``hist`` (int32 [B, 2**hist_bits], a ``triton_radix`` workspace row): also add each row's
-    pass-0 histogram of the radix select (the fused decode path).
+    pass-0 histogram of the radix select (the fused radix decode path).
+    ``gmax`` (int32 [B, >= pages * GROUPS_PER_PAGE], persistent loop only): also write each
+    page's group maxima as ordered keys (the fused filter decode path, ``triton_filter``).
     """
-    B = q.shape[0]
+    B, H, D = q.shape
     if pages_per_mma not in (1, 2) or pages_per_prog % pages_per_mma:
         raise ValueError(f"pages_per_mma must be 1 or 2 and divide pages_per_prog={pages_per_prog}")
     if fault is not None:  # the fault variants gather entry by entry, one page per MMA
@@ -400,24 +464,47 @@ def paged_logits(
     operands, meta = _paged_args(q, w, paged, context_lens, out, hist, hist_bits, native_fp8)
     if persistent is None:
         persistent = q.is_cuda and not INTERPRET and pages_per_mma == 1 and not prefetch and hist is None
-    persistent = persistent and fault is None
+    loop_only = tma or q_as_a or late_scales or gmax is not None
+    persistent = (persistent or loop_only) and fault is None
+    if loop_only and not persistent:
+        raise ValueError(
+            "tma, q_as_a, late_scales and gmax need the persistent loop, which no fault variant has"
+        )
     meta.update(num_warps=num_warps, num_stages=num_stages or (3 if persistent else 2))
     if persistent:
         total, ppr = B * paged.block_table.shape[1], paged.block_table.shape[1]
+        if gmax is not None and gmax.shape[1] < ppr * GROUPS_PER_PAGE:
+            raise ValueError(f"gmax needs {ppr * GROUPS_PER_PAGE} columns, got {gmax.shape[1]}")
+        args = (
+            *operands[:4],
+            _key_descriptor(paged, D) if tma else operands[2],
+            *operands[4:8],
+            out if gmax is None else gmax,
+            *operands[8:],
+            ppr,
+            total,
+        )
+        pmeta = {
+            **meta,
+            "TMA": tma,
+            "LATE_SCALES": late_scales,
+            "Q_AS_A": q_as_a,
+            "GMAX": gmax is not None,
+            "HIST_BLOCK": 512,
+        }
+        gstride = 0 if gmax is None else gmax.stride(0)
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 1
         if programs_per_sm is None:
             programs_per_sm = (
                 8
                 if INTERPRET or not q.is_cuda
                 else cached_blocks_per_sm(
-                    ("paged_persistent", normal_device(q.device), *sorted(meta.items())),
-                    lambda: _paged_persistent_kernel.warmup(
-                        *operands, ppr, total, sms * 8, grid=(1,), HIST_BLOCK=512, **meta
-                    ),
+                    ("paged_persistent", normal_device(q.device), *sorted(pmeta.items())),
+                    lambda: _paged_persistent_kernel.warmup(*args, sms * 8, gstride, grid=(1,), **pmeta),
                 )
             )
         progs = max(1, min(total, sms * programs_per_sm))
-        _paged_persistent_kernel[(progs,)](*operands, ppr, total, progs, HIST_BLOCK=512, **meta)
+        _paged_persistent_kernel[(progs,)](*args, progs, gstride, **pmeta)
         return out
     grid = (B, triton.cdiv(paged.block_table.shape[1], pages_per_prog))
     _paged_kernel[grid](
