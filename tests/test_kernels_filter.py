@@ -5,7 +5,9 @@ Under Triton's interpreter (tests/conftest.py) at rows of a few thousand entries
 holds the output to the contract: the reference's set, entries above the threshold key in index
 order then the ties in index order (the output of ``triton_topk``'s radix threshold search), and
 every slot written. ``counts`` (each row's candidate count) is checked against a torch model of the
-filter's threshold, so the filter is seen to filter, and to keep at least k candidates.
+filter's threshold, so the filter is seen to filter, and to keep at least k candidates; the model's
+per-chunk counts show which of launch 3's paths (register tile, or lists in blocks) a test takes.
+Small ``block`` (chunk) widths split the interpreter's rows over several programs.
 """
 
 from __future__ import annotations
@@ -61,10 +63,11 @@ def _keys(x: torch.Tensor) -> torch.Tensor:
     return torch.where(u >> 31 != 0, u ^ 0xFFFFFFFF, u ^ 0x80000000)
 
 
-def _model_counts(x, k, st, en, gmax=None, group=16) -> torch.Tensor:
-    """The candidate count the filter must find: entries of the range with key >= t, t the top 16
-    bits of the k-th largest group maximum (0 if that is <= key(-inf) or there are fewer than k
-    groups); 0 for rows of at most k entries. ``gmax``: int64 [R, G] maxima; None: contiguous groups."""
+def _model_candidates(x, k, st, en, gmax=None, group=16) -> torch.Tensor:
+    """bool [R, L]: the entries the filter must keep, those of the range with key >= t, t the top
+    16 bits of the k-th largest group maximum (0 if that is <= key(-inf) or there are fewer than k
+    groups); none in rows of at most k entries. ``gmax``: int64 [R, G] maxima; None: contiguous
+    groups."""
     R, L = x.shape
     key = _keys(x)
     cols = torch.arange(L, device=x.device).view(1, L)
@@ -73,15 +76,27 @@ def _model_counts(x, k, st, en, gmax=None, group=16) -> torch.Tensor:
     if gmax is None:
         G = -(-L // group)
         gmax = torch.nn.functional.pad(key, (0, G * group - L)).view(R, G, group).amax(-1)
-    out = torch.zeros(R, dtype=torch.int32, device=x.device)
+    out = torch.zeros(R, L, dtype=torch.bool, device=x.device)
     for r in range(R):
         if en[r] - st[r] <= k:
             continue
         m = gmax[r].sort(descending=True).values
         t = (int(m[k - 1]) >> 16) << 16 if m.numel() >= k else 0
         t = t if t > triton_filter.KNEG else 0
-        out[r] = int((inside[r] & (key[r] >= t)).sum())
+        out[r] = inside[r] & (key[r] >= t)
     return out
+
+
+def _model_counts(x, k, st, en, gmax=None, group=16) -> torch.Tensor:
+    """The candidate count the filter must find per row (``_model_candidates``)."""
+    return _model_candidates(x, k, st, en, gmax, group).sum(1).int()
+
+
+def _model_chunk_counts(x, k, st, en, block: int) -> torch.Tensor:
+    """int [R, S]: the candidates of each ``block``-column chunk (launch 2's counts)."""
+    c = _model_candidates(x, k, st, en)
+    S = -(-x.shape[1] // block)
+    return torch.nn.functional.pad(c, (0, S * block - x.shape[1])).view(x.shape[0], S, block).sum(-1)
 
 
 def _check_order(x: torch.Tensor, out: torch.Tensor, st, en, k: int) -> None:
@@ -126,13 +141,16 @@ def _check(x, k, st, en, out, counts, reference: bool = True) -> None:
     assert (counts[long] >= k).all(), counts.tolist()
 
 
+@pytest.mark.parametrize("block", [None, 512])
 @pytest.mark.parametrize("k", KS)
 @pytest.mark.parametrize("kind", KINDS)
-def test_filter_topk_is_exact_and_keeps_the_order(kind: str, k: int) -> None:
+def test_filter_topk_is_exact_and_keeps_the_order(kind: str, k: int, block: int | None) -> None:
+    """Every kind of row and range, with the default chunk (interpreter: the whole row one chunk)
+    and with 512-column chunks (several programs a row in launches 1-2, several lists in launch 3)."""
     g = _gen(KINDS.index(kind) * 10 + KS.index(k))
     x = _rows(kind, ROWS, LENGTH, g)
     st, en = _ranges(ROWS, LENGTH, k, g)
-    out, counts = _run(x, k, st, en)
+    out, counts = _run(x, k, st, en, block=block)
     _check(x, k, st, en, out, counts, reference=kind != "nan")
     assert torch.equal(counts, _model_counts(x, k, st, en)), (counts.tolist(), k)
 
@@ -163,15 +181,18 @@ def test_many_candidates_take_the_chunked_search(kind: str) -> None:
         assert (counts > cand_block).any(), (counts.tolist(), cand_block)
 
 
-@pytest.mark.parametrize(("group", "block"), [(4, 256), (1, 1024), (64, 64), (16, 128)])
-def test_group_widths_and_maxima_in_chunks(group: int, block: int) -> None:
-    """Other group widths, and more groups than ``block`` (the threshold passes read the maxima in
-    chunks instead of holding them in registers)."""
+@pytest.mark.parametrize(
+    ("group", "block", "gmax_block"), [(4, 256, None), (1, 1024, 256), (64, 64, None), (16, 128, 64)]
+)
+def test_group_widths_and_maxima_in_chunks(group: int, block: int, gmax_block: int | None) -> None:
+    """Other group widths and chunk widths (a group as wide as the chunk), and more groups than
+    ``gmax_block`` (the threshold passes read the maxima in blocks instead of holding them in
+    registers)."""
     g = _gen(70 + group)
     x = _rows("ties", ROWS, LENGTH, g)
     for k in (16, 100):
         st, en = _ranges(ROWS, LENGTH, k, g)
-        out, counts = _run(x, k, st, en, group=group, block=block)
+        out, counts = _run(x, k, st, en, group=group, block=block, gmax_block=gmax_block)
         _check(x, k, st, en, out, counts)
         assert torch.equal(counts, _model_counts(x, k, st, en, group=group))
 
@@ -203,15 +224,15 @@ def _as_int32(keys: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("outside", [0, triton_filter.KNEG])
 def test_caller_maxima_over_a_random_partition(outside: int) -> None:
     """Maxima over a random partition of each row give the same output, with the maxima in
-    registers and in chunks. The partition is not contiguous groups: on random rows the candidate
+    registers (one chunk a row) and read in blocks by every program of 512-column chunks. The partition is not contiguous groups: on random rows the candidate
     counts differ from the contiguous filter's."""
     g = _gen(80)
     for kind, k in (("random", 16), ("random", 100), ("ties", 100)):
         x = _rows(kind, ROWS, LENGTH, g)
         st, en = _ranges(ROWS, LENGTH, k, g)
         gm = _partition_maxima(x, st, en, LENGTH // 12, outside, g)
-        for block in (None, 128):
-            out, counts = _run(x, k, st, en, gmax=_as_int32(gm), block=block)
+        for block, gmax_block in ((None, None), (512, 64)):
+            out, counts = _run(x, k, st, en, gmax=_as_int32(gm), block=block, gmax_block=gmax_block)
             _check(x, k, st, en, out, counts)
             assert torch.equal(counts, _model_counts(x, k, st, en, gmax=gm))
         if kind == "random":
@@ -293,3 +314,81 @@ def test_topk_dispatches_to_the_filter(cand_block: int | None) -> None:
             want, counts = _run(x, k, st, en, cand_block=cand_block, block=1024)
             assert torch.equal(out, want), (kind, k)
             _check(x, k, st, en, out, counts)
+
+
+def _capl(L: int, block: int, cand_block: int) -> int:
+    """Launch 3's register tile: candidates a chunk (``filter_topk``'s CAPL)."""
+    return max(cand_block // triton.next_power_of_2(-(-L // block)), 1)
+
+
+@pytest.mark.parametrize("block", [256, 512])
+def test_chunk_lists_in_the_register_tile(block: int) -> None:
+    """Random rows over several chunks (starting mid-chunk, many more groups than k), every chunk's
+    list within the tile (the fast path, as the model's chunk counts show) and candidates in more
+    than one chunk: the lists join in order."""
+    g = _gen(120 + block)
+    x = _rows("random", ROWS, LENGTH, g)
+    st = torch.randint(0, LENGTH // 4, (ROWS,), generator=g, device=DEV).int()
+    en = torch.full((ROWS,), LENGTH, dtype=torch.int32, device=DEV)
+    for k in (16, 64):
+        out, counts = _run(x, k, st, en, block=block)
+        _check(x, k, st, en, out, counts)
+        chunks = _model_chunk_counts(x, k, st, en, block)
+        assert torch.equal(counts, chunks.sum(1).int())
+        assert chunks.max() <= _capl(LENGTH, block, triton_filter.filter_defaults(LENGTH, k)[1]), chunks
+        assert ((chunks > 0).sum(1) > 1).all(), chunks
+
+
+@pytest.mark.parametrize("kind", ["clustered", "equal", "ties"])
+def test_a_chunk_over_the_tile_takes_the_slow_path(kind: str) -> None:
+    """A chunk with more candidates than the tile holds (CAPL): rows whose large values all sit in
+    one chunk, all-equal rows (every entry a candidate), few distinct values. Launch 3 then searches
+    the chunks' lists in blocks, a small ``cand_block`` making those blocks several per chunk."""
+    g = _gen(130 + len(kind))
+    block, cand_block, k = 512, 256, 100
+    if kind == "clustered":
+        x = _rows("random", ROWS, LENGTH, g)
+        x[:, 1024:1536] += 8.0  # one chunk: 32 groups, fewer than k, so candidates elsewhere too
+    else:
+        x = _rows(kind, ROWS, LENGTH, g)
+    st, en = _ranges(ROWS, LENGTH, k, g)
+    for cb in (cand_block, 64):
+        out, counts = _run(x, k, st, en, block=block, cand_block=cb)
+        _check(x, k, st, en, out, counts)
+        chunks = _model_chunk_counts(x, k, st, en, block)
+        assert torch.equal(counts, chunks.sum(1).int())
+        assert (chunks.max(1).values > _capl(LENGTH, block, cb)).any(), chunks
+
+
+def test_ranges_inside_and_across_chunks() -> None:
+    """Rows starting mid-chunk, rows inside one chunk (shorter than a chunk), a range ending in the
+    last, partial chunk, and chunks before the start or after the end (no candidates there)."""
+    g = _gen(140)
+    block, k = 512, 100
+    ranges = [(700, 900), (500, 1100), (1020, 2900), (2600, LENGTH), (0, LENGTH), (511, 513 + k)]
+    st = torch.tensor([a for a, _ in ranges], dtype=torch.int32, device=DEV)
+    en = torch.tensor([b for _, b in ranges], dtype=torch.int32, device=DEV)
+    for kind in ("random", "ties", "equal"):
+        x = _rows(kind, len(ranges), LENGTH, g)
+        for cand_block in (None, 64):
+            out, counts = _run(x, k, st, en, block=block, cand_block=cand_block)
+            _check(x, k, st, en, out, counts)
+            assert torch.equal(counts, _model_counts(x, k, st, en)), (kind, counts.tolist())
+
+
+def test_maxima_of_minus_inf_from_outside_the_range_give_no_threshold() -> None:
+    """Caller maxima where entries outside the range entered as -inf, rows whose range holds fewer
+    than k entries above -NaN: the k-th largest maximum is -inf, a key that is no entry of the
+    range, so t must be 0 (every entry a candidate), not the top bits of key(-inf)."""
+    g = _gen(150)
+    R, k = 3, 100
+    x = torch.full((R, LENGTH), float("-inf"), device=DEV)
+    st = torch.tensor([1000, 0, 2500], dtype=torch.int32, device=DEV)
+    en = torch.tensor([1400, 300, LENGTH], dtype=torch.int32, device=DEV)
+    for r in range(R):
+        x[r, int(st[r]) : int(en[r])] = -float("nan")
+        x[r, int(st[r]) : int(en[r]) : 8] = torch.randn(-(-int(en[r] - st[r]) // 8), generator=g, device=DEV)
+    gm = _partition_maxima(x, st, en, LENGTH // 12, triton_filter.KNEG, g)
+    out, counts = _run(x, k, st, en, gmax=_as_int32(gm), block=512)
+    _check(x, k, st, en, out, counts, reference=False)
+    assert torch.equal(counts, en - st), counts.tolist()
