@@ -148,6 +148,15 @@ def decode_cell(cfg: dict, c: dict, kd: str, k: int) -> dict:
         res[f"{name}_pct_same_copy"] = 100 * res["copy_same_bytes_us"] / t
     if nbytes >= GRAPH_TIMED_BYTES:
         graph_timings(res, nbytes, partial(triton_logits.paged_logits, *args, out=base, persistent=True))
+        gmax = torch.empty(
+            base.shape[0],
+            c["paged"].block_table.shape[1] * triton_logits.GROUPS_PER_PAGE,
+            dtype=torch.int32,
+            device=DEV,
+        )
+        res["persistent_gmax_graph_us"] = med(
+            partial(triton_logits.paged_logits, *args, out=base, gmax=gmax), graph=True
+        )
     res["persistent_host_us"] = host_time(
         partial(triton_logits.paged_logits, *args, out=base, persistent=True)
     )
@@ -368,8 +377,10 @@ def topk_variants(k: int, rows: int, length: int) -> dict:
         "default": lambda x, st, en: tk(x, k, st, en),
         "filter": lambda x, st, en: tk(x, k, st, en, method="filter"),
     }
-    for warps in (4, 8, 16):
-        v[f"filter/w{warps}"] = lambda x, st, en, nw=warps: tk(x, k, st, en, method="filter", num_warps=nw)
+    for warps, ch in ((4, None), (16, None), (8, 2048), (8, 1024)):
+        v[f"filter/w{warps}/{ch or 'default'}"] = lambda x, st, en, nw=warps, c=ch: tk(
+            x, k, st, en, method="filter", num_warps=nw, block=c
+        )
     for bits, ch in ((8, 512), (8, 1024), (8, 2048), (11, 2048)):  # 11 bits: 2-10x slower (run 8)
         v[f"radix/{bits}/{ch}"] = lambda x, st, en, b=bits, c=ch: tk(
             x, k, st, en, method="radix", bits=b, chunk=c, one_launch=False
@@ -542,9 +553,9 @@ def _decode_lines(out: dict) -> list[str]:
         "least 100 MB); % of the 1 GiB copy rate. Pipelines and top-k: graph replays.",
         "",
         "| batch | context | fp8 roofline µs | same-byte copy µs flushed / graph | fp8 persistent flushed | fp8 persistent graph "
-        "| bf16 persistent flushed | top-k 512 µs (method) | filter top-k µs | logits+top-k µs | fused radix µs "
+        "| with group maxima, graph µs | bf16 persistent flushed | top-k 512 µs (method) | filter top-k µs | logits+top-k µs | fused radix µs "
         "| logits+filter µs | fused filter µs | default µs | previous pipeline µs | torch ref µs |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in out["decode"]:
         f, b = r["fp8_e4m3"], r["bf16"]
@@ -558,7 +569,8 @@ def _decode_lines(out: dict) -> list[str]:
         lines.append(
             f"| {r['batch']} | {r['context'] // 1024}K | {f['roofline_us']:.1f} "
             f"| {f['copy_same_bytes_us']:.1f} / {us(f, 'copy_same_bytes_graph_us')} "
-            f"| {pct(f, 'persistent')} | {pct(f, 'persistent_graph')} | {pct(b, 'persistent')} "
+            f"| {pct(f, 'persistent')} | {pct(f, 'persistent_graph')} | {us(f, 'persistent_gmax_graph_us')} "
+            f"| {pct(b, 'persistent')} "
             f"| {f['topk_us']:.1f} ({f['topk_method']}) | {us(f, 'topk_filter_us')} | {f['unfused_persistent_us']:.1f} "
             f"| {f['fused_us']:.1f} | {us(f, 'unfused_filter_us')} | {us(f, 'fused_filter_us')} "
             f"| {f['default_us']:.1f} | {f['old_pipeline_us']:.1f} | {'n/a' if ref is None else f'{ref:.0f}'} |"
