@@ -172,14 +172,16 @@ def decode_cell(cfg: dict, c: dict, kd: str, k: int) -> dict:
         "unfused": partial(
             triton_decode.decode_topk, *args, k, fused=False, logits_args={"persistent": False}
         ),
-        "fused": partial(triton_decode.decode_topk, *args, k, fused=True, logits_args={"persistent": False}),
+        "fused": partial(
+            triton_decode.decode_topk, *args, k, fused=True, select="radix", logits_args={"persistent": False}
+        ),
         "unfused_persistent": partial(
             triton_decode.decode_topk, *args, k, fused=False, logits_args={"persistent": True}
         ),
         "fused_persistent": partial(
-            triton_decode.decode_topk, *args, k, fused=True, logits_args={"persistent": True}
+            triton_decode.decode_topk, *args, k, fused=True, select="radix", logits_args={"persistent": True}
         ),
-        "fused11": partial(triton_decode.decode_topk, *args, k, fused=True, bits=11),
+        "fused11": partial(triton_decode.decode_topk, *args, k, fused=True, select="radix", bits=11),
         "unfused_filter": lambda: triton_topk.topk(
             triton_logits.paged_logits(*args), k, None, c["lens"], method="filter"
         ),
@@ -190,6 +192,8 @@ def decode_cell(cfg: dict, c: dict, kd: str, k: int) -> dict:
         ),
     }
     for name, fn in pipelines.items():
+        if PIPELINES and name not in PIPELINES:
+            continue
         res[f"{name}_same_set"] = bool(torch.equal(fn().sort(1).values, want))
         res[f"{name}_us"] = med(fn, graph=True)
         if name in ("default", "fused_filter", "unfused_filter"):
@@ -197,6 +201,8 @@ def decode_cell(cfg: dict, c: dict, kd: str, k: int) -> dict:
     return res
 
 
+PIPELINES: set[str] = set()
+"""Decode pipelines to time (``--pipelines``; empty: all)."""
 GRAPH_TIMED_BYTES = 100 << 20
 """Decode cells moving at least this many bytes (twice an H100's or H200's 50 MB L2) are also
 timed by CUDA-graph replays without an L2 flush: a call finds none of its keys left in L2 by the
@@ -232,7 +238,9 @@ def graph_timings(res: dict, nbytes: int, fn, prefix: str = "persistent") -> Non
     res[f"{prefix}_graph_pct_same_copy"] = 100 * res["copy_same_bytes_graph_us"] / t
 
 
-def bench_decode(cfg: dict, out: dict, quick: bool, cells: list[tuple[int, int]] | None = None) -> None:
+def bench_decode(
+    cfg: dict, out: dict, quick: bool, cells: list[tuple[int, int]] | None = None, reference: bool = True
+) -> None:
     """Paged decode cells (``cells``: (batch, context) pairs, None: the full grid): both key
     dtypes, logits against the copy roofline, top-k 512, the unfused and fused pipelines (new
     top-k), the previous pipeline and the torch reference."""
@@ -245,7 +253,7 @@ def bench_decode(cfg: dict, out: dict, quick: bool, cells: list[tuple[int, int]]
         for kd in ("fp8_e4m3", "bf16"):
             c = decode_case(B, ctx, kd, seed=B * 7 + ctx)
             row[kd] = decode_cell(cfg, c, kd, 512)
-            if kd == "fp8_e4m3":
+            if kd == "fp8_e4m3" and reference:
                 try:
                     row["reference_us"] = med(reference_decode(c, 512), graph=True)
                 except torch.OutOfMemoryError:
@@ -509,7 +517,10 @@ def main() -> None:
         default="",
         help="decode cells only, BATCHxCONTEXT comma-separated (e.g. 32x131072); default all",
     )
+    ap.add_argument("--pipelines", default="", help="decode pipelines to time, comma-separated; default all")
+    ap.add_argument("--no-reference", action="store_true", help="skip the torch reference decode timing")
     args = ap.parse_args()
+    PIPELINES.update(filter(None, args.pipelines.split(",")))
     cells = [tuple(int(v) for v in c.split("x")) for c in filter(None, args.cells.split(","))]
     skip = set(filter(None, args.skip.split(",")))
     out: dict = {"env": environment()}
@@ -520,7 +531,10 @@ def main() -> None:
     sections = [
         ("topk", lambda: bench_topk(out, args.quick)),
         ("variants", lambda: bench_decode_variants(out["ceilings"], out, cells or None)),
-        ("decode", lambda: bench_decode(out["ceilings"], out, args.quick, cells or None)),
+        (
+            "decode",
+            lambda: bench_decode(out["ceilings"], out, args.quick, cells or None, not args.no_reference),
+        ),
         ("prefill", lambda: bench_prefill(out["ceilings"], out, args.quick)),
         ("deepgemm", lambda: bench_deepgemm(out)),
     ]
@@ -571,9 +585,9 @@ def _decode_lines(out: dict) -> list[str]:
             f"| {f['copy_same_bytes_us']:.1f} / {us(f, 'copy_same_bytes_graph_us')} "
             f"| {pct(f, 'persistent')} | {pct(f, 'persistent_graph')} | {us(f, 'persistent_gmax_graph_us')} "
             f"| {pct(b, 'persistent')} "
-            f"| {f['topk_us']:.1f} ({f['topk_method']}) | {us(f, 'topk_filter_us')} | {f['unfused_persistent_us']:.1f} "
-            f"| {f['fused_us']:.1f} | {us(f, 'unfused_filter_us')} | {us(f, 'fused_filter_us')} "
-            f"| {f['default_us']:.1f} | {f['old_pipeline_us']:.1f} | {'n/a' if ref is None else f'{ref:.0f}'} |"
+            f"| {f['topk_us']:.1f} ({f['topk_method']}) | {us(f, 'topk_filter_us')} | {us(f, 'unfused_persistent_us')} "
+            f"| {us(f, 'fused_us')} | {us(f, 'unfused_filter_us')} | {us(f, 'fused_filter_us')} "
+            f"| {us(f, 'default_us')} | {us(f, 'old_pipeline_us')} | {'n/a' if ref is None else f'{ref:.0f}'} |"
             + (f" MISMATCH: {bad}" if bad else "")
         )
     return [*lines, ""]

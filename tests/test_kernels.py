@@ -252,8 +252,8 @@ def test_fused_decode_topk_equals_logits_then_topk(key_dtype: str) -> None:
     zeros = torch.zeros_like(lens)
     ref_logits = paged_logits_reference(qc, wf, paged, lens)
     for k in (*SHAPES["ks"], 100):
-        fused = triton_decode.decode_topk(qc, wf, paged, lens, k, fused=True)
-        fused11 = triton_decode.decode_topk(qc, wf, paged, lens, k, fused=True, bits=11)
+        fused = triton_decode.decode_topk(qc, wf, paged, lens, k, fused=True, select="radix")
+        fused11 = triton_decode.decode_topk(qc, wf, paged, lens, k, fused=True, select="radix", bits=11)
         fused_filter = triton_decode.decode_topk(qc, wf, paged, lens, k, fused=True, select="filter")
         logits = triton_logits.paged_logits(qc, wf, paged, lens)
         assert torch.equal(fused, triton_topk.topk(logits, k, zeros, lens, method="radix")), k

@@ -22,14 +22,13 @@ __all__ = ["decode_topk", "fuse_decode"]
 
 def fuse_decode(batch: int, width: int, k: int) -> bool:
     """Whether the fused path is used for a [batch, width] decode top-k: at batch >= 32 wherever
-    the radix select is the top-k method. Measured (docs/perf/indexer.md): on the H200 (run 8)
-    fused 4.5-7.8 us under logits + radix top-k from 32K tokens on, against the program-per-pages
-    logits; on the H100 (runs 10 and 12) the persistent logits loop, which the unfused path uses,
-    made unfused the faster at batch 1-8 in five of six cells (1 x 32K: 14.3-14.5 us against
-    16.8-16.9; 8 x 256K: 50.3 against 53.2; 8 x 128K the exception, by ~1 us), while fused stays
-    ahead at 32-64 x 256K (157.6 / 293.0 against 160.1 / 301.7). Where the bisection is the method
-    (8K tokens; 32-64 x 32K-128K) logits + bisection is as fast or faster."""
-    return batch >= 32 and triton_topk.topk_method(batch, width, k) == "radix"
+    the radix select or the filter is the top-k method (``triton_topk.topk_method``). Measured
+    (docs/perf/indexer.md): fused radix 154.5 / 286.7 us against logits + radix 157.1 / 295.1 at
+    32 / 64 x 256K (H100, run 15); on the H100 (runs 10 and 12) the persistent logits loop, which
+    the unfused path uses, made unfused the faster at batch 1-8 in five of six cells (1 x 32K:
+    14.3-14.5 us against 16.8-16.9; 8 x 256K: 50.3 against 53.2; 8 x 128K the exception, by ~1
+    us). Where the bisection is the method (8K tokens) logits + bisection is as fast or faster."""
+    return batch >= 32 and triton_topk.topk_method(batch, width, k) in ("radix", "filter")
 
 
 def decode_topk(
@@ -40,7 +39,7 @@ def decode_topk(
     k: int,
     *,
     fused: bool | None = None,
-    select: str = "radix",
+    select: str | None = None,
     bits: int = 8,
     fault: str | None = None,
     logits_args: dict | None = None,
@@ -49,13 +48,16 @@ def decode_topk(
     entries of each request (ties to the lower index, -1 padding). ``fused`` None: ``fuse_decode``.
     ``select``: the fused path's top-k: ``radix`` (pass 0's histogram in the logits kernel, ``bits``
     its digit width) or ``filter`` (the logits kernel writes the group maxima ``triton_filter``
-    starts from, so the select reads the logits row once).
+    starts from, so its first launch is skipped); None: ``filter`` where ``topk_method`` picks the
+    filter, else ``radix``.
     ``logits_args``: tuning keywords of ``triton_logits.paged_logits``."""
     B = q.shape[0]
     # No clamping kernel: every kernel here bounds entries by the width as well as by the length.
     lens = context_lens.to(device=q.device, dtype=torch.int32).contiguous()
     if fused is None:
         fused = fuse_decode(B, paged.width, k)
+    if select is None:
+        select = "filter" if triton_topk.topk_method(B, paged.width, k) == "filter" else "radix"
     kw = logits_args or {}
     if not fused:
         logits = triton_logits.paged_logits(q, w, paged, lens, fault=fault, **kw)

@@ -229,14 +229,17 @@ def split_segment(rows: int, width: int, k: int) -> int:
 
 
 def topk_method(rows: int, width: int, k: int) -> str:
-    """``radix`` (``triton_radix``: cooperative radix select) or ``bisect`` (this module) for a
-    [rows, width] top-k, measured on the H200 (docs/perf/indexer.md, run 7): one program per row
-    wins up to 2048 entries (8K-token decode rows: 10-12 us, launch-bound either way), and the
-    split bisection at 64 rows x 32K with k = 512 (51.8 us against 62.9) and, from the decode
-    pipelines of runs 8 and 10 (H200, H100), at 32 rows x 32K with k = 512 (logits + split
-    bisection 83.2 / 96.0 us against logits + radix 88.1 / 129.3); radix select elsewhere."""
-    if width <= 4096 or (rows >= 32 and k <= 512 and width <= 32768):
+    """``radix`` (``triton_radix``: cooperative radix select), ``filter`` (``triton_filter``:
+    group-max filter, rows split over chunks) or ``bisect`` (this module) for a [rows, width]
+    top-k. Measured: one program per row wins up to 2048 entries (8K-token decode rows: 10-12 us,
+    launch-bound either way; H200, run 7); at 32 and 64 rows x 32K with k = 512 the filter (23.4 /
+    33.8 us on an H100, run 16) beats the split bisection (36.4 / 52.7), which had beaten the radix
+    select there (H200 run 7: 51.8 against 62.9 us at 64 rows); radix select elsewhere (the filter
+    lost at 1 x 32K, 8 x 256K and every k = 2048 shape of run 16: docs/perf/indexer.md)."""
+    if width <= 4096:
         return "bisect"
+    if rows >= 32 and k <= 512 and width <= 32768:
+        return "filter"
     return "radix"
 
 
