@@ -4,23 +4,29 @@ One command (``python bench/indexer_bench.py --out DIR``) measures, in one run:
 
 * ceilings: a device-to-device copy (bytes read + written) and an 8192^3 bf16 matmul;
 * paged decode logits (batch 1/8/32/64 x context 8K/32K/128K/256K tokens, entries = context/4)
-  with fp8 and bf16 keys, default and ``prefetch`` loops, against the decode roofline (fewest
-  bytes / measured copy bandwidth); top-k 512 on the result; logits + top-k unfused and fused
-  (``triton_decode``), the previous pipeline (logits + split bisection) and the torch reference
-  (bmm + ReLU + weighted head sum + scale + ``torch.topk``); fused sets checked against unfused;
-* logits configs (pages per program, warps, stages, prefetch) at the four goal cells;
+  with fp8 and bf16 keys: the program-per-pages, ``prefetch`` and persistent loops against the
+  decode roofline (fewest bytes / measured copy bandwidth) and against a device copy of the same
+  byte count, with the persistent loop's host launch time; top-k 512 on the result (the default
+  method and the filter); the decode pipelines (``--pipelines`` picks some): logits + top-k,
+  fused with the radix select or with the filter (``triton_decode``), the previous pipeline
+  (logits + split bisection) and the torch reference (bmm + ReLU + weighted head sum + scale +
+  ``torch.topk``; ``--no-reference`` skips it); every set checked against the split bisection's;
+* the persistent loop's variants (TMA key loads, queries as the A operand, late scale loads,
+  4 stages) at the four goal cells, both key dtypes, each checked bit-equal to the default loop;
 * prefill logits (4K and 8K queries x 8K..64K keys, bf16 and fp8 operands): TFLOP/s, % of matmul;
 * top-k side by side on single rows and batches, k = 512/2048: ``torch.topk``, the unsplit
-  kernel, the split bisection, the cooperative radix select (chunk sizes) and the default
-  dispatch, each set checked against the unsplit kernel's;
+  kernel, the split bisection, the cooperative radix select (chunk sizes), the filter (warps,
+  chunk widths) and the default dispatch, each set checked against the unsplit kernel's;
 * DeepGEMM's fp8 logits kernels side by side when ``deep_gemm`` imports (else the reason).
 
-Timing: ``triton.testing.do_bench`` (median, L2 flushed between reps) for logits alone (the
-bandwidth columns); CUDA-graph replays (``do_bench_cudagraph``, median) for top-k alone, for
-logits + top-k and for the torch reference, so that host launch gaps count for neither side.
-Top-k tables: each replay runs the top-k over ``ROTATE`` different input sets (time per call =
-replay / ROTATE); inputs are L2-resident, as after the logits kernel in the pipeline.
-Writes ``DIR/indexer_bench.json`` and prints markdown tables (docs/perf/indexer.md).
+Timing: logits alone both by ``triton.testing.do_bench`` (median, L2 flushed between reps: the
+"flushed" columns, which also carry the flush's dirty-L2 write-back and any host launch time
+beyond the flush's) and, for cells of at least ``GRAPH_TIMED_BYTES``, by CUDA-graph replays
+(``do_bench_cudagraph``, median: the "graph" columns, the kernel's own time); CUDA-graph replays
+for top-k alone, for the pipelines and for the torch reference, so that host launch gaps count
+for neither side. Top-k tables: each replay runs the top-k over ``ROTATE`` different input sets
+(time per call = replay / ROTATE); inputs are L2-resident, as after the logits kernel in the
+pipeline. Writes ``DIR/indexer_bench.json`` and prints markdown tables (docs/perf/indexer.md).
 """
 
 from __future__ import annotations
@@ -595,7 +601,7 @@ def _decode_lines(out: dict) -> list[str]:
 
 def _topk_lines(out: dict) -> list[str]:
     lines = [
-        "| rows | length | k | torch.topk µs | unsplit µs | split µs | best radix µs (bits/chunk) | filter µs (best warps) "
+        "| rows | length | k | torch.topk µs | unsplit µs | split µs | best radix µs (bits/chunk) | filter µs (best other setting) "
         "| default µs (method) | default / torch.topk |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]

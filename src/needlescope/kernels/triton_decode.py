@@ -22,12 +22,13 @@ __all__ = ["decode_topk", "fuse_decode"]
 
 def fuse_decode(batch: int, width: int, k: int) -> bool:
     """Whether the fused path is used for a [batch, width] decode top-k: at batch >= 32 wherever
-    the radix select or the filter is the top-k method (``triton_topk.topk_method``). Measured
-    (docs/perf/indexer.md): fused radix 154.5 / 286.7 us against logits + radix 157.1 / 295.1 at
-    32 / 64 x 256K (H100, run 15); on the H100 (runs 10 and 12) the persistent logits loop, which
-    the unfused path uses, made unfused the faster at batch 1-8 in five of six cells (1 x 32K:
-    14.3-14.5 us against 16.8-16.9; 8 x 256K: 50.3 against 53.2; 8 x 128K the exception, by ~1
-    us). Where the bisection is the method (8K tokens) logits + bisection is as fast or faster."""
+    the filter or the radix select is the top-k method (``triton_topk.topk_method``). Measured on
+    an H100 (docs/perf/indexer.md, CUDA-graph replays): the fused filter path (group maxima from
+    the logits kernel) 73.3 / 130.7 us against logits + filter 75.9 / 134.7 at 32 / 64 x 128K
+    (run 17); fused radix 154.5 / 286.7 against logits + radix 157.1 / 295.1 at 32 / 64 x 256K (run
+    15). Below batch 32 the unfused path's persistent logits loop measured faster in five of six
+    cells (runs 10 and 12: 1 x 32K 14.3-14.5 us against 16.8-16.9; 8 x 256K 50.3 against 53.2).
+    Where the bisection is the method (8K tokens) logits + bisection is as fast or faster."""
     return batch >= 32 and triton_topk.topk_method(batch, width, k) in ("radix", "filter")
 
 

@@ -274,6 +274,16 @@ def _pow2(name: str, v: int) -> None:
         raise ValueError(f"{name} must be a power of two, got {v}")
 
 
+def _maxima_buffer(gmax: torch.Tensor | None, R: int, L: int, group: int, dev) -> torch.Tensor:
+    """The caller's group maxima, checked (int32 [R, G >= 1], rows contiguous), or scratch for
+    ``cdiv(L, group)`` of them a row."""
+    if gmax is None:
+        return torch.empty(R, triton.cdiv(max(L, 1), group), dtype=torch.int32, device=dev)
+    if gmax.dtype != torch.int32 or gmax.dim() != 2 or gmax.shape[0] != R or gmax.shape[1] < 1:
+        raise ValueError(f"gmax must be int32 [{R}, G >= 1], got {gmax.dtype} {tuple(gmax.shape)}")
+    return gmax if gmax.stride(1) == 1 else gmax.contiguous()
+
+
 def filter_topk(
     logits: torch.Tensor,
     k: int,
@@ -322,14 +332,8 @@ def filter_topk(
         _pow2(name, v)
     if group > block:
         raise ValueError(f"group ({group}) must be at most block ({block})")
-    if gmax is None:
-        G = triton.cdiv(max(L, 1), group)
-        gbuf = torch.empty(R, G, dtype=torch.int32, device=dev)
-    else:
-        if gmax.dtype != torch.int32 or gmax.dim() != 2 or gmax.shape[0] != R or gmax.shape[1] < 1:
-            raise ValueError(f"gmax must be int32 [{R}, G >= 1], got {gmax.dtype} {tuple(gmax.shape)}")
-        gbuf = gmax if gmax.stride(1) == 1 else gmax.contiguous()
-        G = gbuf.shape[1]
+    gbuf = _maxima_buffer(gmax, R, L, group, dev)
+    G = gbuf.shape[1]
     gblock = min(triton.next_power_of_2(G), gmax_block)
     S = triton.cdiv(max(L, 1), block)
     SB = triton.next_power_of_2(S)

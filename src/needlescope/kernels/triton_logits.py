@@ -409,6 +409,40 @@ def _key_descriptor(paged: PagedKeys, D: int):
     return TensorDescriptor(paged.data, [P, 64, D], [64 * D, D, 1], [1, 64, D])
 
 
+def _launch_persistent(
+    q, paged: PagedKeys, operands: tuple, meta: dict, loop: dict, out, gmax, programs_per_sm
+):
+    """``_paged_persistent_kernel`` over ``programs_per_sm`` programs a SM (None: the occupancy
+    calculator's answer for this compiled variant, cached)."""
+    B, _, D = q.shape
+    total, ppr = B * paged.block_table.shape[1], paged.block_table.shape[1]
+    if gmax is not None and gmax.shape[1] < ppr * GROUPS_PER_PAGE:
+        raise ValueError(f"gmax needs {ppr * GROUPS_PER_PAGE} columns, got {gmax.shape[1]}")
+    args = (
+        *operands[:4],
+        _key_descriptor(paged, D) if loop["TMA"] else operands[2],
+        *operands[4:8],
+        out if gmax is None else gmax,
+        *operands[8:],
+        ppr,
+        total,
+    )
+    pmeta = {**meta, **loop, "GMAX": gmax is not None, "HIST_BLOCK": 512}
+    gstride = 0 if gmax is None else gmax.stride(0)
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 1
+    if programs_per_sm is None:
+        programs_per_sm = (
+            8
+            if INTERPRET or not q.is_cuda
+            else cached_blocks_per_sm(
+                ("paged_persistent", normal_device(q.device), *sorted(pmeta.items())),
+                lambda: _paged_persistent_kernel.warmup(*args, sms * 8, gstride, grid=(1,), **pmeta),
+            )
+        )
+    progs = max(1, min(total, sms * programs_per_sm))
+    _paged_persistent_kernel[(progs,)](*args, progs, gstride, **pmeta)
+
+
 def paged_logits(
     q: torch.Tensor,
     w: torch.Tensor,
@@ -472,39 +506,8 @@ def paged_logits(
         )
     meta.update(num_warps=num_warps, num_stages=num_stages or (3 if persistent else 2))
     if persistent:
-        total, ppr = B * paged.block_table.shape[1], paged.block_table.shape[1]
-        if gmax is not None and gmax.shape[1] < ppr * GROUPS_PER_PAGE:
-            raise ValueError(f"gmax needs {ppr * GROUPS_PER_PAGE} columns, got {gmax.shape[1]}")
-        args = (
-            *operands[:4],
-            _key_descriptor(paged, D) if tma else operands[2],
-            *operands[4:8],
-            out if gmax is None else gmax,
-            *operands[8:],
-            ppr,
-            total,
-        )
-        pmeta = {
-            **meta,
-            "TMA": tma,
-            "LATE_SCALES": late_scales,
-            "Q_AS_A": q_as_a,
-            "GMAX": gmax is not None,
-            "HIST_BLOCK": 512,
-        }
-        gstride = 0 if gmax is None else gmax.stride(0)
-        sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 1
-        if programs_per_sm is None:
-            programs_per_sm = (
-                8
-                if INTERPRET or not q.is_cuda
-                else cached_blocks_per_sm(
-                    ("paged_persistent", normal_device(q.device), *sorted(pmeta.items())),
-                    lambda: _paged_persistent_kernel.warmup(*args, sms * 8, gstride, grid=(1,), **pmeta),
-                )
-            )
-        progs = max(1, min(total, sms * programs_per_sm))
-        _paged_persistent_kernel[(progs,)](*args, progs, gstride, **pmeta)
+        loop = {"TMA": tma, "LATE_SCALES": late_scales, "Q_AS_A": q_as_a}
+        _launch_persistent(q, paged, operands, meta, loop, out, gmax, programs_per_sm)
         return out
     grid = (B, triton.cdiv(paged.block_table.shape[1], pages_per_prog))
     _paged_kernel[grid](

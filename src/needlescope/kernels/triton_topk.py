@@ -232,13 +232,14 @@ def topk_method(rows: int, width: int, k: int) -> str:
     """``radix`` (``triton_radix``: cooperative radix select), ``filter`` (``triton_filter``:
     group-max filter, rows split over chunks) or ``bisect`` (this module) for a [rows, width]
     top-k. Measured: one program per row wins up to 2048 entries (8K-token decode rows: 10-12 us,
-    launch-bound either way; H200, run 7); at 32 and 64 rows x 32K with k = 512 the filter (23.4 /
-    33.8 us on an H100, run 16) beats the split bisection (36.4 / 52.7), which had beaten the radix
-    select there (H200 run 7: 51.8 against 62.9 us at 64 rows); radix select elsewhere (the filter
-    lost at 1 x 32K, 8 x 256K and every k = 2048 shape of run 16: docs/perf/indexer.md)."""
+    launch-bound either way; H200, run 7). At 32-64 rows with k = 512 the filter wins (H100,
+    docs/perf/indexer.md): 32 / 64 x 32K 23.4 / 33.8 us against the split bisection's 36.4 / 52.7
+    (run 16), 32 / 64 x 64K 39.6 / 63.8 against the radix select's 56.5 / 100.3 (run 17). Radix
+    select elsewhere: the filter lost at 1 x 32K (18 against 12 us), 8 x 256K (94 against 58) and
+    every k = 2048 shape (run 16), where too few groups leave the threshold unselective."""
     if width <= 4096:
         return "bisect"
-    if rows >= 32 and k <= 512 and width <= 32768:
+    if rows >= 32 and k <= 512 and width <= 65536:
         return "filter"
     return "radix"
 
