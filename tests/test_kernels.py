@@ -280,6 +280,22 @@ def test_kernel_faults_are_the_reference_faults_and_change_the_logits(fault: str
     assert (got[fin] - healthy[fin]).abs().max() > 1e-2, "the fault left the logits unchanged"
 
 
+@pytest.mark.parametrize("fault", KERNEL_FAULTS)
+def test_fused_filter_decode_with_a_fault_selects_from_the_faulty_logits(fault: str) -> None:
+    """The fault variants have no persistent loop to write group maxima, so the fused filter
+    path runs the faulty logits and the filter's own maxima: the selection is the filter's on
+    the faulty logits, and differs from the healthy one."""
+    qc, wf, keys, paged, lens = _paged("fp8_e4m3", _gen(11))
+    k = SHAPES["ks"][0]
+    got = triton_decode.decode_topk(qc, wf, paged, lens, k, fused=True, select="filter", fault=fault)
+    faulty = triton_logits.paged_logits(qc, wf, paged, lens, fault=fault)
+    assert torch.equal(got, triton_topk.topk(faulty, k, None, lens, method="filter"))
+    healthy = triton_decode.decode_topk(qc, wf, paged, lens, k, fused=True, select="filter")
+    assert not torch.equal(got.sort(1).values, healthy.sort(1).values), (
+        "the fault left the selection unchanged"
+    )
+
+
 @pytest.mark.parametrize("layout", ["contiguous", "paged"])
 def test_indexer_topk_triton_equals_reference(layout: str) -> None:
     g = _gen(8)
