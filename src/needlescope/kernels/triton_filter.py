@@ -17,7 +17,7 @@ A. Launch 1, grid (R, S), only without ``gmax``: the entries of [start, end) in 
    consecutive columns (aligned to column 0, so each group lies in one chunk; entries outside the
    range count as key 0), gmax_j = the largest key in group j, stored at j in a scratch row. A
    caller may pass ``gmax`` instead (uint32 keys stored as int32): the maxima over any partition of
-   the row, e.g. the logits kernel's arbitrary 16-entry subsets of a page, provided entries outside
+   the row, e.g. the logits kernel's four 16-entry groups a page, provided entries outside
    [start, end) entered them as -inf (key <= KNEG) or key 0.
 B. Launch 2, grid (R, S), every program of the row alike: threshold t from two 8-bit radix passes
    (256-bin ``tl.histogram``) over all the row's maxima (those of the groups meeting the range, or
@@ -258,9 +258,11 @@ def _select_kernel(
 
 
 def filter_defaults(width: int, k: int) -> tuple[int, int, int, int]:
-    """(block, cand_block, gmax_block, num_warps) for rows of ``width`` entries (not measured yet):
-    chunks of up to 4096 columns, candidate blocks of 2k rounded up to a power of two within
-    2048..8192, up to 8192 maxima in registers, 8 warps. Random rows with at least 2k groups of 16
+    """(block, cand_block, gmax_block, num_warps) for rows of ``width`` entries: chunks of up to
+    4096 columns, candidate blocks of 2k rounded up to a power of two within 2048..8192, up to 8192
+    maxima in registers, 8 warps. Measured on an H100 (run 16, k = 512): at 32 x 32K these took
+    23.4 us against 26.9 at 16 warps, 28.5 at 4, 28.4 with chunks of 2048 and 38.3 with chunks of
+    1024 (64 x 32K: 33.8 against 39.3-62.6). Random rows with at least 2k groups of 16
     give 1.1k-1.4k candidates (torch model of the filter: 550-600 for k = 512 at 32K-256K entries,
     2.2k-2.8k for k = 2048 at 64K-256K), ~k / 8 a 4096-column chunk at 32K; with k groups (k = 2048
     at 32K) about 6k, the slow path."""
