@@ -273,14 +273,12 @@ def bench_decode(
 
 LOOP_VARIANTS = {  # the persistent loop's variants (paged_logits keywords)
     "persistent": {},
-    "late_scales": {"late_scales": True},
-    "q_as_a": {"q_as_a": True},
-    "q_as_a_late": {"q_as_a": True, "late_scales": True},
     "tma": {"tma": True},
-    "tma_late": {"tma": True, "late_scales": True},
-    "tma_q_as_a_late": {"tma": True, "q_as_a": True, "late_scales": True},
-    "stages4_late": {"late_scales": True, "num_stages": 4},
+    "stages4": {"num_stages": 4},
+    "stages2": {"num_stages": 2},
 }
+"""Run 14 also measured queries as the MMA's A operand (25-40% slower) and the next page's
+scales loaded after the page's math (no change); both were removed after it."""
 
 
 def bench_decode_variants(cfg: dict, out: dict, cells: list[tuple[int, int]] | None = None) -> None:

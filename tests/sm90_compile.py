@@ -73,7 +73,7 @@ def _logits_kernels():
         "gmax_ptr": "i32",
     }
     base = {"D": 128, "BLOCK_H": 64, "FP8": True, "NATIVE_FP8": True, "IEEE": False, "HIST_BITS": 0}
-    loop = {"HIST_BLOCK": 512, "TMA": False, "LATE_SCALES": False, "Q_AS_A": False, "GMAX": False}
+    loop = {"HIST_BLOCK": 512, "TMA": False, "GMAX": False}
     yield "paged persistent fp8", triton_logits._paged_persistent_kernel, ptrs, {**base, **loop}, 4, 3
     yield (
         "paged persistent fp8 + group maxima",

@@ -199,10 +199,10 @@ def test_paged_logits_match_contiguous_reference(key_dtype: str, pages_per_mma: 
 PERSISTENT_LOOPS = {  # programs per SM, then paged_logits' loop keywords
     "1-per-sm": (1, {}),
     "2-per-sm": (2, {}),
-    "4-per-sm-q-as-a": (4, {"q_as_a": True}),
-    "occupancy-late-scales": (None, {"late_scales": True}),
+    "4-per-sm": (4, {}),
+    "occupancy": (None, {}),
     "tma": (2, {"tma": True}),
-    "tma-q-as-a-late-scales": (None, {"tma": True, "q_as_a": True, "late_scales": True}),
+    "tma-occupancy": (None, {"tma": True}),
 }
 
 

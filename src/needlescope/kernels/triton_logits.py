@@ -173,8 +173,6 @@ def _paged_persistent_kernel(
     HIST_BITS: tl.constexpr,
     HIST_BLOCK: tl.constexpr,
     TMA: tl.constexpr,  # key codes by tensor-memory-accelerator loads
-    LATE_SCALES: tl.constexpr,  # load the next page's scales after this page's math, not before
-    Q_AS_A: tl.constexpr,  # queries as the MMA's A operand (registers), keys as B
     GMAX: tl.constexpr,  # also write each page's 4 group maxima (``GROUPS_PER_PAGE``)
 ):
     """A few programs per SM, each scoring an equal run of consecutive pages (crossing into the
@@ -201,23 +199,23 @@ def _paged_persistent_kernel(
         for page in range(first, last):
             ent = page * 64 + offs_e
             valid = ent < n
-            nxt = tl.minimum(page + 1, last - 1)
+            # The next page's scales now (a load the pipeliner leaves in the loop, where it would
+            # wait a full memory latency every page); its key codes come through the pipeline.
+            # (Loading them after this page's math instead measured the same: run 14.)
             ahead = (ent + 64 < n) & (ent + 64 < last * 64)  # page + 1 < last
-            if not LATE_SCALES:  # the next page's scales before this page's math
-                sc_next = _page_scales(scales_ptr, _bt_entry(bt_row, nxt), offs_e, ahead, D, FP8)
+            sc_next = _page_scales(
+                scales_ptr, _bt_entry(bt_row, tl.minimum(page + 1, last - 1)), offs_e, ahead, D, FP8
+            )
             phys = _bt_entry(bt_row, page)
             if TMA:  # out-of-range pages (past the length, any table entry) load zeros or unused codes
                 k = tl.reshape(kdesc.load([phys.to(tl.int32), 0, 0]), (64, D))
             else:
                 k = _page_codes(vals_ptr, phys, offs_e, valid, offs_d, D, FP8)
-            logit = _entry_logits(q, w, k, sc, valid, NATIVE_FP8, IEEE, Q_AS_A)
+            logit = _entry_logits(q, w, k, sc, valid, NATIVE_FP8, IEEE)
             tl.store(orow + ent, logit, mask=ent < out_stride)
             if GMAX:
                 _store_group_max(grow, page, logit)
-            if LATE_SCALES:  # after this page's last use of sc: the load can take its register
-                sc = _page_scales(scales_ptr, _bt_entry(bt_row, nxt), offs_e, ahead, D, FP8)
-            else:
-                sc = sc_next
+            sc = sc_next
         if HIST_BITS > 0:
             tl.debug_barrier()
             _row_histogram(orow, hist_ptr, b, first * 64, last * 64, n, HIST_BLOCK, HIST_BITS)
@@ -269,14 +267,14 @@ def _page_codes(vals_ptr, phys, slot, valid, offs_d, D: tl.constexpr, FP8: tl.co
 
 
 @triton.jit
-def _entry_logits(q, w, k, sc, valid, NATIVE_FP8: tl.constexpr, IEEE: tl.constexpr, Q_AS_A: tl.constexpr):
-    """fp32 [E]: ``sc * sum_h w[h] * ReLU(q[h] . k[e])``, -inf where not valid (q [H, D], k [E, D])."""
-    if Q_AS_A:  # heads as the MMA's rows: q stays in registers, the head sum crosses warps
-        s = _scores(q, k, NATIVE_FP8, IEEE)  # [H, E]
-        logit = tl.sum(tl.maximum(s, 0.0) * w[:, None], axis=0) * sc
-    else:  # entries as the MMA's rows, heads as its columns: the head sum stays inside each warp
-        s = _scores(k, q, NATIVE_FP8, IEEE)  # [E, H]
-        logit = tl.sum(tl.maximum(s, 0.0) * w[None, :], axis=1) * sc
+def _entry_logits(q, w, k, sc, valid, NATIVE_FP8: tl.constexpr, IEEE: tl.constexpr):
+    """fp32 [E]: ``sc * sum_h w[h] * ReLU(q[h] . k[e])``, -inf where not valid (q [H, D], k [E, D]).
+
+    Entries as the MMA's rows, heads as its columns: the head sum stays inside each warp. (Heads
+    as the rows, the queries then the A operand kept in shared memory across pages, measured
+    25-40% slower in the persistent loop: the head sum crosses warps; run 14.)"""
+    s = _scores(k, q, NATIVE_FP8, IEEE)  # [E, H]
+    logit = tl.sum(tl.maximum(s, 0.0) * w[None, :], axis=1) * sc
     return tl.where(valid, logit, float("-inf"))
 
 
@@ -297,7 +295,7 @@ def _page_logit(
 ):
     """fp32 [E]: the logits of E paged entries (physical page, slot, key scale), -inf where not valid."""
     k = _page_codes(vals_ptr, phys, slot, valid, offs_d, D, FP8)
-    return _entry_logits(q, w, k, sc, valid, NATIVE_FP8, IEEE, False)
+    return _entry_logits(q, w, k, sc, valid, NATIVE_FP8, IEEE)
 
 
 @triton.jit
@@ -459,8 +457,6 @@ def paged_logits(
     persistent: bool | None = None,
     programs_per_sm: int | None = None,
     tma: bool = False,
-    q_as_a: bool = False,
-    late_scales: bool = False,
     out: torch.Tensor | None = None,
     hist: torch.Tensor | None = None,
     hist_bits: int = 8,
@@ -480,10 +476,9 @@ def paged_logits(
     program-per-pages loop (docs/perf/indexer.md, runs 10 and 12), while the logits alone gain 1-4 us.
     ``num_stages`` None: 3 for the persistent loop (the fastest of 2-4 on an H100, run 12, by
     ~1%), 2 for the other.
-    ``tma`` / ``q_as_a`` / ``late_scales`` (persistent loop only): key codes by TMA loads (a
-    tensor descriptor; on the GPU, Hopper or later); queries as the MMA's A operand (kept in
-    shared memory across pages instead of stored there again every page); the next page's fp8
-    scales loaded after this page's math instead of before it.
+    ``tma`` (persistent loop only): key codes by TMA loads (a tensor descriptor; on the GPU,
+    Hopper or later). Measured the same as the default loads on an H100 (run 14); kept for the
+    H200, which needs more bytes in flight a SM.
     ``hist`` (int32 [B, 2**hist_bits], a ``triton_radix`` workspace row): also add each row's
     pass-0 histogram of the radix select (the fused radix decode path).
     ``gmax`` (int32 [B, >= pages * GROUPS_PER_PAGE], persistent loop only): also write each
@@ -498,15 +493,13 @@ def paged_logits(
     operands, meta = _paged_args(q, w, paged, context_lens, out, hist, hist_bits, native_fp8)
     if persistent is None:
         persistent = q.is_cuda and not INTERPRET and pages_per_mma == 1 and not prefetch and hist is None
-    loop_only = tma or q_as_a or late_scales or gmax is not None
+    loop_only = tma or gmax is not None
     persistent = (persistent or loop_only) and fault is None
     if loop_only and not persistent:
-        raise ValueError(
-            "tma, q_as_a, late_scales and gmax need the persistent loop, which no fault variant has"
-        )
+        raise ValueError("tma and gmax need the persistent loop, which no fault variant has")
     meta.update(num_warps=num_warps, num_stages=num_stages or (3 if persistent else 2))
     if persistent:
-        loop = {"TMA": tma, "LATE_SCALES": late_scales, "Q_AS_A": q_as_a}
+        loop = {"TMA": tma}
         _launch_persistent(q, paged, operands, meta, loop, out, gmax, programs_per_sm)
         return out
     grid = (B, triton.cdiv(paged.block_table.shape[1], pages_per_prog))
