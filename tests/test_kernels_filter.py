@@ -21,6 +21,7 @@ triton = pytest.importorskip("triton")
 
 from needlescope.kernels import triton_filter, triton_topk  # noqa: E402
 from needlescope.kernels.reference import topk_reference  # noqa: E402
+from test_kernels import _ordered_keys as _keys  # noqa: E402  (the ordered key in torch)
 from test_kernels import _ranges  # noqa: E402  (ragged rows: full, empty, < k, k from 5, k + 1, random)
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -54,13 +55,6 @@ def _rows(kind: str, R: int, L: int, g: torch.Generator) -> torch.Tensor:
         x[:, 3::11] = float("nan")
         x[:, 5::13] = -float("nan")
     return x
-
-
-def _keys(x: torch.Tensor) -> torch.Tensor:
-    """``_ordered_key`` in torch (int64 holding the uint32 key)."""
-    u = x.contiguous().view(torch.int32).long() & 0xFFFFFFFF
-    u = torch.where(u == 0x80000000, 0, u)
-    return torch.where(u >> 31 != 0, u ^ 0xFFFFFFFF, u ^ 0x80000000)
 
 
 def _model_candidates(x, k, st, en, gmax=None, group=16) -> torch.Tensor:

@@ -66,12 +66,11 @@ def decode_topk(
     if select == "filter":
         from needlescope.kernels import triton_filter
 
-        if fault is not None:  # the fault variants have no persistent loop to write group maxima
-            logits = triton_logits.paged_logits(q, w, paged, lens, fault=fault, **kw)
-            return triton_filter.filter_topk(logits, k, None, lens)
-        gmax = torch.empty(
-            B, paged.block_table.shape[1] * triton_logits.GROUPS_PER_PAGE, dtype=torch.int32, device=q.device
-        )
+        # The fault variants have no persistent loop to write group maxima: the filter builds its own.
+        gmax = None
+        if fault is None:
+            groups = paged.block_table.shape[1] * triton_logits.GROUPS_PER_PAGE
+            gmax = torch.empty(B, groups, dtype=torch.int32, device=q.device)
         logits = triton_logits.paged_logits(q, w, paged, lens, fault=fault, gmax=gmax, **kw)
         return triton_filter.filter_topk(logits, k, None, lens, gmax=gmax)
     if select != "radix":
