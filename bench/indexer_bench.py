@@ -6,7 +6,8 @@ One command (``python bench/indexer_bench.py --out DIR``) measures, in one run:
 * paged decode logits (batch 1/8/32/64 x context 8K/32K/128K/256K tokens, entries = context/4)
   with fp8 and bf16 keys: the program-per-pages, ``prefetch`` and persistent loops against the
   decode roofline (fewest bytes / measured copy bandwidth) and against a device copy of the same
-  byte count, with the persistent loop's host launch time; top-k 512 on the result (the default
+  byte count, with the persistent loop's host launch time and its flushed time, both also with
+  every launch through Triton's JIT instead of ``kernels.launch``'s direct path; top-k 512 on the result (the default
   method and the filter); the decode pipelines (``--pipelines`` picks some): logits + top-k,
   fused with the radix select or with the filter (``triton_decode``), the previous pipeline
   (logits + split bisection) and the torch reference (bmm + ReLU + weighted head sum + scale +
@@ -49,6 +50,7 @@ import triton
 from triton.testing import do_bench, do_bench_cudagraph
 
 from needlescope.kernels import (
+    launch,
     occupancy,
     page_keys,
     quantize_keys,
@@ -163,9 +165,11 @@ def decode_cell(cfg: dict, c: dict, kd: str, k: int) -> dict:
         res["persistent_gmax_graph_us"] = med(
             partial(triton_logits.paged_logits, *args, out=base, gmax=gmax), graph=True
         )
-    res["persistent_host_us"] = host_time(
-        partial(triton_logits.paged_logits, *args, out=base, persistent=True)
-    )
+    persistent = partial(triton_logits.paged_logits, *args, out=base, persistent=True)
+    res["persistent_host_us"] = host_time(persistent)
+    res["persistent_host_jit_us"] = host_time(partial(jit_launch, persistent))
+    res["persistent_jit_us"] = med(partial(jit_launch, persistent))
+    res["persistent_jit_pct_copy"] = 100 * res["roofline_us"] / res["persistent_jit_us"]
     if kd != "fp8_e4m3":
         return res
     res["topk_us"] = med(partial(triton_topk.topk, base, k, zeros, c["lens"]), graph=True)
@@ -204,6 +208,7 @@ def decode_cell(cfg: dict, c: dict, kd: str, k: int) -> dict:
         res[f"{name}_us"] = med(fn, graph=True)
         if name in ("default", "fused_filter", "unfused_filter"):
             res[f"{name}_host_us"] = host_time(fn)
+            res[f"{name}_host_jit_us"] = host_time(partial(jit_launch, fn))
     return res
 
 
@@ -216,6 +221,15 @@ previous one (they are read in the same order, and ~100 MB of other keys come in
 no flush leaves ~50 MB of dirty lines for the call to write back. ncu's duration of the
 persistent fp8 loop at 32 x 128K (54.8 us, run 13) against do_bench's 63.1 us measured that
 write-back and the flush's launch gap as ~8 us of the flushed time."""
+
+
+def jit_launch(fn):
+    """``fn()`` with every kernel launched through Triton's JIT (``launch.use_direct_launch(False)``)."""
+    previous = launch.use_direct_launch(False)
+    try:
+        return fn()
+    finally:
+        launch.use_direct_launch(previous)
 
 
 def host_time(fn, calls: int = 200) -> float:
@@ -572,10 +586,11 @@ def _decode_lines(out: dict) -> list[str]:
         "Logits: flushed = do_bench with an L2 flush between calls; graph = CUDA-graph replays (cells of at "
         "least 100 MB); % of the 1 GiB copy rate. Pipelines and top-k: graph replays.",
         "",
-        "| batch | context | fp8 roofline µs | same-byte copy µs flushed / graph | fp8 persistent flushed | fp8 persistent graph "
+        "| batch | context | fp8 roofline µs | same-byte copy µs flushed / graph | fp8 persistent flushed | flushed, JIT launch "
+        "| host µs direct / JIT | fp8 persistent graph "
         "| with group maxima, graph µs | bf16 persistent flushed | top-k 512 µs (method) | filter top-k µs | logits+top-k µs | fused radix µs "
-        "| logits+filter µs | fused filter µs | default µs | previous pipeline µs | torch ref µs |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| logits+filter µs | fused filter µs | default µs | default host µs direct / JIT | previous pipeline µs | torch ref µs |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in out["decode"]:
         f, b = r["fp8_e4m3"], r["bf16"]
@@ -589,11 +604,14 @@ def _decode_lines(out: dict) -> list[str]:
         lines.append(
             f"| {r['batch']} | {r['context'] // 1024}K | {f['roofline_us']:.1f} "
             f"| {f['copy_same_bytes_us']:.1f} / {us(f, 'copy_same_bytes_graph_us')} "
-            f"| {pct(f, 'persistent')} | {pct(f, 'persistent_graph')} | {us(f, 'persistent_gmax_graph_us')} "
+            f"| {pct(f, 'persistent')} | {pct(f, 'persistent_jit')} "
+            f"| {us(f, 'persistent_host_us')} / {us(f, 'persistent_host_jit_us')} "
+            f"| {pct(f, 'persistent_graph')} | {us(f, 'persistent_gmax_graph_us')} "
             f"| {pct(b, 'persistent')} "
             f"| {f['topk_us']:.1f} ({f['topk_method']}) | {us(f, 'topk_filter_us')} | {us(f, 'unfused_persistent_us')} "
             f"| {us(f, 'fused_us')} | {us(f, 'unfused_filter_us')} | {us(f, 'fused_filter_us')} "
-            f"| {us(f, 'default_us')} | {us(f, 'old_pipeline_us')} | {'n/a' if ref is None else f'{ref:.0f}'} |"
+            f"| {us(f, 'default_us')} | {us(f, 'default_host_us')} / {us(f, 'default_host_jit_us')} "
+            f"| {us(f, 'old_pipeline_us')} | {'n/a' if ref is None else f'{ref:.0f}'} |"
             + (f" MISMATCH: {bad}" if bad else "")
         )
     return [*lines, ""]

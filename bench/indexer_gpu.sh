@@ -21,7 +21,7 @@ export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_
 $PY -c "import torch, triton, transformers, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/env.txt"
 rc=0
 if [[ " $STEPS " == *" tests "* ]]; then
-  NEEDLESCOPE_KERNEL_SHAPES=full $PY -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_kernels_filter.py 2>&1 | tee "$OUT/tests.log"
+  NEEDLESCOPE_KERNEL_SHAPES=full $PY -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_kernels_filter.py tests/test_kernels_launch.py 2>&1 | tee "$OUT/tests.log"
   rc=$(( rc || PIPESTATUS[0] ))
 fi
 if [[ " $STEPS " == *" sweep "* ]]; then

@@ -58,6 +58,7 @@ import torch
 import triton
 import triton.language as tl
 
+from needlescope.kernels.launch import launch
 from needlescope.kernels.triton_radix import _row_range, _short_row
 from needlescope.kernels.triton_topk import _chunk, _ordered_key, _select_bin, _write_chunk
 
@@ -347,16 +348,18 @@ def filter_topk(
     starts = starts.to(device=dev, dtype=torch.int32).contiguous() if has_start else ends
     warps = num_warps or d_warps
     if gmax is None:
-        _maxima_kernel[(R, S)](
-            logits, starts, ends, gbuf, logits.stride(0), gbuf.stride(0), L,
+        launch(
+            _maxima_kernel, (R, S), logits, starts, ends, gbuf, logits.stride(0), gbuf.stride(0), L,
             K=k, GROUP=group, CH=block, HAS_START=has_start, num_warps=warps,
         )  # fmt: skip
-    _compact_kernel[(R, S)](
+    launch(
+        _compact_kernel, (R, S),
         logits, starts, ends, gbuf, cidx, ckey, cnt, logits.stride(0), gbuf.stride(0), L, G, S,
         K=k, GROUP=group, CH=block, GBLOCK=gblock, GSINGLE=G <= gblock, HAS_GMAX=gmax is not None,
         HAS_START=has_start, num_warps=warps,
     )  # fmt: skip
-    _select_kernel[(R,)](
+    launch(
+        _select_kernel, (R,),
         starts, ends, cidx, ckey, cnt, out, ends if counts is None else counts, out.stride(0), L, S,
         K=k, CH=block, SB=SB, CAPL=max(cand_block // SB, 1), CBLOCK=cand_block, HAS_START=has_start,
         HAS_COUNTS=counts is not None, num_warps=warps,

@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from needlescope.kernels.launch import launch
 from needlescope.kernels.layout import ContiguousKeys, PagedKeys
 from needlescope.kernels.occupancy import cached_blocks_per_sm, normal_device
 from needlescope.kernels.triton_radix import digit0_histogram
@@ -438,7 +439,7 @@ def _launch_persistent(
             )
         )
     progs = max(1, min(total, sms * programs_per_sm))
-    _paged_persistent_kernel[(progs,)](*args, progs, gstride, **pmeta)
+    launch(_paged_persistent_kernel, (progs,), *args, progs, gstride, **pmeta)
 
 
 def paged_logits(
@@ -503,7 +504,9 @@ def paged_logits(
         _launch_persistent(q, paged, operands, meta, loop, out, gmax, programs_per_sm)
         return out
     grid = (B, triton.cdiv(paged.block_table.shape[1], pages_per_prog))
-    _paged_kernel[grid](
+    launch(
+        _paged_kernel,
+        grid,
         *operands,
         PAGES_PER_PROG=pages_per_prog,
         PAGES_PER_MMA=pages_per_mma,
@@ -535,7 +538,9 @@ def prefill_logits(
     N = keys.codes.shape[0]
     out = torch.empty(T, N, dtype=torch.float32, device=q.device) if out is None else out
     grid = (triton.cdiv(T, block_t), triton.cdiv(N, block_n))
-    _prefill_kernel[grid](
+    launch(
+        _prefill_kernel,
+        grid,
         q.contiguous(),
         w.float().contiguous(),
         keys.codes.contiguous(),

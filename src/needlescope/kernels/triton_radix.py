@@ -38,6 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
+from needlescope.kernels.launch import launch
 from needlescope.kernels.occupancy import normal_device
 from needlescope.kernels.triton_topk import INTERPRET, _ordered_key, _write_chunk
 
@@ -418,13 +419,11 @@ def radix_topk(
     warps = num_warps or (4 if ch <= 2048 else 8)
     if one_launch:
         bar = _cached_zeros("barrier", (R,), dev, bits)
-        _radix_one_launch[(R, S)](
-            logits, starts, ends, hist, bar, below, out, *common, FIRST=first_pass, **meta, num_warps=warps
-        )
+        operands = (logits, starts, ends, hist, bar, below, out, *common)
+        launch(_radix_one_launch, (R, S), *operands, FIRST=first_pass, **meta, num_warps=warps)
         return out
     state = torch.empty(R, NP, 2, dtype=torch.int32, device=dev)
+    operands = (logits, starts, ends, hist, state, below, out, *common)
     for p in range(first_pass, NP + 1):
-        _radix_pass[(R, S)](
-            logits, starts, ends, hist, state, below, out, *common, PASS=p, **meta, num_warps=warps
-        )
+        launch(_radix_pass, (R, S), *operands, PASS=p, **meta, num_warps=warps)
     return out

@@ -31,16 +31,14 @@ unsplit one too: candidates keep index order within a segment and segments are i
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-__all__ = ["topk", "split_segment", "topk_method", "INTERPRET"]
+from needlescope.kernels.launch import INTERPRET, launch
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-"""Kernels run under Triton's interpreter (on the CPU, programs one after another)."""
+__all__ = ["topk", "split_segment", "topk_method", "INTERPRET"]
 
 
 @triton.jit
@@ -260,7 +258,9 @@ def _search(
 
 def _launch(logits, cand, st, en, out, width: int, k: int, grid, seg: int, tune: tuple) -> None:
     bits, block, warps, single = tune
-    _topk_kernel[grid](
+    launch(
+        _topk_kernel,
+        grid,
         logits,
         cand,
         st,

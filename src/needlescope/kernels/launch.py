@@ -1,0 +1,97 @@
+"""Triton kernel launches with less host time than ``JITFunction.__getitem__``.
+
+A JIT launch binds and specializes every argument, then looks its compiled kernel up under a
+string made of the whole specialization and options, every call. On an H100 host with Triton
+3.6 that made ``paged_logits`` take 47-97 us of host time a call (docs/perf/indexer.md), as long
+as the kernel itself at 32 x 128K, so eager callers saw launch gaps that a CUDA graph hides.
+
+``launch`` keys each compiled kernel by a tuple of exactly what Triton specializes a launch on
+(the current device; every tensor's dtype and 16-byte alignment; every integer's being 1, being
+a multiple of 16 and its 32- or 64-bit range; every float's type; the keyword arguments, which
+hold the constexprs and the compile options) and calls a hit's launcher the way the JIT's own
+``run`` does after its lookup. A miss launches through the JIT, which compiles, and keeps its
+compiled kernel. Launches fall back to the JIT under the interpreter, while a launch hook is set
+(profilers such as proton attach one), for arguments of any other type (tensor descriptors) and
+for keyword values other than numbers, strings and None, and where ``use_direct_launch(False)``
+turned the direct path off.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from triton import knobs
+from triton.runtime import driver
+
+__all__ = ["INTERPRET", "launch", "specialization_key", "use_direct_launch"]
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+_COMPILED: dict = {}
+_DIRECT = [not INTERPRET]
+_I32 = (-(2**31), 2**31)
+_PLAIN = (int, float, bool, str, type(None))
+
+
+def use_direct_launch(enabled: bool) -> bool:
+    """Turn the direct path on or off (off: every launch through the JIT); returns the previous
+    setting. Under ``TRITON_INTERPRET=1`` launches always go through the JIT."""
+    previous = _DIRECT[0]
+    _DIRECT[0] = bool(enabled) and not INTERPRET
+    return previous
+
+
+def specialization_key(args: tuple) -> tuple | None:
+    """What Triton's launch specializes ``args`` (positional kernel arguments) on, as a hashable
+    tuple; None where an argument is of a type this key does not cover."""
+    key = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            key.append((a.dtype, a.data_ptr() % 16 == 0))
+        elif isinstance(a, bool):
+            key.append(bool)
+        elif isinstance(a, int):
+            key.append((a == 1, a % 16 == 0, _I32[0] <= a < _I32[1], a >= 2**63))
+        elif isinstance(a, float):
+            key.append(float)
+        else:
+            return None
+    return tuple(key)
+
+
+def _tail(kernel, n_args: int, meta: dict) -> tuple:
+    """The values of ``kernel``'s parameters after the first ``n_args``, in signature order:
+    ``meta``'s where it names them, else the parameter's default (what the JIT binds)."""
+    tail = []
+    for p in kernel.params[n_args:]:
+        if p.name in meta:
+            tail.append(meta[p.name])
+        elif p.has_default:
+            tail.append(p.default)
+        else:
+            raise TypeError(f"{kernel.__name__}: no value for parameter {p.name!r}")
+    return tuple(tail)
+
+
+def launch(kernel, grid: tuple, *args, **meta) -> None:
+    """``kernel[grid](*args, **meta)`` (``args`` positional, ``meta`` the constexprs and options
+    by keyword), through the compiled kernel's launcher where an earlier launch compiled it."""
+    direct = _DIRECT[0] and knobs.runtime.launch_enter_hook is None
+    key = specialization_key(args) if direct and all(type(v) in _PLAIN for v in meta.values()) else None
+    if key is None:
+        kernel[grid](*args, **meta)
+        return
+    device = driver.active.get_current_device()
+    key = (kernel, device, key, tuple(meta.items()))
+    hit = _COMPILED.get(key)
+    if hit is None:
+        compiled = kernel[grid](*args, **meta)
+        _COMPILED[key] = (compiled, _tail(kernel, len(args), meta))
+        return
+    compiled, tail = hit
+    g = (*grid, 1, 1)
+    compiled.run(
+        g[0], g[1], g[2], driver.active.get_current_stream(device), compiled.function,
+        compiled.packed_metadata, None, None, None, *args, *tail,
+    )  # fmt: skip
