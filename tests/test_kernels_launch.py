@@ -128,3 +128,16 @@ def test_direct_paged_logits_equal_jit_paged_logits() -> None:
             launch_mod.use_direct_launch(previous)
     for a, b in zip(outs[False], outs[True]):
         assert torch.equal(a, b)
+
+
+def test_an_empty_hook_chain_is_no_hook() -> None:
+    """Triton 3.4+ keeps an empty ``HookChain`` as its launch hook; only one with calls (a profiler
+    attached) sends launches through the JIT, which calls it."""
+    from triton.knobs import HookChain
+
+    chain = HookChain()
+    assert not launch_mod._hooked(None)
+    assert not launch_mod._hooked(chain)
+    chain.add(print)
+    assert launch_mod._hooked(chain)
+    assert launch_mod._hooked(print)

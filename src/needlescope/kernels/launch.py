@@ -10,8 +10,9 @@ as the kernel itself at 32 x 128K, so eager callers saw launch gaps that a CUDA 
 a multiple of 16 and its 32- or 64-bit range; every float's type; the keyword arguments, which
 hold the constexprs and the compile options) and calls a hit's launcher the way the JIT's own
 ``run`` does after its lookup. A miss launches through the JIT, which compiles, and keeps its
-compiled kernel. Launches fall back to the JIT under the interpreter, while a launch hook is set
-(profilers such as proton attach one), for arguments of any other type (tensor descriptors) and
+compiled kernel. A hit passes no launch hooks and no launch metadata, which the JIT builds for
+every launch even with no hook set. Launches fall back to the JIT under the interpreter, while a
+launch hook is set (profilers such as proton attach one), for arguments of any other type (tensor descriptors) and
 for keyword values other than numbers, strings and None, and where ``use_direct_launch(False)``
 turned the direct path off.
 """
@@ -74,10 +75,16 @@ def _tail(kernel, n_args: int, meta: dict) -> tuple:
     return tuple(tail)
 
 
+def _hooked(hook) -> bool:
+    """Whether a launch hook is set: Triton 3.4+ holds hooks in a ``HookChain``, empty by default
+    (and passes it to every launch, which then builds launch metadata for it); older Tritons None."""
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
 def launch(kernel, grid: tuple, *args, **meta) -> None:
     """``kernel[grid](*args, **meta)`` (``args`` positional, ``meta`` the constexprs and options
     by keyword), through the compiled kernel's launcher where an earlier launch compiled it."""
-    direct = _DIRECT[0] and knobs.runtime.launch_enter_hook is None
+    direct = _DIRECT[0] and not _hooked(knobs.runtime.launch_enter_hook)
     key = specialization_key(args) if direct and all(type(v) in _PLAIN for v in meta.values()) else None
     if key is None:
         kernel[grid](*args, **meta)

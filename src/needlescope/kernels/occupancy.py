@@ -11,9 +11,10 @@ import ctypes
 
 import torch
 
-__all__ = ["blocks_per_sm", "cached_blocks_per_sm", "known_blocks_per_sm", "normal_device"]
+__all__ = ["blocks_per_sm", "cached_blocks_per_sm", "known_blocks_per_sm", "normal_device", "sm_count"]
 
 _CACHE: dict = {}
+_SMS: dict = {}
 
 
 def normal_device(device) -> torch.device:
@@ -22,6 +23,17 @@ def normal_device(device) -> torch.device:
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
     return dev
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (1 off CUDA), cached: ``get_device_properties``
+    took a measurable part of a decode call's host time."""
+    if device.type != "cuda":
+        return 1
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SMS:
+        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SMS[index]
 
 
 def blocks_per_sm(compiled) -> int:

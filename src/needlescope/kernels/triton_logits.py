@@ -19,7 +19,7 @@ import triton.language as tl
 
 from needlescope.kernels.launch import launch
 from needlescope.kernels.layout import ContiguousKeys, PagedKeys
-from needlescope.kernels.occupancy import cached_blocks_per_sm, normal_device
+from needlescope.kernels.occupancy import cached_blocks_per_sm, sm_count
 from needlescope.kernels.triton_radix import digit0_histogram
 from needlescope.kernels.triton_topk import INTERPRET, _ordered_key
 
@@ -428,13 +428,13 @@ def _launch_persistent(
     )
     pmeta = {**meta, **loop, "GMAX": gmax is not None, "HIST_BLOCK": 512}
     gstride = 0 if gmax is None else gmax.stride(0)
-    sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 1
+    sms = sm_count(q.device)
     if programs_per_sm is None:
         programs_per_sm = (
             8
             if INTERPRET or not q.is_cuda
             else cached_blocks_per_sm(
-                ("paged_persistent", normal_device(q.device), *sorted(pmeta.items())),
+                ("paged_persistent", q.device, *sorted(pmeta.items())),
                 lambda: _paged_persistent_kernel.warmup(*args, sms * 8, gstride, grid=(1,), **pmeta),
             )
         )

@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from needlescope.kernels.launch import launch
-from needlescope.kernels.occupancy import normal_device
+from needlescope.kernels.occupancy import normal_device, sm_count
 from needlescope.kernels.triton_topk import INTERPRET, _ordered_key, _write_chunk
 
 __all__ = ["radix_topk", "radix_chunk", "radix_plan", "radix_workspace", "digit0_histogram", "DIGIT_BITS"]
@@ -316,10 +316,6 @@ def radix_chunk(rows: int, width: int) -> int:
 MAX_ONE_LAUNCH_CHUNK = 8192  # 32 keys a thread at 8 warps: still in registers
 
 
-def _sm_count(dev: torch.device) -> int:
-    return torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 1
-
-
 def radix_plan(rows: int, width: int, device) -> tuple[int, bool]:
     """(chunk, one launch?) for a [rows, width] select on ``device``: one launch (every pass, the
     programs of a row meeting at a counter barrier) wherever all programs fit one per SM with
@@ -330,7 +326,7 @@ def radix_plan(rows: int, width: int, device) -> tuple[int, bool]:
     ch = radix_chunk(rows, width)
     if dev.type != "cuda" or INTERPRET:
         return ch, False
-    sms = _sm_count(dev)
+    sms = sm_count(dev)
     one = ch
     while rows * triton.cdiv(max(width, 1), one) > sms and one < MAX_ONE_LAUNCH_CHUNK:
         one *= 2
@@ -394,7 +390,7 @@ def radix_topk(
     ch = plan_chunk if chunk is None else chunk
     one_launch = plan_one and chunk is None if one_launch is None else one_launch
     S = triton.cdiv(max(L, 1), ch)
-    if one_launch and S > 1 and (INTERPRET or R * S > _sm_count(dev)):
+    if one_launch and S > 1 and (INTERPRET or R * S > sm_count(dev)):
         raise ValueError(
             f"one_launch needs all {R} x {S} programs resident at once: at most one per SM, and one "
             "chunk a row under TRITON_INTERPRET (programs run in turn); use larger chunks or one_launch=False"
