@@ -98,7 +98,8 @@ def launch(kernel, grid: tuple, *args, **meta) -> None:
     hit = _COMPILED.get(key)
     if hit is None:
         compiled = kernel[grid](*args, **meta)
-        _COMPILED[key] = (compiled, _tail(kernel, len(args), meta))
+        if compiled is not None:  # None: compiled asynchronously, not launched yet
+            _COMPILED[key] = (compiled, _tail(kernel, len(args), meta))
         return
     compiled, tail = hit
     g = (*grid, 1, 1)
