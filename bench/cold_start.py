@@ -20,16 +20,7 @@ from functools import partial
 import torch
 from indexer_bench import decode_bytes, decode_case, med, med_clean_flush
 
-from needlescope.kernels import page_keys, triton_logits
-
-
-def sequential(c: dict) -> dict:
-    """``c`` with its keys paged in pool order (request r's pages r * pages ...)."""
-    B, L = c["q"].shape[0], c["L"]
-    pages = L // 64
-    bt = torch.arange(B * pages, dtype=torch.int32, device="cuda").view(B, pages)
-    entry_of = torch.arange(L, device="cuda").view(1, -1).expand(B, -1)
-    return {**c, "paged": page_keys(c["keys"], bt, B * pages, entry_of)}
+from needlescope.kernels import triton_logits
 
 
 def main() -> None:
@@ -42,11 +33,15 @@ def main() -> None:
     rows = []
     for cell in args.cells.split(","):
         B, ctx = (int(v) for v in cell.split("x"))
-        scattered = decode_case(B, ctx, "fp8_e4m3", seed=B * 7 + ctx)
+        seed = B * 7 + ctx
+        scattered = decode_case(B, ctx, "fp8_e4m3", seed)
         roofline = decode_bytes(scattered, "fp8_e4m3") / copy_GBps / 1e3
         row = {"batch": B, "context": ctx, "copy_GBps": copy_GBps, "roofline_us": roofline}
         outs = {}
-        for order, c in (("scattered", scattered), ("sequential", sequential(scattered))):
+        for order, c in (
+            ("scattered", scattered),
+            ("sequential", decode_case(B, ctx, "fp8_e4m3", seed, sequential=True)),
+        ):
             out = torch.empty(B, c["paged"].width, device="cuda")
             fn = partial(triton_logits.paged_logits, c["q"], c["w"], c["paged"], c["lens"], out=out)
             fn()

@@ -16,12 +16,11 @@ import argparse
 import cProfile
 import io
 import pstats
-import time
 from functools import partial
 
 import torch
 import triton
-from indexer_bench import decode_case, jit_launch
+from indexer_bench import decode_case, host_time, jit_launch
 
 from needlescope.kernels import launch, triton_decode, triton_logits
 
@@ -29,19 +28,6 @@ from needlescope.kernels import launch, triton_decode, triton_logits
 @triton.jit
 def _empty_kernel(x_ptr, n):
     pass
-
-
-def host_us(fn, calls: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for i in range(calls):
-        fn()
-        if i % 100 == 99:  # keep the queue short of its depth limit
-            torch.cuda.synchronize()
-    t = (time.perf_counter() - t0) / calls * 1e6
-    torch.cuda.synchronize()
-    return t
 
 
 def profile(fn, calls: int, top: int = 25) -> str:
@@ -85,7 +71,7 @@ def main() -> None:
         "decode_topk default, JIT launch": lambda: jit_launch(partial(triton_decode.decode_topk, *qa, 512)),
     }
     for name, fn in cases.items():
-        print(f"{name:40s} {host_us(fn, args.calls):8.2f} us/call", flush=True)
+        print(f"{name:40s} {host_time(fn, args.calls):8.2f} us/call", flush=True)
     for name in ("paged_logits persistent", "decode_topk default"):
         print(f"\n## cProfile: {name}, {args.calls} calls\n")
         print(profile(cases[name], args.calls), flush=True)

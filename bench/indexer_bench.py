@@ -104,8 +104,9 @@ def ceilings() -> dict:
     return {"copy_GBps": 2 * n / t_copy / 1e3, "bf16_matmul_TFLOPs": 2 * 8192**3 / t_mm / 1e6}
 
 
-def decode_case(B: int, ctx: int, key_dtype: str, seed: int) -> dict:
-    """Paged inputs for B requests of ``ctx`` tokens (ctx/4 entries) with scattered pages."""
+def decode_case(B: int, ctx: int, key_dtype: str, seed: int, sequential: bool = False) -> dict:
+    """Paged inputs for B requests of ``ctx`` tokens (ctx/4 entries) with scattered pages (in pool
+    order with ``sequential``; the same queries, weights and keys for one seed either way)."""
     L = ctx // 4
     pages = L // 64
     g = torch.Generator(device=DEV).manual_seed(seed)
@@ -115,7 +116,8 @@ def decode_case(B: int, ctx: int, key_dtype: str, seed: int) -> dict:
     qc, wf = quantize_queries(q, w, key_dtype)
     keys = quantize_keys(k, key_dtype)
     pool = B * pages
-    bt = torch.randperm(pool, generator=g, device=DEV)[: B * pages].view(B, pages).int()
+    order = torch.arange(pool, device=DEV) if sequential else torch.randperm(pool, generator=g, device=DEV)
+    bt = order[: B * pages].view(B, pages).int()
     entry_of = torch.arange(L, device=DEV).view(1, -1).expand(B, -1)
     paged = page_keys(keys, bt, pool, entry_of)
     lens = torch.full((B,), L, dtype=torch.int32, device=DEV)
