@@ -1,5 +1,6 @@
 """A patch without an undo during an investigation: its file executes once per process, each
-configuration applies it once, and no model it changed for good is measured again as clean."""
+configuration applies it once, and no model it changed is measured again as clean: each
+application is undone from a pristine copy (``dsa.pristine``)."""
 
 from __future__ import annotations
 
@@ -20,12 +21,14 @@ with LOG.open("a") as f:
 def apply(model):
     with LOG.open("a") as f:
         f.write("apply\\n")
-    model.lm_head.weight.data.mul_(1.0)  # an in-place change, and no undo
+    model.lm_head.weight.data.mul_(1.5)  # an in-place change, and no undo
     return None
 """
 
 
-def test_no_undo_patch_runs_once_and_forces_a_fresh_model(tmp_path):
+def test_no_undo_patch_runs_once_and_leaves_the_model_as_loaded(tmp_path):
+    import torch
+
     from needlescope.dsa.emulate import patched_for_good
     from needlescope.investigate.runner import run_investigation
 
@@ -63,7 +66,10 @@ def test_no_undo_patch_runs_once_and_forces_a_fresh_model(tmp_path):
     # candidate (both cases in one batch), the divergence (added alone to the reference) and the
     # top-32 fix (the candidate at twice its index_topk); the removal equals the reference
     assert log == ["body", "apply", "apply", "apply"], log
-    assert patched_for_good(model) is not None  # the caller's model was changed for good ...
+    # the caller's model is as loaded: every application was undone from its pristine copy ...
+    assert patched_for_good(model) is None
+    fresh = load_bundle("organism")[0]
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values()))
     v = json.loads((out / "verdicts.json").read_text())
     (s,) = v["suspects"]
     # ... yet every later measure ran; two cases cannot exclude any cost, and the verdict says so

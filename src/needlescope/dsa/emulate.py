@@ -26,7 +26,8 @@ step of a generation can be replayed as SGLang's ``indexer_topk`` capture.
 
 A user patch (``Setting.patch``: ``--patch FILE.py``, or a built-in ``fault:NAME`` of
 ``needlescope.dsa.faults``) is a Python file defining ``apply(model)``; it may return a
-zero-argument callable that undoes it, which ``emulate`` calls on exit. ``wrap_scorers`` is the
+zero-argument callable that undoes it, which ``emulate`` calls on exit; one that returns none
+is undone by restoring the state it could change (``apply_patch_once``, ``dsa.pristine``). ``wrap_scorers`` is the
 helper most patches need. A patch file runs arbitrary Python with the caller's rights; its
 module body executes exactly once per process (``load_patch`` caches it by file), however many
 times a setting carrying it is applied.
@@ -40,6 +41,8 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import logging
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -48,6 +51,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.overrides import TorchFunctionMode
 
+from needlescope.dsa.pristine import PristineCopy, weight_bytes
 from needlescope.dsa.quant import get_quantizer, hadamard_128
 from needlescope.dsa.reference import NO_ENTRY, lightning_scores, visible_entries
 from needlescope.errors import BadInput
@@ -210,6 +214,15 @@ _LOADED_PATCHES: dict[tuple[str, str], Callable[[torch.nn.Module], object]] = {}
 
 _PATCHED_FOR_GOOD = "_needlescope_patched_for_good"
 
+PRISTINE_COPY_MAX_BYTES = 8 << 30
+"""Largest model (parameters and buffers) a patch without an undo runs on by way of a pristine
+copy in host memory; a larger one is marked and reloaded by its caller (a copy of a model that
+size costs what a load does)."""
+
+_GIVES_UNDO: set[tuple[str, str]] = set()
+_NO_UNDO_LOGGED: set[tuple[str, str]] = set()
+log = logging.getLogger("needlescope.dsa")
+
 
 def _failure(exc: BaseException) -> str:
     if isinstance(exc, SystemExit):
@@ -218,30 +231,60 @@ def _failure(exc: BaseException) -> str:
 
 
 def apply_patch_once(model: torch.nn.Module, patch, *, check: bool = True) -> Callable[[], None] | None:
-    """Apply ``patch`` (a PatchRef or path) to ``model``; returns its undo, or None when it gave none.
+    """Apply ``patch`` (a PatchRef or path) to ``model``; returns its undo.
 
-    A patch without an undo changes the model for good (a routed scale multiplied in place
-    compounds if applied again), so the model is marked and ``emulate`` refuses it from then on.
-    Raises BadInput when ``model`` already carries such a patch (``check=False``: the caller
-    checked before applying a group of patches, one of which may be such a patch).
+    A patch that returns no undo (a monkeypatch replacing a forward and returning nothing)
+    would change the model for good, so the model's state is kept first
+    (``pristine.PristineCopy``) and its restore is the undo: the configuration runs on a model
+    it may change, and the next finds it as loaded. The cost (one copy of the weights per
+    application) is logged once per patch. Patches learned to return an undo skip the copy.
+    A model larger than ``PRISTINE_COPY_MAX_BYTES`` is not copied: it is marked instead
+    (``patched_for_good``) and its caller loads a fresh one; ``check`` refuses such a model
+    (``check=False``: the caller checked before applying a group of patches).
     """
     if check:
         check_unpatched(model)
     fn = load_patch(patch)
+    key = _patch_key(patch)
+    kept = None
+    if key not in _GIVES_UNDO and weight_bytes(model) <= PRISTINE_COPY_MAX_BYTES:
+        start = time.perf_counter()
+        kept = PristineCopy.take(model)
+        copy_s = time.perf_counter() - start
     try:
         undo = fn(model)
     except (Exception, SystemExit) as exc:  # SystemExit: sys.exit() in a patch must not end serve
+        if kept is not None:
+            kept.restore()
         raise BadInput(f"patch {str(patch)!r}: apply(model) failed: {_failure(exc)}") from None
     if callable(undo):
+        _GIVES_UNDO.add(key)
         return undo
+    if kept is not None:
+        if key not in _NO_UNDO_LOGGED:
+            _NO_UNDO_LOGGED.add(key)
+            log.warning(
+                "patch %s returned no undo: each application keeps a pristine copy of the model "
+                "(%.1f MB, %.2f s) and restores it afterwards",
+                patch,
+                weight_bytes(model) / 1e6,
+                copy_s,
+            )
+        return kept.restore
     setattr(model, _PATCHED_FOR_GOOD, str(patch))
     return None
+
+
+def _patch_key(patch) -> tuple[str, str]:
+    """(path, content hash) of a patch: a rewritten file is another patch."""
+    ref = patch if isinstance(patch, PatchRef) else PatchRef.resolve(patch)
+    return str(ref.path), hashlib.sha256(ref.path.read_bytes()).hexdigest()
 
 
 @contextmanager
 def patches_applied(model: torch.nn.Module, patches) -> Iterator[None]:
     """Apply each of ``patches`` (model-level patch files, after any ``emulate``) for the block,
-    undone in reverse order on exit; a patch without an undo marks the model (``apply_patch_once``)."""
+    undone in reverse order on exit (a patch without an undo by its pristine copy: ``apply_patch_once``)."""
     undos = []
     try:
         for p in patches:
@@ -277,7 +320,7 @@ def load_patch(patch: PatchRef | str) -> Callable[[torch.nn.Module], object]:
     """
     ref = patch if isinstance(patch, PatchRef) else PatchRef.resolve(patch)
     key = str(ref.path)
-    cache_key = (key, hashlib.sha256(ref.path.read_bytes()).hexdigest())
+    cache_key = _patch_key(ref)
     if cache_key in _LOADED_PATCHES:
         return _LOADED_PATCHES[cache_key]
     spec = importlib.util.spec_from_file_location(f"needlescope_patch_{ref.path.stem}", ref.path)
