@@ -1,0 +1,564 @@
+"""What kind of bug a divergence no suspect explains is, where it is, and what to run next.
+
+``characterize(evidence, context) -> dict`` is a pure function over measurements (no torch, no
+files, no patch names: the evidence records below are all it reads). Its result is
+``verdicts.json`` ``characterization`` (schema in docs/investigate.md and
+``CHARACTERIZATION_SCHEMA``):
+
+* ``classes``: the classes whose rule fires, strongest (most specific) first, from
+  ``VOCABULARY``; ``["none"]`` when no recall is lost; ``["undecided"]`` when none fires, and
+  then ``undecided`` says what would decide it;
+* ``where``: the first divergent module and its family (in-process) or the first departing
+  CSA layer and whether the evidence puts the cause upstream or downstream of the selection;
+* ``evidence``: per class the numbers behind it with their nulls (its ``rule`` in words);
+* ``next``: the cheapest experiment that tells the remaining classes apart (or confirms the
+  first), a ``needlescope ...`` command built from ``context``.
+
+The rules, in the order they rank (a specific pattern explains a generic one: a selection
+shifted by one slot is also near-random against the reference, so ``misaddressed`` ranks
+before ``ranking_uninformative``); thresholds in ``RULES``, docs/signatures.md for the public
+bug classes each one points at:
+
+``outside_selection``  recall lost at a dense length (every entry selected: entries <= top-k),
+                       exact one-sided McNemar p < 0.05; or every compared selection equals the
+                       reference's (Jaccard >= 0.99 on every path) while the answers differ
+``decode_only``        every prefill selection equals the reference's, a decode one departs
+``length_residue``     the losses concentrate on one residue class of the length modulo the
+                       compression ratio (one-sided Fisher exact p < 0.05 against the other
+                       classes, and those lose at most 10% of their cases)
+``misaddressed``       a constant shift or a page permutation of the candidate's selection
+                       reproduces the reference's (Jaccard >= 0.9, 0.1 above the plain one's)
+``needle_excluded``    the reference keeps needle entries the candidate drops (<= 20% of them)
+                       while the rest of the selection agrees (Jaccard without the needle >= 0.7)
+``positional_bias``    >= 75% of the candidate's selection in one quarter of the context (first
+                       or last), at least 30 points more than the reference's
+``ranking_uninformative``  overlap near chance: (J - J0) / (1 - J0) <= 0.15, J0 the exact
+                       expected Jaccard of a random k-subset (hypergeometric)
+``graded``             partial overlap (0.15 < (J - J0) / (1 - J0) < 0.95) and the recall lost only
+                       at longer lengths (the shortest selective length loses nothing)
+"""
+
+from __future__ import annotations
+
+import math
+import shlex
+from dataclasses import dataclass, field
+
+__all__ = [
+    "FAMILIES",
+    "RULES",
+    "VOCABULARY",
+    "Context",
+    "Evidence",
+    "LayerSelection",
+    "LengthCell",
+    "Localized",
+    "characterize",
+    "family_of",
+    "jaccard_chance",
+]
+
+VOCABULARY = (
+    "outside_selection",
+    "decode_only",
+    "length_residue",
+    "misaddressed",
+    "needle_excluded",
+    "positional_bias",
+    "ranking_uninformative",
+    "graded",
+    "none",
+    "undecided",
+)
+
+RULES = {
+    "alpha": 0.05,
+    "same_selection": 0.99,  # Jaccard at or above: the selection is the reference's
+    "moved": 0.9,  # a shifted / permuted selection this close reproduces the reference's
+    "moved_gain": 0.1,  # ... and beats the plain Jaccard by at least this
+    "needle_kept_at_most": 0.2,
+    "rest_agrees": 0.7,
+    "end_share": 0.75,
+    "end_excess": 0.3,
+    "near_chance": 0.15,  # normalized overlap (J - J0) / (1 - J0)
+    "partial_high": 0.95,
+    "other_residues_lose_at_most": 0.1,
+}
+
+FAMILIES = (
+    "indexer scorer",
+    "index-key cache/compressor",
+    "top-k",
+    "attention",
+    "MoE router",
+    "norm/other",
+)
+
+
+@dataclass(frozen=True)
+class LayerSelection:
+    """One CSA layer's selection compared with the reference's on one path, over the analysed
+    query rows of the failing cases (means over rows; needle counts summed)."""
+
+    layer: int
+    path: str  # "prefill" | "decode"
+    rows: int
+    overlap: float  # mean Jaccard of the candidate's and the reference's selected sets
+    chance: float  # J0: the same for a uniformly random selection of as many entries (exact)
+    needle_visible: int = 0
+    needle_reference: int = 0
+    needle_candidate: int = 0
+    overlap_without_needle: float | None = None  # Jaccard over the non-needle entries
+    shift: int | None = None  # the constant shift whose shifted selection agrees best
+    shift_overlap: float | None = None
+    permutation_overlap: float | None = None  # best Jaccard under a page permutation
+    head_share: tuple[float, float] | None = None  # (candidate, reference) share in the first quarter
+    tail_share: tuple[float, float] | None = None  # ... and in the last quarter
+
+
+@dataclass(frozen=True)
+class LengthCell:
+    """Paired outcomes at one prompt length: ``lost`` cases wrong under the candidate and right
+    under the reference, ``gained`` the reverse, of ``n``; ``entries`` the compressed entries a
+    query there sees (dense when <= ``Context.topk``)."""
+
+    length: int
+    n: int
+    lost: int
+    gained: int
+    entries: int
+
+
+@dataclass(frozen=True)
+class Localized:
+    """The localizer's first divergent module on one path (in-process)."""
+
+    path: str
+    module: str | None
+    module_type: str | None
+    layer: int | None
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """Everything ``characterize`` reads. ``recall_lost``: the symptom's paired loss is
+    significant (or any case is lost when the run has no test for it)."""
+
+    recall_lost: bool
+    recall_reference: float | None = None
+    recall_candidate: float | None = None
+    cells: tuple[LengthCell, ...] = ()
+    layers: tuple[LayerSelection, ...] = ()
+    answers_differ: bool = False  # a failing case was analysed (wrong under the candidate only)
+    localized: tuple[Localized, ...] = ()
+
+
+@dataclass(frozen=True)
+class Context:
+    """How the user reaches the candidate: a live ``base_url``, or in-process the checkpoint and
+    the candidate's setting flags (opaque text, quoted into commands, never read)."""
+
+    route: str  # "live" | "in-process"
+    ratio: int
+    topk: int
+    model: str = "organism"
+    base_url: str | None = None
+    candidate_flags: tuple[str, ...] = ()
+    input_ids: str | None = None  # the localizer's saved ids (in-process)
+    lengths: tuple[int, ...] = field(default_factory=tuple)
+
+
+def jaccard_chance(visible: int, k_cand: int, k_ref: int) -> float:
+    """E[|A n B| / |A u B|] for A a uniformly random ``k_cand``-subset of ``visible`` entries and
+    B a fixed ``k_ref``-subset (exact: the intersection is hypergeometric)."""
+    if visible <= 0 or k_cand <= 0 or k_ref <= 0:
+        return 0.0
+    k_cand, k_ref = min(k_cand, visible), min(k_ref, visible)
+    total = math.comb(visible, k_cand)
+    lo, hi = max(0, k_cand + k_ref - visible), min(k_cand, k_ref)
+    return sum(
+        math.comb(k_ref, x) * math.comb(visible - k_ref, k_cand - x) / total * x / (k_cand + k_ref - x)
+        for x in range(lo, hi + 1)
+    )
+
+
+def family_of(module: str | None, module_type: str | None) -> str:
+    """The family of a localized module, from its class and dotted name."""
+    t, m = module_type or "", module or ""
+    if "Scorer" in t or m.endswith(".scorer"):
+        return "indexer scorer"
+    if "Indexer" in t or "Compressor" in t or ".compressor" in m:
+        return "index-key cache/compressor"
+    if "topk" in m.lower():
+        return "top-k"
+    if "Router" in t or m.endswith(".gate"):
+        return "MoE router"
+    if "Attention" in t or ".self_attn" in m:
+        return "attention"
+    return "norm/other"
+
+
+def _mcnemar_lower(lost: int, gained: int) -> float:
+    """One-sided exact McNemar p for more losses than gains."""
+    n = lost + gained
+    return sum(math.comb(n, i) for i in range(lost, n + 1)) / 2**n if n else 1.0
+
+
+def _fisher_greater(a: int, n1: int, c: int, n2: int) -> float:
+    """One-sided Fisher exact p that group 1 (a of n1) loses more often than group 2 (c of n2)."""
+    m, total = a + c, n1 + n2
+    denom = math.comb(total, m)
+    return sum(math.comb(n1, x) * math.comb(n2, m - x) for x in range(a, min(n1, m) + 1)) / denom
+
+
+def _kappa(sel: LayerSelection) -> float:
+    return (sel.overlap - sel.chance) / (1 - sel.chance) if sel.chance < 1 else 1.0
+
+
+def _departing(ev: Evidence) -> list[LayerSelection]:
+    return [s for s in ev.layers if s.overlap < RULES["same_selection"]]
+
+
+def _first_departing(ev: Evidence) -> LayerSelection | None:
+    dep = sorted(_departing(ev), key=lambda s: (s.layer, s.path != "prefill"))
+    return dep[0] if dep else None
+
+
+def _rule_outside(ev: Evidence, ctx: Context) -> dict | None:
+    dense = [c for c in ev.cells if c.entries <= ctx.topk]
+    for c in dense:
+        p = _mcnemar_lower(c.lost, c.gained)
+        if c.lost > c.gained and p < RULES["alpha"]:
+            return {
+                "rule": f"recall lost where every entry is selected (entries {c.entries} <= top-k {ctx.topk})",
+                "length": c.length,
+                "lost": c.lost,
+                "gained": c.gained,
+                "n": c.n,
+                "p": p,
+                "null": "no loss where the selection is dense (exact McNemar, one-sided)",
+            }
+    if ev.answers_differ and ev.layers and not _departing(ev):
+        worst = min(ev.layers, key=lambda s: s.overlap)
+        return {
+            "rule": "every selection equals the reference's while the answers differ",
+            "min_overlap": worst.overlap,
+            "layers": sorted({s.layer for s in ev.layers}),
+            "paths": sorted({s.path for s in ev.layers}),
+            "null": f"a selection bug moves some selection below Jaccard {RULES['same_selection']}",
+        }
+    return None
+
+
+def _rule_decode_only(ev: Evidence, ctx: Context) -> dict | None:
+    pre = [s for s in ev.layers if s.path == "prefill"]
+    dec = [s for s in ev.layers if s.path == "decode"]
+    if not pre or not dec or any(s.overlap < RULES["same_selection"] for s in pre):
+        return None
+    gone = [s for s in dec if s.overlap < RULES["same_selection"]]
+    if not gone:
+        return None
+    first = min(gone, key=lambda s: s.layer)
+    return {
+        "rule": "prefill selections equal the reference's, decode selections depart",
+        "prefill_min_overlap": min(s.overlap for s in pre),
+        "decode_layer": first.layer,
+        "decode_overlap": first.overlap,
+        "chance": first.chance,
+        "null": f"both paths select alike (Jaccard >= {RULES['same_selection']})",
+    }
+
+
+def _rule_residue(ev: Evidence, ctx: Context) -> dict | None:
+    cells = [c for c in ev.cells if c.entries > ctx.topk]
+    by: dict[int, list[int]] = {}
+    for c in cells:
+        n_lost = by.setdefault(c.length % ctx.ratio, [0, 0])
+        n_lost[0] += c.n
+        n_lost[1] += c.lost
+    if len(by) < 2:
+        return None
+    r, (n1, a) = max(by.items(), key=lambda kv: kv[1][1] / max(kv[1][0], 1))
+    n2 = sum(v[0] for k, v in by.items() if k != r)
+    c2 = sum(v[1] for k, v in by.items() if k != r)
+    p = _fisher_greater(a, n1, c2, n2)
+    if p >= RULES["alpha"] or c2 > RULES["other_residues_lose_at_most"] * n2:
+        return None
+    return {
+        "rule": f"losses concentrate on length = {r} mod {ctx.ratio}",
+        "residue": r,
+        "ratio": ctx.ratio,
+        "lost_in_class": [a, n1],
+        "lost_elsewhere": [c2, n2],
+        "p": p,
+        "null": "every residue class loses alike (Fisher exact, one-sided)",
+    }
+
+
+def _rule_misaddressed(ev: Evidence, ctx: Context) -> dict | None:
+    for s in sorted(_departing(ev), key=lambda s: s.layer):
+        moved = max(s.shift_overlap or 0.0, s.permutation_overlap or 0.0)
+        if moved >= RULES["moved"] and moved - s.overlap >= RULES["moved_gain"]:
+            how = (
+                "a page permutation" if (s.permutation_overlap or 0) >= (s.shift_overlap or 0) else "a shift"
+            )
+            return {
+                "rule": f"the selection is the reference's under {how}",
+                "layer": s.layer,
+                "path": s.path,
+                "overlap": s.overlap,
+                "shift": s.shift,
+                "shift_overlap": s.shift_overlap,
+                "permutation_overlap": s.permutation_overlap,
+                "chance": s.chance,
+                "null": f"no shift or page permutation reaches Jaccard {RULES['moved']}",
+            }
+    return None
+
+
+def _rule_needle_excluded(ev: Evidence, ctx: Context) -> dict | None:
+    ref = sum(s.needle_reference for s in ev.layers)
+    cand = sum(s.needle_candidate for s in ev.layers)
+    rest = [s.overlap_without_needle for s in ev.layers if s.overlap_without_needle is not None]
+    if ref == 0 or not rest or cand > RULES["needle_kept_at_most"] * ref:
+        return None
+    if min(rest) < RULES["rest_agrees"]:
+        return None
+    return {
+        "rule": "the needle is dropped while the rest of the selection agrees",
+        "needle_reference": ref,
+        "needle_candidate": cand,
+        "needle_visible": sum(s.needle_visible for s in ev.layers),
+        "overlap_without_needle": min(rest),
+        "null": f"the candidate keeps > {RULES['needle_kept_at_most']:.0%} of the reference's needle entries",
+    }
+
+
+def _rule_positional(ev: Evidence, ctx: Context) -> dict | None:
+    for s in sorted(_departing(ev), key=lambda s: s.layer):
+        for end, share in (("last", s.tail_share), ("first", s.head_share)):
+            if share is None:
+                continue
+            cand, ref = share
+            if cand >= RULES["end_share"] and cand - ref >= RULES["end_excess"]:
+                return {
+                    "rule": f"the selection concentrates in the {end} quarter of the context",
+                    "layer": s.layer,
+                    "share_candidate": cand,
+                    "share_reference": ref,
+                    "null": "a selection spread like the reference's",
+                }
+    return None
+
+
+def _rule_uninformative(ev: Evidence, ctx: Context) -> dict | None:
+    first = _first_departing(ev)
+    if first is None or _kappa(first) > RULES["near_chance"]:
+        return None
+    return {
+        "rule": "the selection's overlap with the reference is near chance",
+        "layer": first.layer,
+        "path": first.path,
+        "overlap": first.overlap,
+        "chance": first.chance,
+        "normalized": _kappa(first),
+        "rows": first.rows,
+        "null": "J0, the exact expected Jaccard of a random selection of as many entries",
+    }
+
+
+def _rule_graded(ev: Evidence, ctx: Context) -> dict | None:
+    first = _first_departing(ev)
+    cells = sorted((c for c in ev.cells if c.entries > ctx.topk), key=lambda c: c.length)
+    if first is None or len({c.length for c in cells}) < 2:
+        return None
+    k = _kappa(first)
+    shortest, longest = cells[0], cells[-1]
+    if not (RULES["near_chance"] < k < RULES["partial_high"]) or shortest.lost > shortest.gained:
+        return None
+    if longest.lost <= longest.gained:
+        return None
+    return {
+        "rule": "a partial loss of overlap; recall lost only at longer lengths",
+        "layer": first.layer,
+        "overlap": first.overlap,
+        "chance": first.chance,
+        "normalized": k,
+        "shortest": [shortest.length, shortest.lost, shortest.n],
+        "longest": [longest.length, longest.lost, longest.n],
+        "null": "a loss at every selective length, or none",
+    }
+
+
+_ORDERED = (
+    ("outside_selection", _rule_outside),
+    ("decode_only", _rule_decode_only),
+    ("length_residue", _rule_residue),
+    ("misaddressed", _rule_misaddressed),
+    ("needle_excluded", _rule_needle_excluded),
+    ("positional_bias", _rule_positional),
+    ("ranking_uninformative", _rule_uninformative),
+    ("graded", _rule_graded),
+)
+
+
+def _missing(ev: Evidence, ctx: Context) -> list[tuple[str, str]]:
+    """(experiment, what it would decide) for each discriminating measurement the evidence lacks,
+    cheapest first."""
+    out = []
+    if not any(c.entries <= ctx.topk for c in ev.cells):
+        out.append(("dense", "dense lengths (entries <= top-k) tell outside_selection from a selection bug"))
+    if len({c.length % ctx.ratio for c in ev.cells if c.entries > ctx.topk}) < 2:
+        out.append(("residue", f"lengths in other residue classes mod {ctx.ratio} test length_residue"))
+    if not ev.layers:
+        out.append(
+            ("selection", "the failing cases' selections against the reference decide the selection classes")
+        )
+    elif len({s.path for s in ev.layers}) < 2:
+        out.append(("paths", "prefill rows beside decode rows test decode_only"))
+    if ctx.route == "in-process" and not ev.localized:
+        out.append(("localize", "the localizer names the module family"))
+    return out
+
+
+def _lengths(ctx: Context, which: str) -> list[int]:
+    base = max(ctx.lengths) if ctx.lengths else ctx.ratio * ctx.topk * 2
+    if which == "dense":
+        top = ctx.ratio * ctx.topk
+        return sorted({max(ctx.ratio * 8, top // 2), top})
+    return [base + d for d in range(1, ctx.ratio)]
+
+
+def _command(ctx: Context, experiment: str) -> str:
+    """The ``needlescope`` command that runs ``experiment`` against the candidate."""
+    q = shlex.join
+    if experiment in ("dense", "residue"):
+        lengths = ",".join(str(n) for n in _lengths(ctx, experiment))
+        if ctx.route == "live":
+            return q(
+                ["needlescope", "probe", "--base-url", ctx.base_url or "URL", "--kind", "multiturn"]
+                + [
+                    "--lengths",
+                    lengths,
+                    "--depths",
+                    "0,50,100",
+                    "--trials",
+                    "4",
+                    "--out",
+                    f"next-{experiment}",
+                ]
+            )
+        return q(
+            ["needlescope", "indexer", "sweep", "--model", ctx.model, *ctx.candidate_flags]
+            + ["--index-topk", str(ctx.topk), "--lengths", lengths, "--kind", "multiturn"]
+            + ["--depths", "0,50,100", "--trials", "4", "--out", f"next-{experiment}"]
+        )
+    if ctx.route == "live":  # the selections on both paths: the live capture at a failing length
+        return q(
+            ["needlescope", "indexer", "capture", "--sglang", ctx.base_url or "URL", "--prompt", "PROMPT"]
+            + ["--needle", "NEEDLE", "--tokenizer", ctx.model, "--out", "next-capture"]
+        )
+    return q(
+        ["needlescope", "indexer", "diff", "--model", ctx.model, "--input-ids", ctx.input_ids or "IDS.json"]
+        + [*ctx.candidate_flags, "--index-topk", str(ctx.topk), "--out", "next-diff"]
+    )
+
+
+_CONFIRM = {
+    "outside_selection": "localize",
+    "decode_only": "paths",
+    "length_residue": "residue",
+    "misaddressed": "localize",
+    "needle_excluded": "localize",
+    "positional_bias": "localize",
+    "ranking_uninformative": "localize",
+    "graded": "dense",
+}
+
+
+def _where(ev: Evidence, ctx: Context, classes: list[str]) -> dict:
+    first = _first_departing(ev)
+    outside = "outside_selection" in classes
+    where: dict = {
+        "route": ctx.route,
+        "first_departing_layer": first.layer if first else None,
+        "path": first.path if first else None,
+        "cause": "upstream or downstream of the selection" if outside else "in the selection",
+    }
+    diverging = [loc for loc in ev.localized if loc.module is not None]
+    if diverging:
+        loc = sorted(diverging, key=lambda loc: loc.path != "prefill")[0]
+        where.update(
+            module=loc.module,
+            module_type=loc.module_type,
+            layer=loc.layer,
+            family=family_of(loc.module, loc.module_type),
+            localized_path=loc.path,
+        )
+    return where
+
+
+def characterize(ev: Evidence, ctx: Context) -> dict:
+    """The characterization of a divergence (module docstring): classes, where, evidence, next."""
+    if not ev.recall_lost:
+        return {
+            "classes": ["none"],
+            "where": None,
+            "evidence": {
+                "none": {"recall_reference": ev.recall_reference, "recall_candidate": ev.recall_candidate}
+            },
+            "undecided": [],
+            "next": None,
+            "text": "nothing to explain: no recall lost",
+        }
+    fired = {name: found for name, rule in _ORDERED if (found := rule(ev, ctx)) is not None}
+    classes = list(fired) or ["undecided"]
+    missing = _missing(ev, ctx)
+    undecided = [why for _, why in missing] if not fired else []
+    experiment = missing[0][0] if missing and not fired else _CONFIRM.get(classes[0], "localize")
+    result = {
+        "classes": classes,
+        "where": _where(ev, ctx, classes),
+        "evidence": fired,
+        "undecided": undecided,
+        "next": _command(ctx, experiment),
+    }
+    result["text"] = summary_line(result)
+    return result
+
+
+def summary_line(ch: dict) -> str:
+    """The root-cause line's words for a characterization (without the 'next' command)."""
+    first = ch["classes"][0]
+    if first == "none":
+        return "nothing to explain: no recall lost"
+    if first == "undecided":
+        return "not among the suspects; the kind of bug is undecided: " + "; ".join(ch["undecided"])
+    e, where = ch["evidence"][first], ch["where"] or {}
+    place = (
+        f"{where['family']} ({where['module']})"
+        if where.get("family")
+        else f"CSA layer {where['first_departing_layer']}"
+        if where.get("first_departing_layer") is not None
+        else "the model"
+    )
+    numbers = ", ".join(
+        f"{k} {_fmt(v)}" for k, v in e.items() if k not in ("rule", "null") and isinstance(v, (int, float))
+    )
+    return f"not among the suspects: {e['rule']} ({numbers}); {_HINT[first]}; at {place}"
+
+
+def _fmt(v) -> str:
+    return f"{v:.3g}" if isinstance(v, float) else str(v)
+
+
+_HINT = {
+    "outside_selection": "the bug is upstream or downstream of the indexer's selection (attention, MoE, norms)",
+    "decode_only": "a decode-path bug (paged decode kernel, speculative decoding)",
+    "length_residue": "a chunk or compressor-boundary arithmetic bug",
+    "misaddressed": "an index-key cache layout or page-table bug",
+    "needle_excluded": "a top-k or masking bug dropping candidates",
+    "positional_bias": "a position-dependent scoring bug (RoPE, masks)",
+    "ranking_uninformative": "a scoring bug (key scales, RoPE layout, head weights)",
+    "graded": "a precision or partial scoring bug that grows with length",
+}

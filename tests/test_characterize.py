@@ -1,0 +1,202 @@
+"""The characterization of an unexplained divergence: one test per class and rule, on evidence
+records built the way the routes build them (``selection_evidence.layer_selection`` over sets)."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from needlescope.investigate.decide.characterize import (
+    VOCABULARY,
+    Context,
+    Evidence,
+    LayerSelection,
+    LengthCell,
+    Localized,
+    characterize,
+    family_of,
+    jaccard_chance,
+)
+from needlescope.investigate.decide.selection_evidence import Row, layer_selection
+
+CTX = Context(
+    route="in-process", ratio=4, topk=16, candidate_flags=("--index-k", "fp8_e4m3"), lengths=(512, 1024)
+)
+LIVE = Context(route="live", ratio=4, topk=16, base_url="http://127.0.0.1:8001", lengths=(512,))
+SELECTIVE = (LengthCell(512, 12, 6, 0, 128), LengthCell(1024, 12, 8, 0, 256))
+
+
+def _rows(candidate, reference=None, visible=128, needle=(40, 41), n=4):
+    ref = frozenset(reference if reference is not None else range(40, 56))
+    return [Row(frozenset(candidate), ref, visible, frozenset(needle)) for _ in range(n)]
+
+
+def _ev(*layers, cells=SELECTIVE, **kw):
+    return Evidence(
+        recall_lost=True, recall_reference=1.0, recall_candidate=0.4, cells=cells, layers=layers, **kw
+    )
+
+
+def _decode_twin(sel: LayerSelection) -> LayerSelection:
+    return LayerSelection(**{**sel.__dict__, "path": "decode"})
+
+
+def test_jaccard_chance_is_exact():
+    v, k = 9, 3
+    ref = set(range(k))
+    brute = [len(ref & set(s)) / len(ref | set(s)) for s in itertools.combinations(range(v), k)]
+    assert jaccard_chance(v, k, k) == pytest.approx(sum(brute) / len(brute), abs=1e-12)
+    assert jaccard_chance(16, 16, 16) == 1.0  # dense: every entry selected
+
+
+def test_no_recall_lost_is_nothing_to_explain():
+    ch = characterize(Evidence(recall_lost=False, recall_reference=1.0, recall_candidate=1.0), CTX)
+    assert ch["classes"] == ["none"] and ch["text"] == "nothing to explain: no recall lost"
+    assert "unexplained" not in ch["text"]
+
+
+def test_ranking_uninformative_against_the_exact_null():
+    rnd = random.Random(0)
+    rows = [
+        Row(frozenset(rnd.sample(range(128), 16)), frozenset(range(40, 56)), 128, frozenset({40}))
+        for _ in range(8)
+    ]
+    sel = layer_selection(1, "prefill", rows)
+    ch = characterize(_ev(sel, _decode_twin(sel)), CTX)
+    assert ch["classes"][0] == "ranking_uninformative", ch
+    e = ch["evidence"]["ranking_uninformative"]
+    assert e["chance"] == pytest.approx(jaccard_chance(128, 16, 16)) and e["overlap"] < 0.2
+    assert "scoring bug" in ch["text"] and "chance" in ch["text"]
+
+
+def test_needle_excluded_when_the_rest_agrees():
+    sel = layer_selection(1, "prefill", _rows(set(range(42, 56)) | {100, 101}))
+    ch = characterize(_ev(sel, _decode_twin(sel)), CTX)
+    assert ch["classes"][0] == "needle_excluded", ch
+    assert ch["evidence"]["needle_excluded"]["needle_candidate"] == 0
+
+
+def test_misaddressed_by_a_constant_shift_and_by_a_page_permutation():
+    shifted = layer_selection(1, "prefill", _rows(range(41, 57)))
+    assert shifted.shift == 1 and shifted.shift_overlap == 1.0
+    ref = set(range(0, 8)) | set(range(64, 72))
+    swapped = layer_selection(
+        1, "prefill", _rows(set(range(128, 136)) | set(range(192, 200)), ref, visible=256)
+    )
+    for sel in (shifted, swapped):
+        ch = characterize(_ev(sel, _decode_twin(sel)), CTX)
+        assert ch["classes"][0] == "misaddressed", ch
+        assert "ranking_uninformative" not in ch["classes"][:1]
+
+
+def test_positional_bias_at_the_end():
+    sel = layer_selection(1, "prefill", _rows(range(112, 128)))
+    ch = characterize(_ev(sel, _decode_twin(sel)), CTX)
+    assert ch["classes"][0] == "positional_bias", ch
+    assert ch["evidence"]["positional_bias"]["share_candidate"] == 1.0
+
+
+def test_decode_only_when_prefill_selections_are_equal():
+    same = layer_selection(1, "prefill", _rows(range(40, 56)))
+    rnd = random.Random(1)
+    dec = layer_selection(1, "decode", _rows(rnd.sample(range(128), 16)))
+    ch = characterize(_ev(same, dec), CTX)
+    assert ch["classes"][0] == "decode_only", ch
+    # with no decode rows the same prefill evidence cannot say it, and says what would
+    ch2 = characterize(_ev(same), CTX)
+    assert "decode_only" not in ch2["classes"]
+
+
+def test_outside_selection_from_a_dense_length():
+    sel = layer_selection(1, "prefill", _rows(range(40, 56)))
+    cells = (LengthCell(64, 8, 6, 0, 16), *SELECTIVE)
+    ch = characterize(_ev(sel, _decode_twin(sel), cells=cells), LIVE)
+    assert ch["classes"][0] == "outside_selection", ch
+    assert ch["where"]["cause"] == "upstream or downstream of the selection"
+    assert ch["evidence"]["outside_selection"]["p"] < 0.05
+
+
+def test_outside_selection_from_equal_selections_and_different_answers():
+    sel = layer_selection(1, "prefill", _rows(range(40, 56)))
+    loc = (Localized("prefill", "model.layers.0.mlp.gate", "DeepseekV4HashRouter", 0),)
+    ch = characterize(_ev(sel, _decode_twin(sel), answers_differ=True, localized=loc), CTX)
+    assert ch["classes"][0] == "outside_selection", ch
+    assert ch["where"]["family"] == "MoE router" and ch["where"]["layer"] == 0
+
+
+def test_length_residue_concentrates_on_one_class():
+    cells = (
+        LengthCell(1024, 8, 8, 0, 256),
+        LengthCell(1025, 8, 0, 0, 256),
+        LengthCell(1026, 8, 0, 0, 256),
+        LengthCell(1027, 8, 1, 0, 256),
+    )
+    rnd = random.Random(2)
+    sel = layer_selection(1, "prefill", _rows(rnd.sample(range(128), 16)))
+    ch = characterize(_ev(sel, _decode_twin(sel), cells=cells), CTX)
+    assert ch["classes"][0] == "length_residue", ch
+    assert ch["evidence"]["length_residue"]["residue"] == 0
+    # the same losses spread over every class are not a residue
+    spread = tuple(LengthCell(c.length, 8, 4, 0, 256) for c in cells)
+    assert "length_residue" not in characterize(_ev(sel, cells=spread), CTX)["classes"]
+
+
+def test_graded_loses_only_at_longer_lengths():
+    rows = _rows(set(range(40, 50)) | set(range(90, 96)))
+    sel = layer_selection(1, "prefill", rows)
+    cells = (LengthCell(512, 12, 0, 0, 128), LengthCell(1024, 12, 5, 0, 256))
+    ch = characterize(_ev(sel, _decode_twin(sel), cells=cells), CTX)
+    assert ch["classes"] == ["graded"], ch
+    # lost at the shortest length too: not graded
+    flat = (LengthCell(512, 12, 5, 0, 128), LengthCell(1024, 12, 5, 0, 256))
+    assert "graded" not in characterize(_ev(sel, cells=flat), CTX)["classes"]
+
+
+def test_undecided_says_what_would_decide_and_the_next_command_runs_it():
+    ch = characterize(Evidence(recall_lost=True, cells=(LengthCell(1024, 8, 3, 0, 256),)), LIVE)
+    assert ch["classes"] == ["undecided"]
+    assert any("dense lengths" in u for u in ch["undecided"])
+    assert (
+        ch["next"].startswith("needlescope probe --base-url http://127.0.0.1:8001")
+        and "--lengths 32,64" in ch["next"]
+    )
+    assert "undecided" in ch["text"] and "unexplained" not in ch["text"]
+
+
+def test_every_class_is_in_the_vocabulary_and_the_families():
+    assert set(VOCABULARY) >= {
+        "ranking_uninformative",
+        "needle_excluded",
+        "misaddressed",
+        "positional_bias",
+        "decode_only",
+        "outside_selection",
+        "length_residue",
+        "graded",
+        "none",
+        "undecided",
+    }
+    assert (
+        family_of("model.layers.1.self_attn.compressor.indexer.scorer", "DeepseekV4IndexerScorer")
+        == "indexer scorer"
+    )
+    assert (
+        family_of("model.layers.1.self_attn.compressor.indexer", "DeepseekV4Indexer")
+        == "index-key cache/compressor"
+    )
+    assert family_of("model.layers.3.self_attn.o_b_proj", "Linear") == "attention"
+    assert family_of("model.layers.2.post_attention_layernorm", "DeepseekV4RMSNorm") == "norm/other"
+
+
+def test_the_characterization_reads_no_patch():
+    import inspect
+
+    from needlescope.investigate.decide import characterize as mod
+    from needlescope.investigate.decide import selection_evidence
+
+    for m in (mod, selection_evidence):
+        src = inspect.getsource(m)
+        assert "import torch" not in src and "open(" not in src and "Path(" not in src
+        assert ".patch" not in src and "extra_patches" not in src
