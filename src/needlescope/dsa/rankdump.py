@@ -37,7 +37,9 @@ are meaningful.
      "layers": [{"layer": int, "needle_not_visible": [int],
                  "positions": [{"query_pos": int, "visible_entries": int, "needle_entries": [int],
                                 "best_rank": int, "ties": int, "needle_score": float, "cutoff_score": float,
-                                "margin": float, "margin_frac": float, "selected": bool}]}],
+                                "margin": float, "margin_frac": float, "selected": bool,
+                                "nonfinite": {"neg_inf": int, "nan": int, "pos_inf": int}}]}],
+                                # nonfinite: only where a visible score was -inf, NaN or +inf
      "prompts": [<dump>, ...]}   # only in a multi-prompt dump (see ``combine_dumps``)
 
 A multi-prompt dump is the first prompt's dump with ``prompts`` listing every prompt's dump
@@ -67,6 +69,8 @@ __all__ = [
     "RANKDUMP_SCHEMA",
     "RankStats",
     "needle_rank_stats",
+    "nonfinite_in",
+    "rank_scores",
     "selected_in",
     "answer_positions",
     "greedy_new_tokens",
@@ -104,6 +108,11 @@ _POSITION_SCHEMA = {
         "margin": {"type": "number"},
         "margin_frac": {"type": "number"},
         "selected": {"type": "boolean"},
+        "nonfinite": {
+            "type": "object",
+            "required": ["neg_inf", "nan", "pos_inf"],
+            "properties": {k: {"type": "integer"} for k in ("neg_inf", "nan", "pos_inf")},
+        },
     },
 }
 
@@ -223,6 +232,28 @@ def needle_rank_stats(scores: torch.Tensor, visible: int, needle_entries: Sequen
         max_score=float(ordered[0]),
         min_score=float(ordered[-1]),
     )
+
+
+def rank_scores(row: torch.Tensor) -> torch.Tensor:
+    """``row`` [v] with its non-finite scores made rankable: -inf and NaN just below the lowest
+    finite score (they rank last, ties counted pessimistically), +inf just above the highest."""
+    finite = torch.isfinite(row)
+    if bool(finite.all()):
+        return row
+    lo = float(row[finite].min()) - 1.0 if bool(finite.any()) else 0.0
+    hi = float(row[finite].max()) + 1.0 if bool(finite.any()) else 1.0
+    out = torch.where(torch.isnan(row) | (row == float("-inf")), torch.full_like(row, lo), row)
+    return torch.where(out == float("inf"), torch.full_like(out, hi), out)
+
+
+def nonfinite_in(row: torch.Tensor) -> dict | None:
+    """Counts of -inf, NaN and +inf scores in ``row`` [v]; None when every score is finite."""
+    counts = {
+        "neg_inf": int((row == float("-inf")).sum()),
+        "nan": int(torch.isnan(row).sum()),
+        "pos_inf": int((row == float("inf")).sum()),
+    }
+    return counts if any(counts.values()) else None
 
 
 def selected_in(topk_row: torch.Tensor, needle_entries: Sequence[int]) -> bool:
@@ -395,9 +426,12 @@ def _layer_record(
         if not ne:
             unseen.append(t)
             continue
-        st = needle_rank_stats(score_rows[i], visible, ne, index_topk)
+        row = score_rows[i][:visible].float()
+        st = needle_rank_stats(rank_scores(row), visible, ne, index_topk)
+        bad = nonfinite_in(row)
         recs.append(
             {
+                **({"nonfinite": bad} if bad else {}),
                 "query_pos": t,
                 "visible_entries": visible,
                 "needle_entries": ne,

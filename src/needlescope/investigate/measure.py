@@ -44,7 +44,7 @@ from needlescope.cases.scoring import score_answer
 from needlescope.dsa.emulate import IndexerCapture, check_unpatched, csa_indexers, emulate, patches_applied
 from needlescope.dsa.passes import check_chunk, prefill
 from needlescope.dsa.prompt import covering_entries, needle_token_span, render_prompt
-from needlescope.dsa.rankdump import greedy_new_tokens, needle_rank_stats
+from needlescope.dsa.rankdump import greedy_new_tokens, needle_rank_stats, rank_scores
 from needlescope.dsa.reference import visible_entries
 from needlescope.setting import PatchRef, Setting
 
@@ -200,18 +200,6 @@ def analyse_answer(tokens: Sequence[int], tokenizer, expected: Sequence[str]) ->
         "analysed_token": tok_i,
         "analysed_source": source,
     }
-
-
-def rank_scores(row: torch.Tensor) -> torch.Tensor:
-    """``row`` [v] with its non-finite scores made rankable: -inf and NaN just below the lowest
-    finite score (they rank last, ties counted pessimistically), +inf just above the highest."""
-    finite = torch.isfinite(row)
-    if bool(finite.all()):
-        return row
-    lo = float(row[finite].min()) - 1.0 if bool(finite.any()) else 0.0
-    hi = float(row[finite].max()) + 1.0 if bool(finite.any()) else 1.0
-    out = torch.where(torch.isnan(row) | (row == float("-inf")), torch.full_like(row, lo), row)
-    return torch.where(out == float("inf"), torch.full_like(out, hi), out)
 
 
 def nonfinite_counts(capture: IndexerCapture, layer: int, b: int, ratio: int) -> dict | None:

@@ -196,6 +196,7 @@ def _layer_section(case: dict, why: str, rankdump: dict, dropped: list[tuple[int
             f"{rankdump['index_topk']} | {p['margin']:+.4g} | {'-' if frac is None else f'{frac:+.3f}'} | "
             f"{'yes' if p['selected'] else '**no**'} |"
         )
+    lines += _nonfinite_lines(rankdump)
     if not dropped:
         return lines + [
             "",
@@ -210,6 +211,25 @@ def _layer_section(case: dict, why: str, rankdump: dict, dropped: list[tuple[int
         f"entry {p['best_rank']} of {p['visible_entries']} with k = {rankdump['index_topk']}: it falls "
         f"{-p['margin']:.4g} below the cutoff, so that layer's sparse attention never reads the needle.",
         "",
+    ]
+
+
+def _nonfinite_lines(rankdump: dict) -> list[str]:
+    """The non-finite indexer scores the rank dump counted (at the analysed positions), if any."""
+    rows = [
+        (layer["layer"], p["nonfinite"])
+        for layer in rankdump["layers"]
+        for p in layer["positions"]
+        if p.get("nonfinite")
+    ]
+    if not rows:
+        return []
+    parts = [f"layer {n}: {c['neg_inf']} -inf, {c['nan']} NaN, {c['pos_inf']} +inf" for n, c in rows]
+    return [
+        "",
+        "Non-finite indexer scores among the visible entries at the analysed position ("
+        + "; ".join(parts)
+        + "): -inf and NaN rank last, +inf first; NaN or +inf is a finding in itself.",
     ]
 
 

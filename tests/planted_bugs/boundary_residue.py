@@ -1,0 +1,32 @@
+"""Planted (length_residue, no undo): when a prefill ends on a compression-window boundary
+(length = 0 mod the compression ratio), the indexer reads its key cache from the wrong half
+(the window count wrapped), as in a boundary-arithmetic bug that only some lengths take."""
+
+import torch
+
+
+def apply(model):
+    for _, idx in model.named_modules():
+        if type(idx).__name__ != "DeepseekV4Indexer":
+            continue
+        scorer, outer = idx.scorer, idx.forward
+        inner = scorer.forward
+        state = {"boundary": False}
+
+        def scorer_forward(q, compressed_kv, hidden_states, inner=inner, state=state):
+            if state["boundary"]:
+                compressed_kv = torch.roll(compressed_kv, shifts=compressed_kv.shape[1] // 2, dims=1)
+            return inner(q, compressed_kv, hidden_states)
+
+        def forward(
+            hidden_states, q_residual, position_ids, *args, outer=outer, state=state, ratio=idx.compress_rate
+        ):
+            end = int(position_ids[0, -1]) + 1
+            state["boundary"] = hidden_states.shape[1] > 1 and end % ratio == 0
+            try:
+                return outer(hidden_states, q_residual, position_ids, *args)
+            finally:
+                state["boundary"] = False
+
+        scorer.forward = scorer_forward
+        idx.forward = forward
