@@ -40,7 +40,9 @@ def test_demo_with_a_nonfinite_patch_completes_and_reports_the_counts(tmp_path):
     argv = [sys.executable, "-m", "needlescope.cli.main", "demo", "--model", str(model), "--out", str(out)]
     argv += ["--lengths", "200", "--trials", "1", "--deploy-index-topk", "8", "--deploy-patch", str(patch)]
     res = subprocess.run(argv, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stderr[-2000:]  # before: ValueError "a visible entry has a non-finite score"
+    assert res.returncode == 0, res.stderr[
+        -2000:
+    ]  # before: ValueError "a visible entry has a non-finite score"
     dump = json.loads((out / "rankdump.json").read_text())
     validate_rankdump(dump)
     counts = [p["nonfinite"] for layer in dump["layers"] for p in layer["positions"] if "nonfinite" in p]

@@ -1,6 +1,7 @@
 """Planted (length_residue, no undo): when a prefill ends on a compression-window boundary
-(length = 0 mod the compression ratio), the indexer reads its key cache from the wrong half
-(the window count wrapped), as in a boundary-arithmetic bug that only some lengths take."""
+(prompt length = 0 mod the compression ratio), the indexer's key cache is addressed from the
+wrong half (the window count wrapped) for that prefill and every decode step after it: a
+boundary-arithmetic bug that only some lengths take (vllm#55927 failed at length = 3 mod 4)."""
 
 import torch
 
@@ -21,12 +22,9 @@ def apply(model):
         def forward(
             hidden_states, q_residual, position_ids, *args, outer=outer, state=state, ratio=idx.compress_rate
         ):
-            end = int(position_ids[0, -1]) + 1
-            state["boundary"] = hidden_states.shape[1] > 1 and end % ratio == 0
-            try:
-                return outer(hidden_states, q_residual, position_ids, *args)
-            finally:
-                state["boundary"] = False
+            if hidden_states.shape[1] > 1:  # a prefill decides for the decode steps that follow it
+                state["boundary"] = (int(position_ids[0, -1]) + 1) % ratio == 0
+            return outer(hidden_states, q_residual, position_ids, *args)
 
         scorer.forward = scorer_forward
         idx.forward = forward
