@@ -57,7 +57,16 @@ def _serve_and_capture(ckpt, out_json, *patch: str) -> dict:
 
 def _audit(path, out) -> tuple[int, dict]:
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    cmd = [sys.executable, "-m", "needlescope.cli.main", "indexer", "topk-audit", str(path), "--out", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "needlescope.cli.main",
+        "indexer",
+        "topk-audit",
+        str(path),
+        "--out",
+        str(out),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode in (0, 1), proc.stderr
     return proc.returncode, json.loads((out / "topk_audit.json").read_text())
@@ -117,3 +126,19 @@ def test_audit_passes_the_exact_server_and_flags_the_planted_overflow(ckpt, tmp_
         want = _brute_recall(logits[r["row"], r["layer"]], topk[r["row"], r["layer"]])
         assert r["recall"] == pytest.approx(want, rel=1e-12)
     assert report["recall_min"] == min(r["recall"] for r in bad)
+
+
+def test_logits_payload_is_bounded_and_only_the_rows_asked_for_are_kept():
+    from needlescope.serve.errors import BadValue
+    from needlescope.serve.requests import MAX_INDEXER_LOGITS_BYTES, TopkRows
+
+    rows, layers, k = 4000, 2, 8
+    entries = rows // 4
+    TopkRows().check(rows, layers, k, max_entries=entries)  # the top-k alone fits
+    with pytest.raises(BadValue) as e:
+        TopkRows(logits=True).check(rows, layers, k, max_entries=entries)  # 32 MB: over the cap
+    assert e.value.field == "return_indexer_logits" and str(MAX_INDEXER_LOGITS_BYTES) in e.value.detail
+    TopkRows(last=64, logits=True).check(rows, layers, k, max_entries=entries)
+    assert TopkRows(last=8, logits=True).first_row(100) == 91  # at least 99 rows are fed
+    assert TopkRows(positions=(40, 7), logits=True).first_row(100) == 7
+    assert TopkRows(logits=True).first_row(100) == 0

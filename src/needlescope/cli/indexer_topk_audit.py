@@ -27,14 +27,20 @@ _CAPTURE_HELP = (
 def topk_audit_command(
     capture: Path = typer.Argument(..., help=_CAPTURE_HELP),
     indices: Path = typer.Option(
-        None, "--indices", help="SGLang's /generate response JSON (meta_info.indexer_topk) for a CAPTURE of logits only."
+        None,
+        "--indices",
+        help="SGLang's /generate response JSON (meta_info.indexer_topk) for a CAPTURE of logits only.",
     ),
-    layer: int = typer.Option(None, "--layer", help="Audit only this capture layer (index along the layers axis)."),
+    layer: int = typer.Option(
+        None, "--layer", help="Audit only this capture layer (index along the layers axis)."
+    ),
     bin_bits: int = typer.Option(
         11, "--bin-bits", help="Bits of the float32 key that form the cut-off bin reported per row (1-32)."
     ),
     worst: int = typer.Option(10, "--worst", help="Inexact rows listed, lowest recall first."),
-    out: Path = typer.Option(Path("topk-audit"), "--out", help="Output directory (topk_audit.json, topk_audit.md)."),
+    out: Path = typer.Option(
+        Path("topk-audit"), "--out", help="Output directory (topk_audit.json, topk_audit.md)."
+    ),
 ) -> None:
     """Replay the logits through the exact top-k and report each row's recall, wrong keeps and drops."""
     from needlescope.dsa.topk_audit import audit_rows
@@ -54,7 +60,9 @@ def topk_audit_command(
     (out / "topk_audit.json").write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
     (out / "topk_audit.md").write_text(render_audit_md(report), encoding="utf-8")
     if report["exact"]:
-        console.say("[bold green]exact[/]: {} rows, every selection is the exact top-{}", report["rows"], report["k"])
+        console.say(
+            "[bold green]exact[/]: {} rows, every selection is the exact top-{}", report["rows"], report["k"]
+        )
     else:
         console.say(
             "[bold red]inexact[/]: {}",

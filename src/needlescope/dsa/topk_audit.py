@@ -118,7 +118,9 @@ def audit_rows(
     x = np.asarray(logits)
     sel = np.asarray(selected)
     if x.ndim != 2 or sel.ndim != 2 or x.shape[0] != sel.shape[0]:
-        raise ValueError(f"logits must be [R, L] and selected [R, k] with the same R; got {x.shape}, {sel.shape}")
+        raise ValueError(
+            f"logits must be [R, L] and selected [R, k] with the same R; got {x.shape}, {sel.shape}"
+        )
     if lengths is not None and np.asarray(lengths).shape != (x.shape[0],):
         raise ValueError(f"lengths must be [R] = [{x.shape[0]}], got {np.asarray(lengths).shape}")
     if not 1 <= bin_bits <= 32:
@@ -183,7 +185,9 @@ def _audit_chunk(logits: np.ndarray, sel: np.ndarray, lengths, bin_bits: int) ->
         "kth_value": v_k,
         "ties_at_cutoff": np.where(has, ties.sum(axis=1), 0).astype(np.int64),
         "tie_slots": np.where(has, tie_slots, 0).astype(np.int64),
-        "cutoff_bin_count": np.where(has, (cand & (bins == kth_bin[:, None])).sum(axis=1), 0).astype(np.int64),
+        "cutoff_bin_count": np.where(has, (cand & (bins == kth_bin[:, None])).sum(axis=1), 0).astype(
+            np.int64
+        ),
         "exact": (kept == 0) & (dropped == 0),
     }
 

@@ -66,7 +66,9 @@ def flatten_layers(
             "or both [R, layers, L] / [R, layers, k]"
         )
     if logits.shape[:-1] != selected.shape[:-1]:
-        raise BadInput(f"logits {list(logits.shape)} and indices {list(selected.shape)} disagree on rows/layers")
+        raise BadInput(
+            f"logits {list(logits.shape)} and indices {list(selected.shape)} disagree on rows/layers"
+        )
     R = logits.shape[0]
     for name, arr in (("lengths", lengths), ("positions", positions)):
         if arr is not None and arr.shape != (R,):
@@ -94,7 +96,9 @@ def flatten_layers(
 def _b64(meta: dict, key: str, dtype: str, shape_key: str) -> np.ndarray:
     payload, shape = meta.get(key), meta.get(shape_key)
     if not isinstance(payload, str) or not isinstance(shape, list):
-        raise BadInput(f"meta_info lacks {key!r} and {shape_key!r}; send return_indexer_topk and return_indexer_logits")
+        raise BadInput(
+            f"meta_info lacks {key!r} and {shape_key!r}; send return_indexer_topk and return_indexer_logits"
+        )
     try:
         return np.frombuffer(base64.b64decode(payload, validate=True), dtype=dtype).reshape(shape)
     except (binascii.Error, ValueError) as exc:
@@ -138,7 +142,9 @@ def _pick(tensors: dict, names: tuple[str, ...], path: Path, *, required: bool) 
         raise BadInput(f"{str(path)!r} holds both {found[0]!r} and {found[1]!r}; keep one")
     if not found:
         if required:
-            raise BadInput(f"{str(path)!r} has no tensor {' or '.join(repr(n) for n in names)} (it has {sorted(tensors)})")
+            raise BadInput(
+                f"{str(path)!r} has no tensor {' or '.join(repr(n) for n in names)} (it has {sorted(tensors)})"
+            )
         return None
     return tensors[found[0]]
 
@@ -148,7 +154,9 @@ def _sglang_indices(path: Path, logits: np.ndarray, positions: np.ndarray | None
     obj = _read_json(path)
     meta = obj.get("meta_info") if isinstance(obj, dict) else None
     if not isinstance(meta, dict) or "indexer_topk" not in meta:
-        raise BadInput(f"--indices {str(path)!r} is not an SGLang /generate response with meta_info['indexer_topk']")
+        raise BadInput(
+            f"--indices {str(path)!r} is not an SGLang /generate response with meta_info['indexer_topk']"
+        )
     try:
         rows = int(meta["prompt_tokens"]) + int(meta["completion_tokens"]) - 1
         layers = logits.shape[1] if logits.ndim == 3 else None
@@ -159,7 +167,9 @@ def _sglang_indices(path: Path, logits: np.ndarray, positions: np.ndarray | None
         topk = topk[:, 0]
     pick = np.arange(logits.shape[0]) if positions is None else positions
     if pick.size and (pick.min() < 0 or pick.max() >= topk.shape[0]):
-        raise BadInput(f"the logits' positions reach {int(pick.max())}, but --indices has rows 0..{topk.shape[0] - 1}")
+        raise BadInput(
+            f"the logits' positions reach {int(pick.max())}, but --indices has rows 0..{topk.shape[0] - 1}"
+        )
     return topk[pick].astype(np.int64)
 
 

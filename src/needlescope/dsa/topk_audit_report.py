@@ -83,10 +83,14 @@ def _row_records(data: AuditInput, columns: dict[str, np.ndarray]) -> list[dict]
     return out
 
 
-def audit_report(data: AuditInput, columns: dict[str, np.ndarray], *, capture: str, bin_bits: int, worst: int) -> dict:
+def audit_report(
+    data: AuditInput, columns: dict[str, np.ndarray], *, capture: str, bin_bits: int, worst: int
+) -> dict:
     """The ``topk_audit.json`` object of ``columns`` (``audit_rows`` over ``data``)."""
     rows = _row_records(data, columns)
-    bad = sorted((r for r in rows if not r["exact"]), key=lambda r: (r["recall"], -r["wrongly_dropped"], r["row"]))
+    bad = sorted(
+        (r for r in rows if not r["exact"]), key=lambda r: (r["recall"], -r["wrongly_dropped"], r["row"])
+    )
     recall = columns["recall"]
     return {
         "capture": capture,
@@ -118,7 +122,9 @@ def _where(r: dict) -> str:
 def render_audit_md(obj: dict) -> str:
     """Markdown summary of ``topk_audit.json``: the verdict and the worst rows."""
     verdict = "every row exact" if obj["exact"] else f"{obj['rows_inexact']} of {obj['rows']} rows inexact"
-    recall = "-" if obj["recall_min"] is None else f"mean {obj['recall_mean']:.4f}, min {obj['recall_min']:.4f}"
+    recall = (
+        "-" if obj["recall_min"] is None else f"mean {obj['recall_mean']:.4f}, min {obj['recall_min']:.4f}"
+    )
     lines = [
         "# Top-k audit",
         "",

@@ -76,9 +76,10 @@ __all__ = ["Engine", "encode_indexer_topk"]
 log = logging.getLogger("needlescope.serve")
 
 
-def encode_indexer_topk(topk: torch.Tensor) -> str:
-    """SGLang's encoding: base64 of the little-endian int32 bytes of ``topk`` [N, layers, k]."""
-    return base64.b64encode(np.ascontiguousarray(topk.numpy().astype("<i4")).tobytes()).decode("ascii")
+def encode_indexer_topk(topk: torch.Tensor, dtype: str = "<i4") -> str:
+    """SGLang's encoding: base64 of the little-endian int32 bytes of ``topk`` [N, layers, k]
+    (``dtype`` "<f4": the same for the float32 logits of ``return_indexer_logits``)."""
+    return base64.b64encode(np.ascontiguousarray(topk.numpy().astype(dtype)).tobytes()).decode("ascii")
 
 
 @dataclass
@@ -506,7 +507,7 @@ class Engine:
                 final.indexer_topk_positions = positions
             if capture.logits:
                 logits = self._indexer_logits(positions)
-                final.indexer_logits = base64.b64encode(logits.numpy().astype("<f4").tobytes()).decode("ascii")
+                final.indexer_logits = encode_indexer_topk(logits, "<f4")
                 final.indexer_logits_shape = tuple(logits.shape)
         return final
 

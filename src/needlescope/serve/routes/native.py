@@ -43,7 +43,11 @@ def _capture_rows(body: GenerateRequest) -> TopkRows | None:
             last=body.indexer_topk_last,
             logits=bool(body.return_indexer_logits),
         )
-    if body.indexer_topk_positions is not None or body.indexer_topk_last is not None or body.return_indexer_logits:
+    if (
+        body.indexer_topk_positions is not None
+        or body.indexer_topk_last is not None
+        or body.return_indexer_logits
+    ):
         raise ApiError(
             400,
             "indexer_topk_positions/indexer_topk_last/return_indexer_logits need return_indexer_topk=true",
