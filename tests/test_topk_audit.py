@@ -118,6 +118,8 @@ def test_vectorized_audit_matches_the_definitions_on_random_tie_heavy_rows():
         assert (out["wrongly_kept"][i], out["wrongly_dropped"][i]) == (kept, dropped), i
         assert out["recall"][i] == pytest.approx(recall, abs=1e-12), i
         assert out["exact"][i] == (kept == 0 and dropped == 0)
+        k_eff = out["k_eff"][i]
+        assert out["overlap"][i] == (1.0 if k_eff == 0 else (k_eff - dropped) / k_eff)
     assert out["exact"][::3].all() and not out["exact"].all()
 
 

@@ -73,9 +73,11 @@ def topk_audit_command(
             where = f"row {r['row']}" + ("" if r["layer"] is None else f" layer {r['layer']}")
             where += "" if r["position"] is None else f" pos {r['position']}"
             console.print(
-                f"  {where}: recall {r['recall']:.4f}, {r['wrongly_kept']} kept wrong, {r['wrongly_dropped']} "
-                f"dropped; {r['cutoff_bin_count']} candidates in the cut-off bin, {r['ties_at_cutoff']} tied"
+                f"  {where}: recall {r['recall']:.4f}, overlap {r['overlap']:.4f}, {r['wrongly_kept']} kept "
+                f"wrong, {r['wrongly_dropped']} dropped; {r['cutoff_bin_count']} candidates in the cut-off bin, "
+                f"{r['ties_at_cutoff']} tied",
+                soft_wrap=True,
             )
-    console.print(f"wrote {out}/topk_audit.json, topk_audit.md")
+    console.print(f"wrote {out}/topk_audit.json, topk_audit.md", soft_wrap=True)
     if not report["exact"]:
         raise typer.Exit(1)

@@ -28,6 +28,10 @@ Definitions (``docs/topk_audit.md`` states them for users):
   (every top-k value equals ``m``) the recall is ``|S| / k_eff``; a row with ``k_eff = 0`` has
   recall 1. Recall 1.0 does not imply exact (dropping an entry worth ``m`` costs nothing);
   exactness comes from the counts.
+* **Overlap**: ``(k_eff - wrongly dropped) / k_eff``, the share of the true top-k slots the
+  selection filled correctly (1 when ``k_eff = 0``). Selected-value recall weighs each miss by
+  how much value it lost, overlap counts misses: a crowded cut-off bin of near-equal logits can
+  lose a third of the entries at a recall of 0.97.
 * **Cut-off bin**: ``ties_at_cutoff`` candidates share ``v_k`` exactly, ``cutoff_bin_count``
   share its radix bin: the top ``bin_bits`` bits of the order-preserving uint32 key of the
   float32 value (the first histogram pass of a radix top-k). A crowded bin is where dropping
@@ -53,6 +57,7 @@ AUDIT_COLUMNS = (
     "wrongly_dropped",
     "invalid_selected",
     "recall",
+    "overlap",
     "kth_value",
     "ties_at_cutoff",
     "tie_slots",
@@ -112,7 +117,7 @@ def audit_rows(
     """Per-row audit of ``selected`` [R, k] (int, negative = empty slot) against ``logits`` [R, L].
 
     lengths: [R] columns in use per row (None: every column). Returns ``AUDIT_COLUMNS`` -> array
-    [R] (``recall`` and ``kth_value`` float64, NaN ``kth_value`` when k_eff is 0; ``exact``
+    [R] (``recall``, ``overlap`` and ``kth_value`` float64, NaN ``kth_value`` when k_eff is 0; ``exact``
     bool; the rest int64). Definitions in the module docstring. ValueError on mismatched shapes.
     """
     x = np.asarray(logits)
@@ -182,6 +187,7 @@ def _audit_chunk(logits: np.ndarray, sel: np.ndarray, lengths, bin_bits: int) ->
         "wrongly_dropped": dropped.astype(np.int64),
         "invalid_selected": invalid.astype(np.int64),
         "recall": _recall(x, cand, chosen, top_mask, k_eff),
+        "overlap": np.where(has, (k_eff - dropped) / np.maximum(k_eff, 1), 1.0),
         "kth_value": v_k,
         "ties_at_cutoff": np.where(has, ties.sum(axis=1), 0).astype(np.int64),
         "tie_slots": np.where(has, tie_slots, 0).astype(np.int64),

@@ -8,6 +8,7 @@
      "rows": int,                      # audited (row, layer) pairs
      "rows_inexact": int, "exact": bool,
      "recall_mean": float | null, "recall_min": float | null,   # null when rows == 0
+     "overlap_mean": float | null, "overlap_min": float | null,
      "wrongly_kept_total": int, "wrongly_dropped_total": int,
      "worst": [ROW],                   # up to --worst inexact rows, lowest recall first
      "per_row": [ROW]}                 # every audited row, in capture order
@@ -15,7 +16,8 @@
            "layer": int | null, "position": int | null,
            "candidates": int, "k_eff": int, "selected_valid": int,
            "wrongly_kept": int, "wrongly_dropped": int, "invalid_selected": int,
-           "recall": float, "kth_value": float | null,   # null: no candidate, or +inf
+           "recall": float, "overlap": float,
+           "kth_value": float | null,   # null: no candidate, or +inf
            "ties_at_cutoff": int, "tie_slots": int, "cutoff_bin_count": int, "exact": bool}
 """
 
@@ -39,6 +41,7 @@ _ROW = record(
         "position": {"type": ["integer", "null"]},
         **{name: _INT for name in AUDIT_COLUMNS},
         "recall": {"type": "number"},
+        "overlap": {"type": "number"},
         "kth_value": {"type": ["number", "null"]},
         "exact": {"type": "boolean"},
     }
@@ -55,6 +58,8 @@ TOPK_AUDIT_SCHEMA = record(
         "exact": {"type": "boolean"},
         "recall_mean": {"type": ["number", "null"]},
         "recall_min": {"type": ["number", "null"]},
+        "overlap_mean": {"type": ["number", "null"]},
+        "overlap_min": {"type": ["number", "null"]},
         "wrongly_kept_total": _INT,
         "wrongly_dropped_total": _INT,
         "worst": {"type": "array", "items": _ROW},
@@ -75,7 +80,7 @@ def _row_records(data: AuditInput, columns: dict[str, np.ndarray]) -> list[dict]
             v = columns[name][i]
             if name == "exact":
                 rec[name] = bool(v)
-            elif name in ("recall", "kth_value"):
+            elif name in ("recall", "overlap", "kth_value"):
                 rec[name] = float(v) if math.isfinite(v) else None
             else:
                 rec[name] = int(v)
@@ -91,7 +96,7 @@ def audit_report(
     bad = sorted(
         (r for r in rows if not r["exact"]), key=lambda r: (r["recall"], -r["wrongly_dropped"], r["row"])
     )
-    recall = columns["recall"]
+    recall, overlap = columns["recall"], columns["overlap"]
     return {
         "capture": capture,
         "format": data.format,
@@ -103,6 +108,8 @@ def audit_report(
         "exact": not bad,
         "recall_mean": float(recall.mean()) if len(rows) else None,
         "recall_min": float(recall.min()) if len(rows) else None,
+        "overlap_mean": float(overlap.mean()) if len(rows) else None,
+        "overlap_min": float(overlap.min()) if len(rows) else None,
         "wrongly_kept_total": int(columns["wrongly_kept"].sum()),
         "wrongly_dropped_total": int(columns["wrongly_dropped"].sum()),
         "worst": bad[:worst],
@@ -122,14 +129,15 @@ def _where(r: dict) -> str:
 def render_audit_md(obj: dict) -> str:
     """Markdown summary of ``topk_audit.json``: the verdict and the worst rows."""
     verdict = "every row exact" if obj["exact"] else f"{obj['rows_inexact']} of {obj['rows']} rows inexact"
-    recall = (
-        "-" if obj["recall_min"] is None else f"mean {obj['recall_mean']:.4f}, min {obj['recall_min']:.4f}"
+    recall, overlap = (
+        "-" if obj[f"{m}_min"] is None else f"mean {obj[f'{m}_mean']:.4f}, min {obj[f'{m}_min']:.4f}"
+        for m in ("recall", "overlap")
     )
     lines = [
         "# Top-k audit",
         "",
         f"Capture `{obj['capture']}` ({obj['format']}), k = {obj['k']}: **{verdict}**.",
-        f"Selected-value recall {recall}; {obj['wrongly_kept_total']} entries wrongly kept, "
+        f"Selected-value recall {recall}; overlap {overlap}; {obj['wrongly_kept_total']} entries wrongly kept, "
         f"{obj['wrongly_dropped_total']} wrongly dropped.",
         "",
         f"Reference: {obj['tie_rule']}. Cut-off bin: top {obj['bin_bits']} bits of the float32 key.",
@@ -137,12 +145,12 @@ def render_audit_md(obj: dict) -> str:
     ]
     if obj["worst"]:
         lines += [
-            "| row | recall | kept wrong | dropped | candidates | ties at cut-off | cut-off bin |",
-            "|---|---|---|---|---|---|---|",
+            "| row | recall | overlap | kept wrong | dropped | candidates | ties at cut-off | cut-off bin |",
+            "|---|---|---|---|---|---|---|---|",
         ]
         for r in obj["worst"]:
             lines.append(
-                f"| {_where(r)} | {r['recall']:.4f} | {r['wrongly_kept']} | {r['wrongly_dropped']} "
+                f"| {_where(r)} | {r['recall']:.4f} | {r['overlap']:.4f} | {r['wrongly_kept']} | {r['wrongly_dropped']} "
                 f"| {r['candidates']} | {r['ties_at_cutoff']} | {r['cutoff_bin_count']} |"
             )
         shown = len(obj["worst"])
