@@ -50,6 +50,8 @@ def test_minus_inf_padding_is_never_a_candidate_and_short_rows_need_every_candid
     assert not r["exact"]
     r = _one([NINF] * 4, [-1, -1])
     assert r["exact"] and r["k_eff"] == 0 and r["recall"] == 1.0 and np.isnan(r["kth_value"])
+    none = audit_rows(np.zeros((2, 0), np.float32), np.array([[-1], [0]]))  # rows with no columns at all
+    assert none["exact"].tolist() == [True, False] and none["invalid_selected"].tolist() == [0, 1]
 
 
 def test_lengths_out_of_range_repeats_and_nan_are_handled():

@@ -1,5 +1,5 @@
 """``indexer topk-audit`` end to end: real ``needlescope serve`` processes on loopback return their
-indexer logits with the top-k (``return_indexer_logits``); the real CLI audits the saved responses.
+indexer logits with the top-k (``return_indexer_logits``); the CLI audits the saved responses.
 
 The exact server passes; the same server with the planted ``fault:indexer_topk_overflow`` (a
 cut-off-bin buffer that keeps first arrivals) is flagged with each row's recall, which a
@@ -9,16 +9,16 @@ brute-force float64 recomputation in this file confirms.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import numpy as np
 import pytest
+from typer.testing import CliRunner
 
 torch = pytest.importorskip("torch")
 
+from needlescope.cli.main import app  # noqa: E402
 from needlescope.dsa.checkpoint import load_bundle  # noqa: E402
 from needlescope.dsa.emulate import IndexerCapture, emulate  # noqa: E402
 from needlescope.serve.launch import ServerProcess  # noqa: E402
@@ -56,20 +56,10 @@ def _serve_and_capture(ckpt, out_json, *patch: str) -> dict:
 
 
 def _audit(path, out) -> tuple[int, dict]:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "needlescope.cli.main",
-        "indexer",
-        "topk-audit",
-        str(path),
-        "--out",
-        str(out),
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
-    assert proc.returncode in (0, 1), proc.stderr
-    return proc.returncode, json.loads((out / "topk_audit.json").read_text())
+    """The CLI in this process (its exit codes and files; tests/test_topk_audit.py runs it as a child)."""
+    res = CliRunner().invoke(app, ["indexer", "topk-audit", str(path), "--out", str(out)])
+    assert res.exit_code in (0, 1), res.output
+    return res.exit_code, json.loads((out / "topk_audit.json").read_text())
 
 
 def _decoded(meta: dict, key: str, dtype: str) -> np.ndarray:
@@ -89,8 +79,12 @@ def _brute_recall(x: np.ndarray, sel: np.ndarray) -> float:
 
 
 def test_audit_passes_the_exact_server_and_flags_the_planted_overflow(ckpt, tmp_path):
-    exact = _serve_and_capture(ckpt, tmp_path / "exact.json")
-    planted = _serve_and_capture(ckpt, tmp_path / "planted.json", "--patch", "fault:indexer_topk_overflow")
+    with ThreadPoolExecutor(2) as pool:  # two server processes start and answer side by side
+        exact_run = pool.submit(_serve_and_capture, ckpt, tmp_path / "exact.json")
+        planted_run = pool.submit(
+            _serve_and_capture, ckpt, tmp_path / "planted.json", "--patch", "fault:indexer_topk_overflow"
+        )
+        exact, planted = exact_run.result(), planted_run.result()
 
     # The served logits are the ones an in-process capture of the same prompt ranks.
     model, _, _ = load_bundle(ckpt)

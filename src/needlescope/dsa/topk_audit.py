@@ -130,7 +130,9 @@ def audit_rows(
         raise ValueError(f"lengths must be [R] = [{x.shape[0]}], got {np.asarray(lengths).shape}")
     if not 1 <= bin_bits <= 32:
         raise ValueError(f"bin_bits must be in 1..32, got {bin_bits}")
-    step = max(1, _CHUNK_ELEMENTS // max(1, x.shape[1]))
+    if x.shape[1] == 0:  # no columns at all: one -inf column, never a candidate, keeps the indexing simple
+        x = np.full((x.shape[0], 1), -np.inf)
+    step = max(1, _CHUNK_ELEMENTS // x.shape[1])
     parts = []
     for lo in range(0, x.shape[0], step):
         part_len = None if lengths is None else np.asarray(lengths)[lo : lo + step]
@@ -155,6 +157,7 @@ def _selected_mask(sel: np.ndarray, cand: np.ndarray) -> tuple[np.ndarray, np.nd
 
 
 def _audit_chunk(logits: np.ndarray, sel: np.ndarray, lengths, bin_bits: int) -> dict[str, np.ndarray]:
+    """``audit_rows`` over rows [R, L >= 1] that fit in memory at once."""
     x = np.asarray(logits, dtype=np.float64)  # exact for float32 / fp16 / bf16 inputs
     R, L = x.shape
     k = sel.shape[1]

@@ -123,6 +123,7 @@ def from_serve_response(obj: dict, *, layer: int | None = None) -> AuditInput:
 
 
 def _read_safetensors(path: Path) -> dict[str, np.ndarray]:
+    import torch
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -132,7 +133,10 @@ def _read_safetensors(path: Path) -> dict[str, np.ndarray]:
         raise BadInput(f"{str(path)!r} is not a readable safetensors file: {exc}") from None
     out = {}
     for name, t in tensors.items():
-        out[name] = t.float().numpy() if t.is_floating_point() else t.long().numpy()
+        if t.is_floating_point():  # float64 stays float64; fp16 / bf16 widen exactly to float32
+            out[name] = t.numpy() if t.dtype == torch.float64 else t.float().numpy()
+        else:
+            out[name] = t.long().numpy()
     return out
 
 
