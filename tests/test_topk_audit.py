@@ -177,6 +177,31 @@ def test_safetensors_with_layers_and_an_sglang_response_load_per_row_and_layer(t
     assert data.selected.tolist() == sel.reshape(4, 2).tolist() and data.position.tolist() == [1, 1, 3, 3]
 
 
+def test_a_serve_response_loads_with_its_chosen_positions(tmp_path):
+    from needlescope.dsa.topk_audit_input import load_capture
+
+    logits = np.array([[[1, 2, NINF]], [[3, 1, 2]]], "<f4")  # [rows=2, layers=1, W=3]
+    topk = np.array([[[1, 0]], [[0, 2]]], "<i4")
+    meta = {
+        "indexer_topk": base64.b64encode(topk.tobytes()).decode(),
+        "indexer_topk_shape": [2, 1, 2],
+        "indexer_logits": base64.b64encode(logits.tobytes()).decode(),
+        "indexer_logits_shape": [2, 1, 3],
+        "indexer_topk_positions": [7, 9],
+    }
+    (tmp_path / "r.json").write_text(json.dumps({"meta_info": meta}))
+    data = load_capture(tmp_path / "r.json")
+    assert (
+        data.format == "needlescope-serve"
+        and data.position.tolist() == [7, 9]
+        and data.layer.tolist() == [0, 0]
+    )
+    assert audit_rows(data.logits, data.selected)["exact"].all()
+    (tmp_path / "bad.json").write_text(json.dumps({"meta_info": {**meta, "indexer_logits_shape": [2, 1, 4]}}))
+    with pytest.raises(BadInput, match="does not decode to shape"):
+        load_capture(tmp_path / "bad.json")
+
+
 def test_bad_captures_say_what_is_wrong(tmp_path):
     from needlescope.dsa.topk_audit_input import load_capture
 

@@ -101,7 +101,7 @@ def _b64(meta: dict, key: str, dtype: str, shape_key: str) -> np.ndarray:
         )
     try:
         return np.frombuffer(base64.b64decode(payload, validate=True), dtype=dtype).reshape(shape)
-    except (binascii.Error, ValueError) as exc:
+    except (binascii.Error, ValueError, TypeError) as exc:
         raise BadInput(f"meta_info[{key!r}] does not decode to shape {shape}: {exc}") from None
 
 
@@ -118,7 +118,10 @@ def from_serve_response(obj: dict, *, layer: int | None = None) -> AuditInput:
     topk = _b64(meta, "indexer_topk", "<i4", "indexer_topk_shape")
     logits = _b64(meta, "indexer_logits", "<f4", "indexer_logits_shape")
     positions = meta.get("indexer_topk_positions")
-    pos = np.arange(topk.shape[0]) if positions is None else np.asarray(positions, dtype=np.int64)
+    try:
+        pos = np.arange(topk.shape[0]) if positions is None else np.asarray(positions, dtype=np.int64)
+    except (TypeError, ValueError) as exc:
+        raise BadInput(f"meta_info['indexer_topk_positions'] is not a list of positions: {exc}") from None
     return flatten_layers(logits, topk, positions=pos, layer=layer, fmt="needlescope-serve")
 
 
