@@ -5,6 +5,7 @@ loaders; the planted overflow kernel; and the CLI's exit codes."""
 from __future__ import annotations
 
 import base64
+import io
 import json
 import subprocess
 import sys
@@ -175,6 +176,18 @@ def test_safetensors_with_layers_and_an_sglang_response_load_per_row_and_layer(t
     path = _save(tmp_path / "l.safetensors", logits=logits, positions=np.array([1, 3]))
     data = load_capture(path, indices_json=tmp_path / "sglang.json")
     assert data.selected.tolist() == sel.reshape(4, 2).tolist() and data.position.tolist() == [1, 1, 3, 3]
+    assert data.format == "safetensors+sglang"
+
+    # vLLM PR #49555: base64 of .npy bytes in choices[0].indexer_topk.
+    npy = io.BytesIO()
+    np.save(npy, rows)
+    vllm = {"choices": [{"index": 0, "indexer_topk": base64.b64encode(npy.getvalue()).decode()}]}
+    (tmp_path / "vllm.json").write_text(json.dumps(vllm))
+    data = load_capture(path, indices_json=tmp_path / "vllm.json")
+    assert data.format == "safetensors+vllm" and data.selected.tolist() == sel.reshape(4, 2).tolist()
+    flat = _save(tmp_path / "flat.safetensors", logits=np.ascontiguousarray(logits[:, 0]))
+    with pytest.raises(BadInput, match=r"save the logits as \[R, layers, L\]"):
+        load_capture(flat, indices_json=tmp_path / "vllm.json")
 
 
 def test_a_serve_response_loads_with_its_chosen_positions(tmp_path):

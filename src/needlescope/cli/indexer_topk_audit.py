@@ -29,7 +29,8 @@ def topk_audit_command(
     indices: Path = typer.Option(
         None,
         "--indices",
-        help="SGLang's /generate response JSON (meta_info.indexer_topk) for a CAPTURE of logits only.",
+        help="An engine's response JSON holding the selections (SGLang: meta_info.indexer_topk; vLLM PR "
+        "#49555: choices[0].indexer_topk) for a CAPTURE of [R, layers, L] logits without indices.",
     ),
     layer: int = typer.Option(
         None, "--layer", help="Audit only this capture layer (index along the layers axis)."

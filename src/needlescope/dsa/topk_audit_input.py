@@ -8,10 +8,11 @@ Three layouts (``docs/topk_audit.md`` shows how each is produced):
   ``topk_indices``) int ``[R, k]`` or ``[R, layers, k]`` (negative = empty slot), optional
   ``lengths`` (or ``seq_lens``) int ``[R]`` (columns in use per row) and ``positions`` int
   ``[R]`` (the query position of each row).
-* **The same file without indices plus SGLang's ``/generate`` response** (``indices_json``):
-  ``meta_info["indexer_topk"]``, base64 int32 ``[tokens - 1, layers, k]`` (``dsa.capture``);
-  the file's ``positions`` pick the response rows that match its logits rows (default: the
-  first R).
+* **The same file with ``[R, layers, L]`` logits and no indices, plus an engine's response**
+  (``indices_json``): SGLang's ``/generate`` ``meta_info["indexer_topk"]``, base64 int32
+  ``[tokens - 1, layers, k]`` (``dsa.capture``), or vLLM PR #49555's (open)
+  ``choices[0]["indexer_topk"]``, base64 of ``.npy`` int32 ``[tokens, layers, k]``; the file's
+  ``positions`` pick the response rows that match its logits rows (default: the first R).
 * **A ``needlescope serve`` ``/generate`` response** (JSON) of a request with
   ``return_indexer_topk`` and ``return_indexer_logits``: ``meta_info["indexer_topk"]`` /
   ``indexer_topk_shape`` and ``indexer_logits`` (base64 little-endian float32) /
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import io
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -156,28 +158,48 @@ def _pick(tensors: dict, names: tuple[str, ...], path: Path, *, required: bool) 
     return tensors[found[0]]
 
 
-def _sglang_indices(path: Path, logits: np.ndarray, positions: np.ndarray | None) -> np.ndarray:
-    """SGLang's selections [R, layers, k] (or [R, k] for 2-D logits of a one-layer capture) for the logits rows."""
+def _vllm_npy(b64: object) -> np.ndarray:
+    """The .npy array of vLLM PR #49555's ``choices[0]["indexer_topk"]`` (no pickles loaded)."""
+    if not isinstance(b64, str):
+        raise ValueError("choices[0]['indexer_topk'] is not a base64 string")
+    return np.load(io.BytesIO(base64.b64decode(b64, validate=True)), allow_pickle=False)
+
+
+def _response_indices(path: Path, logits: np.ndarray, positions: np.ndarray | None) -> tuple[np.ndarray, str]:
+    """(selections [R, layers, k] for the logits rows, format) from an engine's response JSON."""
+    if logits.ndim != 3:
+        raise BadInput("an engine response holds every indexer layer: save the logits as [R, layers, L]")
     obj = _read_json(path)
     meta = obj.get("meta_info") if isinstance(obj, dict) else None
-    if not isinstance(meta, dict) or "indexer_topk" not in meta:
-        raise BadInput(
-            f"--indices {str(path)!r} is not an SGLang /generate response with meta_info['indexer_topk']"
-        )
+    choices = obj.get("choices") if isinstance(obj, dict) else None
     try:
-        rows = int(meta["prompt_tokens"]) + int(meta["completion_tokens"]) - 1
-        layers = logits.shape[1] if logits.ndim == 3 else None
-        topk = decode_capture(meta["indexer_topk"], rows, num_layers=layers if layers else 1)
-    except (KeyError, TypeError, ValueError, ProtocolViolation) as exc:
+        if isinstance(meta, dict) and "indexer_topk" in meta:
+            rows = int(meta["prompt_tokens"]) + int(meta["completion_tokens"]) - 1
+            topk, fmt = decode_capture(meta["indexer_topk"], rows, num_layers=logits.shape[1]), "sglang"
+        elif (
+            isinstance(choices, list)
+            and choices
+            and isinstance(choices[0], dict)
+            and "indexer_topk" in choices[0]
+        ):
+            topk, fmt = _vllm_npy(choices[0]["indexer_topk"]), "vllm"
+        else:
+            raise BadInput(
+                f"--indices {str(path)!r} is neither an SGLang /generate response (meta_info.indexer_topk) nor "
+                "a vLLM response with choices[0].indexer_topk"
+            )
+    except (KeyError, TypeError, ValueError, binascii.Error, ProtocolViolation) as exc:
         raise BadInput(f"--indices {str(path)!r}: {exc}") from None
-    if logits.ndim == 2:
-        topk = topk[:, 0]
+    if topk.ndim != 3 or topk.shape[1] != logits.shape[1] or not np.issubdtype(topk.dtype, np.integer):
+        raise BadInput(
+            f"--indices holds {topk.dtype} {list(topk.shape)}; expected int [rows, {logits.shape[1]} layers, k]"
+        )
     pick = np.arange(logits.shape[0]) if positions is None else positions
     if pick.size and (pick.min() < 0 or pick.max() >= topk.shape[0]):
         raise BadInput(
-            f"the logits' positions reach {int(pick.max())}, but --indices has rows 0..{topk.shape[0] - 1}"
+            f"the logits' rows reach position {int(pick.max())}, but --indices has rows 0..{topk.shape[0] - 1}"
         )
-    return topk[pick].astype(np.int64)
+    return topk[pick].astype(np.int64), f"safetensors+{fmt}"
 
 
 def _read_json(path: Path) -> dict:
@@ -205,7 +227,7 @@ def load_capture(path: Path, *, indices_json: Path | None = None, layer: int | N
     if indices_json is not None:
         if selected is not None:
             raise BadInput(f"{str(path)!r} already holds indices; drop --indices or the tensor")
-        selected, fmt = _sglang_indices(Path(indices_json), logits, positions), "safetensors+sglang"
+        selected, fmt = _response_indices(Path(indices_json), logits, positions)
     for name, arr in (("logits", logits),):
         if not np.issubdtype(arr.dtype, np.floating):
             raise BadInput(f"{name} must be a float tensor, got {arr.dtype}")

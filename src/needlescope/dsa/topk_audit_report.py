@@ -3,7 +3,7 @@
 ``topk_audit.json`` schema (``TOPK_AUDIT_SCHEMA``; definitions of every count in
 ``needlescope.dsa.topk_audit``)::
 
-    {"capture": str, "format": "safetensors" | "safetensors+sglang" | "needlescope-serve",
+    {"capture": str, "format": "safetensors" | "safetensors+sglang" | "safetensors+vllm" | "needlescope-serve",
      "k": int, "bin_bits": int, "tie_rule": str,
      "rows": int,                      # audited (row, layer) pairs
      "rows_inexact": int, "exact": bool,
