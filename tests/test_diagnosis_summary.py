@@ -100,7 +100,14 @@ def test_no_implicated_suspect_reads_unexplained():
     # Without a loss there is nothing to explain.
     healthy = _inv(root=None, suspects=[_suspect("paged", "exonerated", "no effect")])
     healthy["symptom"]["recall_candidate"] = dict(healthy["symptom"]["recall_reference"])
-    assert rows(healthy)["Root cause"].startswith("none to find: the candidate loses no recall")
+    assert rows(healthy)["Root cause"].startswith("nothing to explain: the candidate loses no recall")
+    # ... also with suspects left inconclusive (a benign bug: 1.00 vs 1.00)
+    benign = _inv(root=None, suspects=open_)
+    benign["symptom"]["recall_candidate"] = dict(benign["symptom"]["recall_reference"])
+    assert (
+        rows(benign)["Root cause"].startswith("nothing to explain")
+        and "unexplained" not in rows(benign)["Root cause"]
+    )
 
 
 def test_a_residual_loss_and_uncovered_differences_say_unexplained():

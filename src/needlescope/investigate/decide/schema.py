@@ -157,6 +157,18 @@ _SUSPECT = record(
     },
     optional=("auto", "role", "necessary", "sufficient", "p_holm", "power", "live_paths"),
 )
+_CHARACTERIZATION = record(
+    {
+        "classes": {"type": "array", "items": {"type": "string"}},  # decide.characterize.VOCABULARY
+        "where": {"type": ["object", "null"]},
+        "evidence": {"type": "object"},  # class -> {"rule", "null", numbers}
+        "undecided": {"type": "array", "items": {"type": "string"}},  # what would decide it
+        "next": {"type": ["string", "null"]},  # a needlescope command
+        "text": {"type": "string"},
+        "measured": {"type": "object"},  # in-process: baseline, cells, layers (the rules' inputs)
+    },
+    optional=("measured",),
+)
 VERDICTS_SCHEMA: dict = record(
     {
         "symptom": {"type": "object"},
@@ -181,9 +193,14 @@ VERDICTS_SCHEMA: dict = record(
         },
         "rank_paths": {"type": ["object", "null"], **{k: v for k, v in _RANK_PATHS.items() if k != "type"}},
         "nonfinite_scores": _NONFINITE,
+        "characterization": {
+            "type": ["object", "null"],
+            **{k: v for k, v in _CHARACTERIZATION.items() if k != "type"},
+        },
         "multiplicity": record(
             {"method": {"type": "string"}, "tests": {"type": "integer"}, "alpha": {"type": "number"}}
         ),
-    }
+    },
+    optional=("characterization",),
 )
 """``verdicts.json`` (checked by ``validate_verdicts``); docs/investigate.md gives every key."""

@@ -136,8 +136,9 @@ class _Investigation:
             self._model = load_bundle(self.model_dir, device=self.ledger.target.device)[0]
         return self._model
 
-    def measure(self, name: str, config) -> list[dict]:
-        """Records of every case under ``config`` (resumed from ``measure/NAME.jsonl``)."""
+    def measure(self, name: str, config, cases=None) -> list[dict]:
+        """Records of every case (of the ledger, or ``cases`` whose prompt lengths are in
+        ``prompt_len``) under ``config`` (resumed from ``measure/NAME.jsonl``)."""
         from needlescope.investigate.measure.records import measuring
 
         self.configs[name] = config.to_json()
@@ -149,11 +150,12 @@ class _Investigation:
             for r in self.state.records(same[0]):
                 self.state.append_record(name, r)
             done = {r["case_id"]: r for r in self.state.records(name)}
+        cases = self.cases if cases is None else cases
         todo: dict[int, list] = {}
-        for case in self.cases:
+        for case in cases:
             if case.case_id not in done:
                 todo.setdefault(self.prompt_len[case.case_id], []).append(case)
-        self.progress(f"measure {name}", len(done), len(self.cases), config.label())
+        self.progress(f"measure {name}", len(done), len(cases), config.label())
         if todo:  # the configuration is applied once for all its batches
             mx = self.ledger.symptom.max_new_tokens
             with measuring(self.model, self.tokenizer, config, max_new_tokens=mx, chunk=self.chunk) as run:
@@ -162,8 +164,8 @@ class _Investigation:
                         for rec in run(group[i : i + BATCH]):
                             self.state.append_record(name, rec)
                             done[rec["case_id"]] = rec
-                        self.progress(f"measure {name}", len(done), len(self.cases), config.label())
-        return [done[c.case_id] for c in self.cases]
+                        self.progress(f"measure {name}", len(done), len(cases), config.label())
+        return [done[c.case_id] for c in cases]
 
     @staticmethod
     def correct(records: list[dict]) -> dict[str, bool]:

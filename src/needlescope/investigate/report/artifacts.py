@@ -99,6 +99,7 @@ def write_verdicts(inv, symptom: dict, root, sig: dict, suspects_out: list[dict]
         "localization": None,
         "rank_paths": None,
         "nonfinite_scores": {"counts": {}, "findings": []},
+        "characterization": None,
         "multiplicity": {
             "method": "holm",
             "tests": sum(s.get("pair") is not None for s in suspects_out),

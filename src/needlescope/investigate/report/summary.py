@@ -1,7 +1,9 @@
 """The summary box at the top of DIAGNOSIS: what a reader acts on, read from the verdict data.
 
 Four lines: the symptom in one line; the root cause with its decisive measurement, or
-"unexplained" (also when an unexplained residual loss or differences no suspect covers remain);
+"unexplained" (also when an unexplained residual loss or differences no suspect covers remain),
+or, with a ``characterization``, what kind of bug it is and the command to run next ("nothing to
+explain" when no recall is lost);
 the recommended fix with its measured effect; what not to do (workarounds, and suspects that
 move the logits but not recall). Reads ``investigation.json``'s content only (``inv``); keys a
 run may not have (``root_causes``, ``residual``, ``unaccounted_differences``, a suspect's
@@ -96,13 +98,18 @@ def _root_cause(inv: dict) -> str:
     co = [x["id"] for x in inv["verdicts"]["suspects"] if x.get("role") == "co-factor"]
     if co:
         parts.append(f"co-factor(s) {', '.join(co)}: necessary, not sufficient on their own")
+    ch = inv["verdicts"].get("characterization")
+    if not parts and (not _lost(inv) or (ch and ch["classes"] == ["none"])):
+        return "nothing to explain: the candidate loses no recall against the reference at the tested lengths"
     unexplained = _unexplained(inv)
-    if not parts and not _lost(inv) and not unexplained:
-        return "none to find: the candidate loses no recall against the reference at the tested lengths"
+    if not parts and ch:
+        return f"{ch['text']}: next, `{ch['next']}`" if ch.get("next") else ch["text"]
     if not parts:
         why = "; ".join(unexplained) if unexplained else "no suspect in the ledger is implicated"
         return f"**unexplained**: {why}"
     text = "; ".join(parts)
+    if ch and ch["classes"][0] not in ("none", "undecided"):
+        text += f"; what kind of bug: {ch['classes'][0]} ({ch['evidence'][ch['classes'][0]]['rule']}), next `{ch['next']}`"
     if unexplained:
         text += "; **partly unexplained**: " + "; ".join(unexplained)
     return text

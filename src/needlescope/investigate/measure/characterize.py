@@ -1,0 +1,230 @@
+"""The in-process route's evidence for ``decide.characterize``, with its discriminating experiments.
+
+``characterize_inprocess(inv, ...)`` runs when recall is lost and no ledger suspect explains it
+(no root cause, or only automatic ones: differences the ledger did not name). The **target** is
+what is left to explain (the candidate when an automatic suspect is the root cause, else the
+residual candidate), the **baseline** what it is compared with (the candidate without those
+automatic suspects; else the reference at the target's ``index_topk``). It measures:
+
+* **cells**: paired outcomes per length, the symptom's own plus two cheap experiments, each on
+  the reference and the target: a **dense length** (``ratio x index_topk`` tokens: every entry is
+  selected, so a loss there is outside the selection), and the **residue lengths** L+1 ..
+  L+ratio-1 around the shortest failing length L (one trial per depth);
+* **selections**: for up to ``FAILING_CASES`` failing cases (wrong under the target, right under
+  the reference; shortest first), every CSA layer's selection of the target and of the baseline
+  at the analysed query, teacher-forced and decoded (``rank_paths.path_selections``);
+* **where**: the localizer's first divergent module on each path (``localization``).
+
+Budget: ``2 x (1 + ratio - 1)`` short batches plus two prompt passes per failing case, about
+what the fixes step costs; the example ledger (a named root cause) runs none of it, so
+``make demo`` keeps its time. Records resume from ``measure/char-*.jsonl``.
+"""
+
+from __future__ import annotations
+
+from needlescope.investigate.decide.characterize import (
+    Context,
+    Evidence,
+    LengthCell,
+    Localized,
+    characterize,
+)
+from needlescope.investigate.decide.selection_evidence import Row, layer_selection
+from needlescope.investigate.decide.verdicts import paired
+
+__all__ = ["FAILING_CASES", "characterize_inprocess", "nothing_to_explain"]
+
+FAILING_CASES = 2
+AUTO_PREFIX = "auto:"
+
+
+def nothing_to_explain(ref_records: list[dict], cand_records: list[dict]) -> dict | None:
+    """The characterization when the candidate loses no recall (``classes == ["none"]``), else None."""
+    p = paired(_ok(cand_records), _ok(ref_records))
+    if p["b"] > p["c"]:
+        return None
+    return characterize(
+        Evidence(recall_lost=False, recall_reference=p["recall_without"], recall_candidate=p["recall_with"]),
+        Context(route="in-process", ratio=4, topk=1),
+    )
+
+
+def _ok(records: list[dict]) -> dict[str, bool]:
+    return {r["case_id"]: r["correct"] for r in records if not r.get("error")}
+
+
+def _cells(records_by_length: dict[int, tuple[list, list]], ratio: int) -> list[LengthCell]:
+    cells = []
+    for length, (ref, tgt) in sorted(records_by_length.items()):
+        p = paired(_ok(tgt), _ok(ref))
+        cells.append(LengthCell(length, p["n"], p["b"], p["c"], length // ratio))
+    return cells
+
+
+def _by_length(ref: list[dict], tgt: list[dict], into: dict) -> None:
+    for r in ref:
+        into.setdefault(r["length"], ([], []))[0].append(r)
+    for r in tgt:
+        into.setdefault(r["length"], ([], []))[1].append(r)
+
+
+def _extra_cases(inv, lengths: list[int]) -> list:
+    from needlescope.cases.assemble import CaseSpec, build_cases
+    from needlescope.dsa.checkpoint import trained_value_digits
+    from needlescope.dsa.prompt import render_prompt
+
+    sy = inv.ledger.symptom
+    spec = CaseSpec(
+        kind=sy.kind,
+        lengths=lengths,
+        depths=sy.depths,
+        trials=1,
+        seed=sy.seed,
+        value_digits=trained_value_digits(inv.model_dir),
+    )
+    cases = build_cases(spec, lambda m: len(render_prompt(inv.tokenizer, m).input_ids))
+    for c in cases:
+        inv.prompt_len[c.case_id] = len(render_prompt(inv.tokenizer, c.messages).input_ids)
+    return cases
+
+
+def _selection_layers(inv, target, baseline, failing: list[dict]) -> list:
+    """``LayerSelection`` per (CSA layer, path) over the failing cases' analysed queries."""
+    from needlescope.dsa.prompt import covering_entries, needle_token_span, render_prompt
+    from needlescope.dsa.reference import visible_entries
+    from needlescope.investigate.measure.rank_paths import path_selections
+
+    rows: dict[tuple[int, str], list[Row]] = {}
+    for rec in failing:
+        case = next(c for c in inv.cases if c.case_id == rec["case_id"])
+        prompt = render_prompt(inv.tokenizer, case.messages)
+        a, ratio = rec["analysed_token"], rec["compress_ratio"]
+        answer, query = rec["output_ids"][:a], len(prompt.input_ids) - 1 + a
+        tgt = path_selections(inv.model, target, prompt.input_ids, answer, query, chunk=inv.chunk)
+        base = path_selections(inv.model, baseline, prompt.input_ids, answer, query, chunk=inv.chunk)
+        visible = int(visible_entries(query, ratio))
+        spans = covering_entries(needle_token_span(prompt, case.needle), ratio=ratio, overlap=True)
+        needle = frozenset(e for e in spans if e < visible)
+        for path, layers in tgt.items():
+            for layer, (selected, _) in layers.items():
+                ref_sel = frozenset(base[path][layer][0])
+                rows.setdefault((layer, path), []).append(Row(frozenset(selected), ref_sel, visible, needle))
+    return [layer_selection(layer, path, r) for (layer, path), r in sorted(rows.items())]
+
+
+def _localized(localization: dict | None) -> tuple[Localized, ...]:
+    if not localization:
+        return ()
+    return tuple(
+        Localized(p["path"], p.get("first_divergent_module"), p.get("module_type"), p.get("layer"))
+        for p in localization.get("paths", [])
+    )
+
+
+def characterize_inprocess(
+    inv, suspects_out: list[dict], ref_records, cand_records, localization: dict | None
+) -> dict | None:
+    """``verdicts.json`` ``characterization`` of an in-process run (module docstring); None when
+    nothing was measured or a suspect the ledger names is the root cause (it explains the loss)."""
+    from needlescope.investigate.measure.causal import residual_config
+
+    if inv.model is None or not cand_records:
+        return None
+    none = nothing_to_explain(ref_records, cand_records)
+    if none is not None:
+        return none
+    implicated = [s for s in suspects_out if s["verdict"] == "implicated" and s["present"]]
+    if any(not s["id"].startswith(AUTO_PREFIX) and s.get("role") == "root cause" for s in implicated):
+        return None
+    done = inv.state.step_value("characterization")
+    if done is not None:
+        return done
+    by_id = {s.id: s for s in inv.suspects}
+    autos = [by_id[s["id"]] for s in implicated if s["id"].startswith(AUTO_PREFIX)]
+    target = inv.candidate if autos else residual_config(inv, [by_id[s["id"]] for s in implicated])
+    baseline = residual_config(inv, autos) if autos else _same_numerics(inv, target)
+    tgt_records = cand_records if autos or not implicated else inv.measure("residual", target)
+    k = cand_records[0]["index_topk"]
+    ratio = cand_records[0]["compress_ratio"]
+    failing_ok = _ok(ref_records)
+    failing = sorted(
+        (r for r in tgt_records if not r.get("error") and not r["correct"] and failing_ok.get(r["case_id"])),
+        key=lambda r: (r["length"], r["depth"], r["trial"]),
+    )
+    by_length: dict = {}
+    _by_length(ref_records, tgt_records, by_length)
+    lengths = sorted({r["length"] for r in failing}) or sorted(by_length)
+    extra = [ratio * k] if ratio * k < min(by_length) else []
+    extra += [lengths[0] + d for d in range(1, ratio)]
+    cases = _extra_cases(inv, extra)
+    inv.progress("characterize", 0, 2, "dense and residue lengths")
+    _by_length(
+        inv.measure("char-reference", inv.reference, cases),
+        inv.measure("char-target", target, cases),
+        by_length,
+    )
+    inv.progress("characterize", 1, 2, "selections of the failing cases")
+    ev = Evidence(
+        recall_lost=True,
+        cells=tuple(_cells(by_length, ratio)),
+        layers=tuple(_selection_layers(inv, target, baseline, failing[:FAILING_CASES])),
+        answers_differ=bool(failing),
+        localized=_localized(localization),
+    )
+    ctx = Context(
+        route="in-process",
+        ratio=ratio,
+        topk=k,
+        model=inv.ledger.target.model,
+        candidate_flags=_flags(target),
+        input_ids="localize/input_ids.json" if localization else None,
+        lengths=tuple(lengths),
+    )
+    out = {**characterize(ev, ctx), "measured": _measured(ev, baseline.label())}
+    inv.state.mark_done("characterization", out)
+    inv.progress("characterize", 2, 2, "")
+    return out
+
+
+def _same_numerics(inv, target):
+    """The target's numerics and top-k without its patches (what its configured precision
+    explains), or the reference at its top-k when the target carries no patch."""
+    from needlescope.investigate.measure.causal import reference_at_k
+
+    plain = inv.Config(target.setting.with_(patch=None), ())
+    return plain if plain.label() != target.label() else reference_at_k(inv)
+
+
+def _measured(ev: Evidence, baseline: str) -> dict:
+    """The numbers the rules read, for the report: cells and per-layer selection comparisons."""
+    return {
+        "baseline": baseline,
+        "cells": [c.__dict__ for c in ev.cells],
+        "layers": [
+            {
+                k: getattr(s, k)
+                for k in (
+                    "layer",
+                    "path",
+                    "rows",
+                    "overlap",
+                    "chance",
+                    "needle_reference",
+                    "needle_candidate",
+                )
+            }
+            | {"shift_overlap": s.shift_overlap, "tail_share": s.tail_share}
+            for s in ev.layers
+        ],
+    }
+
+
+def _flags(cfg) -> tuple[str, ...]:
+    """The target's setting as ``needlescope indexer`` flags (its patches quoted as given)."""
+    s = cfg.setting
+    flags = ["--index-k", s.index_k, "--index-q", s.index_q, "--score-dtype", s.score_dtype]
+    if s.patch is not None:
+        flags += ["--patch", s.patch.spec]
+    for p in cfg.extra:
+        flags += ["--extra-patch", p.spec]
+    return tuple(flags)
