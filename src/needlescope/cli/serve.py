@@ -104,6 +104,12 @@ def serve_command(
         show_default=False,
         help="Require 'Authorization: Bearer KEY' on every route but /health (never logged).",
     ),
+    disclose_patch: bool = typer.Option(
+        True,
+        "--disclose-patch/--undisclosed-patch",
+        hidden=True,
+        help="Test: run --patch without naming it in /get_server_info (an unannounced kernel bug).",
+    ),
     expose_paths: bool = typer.Option(
         False, "--expose-paths", help="Show absolute paths in /get_server_info and /v1/models."
     ),

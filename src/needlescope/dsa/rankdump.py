@@ -57,8 +57,10 @@ import torch
 
 from needlescope.cases.scoring import score_answer
 from needlescope.dsa.emulate import IndexerCapture, csa_indexers, emulate
+from needlescope.dsa.nonfinite import nonfinite_in, rank_scores
 from needlescope.dsa.passes import check_chunk, greedy, prefill
 from needlescope.dsa.prompt import covering_entries, render_prompt, resolve_needle_span
+from needlescope.dsa.rankdump_schema import RANKDUMP_SCHEMA
 from needlescope.dsa.reference import visible_entries
 from needlescope.errors import BadInput
 from needlescope.schema import check_schema
@@ -69,8 +71,6 @@ __all__ = [
     "RANKDUMP_SCHEMA",
     "RankStats",
     "needle_rank_stats",
-    "nonfinite_in",
-    "rank_scores",
     "selected_in",
     "answer_positions",
     "greedy_new_tokens",
@@ -84,82 +84,6 @@ __all__ = [
 ]
 
 DEFAULT_MAX_NEW_TOKENS = 12
-
-_POSITION_SCHEMA = {
-    "type": "object",
-    "required": [
-        "query_pos",
-        "visible_entries",
-        "needle_entries",
-        "best_rank",
-        "needle_score",
-        "cutoff_score",
-        "margin",
-        "selected",
-    ],
-    "properties": {
-        "query_pos": {"type": "integer"},
-        "visible_entries": {"type": "integer"},
-        "needle_entries": {"type": "array", "items": {"type": "integer"}},
-        "best_rank": {"type": "integer"},
-        "ties": {"type": "integer"},
-        "needle_score": {"type": "number"},
-        "cutoff_score": {"type": "number"},
-        "margin": {"type": "number"},
-        "margin_frac": {"type": "number"},
-        "selected": {"type": "boolean"},
-        "nonfinite": {
-            "type": "object",
-            "required": ["neg_inf", "nan", "pos_inf"],
-            "properties": {k: {"type": "integer"} for k in ("neg_inf", "nan", "pos_inf")},
-        },
-    },
-}
-
-_DUMP_SCHEMA: dict = {
-    "type": "object",
-    "required": ["index_topk", "numerics", "prompt_tokens", "needle_token_span", "layers"],
-    "properties": {
-        "index_topk": {"type": "integer"},
-        "numerics": {
-            "type": "object",
-            "required": ["index_k", "index_q", "score_dtype"],
-            "properties": {
-                "index_k": {"type": "string"},
-                "index_q": {"type": "string"},
-                "score_dtype": {"type": "string"},
-                "hadamard": {"type": "boolean"},
-            },
-        },
-        "prompt_tokens": {"type": "integer"},
-        "needle_token_span": {"type": "array", "items": {"type": "integer"}},
-        "compress_ratio": {"type": "integer"},
-        "query_positions_source": {"type": "string"},
-        "generated_tokens": {"type": "array", "items": {"type": "integer"}},
-        "generated_text": {"type": "string"},
-        "answer_correct": {"type": ["boolean", "null"]},
-        "patch": {"type": ["string", "null"]},
-        "label": {"type": "string"},
-        "layers": {
-            "type": "array",
-            "items": {
-                "type": "object",
-                "required": ["layer", "positions"],
-                "properties": {
-                    "layer": {"type": "integer"},
-                    "needle_not_visible": {"type": "array", "items": {"type": "integer"}},
-                    "positions": {"type": "array", "items": _POSITION_SCHEMA},
-                },
-            },
-        },
-    },
-}
-
-RANKDUMP_SCHEMA: dict = {
-    **_DUMP_SCHEMA,
-    "properties": {**_DUMP_SCHEMA["properties"], "prompts": {"type": "array", "items": _DUMP_SCHEMA}},
-}
-"""JSON-Schema-style description of ``rankdump.json`` (checked by ``validate_rankdump``)."""
 
 
 @dataclass(frozen=True)
@@ -232,28 +156,6 @@ def needle_rank_stats(scores: torch.Tensor, visible: int, needle_entries: Sequen
         max_score=float(ordered[0]),
         min_score=float(ordered[-1]),
     )
-
-
-def rank_scores(row: torch.Tensor) -> torch.Tensor:
-    """``row`` [v] with its non-finite scores made rankable: -inf and NaN just below the lowest
-    finite score (they rank last, ties counted pessimistically), +inf just above the highest."""
-    finite = torch.isfinite(row)
-    if bool(finite.all()):
-        return row
-    lo = float(row[finite].min()) - 1.0 if bool(finite.any()) else 0.0
-    hi = float(row[finite].max()) + 1.0 if bool(finite.any()) else 1.0
-    out = torch.where(torch.isnan(row) | (row == float("-inf")), torch.full_like(row, lo), row)
-    return torch.where(out == float("inf"), torch.full_like(out, hi), out)
-
-
-def nonfinite_in(row: torch.Tensor) -> dict | None:
-    """Counts of -inf, NaN and +inf scores in ``row`` [v]; None when every score is finite."""
-    counts = {
-        "neg_inf": int((row == float("-inf")).sum()),
-        "nan": int(torch.isnan(row).sum()),
-        "pos_inf": int((row == float("inf")).sum()),
-    }
-    return counts if any(counts.values()) else None
 
 
 def selected_in(topk_row: torch.Tensor, needle_entries: Sequence[int]) -> bool:

@@ -100,6 +100,9 @@ class ServeConfig:
     api_key: str | None = field(default=None, repr=False)
     """When set, every route but /health needs ``Authorization: Bearer KEY``. Never logged,
     never echoed (``to_dict`` says only whether one is set), never in ``to_json``."""
+    disclose_patch: bool = True
+    """Whether /get_server_info names the setting's patch. False plays a deployment whose kernel
+    bug is not announced (issue 37's planted runs): the patch runs, every endpoint says none."""
     expose_paths: bool = False
     """Show absolute filesystem paths (the model directory) in /get_server_info and /v1/models."""
     prefix_cache_mib: int = 0
@@ -174,12 +177,16 @@ class ServeConfig:
         """Flat form echoed by ``/get_server_info`` as ``args``: the setting's fields inline
         (``None`` each when no setting was given), ``patch`` as its spec, the API key replaced by
         whether one is set, and the model directory by its name unless ``expose_paths``."""
-        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "setting"}
+        d = {
+            f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("setting", "disclose_patch")
+        }
         d["api_key"] = self.api_key is not None
         if not self.expose_paths and self.model != "organism":
             d["model"] = Path(self.model).name
         names = ("index_k", "index_q", "score_dtype", "index_topk", "hadamard", "patch")
         setting = self.setting.to_json() if self.setting is not None else dict.fromkeys(names)
+        if not self.disclose_patch:
+            setting["patch"] = None
         return {**d, **setting}
 
     def to_json(self) -> str:

@@ -192,7 +192,7 @@ class Engine:
             "checkpoint_index_topk": int(getattr(self.model.config, "index_topk", 0) or 0),
             "csa_layers": self.csa_layers,
             "num_indexer_layers": len(self.csa_layers),
-            "patch": n.patch.spec if n and n.patch else None,
+            "patch": n.patch.spec if n and n.patch and self.cfg.disclose_patch else None,
             "trained_value_digits": self.trained_value_digits,
             "max_queued_requests": self.cfg.max_queued_requests,
             "max_running_requests": self.cfg.max_running_requests,

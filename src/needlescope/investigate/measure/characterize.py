@@ -228,3 +228,69 @@ def _flags(cfg) -> tuple[str, ...]:
     for p in cfg.extra:
         flags += ["--extra-patch", p.spec]
     return tuple(flags)
+
+
+def _live_layers(inv, failing: list[dict], baseline: dict) -> list:
+    """``LayerSelection`` per (CSA layer, path) of the live selection against the reference's at
+    the live ``index_topk`` run the server's way: the first compared row of a case is the
+    server's prefill, the later ones its decode steps."""
+    ratio = inv.ratio
+    rows: dict[tuple[int, str], list[Row]] = {}
+    for rec in failing:
+        needle = inv.needle_entries(rec)
+        first = rec["prompt_tokens"] - 1
+        for layer, live_rows in rec["rows"].items():
+            base_rows = baseline[rec["case_id"]][layer]
+            for i, (live, base) in enumerate(zip(live_rows, base_rows)):
+                visible = (first + i + 1) // ratio
+                ne = frozenset(e for e in needle.get(layer, []) if e < visible)
+                path = "prefill" if i == 0 else "decode"
+                rows.setdefault((int(layer), path), []).append(
+                    Row(frozenset(live), frozenset(base), visible, ne)
+                )
+    return [layer_selection(layer, path, r) for (layer, path), r in sorted(rows.items())]
+
+
+def characterize_live(inv, root: str | None, ref_records, live_records, failing, baseline) -> dict | None:
+    """``characterization`` of a live run: None when a suspect is the root cause or nothing ran;
+    "none" when the live loses no recall; else the dense and residue lengths are probed live
+    and on the reference (``inv.probe_live(name, cases)``), and the live selections of the
+    failing cases compared with the reference's on both the server's prefill and decode rows."""
+    scored = [r for r in live_records if not r.get("error")]
+    if root is not None or not scored or inv.live_k is None:
+        return None
+    none = nothing_to_explain(ref_records, scored)
+    if none is not None:
+        return none
+    done = inv.state.step_value("characterization")
+    if done is not None:
+        return done
+    k, ratio = inv.live_k, inv.ratio
+    by_length: dict = {}
+    _by_length(ref_records, scored, by_length)
+    lengths = sorted({r["length"] for r in failing}) or sorted(by_length)
+    extra = [ratio * k] if ratio * k < min(by_length) else []
+    extra += [lengths[0] + d for d in range(1, ratio)]
+    cases = _extra_cases(inv, extra)
+    inv.progress("characterize", 0, 2, "dense and residue lengths, live and reference")
+    live_extra = [r for r in inv.probe_live("char-live", cases) if not r.get("error")]
+    _by_length(inv.measure("char-reference", inv.reference, cases), live_extra, by_length)
+    inv.progress("characterize", 1, 2, "the failing cases' live selections")
+    ev = Evidence(
+        recall_lost=True,
+        cells=tuple(_cells(by_length, ratio)),
+        layers=tuple(_live_layers(inv, failing, baseline.get("decode", {}))),
+        answers_differ=bool(failing),
+    )
+    ctx = Context(
+        route="live",
+        ratio=ratio,
+        topk=k,
+        model=inv.ledger.target.model,
+        base_url=inv.ledger.target.endpoint,
+        lengths=tuple(lengths),
+    )
+    out = {**characterize(ev, ctx), "measured": _measured(ev, f"reference at the live index_topk {k}")}
+    inv.state.mark_done("characterization", out)
+    inv.progress("characterize", 2, 2, "")
+    return out

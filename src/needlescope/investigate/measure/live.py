@@ -38,6 +38,7 @@ from needlescope.errors import BadInput, ProbeError
 from needlescope.investigate.decide.signature import NO_SIGNATURE
 from needlescope.investigate.decide.verdicts import LIVE_THRESHOLDS, PATHS, evidence, live_verdict_paths
 from needlescope.investigate.ledger.ledger import Suspect
+from needlescope.investigate.measure.characterize import characterize_live
 from needlescope.investigate.measure.inprocess import (
     _Investigation,
     check_suspects,
@@ -174,21 +175,29 @@ class LiveInvestigation(_Investigation):
             },
         }
 
-    def probe_live(self) -> list[dict]:
-        """The live endpoint on every case (resumed from ``measure/live.jsonl``; a case whose
-        request failed is sent again on resume, and its later record supersedes the error)."""
-        done = {r["case_id"]: r for r in self.state.records("live")}
-        todo = [c for c in self.cases if c.case_id not in done or done[c.case_id].get("error")]
-        self.progress("probe live", len(done), len(self.cases), self.ledger.target.endpoint)
+    @property
+    def ratio(self) -> int:
+        from needlescope.dsa.emulate import csa_indexers
+
+        return int(csa_indexers(self.model)[0][1].compress_rate)
+
+    def probe_live(self, name: str = "live", cases=None) -> list[dict]:
+        """The live endpoint on every case (of the ledger, or ``cases``; resumed from
+        ``measure/NAME.jsonl``; a case whose request failed is sent again on resume, and its later
+        record supersedes the error)."""
+        cases = self.cases if cases is None else cases
+        done = {r["case_id"]: r for r in self.state.records(name)}
+        todo = [c for c in cases if c.case_id not in done or done[c.case_id].get("error")]
+        self.progress("probe live", len(done), len(cases), self.ledger.target.endpoint)
 
         def on_record(case, res, info) -> None:
             if info and "server_info" not in self.state.data:
                 self.state.data["server_info"] = info
                 self.state.save()
             rec = self.live_record(case, res, info)
-            self.state.append_record("live", rec)
+            self.state.append_record(name, rec)
             done[case.case_id] = rec
-            self.progress("probe live", len(done), len(self.cases), self.ledger.target.endpoint)
+            self.progress("probe live", len(done), len(cases), self.ledger.target.endpoint)
 
         if todo:
             url, mx = self.ledger.target.endpoint, self.ledger.symptom.max_new_tokens
@@ -196,7 +205,7 @@ class LiveInvestigation(_Investigation):
                 asyncio.run(_probe(url, todo, lambda c: self._prompt(c).input_ids, mx, on_record))
             except ProbeError as exc:  # the endpoint is unreachable: every emulation is blocked
                 self.blocked_reason = f"live endpoint unavailable: {type(exc).__name__}: {exc}"
-        return [done[c.case_id] for c in self.cases if c.case_id in done]
+        return [done[c.case_id] for c in cases if c.case_id in done]
 
     @property
     def csa_layers(self) -> list[int]:
@@ -363,7 +372,10 @@ class LiveInvestigation(_Investigation):
         )
         if loc is not None:
             loc["command"] = f"needlescope investigate run {self.ledger.path.name} --out {self.out.name}"
-        verdicts = write_verdicts(self, symptom, root, NO_SIGNATURE, suspects_out, localization=loc)
+        ch = characterize_live(self, root, ref_records, live_records, failing, baseline)
+        verdicts = write_verdicts(
+            self, symptom, root, NO_SIGNATURE, suspects_out, localization=loc, characterization=ch
+        )
         atomic_write_json(
             self.out / "investigation.json",
             relativize(

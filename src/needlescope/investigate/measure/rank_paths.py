@@ -93,8 +93,8 @@ def path_selections(
 
 
 def _stats(selected: list[int], scores, needle: list[int], k: int) -> dict:
+    from needlescope.dsa.nonfinite import rank_scores
     from needlescope.dsa.rankdump import needle_rank_stats
-    from needlescope.investigate.measure.records import rank_scores
 
     st = needle_rank_stats(rank_scores(scores), len(scores), needle, k)
     return {

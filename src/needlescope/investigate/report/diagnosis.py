@@ -15,6 +15,7 @@ from pathlib import Path
 import needlescope
 from needlescope.investigate.decide.signature import NEAR_CHANCE, layer_percentiles
 from needlescope.investigate.report import causal as dc
+from needlescope.investigate.report.characterization import characterization_blocks
 from needlescope.investigate.report.summary import COST_ORDER, shown_verdict, summary_box
 from needlescope.report.blocks import render_html, render_md
 
@@ -109,7 +110,7 @@ def diagnosis_blocks(inv: dict, images: list[tuple[str, str]]) -> list[tuple]:
     b += dc.differences_blocks(v)
     b += _symptom_blocks(inv, images)
     b += _root_blocks(inv)
-    b += dc.residual_blocks(v) + dc.localization_blocks(v)
+    b += dc.residual_blocks(v) + dc.localization_blocks(v) + characterization_blocks(v)
     b += _verdict_blocks(inv, live)
     b += [("p", t) for t in [dc.multiplicity_text(v)] if t]
     b += dc.nonfinite_blocks(v)
