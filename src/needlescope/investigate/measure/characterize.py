@@ -22,6 +22,9 @@ what the fixes step costs; the example ledger (a named root cause) runs none of 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+from needlescope.errors import BadInput
 from needlescope.investigate.decide.characterize import (
     Context,
     Evidence,
@@ -76,13 +79,19 @@ def _extra_cases(inv, lengths: list[int]) -> list:
     sy = inv.ledger.symptom
     spec = CaseSpec(
         kind=sy.kind,
-        lengths=lengths,
+        lengths=lengths[:1],
         depths=sy.depths,
         trials=1,
         seed=sy.seed,
         value_digits=trained_value_digits(inv.model_dir),
     )
-    cases = build_cases(spec, lambda m: len(render_prompt(inv.tokenizer, m).input_ids))
+    count = lambda m: len(render_prompt(inv.tokenizer, m).input_ids)  # noqa: E731
+    cases = []
+    for length in lengths:  # a dense length too short for the needle and question is left out
+        try:
+            cases += build_cases(replace(spec, lengths=[length]), count)
+        except BadInput:
+            continue
     for c in cases:
         inv.prompt_len[c.case_id] = len(render_prompt(inv.tokenizer, c.messages).input_ids)
     return cases
