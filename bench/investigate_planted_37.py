@@ -78,8 +78,9 @@ def live_run(d: Path, bug: str, args):
 
 
 def summarise(verdicts: Path) -> dict:
-    from needlescope.investigate.report.summary import summary_box  # noqa: F401
+    from needlescope.investigate.report.diagnosis import write_reports
 
+    write_reports(verdicts.parent)
     v = json.loads(verdicts.read_text())
     ch = v.get("characterization") or {}
     diag = (verdicts.parent / "DIAGNOSIS.md").read_text()

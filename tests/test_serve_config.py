@@ -218,3 +218,17 @@ def test_device_placement_and_chunk_settings_are_validated():
     ):
         with pytest.raises(BadInput, match=message):
             ServeConfig(**kw)
+
+
+def test_an_undisclosed_patch_runs_but_no_info_names_it(tmp_path):
+    """Issue 37's planted runs: the server carries the patch, /get_server_info says none."""
+    patch = tmp_path / "p.py"
+    patch.write_text("def apply(model):\n    return None\n")
+    setting = Setting.parse(f"topk=16 patch={patch}")
+    shown = ServeConfig(model="organism", setting=setting)
+    hidden = ServeConfig(model="organism", setting=setting, disclose_patch=False)
+    assert shown.to_dict()["patch"] == str(patch)
+    assert hidden.to_dict()["patch"] is None and "disclose_patch" not in hidden.to_dict()
+    engine = Engine(hidden)
+    assert engine.info()["patch"] is None and engine.numerics.patch is not None
+    assert ServeConfig.from_json(hidden.to_json()).disclose_patch is False

@@ -1,9 +1,7 @@
 """Planted (length_residue, no undo): when a prefill ends on a compression-window boundary
-(prompt length = 0 mod the compression ratio), the indexer's key cache is addressed from the
-wrong half (the window count wrapped) for that prefill and every decode step after it: a
+(prompt length = 0 mod the compression ratio), the indexer ranks with the wrong sign (a
+window count that wraps flips its scale) for that prefill and every decode step after it: a
 boundary-arithmetic bug that only some lengths take (vllm#55927 failed at length = 3 mod 4)."""
-
-import torch
 
 
 def apply(model):
@@ -15,9 +13,8 @@ def apply(model):
         state = {"boundary": False}
 
         def scorer_forward(q, compressed_kv, hidden_states, inner=inner, state=state):
-            if state["boundary"]:
-                compressed_kv = torch.roll(compressed_kv, shifts=compressed_kv.shape[1] // 2, dims=1)
-            return inner(q, compressed_kv, hidden_states)
+            scores = inner(q, compressed_kv, hidden_states)
+            return -scores if state["boundary"] else scores
 
         def forward(
             hidden_states, q_residual, position_ids, *args, outer=outer, state=state, ratio=idx.compress_rate

@@ -6,7 +6,7 @@ import torch
 
 from needlescope.dsa.emulate import wrap_scorers
 
-SHARE = 0.35
+SHARE = 0.8
 
 
 def apply(model):

@@ -260,6 +260,21 @@ def _live_layers(inv, failing: list[dict], baseline: dict) -> list:
     return [layer_selection(layer, path, r) for (layer, path), r in sorted(rows.items())]
 
 
+def _failing_prompt(inv, failing: list[dict]) -> tuple[str | None, str | None]:
+    """(messages file of the first failing case, written under the run directory, its needle)."""
+    import json
+
+    if not failing:
+        return None, None
+    case = next(c for c in inv.cases if c.case_id == failing[0]["case_id"])
+    path = inv.out / "characterize" / "prompt.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(case.messages, indent=1), encoding="utf-8")
+    return str(path.relative_to(inv.ledger.path.parent)) if path.is_relative_to(
+        inv.ledger.path.parent
+    ) else str(path), case.needle
+
+
 def characterize_live(inv, root: str | None, ref_records, live_records, failing, baseline) -> dict | None:
     """``characterization`` of a live run: None when a suspect is the root cause or nothing ran;
     "none" when the live loses no recall; else the dense and residue lengths are probed live
