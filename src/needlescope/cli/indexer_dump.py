@@ -22,6 +22,19 @@ def _write(out: Path, name: str, text: str) -> None:
     (out / name).write_text(text, encoding="utf-8")
 
 
+def _allow(specs, precisions) -> dict[str, str]:
+    """``--allow NAME_PATTERN=PRECISION`` flags as a dict; BadInput on a malformed one."""
+    allowed = {}
+    for spec in specs or ():
+        pattern, sep, prec = spec.partition("=")
+        if not sep or not pattern or prec not in precisions:
+            raise BadInput(
+                f"--allow {spec!r} is not NAME_PATTERN=PRECISION; PRECISION is one of {', '.join(precisions)}"
+            )
+        allowed[pattern] = prec
+    return allowed
+
+
 @indexer_app.command("compare-dump")
 def compare_dump_command(
     dump_dir: Path = typer.Argument(
@@ -66,14 +79,7 @@ def compare_dump_command(
     from needlescope.dsa.engine_dump import scan_dump
     from needlescope.dsa.prompt import needle_token_span, read_prompt_file, render_prompt
 
-    allowed = {}
-    for spec in allow or ():
-        pattern, sep, prec = spec.partition("=")
-        if not sep or not pattern or prec not in PRECISION_U:
-            raise BadInput(
-                f"--allow {spec!r} is not NAME_PATTERN=PRECISION; PRECISION is one of {', '.join(PRECISION_U)}"
-            )
-        allowed[pattern] = prec
+    allowed = _allow(allow, PRECISION_U)
     if needle is not None and prompt is None:
         raise BadInput("--needle needs the --prompt it appears in")
     path = resolve_model_dir(model)
