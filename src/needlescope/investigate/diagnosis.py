@@ -103,7 +103,8 @@ def _plots(inv: dict, out: Path) -> list[tuple[str, str]]:
 
 def diagnosis_blocks(inv: dict, images: list[tuple[str, str]]) -> list[tuple]:
     """The report as blocks: ("h", level, text) | ("p", text) | ("table", header, rows) | ("img", file, caption)."""
-    live = inv.get("route") == "live"
+    route = inv.get("route")
+    live = route == "live"
     v = inv["verdicts"]
     b: list[tuple] = [("h", 1, "DIAGNOSIS"), summary_box(inv), ("p", _intro(inv, live))]
     b += dc.differences_blocks(v)
@@ -115,7 +116,7 @@ def diagnosis_blocks(inv: dict, images: list[tuple[str, str]]) -> list[tuple]:
     b += dc.nonfinite_blocks(v)
     if live:
         b += _live_blocks(inv)
-    else:
+    elif route != "dump":  # a dump has no signature, rank dump or fixes: nothing ran the candidate
         b += _signature_blocks(inv["verdicts"]["signature"], images)
         b += _rankdump_blocks(inv.get("explained"))
         b += rank_paths_blocks(inv["verdicts"].get("rank_paths"))
@@ -139,6 +140,8 @@ def _intro(inv: dict, live: bool) -> str:
         if live
         else "measured in-process on the reference checkpoint"
     )
+    if inv.get("route") == "dump":
+        where += "; the candidate is the engine's tensor dump of one request, compared with the reference on its token ids"
     return (
         f"Model `{inv['target']['model']}`. Reference `{sy['reference']}`; candidate (the deployment under "
         f"suspicion) `{sy['candidate']}`. {sy['kind']} needles, {sy['cases']} cases ({len(sy['lengths'])} lengths x "
@@ -183,7 +186,7 @@ def _root_blocks(inv: dict) -> list[tuple]:
 def _verdict_blocks(inv: dict, live: bool) -> list[tuple]:
     v = inv["verdicts"]
     by_id = {s["id"]: s for s in inv["suspects"]}
-    present = {True: "yes", False: "no", None: "unknown (live)"}
+    present = {True: "yes", False: "no", None: f"unknown ({inv.get('route') or 'live'})"}
     rows = [
         [s["tier"], s["id"], present[by_id[s["id"]]["present"]], shown_verdict(s), s["reason"]]
         for s in v["suspects"]

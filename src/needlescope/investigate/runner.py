@@ -95,7 +95,7 @@ class _Investigation:
         t = ledger.target
         self.Config = Config
         self.reference = Config(t.reference)
-        self.candidate = None if t.live else Config(t.candidate, t.extra_patches)
+        self.candidate = None if t.candidate is None else Config(t.candidate, t.extra_patches)
         self.configs: dict[str, dict] = {"reference": self.reference.to_json()}
         if self.candidate is not None:
             self.configs["candidate"] = self.candidate.to_json()
@@ -502,6 +502,19 @@ def _unexplained(inv: _Investigation, suspects_out, ref_records, cand_records) -
     return out
 
 
+def _other_route(ledger: Ledger):
+    """The investigation class of a live or dump candidate; None for an in-process one."""
+    if ledger.target.live:
+        from needlescope.investigate.live import LiveInvestigation
+
+        return LiveInvestigation
+    if ledger.target.dump is not None:
+        from needlescope.investigate.dump_route import DumpInvestigation
+
+        return DumpInvestigation
+    return None
+
+
 def run_investigation(
     ledger_path: str | Path,
     out: str | Path,
@@ -514,14 +527,14 @@ def run_investigation(
     """Run (or resume) the investigation of ``ledger_path`` into ``out``; returns verdicts.json's path.
 
     ``loaded``: an already loaded (model, tokenizer) of the ledger's checkpoint, to reuse it.
-    A ledger whose candidate is ``live`` takes the live-endpoint route (``investigate.live``).
+    A ledger whose candidate is ``live`` takes the live-endpoint route (``investigate.live``), one
+    whose candidate is ``dump`` the dump route (``investigate.dump_route``).
     ``allow_outside``: accept ledger paths outside its folder (``--allow-outside``).
     ``prefill_chunk``: overrides the ledger's ``[target] prefill_chunk`` (``--prefill-chunk``)."""
     ledger = with_chunk(load_ledger(ledger_path, allow_outside=allow_outside), prefill_chunk)
-    if ledger.target.live:
-        from needlescope.investigate.live import LiveInvestigation
-
-        return LiveInvestigation(ledger, Path(out), progress).run(loaded)
+    route = _other_route(ledger)
+    if route is not None:
+        return route(ledger, Path(out), progress).run(loaded)
     inv = _Investigation(ledger, Path(out), progress)
     if not inv.state.is_done("questions"):
         inv.questions()
