@@ -15,8 +15,8 @@ torch = pytest.importorskip("torch")
 
 from needlescope.dsa.dump_mapping import load_mapping  # noqa: E402
 from needlescope.errors import BadInput  # noqa: E402
-from needlescope.investigate.ledger import load_ledger  # noqa: E402
-from needlescope.investigate.runner import run_investigation  # noqa: E402
+from needlescope.investigate.ledger.ledger import load_ledger  # noqa: E402
+from needlescope.investigate.run import run_investigation  # noqa: E402
 from needlescope.testing.sglang_dump import write_sglang_dump  # noqa: E402
 
 FAULT = "model.layers.3.self_attn.o_b_proj"
@@ -82,7 +82,7 @@ def test_dump_candidate_localizes_from_the_dump(tmp_path, organism):
     assert inv["route"] == "dump"
     cmp = json.loads((out / "localize" / "compare_dump.json").read_text())
     assert cmp["first_beyond"]["reference"] == FAULT
-    from needlescope.investigate.diagnosis import write_reports
+    from needlescope.investigate.report.diagnosis import write_reports
 
     md = write_reports(out)[0].read_text()
     section = md.split("## Where the divergence starts", 1)[1]

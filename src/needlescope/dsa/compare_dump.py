@@ -1,14 +1,14 @@
 """Compare an engine's tensor dump with the reference model, tensor by tensor, layer by layer.
 
 ``compare_dump(model, dump_dir, mapping, ...)`` reads the dump (``engine_dump``, ``dump_tokens``),
-runs the reference once over the same token ids with ``replay.Recorder`` on every module (and the
+runs the reference once over the same token ids with ``module_replay.Recorder`` on every module (and the
 indexers at the dump's ``index_topk``), merges each dumped tensor's TP shards, takes the reference
 module's rows at the positions each pass stood for, and judges every tensor in the reference's
 forward order (the order its module returns; a ``take = "input"`` tensor just before the
 module's first callee returns).
 
-**The budget of one tensor**, with the localizer's measures (``replay.rel_err``,
-``replay.calibrate``, ``diff.unit_roundoff``, ``diff.swappable_fraction``):
+**The budget of one tensor**, with the localizer's measures (``module_replay.rel_err``,
+``module_replay.calibrate``, ``diff.unit_roundoff``, ``diff.swappable_fraction``):
 
 * ``rel_err``: ``||engine - reference|| / ||reference||`` over all the tensor's rows;
 * ``precision`` p (``u_p`` its unit roundoff): declared in the mapping or by ``allow``, else the
@@ -17,12 +17,12 @@ module's first callee returns).
 * ``in_err``: the error arriving at it, the largest ``rel_err`` of the tensors before it;
 * ``budget = margin x (u_p + moved)``, where ``moved`` is how far the reference module's
   output moves when each of its floating inputs gets Gaussian noise of relative size
-  ``in_err + u_p`` (``replay.calibrate``, ``draws`` seeded draws). Calibration runs only where
+  ``in_err + u_p`` (``module_replay.calibrate``, ``draws`` seeded draws). Calibration runs only where
   ``rel_err`` exceeds the uncalibrated ``margin x (u_p + in_err + u_p)``; a fixed ``growth``
   replaces it (``margin x u_p + growth x (in_err + u_p)``). A tensor with no floating input
   (the embedding) or taken as a module's input gets the uncalibrated budget.
 * an indexer top-k (``kind = "topk"``): ``rel_err`` is the set difference ``selection_error``
-  (``replay``); its budget is the fraction of the reference's selections that score noise of
+  (``module_replay``); its budget is the fraction of the reference's selections that score noise of
   ``margin x (u_p + in_err)`` of each row's largest visible score could swap
   (``diff.swappable_fraction``), at least 0.
 
@@ -46,10 +46,10 @@ from needlescope.dsa.dump_mapping import DumpMapping
 from needlescope.dsa.dump_tokens import DumpEntry, group_dump, merged, token_layout
 from needlescope.dsa.emulate import csa_indexers, emulate
 from needlescope.dsa.engine_dump import find_dump_dir, scan_dump
+from needlescope.dsa.module_replay import Call, Recorder, calibrate, rel_err, roundtrips, selection_error
 from needlescope.dsa.prompt import covering_entries
 from needlescope.dsa.rankdump import selected_in
 from needlescope.dsa.reference import visible_entries
-from needlescope.dsa.replay import Call, Recorder, calibrate, rel_err, roundtrips, selection_error
 from needlescope.errors import BadInput
 from needlescope.progress import Progress, no_progress
 from needlescope.setting import Setting

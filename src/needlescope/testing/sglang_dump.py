@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from needlescope.dsa.dump_mapping import DumpMapping, TensorRule
 from needlescope.dsa.emulate import emulate
-from needlescope.dsa.replay import Call, Recorder
+from needlescope.dsa.module_replay import Call, Recorder
 from needlescope.setting import Setting
 
 __all__ = ["write_sglang_dump"]

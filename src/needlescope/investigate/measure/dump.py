@@ -23,9 +23,14 @@ from __future__ import annotations
 import shlex
 from pathlib import Path
 
-from needlescope.investigate.artifacts import relativize, write_verdicts
-from needlescope.investigate.runner import _Investigation, check_suspects, recall_by_length, suspect_record
-from needlescope.investigate.signature import NO_SIGNATURE
+from needlescope.investigate.decide.signature import NO_SIGNATURE
+from needlescope.investigate.measure.inprocess import (
+    _Investigation,
+    check_suspects,
+    recall_by_length,
+    suspect_record,
+)
+from needlescope.investigate.report.artifacts import relativize, write_verdicts
 from needlescope.paths import atomic_write_json
 
 __all__ = ["DumpInvestigation", "dump_localization"]

@@ -1,6 +1,6 @@
 """DIAGNOSIS sections for what the ledger did not name: uncovered differences, the residual,
 where the divergence starts, non-finite scores and the multiplicity note (blocks as in
-``investigate.diagnosis``; every section reads ``verdicts.json`` keys only)."""
+``investigate.report.diagnosis``; every section reads ``verdicts.json`` keys only)."""
 
 from __future__ import annotations
 
@@ -104,7 +104,7 @@ def localization_blocks(v: dict) -> list[tuple]:
         for p in loc["paths"]
         for ly in p["layers"]
     ]
-    if loc["case_id"] == "dump":  # the dump route (investigate.dump_route): one request, no answer
+    if loc["case_id"] == "dump":  # the dump route (investigate.measure.dump): one request, no answer
         text = (
             f"The engine's tensor dump ({loc['config']}) against the reference on the same token ids: "
             f"**{loc['summary']}**. Reproduce: `{loc['command']}` (every tensor in `localize/compare_dump.md`)."
