@@ -18,7 +18,9 @@ Steps (each recorded in ``state.json`` as it finishes; see ``state.RunState``):
 
 A ledger with ``candidate = "live"`` takes the live-endpoint route instead
 (``investigate.measure.live``): no ablation is possible, each suspect's emulation in the reference is
-compared with the live indexer capture.
+compared with the live indexer capture. One with ``candidate = "dump"`` takes the dump route
+(``investigate.measure.dump``): the localization comes from the engine's tensor dump compared with
+the reference.
 """
 
 from __future__ import annotations
