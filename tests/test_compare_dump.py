@@ -23,7 +23,8 @@ from needlescope.dsa.checkpoint import load_bundle  # noqa: E402
 from needlescope.dsa.compare_dump import compare_dump  # noqa: E402
 from needlescope.dsa.compare_dump_md import validate_compare_dump  # noqa: E402
 from needlescope.dsa.dump_mapping import load_mapping, parse_mapping  # noqa: E402
-from needlescope.dsa.engine_dump import load_value, merge_shards, parse_stem, scan_dump  # noqa: E402
+from needlescope.dsa.dump_tokens import group_dump  # noqa: E402
+from needlescope.dsa.engine_dump import DumpFile, load_value, merge_shards, parse_stem, scan_dump  # noqa: E402
 from needlescope.errors import BadInput  # noqa: E402
 from needlescope.testing.sglang_dump import write_sglang_dump  # noqa: E402
 
@@ -207,6 +208,12 @@ def test_dump_layout_and_refusals(dumps, tmp_path):
         load_value(evil)
     with pytest.raises(BadInput, match="shard"):
         parse_mapping('[[tensor]]\nengine = "a"\nreference = "b"\nshard = "split"\n', "m.toml")
+    # A name compared with nothing may repeat in a pass (a module called twice); a compared one may not.
+    mapping = parse_mapping('[[tensor]]\nengine = "a"\nreference = "b"\n', "m.toml")
+    twice = [DumpFile(Path(f"{n}{i}.pt"), 1, 0, n, i, None) for n in ("x", "a") for i in (1, 2)]
+    assert group_dump(twice[:2], mapping).unknown == ["x"]
+    with pytest.raises(BadInput, match="twice for pass 1"):
+        group_dump(twice, mapping)
 
 
 def test_cli_writes_report_and_refuses_bad_input(dumps, tmp_path):

@@ -46,23 +46,26 @@ class GroupedDump:
     ranks: list[int]
 
 
+def _add(pass_files: list[DumpFile], f: DumpFile) -> None:
+    """Append ``f`` to one pass's files of a compared name; a second value of one rank is refused."""
+    if any(g.rank == f.rank for g in pass_files):
+        raise BadInput(
+            f"the dump holds {f.name!r} twice for pass {f.pass_id}, layer {f.layer}, rank {f.rank} "
+            "(a module called twice per pass); give a dump with one value per (pass, name, layer, rank)"
+        )
+    pass_files.append(f)
+
+
 def group_dump(files: list[DumpFile], mapping: DumpMapping) -> GroupedDump:
-    """Sort the dump's files (see the module docstring); duplicates of one (pass, name, layer, rank) are refused."""
+    """Sort the dump's files (see the module docstring). A compared name (or token field) with two
+    values for one (pass, layer, rank) is refused; names compared with nothing may repeat."""
     entries: dict[tuple[str, int | None], DumpEntry] = {}
     tokens: dict[str, dict[int, list[DumpFile]]] = {"input_ids": {}, "positions": {}}
     unknown, ignored, no_layer = set(), set(), set()
-    seen: set[tuple] = set()
     for f in files:
-        key = (f.pass_id, f.name, f.layer, f.rank)
-        if key in seen:
-            raise BadInput(
-                f"the dump holds {f.name!r} twice for pass {f.pass_id}, layer {f.layer}, rank {f.rank} "
-                "(a module called twice per pass); give a dump with one value per (pass, name, layer, rank)"
-            )
-        seen.add(key)
         field_name = {mapping.input_ids: "input_ids", mapping.positions: "positions"}.get(f.name)
         if field_name is not None:
-            tokens[field_name].setdefault(f.pass_id, []).append(f)
+            _add(tokens[field_name].setdefault(f.pass_id, []), f)
             continue
         hit = mapping.match(f.name, f.layer)
         if hit is None:
@@ -74,7 +77,7 @@ def group_dump(files: list[DumpFile], mapping: DumpMapping) -> GroupedDump:
             no_layer.add(f.name)
             continue
         entry = entries.setdefault((f.name, layer), DumpEntry(f.name, layer, rule, reference))
-        entry.files.setdefault(f.pass_id, []).append(f)
+        _add(entry.files.setdefault(f.pass_id, []), f)
     return GroupedDump(
         passes=sorted({f.pass_id for f in files}),
         entries=list(entries.values()),
