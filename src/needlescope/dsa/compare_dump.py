@@ -162,8 +162,8 @@ class _Judge:
         budget = 0.0
         if scorer is not None and scorer.out is not None:
             T = scorer.out.shape[-2]
-            scores = _token_rows(scorer.out, T, scorer.key).float().index_select(0, at)  # [N, L]
-            vis = visible_entries(at.long()).clamp_max(scores.shape[-1])
+            scores = _token_rows(scorer.out, T, scorer.key).float().cpu().index_select(0, at.cpu())  # [N, L]
+            vis = visible_entries(at.cpu().long()).clamp_max(scores.shape[-1])
             ar = torch.arange(scores.shape[-1]).view(1, -1)
             scale = scores.masked_fill(ar >= vis.view(-1, 1), 0.0).abs().amax(-1)
             k = int((ref >= 0).sum(-1).max()) if ref.numel() else 1
