@@ -338,37 +338,32 @@ def _past_length(d: int, g: torch.Generator, dev) -> Case:
     return Case("past-length", "1e30 and +inf past each row's length", scores, lengths, k, {})
 
 
+def _planted(
+    name: str, about: str, value: float, counts, d: int, g: torch.Generator, dev, neg_inf_every=0
+) -> Case:
+    """Random normal rows of 64K (full size) with ``counts(k)[r]`` entries of row r set to ``value``
+    (and every ``neg_inf_every``-th entry -inf first, if set)."""
+    k, width = 2048 // d, 65536 // d
+    per_row = counts(k)
+    scores = torch.randn(len(per_row), width, generator=g, device=dev)
+    if neg_inf_every:
+        scores[:, ::neg_inf_every] = float("-inf")
+    for r, count in enumerate(per_row):
+        scores[r, torch.randperm(width, generator=g, device=dev)[:count]] = value
+    lengths = torch.full((len(per_row),), width, dtype=torch.int32, device=dev)
+    return Case(name, about, scores, lengths, k, {"planted": per_row})
+
+
 def _nan(d: int, g: torch.Generator, dev) -> Case:
     """A few NaNs (rank above +inf), and a row with more NaNs than k (the cut-off among NaNs)."""
-    k, width = 2048 // d, 65536 // d
-    scores = torch.randn(4, width, generator=g, device=dev)
-    for r, count in enumerate((1, 3, k // 2, k + 5)):
-        scores[r, torch.randperm(width, generator=g, device=dev)[:count]] = float("nan")
-    return Case(
-        "nan",
-        "1, 3, k/2 and k+5 NaNs a row (NaN ranks above +inf)",
-        scores,
-        torch.full((4,), width, dtype=torch.int32, device=dev),
-        k,
-        {"nans": [1, 3, k // 2, k + 5]},
-    )
+    about = "1, 3, k/2 and k+5 NaNs a row (NaN ranks above +inf)"
+    return _planted("nan", about, float("nan"), lambda k: [1, 3, k // 2, k + 5], d, g, dev)
 
 
 def _pos_inf(d: int, g: torch.Generator, dev) -> Case:
-    """+inf entries: a few, k - 1, and more than k (ties at +inf), with -inf mixed in."""
-    k, width = 2048 // d, 65536 // d
-    scores = torch.randn(4, width, generator=g, device=dev)
-    scores[:, ::5] = float("-inf")
-    for r, count in enumerate((2, k - 1, k, 2 * k)):
-        scores[r, torch.randperm(width, generator=g, device=dev)[:count]] = float("inf")
-    return Case(
-        "pos-inf",
-        "2, k-1, k and 2k +inf entries a row, every fifth entry -inf",
-        scores,
-        torch.full((4,), width, dtype=torch.int32, device=dev),
-        k,
-        {"infs": [2, k - 1, k, 2 * k]},
-    )
+    """+inf entries: a few, k - 1, k and more than k (ties at +inf), with -inf mixed in."""
+    about = "2, k-1, k and 2k +inf entries a row, every fifth entry -inf"
+    return _planted("pos-inf", about, float("inf"), lambda k: [2, k - 1, k, 2 * k], d, g, dev, 5)
 
 
 def _short_rows(d: int, g: torch.Generator, dev) -> Case:
