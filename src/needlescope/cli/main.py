@@ -19,6 +19,7 @@ from needlescope.cli.demo import demo_command
 from needlescope.cli.engine_state import engine_state_command
 from needlescope.cli.indexer import indexer_app
 from needlescope.cli.investigate import investigate_app
+from needlescope.cli.kernels import kernels_app
 from needlescope.cli.oracle import oracle_app
 from needlescope.cli.organism import organism_app
 from needlescope.cli.output import err_console, typer_app
@@ -43,6 +44,7 @@ app.add_typer(organism_app, name="organism")
 app.add_typer(oracle_app, name="oracle")
 app.command("engine-state")(engine_state_command)
 app.add_typer(indexer_app, name="indexer")
+app.add_typer(kernels_app, name="kernels")
 app.command("serve")(serve_command)
 app.add_typer(investigate_app, name="investigate")
 app.command("audit")(audit_command)
