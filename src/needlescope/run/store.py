@@ -87,7 +87,7 @@ _TABLES = ("meta", "cases", "results")
 
 
 def peek(path: str | Path) -> dict:
-    """``{"fingerprint", "run_notes", "cases"}`` of the store at ``path``, read without writing
+    """``{"fingerprint", "run_notes", "cases", "results"}`` (the last two: row counts) of the store at ``path``, read without writing
     anything (SQLite read-only); BadInput when it is not a needlescope results database."""
     path = Path(path)
     try:
@@ -106,13 +106,19 @@ def peek(path: str | Path) -> dict:
                 )
             }
             (n,) = db.execute("SELECT COUNT(*) FROM cases").fetchone()
+            (sent,) = db.execute("SELECT COUNT(*) FROM results").fetchone()
         finally:
             db.close()
     except (sqlite3.DatabaseError, ValueError) as e:
         raise BadInput(
             f"{path} is not a usable needlescope results database: {e}; it was left as it is"
         ) from None
-    return {"fingerprint": meta.get("fingerprint"), "run_notes": meta.get("run_notes"), "cases": n}
+    return {
+        "fingerprint": meta.get("fingerprint"),
+        "run_notes": meta.get("run_notes"),
+        "cases": n,
+        "results": sent,
+    }
 
 
 def _lock(path: Path) -> int:
