@@ -8,6 +8,7 @@ from pathlib import Path
 import typer
 
 from needlescope.cli.output import console, err_console
+from needlescope.cli.outputs import FORCE, guard
 from needlescope.cli.progress import ProgressView
 from needlescope.errors import ProbeError
 from needlescope.run.config import parse_float_list, parse_int_list
@@ -47,6 +48,7 @@ def engine_state_command(
     api_key: str = typer.Option(
         None, "--api-key", envvar=["NEEDLESCOPE_API_KEY", "OPENAI_API_KEY"], show_default=False
     ),
+    force: bool = FORCE,
 ) -> None:
     """Vary one engine condition at a time (prefix cache, concurrency, repetition); paired recall and margin."""
     from needlescope.report.engine_state import engine_state_markdown, write_engine_state
@@ -69,13 +71,14 @@ def engine_state_command(
         skip_long_lengths=skip_long_lengths,
         api_key=api_key,
     )
-    try:
-        with ProgressView(console) as view:
-            body = run_engine_state(cfg, out, resume=resume, progress=view, note=view.note)
-    except ProbeError as exc:  # only before any send (sizing the cases); a failed send is a row
-        err_console.say("[bold red]target failed:[/] {}", exc, soft_wrap=True)
-        sys.exit(1)
-    js, md = write_engine_state(body, out)
+    with guard(out, "engine-state", force):
+        try:
+            with ProgressView(console) as view:
+                body = run_engine_state(cfg, out, resume=resume, progress=view, note=view.note)
+        except ProbeError as exc:  # only before any send (sizing the cases); a failed send is a row
+            err_console.say("[bold red]target failed:[/] {}", exc, soft_wrap=True)
+            sys.exit(1)
+        js, md = write_engine_state(body, out)
     console.print(engine_state_markdown(body), highlight=False, soft_wrap=True)
     console.print(f"wrote {js} and {md}", highlight=False)
     errors = sum(f["effect"]["errors"] for f in body["factors"].values())

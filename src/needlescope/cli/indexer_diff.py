@@ -13,6 +13,7 @@ import typer
 from needlescope.cli import setting_options as opt
 from needlescope.cli.indexer import indexer_app
 from needlescope.cli.output import console
+from needlescope.cli.outputs import FORCE, guard
 from needlescope.cli.progress import ProgressView
 from needlescope.errors import BadInput
 from needlescope.investigate.capture import CaptureConfig
@@ -62,6 +63,7 @@ def diff_command(
         "--allow",
         help="PATTERN=bf16|fp16: modules (fnmatch on the name) declared to run at a reduced precision; repeatable.",
     ),
+    force: bool = FORCE,
 ) -> None:
     """Run reference and candidate side by side and name the first module that diverges too much."""
     import torch
@@ -82,21 +84,25 @@ def diff_command(
     path = resolve_model_dir(model)
     require_deepseek_v4(path)
     check_out_dir(out)
-    # The needle is checked with the tokenizer alone, before the (slower) model loads.
-    token_ids, span = _diff_input(path, prompt, needle, input_ids)
-    # Patches resolved last (never executed here); they run when the candidate is first patched.
-    setting, extras = opt.with_patch(setting, patch), tuple(PatchRef.resolve(p) for p in extra_patch or ())
-    reference, tokenizer, _ = load_bundle(path)
-    candidate, _, _ = load_bundle(path)
-    if input_ids is None and render_prompt(tokenizer, read_prompt_file(prompt)).input_ids != token_ids:
-        raise BadInput(f"the tokenizer of {str(path)!r} renders the prompt differently when loaded twice")
-    ids = torch.tensor([token_ids])
-    with ProgressView(console) as view:
-        shown = lambda task, done, total, what: view(f"diff: {task}", done, total, what)  # noqa: E731
-        result = localize(reference, candidate, ids, setting=setting, needle_span=span, growth=growth, allow=allowed, extra_patches=extras, progress=shown)  # fmt: skip
-    validate_diff(result)
-    _write(out, "diff.json", diff_to_json(result))
-    _write(out, "diff.md", render_diff_md(result))
+    with guard(out, "indexer diff", force):
+        # The needle is checked with the tokenizer alone, before the (slower) model loads.
+        token_ids, span = _diff_input(path, prompt, needle, input_ids)
+        # Patches resolved last (never executed here); they run when the candidate is first patched.
+        setting, extras = (
+            opt.with_patch(setting, patch),
+            tuple(PatchRef.resolve(p) for p in extra_patch or ()),
+        )
+        reference, tokenizer, _ = load_bundle(path)
+        candidate, _, _ = load_bundle(path)
+        if input_ids is None and render_prompt(tokenizer, read_prompt_file(prompt)).input_ids != token_ids:
+            raise BadInput(f"the tokenizer of {str(path)!r} renders the prompt differently when loaded twice")
+        ids = torch.tensor([token_ids])
+        with ProgressView(console) as view:
+            shown = lambda task, done, total, what: view(f"diff: {task}", done, total, what)  # noqa: E731
+            result = localize(reference, candidate, ids, setting=setting, needle_span=span, growth=growth, allow=allowed, extra_patches=extras, progress=shown)  # fmt: skip
+        validate_diff(result)
+        _write(out, "diff.json", diff_to_json(result))
+        _write(out, "diff.md", render_diff_md(result))
     first = result["first_divergent_module"]
     # Module names hold "[call 2]": say() escapes them so rich markup cannot eat it.
     console.say("first divergent module: [bold]{}[/]", first or "none", soft_wrap=True)
@@ -168,6 +174,7 @@ def capture_command(
     ),
     max_new_tokens: int = typer.Option(_CAPTURE.max_new_tokens, "--max-new-tokens"),
     timeout: float = typer.Option(_CAPTURE.timeout, "--timeout", help="Request timeout in seconds."),
+    force: bool = FORCE,
 ) -> None:
     """Ask a live SGLang server for its indexer top-k and report whether the needle was selected."""
     from needlescope.investigate import capture
@@ -184,8 +191,9 @@ def capture_command(
         timeout=timeout,
     )
     check_out_dir(out)
-    result = capture.run(cfg)
-    capture.write(result, out)
+    with guard(out, "indexer capture", force):
+        result = capture.run(cfg)
+        capture.write(result, out)
     for r in result["layers"]:
         first = r["selected_at_first_answer"]
         console.print(f"layer {r['layer']}: needle selected at first answer position: {first}")

@@ -21,6 +21,7 @@ import typer
 from needlescope.cli import setting_options as opt
 from needlescope.cli.indexer import indexer_app
 from needlescope.cli.output import console
+from needlescope.cli.outputs import FORCE, guard
 from needlescope.cli.progress import ProgressView
 from needlescope.errors import BadInput
 from needlescope.paths import check_out_dir
@@ -98,6 +99,7 @@ def sweep_command(
     device: str = typer.Option("cpu", "--device", help="cpu | cuda | cuda:N"),
     kernel: str = KernelOpt,
     out: Path = typer.Option(..., "--out", help="Output directory."),
+    force: bool = FORCE,
 ) -> None:
     """Grid of precision x index_topk x length: needle selection rate, answer recall, cheapest fix.
 
@@ -130,10 +132,11 @@ def sweep_command(
     )
     check_out_dir(out)
     layer_cfg = RandomLayerConfig(**_given(strength=needle_strength)) if random_layer else None
-    with _progress() as on_progress, kernel_backend(kernel, device):
-        result = _sweep(model, cfg, layer_cfg, patch, device, value_digits is None, on_progress)
-    validate_sweep(result)
-    _write(out, {"sweep.json": json.dumps(result, indent=2) + "\n", "sweep.md": render_sweep_md(result)})
+    with guard(out, "indexer sweep", force):
+        with _progress() as on_progress, kernel_backend(kernel, device):
+            result = _sweep(model, cfg, layer_cfg, patch, device, value_digits is None, on_progress)
+        validate_sweep(result)
+        _write(out, {"sweep.json": json.dumps(result, indent=2) + "\n", "sweep.md": render_sweep_md(result)})
     for line in result["verdict"]:
         console.print(f"- {line}")
     console.print(f"wrote {out}/sweep.json, sweep.md")
@@ -201,6 +204,7 @@ def synthetic_command(
     device: str = typer.Option(None, "--device", help="cpu | cuda"),
     kernel: str = KernelOpt,
     out: Path = typer.Option(Path("synthetic-out"), "--out", help="Output directory (synthetic.json, .md)."),
+    force: bool = FORCE,
 ) -> None:
     """Plant a needle among random keys at real dimensions; measure how often each precision keeps it.
 
@@ -233,10 +237,11 @@ def synthetic_command(
         )
     )
     check_out_dir(out)
-    with kernel_backend(kernel, cfg.device):
-        result = run_synthetic(cfg)
-    validate_synthetic(result)
-    md = render_synthetic_md(result)
-    _write(out, {"synthetic.json": json.dumps(result, indent=2), "synthetic.md": md})
+    with guard(out, "indexer synthetic", force):
+        with kernel_backend(kernel, cfg.device):
+            result = run_synthetic(cfg)
+        validate_synthetic(result)
+        md = render_synthetic_md(result)
+        _write(out, {"synthetic.json": json.dumps(result, indent=2), "synthetic.md": md})
     console.print(md, markup=False, highlight=False, soft_wrap=True)
     console.print(f"wrote {out}/synthetic.json, synthetic.md")

@@ -15,6 +15,7 @@ from pathlib import Path
 import typer
 
 from needlescope.cli.output import console, typer_app
+from needlescope.cli.outputs import FORCE, guard
 
 investigate_app = typer_app(no_args_is_help=True, help="From measurements to a causal verdict.")
 
@@ -22,7 +23,7 @@ investigate_app = typer_app(no_args_is_help=True, help="From measurements to a c
 @investigate_app.command("init")
 def init_command(
     directory: Path = typer.Argument(Path("."), help="Where to write investigation.toml and its files."),
-    force: bool = typer.Option(False, "--force", help="Overwrite existing files."),
+    force: bool = typer.Option(False, "--force", help="Overwrite existing files (ours or not)."),
     live: str = typer.Option(
         None,
         "--live",
@@ -40,16 +41,18 @@ def init_command(
 
     if live is not None and from_probe is not None:
         raise BadInput("give --live URL or --from-probe RUN_DIR, not both")
-    if live is None and from_probe is None:
-        path = write_example(directory, force=force)
-        for name in EXAMPLE_FILES:
-            console.print(f"wrote {Path(directory) / name}")
-    else:
-        text = live_ledger(live) if live is not None else from_probe_ledger(from_probe)
-        parse_ledger(text, Path(directory) / "investigation.toml")  # a ledger that would not run is a bug
-        path = write_ledger(directory, text, force=force)
-        console.print(f"wrote {path}")
-    console.print(f"next: needlescope investigate run {path} --out investigation-out")
+    with guard(directory, "investigate init", force):
+        if live is None and from_probe is None:
+            path = write_example(directory, force=force)
+            for name in EXAMPLE_FILES:
+                console.print(f"wrote {Path(directory) / name}")
+        else:
+            text = live_ledger(live) if live is not None else from_probe_ledger(from_probe)
+            parse_ledger(text, Path(directory) / "investigation.toml")  # a ledger that would not run is a bug
+            path = write_ledger(directory, text, force=force)
+            console.print(f"wrote {path}")
+    # The run's folder beside the ledger, as the README does it (live-inv/out).
+    console.print(f"next: needlescope investigate run {path} --out {Path(directory) / 'out'}", soft_wrap=True)
 
 
 def run_investigation_cli(
@@ -84,11 +87,13 @@ def run_command(
         "--prefill-chunk",
         help="Run prompts through the KV cache in chunks of this many tokens (overrides [target] prefill_chunk; docs/scale.md).",
     ),
+    force: bool = FORCE,
 ) -> None:
     """Run the ledger: cheap questions, symptom, checks in tier order, fixes, verdicts, DIAGNOSIS."""
     import json
 
-    md = run_investigation_cli(ledger, out, allow_outside, prefill_chunk)
+    with guard(out, "investigate run", force):
+        md = run_investigation_cli(ledger, out, allow_outside, prefill_chunk)
     verdicts = json.loads((out / "verdicts.json").read_text(encoding="utf-8"))
     for s in verdicts["suspects"]:
         console.say("  tier {} {}: [bold]{}[/] - {}", s["tier"], s["id"], s["verdict"], s["reason"])

@@ -14,7 +14,7 @@ import typer
 
 from needlescope.outdir import OutputSpec, guarded_out
 
-__all__ = ["FORCE", "OUTPUT_SPECS", "guard"]
+__all__ = ["FORCE", "OUTPUT_SPECS", "file_spec", "guard"]
 
 FORCE = typer.Option(
     False, "--force", help="Overwrite files in --out that this command did not write (or that changed since)."
@@ -63,7 +63,7 @@ OUTPUT_SPECS: dict[str, OutputSpec] = {
                 "rank_percentiles.png",
             ),
             # The run's own resumable state: it checks its ledger fingerprint itself.
-            state=("state.json", "measure/*"),
+            state=("state.json", "measure/*", "localize/*"),
         ),
     )
 }
@@ -74,7 +74,7 @@ def guard(out: Path, command: str, force: bool) -> AbstractContextManager[None]:
     return guarded_out(Path(out), OUTPUT_SPECS[command], force=force)
 
 
-def guard_file(path: Path, command: str, force: bool) -> AbstractContextManager[None]:
-    """The same rule for a command whose ``--out`` names one file (``audit --out FILE``)."""
+def file_spec(path: Path, command: str) -> tuple[Path, OutputSpec]:
+    """(folder, spec) of a command whose ``--out`` names one file (``audit --out FILE``)."""
     path = Path(path)
-    return guarded_out(path.parent, OutputSpec(command, (path.name,)), force=force)
+    return path.parent, OutputSpec(command, (path.name,))
