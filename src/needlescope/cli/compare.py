@@ -8,6 +8,7 @@ from pathlib import Path
 
 import typer
 
+from needlescope.cli.interrupts import on_interrupt, store_saved
 from needlescope.cli.output import console, err_console
 from needlescope.cli.outputs import FORCE, guard
 from needlescope.cli.probe import probe_events
@@ -19,6 +20,7 @@ from needlescope.report.compare import errors_line
 from needlescope.report.oracle import append_oracle_section, read_oracle
 from needlescope.run.compare import compare_runs
 from needlescope.run.config import ProbeConfig, parse_int_list
+from needlescope.run.probe import STORE_NAME
 
 
 @option_group(ProbeConfig, PROBE_FLAGS)
@@ -72,7 +74,13 @@ def compare_command(
         cfg_a = build(ProbeConfig, flags, base_urls=(a,), model=model, out=out / "a", resume=resume)
         cfg_b = replace(cfg_a, base_urls=(b,), model=model_b or model, out=out / "b")
 
-        with guard(out, "compare", force), ProgressView(console) as view:
+        stores = (out / "a" / STORE_NAME, out / "b" / STORE_NAME)
+        again = "rerun the same command with --resume to continue"
+        with (
+            on_interrupt(store_saved(*stores), again),
+            guard(out, "compare", force),
+            ProgressView(console) as view,
+        ):
             result = _target_failures(
                 lambda: compare_live(
                     cfg_a,

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import typer
 
+from needlescope.cli.interrupts import on_interrupt, store_saved
 from needlescope.cli.output import console, err_console
 from needlescope.cli.outputs import FORCE, guard
 from needlescope.cli.progress import ProgressView
@@ -71,7 +72,11 @@ def engine_state_command(
         skip_long_lengths=skip_long_lengths,
         api_key=api_key,
     )
-    with guard(out, "engine-state", force):
+    again = "rerun the same command with --resume to continue"
+    with (
+        on_interrupt(store_saved(out / "results.sqlite", sends=True), again),
+        guard(out, "engine-state", force),
+    ):
         try:
             with ProgressView(console) as view:
                 body = run_engine_state(cfg, out, resume=resume, progress=view, note=view.note)

@@ -170,7 +170,7 @@ def _sweep(
         mdl,
         tokenizer,
         cfg,
-        model_label=str(path),
+        model_label=Path(model).name or model,  # the name given, never the weights' absolute path
         on_progress=on_progress,
         reload=lambda: load_bundle(model, device=device)[0],
     )

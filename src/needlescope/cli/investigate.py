@@ -14,6 +14,7 @@ from pathlib import Path
 
 import typer
 
+from needlescope.cli.interrupts import measured_saved, on_interrupt
 from needlescope.cli.output import console, typer_app
 from needlescope.cli.outputs import FORCE, guard
 
@@ -92,7 +93,8 @@ def run_command(
     """Run the ledger: cheap questions, symptom, checks in tier order, fixes, verdicts, DIAGNOSIS."""
     import json
 
-    with guard(out, "investigate run", force):
+    again = "rerun the same command to continue (finished steps and cases are kept)"
+    with on_interrupt(measured_saved(out), again), guard(out, "investigate run", force):
         md = run_investigation_cli(ledger, out, allow_outside, prefill_chunk)
     verdicts = json.loads((out / "verdicts.json").read_text(encoding="utf-8"))
     for s in verdicts["suspects"]:

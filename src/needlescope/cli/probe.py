@@ -6,6 +6,7 @@ from pathlib import Path
 
 import typer
 
+from needlescope.cli.interrupts import on_interrupt, store_saved
 from needlescope.cli.output import console, err_console
 from needlescope.cli.outputs import FORCE, guard
 from needlescope.cli.probe_options import PROBE_FLAGS, build, config_default, option_group
@@ -65,11 +66,11 @@ def probe_command(
             ci_width=ci_width,
             boundaries=parse_int_list(boundaries, "--boundaries") if boundaries is not None else None,
         )
-        with guard(cfg.out, "probe", force), ProgressView(console) as view:
+        with _interrupts(cfg), guard(cfg.out, "probe", force), ProgressView(console) as view:
             res = run_bisect(cfg, bis, probe_events(view))
         render_bisect(res, cfg.out)
         return
-    with guard(cfg.out, "probe", force):
+    with _interrupts(cfg), guard(cfg.out, "probe", force):
         summary = run_with_progress(cfg)
     render_summary(summary, cfg.out)
     empty = summary["cells_without_data"]
@@ -83,6 +84,13 @@ def probe_command(
             soft_wrap=True,
         )
         raise typer.Exit(1)
+
+
+def _interrupts(cfg: ProbeConfig):
+    """Ctrl-C says how many cases the store holds and how to resume (``cli.interrupts``)."""
+    from needlescope.run.probe import STORE_NAME
+
+    return on_interrupt(store_saved(cfg.out / STORE_NAME), "rerun the same command with --resume to continue")
 
 
 def run_with_progress(cfg: ProbeConfig) -> dict:

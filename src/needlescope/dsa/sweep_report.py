@@ -30,6 +30,7 @@ SWEEP_SCHEMA: dict = {
         "cells",
         "runs",
         "cheapest",
+        "workarounds",
         "baseline",
         "verdict",
     ],
@@ -127,6 +128,15 @@ SWEEP_SCHEMA: dict = {
             "required": [*_SETTING_PROPS, "rate"],
             "properties": {**_SETTING_PROPS, "rate": {"type": "number"}},
         },
+        # Settings restoring the target only by reading every entry (dsa.sweep.reads_everything).
+        "workarounds": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": [*_SETTING_PROPS, "rate", "k_used"],
+                "properties": {**_SETTING_PROPS, "rate": {"type": "number"}, "k_used": {"type": "integer"}},
+            },
+        },
         "baseline": {"type": "object", "required": list(_SETTING_PROPS), "properties": _SETTING_PROPS},
         "verdict": {"type": "array", "items": {"type": "string"}},
     },
@@ -161,6 +171,15 @@ def render_sweep_md(obj: dict) -> str:
     lines = [
         f"# needlescope indexer sweep: {obj['model'] or 'model'} ({obj['kind']})",
         "",
+        *(
+            [
+                f"**Every row carries the patch `{obj['patch']}`**: a setting that restores recall under it "
+                "is a workaround while the patch stays, not the fix.",
+                "",
+            ]
+            if obj.get("patch")
+            else []
+        ),
         f"Target: {what} >= {obj['target_rate']:g} at {obj['target_length']} tokens. "
         f"Scores accumulated in {obj.get('score_dtype', 'fp32')}. A case counts as selected when every CSA "
         "layer that can see the needle has a needle entry in its top-k at the first answer position.",

@@ -87,7 +87,8 @@ _TABLES = ("meta", "cases", "results")
 
 
 def peek(path: str | Path) -> dict:
-    """``{"fingerprint", "run_notes", "cases", "results"}`` (the last two: row counts) of the store at ``path``, read without writing
+    """``{"fingerprint", "run_notes", "cases", "results", "ok", "sends_ok"}`` (all but the first
+    two: row counts; ``ok`` and ``sends_ok`` count answered requests) of the store at ``path``, read without writing
     anything (SQLite read-only); BadInput when it is not a needlescope results database."""
     path = Path(path)
     try:
@@ -107,6 +108,10 @@ def peek(path: str | Path) -> dict:
             }
             (n,) = db.execute("SELECT COUNT(*) FROM cases").fetchone()
             (sent,) = db.execute("SELECT COUNT(*) FROM results").fetchone()
+            (ok,) = db.execute("SELECT COUNT(*) FROM results WHERE status = 'ok'").fetchone()
+            sends = 0
+            if "sends" in names:  # a store made before engine-state had none
+                (sends,) = db.execute("SELECT COUNT(*) FROM sends WHERE status = 'ok'").fetchone()
         finally:
             db.close()
     except (sqlite3.DatabaseError, ValueError) as e:
@@ -118,6 +123,8 @@ def peek(path: str | Path) -> dict:
         "run_notes": meta.get("run_notes"),
         "cases": n,
         "results": sent,
+        "ok": ok,
+        "sends_ok": sends,
     }
 
 
