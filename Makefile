@@ -12,23 +12,25 @@ STAMP := $(VENV)/.installed
 TORCH := torch==2.13.0+cpu
 TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
 
+# --no-compile: no bytecode for every module of every package up front (270 MB of __pycache__
+# with torch, transformers and sympy); Python writes it for the modules a command imports.
+PIP := $(BIN)/pip install -q --no-compile -c constraints.txt
+
 .PHONY: demo test lint format install clean deps mutation
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
 
 # What the demo needs and nothing more: the [model] extra on CPU torch.
 $(DEMO_STAMP): pyproject.toml constraints.txt | $(BIN)/python
-	$(BIN)/pip install -q -c constraints.txt '$(TORCH)' 2>/dev/null || \
-		$(BIN)/pip install -q -c constraints.txt --extra-index-url $(TORCH_CPU_INDEX) '$(TORCH)'
-	$(BIN)/pip install -q -c constraints.txt -e '.[model]'
+	$(PIP) '$(TORCH)' 2>/dev/null || $(PIP) --extra-index-url $(TORCH_CPU_INDEX) '$(TORCH)'
+	$(PIP) -e '.[model]'
 	touch $@
 
 # The tests' extras on top: dev (pytest, the openai client, lm-eval, schemathesis, ...) and gpu
 # (triton: the kernel tests run under its interpreter on a CPU).
 $(STAMP): $(DEMO_STAMP)
-	$(BIN)/pip install -q -c constraints.txt -e '.[model,dev,gpu]'
+	$(PIP) -e '.[model,dev,gpu]'
 	touch $@
 
 install: $(STAMP)
