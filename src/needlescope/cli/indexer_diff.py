@@ -12,6 +12,7 @@ import typer
 
 from needlescope.cli import setting_options as opt
 from needlescope.cli.indexer import indexer_app
+from needlescope.cli.model_context import check_lengths, check_topk
 from needlescope.cli.output import console
 from needlescope.cli.outputs import FORCE, guard
 from needlescope.cli.progress import ProgressView
@@ -83,10 +84,12 @@ def diff_command(
     allowed = parse_allow(allow)
     path = resolve_model_dir(model)
     require_deepseek_v4(path)
+    check_topk(path, [setting.index_topk])
     check_out_dir(out)
     with guard(out, "indexer diff", force):
         # The needle is checked with the tokenizer alone, before the (slower) model loads.
         token_ids, span = _diff_input(path, prompt, needle, input_ids)
+        check_lengths(path, [len(token_ids)], 0, "the prompt's length")
         # Patches resolved last (never executed here); they run when the candidate is first patched.
         setting, extras = (
             opt.with_patch(setting, patch),

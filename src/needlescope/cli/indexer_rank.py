@@ -18,6 +18,7 @@ from rich.text import Text
 
 from needlescope.cli import setting_options as opt
 from needlescope.cli.indexer import indexer_app
+from needlescope.cli.model_context import check_topk
 from needlescope.cli.output import console
 from needlescope.cli.outputs import FORCE, guard
 from needlescope.errors import BadInput
@@ -94,6 +95,7 @@ def rank_dump_command(
         max_memory=max_memory,
         chunk=chunk,
     )
+    check_topk(model, [setting.index_topk])
     check_out_dir(out)
     cfg = replace(cfg, setting=opt.with_patch(setting, patch))  # resolved last; it runs when first applied
     with guard(out, "indexer rank-dump", force):

@@ -20,6 +20,7 @@ import typer
 
 from needlescope.cli import setting_options as opt
 from needlescope.cli.indexer import indexer_app
+from needlescope.cli.model_context import check_lengths, check_topk
 from needlescope.cli.output import console
 from needlescope.cli.outputs import FORCE, guard
 from needlescope.cli.progress import ProgressView
@@ -130,6 +131,9 @@ def sweep_command(
             value_digits=value_digits,
         )
     )
+    if not random_layer:  # a random layer has no context: any length
+        check_lengths(model, cfg.lengths, cfg.max_new_tokens if cfg.generate else 1)
+        check_topk(model, cfg.index_topk)
     check_out_dir(out)
     layer_cfg = RandomLayerConfig(**_given(strength=needle_strength)) if random_layer else None
     with guard(out, "indexer sweep", force):

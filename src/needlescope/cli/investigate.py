@@ -76,6 +76,19 @@ def run_investigation_cli(
     return md
 
 
+def _check_ledger_fits(ledger: Path, allow_outside: bool) -> None:
+    """BadInput, before any model loads, for symptom lengths beyond the checkpoint's context or an
+    index_topk no context holds (``cli.model_context``)."""
+    from needlescope.cli.model_context import check_lengths, check_topk
+    from needlescope.investigate.ledger import load_ledger
+
+    parsed = load_ledger(ledger, allow_outside=allow_outside)
+    target, symptom = parsed.target, parsed.symptom
+    check_lengths(target.model, symptom.lengths, symptom.max_new_tokens, f"{ledger}: [symptom] lengths")
+    settings = (target.reference, target.candidate)
+    check_topk(target.model, [s.index_topk for s in settings if s is not None], f"{ledger}: index_topk")
+
+
 @investigate_app.command("run")
 def run_command(
     ledger: Path = typer.Argument(..., help="The ledger (investigation.toml)."),
@@ -93,6 +106,7 @@ def run_command(
     """Run the ledger: cheap questions, symptom, checks in tier order, fixes, verdicts, DIAGNOSIS."""
     import json
 
+    _check_ledger_fits(ledger, allow_outside)
     again = "rerun the same command to continue (finished steps and cases are kept)"
     with on_interrupt(measured_saved(out), again), guard(out, "investigate run", force):
         md = run_investigation_cli(ledger, out, allow_outside, prefill_chunk)
