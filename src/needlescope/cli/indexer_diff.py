@@ -71,6 +71,7 @@ def diff_command(
 
     from needlescope.dsa.checkpoint import load_bundle, require_deepseek_v4, resolve_model_dir
     from needlescope.dsa.diff import diff_to_json, localize, parse_allow, render_diff_md, validate_diff
+    from needlescope.dsa.diff_md import trivial_selection_note
     from needlescope.dsa.prompt import read_prompt_file, render_prompt
 
     setting = opt.numerics_from_flags(index_k, index_q, score_dtype, index_topk)
@@ -121,6 +122,9 @@ def diff_command(
             f"{r['needle_rank_reference']} -> {r['needle_rank_candidate']}"
             + ("" if r["rank_consistent"] else " (rank and selection disagree)")
         )
+    trivial = trivial_selection_note(result)
+    if trivial is not None:
+        console.print(trivial, style="yellow", soft_wrap=True)
     console.print(f"wrote {out}/diff.json, diff.md")
 
 
