@@ -15,7 +15,7 @@ from pathlib import Path
 import typer
 
 from needlescope.cli.interrupts import measured_saved, on_interrupt
-from needlescope.cli.output import console, typer_app
+from needlescope.cli.output import clip, console, typer_app
 from needlescope.cli.outputs import FORCE, guard
 
 investigate_app = typer_app(no_args_is_help=True, help="From measurements to a causal verdict.")
@@ -68,7 +68,7 @@ def run_investigation_cli(
         run_investigation(
             ledger,
             out,
-            lambda phase, done, total, what: view(phase, done, total, what[:60]),
+            lambda phase, done, total, what: view(phase, done, total, clip(what, 60)),
             allow_outside=allow_outside,
             prefill_chunk=prefill_chunk,
         )
