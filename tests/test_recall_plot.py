@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("matplotlib")
 
-from needlescope.investigate import diagnosis  # noqa: E402
+from needlescope.investigate.report import diagnosis  # noqa: E402
 
 FULL = {"256": 1.0, "512": 1.0, "1024": 1.0}
 

@@ -36,9 +36,9 @@ def init_command(
 ) -> None:
     """Write a ledger: the example (the original investigation, on the organism), a live one."""
     from needlescope.errors import BadInput
-    from needlescope.investigate.example import EXAMPLE_FILES, write_example
-    from needlescope.investigate.init_ledger import from_probe_ledger, live_ledger, write_ledger
-    from needlescope.investigate.ledger import parse_ledger
+    from needlescope.investigate.ledger.example import EXAMPLE_FILES, write_example
+    from needlescope.investigate.ledger.init import from_probe_ledger, live_ledger, write_ledger
+    from needlescope.investigate.ledger.ledger import parse_ledger
 
     if live is not None and from_probe is not None:
         raise BadInput("give --live URL or --from-probe RUN_DIR, not both")
@@ -61,8 +61,8 @@ def run_investigation_cli(
 ) -> Path:
     """Run with progress per phase (``cli.progress``); returns DIAGNOSIS.md's path."""
     from needlescope.cli.progress import ProgressView
-    from needlescope.investigate.diagnosis import write_reports
-    from needlescope.investigate.runner import run_investigation
+    from needlescope.investigate.report.diagnosis import write_reports
+    from needlescope.investigate.run import run_investigation
 
     with ProgressView(console) as view:
         run_investigation(
@@ -80,7 +80,7 @@ def _check_ledger_fits(ledger: Path, allow_outside: bool) -> None:
     """BadInput, before any model loads, for symptom lengths beyond the checkpoint's context or an
     index_topk no context holds (``cli.model_context``)."""
     from needlescope.cli.model_context import check_lengths, check_topk
-    from needlescope.investigate.ledger import load_ledger
+    from needlescope.investigate.ledger.ledger import load_ledger
 
     parsed = load_ledger(ledger, allow_outside=allow_outside)
     target, symptom = parsed.target, parsed.symptom
