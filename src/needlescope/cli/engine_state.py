@@ -52,7 +52,7 @@ def engine_state_command(
     force: bool = FORCE,
 ) -> None:
     """Vary one engine condition at a time (prefix cache, concurrency, repetition); paired recall and margin."""
-    from needlescope.report.engine_state import engine_state_markdown, write_engine_state
+    from needlescope.report.engine_state import write_engine_state
     from needlescope.run.engine_state import EngineStateConfig, run_engine_state
 
     cfg = EngineStateConfig(
@@ -84,6 +84,13 @@ def engine_state_command(
             err_console.say("[bold red]target failed:[/] {}", exc, soft_wrap=True)
             sys.exit(1)
         js, md = write_engine_state(body, out)
+    _render(body, js, md)
+
+
+def _render(body: dict, js: Path, md: Path) -> None:
+    """The report, the files, what failed; exit 1 when a factor has no scored pair."""
+    from needlescope.report.engine_state import engine_state_markdown
+
     console.print(engine_state_markdown(body), highlight=False, soft_wrap=True)
     console.print(f"wrote {js} and {md}", highlight=False)
     errors = sum(f["effect"]["errors"] for f in body["factors"].values())

@@ -66,7 +66,6 @@ def diff_command(
 
     from needlescope.dsa.checkpoint import load_bundle, require_deepseek_v4, resolve_model_dir
     from needlescope.dsa.diff import diff_to_json, localize, parse_allow, render_diff_md, validate_diff
-    from needlescope.dsa.diff_md import trivial_selection_note
     from needlescope.dsa.prompt import read_prompt_file, render_prompt
 
     setting = opt.numerics_from_flags(index_k, index_q, score_dtype, index_topk)
@@ -102,6 +101,13 @@ def diff_command(
         validate_diff(result)
         _write(out, "diff.json", diff_to_json(result))
         _write(out, "diff.md", render_diff_md(result))
+    _render_diff(result, out)
+
+
+def _render_diff(result: dict, out: Path) -> None:
+    """The first divergent module, the modules worth naming, each CSA layer's selection."""
+    from needlescope.dsa.diff_md import trivial_selection_note
+
     first = result["first_divergent_module"]
     # Module names hold "[call 2]": say() escapes them so rich markup cannot eat it.
     console.say("first divergent module: [bold]{}[/]", first or "none", soft_wrap=True)

@@ -106,9 +106,9 @@ def run_command(
     """Run the ledger: cheap questions, symptom, checks in tier order, fixes, verdicts, DIAGNOSIS."""
     import json
 
-    _check_ledger_fits(ledger, allow_outside)
     again = "rerun the same command to continue (finished steps and cases are kept)"
     with on_interrupt(measured_saved(out), again), guard(out, "investigate run", force):
+        _check_ledger_fits(ledger, allow_outside)
         md = run_investigation_cli(ledger, out, allow_outside, prefill_chunk)
     verdicts = json.loads((out / "verdicts.json").read_text(encoding="utf-8"))
     for s in verdicts["suspects"]:

@@ -73,7 +73,14 @@ from needlescope.dsa.random_layer import (
     score_needle,
 )
 from needlescope.dsa.rankdump import DEFAULT_MAX_NEW_TOKENS, rank_dump
-from needlescope.dsa.sweep_report import SWEEP_SCHEMA, fmt_setting, render_sweep_md, validate_sweep
+from needlescope.dsa.sweep_report import (
+    SWEEP_SCHEMA,
+    fmt_setting,
+    patch_lines,
+    render_sweep_md,
+    validate_sweep,
+    workaround_lines,
+)
 from needlescope.errors import BadInput
 from needlescope.setting import PRECISIONS, PatchRef, Setting, check_precision, check_score_dtype
 
@@ -268,25 +275,6 @@ def reads_everything(k_used: int, length: int) -> bool:
     return k_used >= length // 4
 
 
-def _patch_line(cfg: SweepConfig) -> list[str]:
-    if cfg.patch is None:
-        return []
-    return [
-        f"every row carries the patch {cfg.patch.spec}: no setting here removes it, so one that "
-        "restores recall under it is a workaround while it stays; the fix is to remove the patch "
-        "(needlescope investigate measures that)"
-    ]
-
-
-def _workaround_lines(workarounds: list[dict], target: int, what: str) -> list[str]:
-    return [
-        f"not a fix: {fmt_setting(w['index_k'], w['index_q'], w['index_topk'])} restores {what} at "
-        f"{target} tokens ({w['rate']:.2f}) only by reading every entry (k {w['k_used']} >= "
-        f"{target // 4} entries): a capacity workaround"
-        for w in workarounds
-    ]
-
-
 def _verdict(
     cfg: SweepConfig, settings: list[dict], cheapest, baseline: Setting, metric: str, workarounds: list[dict]
 ) -> list[str]:
@@ -297,7 +285,7 @@ def _verdict(
     base = _key(baseline)
     bk, bq, btopk = base
     what = "answer recall" if metric == "answer_recall" else "selection"
-    lines = _patch_line(cfg)
+    lines = patch_lines(None if cfg.patch is None else cfg.patch.spec)
 
     def reach(s: dict) -> str:
         judged = f"to {s['restored_to']} tokens" if s["restored_to"] is not None else "at no tested length"
@@ -349,7 +337,7 @@ def _verdict(
                 f"note: {fmt_setting(k, q, topk)} falls below {cfg.target_rate:g} at a shorter length "
                 f"(unbroken only to {r if r is not None else 'no tested length'}); check the table"
             )
-    return lines + _workaround_lines(workarounds, target, what)
+    return lines + workaround_lines(workarounds, target, what)
 
 
 def _model_runs(

@@ -399,9 +399,7 @@ def preflight(
         try:
             resp = client.get(v1 + "/models")
         except httpx.TransportError as e:
-            raise BadInput(
-                f"cannot reach {v1}: {_reason(e)}; is the server running? check {flag}"
-            ) from None
+            raise BadInput(f"cannot reach {v1}: {_reason(e)}; is the server running? check {flag}") from None
     if resp.status_code in (401, 403):
         raise BadInput(f"{v1}/models answered HTTP {resp.status_code}; check --api-key")
     ids = _model_ids(resp)
