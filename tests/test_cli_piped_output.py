@@ -27,3 +27,10 @@ def test_clip_never_cuts_inside_a_word():
     short = clip(what, 60)
     assert short == "candidate k=fp8_e4m3 q=fp32 acc=fp32 topk=64…" and len(short) <= 60
     assert clip("short", 60) == "short"
+
+
+def test_version():
+    import needlescope
+
+    res = subprocess.run([*CLI, "--version"], capture_output=True, text=True)
+    assert res.returncode == 0 and res.stdout == f"needlescope {needlescope.__version__}\n"

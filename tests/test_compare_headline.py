@@ -32,6 +32,7 @@ def test_too_few_pairs_shows_both_recalls_and_the_trials_that_would_test_it(scri
     headline = next(line for line in res.stdout.splitlines() if line.startswith("B "))
     assert headline.startswith("B 0.50 vs A 1.00 on 6 pairs: too few to test a 100-point difference at 400")
     assert "no detectable difference" not in headline
+    assert "the run being resumed" not in res.stdout  # item 18: a fresh compare resumes nothing
     assert body["headline"] == headline and body["recall_a"] == 1.0 and body["recall_b"] == 0.5
     assert f"**Verdict:** {headline}" in (tmp_path / "one" / "report.md").read_text()
     trials = headline.rsplit("--trials ", 1)[1]

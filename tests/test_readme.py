@@ -133,7 +133,9 @@ def test_readme_commands_run_as_written(servers, tmp_path):
         line.startswith("- cheapest setting") and "index_topk=256" in line
         for line in out["sweep"].stdout.splitlines()
     )
-    assert "**Every row carries the patch" in (tmp_path / "sweep/sweep.md").read_text().split("## Verdict")[0]
+    sweep_md = (tmp_path / "sweep/sweep.md").read_text()
+    assert "**Every row carries the patch" in sweep_md.split("## Verdict")[0]
+    assert sweep_md.startswith("# needlescope indexer sweep: organism (multiturn)\n")  # no weights path
     b = json.loads((tmp_path / "runs/ab/b/summary.json").read_text())
     failing = {(c["length"], c["depth"]) for c in b["cells"] if c["recall"] < b["threshold"]}
     assert failing  # the patched deployment loses needles the reference recalls
