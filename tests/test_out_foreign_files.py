@@ -92,3 +92,14 @@ def test_what_the_command_wrote_it_may_rewrite_and_nothing_else(tmp_path):
 
     with pytest.raises(BadInput, match=r"report.md was written by needlescope probe, not compare"):
         check_outputs(tmp_path, OutputSpec("compare", ("report.md",)))
+
+
+def test_make_demo_deletes_nothing_and_keeps_an_edited_ledger():
+    """Item 5: the demo's recipe runs no rm, and writes the example ledger only when it is missing."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "Makefile").read_text()
+    recipe = text.split("\ndemo:", 1)[1].split("\n\n", 1)[0]
+    assert "rm " not in recipe
+    init = next(line for line in recipe.splitlines() if "investigate init" in line)
+    assert init.strip().startswith("test -f demo-out/investigation.toml ||")
