@@ -39,15 +39,15 @@ _FIX_COLOURS = ("#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#bcbd22"
 
 
 def _recall_curves(ax, inv: dict) -> None:
-    """Reference and candidate drawn thick, each fix thin and dashed over them (a fix that
-    matches the reference stays visible on it), on a linear length axis ticked at the tested
-    lengths."""
+    """Reference and candidate drawn thick and pale, each fix dashed and solid-coloured over them
+    (a fix that matches the reference at 1.0 stays visible on it), on a linear length axis ticked
+    at the tested lengths."""
     sy = inv["symptom"]
     for f, colour in zip(inv["fixes"], itertools.cycle(_FIX_COLOURS)):
         rec = f["recall_by_length"]
         xs = [int(n) for n in rec]
         ax.plot(
-            xs, [rec[str(n)] for n in xs], lw=1.2, ls="--", marker=".", alpha=0.9,
+            xs, [rec[str(n)] for n in xs], lw=2.4, ls=(0, (4, 2)), marker="D", ms=5,
             label=f"{f['name']} ({f.get('label_kind', 'fix')})", zorder=6, color=colour,
         )  # fmt: skip
     for name, rec, colour in (
@@ -55,7 +55,17 @@ def _recall_curves(ax, inv: dict) -> None:
         ("candidate", sy["recall_candidate"], "#d62728"),
     ):
         xs = [int(n) for n in rec]
-        ax.plot(xs, [rec[str(n)] for n in xs], lw=3.2, marker="o", ms=7, color=colour, label=name, zorder=5)
+        ax.plot(
+            xs,
+            [rec[str(n)] for n in xs],
+            lw=5,
+            marker="o",
+            ms=8,
+            color=colour,
+            alpha=0.55,
+            label=name,
+            zorder=5,
+        )
     lengths = sorted({int(n) for n in sy["recall_reference"]} | {int(n) for n in sy["recall_candidate"]})
     ax.set_xticks(lengths, [f"{n:,}" for n in lengths])
     ax.set_xlim(0, max(lengths) * 1.05 if lengths else 1)
@@ -79,9 +89,8 @@ def _plots(inv: dict, out: Path) -> list[tuple[str, str]]:
     fig.tight_layout()
     fig.savefig(out / "recall.png", dpi=100)
     plt.close(fig)
-    made.append(
-        ("recall.png", "Recall by length: reference and candidate (thick), each replayed fix (thin, dashed)")
-    )
+    fixes = ", each replayed fix (dashed)" if inv["fixes"] else ""  # a live run replays none
+    made.append(("recall.png", f"Recall by length: reference and candidate (thick){fixes}"))
     layers = inv["verdicts"]["signature"]["layers"]
     if layers and inv.get("candidate_records"):
         fig, ax = plt.subplots(figsize=(6, 3.4))
