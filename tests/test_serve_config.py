@@ -190,7 +190,7 @@ def test_patch_is_applied_for_the_servers_lifetime(tmp_path):
     patch.write_text(f"PATCHED_TOPK = {patched_topk}\n" + PATCH)
     with ServerProcess(["--model", str(ckpt), "--port", "0", "--patch", str(patch)]) as srv:
         info = httpx.get(srv.url + "/get_server_info").json()
-        assert info["patch"] == str(patch)
+        assert info["patch"] == patch.name  # the file's name: its path only with --expose-paths
         words = " ".join(["the river ran past the old mill"] * 6)
         body = {"text": words, "sampling_params": {"max_new_tokens": 2}, "return_indexer_topk": True}
         meta = httpx.post(srv.url + "/generate", json=body, timeout=60).json()["meta_info"]
@@ -227,7 +227,7 @@ def test_an_undisclosed_patch_runs_but_no_info_names_it(tmp_path):
     setting = Setting.parse(f"topk=16 patch={patch}")
     shown = ServeConfig(model="organism", setting=setting)
     hidden = ServeConfig(model="organism", setting=setting, disclose_patch=False)
-    assert shown.to_dict()["patch"] == str(patch)
+    assert shown.to_dict()["patch"] == patch.name
     assert hidden.to_dict()["patch"] is None and "disclose_patch" not in hidden.to_dict()
     engine = Engine(hidden)
     assert engine.info()["patch"] is None and engine.numerics.patch is not None

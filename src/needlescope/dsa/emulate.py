@@ -253,7 +253,11 @@ def apply_patch_once(model: torch.nn.Module, patch, *, check: bool = True) -> Ca
         copy_s = time.perf_counter() - start
     try:
         undo = fn(model)
-    except (Exception, SystemExit) as exc:  # SystemExit: sys.exit() in a patch must not end serve
+    except KeyboardInterrupt:
+        if kept is not None:
+            kept.restore()
+        raise
+    except BaseException as exc:  # SystemExit or a bare BaseException in a patch must not end serve
         if kept is not None:
             kept.restore()
         raise BadInput(f"patch {str(patch)!r}: apply(model) failed: {_failure(exc)}") from None
@@ -329,7 +333,9 @@ def load_patch(patch: PatchRef | str) -> Callable[[torch.nn.Module], object]:
     module = importlib.util.module_from_spec(spec)
     try:
         spec.loader.exec_module(module)
-    except (Exception, SystemExit) as exc:  # SystemExit: sys.exit() at import must not end serve
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # SystemExit or a bare BaseException at import must not end serve
         raise BadInput(f"patch file {key!r} failed to import: {_failure(exc)}") from None
     fn = getattr(module, "apply", None)
     if not callable(fn):
