@@ -31,7 +31,6 @@ from needlescope.investigate.decide.causal import decide, symptom_loss
 from needlescope.investigate.decide.signature import NO_SIGNATURE, signature
 from needlescope.investigate.decide.verdicts import classify_fix, root_causes
 from needlescope.investigate.ledger.ledger import load_ledger, with_chunk
-from needlescope.investigate.measure.characterize import characterize_inprocess
 from needlescope.investigate.measure.dump import DumpInvestigation
 from needlescope.investigate.measure.inprocess import (
     CANDIDATE_ONLY,
@@ -108,9 +107,6 @@ def run_investigation(
         **_unexplained(inv, suspects_out, ref_records, cand_records),
         "rank_paths": failing_rank_paths(inv, explained, CANDIDATE_ONLY, cand_records),
     }
-    extra["characterization"] = characterize_inprocess(
-        inv, suspects_out, ref_records, cand_records, extra.get("localization")
-    )
     symptom = _symptom(inv, ref_records, cand_records)
     verdicts = write_verdicts(inv, symptom, root, sig, suspects_out, **extra)
     atomic_write_json(

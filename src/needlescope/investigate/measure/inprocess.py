@@ -33,6 +33,7 @@ from needlescope.investigate.ledger.differences import (
 )
 from needlescope.investigate.ledger.ledger import Ledger, Suspect
 from needlescope.investigate.measure.causal import residual, sufficiency
+from needlescope.investigate.measure.characterize import characterize_inprocess
 from needlescope.investigate.measure.localize import localize_residual
 from needlescope.investigate.measure.questions import QuestionContext, answer
 from needlescope.investigate.measure.state import RunState
@@ -463,7 +464,8 @@ def _explained_record(explained, ref_records, cand_records) -> dict | None:
 
 def _unexplained(inv: _Investigation, suspects_out, ref_records, cand_records) -> dict:
     """The residual, the localizer step when something is left unexplained (or a root cause is
-    an automatic suspect), and the non-finite score counts: ``verdicts.json`` keys."""
+    an automatic suspect), the characterization and the non-finite score counts:
+    ``verdicts.json`` keys."""
     out: dict = {}
     if inv.model is not None:
         out["residual"], res_cfg, res_recs = residual(inv, suspects_out, ref_records, cand_records)
@@ -478,6 +480,9 @@ def _unexplained(inv: _Investigation, suspects_out, ref_records, cand_records) -
                 ref_records,
                 "the candidate (its root cause is not named by the ledger)",
             )
+    out["characterization"] = characterize_inprocess(
+        inv, suspects_out, ref_records, cand_records, out.get("localization")
+    )
     out["nonfinite_scores"] = nonfinite_summary(inv)
     return out
 
