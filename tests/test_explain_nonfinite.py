@@ -30,8 +30,8 @@ def apply(model):
 
 
 def test_demo_with_a_nonfinite_patch_completes_and_reports_the_counts(tmp_path):
-    from needlescope.dsa.random_layer import save_random
     from needlescope.dsa.rankdump import validate_rankdump
+    from needlescope.testing.checkpoints import save_random
 
     model = save_random(tmp_path / "model", seed=0, hidden_size=64, moe_intermediate_size=64)
     patch = tmp_path / "nonfinite.py"
