@@ -104,6 +104,7 @@ def test_decode_only_when_prefill_selections_are_equal():
     dec = layer_selection(1, "decode", _rows(rnd.sample(range(128), 16)))
     ch = characterize(_ev(same, dec), CTX)
     assert ch["classes"][0] == "decode_only", ch
+    assert ch["where"]["path"] == "decode" and ch["where"]["first_departing_layer"] == 1
     # with no decode rows the same prefill evidence cannot say it, and says what would
     ch2 = characterize(_ev(same), CTX)
     assert "decode_only" not in ch2["classes"]

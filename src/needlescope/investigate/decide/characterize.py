@@ -225,8 +225,10 @@ def _departing(ev: Evidence) -> list[LayerSelection]:
     return [s for s in ev.layers if s.overlap < RULES["same_selection"]]
 
 
-def _first_departing(ev: Evidence) -> LayerSelection | None:
-    dep = sorted(_departing(ev), key=lambda s: (s.layer, s.path != "prefill"))
+def _first_departing(ev: Evidence, path: str | None = None) -> LayerSelection | None:
+    dep = sorted(
+        (s for s in _departing(ev) if path in (None, s.path)), key=lambda s: (s.layer, s.path != "prefill")
+    )
     return dep[0] if dep else None
 
 
@@ -500,7 +502,7 @@ _CONFIRM = {
 
 
 def _where(ev: Evidence, ctx: Context, classes: list[str]) -> dict:
-    first = _first_departing(ev)
+    first = _first_departing(ev, "decode" if classes[0] == "decode_only" else None)
     outside = "outside_selection" in classes
     where: dict = {
         "route": ctx.route,
