@@ -38,6 +38,9 @@ from needlescope.investigate.decide.verdicts import paired
 __all__ = ["FAILING_CASES", "characterize_inprocess", "nothing_to_explain"]
 
 FAILING_CASES = 2
+DENSE_CASES = 6
+"""Cases at the dense length: enough for an exact McNemar p < 0.05 when every one is lost
+(6 losses, none gained: p = 1/64); the short prompts make them cheap."""
 AUTO_PREFIX = "auto:"
 
 
@@ -71,7 +74,7 @@ def _by_length(ref: list[dict], tgt: list[dict], into: dict) -> None:
         into.setdefault(r["length"], ([], []))[1].append(r)
 
 
-def _extra_cases(inv, lengths: list[int]) -> list:
+def _extra_cases(inv, lengths: list[int], trials: int = 1) -> list:
     from needlescope.cases.assemble import CaseSpec, build_cases
     from needlescope.dsa.checkpoint import trained_value_digits
     from needlescope.dsa.prompt import render_prompt
@@ -81,7 +84,7 @@ def _extra_cases(inv, lengths: list[int]) -> list:
         kind=sy.kind,
         lengths=lengths[:1],
         depths=sy.depths,
-        trials=1,
+        trials=trials,
         seed=sy.seed,
         value_digits=trained_value_digits(inv.model_dir),
     )
@@ -95,6 +98,14 @@ def _extra_cases(inv, lengths: list[int]) -> list:
     for c in cases:
         inv.prompt_len[c.case_id] = len(render_prompt(inv.tokenizer, c.messages).input_ids)
     return cases
+
+
+def _discriminating_cases(inv, dense: int, shortest: int, failing: int, ratio: int) -> list:
+    """The dense length's cases (``DENSE_CASES`` at least; none when the symptom already has a
+    dense length) and one per depth at each residue length around the shortest failing one."""
+    depths = len(inv.ledger.symptom.depths)
+    cases = _extra_cases(inv, [dense], -(-DENSE_CASES // depths)) if dense < shortest else []
+    return cases + _extra_cases(inv, [failing + d for d in range(1, ratio)])
 
 
 def _selection_layers(inv, target, baseline, failing: list[dict]) -> list:
@@ -163,9 +174,7 @@ def characterize_inprocess(
     by_length: dict = {}
     _by_length(ref_records, tgt_records, by_length)
     lengths = sorted({r["length"] for r in failing}) or sorted(by_length)
-    extra = [ratio * k] if ratio * k < min(by_length) else []
-    extra += [lengths[0] + d for d in range(1, ratio)]
-    cases = _extra_cases(inv, extra)
+    cases = _discriminating_cases(inv, ratio * k, min(by_length), lengths[0], ratio)
     inv.progress("characterize", 0, 2, "dense and residue lengths")
     _by_length(
         inv.measure("char-reference", inv.reference, cases),
@@ -293,9 +302,7 @@ def characterize_live(inv, root: str | None, ref_records, live_records, failing,
     by_length: dict = {}
     _by_length(ref_records, scored, by_length)
     lengths = sorted({r["length"] for r in failing}) or sorted(by_length)
-    extra = [ratio * k] if ratio * k < min(by_length) else []
-    extra += [lengths[0] + d for d in range(1, ratio)]
-    cases = _extra_cases(inv, extra)
+    cases = _discriminating_cases(inv, ratio * k, min(by_length), lengths[0], ratio)
     inv.progress("characterize", 0, 2, "dense and residue lengths, live and reference")
     live_extra = [r for r in inv.probe_live("char-live", cases) if not r.get("error")]
     _by_length(inv.measure("char-reference", inv.reference, cases), live_extra, by_length)
