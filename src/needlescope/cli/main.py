@@ -5,9 +5,13 @@ from __future__ import annotations
 import os
 import sys
 
+import typer
+
+from needlescope import __version__
 from needlescope.cli import (  # noqa: F401  (they register their commands)
     indexer_capture,
     indexer_diff,
+    indexer_dump,
     indexer_rank,
     indexer_sweep,
     indexer_topk_audit,
@@ -21,7 +25,7 @@ from needlescope.cli.investigate import investigate_app
 from needlescope.cli.kernels import kernels_app
 from needlescope.cli.oracle import oracle_app
 from needlescope.cli.organism import organism_app
-from needlescope.cli.output import err_console, typer_app
+from needlescope.cli.output import console, err_console, typer_app
 from needlescope.cli.probe import probe_command
 from needlescope.cli.replay import replay_command
 from needlescope.cli.serve import serve_command
@@ -35,6 +39,23 @@ app = typer_app(
     pretty_exceptions_enable=False,
     help="Find, explain and fix long-context recall failures.",
 )
+
+
+def _version(show: bool) -> None:
+    if show:
+        console.print(f"needlescope {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    version: bool = typer.Option(
+        False, "--version", callback=_version, is_eager=True, help="Print needlescope's version and exit."
+    ),
+) -> None:
+    """Find, explain and fix long-context recall failures."""
+
+
 app.command("probe")(probe_command)
 app.command("demo")(demo_command)
 app.command("compare")(compare_command)
