@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint format install clean deps mutation
+.PHONY: example test lint format install clean deps mutation
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -15,11 +15,12 @@ $(STAMP): pyproject.toml constraints.txt
 install: $(STAMP)
 
 # The investigation of the organism's deployment-like setting (fp8 keys, top-64, page-table
-# fault): the example ledger, run from scratch; ends with demo-out/DIAGNOSIS.md and .html.
-demo: $(STAMP)
-	rm -rf demo-out
-	PYTHONPATH=$(CURDIR)/src HF_HUB_OFFLINE=1 $(BIN)/needlescope investigate init demo-out
-	PYTHONPATH=$(CURDIR)/src HF_HUB_OFFLINE=1 $(BIN)/needlescope investigate run demo-out/investigation.toml --out demo-out
+# fault): the example ledger, run from scratch; ends with example-out/DIAGNOSIS.md and .html.
+# (`needlescope demo` is another pipeline: it serves, probes and explains; docs/organism.md.)
+example: $(STAMP)
+	rm -rf example-out
+	PYTHONPATH=$(CURDIR)/src HF_HUB_OFFLINE=1 $(BIN)/needlescope investigate init example-out
+	PYTHONPATH=$(CURDIR)/src HF_HUB_OFFLINE=1 $(BIN)/needlescope investigate run example-out/investigation.toml --out example-out
 
 # Mutation testing of the statistics and verdict code (minutes of CPU; not part of `make test`):
 # mutmut per module with only the tests that cover it; the score and every surviving mutant's
@@ -47,4 +48,4 @@ test: $(STAMP) deps lint
 	PYTHONPATH=$(CURDIR)/src HF_HUB_OFFLINE=1 $(BIN)/pytest -q -n 2 tests
 
 clean:
-	rm -rf $(VENV) demo-out mutation-out
+	rm -rf $(VENV) example-out mutation-out

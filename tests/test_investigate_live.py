@@ -91,13 +91,13 @@ def test_live_emulation_implicates_the_planted_fault(tmp_path, live_server, orga
     path.write_text(
         path.read_text() + json.dumps({"case_id": live[0]["case_id"], "error": "TransportFailure: x"}) + "\n"
     )
-    run_investigation(live_ledger(tmp_path, live_server.url), out, loaded=organism)
+    findings = run_investigation(live_ledger(tmp_path, live_server.url), out, loaded=organism)
     again = [json.loads(x) for x in path.read_text().splitlines()]
     assert len(again) == 12 and again[-1]["case_id"] == live[0]["case_id"] and "error" not in again[-1]
     assert again[-1]["answer"] == live[0]["answer"]
     from needlescope.investigate.report.diagnosis import write_reports
 
-    md = write_reports(out)[0].read_text()
+    md = write_reports(findings)[0].read_text()
     assert "## Live selection vs each suspect's emulation" in md and "**page_table**" in md
 
 

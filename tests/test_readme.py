@@ -29,7 +29,7 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT / "src")}
 
 # Commands not run here, each with what runs it instead.
 EQUIVALENTS = {
-    "make demo": "tests/test_investigate_demo.py and tests/test_investigate_organism.py run the same ledger",
+    "make example": "tests/test_investigate_organism.py runs the same example ledger",
     "make test": "the test suite itself",
     "prometheus --config.file": "tests/test_watch_prometheus.py scrapes the canary with a real Prometheus",
     ".venv/bin/needlescope indexer sweep": "tests/test_dsa_sweep.py (the sweep and its report) on the organism",

@@ -24,7 +24,16 @@ from needlescope.paths import atomic_write_json
 
 __all__ = ["STATUSES", "RunState"]
 
-STATUSES = ("pending", "running", "exonerated", "implicated", "inconclusive", "blocked", "diverges_no_effect")
+STATUSES = (
+    "pending",
+    "running",
+    "measured",
+    "exonerated",
+    "implicated",
+    "inconclusive",
+    "blocked",
+    "diverges_no_effect",
+)
 
 
 class RunState:
