@@ -27,6 +27,8 @@ compared with the live indexer capture.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from pathlib import Path
 
 from needlescope.investigate.decide.causal import decide, label_fixes, recall_by_length, symptom_loss
@@ -42,6 +44,7 @@ from needlescope.investigate.measure.live import LiveRoute, live_localization
 from needlescope.investigate.measure.localize import localize_residual
 from needlescope.investigate.measure.rank_paths import failing_rank_paths
 from needlescope.investigate.measure.session import Session, measure_suspects, nonfinite_summary, outcomes
+from needlescope.investigate.measure.state import run_lock
 from needlescope.investigate.report.artifacts import relativize
 from needlescope.paths import atomic_write_json
 from needlescope.progress import Progress, no_progress
@@ -65,11 +68,12 @@ def run_investigation(
     ``allow_outside``: accept ledger paths outside its folder (``--allow-outside``).
     ``prefill_chunk``: overrides the ledger's ``[target] prefill_chunk`` (``--prefill-chunk``)."""
     ledger = with_chunk(load_ledger(ledger_path, allow_outside=allow_outside), prefill_chunk)
-    session = Session(ledger, Path(out), progress)
-    session.questions()
-    session.load(loaded)
-    investigation = _live(session) if ledger.target.live else _in_process(session)
-    return _write(session, investigation)
+    with run_lock(Path(out)):  # one run at a time writes a run directory
+        session = Session(ledger, Path(out), progress)
+        session.questions()
+        session.load(loaded)
+        investigation = _live(session) if ledger.target.live else _in_process(session)
+        return _write(session, investigation)
 
 
 def _in_process(session: Session) -> dict:
@@ -130,7 +134,9 @@ def _live(session: Session) -> dict:
     """Measure against the live endpoint, decide once; the ``investigation.json`` content."""
     route = LiveRoute(session)
     ref_records, live_records, failing, baseline = route.measure_symptom()
-    measured = measure_suspects(session, lambda s: route.measure_suspect(s, failing, baseline))
+    # the failing cases' answers and captures: a rerun that got more answers measures again
+    basis = hashlib.sha256(json.dumps([route.live_k, failing], sort_keys=True).encode()).hexdigest()
+    measured = measure_suspects(session, lambda s: route.measure_suspect(s, failing, baseline), basis)
     suspects = [decide_live(m) for m in measured]
     root = live_root_cause(suspects)
     ledger, t = session.ledger, session.ledger.target

@@ -222,22 +222,31 @@ class LiveRoute:
         ss = self.session
         ref_records, live_records, failing, baseline = [], [], [], {}
         if ss.loaded:
-            ref_records = ss.measure("reference", ss.reference)
-            live_records = self.probe_live()
-            ok = {r["case_id"] for r in ref_records if r["correct"]}
+            live_records = self.probe_live()  # first: an endpoint that answers nothing stops the run
             scored = [r for r in live_records if not r.get("error")]
+            if not scored:
+                raise BadInput(self._nothing_answered(live_records))
+            ref_records = ss.measure("reference", ss.reference)
+            ok = {r["case_id"] for r in ref_records if r["correct"]}
             failing = [r for r in scored if not r["correct"] and r["case_id"] in ok]
-            if scored:
-                self.live_k = scored[0]["index_topk"]
-                base = at_topk(ss.reference, self.live_k)
-                ss.configs["baseline"] = base.to_json()
-                baseline = {path: self.emulate_rows(base, failing, path) for path in PATHS}
-            elif ss.blocked_reason is None:
-                ss.blocked_reason = (
-                    "the live endpoint answered no case (every request failed; see measure/live.jsonl)"
-                )
+            self.live_k = scored[0]["index_topk"]
+            base = at_topk(ss.reference, self.live_k)
+            ss.note_config("baseline", base)
+            baseline = {path: self.emulate_rows(base, failing, path) for path in PATHS}
         self.server_differences()
         return ref_records, live_records, failing, baseline
+
+    def _nothing_answered(self, live_records: list[dict]) -> str:
+        """What stops a run whose endpoint scored no case: why, and what to do."""
+        why = self.session.blocked_reason or (
+            f"every request failed, the first with {live_records[0]['error']}"
+            if live_records
+            else "no case was sent"
+        )
+        return (
+            f"the live endpoint {self.session.ledger.target.endpoint} answered no case ({why}); nothing "
+            "was decided: fix the endpoint and run again (measure/live.jsonl keeps what it answered)"
+        )
 
     def measure_suspect(self, s: Suspect, failing: list[dict], baseline: dict) -> dict:
         """The measured record of ``s``: why it was not emulated, or its emulation (the reference
@@ -258,7 +267,7 @@ class LiveRoute:
         if m["untestable"] or absent_q is not None or not m["asked"] or not ss.loaded or self.live_k is None:
             return m
         config = at_topk(ss.addition(s), self.live_k)
-        ss.configs[f"emulate-{s.id}"] = config.to_json()
+        ss.note_config(f"emulate-{s.id}", config)
         cmps = {}
         for path in PATHS:
             rows = self.emulate_rows(config, failing, path)

@@ -52,9 +52,11 @@ class Session:
         t = ledger.target
         self.reference = Config(t.reference)
         self.candidate: Config | None = None if t.live else Config(t.candidate, t.extra_patches)
+        # every configuration measured, this run or an earlier one of this directory
         self.configs: dict[str, dict] = {"reference": self.reference.to_json()}
         if self.candidate is not None:
             self.configs["candidate"] = self.candidate.to_json()
+        self.configs.update(self.state.data.get("configs", {}))
         self._model = self.tokenizer = self.cases = None
         self.prompt_len: dict[str, int] = {}
         self.model_dir: Path | None = None
@@ -126,7 +128,7 @@ class Session:
         """Records of every case under ``config`` (resumed from ``measure/NAME.jsonl``)."""
         from needlescope.investigate.measure.records import measuring
 
-        self.configs[name] = config.to_json()
+        self.note_config(name, config)
         # A configuration already measured under another name (a removal that equals the
         # reference, say) is not measured twice: its records are copied.
         same = [n for n, c in self.configs.items() if n != name and c["label"] == config.label()]
@@ -151,6 +153,13 @@ class Session:
                         self.progress(f"measure {name}", len(done), len(self.cases), config.label())
         return [done[c.case_id] for c in self.cases]
 
+    def note_config(self, name: str, config: Config) -> None:
+        """Record ``config`` under ``name`` (kept in ``state.json``: a resumed run lists it too)."""
+        self.configs[name] = config.to_json()
+        if self.state.data.setdefault("configs", {}).get(name) != self.configs[name]:
+            self.state.data["configs"][name] = self.configs[name]
+            self.state.save()
+
     # -- the plan ----------------------------------------------------------------------
     def removal(self, s: Suspect, base: Config | None = None) -> Config:
         """``base`` (default: the candidate) with ``s`` taken out (``plan.removal``)."""
@@ -174,6 +183,8 @@ class Session:
             env_file=t.env_file,
         )
         suspects = self.ledger.ordered_suspects()
+        for s in suspects:  # a run killed while asking left some answers: ask them all again
+            self.state.keep_evidence(s.id, lambda e: not e["check"].startswith("question:"))
         for n, s in enumerate(suspects):
             for q in s.questions:
                 a = answer(q, ctx)
@@ -211,19 +222,25 @@ class Session:
             return None
 
 
-def measure_suspects(session: Session, measure_one) -> list[dict]:
+def measure_suspects(session: Session, measure_one, basis: str = "") -> list[dict]:
     """``measure_one(suspect) -> measured record`` for every suspect in tier order, each once
     (resumed from ``state.json``'s ``measured:ID`` steps). A measured record holds evidence
-    and pairs, never a verdict: ``decide`` turns the records into verdicts."""
+    and pairs, never a verdict: ``decide`` turns the records into verdicts.
+
+    ``basis`` names what the records were measured on (the live route: a digest of the failing
+    cases): a stored record of another basis, from a run whose requests partly failed, is
+    measured again, so a rerun decides from all the data. A suspect measured again (that, or a
+    run killed in the middle of it) first drops the evidence its unfinished measurement left."""
     st, out = session.state, []
     for n, s in enumerate(session.suspects):
         done = st.step_value(f"measured:{s.id}")
-        if done is None:
+        if done is None or done.get("basis", "") != basis:
             st.set_status(s.id, "running")
-            done = measure_one(s)
+            st.keep_evidence(s.id, lambda e: e["check"].startswith("question:"))
+            done = {**measure_one(s), "basis": basis}
             st.set_status(s.id, "measured")
             st.mark_done(f"measured:{s.id}", done)
-        out.append(done)
+        out.append({k: v for k, v in done.items() if k != "basis"})
         session.progress("checks", n + 1, len(session.suspects), s.id)
     return out
 
