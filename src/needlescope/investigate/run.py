@@ -22,7 +22,9 @@ Steps (each recorded in ``state.json`` as it finishes; see ``state.RunState``):
 
 A ledger with ``candidate = "live"`` takes the live-endpoint route instead
 (``investigate.measure.live``): no ablation is possible, each suspect's emulation in the reference is
-compared with the live indexer capture.
+compared with the live indexer capture. One with ``candidate = "dump"`` takes the dump route
+(``investigate.measure.dump``): the localization comes from the engine's tensor dump compared with
+the reference.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import json
 from pathlib import Path
 
 from needlescope.investigate.decide.causal import decide, label_fixes, recall_by_length, symptom_loss
+from needlescope.investigate.decide.dump import decide_dump
 from needlescope.investigate.decide.findings import Findings, build_verdicts, validate_findings
 from needlescope.investigate.decide.live import decide_live, live_root_cause
 from needlescope.investigate.decide.signature import NO_SIGNATURE, signature
@@ -40,13 +43,13 @@ from needlescope.investigate.ledger.differences import AUTO_PREFIX
 from needlescope.investigate.ledger.ledger import load_ledger, with_chunk
 from needlescope.investigate.measure import inprocess
 from needlescope.investigate.measure.causal import residual
+from needlescope.investigate.measure.dump import DumpRoute
 from needlescope.investigate.measure.live import LiveRoute, live_localization
 from needlescope.investigate.measure.localize import localize_residual
 from needlescope.investigate.measure.rank_paths import failing_rank_paths
 from needlescope.investigate.measure.session import Session, measure_suspects, nonfinite_summary, outcomes
 from needlescope.investigate.measure.state import run_lock
-from needlescope.investigate.report.artifacts import relativize
-from needlescope.paths import atomic_write_json
+from needlescope.paths import atomic_write_json, relativize
 from needlescope.progress import Progress, no_progress
 
 __all__ = ["run_investigation"]
@@ -64,7 +67,8 @@ def run_investigation(
     """Run (or resume) the investigation of ``ledger_path`` into ``out``; returns its ``Findings``.
 
     ``loaded``: an already loaded (model, tokenizer) of the ledger's checkpoint, to reuse it.
-    A ledger whose candidate is ``live`` takes the live-endpoint route (``measure.live``).
+    A ledger whose candidate is ``live`` takes the live-endpoint route (``measure.live``), one
+    whose candidate is ``dump`` the dump route (``measure.dump``).
     ``allow_outside``: accept ledger paths outside its folder (``--allow-outside``).
     ``prefill_chunk``: overrides the ledger's ``[target] prefill_chunk`` (``--prefill-chunk``)."""
     ledger = with_chunk(load_ledger(ledger_path, allow_outside=allow_outside), prefill_chunk)
@@ -72,7 +76,12 @@ def run_investigation(
         session = Session(ledger, Path(out), progress)
         session.questions()
         session.load(loaded)
-        investigation = _live(session) if ledger.target.live else _in_process(session)
+        if ledger.target.live:
+            investigation = _live(session)
+        elif ledger.target.dump is not None:
+            investigation = _dump(session)
+        else:
+            investigation = _in_process(session)
         return _write(session, investigation)
 
 
@@ -169,6 +178,36 @@ def _live(session: Session) -> dict:
         "fixes": [],
         "explained": None,
         "verdicts": _verdicts(session, symptom, root, NO_SIGNATURE, suspects, localization=loc),
+    }
+
+
+def _dump(session: Session) -> dict:
+    """The reference's recall, the dump's localization, every verdict decided once from the
+    questions; the ``investigation.json`` content of a dump run."""
+    route = DumpRoute(session)
+    ref_records = session.measure("reference", session.reference) if session.loaded else []
+    suspects = [decide_dump(m) for m in measure_suspects(session, route.measure_suspect)]
+    loc = route.localize()
+    ledger, t = session.ledger, session.ledger.target
+    symptom = {
+        **ledger.symptom.to_json(),
+        "reference": session.reference.label(),
+        "candidate": "engine tensor dump",
+        "recall_reference": recall_by_length(ref_records),
+        "recall_candidate": {},
+        "cases": len(ref_records),
+    }
+    return {
+        "route": "dump",
+        "ledger": ledger.path.name,
+        "target": {"model": t.model, "device": t.device, "dump": str(t.dump)},
+        "symptom": symptom,
+        "configs": session.configs,
+        "candidate_topk": None,
+        "suspects": suspects,
+        "fixes": [],
+        "explained": None,
+        "verdicts": _verdicts(session, symptom, None, NO_SIGNATURE, suspects, localization=loc),
     }
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import math
 import random
 import time
 from collections.abc import Sequence
@@ -49,14 +50,17 @@ class ChatResult:
 
 
 def _retry_after(resp: httpx.Response) -> float | None:
+    """The ``Retry-After`` seconds an answer names: None without the header or for an HTTP date
+    (rare from inference servers); 0 for a value that asks for no wait (negative, NaN), so the
+    backoff's own floor applies (``ChatTarget._backoff``); infinity for a huge one."""
     value = resp.headers.get("retry-after")
     if value is None:
         return None
     try:
-        return max(0.0, float(value))
+        seconds = float(value)
     except ValueError:
-        # HTTP-date form is rare from inference servers; fall back to normal backoff.
         return None
+    return 0.0 if math.isnan(seconds) or seconds < 0 else seconds
 
 
 def _error_message(resp: httpx.Response) -> str:
@@ -217,11 +221,15 @@ class ChatTarget:
         return min(order, key=lambda i: self._in_flight[i])
 
     def _backoff(self, attempt: int, retry_after: float | None) -> float:
+        ceiling = min(self.backoff_max, self.backoff_base * 2 ** (attempt - 1))
         if retry_after is not None:
-            # The server's own estimate, plus a little jitter so waiting clients do not return in step.
-            return min(retry_after + random.uniform(0, 0.1 * retry_after + 0.01), self.backoff_max)
+            # The server's own estimate, plus a little jitter so waiting clients do not return in
+            # step; never under half the exponential backoff (a server saying "0" again and again
+            # must not be hammered), never over backoff_max (a huge value is not slept whole).
+            wait = min(max(retry_after, ceiling / 2), self.backoff_max)
+            return min(wait + random.uniform(0, 0.1 * wait + 0.01), self.backoff_max)
         # Full jitter: spreads retries of many concurrent requests instead of synchronising them.
-        return random.uniform(0, min(self.backoff_max, self.backoff_base * 2 ** (attempt - 1)))
+        return random.uniform(0, ceiling)
 
     async def chat(
         self,
@@ -385,22 +393,21 @@ def preflight(
     timeout: float = 5,
     *,
     transport: httpx.BaseTransport | None = None,
+    flag: str = "--base-url",
 ) -> list[str]:
     """Check the server is reachable, serves ``model`` and has chat completions.
 
     Returns what had to be assumed (empty when ``/v1/models`` lists ``model``): some servers
     (transformers serve) list nothing or fail ``/v1/models`` yet chat fine, so when the list does
     not show ``model`` a one-token chat with it decides. Raises BadInput with one line saying what
-    is wrong and what to do.
+    is wrong and what to do (``flag``: the option that named this server, e.g. compare's ``--b``).
     """
     _root, v1 = normalize_base_url(base_url)
     with sync_client(api_key, timeout, transport) as client:
         try:
             resp = client.get(v1 + "/models")
         except httpx.TransportError as e:
-            raise BadInput(
-                f"cannot reach {v1}: {_reason(e)}; is the server running? check --base-url"
-            ) from None
+            raise BadInput(f"cannot reach {v1}: {_reason(e)}; is the server running? check {flag}") from None
     if resp.status_code in (401, 403):
         raise BadInput(f"{v1}/models answered HTTP {resp.status_code}; check --api-key")
     ids = _model_ids(resp)
@@ -413,7 +420,7 @@ def preflight(
                 json={"model": model, "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1},
             )
         except httpx.TransportError as e:
-            raise BadInput(f"cannot reach {v1}/chat/completions: {_reason(e)}; check --base-url") from None
+            raise BadInput(f"cannot reach {v1}/chat/completions: {_reason(e)}; check {flag}") from None
     if chat.status_code in (401, 403):
         raise BadInput(f"{v1}/chat/completions answered HTTP {chat.status_code}; check --api-key")
     if ids is not None and model in ids:
@@ -435,5 +442,5 @@ def preflight(
         raise BadInput(f"model {model!r} not served at {v1}; available: {', '.join(ids)}")
     raise BadInput(
         f"{listing}, and a one-token chat with {model!r} failed (HTTP {chat.status_code}: "
-        f"{_error_message(chat)[:120]}); check --base-url and --model"
+        f"{_error_message(chat)[:120]}); check {flag} and --model"
     )

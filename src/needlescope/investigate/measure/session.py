@@ -51,7 +51,7 @@ class Session:
         self.state.ensure_suspects([s.id for s in self.suspects])
         t = ledger.target
         self.reference = Config(t.reference)
-        self.candidate: Config | None = None if t.live else Config(t.candidate, t.extra_patches)
+        self.candidate: Config | None = None if t.candidate is None else Config(t.candidate, t.extra_patches)
         # every configuration measured, this run or an earlier one of this directory
         self.configs: dict[str, dict] = {"reference": self.reference.to_json()}
         if self.candidate is not None:
@@ -106,7 +106,7 @@ class Session:
         }
 
     def path_map(self) -> dict[str, str]:
-        """Absolute prefixes of this machine -> what artifacts say instead (``artifacts.relativize``)."""
+        """Absolute prefixes of this machine -> what artifacts say instead (``paths.relativize``)."""
         m = {str(self.ledger.path.parent) + "/": ""}
         if self.model_dir is not None:
             t = self.ledger.target.model
