@@ -189,3 +189,60 @@ def test_watch_uses_only_the_torch_free_cores():
         and LAYERS[module.split(".")[1]] > 1
     ]
     assert bad == []
+
+
+def _module_graph(root: Path = SRC) -> dict[str, set[str]]:
+    """needlescope module -> the needlescope modules it imports (lazy imports included)."""
+    names = {
+        ".".join(("needlescope", *p.relative_to(root).with_suffix("").parts)).removesuffix(".__init__")
+        for p in root.rglob("*.py")
+    }
+    graph: dict[str, set[str]] = {}
+    for path in root.rglob("*.py"):
+        name = ".".join(("needlescope", *path.relative_to(root).with_suffix("").parts)).removesuffix(
+            ".__init__"
+        )
+        graph[name] = {m for m, _ in _imports(path) if m in names and m != name}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle through each strongly connected group of modules (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_house_has_no_import_circle():
+    """No module imports one that imports it back, directly or around a loop, lazy imports
+    included (the old investigate.live <-> runner and kernels.triton_topk <-> radix / filter)."""
+    assert _cycles(_module_graph()) == []
+
+
+def test_the_circle_finder_finds_one():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
