@@ -16,7 +16,7 @@ PLANTED = Path(__file__).parent / "planted_bugs"
 def test_a_decode_only_bug_is_characterized_decode_only(tmp_path):
     from needlescope.investigate.ledger.ledger import load_ledger
     from needlescope.investigate.measure.characterize import characterize_inprocess
-    from needlescope.investigate.measure.inprocess import _Investigation
+    from needlescope.investigate.measure.session import Session
 
     shutil.copy(PLANTED / "decode_sign_flip.py", tmp_path / "p1.py")  # the name says nothing
     (tmp_path / "investigation.toml").write_text(
@@ -42,7 +42,7 @@ def test_a_decode_only_bug_is_characterized_decode_only(tmp_path):
             ]
         )
     )
-    inv = _Investigation(load_ledger(tmp_path / "investigation.toml"), tmp_path / "out", lambda *a: None)
+    inv = Session(load_ledger(tmp_path / "investigation.toml"), tmp_path / "out", lambda *a: None)
     inv.load()
     ref = inv.measure("reference", inv.reference)
     cand = inv.measure("candidate", inv.candidate)

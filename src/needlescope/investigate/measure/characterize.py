@@ -1,6 +1,6 @@
 """The in-process route's evidence for ``decide.characterize``, with its discriminating experiments.
 
-``characterize_inprocess(inv, ...)`` runs when recall is lost and no ledger suspect explains it
+``characterize_inprocess(session, ...)`` runs when recall is lost and no ledger suspect explains it
 (no root cause, or only automatic ones: differences the ledger did not name). The **target** is
 what is left to explain (the candidate when an automatic suspect is the root cause, else the
 residual candidate), the **baseline** what it is compared with (the candidate without those
@@ -34,6 +34,7 @@ from needlescope.investigate.decide.characterize import (
 )
 from needlescope.investigate.decide.selection_evidence import Row, layer_selection
 from needlescope.investigate.decide.verdicts import paired
+from needlescope.investigate.ledger.plan import Config, at_topk
 
 __all__ = ["FAILING_CASES", "characterize_inprocess", "nothing_to_explain"]
 
@@ -207,10 +208,9 @@ def characterize_inprocess(
 def _same_numerics(inv, target):
     """The target's numerics and top-k without its patches (what its configured precision
     explains), or the reference at its top-k when the target carries no patch."""
-    from needlescope.investigate.measure.causal import reference_at_k
-
-    plain = inv.Config(target.setting.with_(patch=None), ())
-    return plain if plain.label() != target.label() else reference_at_k(inv)
+    plain = Config(target.setting.with_(patch=None), ())
+    k = target.setting.index_topk
+    return plain if plain.label() != target.label() else at_topk(inv.reference, k)
 
 
 def _measured(ev: Evidence, baseline: str) -> dict:
@@ -248,14 +248,13 @@ def _flags(cfg) -> tuple[str, ...]:
     return tuple(flags)
 
 
-def _live_layers(inv, failing: list[dict], baseline: dict) -> list:
+def _live_layers(route, ratio: int, failing: list[dict], baseline: dict) -> list:
     """``LayerSelection`` per (CSA layer, path) of the live selection against the reference's at
     the live ``index_topk`` run the server's way: the first compared row of a case is the
     server's prefill, the later ones its decode steps."""
-    ratio = inv.ratio
     rows: dict[tuple[int, str], list[Row]] = {}
     for rec in failing:
-        needle = inv.needle_entries(rec)
+        needle = route.needle_entries(rec)
         first = rec["prompt_tokens"] - 1
         for layer, live_rows in rec["rows"].items():
             base_rows = baseline[rec["case_id"]][layer]
@@ -284,13 +283,21 @@ def _failing_prompt(inv, failing: list[dict]) -> tuple[str | None, str | None]:
     ) else str(path), case.needle
 
 
-def characterize_live(inv, root: str | None, ref_records, live_records, failing, baseline) -> dict | None:
+def _csa(model):
+    from needlescope.dsa.emulate import csa_indexers
+
+    return csa_indexers(model)
+
+
+def characterize_live(
+    inv, route, root: str | None, ref_records, live_records, failing, baseline
+) -> dict | None:
     """``characterization`` of a live run: None when a suspect is the root cause or nothing ran;
     "none" when the live loses no recall; else the dense and residue lengths are probed live
-    and on the reference (``inv.probe_live(name, cases)``), and the live selections of the
+    and on the reference (``route.probe_live(name, cases)``), and the live selections of the
     failing cases compared with the reference's on both the server's prefill and decode rows."""
     scored = [r for r in live_records if not r.get("error")]
-    if root is not None or not scored or inv.live_k is None:
+    if root is not None or not scored or route.live_k is None:
         return None
     none = nothing_to_explain(ref_records, scored)
     if none is not None:
@@ -298,19 +305,19 @@ def characterize_live(inv, root: str | None, ref_records, live_records, failing,
     done = inv.state.step_value("characterization")
     if done is not None:
         return done
-    k, ratio = inv.live_k, inv.ratio
+    k, ratio = route.live_k, int(_csa(inv.model)[0][1].compress_rate)
     by_length: dict = {}
     _by_length(ref_records, scored, by_length)
     lengths = sorted({r["length"] for r in failing}) or sorted(by_length)
     cases = _discriminating_cases(inv, ratio * k, min(by_length), lengths[0], ratio)
     inv.progress("characterize", 0, 2, "dense and residue lengths, live and reference")
-    live_extra = [r for r in inv.probe_live("char-live", cases) if not r.get("error")]
+    live_extra = [r for r in route.probe_live("char-live", cases) if not r.get("error")]
     _by_length(inv.measure("char-reference", inv.reference, cases), live_extra, by_length)
     inv.progress("characterize", 1, 2, "the failing cases' live selections")
     ev = Evidence(
         recall_lost=True,
         cells=tuple(_cells(by_length, ratio)),
-        layers=tuple(_live_layers(inv, failing, baseline.get("decode", {}))),
+        layers=tuple(_live_layers(route, ratio, failing, baseline.get("decode", {}))),
         answers_differ=bool(failing),
     )
     ctx = Context(
