@@ -74,7 +74,8 @@ def live_run(d: Path, bug: str, args):
         text = live_ledger(server.url, symptom=symptom, why="issue 37 planted run")
         assert "p1" not in text and bug not in text, "the ledger must not see the patch"
         ledger = write_ledger(d, text, force=True)
-        return run_investigation(ledger, d / "out")
+        run_investigation(ledger, d / "out")
+        return d / "out" / "verdicts.json"
 
 
 def summarise(verdicts: Path) -> dict:
@@ -124,11 +125,11 @@ def main() -> None:
             t0 = time.time()
             row = {"bug": bug, "route": route, "planted": CLASSES[bug][0], "undo": CLASSES[bug][1]}
             try:
-                verdicts = (
+                if route == "inprocess":
                     run_investigation(inprocess_ledger(d, bug, args), d / "out")
-                    if route == "inprocess"
-                    else live_run(d, bug, args)
-                )
+                    verdicts = d / "out" / "verdicts.json"
+                else:
+                    verdicts = live_run(d, bug, args)
                 row.update(completes=True, **summarise(verdicts))
             except Exception:  # noqa: BLE001 - a crash is a row of the table
                 row.update(completes=False, error=traceback.format_exc()[-1500:])
