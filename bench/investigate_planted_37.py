@@ -79,9 +79,10 @@ def live_run(d: Path, bug: str, args):
 
 
 def summarise(verdicts: Path) -> dict:
+    from needlescope.investigate.decide.findings import Findings
     from needlescope.investigate.report.diagnosis import write_reports
 
-    write_reports(verdicts.parent)
+    write_reports(Findings.read(verdicts.parent))
     v = json.loads(verdicts.read_text())
     ch = v.get("characterization") or {}
     diag = (verdicts.parent / "DIAGNOSIS.md").read_text()
