@@ -172,6 +172,7 @@ def load_bundle(
     device: str = "cpu",
     max_memory: str | None = None,
     reserve: int | None = None,
+    stream_layers: bool = False,
 ):
     """(model in eval mode, tokenizer, resolved path). Offline, safetensors only.
 
@@ -185,10 +186,16 @@ def load_bundle(
     ``dtype``: None is float32 for a transformers-layout checkpoint (as before) and the
     checkpoint's own dtype (bf16) for the release layout. ``dsa.loading.placement_of(model)`` gives the placement
     and the bytes per device.
+
+    ``stream_layers``: keep the decoder layers on disk and read one at a time per pass
+    (``dsa.streaming``), on the one device given (``auto``: the first GPU, else the CPU). With
+    ``device="auto"`` streaming is also chosen when the weights do not fit the budgets.
+    ``dsa.streaming.streamer_of(model)`` is then the layer reader with its per-layer times.
     """
-    from needlescope.dsa.loading import checkpoint_tensors, load_sharded
+    from needlescope.dsa.loading import checkpoint_tensors
     from needlescope.dsa.placement import DEFAULT_RESERVE, auto_devices
     from needlescope.dsa.release import is_release_layout
+    from needlescope.dsa.streaming import load_weights
 
     for one in [] if device == "auto" else device.split(","):
         check_device(one.strip())
@@ -198,15 +205,19 @@ def load_bundle(
     release = is_release_layout(checkpoint_tensors(path))
     if dtype is None and not release:
         dtype = torch.float32
-    if placed or release:
+    if placed or release or stream_layers:
         devices = auto_devices() if device == "auto" else [d.strip() for d in device.split(",") if d.strip()]
+        if stream_layers and device == "auto":
+            devices = devices[:1]
         with quiet_transformers():
-            model = load_sharded(
+            model = load_weights(
                 path,
                 devices=devices,
                 max_memory=max_memory,
                 reserve=DEFAULT_RESERVE if reserve is None else reserve,
                 dtype=dtype,
+                stream_layers=stream_layers,
+                stream_if_needed=device == "auto",
             )
         return model, load_tokenizer(path), path
     config = AutoConfig.from_pretrained(path, local_files_only=True)
