@@ -43,6 +43,8 @@ class RankDumpConfig:
     """Weight bytes per device when placing (``70GiB`` or one per device)."""
     chunk: int | None = None
     """Prefill in chunks of this many tokens through the KV cache (``dsa.passes``); None: one pass."""
+    stream_layers: bool = False
+    """Keep the layers on disk and read one at a time per pass (``dsa.streaming``)."""
 
     def __post_init__(self) -> None:
         from needlescope.dsa.passes import check_chunk
@@ -103,17 +105,24 @@ def _check_inputs(cfg: RankDumpConfig) -> tuple[list[list[dict]], Path, Path | N
     return messages, path, other
 
 
+def _load(cfg: RankDumpConfig, path):
+    from needlescope.dsa.checkpoint import load_bundle
+
+    return load_bundle(
+        path, device=cfg.device, max_memory=cfg.max_memory, stream_layers=cfg.stream_layers
+    )
+
+
 def run(cfg: RankDumpConfig) -> RankDumpResult:
     """Rank-dump every prompt (and compare its selection with the reference when asked)."""
-    from needlescope.dsa.checkpoint import load_bundle
     from needlescope.dsa.emulate import patched_for_good
     from needlescope.dsa.rankdump import DEFAULT_MAX_NEW_TOKENS, combine_dumps, rank_dump
     from needlescope.dsa.stability import selection_stability
 
     messages, path, other_path = _check_inputs(cfg)
-    model, tokenizer, _ = load_bundle(path, device=cfg.device, max_memory=cfg.max_memory)
+    model, tokenizer, _ = _load(cfg, path)
     other = (
-        load_bundle(other_path, device=cfg.device, max_memory=cfg.max_memory)[0]
+        _load(cfg, other_path)[0]
         if other_path is not None
         else None
     )
@@ -122,7 +131,7 @@ def run(cfg: RankDumpConfig) -> RankDumpResult:
     def usable(m, m_path):
         # A patch that returned no undo changed ``m`` for good: the next run needs a fresh model.
         return (
-            load_bundle(m_path, device=cfg.device, max_memory=cfg.max_memory)[0] if patched_for_good(m) else m
+            _load(cfg, m_path)[0] if patched_for_good(m) else m
         )
 
     dumps, stabs = [], []
@@ -147,7 +156,7 @@ def run(cfg: RankDumpConfig) -> RankDumpResult:
             ref_model, ref_path = (other, other_path) if other is not None else (usable(model, path), path)
             if ref_model is model and cfg.setting.patch is not None:
                 # The candidate patch may give no undo; the reference must never see it.
-                ref_model = load_bundle(path, device=cfg.device, max_memory=cfg.max_memory)[0]
+                ref_model = _load(cfg, path)[0]
             stabs.append(
                 selection_stability(
                     ref_model,

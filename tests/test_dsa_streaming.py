@@ -1,0 +1,165 @@
+"""Layer-major streaming (``dsa.streaming``) equals the in-memory run, on the organism and on a
+4-layer Flash-shaped checkpoint (fp8 projections, the release's packed fp4 experts) at reduced
+widths: the rank dump record for record, the live emulation's two paths (teacher-forced chunks;
+prompt in chunks then decode token by token) capture for capture, and each layer is read once per
+pass. In float64, as the chunked tests (tests/test_dsa_passes.py say why)."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from needlescope.cases.assemble import CaseSpec, build_cases  # noqa: E402
+from needlescope.dsa.blockfp4 import dequantize_block_fp4, quantize_block_fp4  # noqa: E402
+from needlescope.dsa.checkpoint import load_bundle, trained_value_digits  # noqa: E402
+from needlescope.dsa.emulate import IndexerCapture, emulate  # noqa: E402
+from needlescope.dsa.loading import placement_of  # noqa: E402
+from needlescope.dsa.passes import decode, prefill  # noqa: E402
+from needlescope.dsa.prompt import render_prompt  # noqa: E402
+from needlescope.dsa.quant import quantize_fp4_e2m1  # noqa: E402
+from needlescope.dsa.rankdump import rank_dump  # noqa: E402
+from needlescope.dsa.streaming import is_streamed, streamer_of  # noqa: E402
+from needlescope.errors import BadInput  # noqa: E402
+from needlescope.setting import Setting  # noqa: E402
+from needlescope.testing.flash import write_flash_checkpoint  # noqa: E402
+
+from test_dsa_scale import TINY  # noqa: E402
+
+SETTING = Setting(index_topk=16)  # below the entries a 600-token prompt has: a real selection
+
+
+def _f64(model):
+    model = model.double()
+    model.set_experts_implementation("eager")  # grouped_mm has no float64 kernel
+    return model
+
+
+def _count_reads(model) -> list[str]:
+    """Every tensor name the streamed model's reader reads from now on."""
+    reader, names = streamer_of(model).reader, []
+    get = reader.get
+
+    def counted(name):
+        names.append(name)
+        return get(name)
+
+    reader.get = counted
+    return names
+
+
+@pytest.fixture(scope="module")
+def flash_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("flash") / "fp4"
+    write_flash_checkpoint(path, overrides=TINY, experts="fp4", shard_bytes=1 << 20)
+    return path
+
+
+@pytest.fixture(scope="module")
+def organism_pair():
+    memory, tok, path = load_bundle("organism")
+    streamed, _, _ = load_bundle("organism", stream_layers=True)
+    return _f64(memory), _f64(streamed), tok, path
+
+
+def test_fp4_packing_is_the_e2m1_grid_with_one_scale_per_32():
+    w = torch.randn(16, 128, generator=torch.Generator().manual_seed(0)) * torch.logspace(-3, 1, 128)
+    packed, scale = quantize_block_fp4(w)
+    assert packed.dtype == torch.int8 and tuple(packed.shape) == (16, 64)
+    assert scale.dtype == torch.float8_e8m0fnu and tuple(scale.shape) == (16, 4)
+    assert torch.equal(dequantize_block_fp4(packed, scale, dtype=torch.float32), quantize_fp4_e2m1(w))
+    # the even column sits in the low nibble: codes 1 (0.5) then 0xB (-1.5), scale 1
+    one = dequantize_block_fp4(torch.tensor([[0xB1] + [0] * 15], dtype=torch.uint8), torch.ones(1, 1))
+    assert one[0, :2].tolist() == [0.5, -1.5] and not one[0, 2:].any()
+    with pytest.raises(ValueError, match="needs a scale of shape"):
+        dequantize_block_fp4(packed, scale[:, :2])
+
+
+def test_streamed_organism_rank_dump_equals_in_memory_record_for_record(organism_pair):
+    memory, streamed, tok, path = organism_pair
+
+    def count(msgs):
+        return len(render_prompt(tok, msgs).input_ids)
+
+    case = build_cases(CaseSpec("single", (600,), (30.0,), 1, 5, value_digits=trained_value_digits(path)), count)[0]
+    out = []
+    for model in (memory, streamed):
+        capture = IndexerCapture(keep_scores=True)
+        with torch.no_grad(), emulate(model, SETTING, capture=capture):
+            dump = rank_dump(
+                model, tok, case.messages, needle=case.needle, setting=SETTING, max_new_tokens=2,
+                capture=capture, chunk=256, expected=case.expected,
+            )  # fmt: skip
+        out.append((dump, capture))
+    (one, cap_one), (two, cap_two) = out
+    assert two == one and one["generated_tokens"] and any(
+        p["best_rank"] > 1 for layer in one["layers"] for p in layer["positions"]
+    )
+    for layer in cap_one.layers():
+        assert torch.equal(cap_two.rows(layer, 16)[1], cap_one.rows(layer, 16)[1])
+        rows_two, rows_one = cap_two.score_rows(layer)[1], cap_one.score_rows(layer)[1]
+        assert len(rows_two) == len(rows_one) and all(torch.equal(x, y) for x, y in zip(rows_two, rows_one))
+    # one pass for the prompt and one per fed answer token, every layer read once in each
+    stream = streamer_of(streamed)
+    n_passes = len(one["generated_tokens"])  # prompt + (generated - 1) decode steps
+    assert [[r["layer"] for r in p] for p in stream.passes[-n_passes:]] == [list(range(5))] * n_passes
+
+
+def _live_paths(model, ids: list[int], n_prompt: int, chunk: int) -> list[torch.Tensor]:
+    """The live emulation's two paths (``investigate.live.emulate_rows``) on ``model``: logits and
+    the captured top-k rows of each CSA layer, teacher-forced in chunks, then prompt in chunks and
+    answer decoded token by token."""
+    out = []
+    for path in ("prefill", "decode"):
+        capture = IndexerCapture()
+        with torch.no_grad(), emulate(model, SETTING, capture=capture) as layers:
+            if path == "decode":
+                run = prefill(model, torch.tensor([ids[:n_prompt]]), chunk=chunk, keep_cache=True)
+                logits = decode(model, torch.tensor([ids[n_prompt:]]), run.cache).logits
+            else:
+                logits = prefill(model, torch.tensor([ids]), chunk=chunk, logits_at=range(n_prompt, len(ids))).logits
+        out += [logits] + [capture.rows(layer, SETTING.index_topk)[1] for layer in layers]
+    return out
+
+
+def test_streamed_organism_live_emulation_paths_equal_in_memory(organism_pair):
+    memory, streamed, _, _ = organism_pair
+    ids = torch.randint(3, 3000, (300,), generator=torch.Generator().manual_seed(1)).tolist()
+    reads = _count_reads(streamed)
+    a, b = (_live_paths(m, ids, 296, 128) for m in (memory, streamed))
+    assert len(a) == len(b) > 2 and all(torch.equal(x, y) for x, y in zip(a, b))
+    # 2 prompt passes (3 chunks each) + 4 decode passes; each layer's tensors are read once per pass
+    layer_reads = [n for n in reads if n.startswith("model.layers.0.")]
+    per_pass = len({n for n in layer_reads})
+    assert per_pass > 0 and len(layer_reads) == per_pass * 6
+
+
+def test_streamed_flash_shaped_fp4_checkpoint_equals_in_memory(flash_dir):
+    memory, tok, _ = load_bundle(flash_dir)
+    streamed, _, _ = load_bundle(flash_dir, stream_layers=True)
+    assert placement_of(memory) is not None and is_streamed(streamed) and not is_streamed(memory)
+    expert = memory.model.layers[1].mlp.experts.gate_up_proj
+    assert expert.dtype == torch.bfloat16 and bool(expert.abs().sum() > 0)
+    memory, streamed = _f64(memory), _f64(streamed)
+    ids = torch.randint(3, 3000, (200,), generator=torch.Generator().manual_seed(2)).tolist()
+    a, b = (_live_paths(m, ids, 197, 96) for m in (memory, streamed))
+    assert len(a) == len(b) == 6 and all(torch.equal(x, y) for x, y in zip(a, b))
+    assert bool(torch.isfinite(a[0]).all())
+
+
+def test_device_auto_streams_when_the_weights_do_not_fit_and_refuses_below_one_layer(flash_dir):
+    from needlescope.dsa.placement import unit_bytes
+
+    sizes = dict(unit_bytes(load_bundle(flash_dir)[0]))
+    resident = sum(n for u, n in sizes.items() if not u.startswith("model.layers."))
+    largest = max(n for u, n in sizes.items() if u.startswith("model.layers."))
+    budget = resident + largest + 1024
+    assert budget < sum(sizes.values())
+    model, _, _ = load_bundle(flash_dir, device="auto", max_memory=str(budget))
+    assert is_streamed(model) and streamer_of(model).device == "cpu"
+    with pytest.raises(BadInput, match=r"streaming layer by layer needs .* larger --max-memory"):
+        load_bundle(flash_dir, device="auto", max_memory=str(resident + largest - 1))
+    with pytest.raises(BadInput, match="fits nowhere"):  # an explicit device list is placed or refused
+        load_bundle(flash_dir, device="cpu", max_memory=str(budget))
+    with pytest.raises(BadInput, match="--stream-layers runs on one device"):
+        load_bundle(flash_dir, device="cpu,cpu", stream_layers=True)
