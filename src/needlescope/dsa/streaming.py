@@ -50,7 +50,16 @@ from needlescope.dsa.placement import human_bytes, plan_placement, unit_bytes
 from needlescope.dsa.release import expert_slot, hf_name
 from needlescope.errors import BadInput
 
-__all__ = ["LayerStream", "is_streamed", "load_streamed", "load_weights", "streamed_forward", "streamer_of"]
+__all__ = [
+    "LayerMajor",
+    "LayerStream",
+    "is_streamed",
+    "layers_of",
+    "load_streamed",
+    "load_weights",
+    "streamed_forward",
+    "streamer_of",
+]
 
 _STREAM_ATTR = "needlescope_stream"
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
@@ -59,6 +68,13 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 def _target(name: str, intermediate: int) -> str | None:
     slot = expert_slot(name, intermediate)
     return slot.param if slot is not None else hf_name(name)
+
+
+def _held(model: torch.nn.Module, name: str) -> torch.Tensor:
+    """The parameter or buffer ``name`` the model holds now."""
+    module_path, _, leaf = name.rpartition(".")
+    module = model.get_submodule(module_path)
+    return module._parameters[leaf] if leaf in module._parameters else module._buffers[leaf]
 
 
 def _layer_of(target: str) -> int | None:
@@ -133,13 +149,22 @@ class LayerStream:
         if str(self.device).startswith("cuda"):
             torch.cuda.synchronize(self.device)
 
+    def lend(self, i: int, other: torch.nn.Module) -> None:
+        """Give ``other`` (a second skeleton of the same checkpoint) layer i's loaded tensors."""
+        for target in self._layer_targets[i]:
+            set_tensor(other, target, _held(self.model, target))
+
+    def take_back(self, i: int, other: torch.nn.Module) -> None:
+        """Put ``other``'s layer i back on the meta device."""
+        for target in self._layer_targets[i]:
+            held = _held(other, target)
+            set_tensor(other, target, torch.empty(held.shape, dtype=held.dtype, device="meta"))
+
     def _free(self, i: int) -> None:
         """Layer i's tensors back to the meta device, keeping each one's shape and dtype (so that a
         ``model.double()`` after loading holds for the next pass too)."""
         for target in self._layer_targets[i]:
-            module_path, _, leaf = target.rpartition(".")
-            module = self.model.get_submodule(module_path)
-            held = module._parameters[leaf] if leaf in module._parameters else module._buffers[leaf]
+            held = _held(self.model, target)
             meta = torch.empty(held.shape, dtype=held.dtype, device="meta")
             self.targets[target] = set_tensor(self.model, target, meta)
 
@@ -255,20 +280,79 @@ def load_weights(
     return load_streamed(path, model, device=devices[0], dtype=dtype, budget=budgets[0])
 
 
-def _chunk_inputs(model, embeds, position_ids, cache, lo: int, hi: int):
-    """(mask, rotary tables) of the chunk lo..hi, built from layer 0's cache before it (as the forward does)."""
-    from transformers.masking_utils import create_sliding_window_causal_mask
+class LayerMajor:
+    """One layer-major pass of a model over ``ids`` [B, S] at positions start..start+S-1, step by step.
 
-    inner = model.model
-    part, pos = embeds[:, lo:hi], position_ids[:, lo:hi]
-    mask = create_sliding_window_causal_mask(
-        config=model.config, inputs_embeds=part, attention_mask=None, past_key_values=cache, position_ids=pos
-    )
-    rope = {
-        "main": inner.rotary_emb(part, position_ids=pos, layer_type="main"),
-        "compress": inner.rotary_emb(part, position_ids=pos, layer_type="compress"),
-    }
-    return mask, rope
+    ``run(i, c)`` runs decoder layer i over chunk c (``spans[c]``), reading and writing the hidden
+    streams of every token [B, S, hc_mult, H]; ``logits(keep)`` applies the head at the absolute
+    positions ``keep``. Layer i's weights must be on the device while ``run(i, ...)`` runs, and the
+    chunks of layer 0 must run first, in order: each builds the chunk's mask from layer 0's cache
+    before it (as the model's forward builds it from its first sliding layer); later layers reuse it.
+    ``cache``: the ``DynamicCache`` the pass extends (None: one cacheless chunk, the one-pass forward).
+    """
+
+    def __init__(self, model: torch.nn.Module, ids: torch.Tensor, start: int, cache, chunk: int | None):
+        inner = model.model
+        self.model, self.cache, self.start = model, cache, start
+        dev = inner.embed_tokens.weight.device
+        self.ids = ids.to(dev)
+        S = ids.shape[1]
+        step = S if chunk is None or cache is None else chunk
+        self.spans = [(lo, min(lo + step, S)) for lo in range(0, S, step)]
+        self.position_ids = torch.arange(start, start + S, device=dev).unsqueeze(0).expand(ids.shape[0], -1)
+        self.embeds = inner.embed_tokens(self.ids)  # [B, S, H]
+        self.hidden = self.embeds.unsqueeze(2).expand(-1, -1, model.config.hc_mult, -1).contiguous()
+        self._per_chunk: list = []
+
+    def _chunk_inputs(self, lo: int, hi: int):
+        from transformers.masking_utils import create_sliding_window_causal_mask
+
+        part, pos = self.embeds[:, lo:hi], self.position_ids[:, lo:hi]
+        mask = create_sliding_window_causal_mask(
+            config=self.model.config, inputs_embeds=part, attention_mask=None,
+            past_key_values=self.cache, position_ids=pos,
+        )  # fmt: skip
+        rotary = self.model.model.rotary_emb
+        rope = {kind: rotary(part, position_ids=pos, layer_type=kind) for kind in ("main", "compress")}
+        return mask, rope
+
+    def run(self, i: int, c: int) -> None:
+        lo, hi = self.spans[c]
+        if c == len(self._per_chunk):
+            self._per_chunk.append(self._chunk_inputs(lo, hi))
+        mask, rope = self._per_chunk[c]
+        self.hidden[:, lo:hi] = self.model.model.layers[i](
+            self.hidden[:, lo:hi],
+            position_embeddings=rope,
+            position_ids=self.position_ids[:, lo:hi],
+            attention_mask=mask,
+            input_ids=self.ids[:, lo:hi],
+            past_key_values=self.cache,
+        )
+
+    def logits(self, keep: Sequence[int]) -> torch.Tensor:
+        """[B, len(keep), V] fp32 at the absolute positions ``keep``."""
+        inner = self.model.model
+        local = torch.tensor([p - self.start for p in keep], dtype=torch.long, device=self.hidden.device)
+        return self.model.lm_head(inner.norm(inner.hc_head(self.hidden[:, local]))).float()
+
+
+def layers_of(model: torch.nn.Module, *lent_to: torch.nn.Module) -> Iterator[int]:
+    """Each decoder layer index of ``model`` in order, with its weights on the device while it is
+    yielded: a streamed model reads it (and lends the same tensors to the ``lent_to`` models, the
+    same checkpoint loaded streamed, for the step); an in-memory one has them already."""
+    stream = streamer_of(model)
+    if stream is None:
+        yield from range(len(model.model.layers))
+        return
+    for i in stream.layers():
+        for other in lent_to:
+            stream.lend(i, other)
+        try:
+            yield i
+        finally:
+            for other in lent_to:
+                stream.take_back(i, other)
 
 
 def streamed_forward(
@@ -285,33 +369,10 @@ def streamed_forward(
     pass continues and extends (None: a cacheless one-chunk pass, the one-pass forward);
     ``chunk``: tokens per layer call (None: all S at once). Call under ``torch.no_grad()``.
     """
-    stream = streamer_of(model)
-    if stream is None:
+    if streamer_of(model) is None:
         raise ValueError("streamed_forward needs a model loaded by load_streamed")
-    inner = model.model
-    dev = torch.device(stream.device)
-    ids = ids.to(dev)
-    S = ids.shape[1]
-    step = S if chunk is None or cache is None else chunk
-    position_ids = torch.arange(start, start + S, device=dev).unsqueeze(0).expand(ids.shape[0], -1)
-    embeds = inner.embed_tokens(ids)  # [B, S, H]
-    hidden = embeds.unsqueeze(2).expand(-1, -1, model.config.hc_mult, -1).contiguous()  # [B, S, hc, H]
-    spans = [(lo, min(lo + step, S)) for lo in range(0, S, step)]
-    per_chunk: list = []
-    for i in stream.layers():
-        layer = inner.layers[i]
-        for c, (lo, hi) in enumerate(spans):
-            if i == 0:
-                per_chunk.append(_chunk_inputs(model, embeds, position_ids, cache, lo, hi))
-            mask, rope = per_chunk[c]
-            hidden[:, lo:hi] = layer(
-                hidden[:, lo:hi],
-                position_embeddings=rope,
-                position_ids=position_ids[:, lo:hi],
-                attention_mask=mask,
-                input_ids=ids[:, lo:hi],
-                past_key_values=cache,
-            )
-    local = torch.tensor([p - start for p in keep], dtype=torch.long, device=dev)
-    out = inner.norm(inner.hc_head(hidden[:, local]))
-    return model.lm_head(out).float()
+    run = LayerMajor(model, ids, start, cache, chunk)
+    for i in layers_of(model):
+        for c in range(len(run.spans)):
+            run.run(i, c)
+    return run.logits(keep)
