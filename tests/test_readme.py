@@ -121,7 +121,7 @@ def test_readme_commands_run_as_written(servers, tmp_path):
     failing = {(c["length"], c["depth"]) for c in b["cells"] if c["recall"] < b["threshold"]}
     assert failing  # the patched deployment loses needles the reference recalls
 
-    from needlescope.investigate.ledger import load_ledger
+    from needlescope.investigate.ledger.ledger import load_ledger
 
     ledger = load_ledger(tmp_path / "live-inv/investigation.toml")
     assert ledger.target.live and ledger.target.endpoint == servers["8001"]

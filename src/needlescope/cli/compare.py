@@ -12,9 +12,9 @@ from needlescope.cli.probe import probe_events
 from needlescope.cli.probe_options import PROBE_FLAGS, build, option_group
 from needlescope.cli.progress import ProgressView
 from needlescope.errors import BadInput
-from needlescope.investigate.compare import compare_live
 from needlescope.report.oracle import append_oracle_section, read_oracle
 from needlescope.run.compare import compare_runs
+from needlescope.run.compare_live import compare_live
 from needlescope.run.config import ProbeConfig, parse_int_list
 
 

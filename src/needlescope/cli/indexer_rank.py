@@ -1,7 +1,7 @@
 """``needlescope indexer rank-dump`` (``sweep`` lives in ``cli.indexer_sweep``).
 
 Flags become a ``Setting`` (``cli.setting_options``) and a ``RankDumpConfig`` here; the
-workflow (``needlescope.investigate.rankdump``) does the work. Every bad input
+workflow (``needlescope.workflows.rankdump``) does the work. Every bad input
 (unknown dtype, missing needle, patch without ``apply``, non-DeepSeek-V4 checkpoint) raises
 ``BadInput`` before the model runs, which ``needlescope.cli.main`` turns into one line and exit 2.
 torch and transformers are imported inside the commands so ``needlescope --help`` stays fast.
@@ -20,9 +20,9 @@ from needlescope.cli import setting_options as opt
 from needlescope.cli.indexer import indexer_app
 from needlescope.cli.output import console
 from needlescope.errors import BadInput
-from needlescope.investigate.rankdump import RankDumpConfig
 from needlescope.paths import check_out_dir
 from needlescope.run.config import parse_int_list
+from needlescope.workflows.rankdump import RankDumpConfig
 
 
 def _parse_span(text: str | None) -> tuple[int, int] | None:
@@ -78,7 +78,7 @@ def rank_dump_command(
 
     Over 80 lines: one typer option per RankDumpConfig field, nothing else.
     """
-    from needlescope.investigate import rankdump
+    from needlescope.workflows import rankdump
 
     setting = opt.numerics_from_flags(index_k, index_q, score_dtype, index_topk)
     cfg = RankDumpConfig(

@@ -34,9 +34,9 @@ def init_command(
 ) -> None:
     """Write a ledger: the example (the original investigation, on the organism), a live one."""
     from needlescope.errors import BadInput
-    from needlescope.investigate.example import EXAMPLE_FILES, write_example
-    from needlescope.investigate.init_ledger import from_probe_ledger, live_ledger, write_ledger
-    from needlescope.investigate.ledger import parse_ledger
+    from needlescope.investigate.ledger.example import EXAMPLE_FILES, write_example
+    from needlescope.investigate.ledger.init import from_probe_ledger, live_ledger, write_ledger
+    from needlescope.investigate.ledger.ledger import parse_ledger
 
     if live is not None and from_probe is not None:
         raise BadInput("give --live URL or --from-probe RUN_DIR, not both")
@@ -57,8 +57,8 @@ def run_investigation_cli(
 ) -> Path:
     """Run with progress per phase (``cli.progress``); returns DIAGNOSIS.md's path."""
     from needlescope.cli.progress import ProgressView
-    from needlescope.investigate.diagnosis import write_reports
-    from needlescope.investigate.runner import run_investigation
+    from needlescope.investigate.report.diagnosis import write_reports
+    from needlescope.investigate.run import run_investigation
 
     with ProgressView(console) as view:
         run_investigation(

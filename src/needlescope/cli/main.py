@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 
-from needlescope.cli import indexer_diff, indexer_rank, indexer_sweep  # noqa: F401  (they register their commands)
+from needlescope.cli import indexer_capture, indexer_diff, indexer_rank, indexer_sweep  # noqa: F401  (they register their commands)
 from needlescope.cli.audit import audit_command
 from needlescope.cli.compare import compare_command
 from needlescope.cli.demo import demo_command

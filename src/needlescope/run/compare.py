@@ -1,5 +1,5 @@
 """Paired A/B over two finished probe runs that share a case set (the live workflow that makes
-them is ``investigate.compare``). Runs whose case sets do not hash equal are refused, naming the
+them is ``run.compare_live``). Runs whose case sets do not hash equal are refused, naming the
 first differing case.
 """
 

@@ -22,8 +22,8 @@ from needlescope.cases.needles import VALUE_DIGITS
 from needlescope.errors import BadInput
 from needlescope.progress import Progress
 from needlescope.report.probe import write_probe_outputs
+from needlescope.run.bundles import write_failure_bundles
 from needlescope.run.config import ProbeConfig
-from needlescope.run.replay import write_failure_bundles
 from needlescope.run.scheduler import Grade, run_cases
 from needlescope.run.store import ResultStore, peek
 from needlescope.targets import (

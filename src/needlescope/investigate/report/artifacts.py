@@ -14,7 +14,7 @@ indexer's non-finite scores.
 
 from __future__ import annotations
 
-from needlescope.investigate.verdicts import validate_verdicts
+from needlescope.investigate.decide.verdicts import validate_verdicts
 from needlescope.paths import atomic_write_json
 
 __all__ = ["relativize", "nonfinite_summary", "write_verdicts", "NONFINITE_KEYS"]

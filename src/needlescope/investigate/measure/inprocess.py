@@ -1,30 +1,12 @@
-"""``run_investigation(ledger, out)``: cheap questions, then the symptom, then checks in tier
-order, then the fixes, the signature and the verdicts, all resumable from ``out``.
-
-Steps (each recorded in ``state.json`` as it finishes; see ``state.RunState``):
-
-1. **questions**: every suspect's cheap questions, tier order; answers are evidence.
-2. **symptom**: the reference and the candidate on the ledger's probe cases, in-process on the
-   reference checkpoint (``measure.measure_case``); recall per length.
-3. **checks**, tier order, per suspect: its audit checks (``needlescope.audit``) and its
-   ablation (remove it from the candidate when present, else add it alone to the reference;
-   paired on the same cases) plus the divergence of the final logits when added alone to the
-   reference; then its verdict (``verdicts.suspect_verdict``).
-4. **fixes**: each present suspect's removal, and the candidate at twice its ``index_topk``;
-   each paired with the candidate.
-5. **verdicts**: signature (``signature.signature``), root cause, fix labels;
-   ``verdicts.json`` (``verdicts.VERDICTS_SCHEMA``) and ``investigation.json`` (everything
-   the report needs, ``INVESTIGATION_KEYS``).
+"""The in-process route of an investigation: the candidate and every ablation run in this
+process on the reference checkpoint (``run.run_investigation`` picks it; the steps are in
+``investigate.run``'s docstring).
 
 A missing checkpoint blocks every model check (with the reason); questions still run. A
 configuration is applied once for all its batches; a patch that returns no undo marks the model,
 which is then reloaded fresh before the next configuration (never reused as if clean).
 Suspects absent from the candidate with no causal check are exonerated on the configuration
 check (``presence_check``) and the cheap questions, and the reason says so.
-
-A ledger with ``candidate = "live"`` takes the live-endpoint route instead
-(``investigate.live``): no ablation is possible, each suspect's emulation in the reference is
-compared with the live indexer capture.
 """
 
 from __future__ import annotations
@@ -34,9 +16,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 from needlescope.errors import BadInput
-from needlescope.investigate.artifacts import nonfinite_summary, relativize, write_verdicts
-from needlescope.investigate.causal import decide, residual, sufficiency, symptom_loss
-from needlescope.investigate.differences import (
+from needlescope.investigate.decide.verdicts import (
+    DIVERGE_REL,
+    evidence,
+    paired,
+    root_causes,
+    suspect_verdict,
+)
+from needlescope.investigate.ledger.differences import (
     AUTO_PREFIX,
     auto_suspects,
     differences,
@@ -44,23 +31,14 @@ from needlescope.investigate.differences import (
     presence_check,
     present_in,
 )
-from needlescope.investigate.ledger import Ledger, Suspect, load_ledger, with_chunk
-from needlescope.investigate.localize import localize_residual
-from needlescope.investigate.questions import QuestionContext, answer
-from needlescope.investigate.rank_paths import failing_rank_paths
-from needlescope.investigate.signature import NO_SIGNATURE, signature
-from needlescope.investigate.state import RunState
-from needlescope.investigate.verdicts import (
-    DIVERGE_REL,
-    classify_fix,
-    evidence,
-    paired,
-    root_causes,
-    suspect_verdict,
-)
-from needlescope.paths import atomic_write_json
+from needlescope.investigate.ledger.ledger import Ledger, Suspect
+from needlescope.investigate.measure.causal import residual, sufficiency
+from needlescope.investigate.measure.localize import localize_residual
+from needlescope.investigate.measure.questions import QuestionContext, answer
+from needlescope.investigate.measure.state import RunState
+from needlescope.investigate.report.artifacts import nonfinite_summary
 
-__all__ = ["run_investigation", "INVESTIGATION_KEYS", "PHASES"]
+__all__ = ["INVESTIGATION_KEYS", "PHASES"]
 
 BATCH = 8
 """Cases of one prompt length decoded together (unpadded batches; same answers as one at a time)."""
@@ -83,7 +61,7 @@ def recall_by_length(records: list[dict]) -> dict[str, float]:
 
 class _Investigation:
     def __init__(self, ledger: Ledger, out: Path, progress: Progress):
-        from needlescope.investigate.measure import Config
+        from needlescope.investigate.ledger.plan import Config
 
         self.ledger, self.out, self.progress = ledger, Path(out), progress
         self.diffs = differences(ledger)
@@ -160,7 +138,7 @@ class _Investigation:
 
     def measure(self, name: str, config) -> list[dict]:
         """Records of every case under ``config`` (resumed from ``measure/NAME.jsonl``)."""
-        from needlescope.investigate.measure import measuring
+        from needlescope.investigate.measure.records import measuring
 
         self.configs[name] = config.to_json()
         # A configuration already measured under another name (a removal that equals the
@@ -258,7 +236,7 @@ class _Investigation:
 
         from needlescope.audit.checks import run_check
         from needlescope.dsa.prompt import render_prompt
-        from needlescope.investigate.measure import applied
+        from needlescope.investigate.measure.records import applied
 
         def apply_candidate(model):
             cm = applied(model, self.candidate)
@@ -285,7 +263,7 @@ class _Investigation:
     def ablation(self, s: Suspect, present: bool, ref_records, cand_records, probe_case):
         """(pair, divergence): the paired ablation and the final-logit divergence of ``s`` added
         alone to the reference; both recorded as evidence."""
-        from needlescope.investigate.measure import final_logits
+        from needlescope.investigate.measure.records import final_logits
 
         if present:
             recs = self.measure(f"remove-{file_slug(s.id)}", self.removal(s))
@@ -500,87 +478,6 @@ def _unexplained(inv: _Investigation, suspects_out, ref_records, cand_records) -
             )
     out["nonfinite_scores"] = nonfinite_summary(inv)
     return out
-
-
-def run_investigation(
-    ledger_path: str | Path,
-    out: str | Path,
-    progress: Progress = lambda *a: None,
-    *,
-    loaded=None,
-    allow_outside: bool = False,
-    prefill_chunk: int | None = None,
-) -> Path:
-    """Run (or resume) the investigation of ``ledger_path`` into ``out``; returns verdicts.json's path.
-
-    ``loaded``: an already loaded (model, tokenizer) of the ledger's checkpoint, to reuse it.
-    A ledger whose candidate is ``live`` takes the live-endpoint route (``investigate.live``).
-    ``allow_outside``: accept ledger paths outside its folder (``--allow-outside``).
-    ``prefill_chunk``: overrides the ledger's ``[target] prefill_chunk`` (``--prefill-chunk``)."""
-    ledger = with_chunk(load_ledger(ledger_path, allow_outside=allow_outside), prefill_chunk)
-    if ledger.target.live:
-        from needlescope.investigate.live import LiveInvestigation
-
-        return LiveInvestigation(ledger, Path(out), progress).run(loaded)
-    inv = _Investigation(ledger, Path(out), progress)
-    if not inv.state.is_done("questions"):
-        inv.questions()
-        inv.state.mark_done("questions")
-    inv.load(loaded)
-    ref_records = cand_records = fixes = topk_runs = []
-    explained = probe_case = None
-    if inv.model is not None:
-        ref_records = inv.measure("reference", inv.reference)
-        cand_records = inv.measure("candidate", inv.candidate)
-        case_id, why = _explained_case(ref_records, cand_records)
-        probe_case = next(
-            (c for c in inv.cases if c.case_id == case_id), max(inv.cases, key=lambda c: c.length)
-        )
-        explained = {"case_id": case_id, "why": why}
-    suspects_out = check_suspects(
-        inv, inv.suspects, lambda s: inv.check_suspect(s, ref_records, cand_records, probe_case)
-    )
-    if inv.model is not None:
-        fixes, topk_runs = replay_fixes(inv, inv.suspects, suspects_out, cand_records, explained)
-    sig = signature(cand_records, topk_runs) if cand_records else NO_SIGNATURE
-    decided = decide(suspects_out, symptom_loss(ref_records, cand_records), sig["uninformative_ranking"])
-    root = decided["root_cause"]
-    for f in fixes:
-        f["label_kind"] = classify_fix(
-            f["pair"],
-            removes=f["removes"],
-            root_cause=root_causes(suspects_out) or root,
-            keeps_topk=f["keeps_topk"],
-        )
-    extra = {
-        "multiplicity": decided["multiplicity"],
-        **_unexplained(inv, suspects_out, ref_records, cand_records),
-        "rank_paths": failing_rank_paths(inv, explained, CANDIDATE_ONLY, cand_records),
-    }
-    symptom = _symptom(inv, ref_records, cand_records)
-    verdicts = write_verdicts(inv, symptom, root, sig, suspects_out, **extra)
-    atomic_write_json(
-        inv.out / "investigation.json",
-        relativize(
-            {
-                "route": "in-process",
-                "ledger": ledger.path.name,
-                "target": {"model": ledger.target.model, "device": ledger.target.device},
-                "symptom": symptom,
-                "configs": inv.configs,
-                "candidate_topk": cand_records[0]["index_topk"] if cand_records else None,
-                "suspects": [{k: v for k, v in s.items() if k != "inputs"} for s in suspects_out],
-                "fixes": fixes,
-                "explained": _explained_record(explained, ref_records, cand_records),
-                "verdicts": verdicts,
-            },
-            inv.path_map(),
-        ),
-    )
-    inv.state.data = relativize(inv.state.data, inv.path_map())
-    inv.state.save()
-    progress("verdicts", 1, 1, "")
-    return inv.out / "verdicts.json"
 
 
 def read_investigation(out: Path) -> dict:

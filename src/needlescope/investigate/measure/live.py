@@ -2,7 +2,7 @@
 suspect is judged by whether its emulation in the reference reproduces the live selection failure.
 
 A ledger with ``candidate = "live"`` and an ``endpoint`` takes this route
-(``runner.run_investigation``). Steps, each resumable from the run directory:
+(``investigate.run.run_investigation``). Steps, each resumable from the run directory:
 
 1. **questions**, as in-process.
 2. **symptom**: every case is sent to the live endpoint as ``input_ids`` (rendered with the
@@ -35,17 +35,16 @@ import asyncio
 from pathlib import Path
 
 from needlescope.errors import BadInput, ProbeError
-from needlescope.investigate.artifacts import relativize
-from needlescope.investigate.ledger import Suspect
-from needlescope.investigate.runner import (
-    NO_SIGNATURE,
+from needlescope.investigate.decide.signature import NO_SIGNATURE
+from needlescope.investigate.decide.verdicts import LIVE_THRESHOLDS, PATHS, evidence, live_verdict_paths
+from needlescope.investigate.ledger.ledger import Suspect
+from needlescope.investigate.measure.inprocess import (
     _Investigation,
     check_suspects,
     recall_by_length,
     suspect_record,
-    write_verdicts,
 )
-from needlescope.investigate.verdicts import LIVE_THRESHOLDS, PATHS, evidence, live_verdict_paths
+from needlescope.investigate.report.artifacts import relativize, write_verdicts
 from needlescope.paths import atomic_write_json
 
 __all__ = ["LiveInvestigation", "compare_rows", "jaccard"]
@@ -137,7 +136,7 @@ class LiveInvestigation(_Investigation):
     def live_record(self, case, res, info: dict | None) -> dict:
         """One ``live.jsonl`` record: the scored answer and the live top-k rows to compare."""
         from needlescope.dsa.capture import decode_capture
-        from needlescope.investigate.measure import analyse_answer
+        from needlescope.investigate.measure.records import analyse_answer
         from needlescope.targets.sglang import find_key
 
         base = {
@@ -215,7 +214,7 @@ class LiveInvestigation(_Investigation):
 
         from needlescope.dsa import passes
         from needlescope.dsa.emulate import IndexerCapture
-        from needlescope.investigate.measure import applied
+        from needlescope.investigate.measure.records import applied
 
         by_id = {c.case_id: c for c in self.cases}
         capture = IndexerCapture()
@@ -265,7 +264,7 @@ class LiveInvestigation(_Investigation):
     def server_differences(self) -> None:
         """Add the live server's ``/get_server_info`` differences from the reference (and an
         automatic suspect for each one no ledger suspect covers)."""
-        from needlescope.investigate.differences import auto_suspects, server_info_differences
+        from needlescope.investigate.ledger.differences import auto_suspects, server_info_differences
 
         info = self.state.data.get("server_info")
         if not info or self._model is None:

@@ -57,7 +57,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from needlescope.errors import BadInput
-from needlescope.investigate.ledger_checks import Tracked, check_range, confine, suggestion
+from needlescope.investigate.ledger.checks import Tracked, check_range, confine, suggestion
 from needlescope.setting import PatchRef, Setting
 
 if sys.version_info >= (3, 11):
@@ -159,7 +159,7 @@ class Target:
     endpoint: str | None = None
     env_file: Path | None = None
     reference_env_file: Path | None = None
-    """The reference's env file (``investigate.differences``); None: an empty environment."""
+    """The reference's env file (``investigate.ledger.differences``); None: an empty environment."""
     prefill_chunk: int | None = None
     """Every in-process pass runs its prompt through the model's KV cache in chunks of this many
     tokens (``dsa.passes``: peak memory bounded by the chunk); None: one forward per prompt."""

@@ -6,7 +6,7 @@
      "evidence": {ID: [evidence]}, "done": {STEP: true}}
 
 with STATUS one of ``STATUSES``. ``DIR/measure/NAME.jsonl`` holds one measured case record a
-line (``needlescope.investigate.measure``), appended and fsynced as each case finishes, so a
+line (``needlescope.investigate.measure.records``), appended and fsynced as each case finishes, so a
 crash or Ctrl-C loses at most the case in flight and a resumed run measures only what is
 missing. A torn last line (a kill mid-write) is dropped on reading and the file rewritten.
 Resuming with a different ledger is refused.

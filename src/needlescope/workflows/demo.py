@@ -4,7 +4,7 @@
 
 0. **validate**: every input (the checkpoint, ``--out``, the settings) is checked before the
    filesystem is touched. ``out`` may be missing, empty, or an earlier demo output: the demo
-   records every file it writes in a manifest (``investigate.manifest``, ``.needlescope-demo``)
+   records every file it writes in a manifest (``workflows.manifest``, ``.needlescope-demo``)
    and a rerun deletes exactly those files, and only when ``out`` holds nothing else and none
    of them changed; otherwise it refuses and deletes nothing. The deployment patch is loaded
    (its file executed) last, once for this process;
@@ -13,7 +13,7 @@
    deployment ``Setting`` (numerics plus an optional patch, by default the built-in
    ``fault:indexer_page_table``);
 2. **probe**: ``run_probe`` with multiturn needles against each (``reference/``, ``deployment/``);
-3. **rank dump**, 4. **fixes**, 5. **report**: ``needlescope.investigate.explain`` on the two
+3. **rank dump**, 4. **fixes**, 5. **report**: ``needlescope.workflows.explain`` on the two
    probes (``rankdump.json``, ``fixes.json``, ``DIAGNOSIS.md``).
 
 Every artifact is checked against its documented schema before it is written.
@@ -26,20 +26,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from needlescope.errors import BadInput
-from needlescope.investigate import explain
-from needlescope.investigate.manifest import MANIFEST_NAME, Manifest, check_clearable, clear
 from needlescope.paths import check_out_dir
 from needlescope.run.config import ProbeConfig
 from needlescope.run.probe import run_probe
 from needlescope.serve.config import ServeConfig
 from needlescope.setting import Setting
+from needlescope.workflows import explain
+from needlescope.workflows.manifest import MANIFEST_NAME, Manifest, check_clearable, clear
 
 __all__ = ["DEPLOYMENT", "MARKER", "DemoConfig", "check_out", "prepare_out", "run"]
 
 Phase = Callable[[str, dict], None]
 
 MARKER = MANIFEST_NAME
-"""The demo's output manifest in ``out``: the files a rerun may delete (``investigate.manifest``)."""
+"""The demo's output manifest in ``out``: the files a rerun may delete (``workflows.manifest``)."""
 
 DEPLOYMENT = Setting(index_k="fp8_e4m3", index_topk=64, patch="fault:indexer_page_table")
 """fp8 keys as SGLang stores them, ``index_topk`` 64 (every entry at 256 tokens, 1/16 of them at

@@ -1,10 +1,7 @@
 """In-process measurements of one configuration on probe cases: the answer, and the needle's
 rank in every CSA layer at the position that produced the first wrong answer token.
 
-A ``Config`` is a ``Setting`` (numerics plus at most one indexer patch, applied by
-``needlescope.dsa.emulate``) plus extra patch files applied around it (model-level patches
-such as a bf16 hyper-connection GEMM; they must not wrap the indexer scorer, whose forward
-``emulate`` owns).
+The configuration measured is a ``ledger.plan.Config`` (a ``Setting`` plus extra patch files).
 
 ``measure_case`` runs greedy decoding under the config with an ``IndexerCapture`` and returns
 one record (``CASE_RECORD_KEYS``)::
@@ -36,7 +33,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
 
 import torch
 
@@ -46,10 +42,9 @@ from needlescope.dsa.passes import check_chunk, prefill
 from needlescope.dsa.prompt import covering_entries, needle_token_span, render_prompt
 from needlescope.dsa.rankdump import greedy_new_tokens, needle_rank_stats
 from needlescope.dsa.reference import visible_entries
-from needlescope.setting import PatchRef, Setting
+from needlescope.investigate.ledger.plan import Config
 
 __all__ = [
-    "Config",
     "measure_case",
     "case_record",
     "measure_cases",
@@ -61,24 +56,6 @@ __all__ = [
     "rank_scores",
     "nonfinite_counts",
 ]
-
-
-@dataclass(frozen=True)
-class Config:
-    """A setting to measure plus extra (non-scorer) patches."""
-
-    setting: Setting
-    extra: tuple[PatchRef, ...] = ()
-
-    def label(self) -> str:
-        return self.setting.label() + "".join(f" +{p.spec}" for p in self.extra)
-
-    def to_json(self) -> dict:
-        return {
-            "setting": self.setting.to_json(),
-            "extra_patches": [p.spec for p in self.extra],
-            "label": self.label(),
-        }
 
 
 def first_wrong_token(tokens: Sequence[str], expected: str) -> int | None:

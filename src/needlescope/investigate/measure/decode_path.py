@@ -33,8 +33,8 @@ from contextlib import contextmanager
 import torch
 
 from needlescope.dsa.emulate import IndexerCapture, emulate, patches_applied
+from needlescope.dsa.module_replay import rel_err, selection_error
 from needlescope.dsa.reference import visible_entries
-from needlescope.dsa.replay import rel_err, selection_error
 
 __all__ = ["FACTOR", "FLOOR", "decode_path", "departures"]
 

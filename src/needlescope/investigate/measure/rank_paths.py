@@ -32,8 +32,8 @@ before it and both paths are the prefill, which the result says.
 
 from __future__ import annotations
 
-from needlescope.investigate.signature import rank_percentile
-from needlescope.investigate.verdicts import PATHS
+from needlescope.investigate.decide.signature import rank_percentile
+from needlescope.investigate.decide.verdicts import PATHS
 
 __all__ = ["failing_rank_paths", "path_selections", "rank_paths"]
 
@@ -57,7 +57,7 @@ def path_selections(
     from needlescope.dsa import passes
     from needlescope.dsa.emulate import IndexerCapture, csa_indexers
     from needlescope.dsa.reference import visible_entries
-    from needlescope.investigate.measure import applied
+    from needlescope.investigate.measure.records import applied
 
     dev = next(model.parameters()).device
     capture = IndexerCapture(keep_scores=True, score_from=query)
@@ -94,7 +94,7 @@ def path_selections(
 
 def _stats(selected: list[int], scores, needle: list[int], k: int) -> dict:
     from needlescope.dsa.rankdump import needle_rank_stats
-    from needlescope.investigate.measure import rank_scores
+    from needlescope.investigate.measure.records import rank_scores
 
     st = needle_rank_stats(rank_scores(scores), len(scores), needle, k)
     return {
@@ -114,7 +114,7 @@ def rank_paths(inv, config, rec: dict) -> dict:
     ``rec`` of the candidate ``config`` (``measure.Config``) on one of ``inv.cases``."""
     from needlescope.dsa.prompt import covering_entries, needle_token_span, render_prompt
     from needlescope.dsa.reference import visible_entries
-    from needlescope.investigate.measure import Config
+    from needlescope.investigate.ledger.plan import Config
 
     case = next(c for c in inv.cases if c.case_id == rec["case_id"])
     prompt = render_prompt(inv.tokenizer, case.messages)

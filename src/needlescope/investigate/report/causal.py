@@ -1,6 +1,6 @@
 """DIAGNOSIS sections for what the ledger did not name: uncovered differences, the residual,
 where the divergence starts, non-finite scores and the multiplicity note (blocks as in
-``investigate.diagnosis``; every section reads ``verdicts.json`` keys only)."""
+``investigate.report.diagnosis``; every section reads ``verdicts.json`` keys only)."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ tokens before that one):
   ``index_topk``) and a second copy of the checkpoint carrying the residual candidate's setting
   and extra patches: the first module whose own error exceeds its budget, its class and layer,
   and per CSA layer the selections compared (overlap, needle entries kept);
-* **decode** (``investigate.decode_path``): the same ids the way a server runs them, the prompt
+* **decode** (``investigate.measure.decode_path``): the same ids the way a server runs them, the prompt
   prefilled into the cache and the answer tokens decoded one at a time.
 
 ``verdicts.json`` ``localization`` (schema ``verdicts_schema._LOCALIZATION``) names the path that
@@ -41,7 +41,7 @@ def _answer_ids(inv, cfg, case, rec: dict) -> list[int]:
     predates ``output_ids``)."""
     if "output_ids" in rec:
         return rec["output_ids"]
-    from needlescope.investigate.measure import measure_cases
+    from needlescope.investigate.measure.records import measure_cases
 
     return measure_cases(
         inv.model,
@@ -141,7 +141,7 @@ def localize_residual(
         needle_span=needle_token_span(prompt, case.needle),
         extra_patches=cfg.extra,
     )
-    from needlescope.investigate.decode_path import decode_path
+    from needlescope.investigate.measure.decode_path import decode_path
 
     inv.progress("localize", 1, 2, "decode path")
     paths = [prefill_path(diff), decode_path(inv, twin, cfg, ref_setting, prompt.input_ids, answer, rec)]

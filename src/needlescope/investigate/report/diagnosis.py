@@ -13,9 +13,9 @@ import json
 from pathlib import Path
 
 import needlescope
-from needlescope.investigate import diagnosis_causal as dc
-from needlescope.investigate.diagnosis_summary import COST_ORDER, shown_verdict, summary_box
-from needlescope.investigate.signature import NEAR_CHANCE, layer_percentiles
+from needlescope.investigate.decide.signature import NEAR_CHANCE, layer_percentiles
+from needlescope.investigate.report import causal as dc
+from needlescope.investigate.report.summary import COST_ORDER, shown_verdict, summary_box
 from needlescope.report.blocks import render_html, render_md
 
 __all__ = ["diagnosis_blocks", "render_md", "render_html", "write_reports"]

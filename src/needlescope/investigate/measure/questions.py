@@ -25,7 +25,8 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from needlescope.investigate.ledger import Question
+from needlescope.investigate.ledger.differences import env_lines
+from needlescope.investigate.ledger.ledger import Question
 
 __all__ = ["Answer", "QuestionContext", "answer", "safetensors_dtypes"]
 
@@ -66,26 +67,13 @@ def _text(v) -> str:
     return json.dumps(v) if isinstance(v, (dict, list, bool)) or v is None else str(v)
 
 
-def _env_lines(text: str, sep: str) -> dict[str, str]:
-    out = {}
-    for item in text.split(sep):
-        item = item.strip()
-        if item.startswith("export "):
-            item = item[len("export ") :]
-        if not item or item.startswith("#") or "=" not in item:
-            continue
-        k, _, v = item.partition("=")
-        out[k.strip()] = v.strip().strip('"').strip("'")
-    return out
-
-
 def _env(q: Question, ctx: QuestionContext) -> Answer:
     name = q.params["name"]
     proc = q.params.get("process")
     if proc is not None:
         path = Path(f"/proc/{proc}/environ")
         try:
-            env = _env_lines(path.read_bytes().decode("utf-8", "replace"), "\0")
+            env = env_lines(path.read_bytes().decode("utf-8", "replace"), "\0")
         except OSError as exc:
             return Answer(None, f"cannot read the environment of process {proc}: {exc.strerror or exc}")
         where = f"process {proc}"
@@ -95,7 +83,7 @@ def _env(q: Question, ctx: QuestionContext) -> Answer:
         if path is None:
             return Answer(None, "no process and no env file to read; set process = PID or env_file")
         try:
-            env = _env_lines(path.read_text(encoding="utf-8"), "\n")
+            env = env_lines(path.read_text(encoding="utf-8"), "\n")
         except OSError as exc:
             return Answer(None, f"cannot read env file {str(path)!r}: {exc.strerror or exc}")
         where = str(path)

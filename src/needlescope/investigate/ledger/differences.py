@@ -31,8 +31,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from needlescope.investigate.ledger import Ledger, Suspect
-from needlescope.investigate.questions import _env_lines
+from needlescope.investigate.ledger.ledger import Ledger, Suspect
 from needlescope.setting import PatchRef, Setting
 
 __all__ = [
@@ -106,9 +105,24 @@ def shown(spec: str, base: Path) -> str:
     return str(p.relative_to(base)) if p.is_absolute() and p.is_relative_to(base) else spec
 
 
+def env_lines(text: str, sep: str) -> dict[str, str]:
+    """``KEY=value`` items of an env file (``sep="\n"``) or of /proc/PID/environ (``sep="\0"``);
+    ``export`` prefixes, comments and quotes dropped."""
+    out = {}
+    for item in text.split(sep):
+        item = item.strip()
+        if item.startswith("export "):
+            item = item[len("export ") :]
+        if not item or item.startswith("#") or "=" not in item:
+            continue
+        k, _, v = item.partition("=")
+        out[k.strip()] = v.strip().strip('"').strip("'")
+    return out
+
+
 def read_env_file(path: Path | None) -> dict[str, str]:
     """The variables of env file ``path`` as the ``env`` questions read them; {} for None."""
-    return {} if path is None else _env_lines(Path(path).read_text(encoding="utf-8"), "\n")
+    return {} if path is None else env_lines(Path(path).read_text(encoding="utf-8"), "\n")
 
 
 def _question_names(s: Suspect, qtype: str, key: str) -> set[str]:

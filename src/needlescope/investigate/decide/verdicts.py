@@ -30,7 +30,7 @@ runner supplies it, ``holm_adjust``):
    exclude a cost of X points", with the cases that would), or a change larger than
    ``SMALL_EFFECT`` that the cases cannot confirm.
 
-**Necessity and sufficiency** (``investigate.causal``). A present suspect is also added alone
+**Necessity and sufficiency** (``investigate.measure.causal``). A present suspect is also added alone
 to the reference at the deployment ``index_topk``: ``sufficient`` when that costs recall
 (Holm-adjusted in its own family). Implicated and sufficient: a **root cause**; implicated, not
 sufficient: a **co-factor** (stays implicated; the reason names what it interacts with: the
@@ -52,7 +52,7 @@ A restoring fix is a **root-cause fix** when it removes a root-cause suspect and
 deployment ``index_topk``; otherwise a **workaround** (the suspect stays; its cost is stated).
 A fix that does not restore has **no effect**.
 
-**Live endpoint** (``live_verdict``; the comparison is ``investigate.live``). Nothing can be
+**Live endpoint** (``live_verdict``; the comparison is ``investigate.measure.live``). Nothing can be
 ablated, so the causal measurement is the suspect's emulation in the reference (at the live
 ``index_topk``) on the live token ids, compared with the live indexer capture over the failing
 cases. ``failures``: (case, CSA layer) pairs where the live selects fewer needle entries at the
@@ -75,7 +75,7 @@ from __future__ import annotations
 
 from needlescope.analysis.significance import holm, mcnemar_power
 from needlescope.analysis.stats import mcnemar_exact
-from needlescope.investigate.verdicts_schema import VERDICTS_SCHEMA
+from needlescope.investigate.decide.schema import VERDICTS_SCHEMA
 from needlescope.schema import check_schema
 
 __all__ = [
