@@ -321,8 +321,9 @@ class LayerMajor:
         if c == len(self._per_chunk):
             self._per_chunk.append(self._chunk_inputs(lo, hi))
         mask, rope = self._per_chunk[c]
+        # a copy: the layer's input must stay as it was (a recorder keeps it) when its output lands
         self.hidden[:, lo:hi] = self.model.model.layers[i](
-            self.hidden[:, lo:hi],
+            self.hidden[:, lo:hi].clone(),
             position_embeddings=rope,
             position_ids=self.position_ids[:, lo:hi],
             attention_mask=mask,
