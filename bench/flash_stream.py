@@ -27,13 +27,6 @@ from pathlib import Path
 
 import torch
 
-TINY = {
-    "hidden_size": 128, "num_attention_heads": 2, "head_dim": 128, "qk_rope_head_dim": 16,
-    "q_lora_rank": 96, "o_groups": 2, "o_lora_rank": 80, "index_n_heads": 2, "index_head_dim": 64,
-    "index_topk": 8, "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 256,
-    "vocab_size": 3120, "sliding_window": 16,
-}  # fmt: skip
-
 
 def gib(n: int) -> float:
     return round(n / 2**30, 3)
@@ -179,7 +172,7 @@ def main() -> None:
     from needlescope.dsa.checkpoint import load_bundle
     from needlescope.dsa.placement import unit_bytes
     from needlescope.dsa.streaming import is_streamed
-    from needlescope.testing.flash import write_flash_checkpoint
+    from needlescope.testing.flash import TEST_WIDTHS, write_flash_checkpoint
 
     res: dict = {
         "machine": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
@@ -198,7 +191,7 @@ def main() -> None:
         t0 = time.perf_counter()
         res["write"] = write_flash_checkpoint(
             ckpt, layers=args.layers, fmt="fp8", experts="fp4", device=args.device,
-            overrides=TINY if args.tiny else None, shard_bytes=(1 << 20) if args.tiny else 4 << 30,
+            overrides=TEST_WIDTHS if args.tiny else None, shard_bytes=(1 << 20) if args.tiny else 4 << 30,
         )  # fmt: skip
         res["write"]["seconds"] = round(time.perf_counter() - t0, 1)
         save()

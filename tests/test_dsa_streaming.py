@@ -22,9 +22,7 @@ from needlescope.dsa.rankdump import rank_dump  # noqa: E402
 from needlescope.dsa.streaming import is_streamed, streamer_of  # noqa: E402
 from needlescope.errors import BadInput  # noqa: E402
 from needlescope.setting import Setting  # noqa: E402
-from needlescope.testing.flash import write_flash_checkpoint  # noqa: E402
-
-from test_dsa_scale import TINY  # noqa: E402
+from needlescope.testing.flash import TEST_WIDTHS, write_flash_checkpoint  # noqa: E402
 
 SETTING = Setting(index_topk=16)  # below the entries a 600-token prompt has: a real selection
 
@@ -51,7 +49,7 @@ def _count_reads(model) -> list[str]:
 @pytest.fixture(scope="module")
 def flash_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("flash") / "fp4"
-    write_flash_checkpoint(path, overrides=TINY, experts="fp4", shard_bytes=1 << 20)
+    write_flash_checkpoint(path, overrides=TEST_WIDTHS, experts="fp4", shard_bytes=1 << 20)
     return path
 
 
@@ -81,7 +79,9 @@ def test_streamed_organism_rank_dump_equals_in_memory_record_for_record(organism
     def count(msgs):
         return len(render_prompt(tok, msgs).input_ids)
 
-    case = build_cases(CaseSpec("single", (600,), (30.0,), 1, 5, value_digits=trained_value_digits(path)), count)[0]
+    case = build_cases(
+        CaseSpec("single", (600,), (30.0,), 1, 5, value_digits=trained_value_digits(path)), count
+    )[0]
     out = []
     for model in (memory, streamed):
         capture = IndexerCapture(keep_scores=True)
@@ -92,8 +92,10 @@ def test_streamed_organism_rank_dump_equals_in_memory_record_for_record(organism
             )  # fmt: skip
         out.append((dump, capture))
     (one, cap_one), (two, cap_two) = out
-    assert two == one and one["generated_tokens"] and any(
-        p["best_rank"] > 1 for layer in one["layers"] for p in layer["positions"]
+    assert (
+        two == one
+        and one["generated_tokens"]
+        and any(p["best_rank"] > 1 for layer in one["layers"] for p in layer["positions"])
     )
     for layer in cap_one.layers():
         assert torch.equal(cap_two.rows(layer, 16)[1], cap_one.rows(layer, 16)[1])
@@ -117,7 +119,9 @@ def _live_paths(model, ids: list[int], n_prompt: int, chunk: int) -> list[torch.
                 run = prefill(model, torch.tensor([ids[:n_prompt]]), chunk=chunk, keep_cache=True)
                 logits = decode(model, torch.tensor([ids[n_prompt:]]), run.cache).logits
             else:
-                logits = prefill(model, torch.tensor([ids]), chunk=chunk, logits_at=range(n_prompt, len(ids))).logits
+                logits = prefill(
+                    model, torch.tensor([ids]), chunk=chunk, logits_at=range(n_prompt, len(ids))
+                ).logits
         out += [logits] + [capture.rows(layer, SETTING.index_topk)[1] for layer in layers]
     return out
 
@@ -163,3 +167,59 @@ def test_device_auto_streams_when_the_weights_do_not_fit_and_refuses_below_one_l
         load_bundle(flash_dir, device="cpu", max_memory=str(budget))
     with pytest.raises(BadInput, match="--stream-layers runs on one device"):
         load_bundle(flash_dir, device="cpu,cpu", stream_layers=True)
+
+
+# ---------------------------------------------------------------- the localizer in chunks
+
+
+def _mlp_fault(tmp_path, layer: int):
+    path = tmp_path / f"mlp{layer}.py"
+    path.write_text(
+        "def apply(model):\n"
+        f"    handle = model.model.layers[{layer}].mlp.register_forward_hook(lambda m, a, o: o * 1.5)\n"
+        "    return handle.remove\n"
+    )
+    return path
+
+
+def test_chunked_localizer_names_the_planted_module_and_streamed_equals_in_memory(flash_dir, tmp_path):
+    from needlescope.dsa.diff import localize, validate_diff
+
+    ids = torch.randint(3, 3000, (1, 120), generator=torch.Generator().manual_seed(4))
+    fault = Setting(patch=_mlp_fault(tmp_path, 3))
+    one_pass = localize(load_bundle(flash_dir)[0], load_bundle(flash_dir)[0], ids, setting=fault)
+    memory = localize(load_bundle(flash_dir)[0], load_bundle(flash_dir)[0], ids, setting=fault, chunk=48)
+    pair = [load_bundle(flash_dir, stream_layers=True)[0] for _ in range(2)]
+    reads = _count_reads(pair[0])
+    streamed = localize(*pair, ids, setting=fault, chunk=48)
+    validate_diff(memory)
+    assert one_pass["first_divergent_module"] == memory["first_divergent_module"] == "model.layers.3.mlp"
+    assert streamed == memory  # record for record: every module call of every chunk, every verdict
+    keys = [m["module"] for m in memory["modules"] if m["exceeds"]]
+    assert keys == ["model.layers.3.mlp", "model.layers.3.mlp[call 2]", "model.layers.3.mlp[call 3]"]
+    assert all(
+        m["rel_err"] == 0.0
+        for m in memory["modules"]
+        if not m["module"].startswith(("model.layers.3", "lm_head", "model.norm", "model.hc_head"))
+    )
+    # the streamed reference read each tensor of a layer once and lent it to the candidate
+    layer2 = [n for n in reads if n.startswith("layers.2.")]
+    assert layer2 and len(layer2) == len(set(layer2))
+    assert not streamer_of(pair[1]).passes  # the candidate never read a layer
+
+
+def test_chunked_localizer_replays_on_the_cache_before_each_chunk(tmp_path):
+    """With no fault every replayed call (attention, compressors, indexers reading the cache of
+    earlier chunks) reproduces the candidate exactly; a replay on the cache as it stood after the
+    chunk would see its own keys twice and diverge."""
+    from needlescope.dsa.diff import localize
+    from needlescope.testing.checkpoints import save_random
+
+    tiny = save_random(tmp_path / "tiny", seed=1, hidden_size=64, index_topk=4)
+    ids = torch.randint(3, 3000, (1, 90), generator=torch.Generator().manual_seed(5))
+    noop = tmp_path / "noop.py"
+    noop.write_text("def apply(model):\n    return lambda: None\n")
+    result = localize(load_bundle(tiny)[0], load_bundle(tiny)[0], ids, setting=Setting(patch=noop), chunk=32)
+    assert result["first_divergent_module"] is None
+    attn = [m for m in result["modules"] if m["module"].startswith("model.layers.1.self_attn[call")]
+    assert attn and all(m["own_err"] == 0.0 for m in attn)

@@ -34,7 +34,7 @@ from needlescope.dsa.blockfp8 import quantize_block_fp8
 from needlescope.dsa.checkpoint import shipped_dir
 from needlescope.dsa.release import quantized
 
-__all__ = ["FLASH", "flash_config", "release_tensors", "write_flash_checkpoint"]
+__all__ = ["FLASH", "TEST_WIDTHS", "flash_config", "release_tensors", "write_flash_checkpoint"]
 
 # DeepSeek-V4-Flash's config.json values (docs/scale.md gives the sources).
 FLASH: dict = {
@@ -93,6 +93,25 @@ FP8_QUANTIZATION = {
     "quant_method": "fp8",
     "scale_fmt": "ue8m0",
     "weight_block_size": [128, 128],
+}
+# Flash's layout and formats at widths a CPU test can afford: 128-wide where the fp8 blocks
+# should be whole, odd elsewhere so that partial blocks are exercised.
+TEST_WIDTHS: dict = {
+    "hidden_size": 128,
+    "num_attention_heads": 2,
+    "head_dim": 128,
+    "qk_rope_head_dim": 16,
+    "q_lora_rank": 96,
+    "o_groups": 2,
+    "o_lora_rank": 80,
+    "index_n_heads": 2,
+    "index_head_dim": 64,
+    "index_topk": 8,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 256,
+    "vocab_size": 3120,
+    "sliding_window": 16,
 }
 # Flash's schedule is [0, 0, 4, 128, 4, 128, ...]; a short checkpoint keeps one of each kind.
 SHORT_SCHEDULES = {1: [4], 2: [0, 4], 3: [0, 4, 128], 4: [0, 4, 128, 4]}
