@@ -20,6 +20,7 @@ LAYERS: dict[str, int] = {
     "setting": 0,
     "paths": 0,
     "progress": 0,
+    "outdir": 0,
     # 1: torch-free cores
     "cases": 1,
     "analysis": 1,
@@ -53,6 +54,7 @@ TORCH_FREE = (
     "errors",
     "paths",
     "progress",
+    "outdir",
     "cases",
     "analysis",
     "targets",

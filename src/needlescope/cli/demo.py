@@ -16,7 +16,9 @@ from pathlib import Path
 
 import typer
 
+from needlescope.cli.model_context import check_lengths, check_topk
 from needlescope.cli.setting_options import PATCH_HELP, numerics_from_flags, with_patch
+from needlescope.run.config import ProbeConfig
 from needlescope.workflows.demo import DEPLOYMENT, MARKER, DemoConfig
 
 PHASES = ("serve", "probe reference", "probe deployment", "rank dump", "fixes", "report")
@@ -59,6 +61,9 @@ def demo_command(
         trials=trials,
         device=device,
     )
+    # Before anything loads: every probe length with its answer tokens fits the model's context.
+    check_lengths(model, cfg.lengths, ProbeConfig.__dataclass_fields__["max_tokens"].default)
+    check_topk(model, [deployment.index_topk], "--deploy-index-topk")
     # The patch is resolved after every other flag; demo.run checks the model and --out, then runs it.
     cfg = replace(cfg, deployment=with_patch(deployment, None if deploy_patch == "none" else deploy_patch))
     with ProgressView(console) as view:

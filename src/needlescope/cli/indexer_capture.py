@@ -11,6 +11,7 @@ import typer
 
 from needlescope.cli.indexer import indexer_app
 from needlescope.cli.output import console
+from needlescope.cli.outputs import FORCE, guard
 from needlescope.paths import check_out_dir
 from needlescope.run.config import parse_int_list
 from needlescope.workflows.capture import CaptureConfig
@@ -42,6 +43,7 @@ def capture_command(
     ),
     max_new_tokens: int = typer.Option(_CAPTURE.max_new_tokens, "--max-new-tokens"),
     timeout: float = typer.Option(_CAPTURE.timeout, "--timeout", help="Request timeout in seconds."),
+    force: bool = FORCE,
 ) -> None:
     """Ask a live SGLang server for its indexer top-k and report whether the needle was selected."""
     from needlescope.workflows import capture
@@ -58,8 +60,9 @@ def capture_command(
         timeout=timeout,
     )
     check_out_dir(out)
-    result = capture.run(cfg)
-    capture.write(result, out)
+    with guard(out, "indexer capture", force):
+        result = capture.run(cfg)
+        capture.write(result, out)
     for r in result["layers"]:
         first = r["selected_at_first_answer"]
         console.print(f"layer {r['layer']}: needle selected at first answer position: {first}")

@@ -12,7 +12,9 @@ import typer
 
 from needlescope.cli import setting_options as opt
 from needlescope.cli.indexer import indexer_app
+from needlescope.cli.model_context import check_lengths, check_topk
 from needlescope.cli.output import console
+from needlescope.cli.outputs import FORCE, guard
 from needlescope.cli.progress import ProgressView
 from needlescope.errors import BadInput
 from needlescope.paths import check_out_dir
@@ -67,6 +69,7 @@ def diff_command(
     stream_layers: bool = typer.Option(
         False, "--stream-layers", help="Read one layer at a time: weights larger than the device."
     ),
+    force: bool = FORCE,
 ) -> None:
     """Run reference and candidate side by side and name the first module that diverges too much."""
     import torch
@@ -87,24 +90,37 @@ def diff_command(
     allowed = parse_allow(allow)
     path = resolve_model_dir(model)
     require_deepseek_v4(path)
+    check_topk(path, [setting.index_topk])
     check_out_dir(out)
-    # The needle is checked with the tokenizer alone, before the (slower) model loads.
-    token_ids, span = _diff_input(path, prompt, needle, input_ids)
-    # Patches resolved last (never executed here); they run when the candidate is first patched.
-    setting, extras = opt.with_patch(setting, patch), tuple(PatchRef.resolve(p) for p in extra_patch or ())
-    check_chunk(chunk)
-    loading = dict(device=device, max_memory=max_memory, stream_layers=stream_layers)
-    reference, tokenizer, _ = load_bundle(path, **loading)
-    candidate, _, _ = load_bundle(path, **loading)
-    if input_ids is None and render_prompt(tokenizer, read_prompt_file(prompt)).input_ids != token_ids:
-        raise BadInput(f"the tokenizer of {str(path)!r} renders the prompt differently when loaded twice")
-    ids = torch.tensor([token_ids])
-    with ProgressView(console) as view:
-        shown = lambda task, done, total, what: view(f"diff: {task}", done, total, what)  # noqa: E731
-        result = localize(reference, candidate, ids, setting=setting, needle_span=span, growth=growth, allow=allowed, extra_patches=extras, progress=shown, chunk=chunk)  # fmt: skip
-    validate_diff(result)
-    _write(out, "diff.json", diff_to_json(result))
-    _write(out, "diff.md", render_diff_md(result))
+    with guard(out, "indexer diff", force):
+        # The needle is checked with the tokenizer alone, before the (slower) model loads.
+        token_ids, span = _diff_input(path, prompt, needle, input_ids)
+        check_lengths(path, [len(token_ids)], 0, "the prompt's length")
+        # Patches resolved last (never executed here); they run when the candidate is first patched.
+        setting, extras = (
+            opt.with_patch(setting, patch),
+            tuple(PatchRef.resolve(p) for p in extra_patch or ()),
+        )
+        check_chunk(chunk)
+        loading = dict(device=device, max_memory=max_memory, stream_layers=stream_layers)
+        reference, tokenizer, _ = load_bundle(path, **loading)
+        candidate, _, _ = load_bundle(path, **loading)
+        if input_ids is None and render_prompt(tokenizer, read_prompt_file(prompt)).input_ids != token_ids:
+            raise BadInput(f"the tokenizer of {str(path)!r} renders the prompt differently when loaded twice")
+        ids = torch.tensor([token_ids])
+        with ProgressView(console) as view:
+            shown = lambda task, done, total, what: view(f"diff: {task}", done, total, what)  # noqa: E731
+            result = localize(reference, candidate, ids, setting=setting, needle_span=span, growth=growth, allow=allowed, extra_patches=extras, progress=shown, chunk=chunk)  # fmt: skip
+        validate_diff(result)
+        _write(out, "diff.json", diff_to_json(result))
+        _write(out, "diff.md", render_diff_md(result))
+    _render_diff(result, out)
+
+
+def _render_diff(result: dict, out: Path) -> None:
+    """The first divergent module, the modules worth naming, each CSA layer's selection."""
+    from needlescope.dsa.diff_md import trivial_selection_note
+
     first = result["first_divergent_module"]
     # Module names hold "[call 2]": say() escapes them so rich markup cannot eat it.
     console.say("first divergent module: [bold]{}[/]", first or "none", soft_wrap=True)
@@ -120,6 +136,9 @@ def diff_command(
             f"{r['needle_rank_reference']} -> {r['needle_rank_candidate']}"
             + ("" if r["rank_consistent"] else " (rank and selection disagree)")
         )
+    trivial = trivial_selection_note(result)
+    if trivial is not None:
+        console.print(trivial, style="yellow", soft_wrap=True)
     console.print(f"wrote {out}/diff.json, diff.md")
 
 

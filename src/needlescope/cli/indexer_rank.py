@@ -18,7 +18,9 @@ from rich.text import Text
 
 from needlescope.cli import setting_options as opt
 from needlescope.cli.indexer import indexer_app
+from needlescope.cli.model_context import check_topk
 from needlescope.cli.output import console
+from needlescope.cli.outputs import FORCE, guard
 from needlescope.errors import BadInput
 from needlescope.paths import check_out_dir
 from needlescope.run.config import parse_int_list
@@ -73,6 +75,7 @@ def rank_dump_command(
         False, "--stream-layers", help="Read one layer at a time per pass: weights larger than the device."
     ),
     out: Path = typer.Option(..., "--out", help="Output directory."),
+    force: bool = FORCE,
 ) -> None:
     """Rank of the needle's compressed entries in every CSA layer at the answer positions.
 
@@ -96,10 +99,12 @@ def rank_dump_command(
         chunk=chunk,
         stream_layers=stream_layers,
     )
+    check_topk(model, [setting.index_topk])
     check_out_dir(out)
     cfg = replace(cfg, setting=opt.with_patch(setting, patch))  # resolved last; it runs when first applied
-    result = rankdump.run(cfg)
-    written = rankdump.write(result, out)
+    with guard(out, "indexer rank-dump", force):
+        result = rankdump.run(cfg)
+        written = rankdump.write(result, out)
     _render_rank_summary(result.dumps, setting.label(), result.stability)
     console.print(f"wrote {out}/" + ", ".join(written))
 

@@ -18,7 +18,9 @@ Steps (each recorded in ``state.json`` as it finishes; see ``state.RunState``):
 
 A ledger with ``candidate = "live"`` takes the live-endpoint route instead
 (``investigate.measure.live``): no ablation is possible, each suspect's emulation in the reference is
-compared with the live indexer capture.
+compared with the live indexer capture. One with ``candidate = "dump"`` takes the dump route
+(``investigate.measure.dump``): the localization comes from the engine's tensor dump compared with
+the reference.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from needlescope.investigate.decide.causal import decide, symptom_loss
 from needlescope.investigate.decide.signature import NO_SIGNATURE, signature
 from needlescope.investigate.decide.verdicts import classify_fix, root_causes
 from needlescope.investigate.ledger.ledger import load_ledger, with_chunk
+from needlescope.investigate.measure.dump import DumpInvestigation
 from needlescope.investigate.measure.inprocess import (
     CANDIDATE_ONLY,
     Progress,
@@ -60,12 +63,15 @@ def run_investigation(
     """Run (or resume) the investigation of ``ledger_path`` into ``out``; returns verdicts.json's path.
 
     ``loaded``: an already loaded (model, tokenizer) of the ledger's checkpoint, to reuse it.
-    A ledger whose candidate is ``live`` takes the live-endpoint route (``investigate.measure.live``).
+    A ledger whose candidate is ``live`` takes the live-endpoint route (``investigate.measure.live``),
+    one whose candidate is ``dump`` the dump route (``investigate.measure.dump``).
     ``allow_outside``: accept ledger paths outside its folder (``--allow-outside``).
     ``prefill_chunk``: overrides the ledger's ``[target] prefill_chunk`` (``--prefill-chunk``)."""
     ledger = with_chunk(load_ledger(ledger_path, allow_outside=allow_outside), prefill_chunk)
     if ledger.target.live:
         return LiveInvestigation(ledger, Path(out), progress).run(loaded)
+    if ledger.target.dump is not None:
+        return DumpInvestigation(ledger, Path(out), progress).run(loaded)
     inv = _Investigation(ledger, Path(out), progress)
     if not inv.state.is_done("questions"):
         inv.questions()

@@ -35,9 +35,9 @@ def compare_live(
     on_event = on_event or (lambda _name, _payload: None)
     out = Path(out)
     # Both sides are checked before either is probed, so a typo in --b costs no run of A.
-    for cfg in (cfg_a, cfg_b):
+    for cfg, flag in ((cfg_a, "--a"), (cfg_b, "--b")):
         for url in cfg.base_urls:
-            preflight(normalize_base_url(url)[0], cfg.model, api_key=cfg.api_key)
+            preflight(normalize_base_url(url)[0], cfg.model, api_key=cfg.api_key, flag=flag)
     # B is sent A's prompts, so every length must fit both sides' contexts.
     for side in (cfg_a, cfg_b):
         provenance = collect_provenance(*normalize_base_url(side.base_urls[0]), api_key=side.api_key)

@@ -178,7 +178,9 @@ def _resume_store(cfg: ProbeConfig, on_event: Event) -> ResultStore:
         raise BadInput(
             f"--resume: the run in {cfg.out} was made with {previous}, not {cfg.fingerprint(digits)}; use another --out"
         )
-    on_event("value_digits", {"value_digits": digits, "source": f"the run being resumed ({source})"})
+    # A store made for this run and not yet sent (compare's side B) is not "being resumed".
+    said = f"the run being resumed ({source})" if found["results"] else source
+    on_event("value_digits", {"value_digits": digits, "source": said})
     return ResultStore(path)
 
 

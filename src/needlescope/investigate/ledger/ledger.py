@@ -15,6 +15,8 @@ Structure (paths are relative to the ledger's directory)::
     reference = "k=fp32 q=fp32 acc=fp32 topk=cfg"        # a Setting (needlescope.setting)
     candidate = "k=fp8_e4m3 q=fp32 acc=fp32 topk=64 patch=fault:indexer_page_table"
     # candidate = "live"                # or: the endpoint below IS the candidate (live route)
+    # candidate = "dump"                # or: an engine's tensor dump is the candidate (dump route):
+    # dump = "dumps/run1"               #   SGLang dumper layout (docs/dsa_dump.md); dump_mapping = FILE.toml
     extra_patches = []                  # more candidate patch files (not indexer-scorer patches)
     endpoint = ""                       # a live server (server_info questions); "" = none
     env_file = ""                       # the deployment's env file (env questions)
@@ -47,6 +49,10 @@ applies the patch).
 With ``candidate = "live"`` (an ``endpoint`` is then required) nothing can be ablated: a
 suspect's causal check is ``live_emulation``; ``ablation`` there (or ``live_emulation`` with an
 in-process candidate), and ``extra_patches`` with a live candidate, are refused up front.
+
+With ``candidate = "dump"`` (``dump`` then names the dump directory) the candidate is an engine's
+tensor dump of one request (``dsa.compare_dump``): nothing runs it, so a suspect has no checks
+(only questions); the localization comes from comparing the dump with the reference.
 """
 
 from __future__ import annotations
@@ -106,6 +112,8 @@ emulation (``candidate = "live"``: the suspect emulated in the reference, compar
 endpoint's indexer capture) and each audit check."""
 
 LIVE = "live"
+DUMP = "dump"
+"""``candidate = "dump"``: the candidate is an engine's tensor dump (``dump = "DIR"``)."""
 """``candidate = "live"``: the candidate is the live endpoint itself (nothing to ablate)."""
 
 SETTING_KEYS = {
@@ -163,10 +171,14 @@ class Target:
     prefill_chunk: int | None = None
     """Every in-process pass runs its prompt through the model's KV cache in chunks of this many
     tokens (``dsa.passes``: peak memory bounded by the chunk); None: one forward per prompt."""
+    dump: Path | None = None
+    """The engine dump that is the candidate (``candidate = "dump"``); None otherwise."""
+    dump_mapping: Path | None = None
+    """Its mapping file (``dsa.dump_mapping``); None: the shipped SGLang DeepSeek-V4 one."""
 
     @property
     def live(self) -> bool:
-        return self.candidate is None
+        return self.candidate is None and self.dump is None
 
 
 @dataclass(frozen=True)
@@ -397,6 +409,7 @@ def _target(where: _Where, t: dict, base: Path) -> Target:
     ref_env = t.get("reference_env_file") or None
     cand_text = _expect(where, tl, t, "candidate", str, "a Setting such as 'k=fp8_e4m3 topk=64', or 'live'")
     endpoint = t.get("endpoint") or None
+    dump = _dump_paths(where, t, tl, base, cand_text.strip() == DUMP)
     if cand_text.strip() == LIVE and not endpoint:
         raise where.error(
             where.key_line("candidate", tl),
@@ -411,8 +424,10 @@ def _target(where: _Where, t: dict, base: Path) -> Target:
             base,
         ),
         candidate=None
-        if cand_text.strip() == LIVE
+        if cand_text.strip() in (LIVE, DUMP)
         else _setting(where, where.key_line("candidate", tl), cand_text, base),
+        dump=dump[0],
+        dump_mapping=dump[1],
         extra_patches=tuple(
             _patch(where, where.key_line("extra_patches", tl), p, base) for p in t.get("extra_patches", [])
         ),
@@ -434,12 +449,34 @@ def _target(where: _Where, t: dict, base: Path) -> Target:
     where.in_range("threads", target.threads, tl)
     if target.prefill_chunk is not None:
         where.in_range("prefill_chunk", target.prefill_chunk, tl)
-    if target.live and target.extra_patches:
+    if target.candidate is None and target.extra_patches:
         raise where.error(
             where.key_line("extra_patches", tl),
-            'extra_patches describe an in-process candidate; with candidate = "live" leave them out',
+            'extra_patches describe an in-process candidate; with candidate = "live" or "dump" leave them out',
         )
     return target
+
+
+def _dump_paths(where: _Where, t: dict, tl: int, base: Path, wanted: bool) -> tuple[Path | None, Path | None]:
+    """(dump directory, mapping file) of ``candidate = "dump"``; both None for other candidates."""
+    if not wanted:
+        for key in ("dump", "dump_mapping"):
+            if t.get(key):
+                raise where.error(where.key_line(key, tl), f'{key} is used only with candidate = "dump"')
+        return None, None
+    spec = t.get("dump")
+    if not isinstance(spec, str) or not spec:
+        raise where.error(
+            where.key_line("candidate", tl),
+            'candidate = "dump" needs dump = "DIR" (the engine\'s tensor dump)',
+        )
+    path = where.path_inside(spec, base, where.key_line("dump", tl), "dump")
+    if not path.is_dir():
+        raise where.error(where.key_line("dump", tl), f"dump {spec!r} is not a directory")
+    mapping = t.get("dump_mapping") or None
+    if mapping is not None:
+        mapping = where.path_inside(mapping, base, where.key_line("dump_mapping", tl), "dump_mapping")
+    return path, mapping
 
 
 def with_chunk(ledger: Ledger, prefill_chunk: int | None) -> Ledger:
@@ -457,6 +494,12 @@ def _check_routes(where: _Where, target: Target, suspects: tuple[Suspect, ...]) 
     live_emulation a live one."""
     wrong = "ablation" if target.live else "live_emulation"
     for s in suspects:
+        if target.dump is not None and s.checks:
+            raise where.error(
+                where.key_line("checks", s.line),
+                f"suspect {s.id!r}: a tensor dump cannot be ablated, emulated against or audited; with "
+                'candidate = "dump" leave checks out and ask questions (the localization comes from the dump)',
+            )
         if wrong in s.checks:
             need = (
                 'an in-process candidate Setting (the live endpoint cannot be ablated: use "live_emulation")'

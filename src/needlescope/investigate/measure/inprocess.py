@@ -73,7 +73,7 @@ class _Investigation:
         t = ledger.target
         self.Config = Config
         self.reference = Config(t.reference)
-        self.candidate = None if t.live else Config(t.candidate, t.extra_patches)
+        self.candidate = None if t.candidate is None else Config(t.candidate, t.extra_patches)
         self.configs: dict[str, dict] = {"reference": self.reference.to_json()}
         if self.candidate is not None:
             self.configs["candidate"] = self.candidate.to_json()

@@ -104,14 +104,20 @@ def localization_blocks(v: dict) -> list[tuple]:
         for p in loc["paths"]
         for ly in p["layers"]
     ]
-    return [
-        ("h", 2, "Where the divergence starts"),
-        (
-            "p",
+    if loc["case_id"] == "dump":  # the dump route (investigate.measure.dump): one request, no answer
+        text = (
+            f"The engine's tensor dump ({loc['config']}) against the reference on the same token ids: "
+            f"**{loc['summary']}**. Reproduce: `{loc['command']}` (every tensor in `localize/compare_dump.md`)."
+        )
+    else:
+        text = (
             f"Case `{loc['case_id']}` under {loc.get('target', 'the residual candidate')} `{loc['config']}`, at its first wrong answer token "
             f"(answer token {loc['analysed_token']}, query position {loc['query_pos']}): **{loc['summary']}**. "
-            f"Reproduce the prefill step: `{loc['command']}`.",
-        ),
+            f"Reproduce the prefill step: `{loc['command']}`."
+        )
+    return [
+        ("h", 2, "Where the divergence starts"),
+        ("p", text),
         ("table", head, rows),
         ("table", ["path", "CSA layer", "top-k overlap", "needle kept: reference / candidate"], lrows),
     ]

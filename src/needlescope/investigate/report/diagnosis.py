@@ -39,15 +39,15 @@ _FIX_COLOURS = ("#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#bcbd22"
 
 
 def _recall_curves(ax, inv: dict) -> None:
-    """Reference and candidate drawn thick, each fix thin and dashed over them (a fix that
-    matches the reference stays visible on it), on a linear length axis ticked at the tested
-    lengths."""
+    """Reference and candidate drawn thick and pale, each fix dashed and solid-coloured over them
+    (a fix that matches the reference at 1.0 stays visible on it), on a linear length axis ticked
+    at the tested lengths."""
     sy = inv["symptom"]
     for f, colour in zip(inv["fixes"], itertools.cycle(_FIX_COLOURS)):
         rec = f["recall_by_length"]
         xs = [int(n) for n in rec]
         ax.plot(
-            xs, [rec[str(n)] for n in xs], lw=1.2, ls="--", marker=".", alpha=0.9,
+            xs, [rec[str(n)] for n in xs], lw=2.4, ls=(0, (4, 2)), marker="D", ms=5,
             label=f"{f['name']} ({f.get('label_kind', 'fix')})", zorder=6, color=colour,
         )  # fmt: skip
     for name, rec, colour in (
@@ -55,7 +55,17 @@ def _recall_curves(ax, inv: dict) -> None:
         ("candidate", sy["recall_candidate"], "#d62728"),
     ):
         xs = [int(n) for n in rec]
-        ax.plot(xs, [rec[str(n)] for n in xs], lw=3.2, marker="o", ms=7, color=colour, label=name, zorder=5)
+        ax.plot(
+            xs,
+            [rec[str(n)] for n in xs],
+            lw=5,
+            marker="o",
+            ms=8,
+            color=colour,
+            alpha=0.55,
+            label=name,
+            zorder=5,
+        )
     lengths = sorted({int(n) for n in sy["recall_reference"]} | {int(n) for n in sy["recall_candidate"]})
     ax.set_xticks(lengths, [f"{n:,}" for n in lengths])
     ax.set_xlim(0, max(lengths) * 1.05 if lengths else 1)
@@ -79,9 +89,8 @@ def _plots(inv: dict, out: Path) -> list[tuple[str, str]]:
     fig.tight_layout()
     fig.savefig(out / "recall.png", dpi=100)
     plt.close(fig)
-    made.append(
-        ("recall.png", "Recall by length: reference and candidate (thick), each replayed fix (thin, dashed)")
-    )
+    fixes = ", each replayed fix (dashed)" if inv["fixes"] else ""  # a live run replays none
+    made.append(("recall.png", f"Recall by length: reference and candidate (thick){fixes}"))
     layers = inv["verdicts"]["signature"]["layers"]
     if layers and inv.get("candidate_records"):
         fig, ax = plt.subplots(figsize=(6, 3.4))
@@ -103,7 +112,8 @@ def _plots(inv: dict, out: Path) -> list[tuple[str, str]]:
 
 def diagnosis_blocks(inv: dict, images: list[tuple[str, str]]) -> list[tuple]:
     """The report as blocks: ("h", level, text) | ("p", text) | ("table", header, rows) | ("img", file, caption)."""
-    live = inv.get("route") == "live"
+    route = inv.get("route")
+    live = route == "live"
     v = inv["verdicts"]
     b: list[tuple] = [("h", 1, "DIAGNOSIS"), summary_box(inv), ("p", _intro(inv, live))]
     b += dc.differences_blocks(v)
@@ -115,7 +125,7 @@ def diagnosis_blocks(inv: dict, images: list[tuple[str, str]]) -> list[tuple]:
     b += dc.nonfinite_blocks(v)
     if live:
         b += _live_blocks(inv)
-    else:
+    elif route != "dump":  # a dump has no signature, rank dump or fixes: nothing ran the candidate
         b += _signature_blocks(inv["verdicts"]["signature"], images)
         b += _rankdump_blocks(inv.get("explained"))
         b += rank_paths_blocks(inv["verdicts"].get("rank_paths"))
@@ -139,6 +149,8 @@ def _intro(inv: dict, live: bool) -> str:
         if live
         else "measured in-process on the reference checkpoint"
     )
+    if inv.get("route") == "dump":
+        where += "; the candidate is the engine's tensor dump of one request, compared with the reference on its token ids"
     return (
         f"Model `{inv['target']['model']}`. Reference `{sy['reference']}`; candidate (the deployment under "
         f"suspicion) `{sy['candidate']}`. {sy['kind']} needles, {sy['cases']} cases ({len(sy['lengths'])} lengths x "
@@ -183,7 +195,7 @@ def _root_blocks(inv: dict) -> list[tuple]:
 def _verdict_blocks(inv: dict, live: bool) -> list[tuple]:
     v = inv["verdicts"]
     by_id = {s["id"]: s for s in inv["suspects"]}
-    present = {True: "yes", False: "no", None: "unknown (live)"}
+    present = {True: "yes", False: "no", None: f"unknown ({inv.get('route') or 'live'})"}
     rows = [
         [s["tier"], s["id"], present[by_id[s["id"]]["present"]], shown_verdict(s), s["reason"]]
         for s in v["suspects"]

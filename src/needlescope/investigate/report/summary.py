@@ -39,6 +39,8 @@ def _pair_text(p: dict) -> str:
 
 def _symptom(inv: dict) -> str:
     sy = inv["symptom"]
+    if inv.get("route") == "dump":
+        return "the candidate is an engine tensor dump of one request: no candidate recall; see where the divergence starts"
     if not sy["recall_candidate"]:
         return f"no candidate recall was measured ({sy['cases']} cases planned)"
     line = recall_fall_line(sy["recall_reference"], sy["recall_candidate"])
@@ -132,6 +134,8 @@ def _recommended(inv: dict) -> str:
         return _fix_text(root[0], inv.get("candidate_topk"))
     if inv.get("route") == "live":
         return "none measured: a live endpoint cannot be ablated; remove the root cause in the deployment and probe again"
+    if inv.get("route") == "dump":
+        return "none measured: a tensor dump cannot be ablated; fix the module the localization names, dump again and compare"
     roots = _roots(inv)
     if roots:
         return f"remove {', '.join(roots)} (no fix without it was replayed)"
