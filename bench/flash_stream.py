@@ -4,9 +4,10 @@ Writes a random DeepSeek-V4-Flash-shaped checkpoint with ``--layers`` layers on 
 (fp8 block projections, routed experts packed fp4 as the release ships them), loads it with
 ``load_bundle(device="auto", max_memory=BUDGET)`` (the weights do not fit the budget, so it
 streams), and measures: load time and resident bytes, per-layer read / place / compute times of
-every pass, peak device memory, streamed rank dumps at ``--lengths``, and with ``--localize N``
+every pass, peak device memory, streamed rank dumps at ``--lengths``, with ``--localize N``
 a streamed localization at N tokens of a planted fault (layer ``--fault-layer``'s MLP output
-scaled by 1.5) in chunks. ``--cold`` evicts the shards from the page cache first
+scaled by 1.5) in chunks, and with ``--cpu-length N`` one streamed prefill pass on the host's CPU
+cores. ``--cold`` evicts the shards from the page cache first
 (``posix_fadvise(DONTNEED)``) so the first pass reads from disk. Everything goes to
 ``$OUT/stream.json``; docs/scale.md holds the numbers.
 
@@ -151,6 +152,29 @@ def localize_at(
     }
 
 
+def cpu_pass(ckpt: Path, tok, length: int, chunk: int) -> dict:
+    """One streamed prefill pass on the CPU (the host's cores): per-layer read, place, compute."""
+    from needlescope.dsa.checkpoint import load_bundle
+    from needlescope.dsa.passes import prefill
+    from needlescope.dsa.prompt import render_prompt
+
+    ids = render_prompt(tok, needle_case(tok, length, seed=length + 2).messages).input_ids
+    t0 = time.perf_counter()
+    model = load_bundle(ckpt, device="cpu", stream_layers=True)[0]
+    load_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        prefill(model, torch.tensor([ids]), chunk=chunk, logits_at=[len(ids) - 1])
+    return {
+        "prompt_tokens": len(ids),
+        "chunk": chunk,
+        "threads": torch.get_num_threads(),
+        "load_s": round(load_s, 2),
+        "pass_s": round(time.perf_counter() - t0, 2),
+        "passes": passes_since(model, 0),
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=8)
@@ -164,6 +188,7 @@ def main() -> None:
     ap.add_argument("--localize", type=int, default=0, help="prompt tokens of a streamed localization")
     ap.add_argument("--fault-layer", type=int, default=5)
     ap.add_argument("--reuse", action="store_true", help="keep an existing checkpoint at --ckpt")
+    ap.add_argument("--cpu-length", type=int, default=0, help="prompt tokens of one streamed pass on the CPU")
     args = ap.parse_args()
     out = Path(os.environ.get("OUT", "flash-stream-out"))
     out.mkdir(parents=True, exist_ok=True)
@@ -228,8 +253,15 @@ def main() -> None:
         except torch.OutOfMemoryError as exc:
             res["localize"] = {"error": f"OOM: {str(exc)[:300]}"}
         save()
-    print(json.dumps({k: v for k, v in res.items() if k not in ("rank_dumps", "localize")}, indent=1))
-    for d in res["rank_dumps"] + ([res["localize"]] if "localize" in res else []):
+    if args.cpu_length:
+        res["cpu_pass"] = cpu_pass(ckpt, tok, args.cpu_length, args.chunk)
+        save()
+    print(
+        json.dumps(
+            {k: v for k, v in res.items() if k not in ("rank_dumps", "localize", "cpu_pass")}, indent=1
+        )
+    )
+    for d in res["rank_dumps"] + [res[k] for k in ("localize", "cpu_pass") if k in res]:
         print(json.dumps({k: v for k, v in d.items() if k != "passes"}))
 
 
