@@ -145,8 +145,8 @@ def test_streamed_flash_shaped_fp4_checkpoint_equals_in_memory(flash_dir):
     expert = memory.model.layers[1].mlp.experts.gate_up_proj
     assert expert.dtype == torch.bfloat16 and bool(expert.abs().sum() > 0)
     memory, streamed = _f64(memory), _f64(streamed)
-    ids = torch.randint(3, 3000, (200,), generator=torch.Generator().manual_seed(2)).tolist()
-    a, b = (_live_paths(m, ids, 197, 96) for m in (memory, streamed))
+    ids = torch.randint(3, 3000, (133,), generator=torch.Generator().manual_seed(2)).tolist()
+    a, b = (_live_paths(m, ids, 130, 64) for m in (memory, streamed))  # past an HCA window of 128
     assert len(a) == len(b) == 6 and all(torch.equal(x, y) for x, y in zip(a, b))
     assert bool(torch.isfinite(a[0]).all())
 
@@ -223,3 +223,20 @@ def test_chunked_localizer_replays_on_the_cache_before_each_chunk(tmp_path):
     assert result["first_divergent_module"] is None
     attn = [m for m in result["modules"] if m["module"].startswith("model.layers.1.self_attn[call")]
     assert attn and all(m["own_err"] == 0.0 for m in attn)
+
+
+def test_cli_diff_streams_in_chunks_and_refuses_two_devices(flash_dir, tmp_path, run_cli):
+    import json
+
+    words = " ".join(f"w{i}" for i in range(30))
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text(f"{words} The secret code is 4815927. {words} What is the secret code?")
+    out = tmp_path / "out"
+    args = ["indexer", "diff", "--model", str(flash_dir), "--prompt", str(prompt), "--needle",
+            "The secret code is 4815927.", "--patch", str(_mlp_fault(tmp_path, 2))]  # fmt: skip
+    code, stdout, err = run_cli(*args, "--chunk", "48", "--stream-layers", "--out", str(out))
+    assert code == 0, err
+    assert json.loads((out / "diff.json").read_text())["first_divergent_module"] == "model.layers.2.mlp"
+    assert "model.layers.2.mlp" in stdout
+    code, _, err = run_cli(*args, "--stream-layers", "--device", "cpu,cpu", "--out", str(tmp_path / "o2"))
+    assert code == 2 and "--stream-layers runs on one device" in err
