@@ -187,6 +187,9 @@ def main() -> None:
     ap.add_argument("--cold", action="store_true", help="evict the shards from the page cache first")
     ap.add_argument("--localize", type=int, default=0, help="prompt tokens of a streamed localization")
     ap.add_argument("--fault-layer", type=int, default=5)
+    ap.add_argument(
+        "--localize-chunk", type=int, default=0, help="the localization's chunk (default --chunk)"
+    )
     ap.add_argument("--reuse", action="store_true", help="keep an existing checkpoint at --ckpt")
     ap.add_argument("--cpu-length", type=int, default=0, help="prompt tokens of one streamed pass on the CPU")
     args = ap.parse_args()
@@ -248,7 +251,14 @@ def main() -> None:
     if args.localize:
         try:
             res["localize"] = localize_at(
-                ckpt, model, tok, args.localize, args.chunk, args.max_memory, args.fault_layer, out
+                ckpt,
+                model,
+                tok,
+                args.localize,
+                args.localize_chunk or args.chunk,
+                args.max_memory,
+                args.fault_layer,
+                out,
             )
         except torch.OutOfMemoryError as exc:
             res["localize"] = {"error": f"OOM: {str(exc)[:300]}"}
