@@ -190,7 +190,7 @@ def test_patch_is_applied_for_the_servers_lifetime(tmp_path):
     patch.write_text(f"PATCHED_TOPK = {patched_topk}\n" + PATCH)
     with ServerProcess(["--model", str(ckpt), "--port", "0", "--patch", str(patch)]) as srv:
         info = httpx.get(srv.url + "/get_server_info").json()
-        assert info["patch"] == str(patch)
+        assert info["patch"] == patch.name  # the file's name: its path only with --expose-paths
         words = " ".join(["the river ran past the old mill"] * 6)
         body = {"text": words, "sampling_params": {"max_new_tokens": 2}, "return_indexer_topk": True}
         meta = httpx.post(srv.url + "/generate", json=body, timeout=60).json()["meta_info"]

@@ -260,3 +260,76 @@ def test_gate_halves_on_rejection_and_grows_back_on_success():
         assert gate.limit == 4 and gate.lowest == 2
 
     run(go())
+
+
+@pytest.fixture(scope="module")
+def rejecting_server():
+    """A loopback server that answers every chat 503 with the Retry-After its path names
+    (``/<value>/v1/chat/completions``) and counts the attempts per value."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    from urllib.parse import unquote
+
+    attempts: dict[str, int] = {}
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args) -> None:
+            pass
+
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            value = unquote(self.path.split("/")[1])
+            attempts[value] = attempts.get(value, 0) + 1
+            body = b'{"error": {"message": "admission queue full"}}'
+            self.send_response(503)
+            self.send_header("Retry-After", value)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", attempts
+    server.shutdown()
+    server.server_close()
+
+
+RETRY_BUDGET_S = 2.0
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "nan"])
+def test_a_retry_after_that_is_no_wait_keeps_the_backoff(rejecting_server, value):
+    """Issue 38 R8: a Retry-After of 0, negative or NaN removed all backoff (about 1,400 attempts
+    per case in a 10 s budget). Now the exponential backoff (0.5 s doubling) is the least wait:
+    a handful of attempts fill the budget."""
+    root, attempts = rejecting_server
+
+    async def go():
+        async with ChatTarget(f"{root}/{value}/v1", "m", retry_budget_s=RETRY_BUDGET_S) as target:
+            await target.chat(MSGS, max_tokens=8)
+
+    with pytest.raises(TransportFailure, match="retry budget"):
+        run(go())
+    assert 2 <= attempts[value] <= 5, attempts  # waits of at least 0.25, 0.5, 1 s: four fit in 2 s
+
+
+@pytest.mark.parametrize("value", ["1e9", "inf", "1e999"])
+def test_a_huge_retry_after_waits_at_most_the_backoff_ceiling(rejecting_server, value):
+    """The other end of R8's range (held before too, guarded here): a Retry-After far beyond any
+    budget is cut to ``backoff_max``: with a 2 s budget and a 1 s ceiling the client retries after
+    about 1 s, not never (or after 31 years)."""
+    root, attempts = rejecting_server
+
+    async def go():
+        async with ChatTarget(
+            f"{root}/{value}/v1", "m", retry_budget_s=RETRY_BUDGET_S, backoff_max=1.0
+        ) as target:
+            await target.chat(MSGS, max_tokens=8)
+
+    with pytest.raises(TransportFailure, match="retry budget"):
+        run(go())
+    assert attempts[value] == 2, attempts

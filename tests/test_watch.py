@@ -19,7 +19,7 @@ import subprocess
 import sys
 import threading
 import time
-from http.server import ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -119,7 +119,7 @@ def run_rounds(cfg: CanaryConfig, rounds: int = 1, between=None) -> dict[tuple, 
 
 
 def canary_cfg(url: str, **kw) -> CanaryConfig:
-    kw = {"lengths": (200, 600), "depths": (0.0, 25.0), "trials": 1, "timeout_s": 5.0, **kw}
+    kw = {"lengths": (200, 600), "depths": (0.0, 25.0), "timeout_s": 5.0, **kw}
     return CanaryConfig(base_url=url, **kw)
 
 
@@ -245,6 +245,56 @@ def test_logs_hold_no_api_key_and_no_request_body_at_info(scripted_server, caplo
         assert not any(v in info for v in case.expected)
 
 
+@pytest.fixture
+def recording_engine():
+    """An in-process scripted server (300-word recall window) that keeps every chat body it got."""
+
+    class Handler(scripted_server.Handler):
+        chats: list[dict] = []
+
+        def _chat(self, body: dict) -> None:
+            Handler.chats.append(body)
+            super()._chat(body)
+
+    Handler.state = scripted_server.State(scripted_server.parse_options(["--window", "300"]))
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    Handler.url = f"http://127.0.0.1:{server.server_address[1]}"
+    yield Handler
+    server.shutdown()
+    server.server_close()
+
+
+def test_every_probe_is_a_fresh_haystack_and_every_round_logs_its_recall(recording_engine, caplog):
+    """Issue 38 item 13: the canary cycled a fixed set of cases, so from the third round on an
+    engine's prefix cache could answer a probe from an earlier one; and it logged no recall, so a
+    run against a broken server said only "target is up" and "canary stopped". Now no two probes
+    share their opening words, and each round logs each length's result and rolling recall."""
+    cfg = canary_cfg(recording_engine.url, lengths=(200, 600), depths=(0.0, 25.0))
+    with caplog.at_level(logging.INFO, logger="needlescope.watch"):
+        run_rounds(cfg, rounds=3)
+    # The haystack's opening words, after the fixed instruction that leads every prompt.
+    openings = [
+        tuple(chat["messages"][0]["content"].split("\n\n", 1)[1].split()[:12])
+        for chat in recording_engine.chats
+    ]
+    assert len(openings) == 6 and len(set(openings)) == 6, openings
+    rounds = [r.getMessage() for r in caplog.records if r.getMessage().startswith("round ")]
+    assert rounds[0] == (
+        "round 1: 200 tokens hit (recall 1.00), 600 tokens miss (recall 0.00); effective length 200"
+    ), rounds
+    assert [line.split(":")[0] for line in rounds] == ["round 1", "round 2", "round 3"]
+
+
+def test_a_round_logs_the_errors_of_its_probes(scripted_server, caplog):
+    url = scripted_server(window=300, fail_every=1, fail_status=503)
+    with caplog.at_level(logging.INFO, logger="needlescope.watch"):
+        run_rounds(canary_cfg(url, lengths=(200,), depths=(0.0,)), rounds=1)
+    rounds = [r.getMessage() for r in caplog.records if r.getMessage().startswith("round ")]
+    assert rounds == ["round 1: 200 tokens admission (recall -); effective length -"], rounds
+
+
 # --- GPUs -----------------------------------------------------------------------------------------
 
 
@@ -345,6 +395,18 @@ def test_health_reports_each_check_and_exits_by_verdict(scripted_server):
     assert failing.returncode == 1 and failing.stdout.splitlines()[1].startswith("fail  chat")
 
 
+def test_health_with_a_model_the_server_does_not_serve_is_bad_usage(scripted_server):
+    """Issue 38 item 3: before, a typo in --model was blamed on the server ("exposes no /tokenize
+    endpoint", exit 1, unhealthy); it is the caller's mistake: one line naming the served models,
+    exit 2, as the probe says it."""
+    url = scripted_server(window=300)
+    typo = health("--base-url", url, "--model", "scriptd", "--length", "200")
+    assert typo.returncode == 2, typo.stdout + typo.stderr
+    assert typo.stderr.strip().splitlines() == [
+        f"error: model 'scriptd' not served at {url}/v1; available: scripted"
+    ], typo.stderr
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -361,6 +423,14 @@ def test_health_reports_each_check_and_exits_by_verdict(scripted_server):
         (
             ["canary", "--base-url", "http://127.0.0.1:1", "--lengths", "2k"],
             "--lengths takes comma-separated",
+        ),
+        # issue 38 R18: accepted before (a negative count ran for ever; a key no header can carry
+        # ended in a traceback from the HTTP client)
+        (["canary", "--base-url", "http://127.0.0.1:1", "--rounds", "-1"], "--rounds must be 0"),
+        (["health", "--base-url", "http://127.0.0.1:1", "--api-key", "sk-kéy"], "non-ASCII character"),
+        (
+            ["canary", "--base-url", "http://127.0.0.1:1", "--rounds", "1", "--api-key", "a\nb"],
+            "control character",
         ),
     ],
 )
@@ -397,7 +467,7 @@ def test_health_and_canary_watch_the_organism_and_its_admission_queue():
         assert ok.stdout.splitlines()[2].startswith("ok    needle")
         assert "needle values: 3 digits, from the target's /get_server_info trained_value_digits" in ok.stdout
 
-        cfg = CanaryConfig(base_url=srv.url, lengths=(256,), depths=(50.0,), trials=1)
+        cfg = CanaryConfig(base_url=srv.url, lengths=(256,), depths=(50.0,))
         got = run_rounds(cfg)
         assert got[("needlescope_recall", "256")] == 1.0
         assert got[("needlescope_engine_queue_depth",)] == 0.0
@@ -555,8 +625,41 @@ def test_watch_is_core_and_imports_no_torch():
     assert done.stdout.strip() == "False", done.stderr
 
 
-def sse(*chunks: object) -> bytes:
-    return b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"
+def sse(*chunks: object, done: bool = True) -> bytes:
+    body = b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks)
+    return body + (b"data: [DONE]\n\n" if done else b"")
+
+
+@pytest.fixture(scope="module")
+def stream_server():
+    """A loopback server whose chat answer is the SSE bytes in ``.stream``, sent in 7-byte pieces
+    (lines split across reads as on any socket), then the connection closes."""
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+        stream = b""
+
+        def log_message(self, *args) -> None:
+            pass
+
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Connection", "close")
+            self.end_headers()
+            for i in range(0, len(Handler.stream), 7):
+                self.wfile.write(Handler.stream[i : i + 7])
+                self.wfile.flush()
+            self.close_connection = True
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    Handler.url = f"http://127.0.0.1:{server.server_address[1]}/v1"
+    yield Handler
+    server.shutdown()
+    server.server_close()
 
 
 @pytest.mark.parametrize(
@@ -569,30 +672,27 @@ def sse(*chunks: object) -> bytes:
         (sse({"choices": [{"delta": {"content": "12"}}]}, {"error": {"message": "engine died"}}), "protocol"),
         (sse({"usage": {"prompt_tokens": 3}}), "protocol"),
         (b"data: {not json\n\n", "protocol"),
+        # issue 38 R9: cut off with neither a finish_reason nor [DONE] (a miss before); a stream
+        # that says why it finished needs no [DONE] to be scored
+        (sse({"choices": [{"delta": {"content": "12"}}]}, done=False), "protocol"),
+        (sse({"choices": [{"delta": {"content": "9"}, "finish_reason": "stop"}]}, done=False), "miss"),
     ],
 )
-def test_streamed_answers_are_assembled_and_broken_streams_are_errors(stream, expected):
-    # A mock transport supplements the organism test (which streams for real): odd streams on demand.
+def test_streamed_answers_are_assembled_and_broken_streams_are_errors(stream_server, stream, expected):
     from needlescope.cases import Case
     from needlescope.targets import ChatTarget
     from needlescope.watch.probe import RecordingTransport, probe_case
 
-    async def pieces():  # in small pieces, so lines are split across reads as on a socket
-        for i in range(0, len(stream), 7):
-            yield stream[i : i + 7]
-
-    def handler(request: httpx.Request) -> httpx.Response:
-        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=pieces())
-
+    stream_server.stream = stream
     case = Case("c", "single", 10, 0.0, 0, [{"role": "user", "content": "q"}], ["4173559"], "q", "n", "g", 10)
 
     async def go():
-        recorder = RecordingTransport(httpx.MockTransport(handler))
+        recorder = RecordingTransport()
         async with ChatTarget(
-            "http://127.0.0.1:1", "m", retries=0, retry_budget_s=0, transport=recorder
+            stream_server.url, "m", retries=0, retry_budget_s=0, transport=recorder
         ) as target:
             return await probe_case(target, recorder, case, max_tokens=8, extra_body={})
 
     outcome = asyncio.run(go())
-    assert (outcome.error or outcome.detail) == expected
-    assert (outcome.ttft_s is not None) == (expected == "hit" or stream.startswith(b'data: {"choices"'))
+    assert (outcome.error or outcome.detail) == expected, outcome
+    assert (outcome.ttft_s is not None) == (expected != "protocol" or stream.startswith(b'data: {"choices"'))

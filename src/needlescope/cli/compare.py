@@ -10,11 +10,12 @@ import typer
 
 from needlescope.cli.interrupts import on_interrupt, store_saved
 from needlescope.cli.output import console, err_console
-from needlescope.cli.outputs import FORCE, guard
+from needlescope.cli.outputs import FORCE, OUTPUT_SPECS, guard
 from needlescope.cli.probe import probe_events
 from needlescope.cli.probe_options import PROBE_FLAGS, build, option_group
 from needlescope.cli.progress import ProgressView
 from needlescope.errors import BadInput, ProbeError
+from needlescope.outdir import record_outputs
 from needlescope.report.compare import errors_line
 from needlescope.report.oracle import append_oracle_section, read_oracle
 from needlescope.run.compare import compare_runs
@@ -111,6 +112,7 @@ def _render(result: dict, out: Path, oracle_result: dict | None, *, resume_hint:
         console.say("[bold]margins:[/] {}", result["graded"]["verdict"], soft_wrap=True)
     if oracle_result is not None:
         append_oracle_section(out / "report.md", oracle_result)
+        record_outputs(out, OUTPUT_SPECS["compare"])  # report.md is still compare's own
         console.print(f"logprob oracle: {oracle_result['summary']['verdict']} (section added to report.md)")
     console.print(f"wrote {out}/compare.json, report.md, delta_heatmap.png, pairs.jsonl", soft_wrap=True)
     failed = errors_line(result["errors"])

@@ -41,6 +41,12 @@ HeaderTimeout = Annotated[
 BodyTimeout = Annotated[
     float, typer.Option("--body-timeout", help="Seconds to send a request body after its head.")
 ]
+HalfCloseTimeout = Annotated[
+    float,
+    typer.Option(
+        "--half-close-timeout", help="Seconds to answer a client that half-closed after its request."
+    ),
+]
 
 
 def serve_command(
@@ -111,6 +117,7 @@ def serve_command(
     max_connections: MaxConnections = _DEFAULTS.max_connections,
     header_timeout_s: HeaderTimeout = _DEFAULTS.header_timeout_s,
     body_timeout_s: BodyTimeout = _DEFAULTS.body_timeout_s,
+    half_close_timeout_s: HalfCloseTimeout = _DEFAULTS.half_close_timeout_s,
     prefix_cache_mib: int = typer.Option(
         _DEFAULTS.prefix_cache_mib,
         "--prefix-cache-mib",
@@ -162,19 +169,22 @@ def _config_from_flags(*, index_k, index_q, score_dtype, index_topk, patch, **re
 
 
 def _serve(cfg: ServeConfig) -> None:
+    from needlescope.serve.connections import bind_listener
+
+    listener = bind_listener(cfg.host, cfg.port)  # a port in use fails here, before torch and the model load
+
     from transformers.utils import logging as hf_logging
 
     from needlescope.serve.app import run_server
     from needlescope.serve.engine import Engine
 
     hf_logging.disable_progress_bar()
-
     engine = Engine(cfg)
     info = engine.info()
 
     def ready(bound_host: str, bound_port: int) -> None:
         err_console.say(
-            "serving [bold]{}[/] ({}) at http://{}:{}/v1  index_k={} index_q={} index_topk={}",
+            "serving [bold]{}[/] ({}) at http://{}:{}/v1  index_k={} index_q={} index_topk={}{}",
             info["model"],
             info["architecture"],
             bound_host,
@@ -182,8 +192,9 @@ def _serve(cfg: ServeConfig) -> None:
             info["index_k"],
             info["index_q"],
             info["index_topk"],
+            "" if info["patch"] is None else f"  patch={info['patch']}",
         )
         # The machine-readable line, like the scripted server's: "READY <port>".
         print(f"READY {bound_port}", flush=True)
 
-    run_server(engine, on_ready=ready)
+    run_server(engine, on_ready=ready, listener=listener)

@@ -50,7 +50,7 @@ def health_command(
     raise typer.Exit(0 if report["healthy"] else 1)
 
 
-@option_group(CanaryConfig, ("lengths", "depths", "trials", "threshold", "skip_long_lengths", *_TARGET_FLAGS))
+@option_group(CanaryConfig, ("lengths", "depths", "threshold", "skip_long_lengths", *_TARGET_FLAGS))
 def canary_command(
     flags: dict,
     base_url: str = typer.Option(..., "--base-url", help="Server URL (root or ending in /v1)."),
@@ -80,6 +80,8 @@ def canary_command(
     except ImportError as e:
         raise BadInput(f"needlescope canary needs {e.name}; pip install 'needlescope[watch]'") from None
 
+    if rounds < 0:
+        raise BadInput(f"--rounds must be 0 (run until stopped) or a positive count; got {rounds}")
     if log_level.lower() not in ("debug", "info", "warning"):
         raise BadInput(f"--log-level must be debug, info or warning; got {log_level!r}")
     cfg = build(

@@ -236,7 +236,9 @@ def apply_patch_once(model: torch.nn.Module, patch, *, check: bool = True) -> Ca
     fn = load_patch(patch)
     try:
         undo = fn(model)
-    except (Exception, SystemExit) as exc:  # SystemExit: sys.exit() in a patch must not end serve
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # SystemExit or a bare BaseException in a patch must not end serve
         raise BadInput(f"patch {str(patch)!r}: apply(model) failed: {_failure(exc)}") from None
     if callable(undo):
         return undo
@@ -292,7 +294,9 @@ def load_patch(patch: PatchRef | str) -> Callable[[torch.nn.Module], object]:
     module = importlib.util.module_from_spec(spec)
     try:
         spec.loader.exec_module(module)
-    except (Exception, SystemExit) as exc:  # SystemExit: sys.exit() at import must not end serve
+    except KeyboardInterrupt:
+        raise
+    except BaseException as exc:  # SystemExit or a bare BaseException at import must not end serve
         raise BadInput(f"patch file {key!r} failed to import: {_failure(exc)}") from None
     fn = getattr(module, "apply", None)
     if not callable(fn):

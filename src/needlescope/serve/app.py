@@ -11,6 +11,8 @@ counts requests and checks the API key and the body size.
 from __future__ import annotations
 
 import asyncio
+import logging
+import socket
 from collections.abc import Callable
 from contextlib import asynccontextmanager
 
@@ -21,6 +23,7 @@ from needlescope import __version__
 from needlescope.serve.connections import (
     ACCEPT_BACKLOG,
     ConnectionLimits,
+    bind_listener,
     guarded_protocol,
     quiet_accept_errors,
 )
@@ -30,7 +33,9 @@ from needlescope.serve.routes import include_routes
 from needlescope.serve.routes.errors import install as install_error_handlers
 from needlescope.serve.routes.generation import Serving
 
-__all__ = ["create_app", "run_server"]
+__all__ = ["SHUTDOWN_GRACE_S", "create_app", "run_server"]
+
+log = logging.getLogger("needlescope.serve")
 
 
 def create_app(engine: Engine) -> FastAPI:
@@ -74,9 +79,18 @@ def _openapi_without_422(app: FastAPI) -> None:
     app.openapi = openapi
 
 
+SHUTDOWN_GRACE_S = 5.0
+"""At SIGTERM/SIGINT, how long running requests have to finish before they are answered 503."""
+_SEND_ERRORS_S = 2.0
+"""Time left after the grace period for those 503s (and streams' error events) to be written
+before uvicorn cancels what still runs."""
+
+
 class _Server(uvicorn.Server):
     """uvicorn server that reports its bound port once it is listening, and on SIGTERM/SIGINT
-    answers the requests still waiting for the engine 503 before the graceful window closes."""
+    answers the requests still waiting for the engine 503 at once, and those still running after
+    ``SHUTDOWN_GRACE_S`` 503 too (a stream: an error event, then the end of the stream), before
+    uvicorn's own graceful window closes and it would drop their connections unanswered."""
 
     def __init__(
         self, config: uvicorn.Config, engine: Engine, on_ready: Callable[[str, int], None] | None
@@ -93,6 +107,22 @@ class _Server(uvicorn.Server):
             self._loop.call_soon_threadsafe(self._engine.drain)
         super().handle_exit(sig, frame)
 
+    async def shutdown(self, sockets=None) -> None:
+        timer = asyncio.get_running_loop().call_later(SHUTDOWN_GRACE_S, self._abort_running)
+        try:
+            await super().shutdown(sockets=sockets)
+        finally:
+            timer.cancel()
+
+    def _abort_running(self) -> None:
+        aborted = self._engine.abort_running()
+        if aborted:
+            log.warning(
+                "shutting down: %d request(s) still running after %gs answered 503 shutting_down",
+                aborted,
+                SHUTDOWN_GRACE_S,
+            )
+
     async def startup(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()
         quiet_accept_errors(self._loop)
@@ -102,11 +132,18 @@ class _Server(uvicorn.Server):
             self._on_ready(host, port)
 
 
-def run_server(engine: Engine, on_ready: Callable[[str, int], None] | None = None) -> None:
-    """Serve ``engine`` until SIGINT/SIGTERM; ``on_ready(host, port)`` runs once it listens."""
+def run_server(
+    engine: Engine,
+    on_ready: Callable[[str, int], None] | None = None,
+    listener: socket.socket | None = None,
+) -> None:
+    """Serve ``engine`` until SIGINT/SIGTERM on ``listener`` (``bind_listener``; default: bind
+    ``cfg.host:cfg.port`` now); ``on_ready(host, port)`` runs once it listens."""
     app = create_app(engine)
     cfg = engine.cfg
-    limits = ConnectionLimits.for_server(cfg.max_connections, cfg.header_timeout_s, cfg.body_timeout_s)
+    limits = ConnectionLimits.for_server(
+        cfg.max_connections, cfg.header_timeout_s, cfg.body_timeout_s, cfg.half_close_timeout_s
+    )
     config = uvicorn.Config(
         app,
         host=cfg.host,
@@ -116,7 +153,8 @@ def run_server(engine: Engine, on_ready: Callable[[str, int], None] | None = Non
         timeout_keep_alive=5,
         log_level="warning",
         access_log=False,
-        timeout_graceful_shutdown=5,
+        timeout_graceful_shutdown=SHUTDOWN_GRACE_S + _SEND_ERRORS_S,
         lifespan="on",
     )
-    _Server(config, engine, on_ready).run()
+    sock = listener if listener is not None else bind_listener(cfg.host, cfg.port)
+    _Server(config, engine, on_ready).run(sockets=[sock])

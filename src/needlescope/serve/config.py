@@ -19,6 +19,7 @@ from pathlib import Path
 
 from needlescope.errors import BadInput
 from needlescope.setting import Setting
+from needlescope.targets.endpoints import check_api_key
 
 __all__ = ["DEFAULT_PORT", "ServeConfig"]
 
@@ -32,6 +33,7 @@ DEFAULT_MAX_BODY_BYTES = 4 * 2**20
 DEFAULT_MAX_CONNECTIONS = 1024
 DEFAULT_HEADER_TIMEOUT_S = 10.0
 DEFAULT_BODY_TIMEOUT_S = 30.0
+DEFAULT_HALF_CLOSE_TIMEOUT_S = 120.0
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 DEVICES = ("cpu", "cuda")
 
@@ -97,6 +99,9 @@ class ServeConfig:
     """A connection must send a complete request head within this many seconds, or is closed."""
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
     """A request's body must be complete within this many seconds of its head, or is closed."""
+    half_close_timeout_s: float = DEFAULT_HALF_CLOSE_TIMEOUT_S
+    """A client that half-closed after its whole request is answered within this many seconds of
+    its FIN, or its connection is closed and the request cancelled (``serve.connections``)."""
     api_key: str | None = field(default=None, repr=False)
     """When set, every route but /health needs ``Authorization: Bearer KEY``. Never logged,
     never echoed (``to_dict`` says only whether one is set), never in ``to_json``."""
@@ -153,11 +158,13 @@ class ServeConfig:
         for flag, value in (
             ("--header-timeout", self.header_timeout_s),
             ("--body-timeout", self.body_timeout_s),
+            ("--half-close-timeout", self.half_close_timeout_s),
         ):
             if not 0 < value <= 3600:
                 raise BadInput(f"{flag} must be in (0, 3600] seconds; got {value}")
         if self.api_key is not None and not self.api_key.strip():
             raise BadInput("--api-key (or NEEDLESCOPE_API_KEY) is empty; give a key or leave it unset")
+        check_api_key(self.api_key)
 
     @property
     def model_name(self) -> str:
@@ -170,17 +177,27 @@ class ServeConfig:
         """Whether the server would listen beyond loopback with no API key."""
         return self.host not in LOOPBACK_HOSTS and self.api_key is None
 
+    @property
+    def patch_shown(self) -> str | None:
+        """The patch as the server shows it (``/get_server_info``, the startup line): a built-in
+        ``fault:NAME`` as is, a patch file by its name unless ``expose_paths``; None without one."""
+        patch = self.setting.patch if self.setting is not None else None
+        if patch is None or patch.is_fault or self.expose_paths:
+            return None if patch is None else patch.spec
+        return patch.path.name
+
     def to_dict(self) -> dict:
         """Flat form echoed by ``/get_server_info`` as ``args``: the setting's fields inline
         (``None`` each when no setting was given), ``patch`` as its spec, the API key replaced by
-        whether one is set, and the model directory by its name unless ``expose_paths``."""
+        whether one is set, and the model directory and a patch file by their names unless
+        ``expose_paths``."""
         d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "setting"}
         d["api_key"] = self.api_key is not None
         if not self.expose_paths and self.model != "organism":
             d["model"] = Path(self.model).name
         names = ("index_k", "index_q", "score_dtype", "index_topk", "hadamard", "patch")
         setting = self.setting.to_json() if self.setting is not None else dict.fromkeys(names)
-        return {**d, **setting}
+        return {**d, **setting, "patch": self.patch_shown}
 
     def to_json(self) -> str:
         """Every field but ``api_key`` as JSON text; ``from_json`` gives an equal config back

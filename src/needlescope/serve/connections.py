@@ -1,18 +1,27 @@
-"""Connection limits of the HTTP server: slow and half-open clients cannot take it down.
+"""Connection limits of the HTTP server: slow, stalled and half-closed clients cannot take it down.
 
 uvicorn arms its only connection timer (keep-alive) after a response, so a client that opens a
-connection and sends a few bytes, or a header a byte at a time, holds a file descriptor for
-ever; a few thousand of them exhaust the process's descriptors, and then ``/health`` and every
-chat get nothing. ``guarded_protocol`` builds uvicorn's h11 protocol with three limits:
+connection and sends a few bytes, a header a byte at a time, or a complete head announcing a body
+it never sends, holds a file descriptor for ever; a few thousand of them exhaust the process's
+descriptors, and then ``/health`` and every chat get nothing. ``guarded_protocol`` builds uvicorn's
+h11 protocol with a deadline on every phase in which the server waits for its peer, and a cap:
 
-- **header deadline**: a connection must deliver a complete request head within
-  ``header_timeout_s`` of its first byte (or of being opened); else it is closed.
-- **body deadline**: the body must be complete within ``body_timeout_s`` of the head.
+- **head**: a connection must deliver a complete request head within ``header_timeout_s`` of its
+  first byte (or of being opened); else it is closed.
+- **body**: the body must be complete within ``body_timeout_s`` of the head; else it is closed.
+- **half-closed**: a client that half-closes (sends FIN) after its whole request still gets its
+  answer (the write side stays open; the connection closes after the answer), but only within
+  ``half_close_timeout_s`` of the FIN; after that the connection is closed and the request is
+  cancelled like any other whose client left. A FIN before the request is complete closes the
+  connection at once: nothing more can arrive.
 - **connection cap**: at most ``max_connections`` open at once, clipped below the process's
   descriptor limit with room for the descriptors already open and for one accept burst
-  (asyncio accepts up to ``backlog`` connections before any of them reaches this code). A new connection at the cap closes the oldest connection that has
-  no request in progress (half-open or idle keep-alive), so a flood of slow clients cannot keep a
-  new ``/health`` out; with every connection busy, the new one is closed at once.
+  (asyncio accepts up to ``backlog`` connections before any of them reaches this code). A new
+  connection at the cap closes the oldest connection that owes the server bytes or sits idle
+  (a partial head, a head whose body has not all arrived, an idle keep-alive), so a flood of slow
+  or stalled clients cannot keep a new ``/health`` out; only connections whose request is
+  complete and being answered are never evicted. With every connection answering, the new one
+  is closed at once.
 
 When a limit bites the server logs one warning line per limit per minute, with the count since
 the last line. The timers are per connection and cannot be extended by trickling bytes.
@@ -24,16 +33,21 @@ import asyncio
 import logging
 import os
 import resource
+import socket
 import time
 from dataclasses import dataclass, field
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from needlescope.errors import BadInput
+from needlescope.serve.throttle import LogThrottle
+
 __all__ = [
     "ACCEPT_BACKLOG",
     "ConnectionGuard",
     "ConnectionLimits",
+    "bind_listener",
     "descriptor_headroom",
     "guarded_protocol",
     "quiet_accept_errors",
@@ -43,7 +57,6 @@ log = logging.getLogger("needlescope.serve")
 
 # Descriptors kept free beyond those open at start: files and sockets opened while serving.
 _SPARE_FDS = 32
-_WARN_EVERY_S = 60.0
 ACCEPT_BACKLOG = 256
 """The listen backlog, and so the largest accept burst (asyncio accepts up to this many at once)."""
 
@@ -67,31 +80,51 @@ class ConnectionLimits:
     """Already clipped by ``descriptor_headroom`` (``for_server``)."""
     header_timeout_s: float
     body_timeout_s: float
+    half_close_timeout_s: float
 
     @classmethod
     def for_server(
-        cls, max_connections: int, header_timeout_s: float, body_timeout_s: float
+        cls, max_connections: int, header_timeout_s: float, body_timeout_s: float, half_close_timeout_s: float
     ) -> ConnectionLimits:
-        return cls(min(max_connections, descriptor_headroom()), header_timeout_s, body_timeout_s)
+        return cls(
+            min(max_connections, descriptor_headroom()),
+            header_timeout_s,
+            body_timeout_s,
+            half_close_timeout_s,
+        )
+
+
+def bind_listener(host: str, port: int) -> socket.socket:
+    """The server's listening socket, bound now: ``serve`` binds before it loads the model, so a
+    port in use is one clear line (BadInput) at once, not uvicorn's error after the load."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+    except OSError as e:
+        raise BadInput(f"cannot listen on {host}:{port}: {e.strerror or e}; pass another --host") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        reason = e.strerror or str(e)
+        raise BadInput(
+            f"cannot listen on {host}:{port}: {reason}; pass another --port (0 picks a free one)"
+        ) from None
+    return sock
 
 
 def quiet_accept_errors(loop: asyncio.AbstractEventLoop) -> None:
     """asyncio logs a traceback for every failed ``accept()`` (out of descriptors: thousands a
     second); log one line per minute with the count instead, and keep the other handlers."""
-    counts = {"n": 0, "last": -_WARN_EVERY_S}
+    throttle = LogThrottle(log)
 
     def handler(loop: asyncio.AbstractEventLoop, context: dict) -> None:
         message = str(context.get("message", ""))
         if "accept" not in message:
             loop.default_exception_handler(context)
             return
-        counts["n"] += 1
-        now = time.monotonic()
-        if now - counts["last"] >= _WARN_EVERY_S:
-            log.warning(
-                "%s: %s (%d time(s) since the last such line)", message, context.get("exception"), counts["n"]
-            )
-            counts["n"], counts["last"] = 0, now
+        throttle.note("accept", lambda: f"{message}: {context.get('exception')}")
 
     loop.set_exception_handler(handler)
 
@@ -102,22 +135,25 @@ class ConnectionGuard:
 
     limits: ConnectionLimits
     open: dict = field(default_factory=dict)
-    _counts: dict = field(default_factory=dict)
-    _last_warned: dict = field(default_factory=dict)
+    throttle: LogThrottle = field(default_factory=lambda: LogThrottle(log))
 
     @property
     def cap(self) -> int:
         return self.limits.max_connections
 
     def admit(self, proto: GuardedH11Protocol) -> bool:
-        """Register ``proto``; at the cap, close the oldest connection without a request in
-        progress to make room, or refuse ``proto`` (False) when every one is busy."""
+        """Register ``proto``; at the cap, close the oldest connection that is not answering a
+        complete request to make room, or refuse ``proto`` (False) when every one is answering."""
         if len(self.open) >= self.cap:
             victim = next((p for p in self.open if not p.busy), None)
             if victim is None:
-                self.note("refused", f"connection cap of {self.cap} reached with every connection busy")
+                self.note("refused", f"connection cap of {self.cap} reached with every connection answering")
                 return False
-            self.note("evicted", f"connection cap of {self.cap} reached: closed the oldest idle connection")
+            self.note(
+                "evicted",
+                f"connection cap of {self.cap} reached: closed the oldest connection with no complete "
+                "request (idle, or a head or body still owed)",
+            )
             victim.drop()
         self.open[proto] = time.monotonic()
         return True
@@ -127,16 +163,23 @@ class ConnectionGuard:
 
     def note(self, what: str, message: str) -> None:
         """Count one event of kind ``what``; log one line per kind per minute."""
-        self._counts[what] = self._counts.get(what, 0) + 1
-        now = time.monotonic()
-        if now - self._last_warned.get(what, -_WARN_EVERY_S) >= _WARN_EVERY_S:
-            count = self._counts.pop(what)
-            self._last_warned[what] = now
-            log.warning("%s (%d time%s since the last such line)", message, count, "" if count == 1 else "s")
+        self.throttle.note(what, message)
+
+
+_WHAT_WAS_OWED = {
+    "head": "sent no complete request head within {:g}s",
+    "body": "sent no complete request body within {:g}s of its head",
+    "half-closed": "half-closed its side and could not be answered within {:g}s",
+}
 
 
 class GuardedH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol with the header and body deadlines and the connection cap."""
+    """uvicorn's h11 protocol with the per-phase deadlines and the connection cap.
+
+    ``_phase``: ``head`` (a request head is owed), ``body`` (its body is owed), ``answer`` (the
+    request is complete and being answered), ``half-closed`` (being answered after the client's
+    FIN), ``idle`` (keep-alive between requests: uvicorn's own timer closes it).
+    """
 
     guard: ConnectionGuard  # set on the subclass ``guarded_protocol`` makes
 
@@ -151,8 +194,9 @@ class GuardedH11Protocol(H11Protocol):
 
     @property
     def busy(self) -> bool:
-        """A request is in progress (its head complete, its response not yet finished)."""
-        return self.cycle is not None and not self.cycle.response_complete
+        """A complete request is being answered: the only connections the cap never evicts."""
+        answering = self.cycle is not None and not self.cycle.response_complete
+        return answering and self._phase in ("answer", "half-closed")
 
     def drop(self) -> None:
         self.guard.forget(self)
@@ -163,7 +207,11 @@ class GuardedH11Protocol(H11Protocol):
         self._disarm()
         self._phase = phase
         limits = self.guard.limits
-        seconds = limits.header_timeout_s if phase == "head" else limits.body_timeout_s
+        seconds = {
+            "head": limits.header_timeout_s,
+            "body": limits.body_timeout_s,
+            "half-closed": limits.half_close_timeout_s,
+        }[phase]
         self._deadline = self.loop.call_later(seconds, self._expire, phase, seconds)
 
     def _disarm(self) -> None:
@@ -173,10 +221,7 @@ class GuardedH11Protocol(H11Protocol):
 
     def _expire(self, phase: str, seconds: float) -> None:
         self._deadline = None
-        what = "request head" if phase == "head" else "request body"
-        self.guard.note(
-            f"slow-{phase}", f"closed a connection that sent no complete {what} within {seconds:g}s"
-        )
+        self.guard.note(f"slow-{phase}", "closed a connection that " + _WHAT_WAS_OWED[phase].format(seconds))
         self.drop()
 
     def data_received(self, data: bytes) -> None:
@@ -187,14 +232,23 @@ class GuardedH11Protocol(H11Protocol):
         if state is h11.IDLE:
             # Part of a head (a keep-alive connection's next request): its deadline starts with
             # its first byte and is not moved by later bytes.
-            if self._deadline is None:
+            if self._phase != "head":
                 self._arm("head")
         elif state is h11.SEND_BODY:
             if self._phase != "body":
                 self._arm("body")
-        elif self._deadline is not None:
+        elif self._phase in ("head", "body"):
             self._disarm()
-            self._phase = "done"
+            self._phase = "answer"
+
+    def eof_received(self) -> bool | None:
+        """The client half-closed. With its whole request in, keep the write side open to answer
+        it (then close), within the half-close deadline; otherwise close now (True keeps it open)."""
+        if not self.busy:
+            return None
+        self.cycle.keep_alive = False  # uvicorn closes the connection after this answer
+        self._arm("half-closed")
+        return True
 
     def on_response_complete(self) -> None:
         self._disarm()

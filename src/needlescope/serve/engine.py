@@ -154,6 +154,7 @@ class Engine:
             cfg.max_running_requests, cfg.max_queued_requests, self.metrics
         )
         self._stopping = False
+        self._running: tuple[GenRequest, ...] = ()  # the batch in flight (set by the worker thread)
         self._thread = threading.Thread(target=self._loop, name="needlescope-engine", daemon=True)
         self.started_at = time.time()
 
@@ -167,6 +168,16 @@ class Engine:
         HTTP layer can still send it (SIGTERM); the running batch goes on to its end."""
         for req in self.admission.close():
             req.emit(ShuttingDown("the server is shutting down"))
+
+    def abort_running(self) -> int:
+        """Answer every request still running 503 ``shutting_down`` now and cancel it (its batch
+        drops it at the next step): at SIGTERM once the grace period is over, so a client gets
+        an error while the HTTP layer can still send one. How many were aborted."""
+        running = [req for req in self._running if not req.cancelled]
+        for req in running:
+            req.cancelled = True
+            req.emit(ShuttingDown("the server shut down before this request finished"))
+        return len(running)
 
     def close(self) -> None:
         self._stopping = True
@@ -192,7 +203,7 @@ class Engine:
             "checkpoint_index_topk": int(getattr(self.model.config, "index_topk", 0) or 0),
             "csa_layers": self.csa_layers,
             "num_indexer_layers": len(self.csa_layers),
-            "patch": n.patch.spec if n and n.patch else None,
+            "patch": self.cfg.patch_shown,
             "trained_value_digits": self.trained_value_digits,
             "max_queued_requests": self.cfg.max_queued_requests,
             "max_running_requests": self.cfg.max_running_requests,
@@ -261,6 +272,7 @@ class Engine:
             if not batch:
                 continue
             done: set[str] = set()
+            self._running = tuple(batch)
             try:
                 self._run_batch(batch, done)
             except Exception as exc:  # a failing forward pass must not take the server down
@@ -269,6 +281,7 @@ class Engine:
                     if req.rid not in done:
                         req.emit(GenerationFailed(f"generation failed: {type(exc).__name__}: {exc}"))
             finally:
+                self._running = ()
                 self.admission.finish(len(batch) - len(done))
                 if self.capture is not None:
                     self.capture.clear()

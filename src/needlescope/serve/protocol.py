@@ -3,7 +3,9 @@
 Types are strict, as OpenAI's are: an integer field refuses ``true`` and ``1.0``, a number
 field refuses ``true``, ``"1"``, NaN and infinities, a boolean refuses ``1``. Request models
 accept unknown fields (clients send many vendor extras) and the server logs their names, so a
-field that silently does nothing is visible in the log. Known parameters that would change the
+field that silently does nothing is visible in the log: one line per request model per minute,
+naming at most ``UNKNOWN_NAMES_SHOWN`` fields (each cut to ``UNKNOWN_NAME_CHARS`` characters) and
+counting the requests since the last line, so a client cannot fill the log with them. Known parameters that would change the
 output but are not implemented are declared here and refused when they carry anything but
 their neutral value (``REFUSED``); docs/serve.md lists every parameter and what happens to it.
 The response models document the OpenAPI schema (and the API fuzz checks every response
@@ -27,6 +29,8 @@ from pydantic import (
     model_validator,
 )
 
+from needlescope.serve.throttle import LogThrottle
+
 __all__ = [
     "ChatMessage",
     "ChatCompletionRequest",
@@ -41,6 +45,9 @@ __all__ = [
 ]
 
 log = logging.getLogger("needlescope.serve")
+_unknown_fields = LogThrottle(log)
+UNKNOWN_NAMES_SHOWN = 8
+UNKNOWN_NAME_CHARS = 40
 
 Number = Annotated[float, Strict(), AllowInfNan(False)]
 """A JSON number (an integer is fine), never a boolean, string, NaN or infinity."""
@@ -52,7 +59,19 @@ class _Wire(BaseModel):
 
     def model_post_init(self, _context: Any) -> None:
         if self.model_extra:
-            log.warning("%s: ignoring unknown fields %s", type(self).__name__, sorted(self.model_extra))
+            _unknown_fields.note(
+                type(self).__name__, lambda: _unknown_line(type(self).__name__, self.model_extra)
+            )
+
+
+def _unknown_line(model: str, extra: dict) -> str:
+    names = sorted(extra)
+    shown = [n if len(n) <= UNKNOWN_NAME_CHARS else n[:UNKNOWN_NAME_CHARS] + "..." for n in names]
+    more = len(names) - UNKNOWN_NAMES_SHOWN
+    listed = ", ".join(repr(n) for n in shown[:UNKNOWN_NAMES_SHOWN]) + (
+        f" and {more} more" if more > 0 else ""
+    )
+    return f"{model}: ignoring unknown fields {listed}"
 
 
 class TextPart(_Wire):

@@ -187,12 +187,15 @@ def pick(
     if seen is not None and p.repetition_penalty != 1.0:
         ids = torch.unique(seen)
         vals = x[ids]
-        x[ids] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        penalised = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        # A tiny penalty (1e-40) overflows: the largest finite logit keeps the order, no inf.
+        x[ids] = penalised.clamp(-torch.finfo(x.dtype).max, torch.finfo(x.dtype).max)
     if banned:
         x[list(banned)] = float("-inf")
     if p.greedy:
         return int(torch.argmax(x))
-    x = x / p.temperature
+    # Shift before dividing: softmax is unchanged, the best logit becomes 0 and no value overflows.
+    x = (x - x.max()) / p.temperature
     if p.top_k:
         kth = torch.topk(x, min(p.top_k, x.numel())).values[-1]
         x = x.masked_fill(x < kth, float("-inf"))
@@ -201,6 +204,7 @@ def pick(
         probs = torch.softmax(sorted_x, dim=-1)
         # drop a token when the mass before it already reaches top_p (keeps at least one)
         drop = (torch.cumsum(probs, dim=-1) - probs) >= p.top_p
+        drop[0] = False  # a top_p below float32's range (1e-300) rounds to 0 and would drop them all
         x = x.scatter(0, order[drop], float("-inf"))
     probs = torch.softmax(x, dim=-1)
     if p.min_p > 0.0:

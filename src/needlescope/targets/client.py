@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import math
 import random
 import time
 from collections.abc import Sequence
@@ -49,14 +50,17 @@ class ChatResult:
 
 
 def _retry_after(resp: httpx.Response) -> float | None:
+    """The ``Retry-After`` seconds an answer names: None without the header or for an HTTP date
+    (rare from inference servers); 0 for a value that asks for no wait (negative, NaN), so the
+    backoff's own floor applies (``ChatTarget._backoff``); infinity for a huge one."""
     value = resp.headers.get("retry-after")
     if value is None:
         return None
     try:
-        return max(0.0, float(value))
+        seconds = float(value)
     except ValueError:
-        # HTTP-date form is rare from inference servers; fall back to normal backoff.
         return None
+    return 0.0 if math.isnan(seconds) or seconds < 0 else seconds
 
 
 def _error_message(resp: httpx.Response) -> str:
@@ -217,11 +221,15 @@ class ChatTarget:
         return min(order, key=lambda i: self._in_flight[i])
 
     def _backoff(self, attempt: int, retry_after: float | None) -> float:
+        ceiling = min(self.backoff_max, self.backoff_base * 2 ** (attempt - 1))
         if retry_after is not None:
-            # The server's own estimate, plus a little jitter so waiting clients do not return in step.
-            return min(retry_after + random.uniform(0, 0.1 * retry_after + 0.01), self.backoff_max)
+            # The server's own estimate, plus a little jitter so waiting clients do not return in
+            # step; never under half the exponential backoff (a server saying "0" again and again
+            # must not be hammered), never over backoff_max (a huge value is not slept whole).
+            wait = min(max(retry_after, ceiling / 2), self.backoff_max)
+            return min(wait + random.uniform(0, 0.1 * wait + 0.01), self.backoff_max)
         # Full jitter: spreads retries of many concurrent requests instead of synchronising them.
-        return random.uniform(0, min(self.backoff_max, self.backoff_base * 2 ** (attempt - 1)))
+        return random.uniform(0, ceiling)
 
     async def chat(
         self,

@@ -32,12 +32,27 @@ def normalize_base_url(url: str) -> tuple[str, str]:
     return root, root + "/v1"
 
 
+def check_api_key(api_key: str | None) -> str | None:
+    """``api_key`` if it can travel in an ``Authorization`` header: printable ASCII without spaces
+    (HTTP clients refuse anything else: a non-ASCII key cannot be encoded, a newline would end the
+    header). BadInput otherwise, without echoing the key."""
+    if api_key is not None and not all("!" <= c <= "~" for c in api_key):
+        at, bad = next((i, c) for i, c in enumerate(api_key) if not "!" <= c <= "~")
+        what = "a non-ASCII character" if not bad.isascii() else "a space or control character (a newline?)"
+        raise BadInput(
+            f"--api-key (or NEEDLESCOPE_API_KEY) holds {what} at position {at + 1}; an API key must be "
+            "printable ASCII without spaces, as an HTTP Authorization header requires"
+        )
+    return api_key
+
+
 def auth_headers(api_key: str | None) -> dict[str, str]:
     """The header every request to the target carries when a key is set (chat, tokenize, provenance).
 
     The key only ever travels in this header; it is never put in results, logs or messages.
+    BadInput for a key no header can carry (``check_api_key``).
     """
-    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    return {"Authorization": f"Bearer {check_api_key(api_key)}"} if api_key else {}
 
 
 @cache

@@ -2,17 +2,23 @@
 
 A round, every ``interval_s``: GET ``/health`` (up or down), GET the engine's ``/metrics``
 (normalized load, ``watch.engine``; the first round before that learns the engine's admission
-limit from ``/get_server_info`` and builds the cases), then one probe per length, at most ``max_in_flight`` at once.
+limit from ``/get_server_info``), then one probe per length, at most ``max_in_flight`` at once.
 Nothing in a round raises for a failing target: a refused connection, a 503 or a garbage body is
-an error of its kind and ``target_up`` says whether the server answered. Cases are built (token-
-exact, through the server's ``/tokenize``) the first time the server answers, so a canary started
-before its target simply waits for it.
+an error of its kind and ``target_up`` says whether the server answered.
 
-Memory is bounded by construction: the window holds ``window`` booleans per length, the cases are
-built once, and every metric has a fixed label set.
+Every probe is a fresh case: its own seed (one more than the last probe's, from a random start),
+so a new haystack and a new needle value; a round's probes share a depth, ``depths`` in turn. An engine's prefix
+cache therefore never answers a probe from an earlier one. Cases are built token-exact through
+the server's ``/tokenize`` when they are sent, so a canary started before its target simply
+waits for it.
 
-Logs (logger ``needlescope.watch``): changes of state at INFO or WARNING; prompts never, answers
-only at DEBUG; the API key never (it lives in request headers only).
+Memory is bounded by construction: the window holds ``window`` booleans per length, no case
+outlives its round, and every metric has a fixed label set.
+
+Logs (logger ``needlescope.watch``): one INFO line per round with each length's result and rolling
+recall; errors at WARNING (each distinct reason at most once a minute); changes of state at INFO
+or WARNING; prompts never, answers only at DEBUG; the API key never (it lives in request headers
+only).
 """
 
 from __future__ import annotations
@@ -22,9 +28,11 @@ import contextlib
 import itertools
 import logging
 import math
+import random
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from dataclasses import replace
 
 import httpx
 
@@ -102,7 +110,9 @@ class Canary:
         self.window = RollingWindow(cfg.lengths, cfg.window)
         self.model: str | None = cfg.model
         self.queue_limit: int | None = cfg.queue_limit
-        self._cycles: dict[int, Iterator[Case]] | None = None
+        # A random first seed: a restarted canary does not repeat the probes of its last run.
+        self._next_seed = random.randrange(2**31)
+        self._rounds = 0
         self._fitted: tuple[tuple[int, ...], int] | None = None
         """(lengths that fit the target, digits per value), resolved the first time it answers."""
         self._up: bool | None = None
@@ -151,8 +161,8 @@ class Canary:
             self._set_up(False, server.detail)
             return
         try:
-            if self.model is None:
-                self.model = await probe.resolve_model(self._client, self.v1, None)
+            if self._fitted is None:  # until the target's limits are known: checked every round
+                self.model = await probe.resolve_model(self._client, self.v1, self.model)
             # Not caught below: lengths the target cannot hold end the canary (BadInput, exit 2).
             lengths, digits = await self._fit()
         except BadInput as e:
@@ -166,41 +176,61 @@ class Canary:
             self._set_up(False, "lost the server while reading its limits")
             return
         try:
-            cycles = await self._cases(lengths, digits)
+            self._ensure_targets()
+            cases = await self._fresh_cases(lengths, digits)
         except (BadInput, ProbeError) as e:
             self._warn_once("cases", f"cannot build probe cases: {e}")
-            cycles = None
+            cases = None
         except (httpx.TransportError, OSError) as e:
             self._count_error(Outcome(None, "connection", f"{type(e).__name__}: {e}", 0.0))
             self._set_up(False, "lost the server while building cases")
             return
         await self._scrape_engine()
-        if cycles is None:
+        if cases is None:
             self._set_up(True, "the server answers, but no probe could be built")
             return
         gate = asyncio.Semaphore(self.cfg.max_in_flight)
         free = list(range(self.cfg.max_in_flight))
 
-        async def one(length: int) -> Outcome:
+        async def one(case: Case) -> Outcome:
             async with gate:
                 slot = free.pop()
                 try:
                     outcome = await probe.probe_case(
                         self._targets[slot],
                         self._recorders[slot],
-                        next(cycles[length]),
+                        case,
                         max_tokens=self.cfg.max_tokens,
                         extra_body={**STREAM_BODY, **self.cfg.extra_body},
                     )
                 finally:
                     free.append(slot)
-                self._record(length, outcome)
+                self._record(case.length, outcome)
                 return outcome
 
-        outcomes = await asyncio.gather(*(one(n) for n in lengths))
+        outcomes = await asyncio.gather(*(one(case) for case in cases))
         reached = any(o.error not in ("connection", "timeout") for o in outcomes)
         self._set_up(reached, "; ".join(o.detail for o in outcomes if o.error))
         self.metrics.effective_length.set(self.window.effective_length(self.cfg.threshold))
+        self._log_round(cases, outcomes)
+
+    def _log_round(self, cases: list[Case], outcomes: list[Outcome]) -> None:
+        """One line per round: each length's result (hit, miss or the error's kind) and its
+        rolling recall, then the effective length over the window."""
+        self._rounds += 1
+        parts = []
+        for case, o in zip(cases, outcomes, strict=True):
+            result = o.error or ("hit" if o.correct else "miss")
+            recall = self.window.recall(case.length)
+            shown = "-" if math.isnan(recall) else f"{recall:.2f}"
+            parts.append(f"{case.length} tokens {result} (recall {shown})")
+        eff = self.window.effective_length(self.cfg.threshold)
+        log.info(
+            "round %d: %s; effective length %s",
+            self._rounds,
+            ", ".join(parts),
+            "-" if math.isnan(eff) else f"{eff:g}",
+        )
 
     def _record(self, length: int, outcome: Outcome) -> None:
         m = self.metrics
@@ -269,28 +299,35 @@ class Canary:
         self._fitted = kept, digits
         return self._fitted
 
-    async def _cases(self, lengths: tuple[int, ...], digits: int) -> dict[int, Iterator[Case]]:
-        if self._cycles is not None:
-            return self._cycles
+    def _ensure_targets(self) -> None:
+        if not self._targets:
+            self._targets = [
+                probe.probe_target(self.v1, self.model, self.cfg, rec) for rec in self._recorders
+            ]
+
+    async def _fresh_cases(self, lengths: tuple[int, ...], digits: int) -> list[Case]:
+        """One new case per length: each with its own seed (a new haystack and needle), all at
+        this round's depth (``depths`` in turn, round by round)."""
         cfg = self.cfg
-        cases = await asyncio.to_thread(
-            probe.build_probe_cases,
-            cfg,
-            self.root,
-            self.model,
-            lengths=lengths,
-            depths=cfg.depths,
-            trials=cfg.trials,
-            value_digits=digits,
+        depth = cfg.depths[self._rounds % len(cfg.depths)]
+        cases = []
+        for length in lengths:
+            seed, self._next_seed = self._next_seed, self._next_seed + 1
+            (case,) = await asyncio.to_thread(
+                probe.build_probe_cases,
+                replace(cfg, seed=seed),
+                self.root,
+                self.model,
+                lengths=(length,),
+                depths=(depth,),
+                trials=1,
+                value_digits=digits,
+            )
+            cases.append(case)
+        log.debug(
+            "built %d fresh probe cases at depth %g (seeds up to %d)", len(cases), depth, self._next_seed - 1
         )
-        self._targets = [probe.probe_target(self.v1, self.model, cfg, rec) for rec in self._recorders]
-        # Rotate depths before trials, so consecutive probes of a length sit at different depths.
-        by_length = {
-            n: sorted((c for c in cases if c.length == n), key=lambda c: (c.trial, c.depth)) for n in lengths
-        }
-        self._cycles = {n: itertools.cycle(cs) for n, cs in by_length.items()}
-        log.info("built %d probe cases for model %s at lengths %s", len(cases), self.model, list(lengths))
-        return self._cycles
+        return cases
 
     async def _scrape_engine(self) -> None:
         m = self.metrics

@@ -9,6 +9,7 @@ from pathlib import Path
 from needlescope.cases import KINDS
 from needlescope.errors import BadInput
 from needlescope.targets import normalize_base_url
+from needlescope.targets.endpoints import check_api_key
 
 __all__ = ["DEFAULT_LISTEN", "CanaryConfig", "HealthConfig", "TargetConfig", "parse_listen"]
 
@@ -60,6 +61,7 @@ class TargetConfig:
         if self.max_tokens < 1:
             raise BadInput(f"--max-tokens must be at least 1; got {self.max_tokens}")
         _positive(self.timeout_s, "--timeout")
+        check_api_key(self.api_key)
         if self.tokenizer != "server" and not Path(self.tokenizer).exists():
             raise BadInput(f"--tokenizer {self.tokenizer} does not exist; pass 'server' or a tokenizer.json")
 
@@ -89,8 +91,7 @@ class CanaryConfig(TargetConfig):
     """Seconds between rounds; a round sends one probe per length."""
     lengths: tuple[int, ...] = (2000, 8000, 32000)
     depths: tuple[float, ...] = (10.0, 50.0, 90.0)
-    trials: int = 2
-    """Cases per (length, depth) in the rotation; more gives more distinct needles."""
+    """Needle depths, one per round in turn (every probe is a fresh case with its own seed)."""
     window: int = 20
     """Probes per length that the rolling recall covers."""
     threshold: float = 0.85
@@ -112,8 +113,6 @@ class CanaryConfig(TargetConfig):
             raise BadInput(f"--lengths must be positive token counts; got {list(self.lengths)}")
         if not self.depths or any(not 0 <= d <= 100 for d in self.depths):
             raise BadInput(f"--depths must be percentages in 0..100; got {list(self.depths)}")
-        if self.trials < 1:
-            raise BadInput(f"--trials must be at least 1; got {self.trials}")
         if self.window < 1:
             raise BadInput(f"--window must be at least 1 probe; got {self.window}")
         if not 0 < self.threshold <= 1:

@@ -68,7 +68,8 @@ class Check:
 
 def run_health(cfg: HealthConfig) -> dict:
     """Run the checks; return the report (``HEALTH_SCHEMA``). Never raises for a failing server;
-    BadInput (exit 2) when ``--length`` is beyond the context the target advertises."""
+    BadInput (exit 2) when ``--length`` is beyond the context the target advertises or ``--model``
+    names a model the target does not list."""
     return asyncio.run(_run(cfg))
 
 
@@ -85,6 +86,8 @@ async def _run(cfg: HealthConfig) -> dict:
             try:
                 model = await probe.resolve_model(client, v1, model)
             except (BadInput, httpx.TransportError) as e:
+                if isinstance(e, BadInput) and model is not None:
+                    raise  # --model names a model the server does not serve: bad usage (exit 2)
                 checks += [Check(n, "fail", None, f"no model to ask: {e}") for n in ("chat", "needle")]
             else:
                 limits, _ = await asyncio.to_thread(probe.target_limits, cfg, root, v1, model)

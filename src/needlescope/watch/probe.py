@@ -98,11 +98,13 @@ class RecordingTransport(httpx.AsyncBaseTransport):
     async def _assemble(self, resp: httpx.Response, start: float) -> dict:
         """The chat.completion object an SSE stream of chat.completion.chunk objects adds up to.
 
-        A stream that reports an error, or ends without a completion chunk, becomes a body without
-        choices, which ChatTarget refuses as a protocol violation: a failed request, never a miss.
+        A stream that reports an error, ends without a completion chunk, or ends with neither a
+        ``finish_reason`` nor ``[DONE]`` (cut off: its answer may be incomplete) becomes a body
+        without choices, which ChatTarget refuses as a protocol violation: a failed request,
+        never a miss.
         """
         text: list[str] = []
-        seen = False
+        seen = done = False
         reasoning: list[str] = []
         finish = None
         usage = None
@@ -120,6 +122,7 @@ class RecordingTransport(httpx.AsyncBaseTransport):
                     continue
                 data = data[len("data:") :].strip()
                 if data == "[DONE]":
+                    done = True
                     continue
                 try:
                     chunk = json.loads(data)
@@ -142,6 +145,8 @@ class RecordingTransport(httpx.AsyncBaseTransport):
                     finish = choice.get("finish_reason") or finish
         if not seen:
             return {"error": "the stream ended without a completion chunk"}
+        if finish is None and not done:
+            return {"error": "the stream was cut off: it ended with neither a finish_reason nor [DONE]"}
         message = {"role": "assistant", "content": "".join(text)}
         if reasoning:
             message["reasoning_content"] = "".join(reasoning)
@@ -217,15 +222,20 @@ async def check_server(client: httpx.AsyncClient, root: str, v1: str) -> Outcome
 
 
 async def resolve_model(client: httpx.AsyncClient, v1: str, model: str | None) -> str:
-    """``model`` itself, or the first id ``/v1/models`` lists; ProbeError-free: raises BadInput or httpx errors."""
-    if model:
-        return model
+    """``model``, checked against what ``/v1/models`` lists, or the first id it lists when
+    ``model`` is None. BadInput when ``model`` is not among the listed ids (a typo: exit 2, as
+    the probe says it) or nothing names a model; httpx errors pass through. A server whose model
+    list cannot be read is taken at its word for a given ``model``."""
     resp = await client.get(v1 + "/models")
     try:
-        ids = [m["id"] for m in resp.json()["data"]]
+        ids = [m["id"] for m in resp.json()["data"]] if resp.status_code == 200 else []
     except (ValueError, KeyError, TypeError):
         ids = []
-    if resp.status_code != 200 or not ids:
+    if model:
+        if ids and model not in ids:
+            raise BadInput(f"model {model!r} not served at {v1}; available: {', '.join(map(str, ids))}")
+        return model
+    if not ids:
         raise BadInput(f"{v1}/models lists no model (HTTP {resp.status_code}); pass --model")
     return ids[0]
 
