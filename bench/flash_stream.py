@@ -128,7 +128,7 @@ def localize_at(
     case = needle_case(tok, length, seed=length + 1)
     prompt = render_prompt(tok, case.messages)
     ids = torch.tensor([prompt.input_ids])
-    candidate = load_bundle(ckpt, device="auto", max_memory=budget)[0]
+    candidate = load_bundle(ckpt, device="auto", max_memory=budget, stream_if_needed=True)[0]
     before = len(streamer_of(model).passes)
     reset_peak()
     sync()
@@ -227,7 +227,7 @@ def main() -> None:
         res["page_cache"] = evict(ckpt)
     reset_peak()
     t0 = time.perf_counter()
-    model, tok, _ = load_bundle(ckpt, device="auto", max_memory=args.max_memory)
+    model, tok, _ = load_bundle(ckpt, device="auto", max_memory=args.max_memory, stream_if_needed=True)
     sync()
     sizes = unit_bytes(model)
     res["load"] = {

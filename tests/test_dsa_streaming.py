@@ -159,10 +159,12 @@ def test_device_auto_streams_when_the_weights_do_not_fit_and_refuses_below_one_l
     largest = max(n for u, n in sizes.items() if u.startswith("model.layers."))
     budget = resident + largest + 1024
     assert budget < sum(sizes.values())
-    model, _, _ = load_bundle(flash_dir, device="auto", max_memory=str(budget))
+    model, _, _ = load_bundle(flash_dir, device="auto", max_memory=str(budget), stream_if_needed=True)
     assert is_streamed(model) and streamer_of(model).device == "cpu"
     with pytest.raises(BadInput, match=r"streaming layer by layer needs .* larger --max-memory"):
-        load_bundle(flash_dir, device="auto", max_memory=str(resident + largest - 1))
+        load_bundle(flash_dir, device="auto", max_memory=str(resident + largest - 1), stream_if_needed=True)
+    with pytest.raises(BadInput, match="fits nowhere"):  # a caller that cannot run streamed: refused
+        load_bundle(flash_dir, device="auto", max_memory=str(budget))
     with pytest.raises(BadInput, match="fits nowhere"):  # an explicit device list is placed or refused
         load_bundle(flash_dir, device="cpu", max_memory=str(budget))
     with pytest.raises(BadInput, match="--stream-layers runs on one device"):

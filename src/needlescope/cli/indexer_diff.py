@@ -102,7 +102,9 @@ def diff_command(
             tuple(PatchRef.resolve(p) for p in extra_patch or ()),
         )
         check_chunk(chunk)
-        loading = dict(device=device, max_memory=max_memory, stream_layers=stream_layers)
+        loading = dict(
+            device=device, max_memory=max_memory, stream_layers=stream_layers, stream_if_needed=True
+        )
         reference, tokenizer, _ = load_bundle(path, **loading)
         candidate, _, _ = load_bundle(path, **loading)
         if input_ids is None and render_prompt(tokenizer, read_prompt_file(prompt)).input_ids != token_ids:

@@ -173,6 +173,7 @@ def load_bundle(
     max_memory: str | None = None,
     reserve: int | None = None,
     stream_layers: bool = False,
+    stream_if_needed: bool = False,
 ):
     """(model in eval mode, tokenizer, resolved path). Offline, safetensors only.
 
@@ -188,8 +189,10 @@ def load_bundle(
     and the bytes per device.
 
     ``stream_layers``: keep the decoder layers on disk and read one at a time per pass
-    (``dsa.streaming``), on the one device given (``auto``: the first GPU, else the CPU). With
-    ``device="auto"`` streaming is also chosen when the weights do not fit the budgets.
+    (``dsa.streaming``), on the one device given (``auto``: the first GPU, else the CPU).
+    ``stream_if_needed`` (for callers that run every forward through ``dsa.passes`` or
+    ``dsa.diff``): with ``device="auto"`` streaming is also chosen when the weights do not fit
+    the budgets; otherwise such a checkpoint is refused, as before.
     ``dsa.streaming.streamer_of(model)`` is then the layer reader with its per-layer times.
     """
     from needlescope.dsa.loading import checkpoint_tensors
@@ -217,7 +220,7 @@ def load_bundle(
                 reserve=DEFAULT_RESERVE if reserve is None else reserve,
                 dtype=dtype,
                 stream_layers=stream_layers,
-                stream_if_needed=device == "auto",
+                stream_if_needed=stream_if_needed and device == "auto",
             )
         return model, load_tokenizer(path), path
     config = AutoConfig.from_pretrained(path, local_files_only=True)

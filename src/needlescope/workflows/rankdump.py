@@ -109,7 +109,11 @@ def _load(cfg: RankDumpConfig, path):
     from needlescope.dsa.checkpoint import load_bundle
 
     return load_bundle(
-        path, device=cfg.device, max_memory=cfg.max_memory, stream_layers=cfg.stream_layers
+        path,
+        device=cfg.device,
+        max_memory=cfg.max_memory,
+        stream_layers=cfg.stream_layers,
+        stream_if_needed=True,  # every pass of a rank dump runs through dsa.passes
     )
 
 
@@ -121,18 +125,12 @@ def run(cfg: RankDumpConfig) -> RankDumpResult:
 
     messages, path, other_path = _check_inputs(cfg)
     model, tokenizer, _ = _load(cfg, path)
-    other = (
-        _load(cfg, other_path)[0]
-        if other_path is not None
-        else None
-    )
+    other = _load(cfg, other_path)[0] if other_path is not None else None
     kw = dict(needle=cfg.needle, needle_span=cfg.needle_span)
 
     def usable(m, m_path):
         # A patch that returned no undo changed ``m`` for good: the next run needs a fresh model.
-        return (
-            _load(cfg, m_path)[0] if patched_for_good(m) else m
-        )
+        return _load(cfg, m_path)[0] if patched_for_good(m) else m
 
     dumps, stabs = [], []
     for p, msgs in zip(cfg.prompts, messages, strict=True):
