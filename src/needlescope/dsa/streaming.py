@@ -87,8 +87,9 @@ class LayerStream:
 
     ``layer_names[i]``: the stored checkpoint tensors of layer i. ``passes``: one list per pass of
     per-layer records ``{"layer", "bytes", "read_s", "wait_s", "place_s", "compute_s"}`` (read_s:
-    the reader thread's disk read; wait_s: how long the pass waited for it; place_s: copy to the
-    device and dequantize; compute_s: the layer over all chunks).
+    the reader thread's safetensors reads, memory-mapped, so pages it did not touch are read
+    while placing; wait_s: how long the pass waited for the thread; place_s: copy to the device
+    and dequantize; compute_s: the layer over all chunks).
     """
 
     def __init__(self, model: torch.nn.Module, path: Path, device: str, dtype: torch.dtype, prefetch: bool):
