@@ -227,12 +227,32 @@ def test_chunked_localizer_replays_on_the_cache_before_each_chunk(tmp_path):
     assert attn and all(m["own_err"] == 0.0 for m in attn)
 
 
-def test_cli_diff_streams_in_chunks_and_refuses_two_devices(flash_dir, tmp_path, run_cli):
-    import json
-
+def _needle_prompt(tmp_path):
     words = " ".join(f"w{i}" for i in range(30))
     prompt = tmp_path / "prompt.txt"
     prompt.write_text(f"{words} The secret code is 4815927. {words} What is the secret code?")
+    return prompt
+
+
+def test_cli_rank_dump_streams_under_device_auto_when_the_budget_is_short(flash_dir, tmp_path, run_cli):
+    import json
+
+    out = tmp_path / "out"
+    code, _, err = run_cli(
+        "indexer", "rank-dump", "--model", str(flash_dir), "--prompt", str(_needle_prompt(tmp_path)),
+        "--needle", "The secret code is 4815927.", "--max-new-tokens", "2", "--chunk", "40",
+        "--device", "auto", "--max-memory", "4MiB", "--out", str(out),
+    )  # fmt: skip
+    assert code == 0, err
+    dump = json.loads((out / "rankdump.json").read_text())  # placed, 4 MiB would have been refused
+    assert dump["prompt_tokens"] > 60 and len(dump["generated_tokens"]) == 2
+    assert [layer["layer"] for layer in dump["layers"]] == [1, 3]
+
+
+def test_cli_diff_streams_in_chunks_and_refuses_two_devices(flash_dir, tmp_path, run_cli):
+    import json
+
+    prompt = _needle_prompt(tmp_path)
     out = tmp_path / "out"
     args = ["indexer", "diff", "--model", str(flash_dir), "--prompt", str(prompt), "--needle",
             "The secret code is 4815927.", "--patch", str(_mlp_fault(tmp_path, 2))]  # fmt: skip
