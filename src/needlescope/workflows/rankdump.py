@@ -47,7 +47,7 @@ class RankDumpConfig:
     """Keep the layers on disk and read one at a time per pass (``dsa.streaming``)."""
 
     def __post_init__(self) -> None:
-        from needlescope.dsa.passes import check_chunk
+        from needlescope.setting import check_chunk
 
         check_chunk(self.chunk)
         if not self.prompts:
