@@ -77,7 +77,9 @@ def choose_difficulty(
     plan = ladder(cfg.kind, cfg.distractors, first["value_digits"])
     reached = False
     for i, (distractors, digits) in enumerate(plan):
-        summary = first if i == 0 else _probe_level(cfg, out / f"level-{i}", distractors, digits, on_event, flag)
+        summary = (
+            first if i == 0 else _probe_level(cfg, out / f"level-{i}", distractors, digits, on_event, flag)
+        )
         recall, n = _pooled(summary)
         levels.append(
             {
