@@ -30,3 +30,16 @@ def test_oracle_with_every_prompt_left_out_measures_nothing_and_says_so(scripted
     assert line.startswith("error: every prompt (a, b) is beyond the target's context of 16 tokens"), line
     assert "no prompt is left to send" in line and "Traceback" not in res.stderr
     assert not (out / "export.json").exists()
+
+
+def test_a_bounded_canary_that_scored_no_probe_exits_1(tmp_path):
+    """``canary --rounds 1`` against a target that is down logged "target ... is down" and "canary
+    stopped", then exited 0: a script reading the exit code saw a healthy deployment."""
+    res = subprocess.run(
+        [*CLI, "canary", "--base-url", "http://127.0.0.1:9/v1", "--model", "m", "--rounds", "1",
+         "--listen", "127.0.0.1:0"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert "is down" in res.stderr and "no probe was scored in 1 round(s): nothing was measured" in res.stderr
+    assert "Traceback" not in res.stderr
