@@ -30,6 +30,7 @@ __all__ = [
     "read_config",
     "resolve_model_dir",
     "check_weights",
+    "context_tokens",
     "load_bundle",
     "load_tokenizer",
     "require_deepseek_v4",
@@ -67,6 +68,15 @@ def read_config(path: Path) -> dict:
     if not cfg_path.is_file():
         raise BadInput(f"{str(path)!r} has no config.json; it is not a transformers checkpoint directory")
     return read_json_object(cfg_path, "restore the checkpoint's config.json")
+
+
+def context_tokens(path: Path) -> int | None:
+    """The context in tokens that ``path/config.json`` states (``max_position_embeddings``);
+    None when it states none (the tools then have nothing to check lengths against)."""
+    context = read_config(path).get("max_position_embeddings")
+    if not isinstance(context, int) or isinstance(context, bool) or context <= 0:
+        return None
+    return context
 
 
 def check_weights(path: Path) -> None:

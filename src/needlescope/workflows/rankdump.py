@@ -1,7 +1,8 @@
 """The rank-dump workflow: the needle's rank in every CSA layer, over several prompts, with stability.
 
 ``run(RankDumpConfig(...)) -> RankDumpResult`` checks every input first (needle, positions,
-prompt files, the checkpoint, the needle in every prompt, with the tokenizer alone), then loads
+prompt files, the checkpoint, the needle in every prompt and its length against each
+checkpoint's context, with the tokenizer alone), then loads
 the model(s) and runs ``needlescope.dsa.rankdump.rank_dump`` per prompt under the setting, plus
 ``needlescope.dsa.stability.selection_stability`` against the reference numerics (on the same
 checkpoint, or on ``compare_model``). The setting's patch executes when the setting is first
@@ -98,8 +99,10 @@ def _check_inputs(cfg: RankDumpConfig) -> tuple[list[list[dict]], Path, Path | N
             f"{cfg.compare_model!r} has a different tokenizer; stability compares the same prompt tokens"
         )
     for p, msgs in zip(cfg.prompts, messages, strict=True):
+        prompt = render_prompt(tokenizer, msgs, warn_long=False)  # checked against the context below
         try:
-            resolve_needle_span(render_prompt(tokenizer, msgs), cfg.needle, cfg.needle_span)
+            resolve_needle_span(prompt, cfg.needle, cfg.needle_span)
+            _check_context(cfg, len(prompt.input_ids), [(cfg.model, path), (cfg.compare_model, other)])
         except BadInput as exc:
             raise BadInput(f"{p}: {exc}") from None
     return messages, path, other
@@ -115,6 +118,27 @@ def _load(cfg: RankDumpConfig, path):
         stream_layers=cfg.stream_layers,
         stream_if_needed=True,  # every pass of a rank dump runs through dsa.passes
     )
+
+
+def _check_context(
+    cfg: RankDumpConfig, prompt_tokens: int, models: list[tuple[str | None, Path | None]]
+) -> None:
+    """BadInput when the prompt (with the greedy answer, unless ``positions`` are given) exceeds a
+    checkpoint's context: the model would run past what it was built for, for minutes, and
+    report ranks at lengths it never handles (issue 38, item 10)."""
+    from needlescope.dsa.checkpoint import context_tokens
+    from needlescope.dsa.rankdump import DEFAULT_MAX_NEW_TOKENS
+
+    answer = 0 if cfg.positions is not None else cfg.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
+    for name, path in models:
+        context = context_tokens(path) if path is not None else None
+        if context is not None and prompt_tokens + answer > context:
+            with_answer = f" and its answer up to {answer} more" if answer else ""
+            raise BadInput(
+                f"the prompt is {prompt_tokens} tokens{with_answer}; the model's context is {context} tokens "
+                f"({Path(name).name}'s config.json max_position_embeddings): shorten the prompt to at most "
+                f"{context - answer} tokens"
+            )
 
 
 def run(cfg: RankDumpConfig) -> RankDumpResult:
