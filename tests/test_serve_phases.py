@@ -292,10 +292,27 @@ def test_an_api_key_no_header_can_carry_is_one_line_and_exit_2(tmp_path, key, wh
     assert key not in done.stderr
 
 
-def test_a_patch_raising_baseexception_is_one_line_and_exit_2(ckpt, tmp_path):
-    """A patch file whose import raises BaseException (not an Exception): before the fix it ended
-    serve with a traceback."""
+@pytest.mark.parametrize(
+    "source, where",
+    [
+        (
+            "raise BaseException('not an Exception')\n\ndef apply(model):\n    return None\n",
+            "failed to import",
+        ),
+        ("def apply(model):\n    raise BaseException('not an Exception')\n", "apply(model) failed"),
+    ],
+)
+def test_a_patch_raising_baseexception_is_bad_input(tmp_path, source, where):
+    """A patch file that raises BaseException (not an Exception) at import or in apply(model):
+    before the fix it escaped as itself and ended serve (and every command applying patches)
+    with a traceback; now it is BadInput, which the CLI prints as one line with exit 2."""
+    import torch
+
+    from needlescope.dsa.emulate import apply_patch_once
+    from needlescope.errors import BadInput
+
     bad = tmp_path / "raises_base.py"
-    bad.write_text("raise BaseException('not an Exception')\n\ndef apply(model):\n    return None\n")
-    done = _serve("--model", str(ckpt), "--port", "0", "--patch", str(bad))
-    _one_line_exit_2(done, "failed to import", "BaseException: not an Exception")
+    bad.write_text(source)
+    with pytest.raises(BadInput, match="BaseException: not an Exception") as info:
+        apply_patch_once(torch.nn.Linear(2, 2), bad)
+    assert where in str(info.value)
