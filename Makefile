@@ -1,25 +1,51 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+NEEDLESCOPE := PYTHONPATH=$(CURDIR)/src HF_HUB_OFFLINE=1 $(BIN)/needlescope
+DEMO_STAMP := $(VENV)/.installed-demo
 STAMP := $(VENV)/.installed
+
+# torch's CPU build, pinned by its exact local version: PyPI's torch 2.13.0 for Linux x86_64 is
+# the CUDA build (a 527 MB wheel that pulls the nvidia-* runtime wheels), and `==2.13.0+cpu`
+# matches only the CPU wheel (192 MB). pip takes it from its configured sources when they hold
+# it, else from PyTorch's CPU wheel index; constraints.txt's torch==2.13.0 admits either.
+TORCH := torch==2.13.0+cpu
+TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
+
+# --no-compile: no bytecode for every module of every package up front (270 MB of __pycache__
+# with torch, transformers and sympy); Python writes it for the modules a command imports.
+PIP := $(BIN)/pip install -q --no-compile -c constraints.txt
 
 .PHONY: demo test lint format install clean deps mutation
 
-$(STAMP): pyproject.toml constraints.txt
+$(BIN)/python:
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -c constraints.txt torch==2.13.0
-	$(BIN)/pip install -q -c constraints.txt -e '.[model,dev,gpu]'
-	touch $(STAMP)
+
+# What the demo needs and nothing more: the [model] extra on CPU torch.
+$(DEMO_STAMP): pyproject.toml constraints.txt | $(BIN)/python
+	$(PIP) '$(TORCH)' 2>/dev/null || $(PIP) --extra-index-url $(TORCH_CPU_INDEX) '$(TORCH)'
+	$(PIP) -e '.[model]'
+	touch $@
+
+# The tests' extras on top: dev (pytest, the openai client, lm-eval, schemathesis, ...) and gpu
+# (triton: the kernel tests run under its interpreter on a CPU).
+$(STAMP): $(DEMO_STAMP)
+	$(PIP) -e '.[model,dev,gpu]'
+	touch $@
 
 install: $(STAMP)
 
 # The investigation of the organism's deployment-like setting (fp8 keys, top-64, page-table
-# fault): the example ledger, run from scratch; ends with demo-out/DIAGNOSIS.md and .html.
-demo: $(STAMP)
-	rm -rf demo-out
-	PYTHONPATH=$(CURDIR)/src HF_HUB_OFFLINE=1 $(BIN)/needlescope investigate init demo-out
-	PYTHONPATH=$(CURDIR)/src HF_HUB_OFFLINE=1 $(BIN)/needlescope investigate run demo-out/investigation.toml --out demo-out
+# fault): ends with demo-out/DIAGNOSIS.md and .html. Nothing is deleted, ever. The example
+# ledger is written only when demo-out/investigation.toml is missing, so your edits to it stay.
+# A rerun resumes the run in demo-out (finished steps are kept; the reports are rewritten); a
+# run of an edited ledger is refused there in one line: run it into a new folder
+# (needlescope investigate run demo-out/investigation.toml --out demo-out/edited). Files of
+# yours in demo-out are never touched; one at a name the run writes (DIAGNOSIS.md, ...) is
+# refused by name (needlescope.outdir).
+demo: $(DEMO_STAMP)
+	test -f demo-out/investigation.toml || $(NEEDLESCOPE) investigate init demo-out
+	$(NEEDLESCOPE) investigate run demo-out/investigation.toml --out demo-out
 
 # Mutation testing of the statistics and verdict code (minutes of CPU; not part of `make test`):
 # mutmut per module with only the tests that cover it; the score and every surviving mutant's
@@ -46,5 +72,7 @@ deps:
 test: $(STAMP) deps lint
 	PYTHONPATH=$(CURDIR)/src HF_HUB_OFFLINE=1 $(BIN)/pytest -q -n 2 tests
 
+# Deletes the virtual environment and mutation-out/ (both ours); demo-out/ holds your ledger and
+# is left for you to delete.
 clean:
-	rm -rf $(VENV) demo-out mutation-out
+	rm -rf $(VENV) mutation-out

@@ -56,10 +56,10 @@ from needlescope.kernels import (
     page_keys,
     quantize_keys,
     quantize_queries,
+    topk,
     triton_decode,
     triton_logits,
     triton_radix,
-    triton_topk,
 )
 
 H, D = 64, 128
@@ -197,12 +197,10 @@ def decode_cell(cfg: dict, c: dict, kd: str, k: int) -> dict:
     res["persistent_clean_pct_copy"] = 100 * res["roofline_us"] / res["persistent_clean_us"]
     if kd != "fp8_e4m3":
         return res
-    res["topk_us"] = med(partial(triton_topk.topk, base, k, zeros, c["lens"]), graph=True)
-    res["topk_method"] = triton_topk.topk_method(*base.shape, k)
-    res["topk_filter_us"] = med(
-        partial(triton_topk.topk, base, k, zeros, c["lens"], method="filter"), graph=True
-    )
-    want = triton_topk.topk(base, k, zeros, c["lens"], method="bisect").sort(1).values
+    res["topk_us"] = med(partial(topk.topk, base, k, zeros, c["lens"]), graph=True)
+    res["topk_method"] = topk.topk_method(*base.shape, k)
+    res["topk_filter_us"] = med(partial(topk.topk, base, k, zeros, c["lens"], method="filter"), graph=True)
+    want = topk.topk(base, k, zeros, c["lens"], method="bisect").sort(1).values
     pipelines = {
         "unfused": partial(
             triton_decode.decode_topk, *args, k, fused=False, logits_args={"persistent": False}
@@ -217,12 +215,12 @@ def decode_cell(cfg: dict, c: dict, kd: str, k: int) -> dict:
             triton_decode.decode_topk, *args, k, fused=True, select="radix", logits_args={"persistent": True}
         ),
         "fused11": partial(triton_decode.decode_topk, *args, k, fused=True, select="radix", bits=11),
-        "unfused_filter": lambda: triton_topk.topk(
+        "unfused_filter": lambda: topk.topk(
             triton_logits.paged_logits(*args), k, None, c["lens"], method="filter"
         ),
         "fused_filter": partial(triton_decode.decode_topk, *args, k, fused=True, select="filter"),
         "default": partial(triton_decode.decode_topk, *args, k),
-        "old_pipeline": lambda: triton_topk.topk(
+        "old_pipeline": lambda: topk.topk(
             triton_logits.paged_logits(*args, persistent=False), k, zeros, c["lens"], method="bisect"
         ),
     }
@@ -422,7 +420,7 @@ ROTATE = 4  # input sets a timed call cycles through
 def topk_variants(k: int, rows: int, length: int) -> dict:
     """name -> fn(x, starts, ends) for every top-k timed side by side (radix/BITS/CHUNK over a
     launch per pass; radix1/8/CHUNK in one launch, where its programs fit one per SM)."""
-    tk = triton_topk.topk
+    tk = topk.topk
     v = {
         "torch.topk": lambda x, st, en: torch.topk(x, k, dim=1, sorted=False).indices,
         "unsplit": lambda x, st, en: tk(x, k, st, en, method="bisect", segment=0),
@@ -456,9 +454,9 @@ def bench_topk(out: dict, quick: bool) -> None:
         xs = [torch.randn(R, L, generator=g, device=DEV) for _ in range(ROTATE)]
         st = torch.zeros(R, dtype=torch.int32, device=DEV)
         en = torch.full((R,), L, dtype=torch.int32, device=DEV)
-        row = {"rows": R, "length": L, "k": k, "method": triton_topk.topk_method(R, L, k)}
+        row = {"rows": R, "length": L, "k": k, "method": topk.topk_method(R, L, k)}
         row["default_chunk"], row["default_one_launch"] = triton_radix.radix_plan(R, L, DEV)
-        want = triton_topk.topk(xs[0], k, st, en, method="bisect", segment=0).long().sort(1).values
+        want = topk.topk(xs[0], k, st, en, method="bisect", segment=0).long().sort(1).values
         for name, fn in topk_variants(k, R, L).items():
             try:
                 same = bool(torch.equal(fn(xs[0], st, en).long().sort(1).values, want))

@@ -20,8 +20,8 @@ import time
 from pathlib import Path
 
 from needlescope.dsa.checkpoint import load_bundle
-from needlescope.investigate.example import write_example
-from needlescope.investigate.runner import run_investigation
+from needlescope.investigate.ledger.example import write_example
+from needlescope.investigate.run import run_investigation
 
 SUSPECTS = {
     "routed_scaling": 'patch = "patches/routed_scale_twice.py"',

@@ -24,9 +24,10 @@ import shutil
 import time
 from pathlib import Path
 
-import needlescope.investigate.runner as runner
+import needlescope.investigate.measure.inprocess as inprocess
 from needlescope.dsa.checkpoint import load_bundle
-from needlescope.investigate.example import write_example
+from needlescope.investigate.ledger.example import write_example
+from needlescope.investigate.run import run_investigation
 
 PLANTED = Path(__file__).resolve().parent / "planted"
 BUGS = (
@@ -124,9 +125,9 @@ def run_one(name: str, path: Path, loaded, seed: Path, bug_id: str | None) -> di
         if (seed / f"{n}.jsonl").exists():
             shutil.copy(seed / f"{n}.jsonl", out / "measure" / f"{n}.jsonl")
     timer, t = Timer(), time.time()
-    runner.run_investigation(path, out, timer, loaded=loaded)
+    run_investigation(path, out, timer, loaded=loaded)
     timer("end", 0, 0, "")
-    from needlescope.investigate.diagnosis import write_reports
+    from needlescope.investigate.report.diagnosis import write_reports
 
     write_reports(out)
     v = json.loads((out / "verdicts.json").read_text())
@@ -151,7 +152,7 @@ def main() -> None:
     args = ap.parse_args()
     args.lengths = [int(x) for x in args.lengths.split(",")]
     args.depths = [int(x) for x in args.depths.split(",")]
-    runner.BATCH = args.batch  # cases of one length decoded together (same answers as one at a time)
+    inprocess.BATCH = args.batch  # cases of one length decoded together (same answers as one at a time)
     t0 = time.time()
     loaded = load_bundle("organism", device=args.device)[:2]
     summary: dict = {

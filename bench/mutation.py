@@ -47,10 +47,10 @@ TARGETS: dict[str, tuple[str, list[str]]] = {
     "analysis.margins": ("analysis/margins.py", ["test_margins.py", "test_margins_exact.py"]),
     "analysis.curve": ("analysis/curve.py", ["test_analysis.py", "test_curve.py"]),
     "analysis.depth": ("analysis/depth.py", ["test_depth.py"]),
-    "investigate.signature": ("investigate/signature.py", ["test_signature.py"]),
+    "investigate.decide.signature": ("investigate/decide/signature.py", ["test_signature.py"]),
     "run.bisect": ("run/bisect.py", ["test_bisect_logic.py", "test_bisect.py", "test_bisect_events.py"]),
-    "investigate.verdicts": (
-        "investigate/verdicts.py",
+    "investigate.decide.verdicts": (
+        "investigate/decide/verdicts.py",
         ["test_investigate_rules.py", "test_investigate_causal.py", "test_verdict_boundaries.py"],
     ),
     "analysis.taxonomy": ("analysis/taxonomy.py", ["test_regress_analysis.py", "test_taxonomy_rules.py"]),
@@ -62,12 +62,12 @@ TARGETS: dict[str, tuple[str, list[str]]] = {
     "analysis.oracle": ("analysis/oracle.py", ["test_analysis_oracle.py", "test_oracle_rules.py"]),
 }
 
-_V = "needlescope.investigate.verdicts."
+_V = "needlescope.investigate.decide.verdicts."
 _M = "needlescope.analysis.margins."
 _P = "needlescope.analysis.paired."
 _S = "needlescope.analysis.significance."
 _B = "needlescope.analysis.bisect."
-_G = "needlescope.investigate.signature."
+_G = "needlescope.investigate.decide.signature."
 _R = "needlescope.run.bisect."
 _EXACT_POWER = (
     "a power exactly POWER (0.8): none at k_min 2-8, n <= 150, costs 0.01-1.00 (scanned 2026-12-05)"

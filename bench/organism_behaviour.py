@@ -23,13 +23,13 @@ import httpx
 import torch
 
 from needlescope.dsa.checkpoint import resolve_model_dir, trained_value_digits
-from needlescope.investigate import explain
 from needlescope.report.diagnosis import recall_by_length
 from needlescope.run.config import ProbeConfig, parse_float_list, parse_int_list
 from needlescope.run.probe import run_probe
 from needlescope.serve.config import ServeConfig
 from needlescope.serve.launch import ServerProcess
 from needlescope.setting import Setting
+from needlescope.workflows import explain
 
 
 def _setting(spec: str) -> tuple[str, Setting]:

@@ -28,7 +28,7 @@ from collections import Counter
 
 import numpy as np
 
-from needlescope.investigate.signature import collapse_runs, signature, tracks_topk
+from needlescope.investigate.decide.signature import collapse_runs, signature, tracks_topk
 
 
 def best_rank(rng: random.Random, delta: float, v: int, m: int = 5) -> int:

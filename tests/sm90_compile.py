@@ -20,7 +20,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from needlescope.kernels import triton_filter, triton_logits, triton_radix, triton_topk
+from needlescope.kernels import triton_bisect, triton_filter, triton_logits, triton_radix
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -138,9 +138,9 @@ def _topk_kernels():
     yield "radix one launch", triton_radix._radix_one_launch, rad, {**rk, "FIRST": 1}, 4, 3
     tk = {**common, "cand_ptr": "i32"}
     single = {"K": 512, "BLOCK": 32768, "BITS": 0, "SINGLE": True, "SEG": 0, "CAND": False}
-    yield "bisect, row in registers", triton_topk._topk_kernel, tk, single, 32, 3
+    yield "bisect, row in registers", triton_bisect._topk_kernel, tk, single, 32, 3
     merge = {"K": 512, "BLOCK": 8192, "BITS": 0, "SINGLE": False, "SEG": 0, "CAND": True}
-    yield "bisect merge", triton_topk._topk_kernel, tk, merge, 16, 3
+    yield "bisect merge", triton_bisect._topk_kernel, tk, merge, 16, 3
 
 
 def main() -> int:

@@ -7,7 +7,7 @@ differences no suspect covers, the roles a verdict may carry.
 
 from __future__ import annotations
 
-from needlescope.investigate.diagnosis_summary import shown_verdict, summary_box
+from needlescope.investigate.report.summary import shown_verdict, summary_box
 from needlescope.report.blocks import render_html, render_md
 
 

@@ -21,6 +21,7 @@ from needlescope.dsa.diff import (  # noqa: E402
     selection_recall,
     swappable_fraction,
 )
+from needlescope.dsa.diff_md import trivial_selection_note  # noqa: E402
 from needlescope.dsa.emulate import csa_indexers  # noqa: E402
 from needlescope.dsa.prompt import needle_token_span, render_prompt  # noqa: E402
 from needlescope.errors import BadInput  # noqa: E402
@@ -250,6 +251,23 @@ def test_cli_diff_writes_json_and_md(tiny, tmp_path, run_cli):
     assert [r["layer"] for r in obj["layers"]] == [1, 3]
     assert "Differential localization" in (out / "diff.md").read_text()
     assert "first divergent module" in stdout
+    # Issue 38, item 14: where the top-k holds every entry the overlap of 1 is said to be trivial.
+    entries = obj["prompt_tokens"] // 4
+    trivial = [r["layer"] for r in obj["layers"] if min(r["k_reference"], r["k_candidate"]) >= entries]
+    said = "The comparison of selection is trivial" in stdout.replace("\n", " ")
+    assert said == bool(trivial), (trivial, stdout)
+    assert said == ("The comparison of selection is trivial" in (out / "diff.md").read_text())
+
+
+def test_trivial_selection_is_named_per_layer():
+    def layer(n: int, k: int) -> dict:
+        return {"layer": n, "index_topk": k, "k_reference": k, "k_candidate": k}
+
+    obj = {"prompt_tokens": 512, "layers": [layer(1, 2048), layer(3, 64)]}
+    note = trivial_selection_note(obj)
+    assert note.startswith("The comparison of selection is trivial in layer 1: the top-k holds all 128")
+    assert "--index-topk below 128" in note
+    assert trivial_selection_note({"prompt_tokens": 512, "layers": [layer(1, 127)]}) is None
 
 
 @pytest.mark.parametrize(

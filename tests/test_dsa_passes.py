@@ -22,7 +22,8 @@ from needlescope.dsa.passes import decode, greedy, prefill  # noqa: E402
 from needlescope.dsa.prompt import render_prompt  # noqa: E402
 from needlescope.dsa.rankdump import rank_dump, validate_rankdump  # noqa: E402
 from needlescope.errors import BadInput  # noqa: E402
-from needlescope.investigate.measure import Config, case_record, final_logits, measure_cases  # noqa: E402
+from needlescope.investigate.ledger.plan import Config  # noqa: E402
+from needlescope.investigate.measure.records import case_record, final_logits, measure_cases  # noqa: E402
 from needlescope.setting import Setting  # noqa: E402
 
 # Below the organism's 2048 entries at 8K, so the top-k is a real selection.
@@ -81,7 +82,7 @@ def test_chunked_rank_dump_equals_one_pass_token_for_token_and_rank_for_rank(dum
 
 
 def test_measure_records_of_a_chunked_run_equal_the_one_pass_records(dumps_8k, organism64):
-    """``investigate.measure`` builds its record from the generated tokens and the capture; both
+    """``investigate.measure.records`` builds its record from the generated tokens and the capture; both
     come out of the 8K runs identical, at the first answer token and at a decode step."""
     _, tok, _ = organism64
     case = dumps_8k["case"]

@@ -345,7 +345,7 @@ def test_progress_renderer_is_the_only_one():
 
 
 def test_init_live_and_from_probe_write_ledgers_that_load(scripted_server, tmp_path):
-    from needlescope.investigate.ledger import load_ledger
+    from needlescope.investigate.ledger.ledger import load_ledger
 
     url = scripted_server(window=500)
     res = cli("investigate", "init", str(tmp_path / "live"), "--live", url + "/v1")

@@ -20,7 +20,7 @@ from dataclasses import replace
 import pytest
 from scipy.stats import rankdata
 
-from needlescope.investigate.compare import compare_live
+from needlescope.run.compare_live import compare_live
 from needlescope.run.config import ProbeConfig
 from needlescope.run.probe import run_probe
 from needlescope.serve.launch import ServerProcess

@@ -20,6 +20,7 @@ LAYERS: dict[str, int] = {
     "setting": 0,
     "paths": 0,
     "progress": 0,
+    "outdir": 0,
     # 1: torch-free cores
     "cases": 1,
     "analysis": 1,
@@ -33,8 +34,9 @@ LAYERS: dict[str, int] = {
     "serve": 3,
     "kernels": 3,
     "audit": 3,
-    # 4: every multi-step workflow
+    # 4: multi-step workflows: the investigation, and the others (demo, explain, rank dump, capture)
     "investigate": 4,
+    "workflows": 4,
     # 5: long-running watchers built on workflows
     "watch": 5,
     # 6: the command line
@@ -52,6 +54,7 @@ TORCH_FREE = (
     "errors",
     "paths",
     "progress",
+    "outdir",
     "cases",
     "analysis",
     "targets",
@@ -112,8 +115,8 @@ def test_the_checker_catches_an_upward_import(tmp_path):
     """The rule can fail: a lazy upward import and a torch import in a torch-free core are reported."""
     fake = tmp_path / "needlescope"
     (fake / "dsa").mkdir(parents=True)
-    (fake / "dsa" / "bad.py").write_text("def f():\n    from needlescope.investigate import demo\n")
+    (fake / "dsa" / "bad.py").write_text("def f():\n    from needlescope.workflows import demo\n")
     (fake / "cases.py").write_text("import torch\n")
     found = _violations(fake)
-    assert any("dsa (layer 2) imports investigate (layer 4)" in v for v in found), found
+    assert any("dsa (layer 2) imports workflows (layer 4)" in v for v in found), found
     assert any("cases is torch-free but imports torch" in v for v in found), found

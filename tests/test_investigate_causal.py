@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from needlescope.investigate.verdicts import (
+from needlescope.investigate.decide.verdicts import (
     SMALL_EFFECT,
     cases_needed,
     classify_fix,
@@ -192,7 +192,7 @@ def test_equal_losses_and_gains_are_no_effect_and_an_unconfirmed_gain_is_not_exo
 
 
 def test_divergence_counts_only_above_its_threshold():
-    from needlescope.investigate.verdicts import DIVERGE_REL
+    from needlescope.investigate.decide.verdicts import DIVERGE_REL
 
     kw = dict(KW, present=True, pair=_pair(0, 0))
     assert suspect_verdict(**dict(kw, divergence=DIVERGE_REL))[0] == "exonerated"

@@ -11,17 +11,17 @@ import pytest
 pytest.importorskip("torch")
 
 from needlescope.dsa.rankdump import validate_rankdump  # noqa: E402
-from needlescope.investigate.demo import MARKER  # noqa: E402
-from needlescope.investigate.explain import (  # noqa: E402
+from needlescope.report.diagnosis import render_diagnosis  # noqa: E402
+from needlescope.report.probe import validate_summary  # noqa: E402
+from needlescope.setting import Setting  # noqa: E402
+from needlescope.testing.checkpoints import save_random  # noqa: E402
+from needlescope.workflows.demo import MARKER  # noqa: E402
+from needlescope.workflows.explain import (  # noqa: E402
     default_fixes,
     pick_case_to_explain,
     pick_failing_case,
     validate_fixes,
 )
-from needlescope.report.diagnosis import render_diagnosis  # noqa: E402
-from needlescope.report.probe import validate_summary  # noqa: E402
-from needlescope.setting import Setting  # noqa: E402
-from needlescope.testing.checkpoints import save_random  # noqa: E402
 
 
 def _row(case_id, length, depth, correct, status="ok"):

@@ -161,7 +161,7 @@ def apply(model):
 def test_investigation_builds_no_tensor_off_the_models_device(tmp_path):
     """Audits, ablations, fixes, the residual and the localizer step, under the device taint."""
     from needlescope.dsa.checkpoint import load_bundle
-    from needlescope.investigate.runner import run_investigation
+    from needlescope.investigate.run import run_investigation
 
     (tmp_path / "investigation.toml").write_text(LEDGER)
     (tmp_path / "drop.py").write_text(DROP)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from needlescope.errors import BadInput
-from needlescope.investigate.example import EXAMPLE_LEDGER, write_example
-from needlescope.investigate.ledger import load_ledger, parse_ledger
+from needlescope.investigate.ledger.example import EXAMPLE_LEDGER, write_example
+from needlescope.investigate.ledger.ledger import load_ledger, parse_ledger
 
 
 def test_example_ledger_parses(tmp_path):

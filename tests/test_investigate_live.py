@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from needlescope.investigate.runner import run_investigation
+from needlescope.investigate.run import run_investigation
 
 pytest.importorskip("torch")
 
@@ -95,7 +95,7 @@ def test_live_emulation_implicates_the_planted_fault(tmp_path, live_server, orga
     again = [json.loads(x) for x in path.read_text().splitlines()]
     assert len(again) == 12 and again[-1]["case_id"] == live[0]["case_id"] and "error" not in again[-1]
     assert again[-1]["answer"] == live[0]["answer"]
-    from needlescope.investigate.diagnosis import write_reports
+    from needlescope.investigate.report.diagnosis import write_reports
 
     md = write_reports(out)[0].read_text()
     assert "## Live selection vs each suspect's emulation" in md and "**page_table**" in md
@@ -103,7 +103,7 @@ def test_live_emulation_implicates_the_planted_fault(tmp_path, live_server, orga
 
 def test_live_route_refuses_ablation_and_blocks_on_a_dead_endpoint(tmp_path, organism):
     from needlescope.errors import BadInput
-    from needlescope.investigate.ledger import load_ledger
+    from needlescope.investigate.ledger.ledger import load_ledger
 
     bad = live_ledger(tmp_path, "http://127.0.0.1:9", checks='["ablation"]')
     with pytest.raises(BadInput, match="cannot be ablated"):

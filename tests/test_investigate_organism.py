@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from needlescope.investigate.example import EXAMPLE_FILES, write_example
-from needlescope.investigate.runner import run_investigation
+from needlescope.investigate.ledger.example import EXAMPLE_FILES, write_example
+from needlescope.investigate.run import run_investigation
 
 pytest.importorskip("torch")
 
@@ -254,7 +254,7 @@ def test_diagnosis_html_renders_in_headless_chromium(page_table_out, tmp_path):
     import numpy as np
     from matplotlib.image import imread
 
-    from needlescope.investigate.diagnosis import write_reports
+    from needlescope.investigate.report.diagnosis import write_reports
     from needlescope.report.blocks import SUMMARY_BACKGROUND, SUMMARY_BORDER
 
     md, page = write_reports(page_table_out, command="needlescope investigate run L --out O")
@@ -310,7 +310,8 @@ def test_example_files_are_complete():
 def test_batched_measurement_equals_one_at_a_time(organism):
     from needlescope.cases.assemble import CaseSpec, build_cases
     from needlescope.dsa.prompt import render_prompt
-    from needlescope.investigate.measure import Config, measure_case, measure_cases
+    from needlescope.investigate.ledger.plan import Config
+    from needlescope.investigate.measure.records import measure_case, measure_cases
     from needlescope.setting import Setting
 
     model, tok = organism

@@ -27,7 +27,7 @@ def apply(model):
 
 def test_no_undo_patch_runs_once_and_forces_a_fresh_model(tmp_path):
     from needlescope.dsa.emulate import patched_for_good
-    from needlescope.investigate.runner import run_investigation
+    from needlescope.investigate.run import run_investigation
 
     (tmp_path / "for_good.py").write_text(PATCH)
     (tmp_path / "investigation.toml").write_text(

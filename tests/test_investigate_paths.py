@@ -1,5 +1,5 @@
 """Both paths, teacher-forced prefill and a server's decode, in the failing case's rank statistics
-(``investigate.rank_paths``) and in the live route's emulation, on the organism.
+(``investigate.measure.rank_paths``) and in the live route's emulation, on the organism.
 
 The planted decode-only bug (``bench/planted/indexer_decode_key_slot.py``: each decode step scores
 entry s with the key of entry s - 1, prefill untouched) costs answers at their later tokens
@@ -24,7 +24,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from needlescope.investigate.runner import run_investigation  # noqa: E402
+from needlescope.investigate.run import run_investigation  # noqa: E402
 
 DECODE_BUG = Path(__file__).resolve().parents[1] / "bench" / "planted" / "indexer_decode_key_slot.py"
 SAYS = "decode-path only: prefill selections identical"
@@ -63,7 +63,7 @@ def organism():
 
 @pytest.fixture(scope="module")
 def in_process(tmp_path_factory, organism):
-    from needlescope.investigate.diagnosis import write_reports
+    from needlescope.investigate.report.diagnosis import write_reports
 
     d = tmp_path_factory.mktemp("paths")
     (d / "patches").mkdir()
@@ -97,8 +97,9 @@ def test_an_unpatched_model_ranks_the_needle_identically_on_both_paths(organism)
     from needlescope.cases.assemble import CaseSpec, build_cases
     from needlescope.dsa.checkpoint import resolve_model_dir, trained_value_digits
     from needlescope.dsa.prompt import render_prompt
-    from needlescope.investigate.measure import Config, measure_case
-    from needlescope.investigate.rank_paths import rank_paths
+    from needlescope.investigate.ledger.plan import Config
+    from needlescope.investigate.measure.rank_paths import rank_paths
+    from needlescope.investigate.measure.records import measure_case
     from needlescope.setting import Setting
 
     model, tok = organism
@@ -147,7 +148,7 @@ checks = ["live_emulation"]
 
 
 def test_live_emulation_of_a_decode_only_bug_reproduces_it_on_the_decode_path_only(tmp_path, organism):
-    from needlescope.investigate.diagnosis import write_reports
+    from needlescope.investigate.report.diagnosis import write_reports
     from needlescope.serve.config import ServeConfig
     from needlescope.serve.launch import ServerProcess
     from needlescope.setting import Setting

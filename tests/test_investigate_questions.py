@@ -12,8 +12,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from needlescope.dsa.checkpoint import shipped_dir
-from needlescope.investigate.ledger import Question
-from needlescope.investigate.questions import QuestionContext, answer
+from needlescope.investigate.ledger.ledger import Question
+from needlescope.investigate.measure.questions import QuestionContext, answer
 
 
 def ctx(tmp_path, **kw):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from needlescope.investigate.verdicts import (
+from needlescope.investigate.decide.verdicts import (
     classify_fix,
     paired,
     resolve_root_cause,
@@ -128,7 +128,7 @@ def test_verdicts_schema():
 
 
 def test_first_wrong_token():
-    from needlescope.investigate.measure import first_wrong_token
+    from needlescope.investigate.measure.records import first_wrong_token
 
     assert first_wrong_token(["4", "3", "7"], "439") == 2  # the demo's 437 for 439: the third digit
     assert first_wrong_token(["4", "3", "9"], "439") is None
@@ -153,8 +153,8 @@ def test_absent_suspect_exoneration_says_what_it_rests_on():
 
 
 def test_live_comparison_and_verdict():
-    from needlescope.investigate.live import compare_rows, jaccard, summarise
-    from needlescope.investigate.verdicts import live_verdict
+    from needlescope.investigate.decide.verdicts import live_verdict
+    from needlescope.investigate.measure.live import compare_rows, jaccard, summarise
 
     assert jaccard(set(), set()) == 1.0 and jaccard({1, 2}, {2, 3}) == 1 / 3
     live = {"1": [[0, 1], [0, 9]]}  # needle entries 5, 6: the live drops them at the analysed row

@@ -72,8 +72,8 @@ def organism():
 
 
 def _run(d, named: bool, organism, seed=None) -> dict:
-    from needlescope.investigate.diagnosis import write_reports
-    from needlescope.investigate.runner import run_investigation
+    from needlescope.investigate.report.diagnosis import write_reports
+    from needlescope.investigate.run import run_investigation
 
     (d / "patches").mkdir(parents=True)
     (d / "patches" / "buffer.py").write_text(PATCH)

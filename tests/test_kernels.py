@@ -25,10 +25,10 @@ from needlescope.kernels import (  # noqa: E402
     quantize_keys,
     quantize_queries,
     resolve_kernel,
+    topk,
     triton_decode,
     triton_logits,
     triton_radix,
-    triton_topk,
 )
 from needlescope.kernels.reference import logits_reference, paged_logits_reference, topk_reference  # noqa: E402
 
@@ -99,7 +99,7 @@ def test_topk_is_exact_with_lower_index_ties(ties: bool, algo: str) -> None:
             x[:, 1::7] = 0.0
         st, en = _ranges(R, L, k, g)
         out = torch.full((R, k), POISON_IDX, dtype=torch.int32, device=DEV)
-        triton_topk.topk(x, k, st, en, out=out, **ALGOS[algo])
+        topk.topk(x, k, st, en, out=out, **ALGOS[algo])
         ref = topk_reference(x, k, st, en)
         assert not (out == POISON_IDX).any(), "an output slot was never written"
         got, want = out.sort(dim=1).values, ref.sort(dim=1).values
@@ -236,7 +236,7 @@ def test_persistent_paged_logits_match_reference_histogram_and_group_maxima(
 
 
 def _ordered_keys(x: torch.Tensor) -> torch.Tensor:
-    """int64 keys with the float order of fp32 ``x`` (``triton_topk._ordered_key``'s mapping)."""
+    """int64 keys with the float order of fp32 ``x`` (``topk_parts.ordered_key``'s mapping)."""
     u = x.contiguous().view(torch.int32).long() & 0xFFFFFFFF
     u = torch.where(u == 0x80000000, 0, u)
     return torch.where(u >= 0x80000000, u ^ 0xFFFFFFFF, u ^ 0x80000000)
@@ -256,10 +256,10 @@ def test_fused_decode_topk_equals_logits_then_topk(key_dtype: str) -> None:
         fused11 = triton_decode.decode_topk(qc, wf, paged, lens, k, fused=True, select="radix", bits=11)
         fused_filter = triton_decode.decode_topk(qc, wf, paged, lens, k, fused=True, select="filter")
         logits = triton_logits.paged_logits(qc, wf, paged, lens)
-        assert torch.equal(fused, triton_topk.topk(logits, k, zeros, lens, method="radix")), k
+        assert torch.equal(fused, topk.topk(logits, k, zeros, lens, method="radix")), k
         assert torch.equal(fused11, fused), k
         # The filter path from the logits kernel's group maxima gives what it gives from its own.
-        assert torch.equal(fused_filter, triton_topk.topk(logits, k, zeros, lens, method="filter")), k
+        assert torch.equal(fused_filter, topk.topk(logits, k, zeros, lens, method="filter")), k
         assert torch.equal(fused_filter.sort(1).values, fused.sort(1).values), k
         unfused = triton_decode.decode_topk(qc, wf, paged, lens, k, fused=False)
         assert torch.equal(fused.sort(1).values, unfused.sort(1).values), k
@@ -289,7 +289,7 @@ def test_fused_filter_decode_with_a_fault_selects_from_the_faulty_logits(fault: 
     k = SHAPES["ks"][0]
     got = triton_decode.decode_topk(qc, wf, paged, lens, k, fused=True, select="filter", fault=fault)
     faulty = triton_logits.paged_logits(qc, wf, paged, lens, fault=fault)
-    assert torch.equal(got, triton_topk.topk(faulty, k, None, lens, method="filter"))
+    assert torch.equal(got, topk.topk(faulty, k, None, lens, method="filter"))
     healthy = triton_decode.decode_topk(qc, wf, paged, lens, k, fused=True, select="filter")
     assert not torch.equal(got.sort(1).values, healthy.sort(1).values), (
         "the fault left the selection unchanged"
@@ -395,8 +395,8 @@ def test_radix_clamps_raw_ranges_itself(one_launch: bool) -> None:
     en = torch.tensor([L + 100, 2, L + 9, 4, L, -3], dtype=torch.int32, device=DEV)
     chunk = 16384 if FULL else triton.next_power_of_2(L)
     kw = {"method": "radix", "chunk": chunk, "one_launch": one_launch}
-    want = triton_topk.topk(x, k, st, en, method="bisect")
-    assert torch.equal(triton_topk.topk(x, k, st, en, **kw).sort(1).values, want.sort(1).values)
+    want = topk.topk(x, k, st, en, method="bisect")
+    assert torch.equal(topk.topk(x, k, st, en, **kw).sort(1).values, want.sort(1).values)
     got = triton_radix.radix_topk(x, k, None, en, chunk=chunk, one_launch=one_launch)
     zeros = torch.zeros_like(st)
-    assert torch.equal(got.sort(1).values, triton_topk.topk(x, k, zeros, en, method="bisect").sort(1).values)
+    assert torch.equal(got.sort(1).values, topk.topk(x, k, zeros, en, method="bisect").sort(1).values)

@@ -3,7 +3,7 @@
 Under Triton's interpreter (tests/conftest.py) at rows of a few thousand entries; on a GPU,
 ``NEEDLESCOPE_KERNEL_SHAPES=full`` runs the same checks compiled at 64K-entry rows. Every check
 holds the output to the contract: the reference's set, entries above the threshold key in index
-order then the ties in index order (the output of ``triton_topk``'s radix threshold search), and
+order then the ties in index order (the output of ``triton_bisect``'s radix threshold search), and
 every slot written. ``counts`` (each row's candidate count) is checked against a torch model of the
 filter's threshold, so the filter is seen to filter, and to keep at least k candidates; the model's
 per-chunk counts show which of launch 3's paths (register tile, or lists in blocks) a test takes.
@@ -19,7 +19,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from needlescope.kernels import triton_filter, triton_topk  # noqa: E402
+from needlescope.kernels import topk, triton_filter  # noqa: E402
 from needlescope.kernels.reference import topk_reference  # noqa: E402
 from test_kernels import _ordered_keys as _keys  # noqa: E402  (the ordered key in torch)
 from test_kernels import _ranges  # noqa: E402  (ragged rows: full, empty, < k, k from 5, k + 1, random)
@@ -125,7 +125,7 @@ def _run(x, k, st, en, **kw) -> tuple[torch.Tensor, torch.Tensor]:
 def _check(x, k, st, en, out, counts, reference: bool = True) -> None:
     """The radix select's output exactly (order included), the reference's set (not with NaNs:
     torch orders every NaN first), the order contract, and at least k candidates in long rows."""
-    want = triton_topk.topk(x, k, st, en, method="bisect", bits=8, block=1024)
+    want = topk.topk(x, k, st, en, method="bisect", bits=8, block=1024)
     assert torch.equal(out, want), f"k={k}: rows {(out != want).any(1).nonzero().flatten().tolist()}"
     if reference:
         ref = topk_reference(x, k, st, en).sort(1).values
@@ -261,7 +261,7 @@ def test_raw_ranges_are_clamped_in_the_kernel() -> None:
     _check(x, k, st, en, out, counts)
     out, counts = _run(x, k, None, en)
     zeros = torch.zeros_like(en)
-    assert torch.equal(out, triton_topk.topk(x, k, zeros, en, method="bisect", bits=8, block=1024))
+    assert torch.equal(out, topk.topk(x, k, zeros, en, method="bisect", bits=8, block=1024))
 
 
 def test_filter_refuses_bad_arguments() -> None:
@@ -276,7 +276,7 @@ def test_filter_refuses_bad_arguments() -> None:
     with pytest.raises(ValueError, match="gmax must be int32"):
         triton_filter.filter_topk(x, 4, None, en, gmax=torch.zeros(2, 7, device=DEV))
     with pytest.raises(ValueError, match="method must be"):
-        triton_topk.topk(x, 4, None, en, method="nope")
+        topk.topk(x, 4, None, en, method="nope")
 
 
 def test_empty_rows_and_rows_shorter_than_k() -> None:
@@ -296,7 +296,7 @@ def test_empty_rows_and_rows_shorter_than_k() -> None:
 
 @pytest.mark.parametrize("cand_block", [None, 64])
 def test_topk_dispatches_to_the_filter(cand_block: int | None) -> None:
-    """``triton_topk.topk(method="filter")`` gives ``filter_topk``'s output, also with a small
+    """``topk.topk(method="filter")`` gives ``filter_topk``'s output, also with a small
     candidate block (the chunked search), on random and tied rows."""
     g = _gen(110)
     for kind in ("random", "ties"):
@@ -304,7 +304,7 @@ def test_topk_dispatches_to_the_filter(cand_block: int | None) -> None:
         for k in (16, 512):
             st, en = _ranges(ROWS, LENGTH, k, g)
             out = torch.full((ROWS, k), POISON_IDX, dtype=torch.int32, device=DEV)
-            triton_topk.topk(x, k, st, en, method="filter", cand_block=cand_block, block=1024, out=out)
+            topk.topk(x, k, st, en, method="filter", cand_block=cand_block, block=1024, out=out)
             want, counts = _run(x, k, st, en, cand_block=cand_block, block=1024)
             assert torch.equal(out, want), (kind, k)
             _check(x, k, st, en, out, counts)

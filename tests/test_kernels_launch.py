@@ -16,7 +16,7 @@ from triton.backends.compiler import BaseBackend  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
 from needlescope.kernels import launch as launch_mod  # noqa: E402
-from needlescope.kernels import triton_logits, triton_topk  # noqa: E402
+from needlescope.kernels import topk, triton_bisect, triton_logits  # noqa: E402
 
 CUDA = torch.cuda.is_available() and not launch_mod.INTERPRET
 
@@ -93,14 +93,14 @@ def test_direct_launches_equal_jit_launches(offset: int) -> None:
     for direct in (False, True):
         previous = launch_mod.use_direct_launch(direct)
         try:
-            got = [triton_topk.topk(logits, k, None, lens, method=m) for m in ("bisect", "radix", "filter")]
-            got += [triton_topk.topk(logits, k, None, lens, method=m) for m in ("bisect", "radix", "filter")]
+            got = [topk.topk(logits, k, None, lens, method=m) for m in ("bisect", "radix", "filter")]
+            got += [topk.topk(logits, k, None, lens, method=m) for m in ("bisect", "radix", "filter")]
         finally:
             launch_mod.use_direct_launch(previous)
         results[direct] = got
     for a, b in zip(results[False], results[True]):
         assert torch.equal(a, b)
-    assert any(key[0] is triton_topk._topk_kernel for key in launch_mod._COMPILED)
+    assert any(key[0] is triton_bisect._topk_kernel for key in launch_mod._COMPILED)
 
 
 @pytest.mark.skipif(not CUDA, reason="the direct path launches compiled kernels on a GPU")

@@ -11,8 +11,8 @@ import sys
 import pytest
 
 from needlescope.errors import BadInput
-from needlescope.investigate.example import write_example
-from needlescope.investigate.ledger import load_ledger
+from needlescope.investigate.ledger.example import write_example
+from needlescope.investigate.ledger.ledger import load_ledger
 from needlescope.report.bundle import read_bundle
 
 

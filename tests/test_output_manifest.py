@@ -14,8 +14,8 @@ import time
 import pytest
 
 from needlescope.errors import BadInput
-from needlescope.investigate.demo import prepare_out
-from needlescope.investigate.manifest import MANIFEST_NAME, Manifest, check_clearable, clear
+from needlescope.workflows.demo import prepare_out
+from needlescope.workflows.manifest import MANIFEST_NAME, Manifest, check_clearable, clear
 
 
 def _demo_like(out):

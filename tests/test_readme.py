@@ -32,7 +32,6 @@ EQUIVALENTS = {
     "make demo": "tests/test_investigate_demo.py and tests/test_investigate_organism.py run the same ledger",
     "make test": "the test suite itself",
     "prometheus --config.file": "tests/test_watch_prometheus.py scrapes the canary with a real Prometheus",
-    ".venv/bin/needlescope indexer sweep": "tests/test_dsa_sweep.py (the sweep and its report) on the organism",
     ".venv/bin/needlescope indexer diff": "tests/test_dsa_diff.py (localize on the organism, fp4 keys and queries)",
     ".venv/bin/needlescope investigate run": (
         "tests/test_investigate_live.py runs a live ledger of this shape (multiturn at 512 tokens, the same "
@@ -107,7 +106,7 @@ def test_readme_commands_run_as_written(servers, tmp_path):
         assert res.returncode == 0, f"{command}\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
         ran.append((command, res))
     out = {c.split()[1] if c.split()[1] != "indexer" else c.split()[2]: r for c, r in ran}
-    assert {"health", "probe", "compare", "rank-dump", "capture", "canary"} <= set(out)
+    assert {"health", "probe", "compare", "rank-dump", "sweep", "capture", "canary"} <= set(out)
 
     assert (
         "needle values: 3 digits, from the target's /get_server_info trained_value_digits"
@@ -117,11 +116,31 @@ def test_readme_commands_run_as_written(servers, tmp_path):
     assert reference["value_digits"] == 3 and min(c["recall"] for c in reference["cells"]) >= 0.5
     verdict = json.loads((tmp_path / "runs/ab/compare.json").read_text())
     assert verdict["cases_matched"] == 6
+    # The compare's headline carries both recalls, and with 6 pairs it cannot test the drop it
+    # shows: it says so and how many trials would (issue 38, item 2).
+    headline = f"B {verdict['recall_b']:.2f} vs A {verdict['recall_a']:.2f} on 6 pairs: "
+    assert headline in out["compare"].stdout and verdict["headline"].startswith(headline)
+    assert verdict["recall_b"] < verdict["recall_a"] and "too few to test" in verdict["headline"]
+    assert re.search(r"rerun with --trials \d+$", verdict["headline"])
+    assert "no detectable difference" not in out["compare"].stdout
+    # The sweep carries the planted fault in every row: it says so first and never names a
+    # setting that reads every entry (a capacity workaround) as the fix (issue 38, item 4).
+    sweep = json.loads((tmp_path / "sweep/sweep.json").read_text())
+    assert sweep["verdict"][0].startswith("every row carries the patch fault:indexer_page_table")
+    assert sweep["cheapest"] is None or sweep["cheapest"]["index_topk"] < 512 // 4
+    assert {w["index_topk"] for w in sweep["workarounds"]} <= {256}
+    assert not any(
+        line.startswith("- cheapest setting") and "index_topk=256" in line
+        for line in out["sweep"].stdout.splitlines()
+    )
+    sweep_md = (tmp_path / "sweep/sweep.md").read_text()
+    assert "**Every row carries the patch" in sweep_md.split("## Verdict")[0]
+    assert sweep_md.startswith("# needlescope indexer sweep: organism (multiturn)\n")  # no weights path
     b = json.loads((tmp_path / "runs/ab/b/summary.json").read_text())
     failing = {(c["length"], c["depth"]) for c in b["cells"] if c["recall"] < b["threshold"]}
     assert failing  # the patched deployment loses needles the reference recalls
 
-    from needlescope.investigate.ledger import load_ledger
+    from needlescope.investigate.ledger.ledger import load_ledger
 
     ledger = load_ledger(tmp_path / "live-inv/investigation.toml")
     assert ledger.target.live and ledger.target.endpoint == servers["8001"]

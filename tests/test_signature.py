@@ -11,7 +11,7 @@ import pytest
 from scipy.stats import kstest
 
 from needlescope.analysis.stats import wilson_interval
-from needlescope.investigate.signature import (
+from needlescope.investigate.decide.signature import (
     HOLD,
     NEAR_CHANCE,
     case_draw,
@@ -322,7 +322,7 @@ def test_rank_percentile_validation_and_exact_values():
 
 
 def test_layer_percentiles_skip_small_layers_and_use_the_case_draw():
-    from needlescope.investigate.signature import layer_percentiles
+    from needlescope.investigate.decide.signature import layer_percentiles
 
     rec = {
         "case_id": "c7",

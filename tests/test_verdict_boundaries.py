@@ -1,6 +1,6 @@
 """The verdict rules at their edges (pure): evidence records, the cases a cost needs (against a
 brute-force scan of the power), and the live verdict's thresholds. Expectations are worked out
-by hand from the rules in ``investigate.verdicts``' docstring."""
+by hand from the rules in ``investigate.decide.verdicts``' docstring."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import math
 import pytest
 
 from needlescope.analysis.significance import mcnemar_power
-from needlescope.investigate.verdicts import (
+from needlescope.investigate.decide.verdicts import (
     POWER,
     cases_needed,
     detectable_cost,
@@ -104,7 +104,7 @@ def test_schema_errors_name_the_verdicts_record():
 
 
 def test_both_paths_the_teacher_forced_verdict_stands_unless_only_decode_reproduces():
-    from needlescope.investigate.verdicts import live_verdict_paths
+    from needlescope.investigate.decide.verdicts import live_verdict_paths
 
     hit, miss = _cmp(5, 5, 1.0, 0.0), _cmp(5, 0, 0.0, 0.0)
     v, reason, path = live_verdict_paths({"prefill": miss, "decode": hit})

@@ -9,14 +9,26 @@ in which B is worse with a corrected p below alpha.
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from .significance import holm, mcnemar_power
+from .significance import holm, mcnemar_pairs_needed, mcnemar_power
 from .stats import mcnemar_exact
 
-__all__ = ["Pair", "PairedGroup", "paired_group", "compare_pairs", "bootstrap_delta_ci", "bucket_of"]
+__all__ = [
+    "Pair",
+    "PairedGroup",
+    "paired_group",
+    "compare_pairs",
+    "bootstrap_delta_ci",
+    "bucket_of",
+    "headline",
+]
+
+TESTABLE_POWER = 0.8
+"""The power below which a visible difference is reported as too few pairs to test."""
 
 
 @dataclass(frozen=True)
@@ -159,11 +171,45 @@ def compare_pairs(
         )
     return {
         "cases_matched": len(pairs),
+        "recall_a": sum(p.a for p in pairs) / len(pairs) if pairs else None,
+        "recall_b": sum(p.b for p in pairs) / len(pairs) if pairs else None,
         "buckets": rows,
         "verdict": _verdict(rows, alpha, power_drop),
         "regresses_from": regresses_from,
         "cells": cells,
     }
+
+
+def headline(result: dict, *, alpha: float, trials: int | None = None, failed: str | None = None) -> str:
+    """The verdict with the recalls it compares: ``B 0.17 vs A 1.00 on 6 pairs: ...``.
+
+    ``result``: ``compare_pairs``'s. Where nothing is significant but a bucket shows a difference
+    that its pairs could not test (power below ``TESTABLE_POWER`` for a drop of the observed
+    size at the Holm level), it says so and how many trials would test it (``trials``: the run's
+    trials per cell; without it, the pairs the bucket would need). ``failed``: what failed on
+    either side (requests with no answer); then a null result is no verdict at all."""
+    rows = result["buckets"]
+    numbers = f"B {result['recall_b']:.2f} vs A {result['recall_a']:.2f} on {result['cases_matched']} pairs"
+    if result["regresses_from"] is not None or any(r["p_holm"] < alpha for r in rows):
+        return f"{numbers}: {result['verdict']}"
+    if failed:
+        return f"{numbers}: no verdict, {failed}"
+    level = alpha / max(1, len(rows))
+    visible = [r for r in rows if r["delta"] != 0]
+    if not visible:
+        return f"{numbers}: {result['verdict']}"
+    widest = max(visible, key=lambda r: (abs(r["delta"]), -r["length_lo"]))
+    size = abs(widest["delta"])
+    if mcnemar_power(widest["n"], size, level) >= TESTABLE_POWER:
+        return f"{numbers}: {result['verdict']}"
+    needed = mcnemar_pairs_needed(size, level, TESTABLE_POWER)
+    where = f"a {round(100 * size):d}-point difference at {widest['length_lo']} tokens"
+    if needed is None:
+        return f"{numbers}: too few to test {where}"
+    if trials is None:
+        return f"{numbers}: too few to test {where}; it needs about {needed} pairs there"
+    more = math.ceil(trials * needed / widest["n"])
+    return f"{numbers}: too few to test {where}; rerun with --trials {more}"
 
 
 def _verdict(rows: list[dict], alpha: float, power_drop: float) -> str:

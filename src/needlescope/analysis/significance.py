@@ -15,6 +15,7 @@ __all__ = [
     "holm",
     "fisher_exact",
     "mcnemar_power",
+    "mcnemar_pairs_needed",
     "GroupTest",
     "groups_vs_rest",
 ]
@@ -66,6 +67,28 @@ def mcnemar_power(n: int, drop: float, alpha: float) -> float:
         return 0.0
     drop = min(1.0, drop)
     return binomial_tail(k_min, n, drop)
+
+
+def mcnemar_pairs_needed(drop: float, alpha: float, power: float = 0.8, max_pairs: int = 1000) -> int | None:
+    """The fewest pairs n with ``mcnemar_power(n, drop, alpha) >= power`` (None past ``max_pairs``,
+    which stays where the exact binomial sum fits a float).
+
+    The power grows with n for a fixed drop, so the search doubles an upper bound, then bisects."""
+    if drop <= 0:
+        return None
+    hi = 1
+    while mcnemar_power(hi, drop, alpha) < power:
+        hi *= 2
+        if hi > max_pairs:
+            return None
+    lo = hi // 2  # mcnemar_power(lo) < power, or lo == 0
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if mcnemar_power(mid, drop, alpha) >= power:
+            hi = mid
+        else:
+            lo = mid
+    return hi
 
 
 @dataclass(frozen=True)

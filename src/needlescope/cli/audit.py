@@ -15,6 +15,8 @@ from rich.table import Table
 from rich.text import Text
 
 from needlescope.cli.output import console
+from needlescope.cli.outputs import FORCE, file_spec
+from needlescope.outdir import check_outputs, record_outputs
 
 
 def audit_command(
@@ -38,6 +40,7 @@ def audit_command(
         "--prefill-chunk",
         help="Run the prompt through the KV cache in chunks of this many tokens (docs/scale.md).",
     ),
+    force: bool = FORCE,
 ) -> None:
     """Op-level microtests and compounding of reduced-precision ops against the fp32 reference."""
     from needlescope.audit.checks import CHECKS
@@ -52,6 +55,8 @@ def audit_command(
     from needlescope.audit.run import audit_checkpoint
     from needlescope.setting import Setting
 
+    if out is not None:
+        check_outputs(*file_spec(out, "audit"), force=force)  # before the checkpoint loads
     results = audit_checkpoint(model, names, Setting.parse(candidate), length, chunk=prefill_chunk)
     table = Table("check", "metric", "value", "threshold", "flagged")
     for r in results:
@@ -62,4 +67,5 @@ def audit_command(
     console.print(table)
     if out is not None:
         out.write_text(json.dumps(results, indent=1), encoding="utf-8")
+        record_outputs(*file_spec(out, "audit"))
         console.print(f"wrote {out}")

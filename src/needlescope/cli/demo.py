@@ -1,10 +1,10 @@
 """``needlescope demo``: the main job on the embedded default, the shipped organism.
 
 Serves the checkpoint (``--model``, default ``organism``) twice, with reference indexer numerics
-and with a deployment-like setting (by default ``needlescope.investigate.demo.DEPLOYMENT``: fp8
+and with a deployment-like setting (by default ``needlescope.workflows.demo.DEPLOYMENT``: fp8
 keys, ``index_topk`` 64, the built-in ``fault:indexer_page_table``), probes both with multiturn
 needles, rank-dumps the failing case, tries the fixes and writes ``DIAGNOSIS.md``
-(``needlescope.investigate.demo``). Every input is checked before anything is written, and
+(``needlescope.workflows.demo``). Every input is checked before anything is written, and
 ``--out`` is replaced only when it is an earlier demo output. A progress bar advances through
 the six phases.
 """
@@ -16,8 +16,10 @@ from pathlib import Path
 
 import typer
 
+from needlescope.cli.model_context import check_lengths, check_topk
 from needlescope.cli.setting_options import PATCH_HELP, numerics_from_flags, with_patch
-from needlescope.investigate.demo import DEPLOYMENT, MARKER, DemoConfig
+from needlescope.run.config import ProbeConfig
+from needlescope.workflows.demo import DEPLOYMENT, MARKER, DemoConfig
 
 PHASES = ("serve", "probe reference", "probe deployment", "rank dump", "fixes", "report")
 
@@ -47,8 +49,8 @@ def demo_command(
     """Probe the organism under reference and deployment numerics and explain the difference."""
     from needlescope.cli.output import console
     from needlescope.cli.progress import ProgressView
-    from needlescope.investigate import demo
     from needlescope.run.config import parse_int_list
+    from needlescope.workflows import demo
 
     deployment = numerics_from_flags(deploy_index_k, None, None, deploy_index_topk)
     cfg = DemoConfig(
@@ -59,6 +61,9 @@ def demo_command(
         trials=trials,
         device=device,
     )
+    # Before anything loads: every probe length with its answer tokens fits the model's context.
+    check_lengths(model, cfg.lengths, ProbeConfig.__dataclass_fields__["max_tokens"].default)
+    check_topk(model, [deployment.index_topk], "--deploy-index-topk")
     # The patch is resolved after every other flag; demo.run checks the model and --out, then runs it.
     cfg = replace(cfg, deployment=with_patch(deployment, None if deploy_patch == "none" else deploy_patch))
     with ProgressView(console) as view:

@@ -7,7 +7,9 @@ from pathlib import Path
 
 import typer
 
+from needlescope.cli.interrupts import on_interrupt, store_saved
 from needlescope.cli.output import console, err_console
+from needlescope.cli.outputs import FORCE, guard
 from needlescope.cli.progress import ProgressView
 from needlescope.errors import ProbeError
 from needlescope.run.config import parse_float_list, parse_int_list
@@ -47,9 +49,10 @@ def engine_state_command(
     api_key: str = typer.Option(
         None, "--api-key", envvar=["NEEDLESCOPE_API_KEY", "OPENAI_API_KEY"], show_default=False
     ),
+    force: bool = FORCE,
 ) -> None:
     """Vary one engine condition at a time (prefix cache, concurrency, repetition); paired recall and margin."""
-    from needlescope.report.engine_state import engine_state_markdown, write_engine_state
+    from needlescope.report.engine_state import write_engine_state
     from needlescope.run.engine_state import EngineStateConfig, run_engine_state
 
     cfg = EngineStateConfig(
@@ -69,13 +72,25 @@ def engine_state_command(
         skip_long_lengths=skip_long_lengths,
         api_key=api_key,
     )
-    try:
-        with ProgressView(console) as view:
-            body = run_engine_state(cfg, out, resume=resume, progress=view, note=view.note)
-    except ProbeError as exc:  # only before any send (sizing the cases); a failed send is a row
-        err_console.say("[bold red]target failed:[/] {}", exc, soft_wrap=True)
-        sys.exit(1)
-    js, md = write_engine_state(body, out)
+    again = "rerun the same command with --resume to continue"
+    with (
+        on_interrupt(store_saved(out / "results.sqlite", sends=True), again),
+        guard(out, "engine-state", force),
+    ):
+        try:
+            with ProgressView(console) as view:
+                body = run_engine_state(cfg, out, resume=resume, progress=view, note=view.note)
+        except ProbeError as exc:  # only before any send (sizing the cases); a failed send is a row
+            err_console.say("[bold red]target failed:[/] {}", exc, soft_wrap=True)
+            sys.exit(1)
+        js, md = write_engine_state(body, out)
+    _render(body, js, md)
+
+
+def _render(body: dict, js: Path, md: Path) -> None:
+    """The report, the files, what failed; exit 1 when a factor has no scored pair."""
+    from needlescope.report.engine_state import engine_state_markdown
+
     console.print(engine_state_markdown(body), highlight=False, soft_wrap=True)
     console.print(f"wrote {js} and {md}", highlight=False)
     errors = sum(f["effect"]["errors"] for f in body["factors"].values())

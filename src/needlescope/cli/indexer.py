@@ -1,6 +1,6 @@
 """``needlescope indexer ...``: white-box commands on the sparse-attention indexer.
 
-Commands live in ``indexer_rank`` (rank-dump), ``indexer_diff`` (diff, capture) and
+Commands live in ``indexer_rank`` (rank-dump), ``indexer_diff`` (diff), ``indexer_capture`` (capture) and
 ``indexer_sweep`` (sweep, synthetic); torch is imported inside each command so the CLI starts fast without it.
 """
 

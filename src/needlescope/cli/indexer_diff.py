@@ -1,7 +1,7 @@
-"""``needlescope indexer diff | capture``: localize and capture live (``synthetic`` lives in ``cli.indexer_sweep``).
+"""``needlescope indexer diff``: differential localization (``capture`` lives in
+``cli.indexer_capture``, ``synthetic`` in ``cli.indexer_sweep``).
 
-Torch-dependent modules are imported inside each command so ``needlescope --help`` stays fast.
-Server and protocol failures of ``capture`` are reported like bad input: one line, exit 2.
+Torch-dependent modules are imported inside the command so ``needlescope --help`` stays fast.
 """
 
 from __future__ import annotations
@@ -12,16 +12,13 @@ import typer
 
 from needlescope.cli import setting_options as opt
 from needlescope.cli.indexer import indexer_app
+from needlescope.cli.model_context import check_lengths, check_topk
 from needlescope.cli.output import console
+from needlescope.cli.outputs import FORCE, guard
 from needlescope.cli.progress import ProgressView
 from needlescope.errors import BadInput
-from needlescope.investigate.capture import CaptureConfig
 from needlescope.paths import check_out_dir
-from needlescope.run.config import parse_int_list
 from needlescope.setting import REFERENCE, PatchRef
-
-# Flag defaults come from the library's config (investigate.capture imports no torch).
-_CAPTURE = CaptureConfig(url="", prompt=Path(), needle="")
 
 
 def _write(out: Path, name: str, text: str) -> Path:
@@ -62,6 +59,7 @@ def diff_command(
         "--allow",
         help="PATTERN=bf16|fp16: modules (fnmatch on the name) declared to run at a reduced precision; repeatable.",
     ),
+    force: bool = FORCE,
 ) -> None:
     """Run reference and candidate side by side and name the first module that diverges too much."""
     import torch
@@ -81,22 +79,35 @@ def diff_command(
     allowed = parse_allow(allow)
     path = resolve_model_dir(model)
     require_deepseek_v4(path)
+    check_topk(path, [setting.index_topk])
     check_out_dir(out)
-    # The needle is checked with the tokenizer alone, before the (slower) model loads.
-    token_ids, span = _diff_input(path, prompt, needle, input_ids)
-    # Patches resolved last (never executed here); they run when the candidate is first patched.
-    setting, extras = opt.with_patch(setting, patch), tuple(PatchRef.resolve(p) for p in extra_patch or ())
-    reference, tokenizer, _ = load_bundle(path)
-    candidate, _, _ = load_bundle(path)
-    if input_ids is None and render_prompt(tokenizer, read_prompt_file(prompt)).input_ids != token_ids:
-        raise BadInput(f"the tokenizer of {str(path)!r} renders the prompt differently when loaded twice")
-    ids = torch.tensor([token_ids])
-    with ProgressView(console) as view:
-        shown = lambda task, done, total, what: view(f"diff: {task}", done, total, what)  # noqa: E731
-        result = localize(reference, candidate, ids, setting=setting, needle_span=span, growth=growth, allow=allowed, extra_patches=extras, progress=shown)  # fmt: skip
-    validate_diff(result)
-    _write(out, "diff.json", diff_to_json(result))
-    _write(out, "diff.md", render_diff_md(result))
+    with guard(out, "indexer diff", force):
+        # The needle is checked with the tokenizer alone, before the (slower) model loads.
+        token_ids, span = _diff_input(path, prompt, needle, input_ids)
+        check_lengths(path, [len(token_ids)], 0, "the prompt's length")
+        # Patches resolved last (never executed here); they run when the candidate is first patched.
+        setting, extras = (
+            opt.with_patch(setting, patch),
+            tuple(PatchRef.resolve(p) for p in extra_patch or ()),
+        )
+        reference, tokenizer, _ = load_bundle(path)
+        candidate, _, _ = load_bundle(path)
+        if input_ids is None and render_prompt(tokenizer, read_prompt_file(prompt)).input_ids != token_ids:
+            raise BadInput(f"the tokenizer of {str(path)!r} renders the prompt differently when loaded twice")
+        ids = torch.tensor([token_ids])
+        with ProgressView(console) as view:
+            shown = lambda task, done, total, what: view(f"diff: {task}", done, total, what)  # noqa: E731
+            result = localize(reference, candidate, ids, setting=setting, needle_span=span, growth=growth, allow=allowed, extra_patches=extras, progress=shown)  # fmt: skip
+        validate_diff(result)
+        _write(out, "diff.json", diff_to_json(result))
+        _write(out, "diff.md", render_diff_md(result))
+    _render_diff(result, out)
+
+
+def _render_diff(result: dict, out: Path) -> None:
+    """The first divergent module, the modules worth naming, each CSA layer's selection."""
+    from needlescope.dsa.diff_md import trivial_selection_note
+
     first = result["first_divergent_module"]
     # Module names hold "[call 2]": say() escapes them so rich markup cannot eat it.
     console.say("first divergent module: [bold]{}[/]", first or "none", soft_wrap=True)
@@ -112,6 +123,9 @@ def diff_command(
             f"{r['needle_rank_reference']} -> {r['needle_rank_candidate']}"
             + ("" if r["rank_consistent"] else " (rank and selection disagree)")
         )
+    trivial = trivial_selection_note(result)
+    if trivial is not None:
+        console.print(trivial, style="yellow", soft_wrap=True)
     console.print(f"wrote {out}/diff.json, diff.md")
 
 
@@ -143,50 +157,3 @@ def _diff_input(path: Path, prompt, needle, input_ids) -> tuple[list[int], tuple
         raise BadInput("give --prompt FILE and --needle TEXT (or --input-ids FILE)")
     rendered = render_prompt(load_tokenizer(path), read_prompt_file(prompt))
     return rendered.input_ids, needle_token_span(rendered, needle)
-
-
-@indexer_app.command("capture")
-def capture_command(
-    sglang: str = typer.Option(..., "--sglang", help="SGLang server root URL, e.g. http://127.0.0.1:30000."),
-    prompt: Path = typer.Option(..., "--prompt", help="Prompt file: plain text or a JSON messages list."),
-    needle: str = typer.Option(..., "--needle", help="The needle's text, as it appears in the prompt."),
-    out: Path = typer.Option(
-        Path("capture-out"), "--out", help="Output directory (capture.json, capture.md)."
-    ),
-    tokenizer: str = typer.Option(
-        _CAPTURE.tokenizer,
-        "--tokenizer",
-        help="'organism' or a local checkpoint dir: renders the chat template and finds the needle's tokens; "
-        "the token ids are sent as input_ids so the server sees exactly these tokens.",
-    ),
-    index_topk: int = typer.Option(None, "--index-topk", help="Override the server's index_topk."),
-    num_layers: int = typer.Option(None, "--num-layers", help="Override the number of indexer layers."),
-    layer_ids: str = typer.Option(
-        None,
-        "--layer-ids",
-        help="Model layer id of each capture layer, e.g. 2,4,6 (default: from the config).",
-    ),
-    max_new_tokens: int = typer.Option(_CAPTURE.max_new_tokens, "--max-new-tokens"),
-    timeout: float = typer.Option(_CAPTURE.timeout, "--timeout", help="Request timeout in seconds."),
-) -> None:
-    """Ask a live SGLang server for its indexer top-k and report whether the needle was selected."""
-    from needlescope.investigate import capture
-
-    cfg = CaptureConfig(
-        url=sglang,
-        prompt=prompt,
-        needle=needle,
-        tokenizer=tokenizer,
-        index_topk=index_topk,
-        num_layers=num_layers,
-        layer_ids=tuple(parse_int_list(layer_ids, "--layer-ids")) if layer_ids is not None else None,
-        max_new_tokens=max_new_tokens,
-        timeout=timeout,
-    )
-    check_out_dir(out)
-    result = capture.run(cfg)
-    capture.write(result, out)
-    for r in result["layers"]:
-        first = r["selected_at_first_answer"]
-        console.print(f"layer {r['layer']}: needle selected at first answer position: {first}")
-    console.print(f"wrote {out}/capture.json, capture.md")

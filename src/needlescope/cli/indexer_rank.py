@@ -1,7 +1,7 @@
 """``needlescope indexer rank-dump`` (``sweep`` lives in ``cli.indexer_sweep``).
 
 Flags become a ``Setting`` (``cli.setting_options``) and a ``RankDumpConfig`` here; the
-workflow (``needlescope.investigate.rankdump``) does the work. Every bad input
+workflow (``needlescope.workflows.rankdump``) does the work. Every bad input
 (unknown dtype, missing needle, patch without ``apply``, non-DeepSeek-V4 checkpoint) raises
 ``BadInput`` before the model runs, which ``needlescope.cli.main`` turns into one line and exit 2.
 torch and transformers are imported inside the commands so ``needlescope --help`` stays fast.
@@ -18,11 +18,13 @@ from rich.text import Text
 
 from needlescope.cli import setting_options as opt
 from needlescope.cli.indexer import indexer_app
+from needlescope.cli.model_context import check_topk
 from needlescope.cli.output import console
+from needlescope.cli.outputs import FORCE, guard
 from needlescope.errors import BadInput
-from needlescope.investigate.rankdump import RankDumpConfig
 from needlescope.paths import check_out_dir
 from needlescope.run.config import parse_int_list
+from needlescope.workflows.rankdump import RankDumpConfig
 
 
 def _parse_span(text: str | None) -> tuple[int, int] | None:
@@ -70,12 +72,13 @@ def rank_dump_command(
     max_memory: str = typer.Option(None, "--max-memory", help="Weight bytes per device when placing: 70GiB."),
     chunk: int = typer.Option(None, "--chunk", help="Prefill in chunks of this many tokens (docs/scale.md)."),
     out: Path = typer.Option(..., "--out", help="Output directory."),
+    force: bool = FORCE,
 ) -> None:
     """Rank of the needle's compressed entries in every CSA layer at the answer positions.
 
     Over 80 lines: one typer option per RankDumpConfig field, nothing else.
     """
-    from needlescope.investigate import rankdump
+    from needlescope.workflows import rankdump
 
     setting = opt.numerics_from_flags(index_k, index_q, score_dtype, index_topk)
     cfg = RankDumpConfig(
@@ -92,10 +95,12 @@ def rank_dump_command(
         max_memory=max_memory,
         chunk=chunk,
     )
+    check_topk(model, [setting.index_topk])
     check_out_dir(out)
     cfg = replace(cfg, setting=opt.with_patch(setting, patch))  # resolved last; it runs when first applied
-    result = rankdump.run(cfg)
-    written = rankdump.write(result, out)
+    with guard(out, "indexer rank-dump", force):
+        result = rankdump.run(cfg)
+        written = rankdump.write(result, out)
     _render_rank_summary(result.dumps, setting.label(), result.stability)
     console.print(f"wrote {out}/" + ", ".join(written))
 

@@ -20,7 +20,9 @@ import typer
 
 from needlescope.cli import setting_options as opt
 from needlescope.cli.indexer import indexer_app
+from needlescope.cli.model_context import check_lengths, check_topk
 from needlescope.cli.output import console
+from needlescope.cli.outputs import FORCE, guard
 from needlescope.cli.progress import ProgressView
 from needlescope.errors import BadInput
 from needlescope.paths import check_out_dir
@@ -98,10 +100,12 @@ def sweep_command(
     device: str = typer.Option("cpu", "--device", help="cpu | cuda | cuda:N"),
     kernel: str = KernelOpt,
     out: Path = typer.Option(..., "--out", help="Output directory."),
+    force: bool = FORCE,
 ) -> None:
     """Grid of precision x index_topk x length: needle selection rate, answer recall, cheapest fix.
 
     Flags left out take SweepConfig's defaults (lengths 256,1024; depth 50; 1 trial; target rate 0.9).
+    Over 80 lines: one typer option per SweepConfig field, then the checks and the run.
     """
     from needlescope.dsa.random_layer import RANDOM_LAYER, RandomLayerConfig
     from needlescope.dsa.sweep import SweepConfig, render_sweep_md, validate_sweep
@@ -128,15 +132,24 @@ def sweep_command(
             value_digits=value_digits,
         )
     )
+    if not random_layer:  # a random layer has no context: any length
+        _check_fits(model, cfg)
     check_out_dir(out)
     layer_cfg = RandomLayerConfig(**_given(strength=needle_strength)) if random_layer else None
-    with _progress() as on_progress, kernel_backend(kernel, device):
-        result = _sweep(model, cfg, layer_cfg, patch, device, value_digits is None, on_progress)
-    validate_sweep(result)
-    _write(out, {"sweep.json": json.dumps(result, indent=2) + "\n", "sweep.md": render_sweep_md(result)})
+    with guard(out, "indexer sweep", force):
+        with _progress() as on_progress, kernel_backend(kernel, device):
+            result = _sweep(model, cfg, layer_cfg, patch, device, value_digits is None, on_progress)
+        validate_sweep(result)
+        _write(out, {"sweep.json": json.dumps(result, indent=2) + "\n", "sweep.md": render_sweep_md(result)})
     for line in result["verdict"]:
         console.print(f"- {line}")
     console.print(f"wrote {out}/sweep.json, sweep.md")
+
+
+def _check_fits(model: str, cfg) -> None:
+    """The checkpoint's context holds every length with its answer, and every index_topk."""
+    check_lengths(model, cfg.lengths, cfg.max_new_tokens if cfg.generate else 1)
+    check_topk(model, cfg.index_topk)
 
 
 def _sweep(
@@ -167,7 +180,7 @@ def _sweep(
         mdl,
         tokenizer,
         cfg,
-        model_label=str(path),
+        model_label=Path(model).name or model,  # the name given, never the weights' absolute path
         on_progress=on_progress,
         reload=lambda: load_bundle(model, device=device)[0],
     )
@@ -201,6 +214,7 @@ def synthetic_command(
     device: str = typer.Option(None, "--device", help="cpu | cuda"),
     kernel: str = KernelOpt,
     out: Path = typer.Option(Path("synthetic-out"), "--out", help="Output directory (synthetic.json, .md)."),
+    force: bool = FORCE,
 ) -> None:
     """Plant a needle among random keys at real dimensions; measure how often each precision keeps it.
 
@@ -233,10 +247,11 @@ def synthetic_command(
         )
     )
     check_out_dir(out)
-    with kernel_backend(kernel, cfg.device):
-        result = run_synthetic(cfg)
-    validate_synthetic(result)
-    md = render_synthetic_md(result)
-    _write(out, {"synthetic.json": json.dumps(result, indent=2), "synthetic.md": md})
+    with guard(out, "indexer synthetic", force):
+        with kernel_backend(kernel, cfg.device):
+            result = run_synthetic(cfg)
+        validate_synthetic(result)
+        md = render_synthetic_md(result)
+        _write(out, {"synthetic.json": json.dumps(result, indent=2), "synthetic.md": md})
     console.print(md, markup=False, highlight=False, soft_wrap=True)
     console.print(f"wrote {out}/synthetic.json, synthetic.md")

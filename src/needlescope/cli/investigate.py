@@ -14,7 +14,9 @@ from pathlib import Path
 
 import typer
 
-from needlescope.cli.output import console, typer_app
+from needlescope.cli.interrupts import measured_saved, on_interrupt
+from needlescope.cli.output import clip, console, typer_app
+from needlescope.cli.outputs import FORCE, guard
 
 investigate_app = typer_app(no_args_is_help=True, help="From measurements to a causal verdict.")
 
@@ -22,7 +24,7 @@ investigate_app = typer_app(no_args_is_help=True, help="From measurements to a c
 @investigate_app.command("init")
 def init_command(
     directory: Path = typer.Argument(Path("."), help="Where to write investigation.toml and its files."),
-    force: bool = typer.Option(False, "--force", help="Overwrite existing files."),
+    force: bool = typer.Option(False, "--force", help="Overwrite existing files (ours or not)."),
     live: str = typer.Option(
         None,
         "--live",
@@ -34,22 +36,24 @@ def init_command(
 ) -> None:
     """Write a ledger: the example (the original investigation, on the organism), a live one."""
     from needlescope.errors import BadInput
-    from needlescope.investigate.example import EXAMPLE_FILES, write_example
-    from needlescope.investigate.init_ledger import from_probe_ledger, live_ledger, write_ledger
-    from needlescope.investigate.ledger import parse_ledger
+    from needlescope.investigate.ledger.example import EXAMPLE_FILES, write_example
+    from needlescope.investigate.ledger.init import from_probe_ledger, live_ledger, write_ledger
+    from needlescope.investigate.ledger.ledger import parse_ledger
 
     if live is not None and from_probe is not None:
         raise BadInput("give --live URL or --from-probe RUN_DIR, not both")
-    if live is None and from_probe is None:
-        path = write_example(directory, force=force)
-        for name in EXAMPLE_FILES:
-            console.print(f"wrote {Path(directory) / name}")
-    else:
-        text = live_ledger(live) if live is not None else from_probe_ledger(from_probe)
-        parse_ledger(text, Path(directory) / "investigation.toml")  # a ledger that would not run is a bug
-        path = write_ledger(directory, text, force=force)
-        console.print(f"wrote {path}")
-    console.print(f"next: needlescope investigate run {path} --out investigation-out")
+    with guard(directory, "investigate init", force):
+        if live is None and from_probe is None:
+            path = write_example(directory, force=force)
+            for name in EXAMPLE_FILES:
+                console.print(f"wrote {Path(directory) / name}")
+        else:
+            text = live_ledger(live) if live is not None else from_probe_ledger(from_probe)
+            parse_ledger(text, Path(directory) / "investigation.toml")  # a ledger that would not run is a bug
+            path = write_ledger(directory, text, force=force)
+            console.print(f"wrote {path}")
+    # The run's folder beside the ledger, as the README does it (live-inv/out).
+    console.print(f"next: needlescope investigate run {path} --out {Path(directory) / 'out'}", soft_wrap=True)
 
 
 def run_investigation_cli(
@@ -57,19 +61,32 @@ def run_investigation_cli(
 ) -> Path:
     """Run with progress per phase (``cli.progress``); returns DIAGNOSIS.md's path."""
     from needlescope.cli.progress import ProgressView
-    from needlescope.investigate.diagnosis import write_reports
-    from needlescope.investigate.runner import run_investigation
+    from needlescope.investigate.report.diagnosis import write_reports
+    from needlescope.investigate.run import run_investigation
 
     with ProgressView(console) as view:
         run_investigation(
             ledger,
             out,
-            lambda phase, done, total, what: view(phase, done, total, what[:60]),
+            lambda phase, done, total, what: view(phase, done, total, clip(what, 60)),
             allow_outside=allow_outside,
             prefill_chunk=prefill_chunk,
         )
     md, _ = write_reports(out, command=shlex.join(["needlescope", *sys.argv[1:]]))
     return md
+
+
+def _check_ledger_fits(ledger: Path, allow_outside: bool) -> None:
+    """BadInput, before any model loads, for symptom lengths beyond the checkpoint's context or an
+    index_topk no context holds (``cli.model_context``)."""
+    from needlescope.cli.model_context import check_lengths, check_topk
+    from needlescope.investigate.ledger.ledger import load_ledger
+
+    parsed = load_ledger(ledger, allow_outside=allow_outside)
+    target, symptom = parsed.target, parsed.symptom
+    check_lengths(target.model, symptom.lengths, symptom.max_new_tokens, f"{ledger}: [symptom] lengths")
+    settings = (target.reference, target.candidate)
+    check_topk(target.model, [s.index_topk for s in settings if s is not None], f"{ledger}: index_topk")
 
 
 @investigate_app.command("run")
@@ -84,11 +101,15 @@ def run_command(
         "--prefill-chunk",
         help="Run prompts through the KV cache in chunks of this many tokens (overrides [target] prefill_chunk; docs/scale.md).",
     ),
+    force: bool = FORCE,
 ) -> None:
     """Run the ledger: cheap questions, symptom, checks in tier order, fixes, verdicts, DIAGNOSIS."""
     import json
 
-    md = run_investigation_cli(ledger, out, allow_outside, prefill_chunk)
+    again = "rerun the same command to continue (finished steps and cases are kept)"
+    with on_interrupt(measured_saved(out), again), guard(out, "investigate run", force):
+        _check_ledger_fits(ledger, allow_outside)
+        md = run_investigation_cli(ledger, out, allow_outside, prefill_chunk)
     verdicts = json.loads((out / "verdicts.json").read_text(encoding="utf-8"))
     for s in verdicts["suspects"]:
         console.say("  tier {} {}: [bold]{}[/] - {}", s["tier"], s["id"], s["verdict"], s["reason"])

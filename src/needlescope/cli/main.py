@@ -5,16 +5,27 @@ from __future__ import annotations
 import os
 import sys
 
-from needlescope.cli import indexer_diff, indexer_rank, indexer_sweep  # noqa: F401  (they register their commands)
+import typer
+
+from needlescope import __version__
+from needlescope.cli import (  # noqa: F401  (they register their commands)
+    indexer_capture,
+    indexer_diff,
+    indexer_dump,
+    indexer_rank,
+    indexer_sweep,
+    indexer_topk_audit,
+)
 from needlescope.cli.audit import audit_command
 from needlescope.cli.compare import compare_command
 from needlescope.cli.demo import demo_command
 from needlescope.cli.engine_state import engine_state_command
 from needlescope.cli.indexer import indexer_app
 from needlescope.cli.investigate import investigate_app
+from needlescope.cli.kernels import kernels_app
 from needlescope.cli.oracle import oracle_app
 from needlescope.cli.organism import organism_app
-from needlescope.cli.output import err_console, typer_app
+from needlescope.cli.output import console, err_console, typer_app
 from needlescope.cli.probe import probe_command
 from needlescope.cli.replay import replay_command
 from needlescope.cli.serve import serve_command
@@ -28,6 +39,23 @@ app = typer_app(
     pretty_exceptions_enable=False,
     help="Find, explain and fix long-context recall failures.",
 )
+
+
+def _version(show: bool) -> None:
+    if show:
+        console.print(f"needlescope {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    version: bool = typer.Option(
+        False, "--version", callback=_version, is_eager=True, help="Print needlescope's version and exit."
+    ),
+) -> None:
+    """Find, explain and fix long-context recall failures."""
+
+
 app.command("probe")(probe_command)
 app.command("demo")(demo_command)
 app.command("compare")(compare_command)
@@ -36,6 +64,7 @@ app.add_typer(organism_app, name="organism")
 app.add_typer(oracle_app, name="oracle")
 app.command("engine-state")(engine_state_command)
 app.add_typer(indexer_app, name="indexer")
+app.add_typer(kernels_app, name="kernels")
 app.command("serve")(serve_command)
 app.add_typer(investigate_app, name="investigate")
 app.command("audit")(audit_command)

@@ -9,6 +9,7 @@ import typer
 
 from needlescope.analysis.oracle import ATOL, FLIP_MARGIN
 from needlescope.cli.output import console, err_console, typer_app
+from needlescope.cli.outputs import FORCE, guard
 from needlescope.cli.progress import ProgressView
 from needlescope.errors import ProbeError
 from needlescope.paths import check_out_dir
@@ -63,6 +64,7 @@ def export_command(
     timeout: float = _TIMEOUT,
     api_key: str = _KEY,
     skip: bool = _SKIP,
+    force: bool = FORCE,
 ) -> None:
     """Send the prompt set greedily with top-k logprobs and write DIR/export.json."""
     from needlescope.report.oracle import write_export
@@ -70,12 +72,13 @@ def export_command(
 
     out = check_out_dir(out)
     cfg = _config(base_url, model, api_key, top, timeout, skip, prompts)
-    try:
-        with ProgressView(console) as view:
-            body = export(cfg, view, view.note)
-    except ProbeError as exc:
-        _target_failed(exc)
-    path = write_export(body, out)
+    with guard(out, "oracle export", force):
+        try:
+            with ProgressView(console) as view:
+                body = export(cfg, view, view.note)
+        except ProbeError as exc:
+            _target_failed(exc)
+        path = write_export(body, out)
     n_steps = sum(len(p["steps"]) for p in body["prompts"])
     console.print(
         f"exported {len(body['prompts'])} prompts, {n_steps} generated tokens with top-{body['top_logprobs']} "
@@ -100,6 +103,7 @@ def compare_command(
     timeout: float = _TIMEOUT,
     api_key: str = _KEY,
     skip: bool = _SKIP,
+    force: bool = FORCE,
 ) -> None:
     """Compare a server against a reference export. Exit 0 unless divergent (1); 2 bad input."""
     from needlescope.report.oracle import oracle_lines, write_export, write_oracle
@@ -107,13 +111,14 @@ def compare_command(
 
     out = check_out_dir(out if out is not None else ref / "compare")
     cfg = _config(base_url, model, api_key, top, timeout, skip, None, flip_margin, atol)
-    try:
-        with ProgressView(console) as view:
-            result, cand = compare(ref, cfg, view, view.note)
-    except ProbeError as exc:
-        _target_failed(exc)
-    write_export(cand, out, "candidate_export.json")
-    js, md = write_oracle(result, out)
+    with guard(out, "oracle compare", force):
+        try:
+            with ProgressView(console) as view:
+                result, cand = compare(ref, cfg, view, view.note)
+        except ProbeError as exc:
+            _target_failed(exc)
+        write_export(cand, out, "candidate_export.json")
+        js, md = write_oracle(result, out)
     console.print("\n".join(oracle_lines(result)[2:]).rstrip(), highlight=False, soft_wrap=True)
     console.print(f"wrote {js} and {md}", highlight=False)
     if result["summary"]["verdict"] == "divergent":

@@ -11,6 +11,8 @@ template is ours (markup allowed), every value is escaped before it is put in:
     console.say("root cause: [bold]{}[/]", verdict)      # verdict printed as written
 
 Help text is plain too: every Typer app is built by ``typer_app`` (``rich_markup_mode=None``).
+Printed to a pipe or a file, a line is never wrapped (``soft_wrap``); ``clip`` shortens a line
+for a terminal's progress column at a word boundary, never inside a setting string.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-__all__ = ["SafeConsole", "console", "err_console", "typer_app"]
+__all__ = ["SafeConsole", "clip", "console", "err_console", "typer_app"]
 
 
 class SafeConsole(Console):
@@ -31,6 +33,10 @@ class SafeConsole(Console):
 
     def __init__(self, **kw: Any) -> None:
         super().__init__(markup=False, highlight=False, **kw)
+        if not self.is_terminal:
+            # A log or a pipe has no width: a line is never broken (rich would cut at 80 columns,
+            # splitting a `next:` command in two); tables keep their own layout.
+            self.soft_wrap = True
 
     def say(self, template: str, *values: Any, **kw: Any) -> None:
         """``template.format(*values)`` with markup read from ``template`` only."""
@@ -39,6 +45,16 @@ class SafeConsole(Console):
 
 console = SafeConsole()
 err_console = SafeConsole(stderr=True)
+
+
+def clip(text: str, width: int) -> str:
+    """``text`` cut to at most ``width`` characters at a space (a whole word dropped, never half of
+    ``patch=fault:indexer_page_table``), with ``…`` where it was cut."""
+    if len(text) <= width:
+        return text
+    head = text[: width - 1]
+    cut = head.rfind(" ")
+    return (head[:cut] if cut > 0 else head).rstrip() + "…"
 
 
 def typer_app(**kw: Any) -> typer.Typer:

@@ -6,7 +6,9 @@ from pathlib import Path
 
 import typer
 
+from needlescope.cli.interrupts import on_interrupt, store_saved
 from needlescope.cli.output import console, err_console
+from needlescope.cli.outputs import FORCE, guard
 from needlescope.cli.probe_options import PROBE_FLAGS, build, config_default, option_group
 from needlescope.cli.progress import ProgressView
 from needlescope.report.bisect import residue_lines, step_line
@@ -52,6 +54,7 @@ def probe_command(
         "--boundaries",
         help="--bisect: kernel lengths (e.g. 4,64,128,256); default from /get_server_info.",
     ),
+    force: bool = FORCE,
 ) -> None:
     """Measure needle recall across lengths and depths and find where it collapses."""
     cfg = build(
@@ -63,11 +66,12 @@ def probe_command(
             ci_width=ci_width,
             boundaries=parse_int_list(boundaries, "--boundaries") if boundaries is not None else None,
         )
-        with ProgressView(console) as view:
+        with _interrupts(cfg), guard(cfg.out, "probe", force), ProgressView(console) as view:
             res = run_bisect(cfg, bis, probe_events(view))
         render_bisect(res, cfg.out)
         return
-    summary = run_with_progress(cfg)
+    with _interrupts(cfg), guard(cfg.out, "probe", force):
+        summary = run_with_progress(cfg)
     render_summary(summary, cfg.out)
     empty = summary["cells_without_data"]
     if empty:
@@ -80,6 +84,13 @@ def probe_command(
             soft_wrap=True,
         )
         raise typer.Exit(1)
+
+
+def _interrupts(cfg: ProbeConfig):
+    """Ctrl-C says how many cases the store holds and how to resume (``cli.interrupts``)."""
+    from needlescope.run.probe import STORE_NAME
+
+    return on_interrupt(store_saved(cfg.out / STORE_NAME), "rerun the same command with --resume to continue")
 
 
 def run_with_progress(cfg: ProbeConfig) -> dict:
@@ -168,7 +179,6 @@ def render_bisect(res: dict, out: Path) -> None:
 
 def render_summary(summary: dict, out: Path) -> None:
     console.say("kind [bold]{}[/]  model [bold]{}[/]", summary["kind"], summary["model"])
-    console.print(f"needle values: {summary['value_digits']} digits, from {summary['value_digits_source']}")
     for line in summary["headline"]:
         console.print(line, style="bold", markup=False, highlight=False, soft_wrap=True)
     errors = sum(cell["errors"] for cell in summary["cells"])

@@ -9,7 +9,7 @@ import typer
 
 from needlescope.cli.output import console
 from needlescope.errors import BadInput
-from needlescope.run.replay import replay_bundle
+from needlescope.run.bundles import replay_bundle
 
 
 def replay_command(

@@ -85,11 +85,7 @@ from needlescope.dsa.emulate import (
     emulate,
     patches_applied,
 )
-from needlescope.dsa.prompt import covering_entries
-from needlescope.dsa.quant import get_quantizer, hadamard_128
-from needlescope.dsa.rankdump import selected_in
-from needlescope.dsa.reference import visible_entries
-from needlescope.dsa.replay import (
+from needlescope.dsa.module_replay import (
     INDEXER,
     Call,
     Recorder,
@@ -101,6 +97,10 @@ from needlescope.dsa.replay import (
     selection_error,
     tensors,
 )
+from needlescope.dsa.prompt import covering_entries
+from needlescope.dsa.quant import get_quantizer, hadamard_128
+from needlescope.dsa.rankdump import selected_in
+from needlescope.dsa.reference import visible_entries
 from needlescope.errors import BadInput
 from needlescope.progress import Progress, no_progress
 from needlescope.setting import Setting

@@ -29,7 +29,7 @@ import math
 
 from needlescope.schema import check_schema
 
-__all__ = ["DIFF_SCHEMA", "diff_to_json", "render_diff_md", "validate_diff"]
+__all__ = ["DIFF_SCHEMA", "diff_to_json", "render_diff_md", "trivial_selection_note", "validate_diff"]
 
 _NUM = {"type": ["number", "string"]}
 DIFF_SCHEMA: dict = {
@@ -178,6 +178,9 @@ def render_diff_md(obj: dict, *, top: int = 15) -> str:
             f"| {_fmt(r['needle_rank_candidate'])} | {_fmt(r['needle_selected_reference'])} / "
             f"{_fmt(r['needle_selected_candidate'])} | {'yes' if r['rank_consistent'] else '**no**'} |"
         )
+    trivial = trivial_selection_note(obj)
+    if trivial:
+        lines += ["", f"**{trivial}**"]
     judged = [m for m in obj["modules"] if m["verdict"] not in ("ok", "probe")]
     lines += ["", f"## Modules not simply ok ({len(judged)} of {len(obj['modules'])}, first {top})", ""]
     lines += _module_table(judged[:top])
@@ -194,6 +197,29 @@ def render_diff_md(obj: dict, *, top: int = 15) -> str:
             f"candidate only {um.get('candidate_only')}.",
         ]
     return "\n".join(lines) + "\n"
+
+
+COMPRESS_RATIO = 4
+"""Tokens per compressed entry of a CSA layer (the organism's and DeepSeek-V4's)."""
+
+
+def trivial_selection_note(obj: dict) -> str | None:
+    """A sentence naming the layers whose top-k holds every compressed entry of the prompt (both
+    sides select everything: an overlap of 1 there says nothing about selection); None if none."""
+    entries = obj["prompt_tokens"] // COMPRESS_RATIO
+    layers = [
+        r["layer"]
+        for r in obj["layers"]
+        if min(k for k in (r["k_reference"], r["k_candidate"], r["index_topk"]) if k is not None) >= entries
+    ]
+    if not layers:
+        return None
+    return (
+        f"The comparison of selection is trivial in layer{'s' if len(layers) > 1 else ''} "
+        f"{', '.join(map(str, layers))}: the top-k holds all {entries} entries of the {obj['prompt_tokens']}-token "
+        f"prompt on both sides, so every entry is selected and the overlap is 1 whatever the numerics; pass "
+        f"--index-topk below {entries} to compare selection"
+    )
 
 
 def _module_table(rows: list[dict]) -> list[str]:

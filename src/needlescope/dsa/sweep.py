@@ -23,7 +23,11 @@ Definitions:
   A setting **restores** to length L when its judged rate is >= ``target_rate`` at L and at every
   shorter tested length (null rates do not break the run); ``selection_restored_to`` is the same
   for selection. ``cheapest`` is the cheapest setting whose judged rate at ``target_length`` is
-  >= ``target_rate``.
+  >= ``target_rate`` while the indexer still selects there: a setting whose top-k holds every
+  compressed entry at that length (``k_used >= length // 4``) restores recall by reading
+  everything, a **capacity workaround**, listed under ``workarounds`` and never named the fix.
+* Under a ``patch`` (a planted or deployed fault) every row carries it: the verdict opens by
+  saying so, and a setting that restores recall under it is a workaround while the patch stays.
 * **Cost order** (cheapest first): smaller ``index_topk``, then fewer key + query bits
   (fp4_e2m1 4 < fp8_e4m3 = fp8_e4m3_block128 8 < bf16 = fp16 16 < fp32 32), then fewer key
   bits.
@@ -69,7 +73,14 @@ from needlescope.dsa.random_layer import (
     score_needle,
 )
 from needlescope.dsa.rankdump import DEFAULT_MAX_NEW_TOKENS, rank_dump
-from needlescope.dsa.sweep_report import SWEEP_SCHEMA, fmt_setting, render_sweep_md, validate_sweep
+from needlescope.dsa.sweep_report import (
+    SWEEP_SCHEMA,
+    fmt_setting,
+    patch_lines,
+    render_sweep_md,
+    validate_sweep,
+    workaround_lines,
+)
 from needlescope.errors import BadInput
 from needlescope.setting import PRECISIONS, PatchRef, Setting, check_precision, check_score_dtype
 
@@ -258,13 +269,23 @@ def summarize_runs(runs: list[dict], layers: list[int], generate: bool) -> list[
     return cells
 
 
-def _verdict(cfg: SweepConfig, settings: list[dict], cheapest, baseline: Setting, metric: str) -> list[str]:
-    """Verdict lines, judged by ``metric`` (answer recall with generation), selection beside it."""
+def reads_everything(k_used: int, length: int) -> bool:
+    """Whether a top-``k_used`` holds every compressed entry (one per 4 tokens) of ``length``
+    tokens: selection is trivial, and restoring recall that way is a capacity workaround."""
+    return k_used >= length // 4
+
+
+def _verdict(
+    cfg: SweepConfig, settings: list[dict], cheapest, baseline: Setting, metric: str, workarounds: list[dict]
+) -> list[str]:
+    """Verdict lines, judged by ``metric`` (answer recall with generation), selection beside it:
+    the patch every row carries first, then each axis, the cheapest setting that still selects,
+    and the capacity workarounds."""
     by = {(s["index_k"], s["index_q"], s["index_topk"]): s for s in settings}
     base = _key(baseline)
     bk, bq, btopk = base
     what = "answer recall" if metric == "answer_recall" else "selection"
-    lines = []
+    lines = patch_lines(None if cfg.patch is None else cfg.patch.spec)
 
     def reach(s: dict) -> str:
         judged = f"to {s['restored_to']} tokens" if s["restored_to"] is not None else "at no tested length"
@@ -291,8 +312,12 @@ def _verdict(cfg: SweepConfig, settings: list[dict], cheapest, baseline: Setting
             s = by[(bk, bq, topk)]
             lines.append(f"index_topk {topk} ({fmt_setting(bk, bq)}) restores {what} {reach(s)}{vs_base(s)}")
     target = cfg.target
+    under = " under the patch" if cfg.patch is not None else ""
     if cheapest is None:
-        lines.append(f"no setting in the grid reaches {what} {cfg.target_rate:g} at {target} tokens")
+        still = " while the indexer still selects" if workarounds else ""
+        lines.append(
+            f"no setting in the grid reaches {what} {cfg.target_rate:g} at {target} tokens{under}{still}"
+        )
     else:
         (k, q, topk), rate = _key(cheapest[0]), cheapest[1]
         s = by[(k, q, topk)]
@@ -303,7 +328,7 @@ def _verdict(cfg: SweepConfig, settings: list[dict], cheapest, baseline: Setting
         if metric == "answer_recall" and s["selection_rate_at_target"] is not None:
             detail += f", selection {s['selection_rate_at_target']:.2f}"
         lines.append(
-            f"cheapest setting restoring {what} at {target} tokens ({what} >= {cfg.target_rate:g}): "
+            f"cheapest setting restoring {what} at {target} tokens{under} ({what} >= {cfg.target_rate:g}): "
             f"{fmt_setting(k, q, topk)} ({detail})"
         )
         r = s["restored_to"]
@@ -312,7 +337,7 @@ def _verdict(cfg: SweepConfig, settings: list[dict], cheapest, baseline: Setting
                 f"note: {fmt_setting(k, q, topk)} falls below {cfg.target_rate:g} at a shorter length "
                 f"(unbroken only to {r if r is not None else 'no tested length'}); check the table"
             )
-    return lines
+    return lines + workaround_lines(workarounds, target, what)
 
 
 def _model_runs(
@@ -514,7 +539,22 @@ def assemble_sweep(cfg: SweepConfig, runs: list[dict], layers: list[int], model_
     grid = cfg.settings()
     target = cfg.target
     settings = _setting_rows(cfg, grid, by_cell, metric)
-    cheapest = cheapest_setting({s: by_cell[(*_key(s), target)][metric] for s in grid}, cfg.target_rate)
+    at_target = {s: by_cell[(*_key(s), target)] for s in grid}
+    trivial = {s for s, c in at_target.items() if reads_everything(c["k_used"], target)}
+    cheapest = cheapest_setting(
+        {s: c[metric] for s, c in at_target.items() if s not in trivial}, cfg.target_rate
+    )
+    workarounds = [
+        {
+            "index_k": s.index_k,
+            "index_q": s.index_q,
+            "index_topk": s.index_topk,
+            "rate": c[metric],
+            "k_used": c["k_used"],
+        }
+        for s, c in at_target.items()
+        if s in trivial and c[metric] is not None and c[metric] >= cfg.target_rate
+    ]
     precisions = sorted(
         itertools.product(cfg.index_k, cfg.index_q),
         key=lambda kq: (PRECISIONS[kq[0]] + PRECISIONS[kq[1]], PRECISIONS[kq[0]], kq),
@@ -548,6 +588,7 @@ def assemble_sweep(cfg: SweepConfig, runs: list[dict], layers: list[int], model_
                 "rate": cheapest[1],
             }
         ),
+        "workarounds": workarounds,
         "baseline": {"index_k": bk, "index_q": bq, "index_topk": baseline.index_topk},
-        "verdict": _verdict(cfg, settings, cheapest, baseline, metric),
+        "verdict": _verdict(cfg, settings, cheapest, baseline, metric, workarounds),
     }

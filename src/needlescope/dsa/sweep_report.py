@@ -8,7 +8,14 @@ from __future__ import annotations
 
 from needlescope.schema import check_schema
 
-__all__ = ["SWEEP_SCHEMA", "validate_sweep", "render_sweep_md", "fmt_setting"]
+__all__ = [
+    "SWEEP_SCHEMA",
+    "validate_sweep",
+    "render_sweep_md",
+    "fmt_setting",
+    "patch_lines",
+    "workaround_lines",
+]
 
 _NUM_OR_NULL = {"type": ["number", "null"]}
 _INT_OR_NULL = {"type": ["integer", "null"]}
@@ -30,6 +37,7 @@ SWEEP_SCHEMA: dict = {
         "cells",
         "runs",
         "cheapest",
+        "workarounds",
         "baseline",
         "verdict",
     ],
@@ -127,6 +135,15 @@ SWEEP_SCHEMA: dict = {
             "required": [*_SETTING_PROPS, "rate"],
             "properties": {**_SETTING_PROPS, "rate": {"type": "number"}},
         },
+        # Settings restoring the target only by reading every entry (dsa.sweep.reads_everything).
+        "workarounds": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": [*_SETTING_PROPS, "rate", "k_used"],
+                "properties": {**_SETTING_PROPS, "rate": {"type": "number"}, "k_used": {"type": "integer"}},
+            },
+        },
         "baseline": {"type": "object", "required": list(_SETTING_PROPS), "properties": _SETTING_PROPS},
         "verdict": {"type": "array", "items": {"type": "string"}},
     },
@@ -137,6 +154,27 @@ SWEEP_SCHEMA: dict = {
 def fmt_setting(k: str, q: str, topk: int | None = None) -> str:
     s = f"k={k} q={q}"
     return s if topk is None else f"{s} index_topk={topk}"
+
+
+def patch_lines(patch: str | None) -> list[str]:
+    """The verdict's first line when every row carries a patch (a planted or deployed fault)."""
+    if patch is None:
+        return []
+    return [
+        f"every row carries the patch {patch}: no setting here removes it, so one that restores "
+        "recall under it is a workaround while it stays; the fix is to remove the patch "
+        "(needlescope investigate measures that)"
+    ]
+
+
+def workaround_lines(workarounds: list[dict], target: int, what: str) -> list[str]:
+    """One 'not a fix' line per setting that restores the target only by reading every entry."""
+    return [
+        f"not a fix: {fmt_setting(w['index_k'], w['index_q'], w['index_topk'])} restores {what} at "
+        f"{target} tokens ({w['rate']:.2f}) only by reading every entry (k {w['k_used']} >= "
+        f"{target // 4} entries): a capacity workaround"
+        for w in workarounds
+    ]
 
 
 def validate_sweep(obj: dict) -> None:
@@ -161,6 +199,15 @@ def render_sweep_md(obj: dict) -> str:
     lines = [
         f"# needlescope indexer sweep: {obj['model'] or 'model'} ({obj['kind']})",
         "",
+        *(
+            [
+                f"**Every row carries the patch `{obj['patch']}`**: a setting that restores recall under it "
+                "is a workaround while the patch stays, not the fix.",
+                "",
+            ]
+            if obj.get("patch")
+            else []
+        ),
         f"Target: {what} >= {obj['target_rate']:g} at {obj['target_length']} tokens. "
         f"Scores accumulated in {obj.get('score_dtype', 'fp32')}. A case counts as selected when every CSA "
         "layer that can see the needle has a needle entry in its top-k at the first answer position.",

@@ -1,13 +1,19 @@
-"""The investigation layer: multi-step workflows from measurements to a causal verdict.
+"""The investigation: from a ledger of suspects to causal verdicts and DIAGNOSIS.md.
 
-Each workflow is ``run(config) -> result`` plus ``write(result, out)``; ``write`` checks every
-artifact against its documented schema before it lands. The layer sits above ``dsa``, ``run``,
-``serve`` and ``organism`` and below ``watch`` and ``cli``; nothing below imports it.
+Its rooms, in import order (``tests/test_import_direction.py`` enforces it)::
 
-- ``demo``: serve a checkpoint twice (reference and deployment ``Setting``), probe both, explain.
-- ``explain``: rank-dump the failing case of two probes, try fixes, write DIAGNOSIS.md.
-- ``rankdump``: the rank-dump workflow over several prompts, with optional selection stability.
-- ``compare``: probe A, send B A's exact case set, compare the two runs (paired A/B).
-- ``capture``: ask a live SGLang server for its indexer top-k and assemble ``capture.json``.
-- the investigation itself (ledger, questions, verdicts, signature, state, runner): see their modules.
+    run.py  ->  measure/, report/  ->  decide/  ->  ledger/
+
+- ``run``: ``run_investigation(ledger, out, progress)``: picks the route, decides once, writes
+  ``verdicts.json`` and ``investigation.json``.
+- ``ledger``: the ledger, its checks, ``init``, the example, the differences and the plan
+  (``Config``). Torch-free.
+- ``measure``: what runs a model or an endpoint: the in-process and live routes, the case records,
+  the cheap questions, the causal measurements, localization, the decode and rank paths, the
+  resumable state.
+- ``decide``: verdicts, the causal decisions, the signature, the schema. Pure and torch-free.
+- ``report``: DIAGNOSIS.md/html, its summary and causal sections, the artifacts.
+
+The other multi-step workflows (demo, explain, rank dump, capture) live in
+``needlescope.workflows``.
 """

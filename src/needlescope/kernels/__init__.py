@@ -13,12 +13,12 @@ from typing import Any
 from needlescope.kernels.names import KERNEL_FAULTS, KERNELS
 
 # Everything else needs torch; it loads on first use so that configs and CLIs that only check
-# kernel names (serve's flags, every `needlescope --help`) do not pay torch's import.
+# kernel names (serve's flags, every `needlescope --help`) do not pay torch's import. No lazy name
+# is ``topk``: that is the Triton top-k module (the dispatch's function is ``dispatch.topk``).
 _LAZY = {
     "indexer_logits": "dispatch",
     "indexer_topk": "dispatch",
     "resolve_kernel": "dispatch",
-    "topk": "dispatch",
     "KEY_DTYPES": "layout",
     "PAGE_ENTRIES": "layout",
     "ContiguousKeys": "layout",
@@ -48,5 +48,4 @@ __all__ = [
     "quantize_keys",
     "quantize_queries",
     "resolve_kernel",
-    "topk",
 ]

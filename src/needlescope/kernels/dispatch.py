@@ -119,9 +119,9 @@ def topk(
         raise BadInput(f"logits must be fp32 [R, L], got {tuple(logits.shape)} {logits.dtype}")
     if resolve_kernel(kernel, logits.device) == "reference":
         return topk_reference(logits, k, starts, ends)
-    from needlescope.kernels import triton_topk
+    from needlescope.kernels.topk import topk as triton_topk
 
-    return triton_topk.topk(logits, k, starts, ends)
+    return triton_topk(logits, k, starts, ends)
 
 
 def indexer_topk(

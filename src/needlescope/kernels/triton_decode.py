@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from needlescope.kernels import triton_logits, triton_radix, triton_topk
+from needlescope.kernels import topk, triton_logits, triton_radix
 from needlescope.kernels.layout import PagedKeys
 
 __all__ = ["decode_topk", "fuse_decode"]
@@ -22,14 +22,14 @@ __all__ = ["decode_topk", "fuse_decode"]
 
 def fuse_decode(batch: int, width: int, k: int) -> bool:
     """Whether the fused path is used for a [batch, width] decode top-k: at batch >= 32 wherever
-    the filter or the radix select is the top-k method (``triton_topk.topk_method``). Measured on
+    the filter or the radix select is the top-k method (``topk.topk_method``). Measured on
     an H100 (docs/perf/indexer.md, CUDA-graph replays): the fused filter path (group maxima from
     the logits kernel) 73.3 / 130.7 us against logits + filter 75.9 / 134.7 at 32 / 64 x 128K
     (run 17); fused radix 154.5 / 286.7 against logits + radix 157.1 / 295.1 at 32 / 64 x 256K (run
     15). Below batch 32 the unfused path's persistent logits loop measured faster in five of six
     cells (runs 10 and 12: 1 x 32K 14.3-14.5 us against 16.8-16.9; 8 x 256K 50.3 against 53.2).
     Where the bisection is the method (8K tokens) logits + bisection is as fast or faster."""
-    return batch >= 32 and triton_topk.topk_method(batch, width, k) in ("radix", "filter")
+    return batch >= 32 and topk.topk_method(batch, width, k) in ("radix", "filter")
 
 
 def decode_topk(
@@ -58,11 +58,11 @@ def decode_topk(
     if fused is None:
         fused = fuse_decode(B, paged.width, k)
     if select is None:
-        select = "filter" if triton_topk.topk_method(B, paged.width, k) == "filter" else "radix"
+        select = "filter" if topk.topk_method(B, paged.width, k) == "filter" else "radix"
     kw = logits_args or {}
     if not fused:
         logits = triton_logits.paged_logits(q, w, paged, lens, fault=fault, **kw)
-        return triton_topk.topk(logits, k, None, lens)
+        return topk.topk(logits, k, None, lens)
     if select == "filter":
         from needlescope.kernels import triton_filter
 

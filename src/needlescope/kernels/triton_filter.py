@@ -1,16 +1,17 @@
 """Exact top-k by group-max filtering, each row split over many programs, in three launches.
 
-Same contract as ``triton_topk.topk`` (ties to the lower index, rows with ``end - start <= k``
-written start..end-1 then -1, output: entries above the threshold key in index order, then the
-ties in index order; scores ordered by ``triton_topk._ordered_key``). The kernels clamp each row's
+The ``filter`` method of ``topk``. Same contract as every method (``topk``: ties to the lower
+index, rows with ``end - start <= k`` written start..end-1 then -1, output: entries above the
+threshold key in index order, then the ties in index order; scores ordered by
+``topk_parts.ordered_key``). The kernels clamp each row's
 range to [0, L] themselves (no clamping launches).
 
-Why: the searches of ``triton_topk`` make ~20 dependent passes over the whole row (a count per key
+Why: the searches of ``triton_bisect`` make ~20 dependent passes over the whole row (a count per key
 bit, or four radix passes of histograms); here the row is read about twice (group maxima, then
 compaction), both over chunks of ``CH`` columns in parallel, and the serial radix passes run over
 ~1/16 of the row (the maxima) and over ~k entries (the candidates). One program per row (the first
 version, e8da246) was latency-bound at ~41-50 us whatever the row count on an H100: every step a
-chain of dependent CTA-wide operations on one SM. Per row, with key(x) = ``_ordered_key(x)``,
+chain of dependent CTA-wide operations on one SM. Per row, with key(x) = ``ordered_key(x)``,
 KNEG = key(-inf) = 0x007FFFFF and S = ceil(L / CH) chunks, chunk s = columns [s*CH, (s+1)*CH):
 
 A. Launch 1, grid (R, S), only without ``gmax``: the entries of [start, end) in groups of ``group``
@@ -33,7 +34,7 @@ D. Launch 3, grid (R,): exact threshold among the n = sum c_s candidates: four 8
    CAPL = 1 if that is 0): the [SB, CAPL] tile of the chunks' lists, flattened chunk-major, is
    loaded once and stays in registers. Else the same passes over the chunks' lists in blocks of ``cand_block`` (many ties,
    adversarial or clustered rows; a runtime branch of the same kernel, no fallback launch).
-E. Output (``triton_topk._write_chunk``, shared with ``_topk_kernel``), same launch: candidates above
+E. Output (``topk_parts.write_chunk``, shared with the other methods), same launch: candidates above
    thr in index order, then the first krem equal to thr.
 
 Exactness: if t > 0, then t > KNEG, and at least k maxima are >= m_k >= t. Each of them is the key
@@ -44,7 +45,7 @@ key included. Hence the candidates (every entry with key >= t, in index order) c
 and all entries equal to its k-th key, and n >= k. If t = 0 the candidates are the whole range. The
 top-k among the candidates, by (key, then lower index), is therefore the row's top-k; thr and krem
 are the ones the row's own radix select finds, so the output (order included) is the one
-``triton_topk.topk(..., method="bisect", bits=8)`` writes.
+``triton_bisect.bisect_topk(..., bits=8)`` writes.
 
 Scratch (``torch.empty``, no launch): int32 [R, ceil(L / group)] group maxima (not when ``gmax`` is
 given), int32 [R, S*CH] candidate columns and keys, int32 [R, S] chunk counts. ``counts``
@@ -59,12 +60,18 @@ import triton
 import triton.language as tl
 
 from needlescope.kernels.launch import launch
-from needlescope.kernels.triton_radix import _row_range, _short_row
-from needlescope.kernels.triton_topk import _chunk, _ordered_key, _select_bin, _write_chunk
+from needlescope.kernels.topk_parts import (
+    load_chunk,
+    ordered_key,
+    row_range,
+    select_bin,
+    short_row,
+    write_chunk,
+)
 
 __all__ = ["filter_topk", "filter_defaults"]
 
-KNEG = 0x007FFFFF  # _ordered_key(-inf) (the kernel spells it out: Triton reads no plain globals)
+KNEG = 0x007FFFFF  # ordered_key(-inf) (the kernel spells it out: Triton reads no plain globals)
 
 
 @triton.jit
@@ -85,12 +92,12 @@ def _maxima_kernel(
     counting as key 0."""
     r = tl.program_id(0)
     s = tl.program_id(1)
-    st, en = _row_range(starts_ptr, ends_ptr, r, L, HAS_START)
+    st, en = row_range(starts_ptr, ends_ptr, r, L, HAS_START)
     GB: tl.constexpr = CH // GROUP
     g = s * GB + tl.arange(0, GB)
     if (en - st > K) & (s * CH < en) & ((s + 1) * CH > st):
         cols = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
-        key = _ordered_key(tl.load(x_ptr + r.to(tl.int64) * x_stride + cols, mask=cols < L, other=0.0))
+        key = ordered_key(tl.load(x_ptr + r.to(tl.int64) * x_stride + cols, mask=cols < L, other=0.0))
         key = tl.where((cols >= st) & (cols < en), key, 0)
         ok = (g >= st // GROUP) & (g < (en + GROUP - 1) // GROUP)
         tl.store(gmax_ptr + r.to(tl.int64) * g_stride + g, tl.max(key, 1).to(tl.int32, bitcast=True), mask=ok)
@@ -139,7 +146,7 @@ def _radix(key, m, kptr, cnt_ptr, NS, n, SEGW, K, NP: tl.constexpr, CB: tl.const
                 for c in range(0, cs, CB):
                     ck, cm = _load_keys(kptr + s * SEGW, c, cs, CB)
                     hist += _key_hist(ck, cm, prefix, pmask, SHIFT)
-        b, krem = _select_bin(hist, krem, 256)
+        b, krem = select_bin(hist, krem, 256)
         prefix = prefix | (b.to(tl.uint32) << SHIFT)
         pmask = pmask | (tl.full([], 0xFF, tl.uint32) << SHIFT)
     return prefix, krem
@@ -170,7 +177,7 @@ def _compact_kernel(
     """Steps B and C for chunk s of row r."""
     r = tl.program_id(0)
     s = tl.program_id(1)
-    st, en = _row_range(starts_ptr, ends_ptr, r, L, HAS_START)
+    st, en = row_range(starts_ptr, ends_ptr, r, L, HAS_START)
     if en - st > K:
         n = tl.zeros([], dtype=tl.int32)
         if (s * CH < en) & ((s + 1) * CH > st):
@@ -186,7 +193,7 @@ def _compact_kernel(
             else:
                 t, _ = _radix(ng, ng, grow, grow, 1, ng, 0, K, 2, GBLOCK, 1)
             t = tl.where(t > 0x007FFFFF, t, tl.zeros([], dtype=tl.uint32))  # t <= KNEG: every entry
-            idx, m, key = _chunk(
+            idx, m, key = load_chunk(
                 x_ptr + r.to(tl.int64) * x_stride, x_ptr, s * CH, tl.arange(0, CH), L, st, en, False
             )
             hit = (m & (key >= t)).to(tl.int32)
@@ -207,7 +214,7 @@ def _write_lists(orow, cidx, ckey, cnt_ptr, S, thr, krem, K, CH: tl.constexpr, C
         for c in range(0, cs, CB):
             key, m = _load_keys(ckey + s * CH, c, cs, CB)
             idx = tl.load(cidx + s * CH + c + tl.arange(0, CB), mask=m, other=-1)
-            cnt_gt, cnt_eq = _write_chunk(orow, idx, m, key, thr, krem, K, cnt_gt, cnt_eq)
+            cnt_gt, cnt_eq = write_chunk(orow, idx, m, key, thr, krem, K, cnt_gt, cnt_eq)
 
 
 @triton.jit
@@ -232,10 +239,10 @@ def _select_kernel(
 ):
     """Steps D and E for row r."""
     r = tl.program_id(0)
-    st, en = _row_range(starts_ptr, ends_ptr, r, L, HAS_START)
+    st, en = row_range(starts_ptr, ends_ptr, r, L, HAS_START)
     orow = out_ptr + r.to(tl.int64) * out_stride
     if en - st <= K:
-        _short_row(orow, st, en, 0, 1, K, CBLOCK)
+        short_row(orow, st, en, 0, 1, K, CBLOCK)
         if HAS_COUNTS:
             tl.store(counts_ptr + r, 0)
     else:
@@ -252,7 +259,7 @@ def _select_kernel(
             m = p % CAPL < tl.load(crow + seg, mask=seg < S, other=0)
             key = tl.load(ckey + pos, mask=m, other=0).to(tl.uint32, bitcast=True)
             thr, krem = _radix(key, m, ckey, crow, S, 0, CH, K, 4, CBLOCK, 0)
-            _write_chunk(orow, tl.load(cidx + pos, mask=m, other=-1), m, key, thr, krem, K, 0, 0)
+            write_chunk(orow, tl.load(cidx + pos, mask=m, other=-1), m, key, thr, krem, K, 0, 0)
         else:
             thr, krem = _radix(cs, cs, ckey, crow, S, 0, CH, K, 4, CBLOCK, 2)
             _write_lists(orow, cidx, ckey, crow, S, thr, krem, K, CH, CBLOCK)

@@ -17,11 +17,10 @@ import torch
 import triton
 import triton.language as tl
 
-from needlescope.kernels.launch import launch
+from needlescope.kernels.launch import INTERPRET, launch
 from needlescope.kernels.layout import ContiguousKeys, PagedKeys
 from needlescope.kernels.occupancy import cached_blocks_per_sm, sm_count
-from needlescope.kernels.triton_radix import digit0_histogram
-from needlescope.kernels.triton_topk import INTERPRET, _ordered_key
+from needlescope.kernels.topk_parts import digit0_histogram, ordered_key
 
 __all__ = ["prefill_logits", "paged_logits", "INTERPRET"]
 
@@ -229,7 +228,7 @@ GROUPS_PER_PAGE = 4
 @triton.jit
 def _store_group_max(grow, page, logit):
     """The ordered-key maxima of the page's 4 groups of 16 consecutive logits."""
-    key = _ordered_key(logit)
+    key = ordered_key(logit)
     g = tl.max(tl.reshape(key, (4, 16)), axis=1)
     tl.store(grow + page * 4 + tl.arange(0, 4), g.to(tl.int32, bitcast=True))
 

@@ -1,9 +1,10 @@
 """Exact top-k by cooperative radix select: every row split over many programs, 8 bits a pass.
 
-(``bits=11``: three passes of 11, 11 and 10 bits over 2048 bins, one launch fewer; measured 2-10x
-slower on the H200, docs/perf/indexer.md, and kept as the measured alternative.) Same contract as ``triton_topk.topk`` (ties to the lower index, row lengths, -1 padding, output:
-entries above the threshold in index order, then the ties in index order). Keys are the fp32
-scores mapped to order-preserving uint32 (``triton_topk._ordered_key``).
+The ``radix`` method of ``topk``. (``bits=11``: three passes of 11, 11 and 10 bits over 2048
+bins, one launch fewer; measured 2-10x slower on the H200, docs/perf/indexer.md, and kept as the
+measured alternative.) Same contract as every method (``topk``: ties to the lower index, row
+lengths, -1 padding, output: entries above the threshold in index order, then the ties in index
+order). Keys are the fp32 scores mapped to order-preserving uint32 (``topk_parts.ordered_key``).
 
 Five passes over a grid of (row, chunk) programs, each program holding ``chunk`` columns in
 registers; either a launch per pass (``_radix_pass``) or all of them in one launch
@@ -23,7 +24,7 @@ The kernels clamp each row's range themselves, so a call launches nothing else.
 * the output pass resolves the last digit (the exact key of the k-th largest entry and how many
   equal to it are taken) and writes its chunk's entries at their final positions.
 
-Why not a serial search per program (``triton_topk``): that is ~20 dependent block-wide counts in
+Why not a serial search per program (``triton_bisect``): that is ~20 dependent block-wide counts in
 one program (docs/perf/indexer-notes.md), where here each program makes four histogram passes
 over a short chunk, all chunks of all rows in parallel, and the serial part is five launches
 (or four barriers).
@@ -38,11 +39,11 @@ import torch
 import triton
 import triton.language as tl
 
-from needlescope.kernels.launch import launch
+from needlescope.kernels.launch import INTERPRET, launch
 from needlescope.kernels.occupancy import normal_device, sm_count
-from needlescope.kernels.triton_topk import INTERPRET, _ordered_key, _write_chunk
+from needlescope.kernels.topk_parts import ordered_key, row_range, short_row, write_chunk
 
-__all__ = ["radix_topk", "radix_chunk", "radix_plan", "radix_workspace", "digit0_histogram", "DIGIT_BITS"]
+__all__ = ["radix_topk", "radix_chunk", "radix_plan", "radix_workspace", "DIGIT_BITS"]
 
 DIGIT_BITS = (8, 11)  # 8: four passes of 256 bins; 11: three passes (11, 11, 10 bits) of 2048 bins
 _WORKSPACES: dict = {}
@@ -57,13 +58,6 @@ def _digits(bits: int) -> list[tuple[int, int]]:
         out.append((max(hi - bits, 0), hi - max(hi - bits, 0)))
         hi -= bits
     return out
-
-
-@triton.jit
-def digit0_histogram(logit, valid, BITS: tl.constexpr):
-    """int32 [2**BITS]: how many of the valid fp32 ``logit`` fall in each bin of their key's top BITS bits."""
-    key = _ordered_key(logit)
-    return tl.histogram((key >> (32 - BITS)).to(tl.int32), 1 << BITS, mask=valid)
 
 
 @triton.jit
@@ -112,17 +106,7 @@ def _place(
         above = tl.load(row + d + 1, mask=j < s, other=0, cache_modifier=".cg")
         gt_before += tl.sum(above, 0)
         eq_before += tl.sum(at_or_above - above, 0)
-    _write_chunk(orow, cols, m, key, thr, krem, K, gt_before, eq_before)
-
-
-@triton.jit
-def _row_range(starts_ptr, ends_ptr, r, L, HAS_START: tl.constexpr):
-    """Row r's [start, end) clamped to [0, L] with end >= start: the callers pass raw ranges, so a
-    call needs no clamping kernels (each a launch: ~1 us of a 15 us select)."""
-    st = tl.zeros([], dtype=tl.int32)
-    if HAS_START:
-        st = tl.minimum(tl.maximum(tl.load(starts_ptr + r), 0), L)
-    return st, tl.maximum(tl.minimum(tl.load(ends_ptr + r), L), st)
+    write_chunk(orow, cols, m, key, thr, krem, K, gt_before, eq_before)
 
 
 @triton.jit
@@ -134,14 +118,6 @@ def _clear(hist_ptr, h_stride, r, P: tl.constexpr, NP: tl.constexpr, NB: tl.cons
             hist_ptr + ((NP - 1 if P == 1 else P - 2) * h_stride + r * NB) + tl.arange(0, NB),
             tl.zeros([NB], tl.int32),
         )
-
-
-@triton.jit
-def _short_row(orow, st, en, s, S, K, CH: tl.constexpr):
-    """A row with end - start <= k: this program's share of start..end-1 in order, then -1."""
-    for c in range(s * CH, K, S * CH):
-        j = c + tl.arange(0, CH)
-        tl.store(orow + j, tl.where(j < en - st, st + j, -1), mask=j < K)
 
 
 @triton.jit
@@ -182,7 +158,7 @@ def _hist_pass(
 def _chunk_keys(x_ptr, r, s, st, en, x_stride, L, CH: tl.constexpr):
     """(columns, inside [st, en), ordered keys) of chunk s of row r."""
     cols = s * CH + tl.arange(0, CH)
-    key = _ordered_key(tl.load(x_ptr + r.to(tl.int64) * x_stride + cols, mask=cols < L, other=0.0))
+    key = ordered_key(tl.load(x_ptr + r.to(tl.int64) * x_stride + cols, mask=cols < L, other=0.0))
     return cols, (cols >= st) & (cols < en), key
 
 
@@ -211,14 +187,14 @@ def _radix_pass(
     """One pass of the multi-launch select: launch p runs pass p over a (row, chunk) grid."""
     r = tl.program_id(0)
     s = tl.program_id(1)
-    st, en = _row_range(starts_ptr, ends_ptr, r, L, HAS_START)
+    st, en = row_range(starts_ptr, ends_ptr, r, L, HAS_START)
     NB: tl.constexpr = 1 << BITS
     orow = out_ptr + r.to(tl.int64) * out_stride
     if s == 0:
         _clear(hist_ptr, h_stride, r, PASS, NP, NB)
     if en - st <= K:
         if PASS == NP:
-            _short_row(orow, st, en, s, S, K, CH)
+            short_row(orow, st, en, s, S, K, CH)
     else:
         prefix = tl.zeros([], dtype=tl.uint32)
         krem = K + tl.zeros([], dtype=tl.int32)
@@ -276,14 +252,14 @@ def _radix_one_launch(
     (``radix_topk`` launches it only when they fit one per SM); the keys stay in registers."""
     r = tl.program_id(0)
     s = tl.program_id(1)
-    st, en = _row_range(starts_ptr, ends_ptr, r, L, HAS_START)
+    st, en = row_range(starts_ptr, ends_ptr, r, L, HAS_START)
     NB: tl.constexpr = 1 << BITS
     orow = out_ptr + r.to(tl.int64) * out_stride
     if en - st <= K:
         if s == 0:
             for P in tl.static_range(1 if FIRST < 1 else FIRST, NP + 1):
                 _clear(hist_ptr, h_stride, r, P, NP, NB)
-        _short_row(orow, st, en, s, S, K, CH)
+        short_row(orow, st, en, s, S, K, CH)
     else:
         cols, m, key = _chunk_keys(x_ptr, r, s, st, en, x_stride, L, CH)
         prefix = tl.zeros([], dtype=tl.uint32)
@@ -386,6 +362,8 @@ def radix_topk(
     """
     R, L = logits.shape
     dev = logits.device
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
     plan_chunk, plan_one = radix_plan(R, L, dev)
     ch = plan_chunk if chunk is None else chunk
     one_launch = plan_one and chunk is None if one_launch is None else one_launch

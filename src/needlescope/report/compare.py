@@ -9,7 +9,13 @@ from ..schema import check_schema
 from .heatmap import length_depth_heatmap
 from .probe import DIFFICULTY_SCHEMA, difficulty_lines
 
-__all__ = ["COMPARE_SCHEMA", "GRADED_COMPARE_SCHEMA", "validate_compare", "write_compare_outputs"]
+__all__ = [
+    "COMPARE_SCHEMA",
+    "GRADED_COMPARE_SCHEMA",
+    "errors_line",
+    "validate_compare",
+    "write_compare_outputs",
+]
 
 _BUCKET_KEYS = (
     "length_lo",
@@ -74,11 +80,41 @@ GRADED_COMPARE_SCHEMA: dict = {
     },
 }
 
+_SIDE_ERRORS = {
+    "type": "object",
+    "required": ["failed", "kinds"],
+    "properties": {
+        "failed": {"type": "integer"},
+        "kinds": {"type": "object", "additionalProperties": {"type": "integer"}},
+    },
+}
+
 COMPARE_SCHEMA: dict = {
     "type": "object",
-    "required": ["cases_matched", "buckets", "verdict", "regresses_from", "graded", "difficulty"],
+    "required": [
+        "headline",
+        "cases_matched",
+        "recall_a",
+        "recall_b",
+        "errors",
+        "buckets",
+        "verdict",
+        "regresses_from",
+        "graded",
+        "difficulty",
+    ],
     "properties": {
+        # The verdict with the recalls it compares (analysis.paired.headline): the console's line.
+        "headline": {"type": "string"},
         "cases_matched": {"type": "integer"},
+        "recall_a": {"type": "number"},
+        "recall_b": {"type": "number"},
+        # Cases of each side with no scored answer (run.compare.side_errors); never misses.
+        "errors": {
+            "type": "object",
+            "required": ["cases", "a", "b"],
+            "properties": {"cases": {"type": "integer"}, "a": _SIDE_ERRORS, "b": _SIDE_ERRORS},
+        },
         "buckets": {
             "type": "array",
             "items": {
@@ -107,6 +143,18 @@ def validate_compare(obj: dict) -> None:
         raise ValueError(f"compare: unexpected keys {sorted(extra)}")
 
 
+def errors_line(errors: dict) -> str | None:
+    """One line saying what failed on each side (None when nothing did)."""
+    parts = [
+        f"{side}: {e['failed']} of {errors['cases']} requests failed ("
+        + ", ".join(f"{kind} {n}" for kind, n in e["kinds"].items())
+        + ")"
+        for side, e in (("A", errors["a"]), ("B", errors["b"]))
+        if e["failed"]
+    ]
+    return "; ".join(parts) or None
+
+
 def _delta_heatmap(path: Path, cells: list[dict]) -> None:
     drawn = {(c["length"], c["depth"]): (c["delta"], f"{c['delta']:+.2f}\nn={c['n']}") for c in cells}
     length_depth_heatmap(path, drawn, cmap="RdBu", vmin=-1.0, vmax=1.0, label="recall B - recall A")
@@ -123,10 +171,13 @@ def _markdown(compare: dict, cells: list[dict], sides: dict, unpaired: int, alph
     lines = ["# needlescope compare: A vs B on identical prompts", ""]
     for name, side in sides.items():
         lines.append(f"- **{name}**: {side['run']} ({_setting_line(side['provenance'])})")
+    lines += ["", f"**Verdict:** {compare['headline']}", ""]
+    if not compare["headline"].endswith(compare["verdict"]):
+        lines += [f"Test: {compare['verdict']}", ""]
+    failed = errors_line(compare["errors"])
+    if failed:
+        lines += [f"**Failed requests:** {failed}; they are left out, not counted as misses.", ""]
     lines += [
-        "",
-        f"**Verdict:** {compare['verdict']}",
-        "",
         f"{compare['cases_matched']} cases scored on both sides; {unpaired} left out because a request "
         f"failed on A or B (errors are never misses). Significance level {alpha:g}; McNemar p-values "
         "are exact and two-sided, Holm-corrected across buckets; intervals are 95% paired bootstrap.",

@@ -236,6 +236,12 @@ def _pct(depths) -> str:
 
 def _length_lines(summary: dict) -> list[str]:
     eff, c = summary["effective_length"], summary["cliff"]
+    if all(cell["recall"] is None for cell in summary["cells"]):
+        # Nothing measured is not a failure at the shortest length: say what happened instead.
+        return [
+            f"no case was scored: every request failed or missed its length ({summary['errors_total']} "
+            "failed); recall, the effective length and the cliff are unknown"
+        ]
     lines = [
         f"effective length: {eff} tokens (pooled recall >= {summary['threshold']:g} at it and every shorter length)"
         if eff is not None
@@ -331,20 +337,18 @@ def depth_lines(profile: dict) -> list[str]:
 def _markdown(summary: dict, cells: list[Cell], notes: list[str]) -> str:
     lines = [f"# needlescope probe: {summary['model']} ({summary['kind']})", ""]
     lines += ["## Headline", ""] + [f"- {h}" for h in summary["headline"]] + [""]
-    eff = summary["effective_length"]
-    lines.append(
-        f"**Effective length** (pooled recall >= {summary['threshold']:g} at it and every shorter length): "
-        + (f"{eff} tokens" if eff is not None else "none (the shortest tested length already fails)")
-        + (
-            "; the failures follow depth, not length (see the headline)"
-            if summary["depth_profile"]["pattern"] == "depth_not_length"
-            else ""
+    if summary["depth_profile"]["pattern"] == "depth_not_length":
+        # The headline leaves the length curve out here; every other headline states it once.
+        eff, c = summary["effective_length"], summary["cliff"]
+        lines.append(
+            f"**Effective length** (pooled recall >= {summary['threshold']:g} at it and every shorter length): "
+            + (f"{eff} tokens" if eff is not None else "none")
+            + "; the failures follow depth, not length (see the headline)"
         )
-    )
-    c = summary["cliff"]
-    lines.append(
-        "**Cliff:** " + (f"{c['from']} -> {c['to']} tokens, recall drops by {c['drop']:.2f}" if c else "none")
-    )
+        lines.append(
+            "**Cliff:** "
+            + (f"{c['from']} -> {c['to']} tokens, recall drops by {c['drop']:.2f}" if c else "none")
+        )
     lines.append(
         f"**Errors:** {summary['errors_total']} request(s) failed; they are excluded from recall, not counted as misses."
     )

@@ -10,7 +10,10 @@ significantly (Fisher exact, ``alpha``); until it does, the ends get more trials
 evidence (lengths, cases, misses, Wilson intervals, p) is in ``bisect.json``'s ``steps``.
 
 Every case goes through the same durable store as a probe, so a killed bisection resumes: it
-replays the same decisions from the stored results and sends only what is missing.
+replays the same decisions from the stored results and sends only what is missing. Each
+decision counts only the cases the search has asked for so far (``_Bisector.asked``): a
+resumed run's store already holds later steps' cases, and counting them early gave another
+coarse bracket and lost the step history (issue 38, R7).
 """
 
 from __future__ import annotations
@@ -135,7 +138,7 @@ class _Bisector:
             cases = [c.to_dict() for c in build_cases(spec, self.counter)]
             self.store.add_cases([c for c in cases if c["case_id"] not in known])
         pending = set(self.store.pending_case_ids())
-        todo = [c for c in self.store.cases() if c["case_id"] in pending and c["length"] in self.phase]
+        todo = [c for c in self.store.cases() if c["case_id"] in pending and self.asked(c)]
         self.on_event("bisect_step", {"phase": phase, "lengths": new, "requests": len(todo)})
         await run_cases(
             todo,
@@ -149,10 +152,17 @@ class _Bisector:
         )
         return self.tally()
 
+    def asked(self, case: dict) -> bool:
+        """Whether the search has asked for ``case`` yet: its length, up to its trials there."""
+        return int(case["trial"]) < self.trials_at.get(case["length"], 0)
+
     def tally(self) -> dict[int, tuple[int, int]]:
-        length_of = {c["case_id"]: c["length"] for c in self.store.cases()}
+        """(correct, scored) per length over the cases asked for so far (``asked``)."""
+        asked = {c["case_id"]: c["length"] for c in self.store.cases() if self.asked(c)}
         return pooled(
-            (length_of[r["case_id"]], r["correct"]) for r in self.store.results() if r["status"] == "ok"
+            (asked[r["case_id"]], r["correct"])
+            for r in self.store.results()
+            if r["status"] == "ok" and r["case_id"] in asked
         )
 
     async def confirm(

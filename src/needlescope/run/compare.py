@@ -1,5 +1,5 @@
 """Paired A/B over two finished probe runs that share a case set (the live workflow that makes
-them is ``investigate.compare``). Runs whose case sets do not hash equal are refused, naming the
+them is ``run.compare_live``). Runs whose case sets do not hash equal are refused, naming the
 first differing case.
 """
 
@@ -10,13 +10,13 @@ import json
 from pathlib import Path
 
 from needlescope.analysis.margins import compare_margins
-from needlescope.analysis.paired import Pair, compare_pairs
-from needlescope.errors import BadInput
-from needlescope.report.compare import write_compare_outputs
+from needlescope.analysis.paired import Pair, compare_pairs, headline
+from needlescope.errors import BadInput, ProbeError
+from needlescope.report.compare import errors_line, write_compare_outputs
 from needlescope.run.probe import STORE_NAME
 from needlescope.run.store import ResultStore
 
-__all__ = ["case_hash", "load_run", "compare_runs"]
+__all__ = ["case_hash", "load_run", "compare_runs", "side_errors"]
 
 
 def case_hash(case: dict) -> str:
@@ -99,6 +99,18 @@ def _pairs(
     return pairs, rows, unpaired
 
 
+def side_errors(cases: list[dict], results: dict[str, dict]) -> dict:
+    """``{"failed": n, "kinds": {error kind: n}}``: the cases of one side with no ``ok`` result
+    (a request that failed, or one never sent), by the kind of their last error."""
+    kinds: dict[str, int] = {}
+    for c in cases:
+        r = results.get(c["case_id"])
+        if r is None or r["status"] != "ok":
+            kind = "not sent" if r is None else (r.get("error_kind") or "error")
+            kinds[kind] = kinds.get(kind, 0) + 1
+    return {"failed": sum(kinds.values()), "kinds": dict(sorted(kinds.items()))}
+
+
 def _graded_pair(ga: dict | None, gb: dict | None) -> dict:
     """The pair's graded values for pairs.jsonl (empty when either side has no graded score)."""
     if ga is None or gb is None:
@@ -144,11 +156,14 @@ def compare_runs(
     cases_b, res_b, prov_b = load_run(b_dir, "--b-run")
     _check_same_cases(cases_a, cases_b)
     pairs, rows, unpaired = _pairs(cases_a, res_a, res_b)
+    errors = {"cases": len(cases_a), "a": side_errors(cases_a, res_a), "b": side_errors(cases_a, res_b)}
     if not pairs:
-        raise BadInput(
-            f"no case was scored on both sides ({unpaired} had an error on A or B); nothing to compare"
-        )
+        # The targets failed, not the user: the CLI exits with the target-failure code.
+        raise ProbeError(f"no case was scored on both sides ({errors_line(errors)}); nothing to compare")
     result = compare_pairs(pairs, alpha=alpha, power_drop=power_drop, bucket_edges=bucket_edges)
+    result["errors"] = errors
+    trials = max(int(c["trial"]) for c in cases_a) + 1
+    result["headline"] = headline(result, alpha=alpha, trials=trials, failed=errors_line(errors))
     edges = sorted(set(bucket_edges)) if bucket_edges else sorted({p.length for p in pairs})
     result["graded"] = _graded_comparison(cases_a, res_a, res_b, edges, alpha)
     result["difficulty"] = prov_a.pop("difficulty", None)

@@ -22,8 +22,8 @@ from needlescope.cases.needles import VALUE_DIGITS
 from needlescope.errors import BadInput
 from needlescope.progress import Progress
 from needlescope.report.probe import write_probe_outputs
+from needlescope.run.bundles import write_failure_bundles
 from needlescope.run.config import ProbeConfig
-from needlescope.run.replay import write_failure_bundles
 from needlescope.run.scheduler import Grade, run_cases
 from needlescope.run.store import ResultStore, peek
 from needlescope.targets import (
@@ -178,7 +178,9 @@ def _resume_store(cfg: ProbeConfig, on_event: Event) -> ResultStore:
         raise BadInput(
             f"--resume: the run in {cfg.out} was made with {previous}, not {cfg.fingerprint(digits)}; use another --out"
         )
-    on_event("value_digits", {"value_digits": digits, "source": f"the run being resumed ({source})"})
+    # A store made for this run and not yet sent (compare's side B) is not "being resumed".
+    said = f"the run being resumed ({source})" if found["results"] else source
+    on_event("value_digits", {"value_digits": digits, "source": said})
     return ResultStore(path)
 
 

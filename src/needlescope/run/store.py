@@ -6,7 +6,7 @@ has exactly one ``ok`` row. Error rows are replaced when the case is retried. A 
 each case in several arms (engine-state) keeps one row per (factor, arm, case) in ``sends``.
 
 One writer at a time: a store holds an exclusive ``flock`` on ``<file>.lock`` beside it for as
-long as it is open, so a second run with the same ``--out`` is refused with one line instead of
+long as it is open (and deletes it when it closes), so a second run with the same ``--out`` is refused with one line instead of
 mixing two grids into one file. ``peek`` reads a store without writing anything, so ``--resume``
 checks a file (is it a needlescope store, which run made it) before opening it for writing and
 leaves a foreign ``results.sqlite`` untouched.
@@ -87,7 +87,8 @@ _TABLES = ("meta", "cases", "results")
 
 
 def peek(path: str | Path) -> dict:
-    """``{"fingerprint", "run_notes", "cases"}`` of the store at ``path``, read without writing
+    """``{"fingerprint", "run_notes", "cases", "results", "ok", "sends_ok"}`` (all but the first
+    two: row counts; ``ok`` and ``sends_ok`` count answered requests) of the store at ``path``, read without writing
     anything (SQLite read-only); BadInput when it is not a needlescope results database."""
     path = Path(path)
     try:
@@ -106,31 +107,65 @@ def peek(path: str | Path) -> dict:
                 )
             }
             (n,) = db.execute("SELECT COUNT(*) FROM cases").fetchone()
+            (sent,) = db.execute("SELECT COUNT(*) FROM results").fetchone()
+            (ok,) = db.execute("SELECT COUNT(*) FROM results WHERE status = 'ok'").fetchone()
+            sends = 0
+            if "sends" in names:  # a store made before engine-state had none
+                (sends,) = db.execute("SELECT COUNT(*) FROM sends WHERE status = 'ok'").fetchone()
         finally:
             db.close()
     except (sqlite3.DatabaseError, ValueError) as e:
         raise BadInput(
             f"{path} is not a usable needlescope results database: {e}; it was left as it is"
         ) from None
-    return {"fingerprint": meta.get("fingerprint"), "run_notes": meta.get("run_notes"), "cases": n}
+    return {
+        "fingerprint": meta.get("fingerprint"),
+        "run_notes": meta.get("run_notes"),
+        "cases": n,
+        "results": sent,
+        "ok": ok,
+        "sends_ok": sends,
+    }
+
+
+def _lock_path(path: Path) -> Path:
+    return path.with_name(path.name + ".lock")
 
 
 def _lock(path: Path) -> int:
     """An exclusive lock on ``<path>.lock`` (held until the descriptor closes); BadInput naming
-    the holder when another process has it."""
-    lock_path = path.with_name(path.name + ".lock")
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "another process"
-        os.close(fd)
-        raise BadInput(
-            f"another needlescope run (pid {holder}) is writing {path.parent}; wait for it to end or use another --out"
-        ) from None
+    the holder when another process has it.
+
+    The holder deletes the lock file as it lets go (``_unlock``), so a finished run leaves none.
+    A process that opened the file just before it was deleted may then lock a file no path
+    names any more; it sees that (the path's inode is not its own) and opens the new one."""
+    lock_path = _lock_path(path)
+    while True:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "another process"
+            os.close(fd)
+            raise BadInput(
+                f"another needlescope run (pid {holder}) is writing {path.parent}; wait for it to end or use another --out"
+            ) from None
+        try:
+            current = os.stat(lock_path).st_ino
+        except FileNotFoundError:
+            current = None
+        if current == os.fstat(fd).st_ino:
+            break
+        os.close(fd)  # locked a deleted file: its holder has just ended; lock the path's file
     os.ftruncate(fd, 0)
     os.pwrite(fd, str(os.getpid()).encode(), 0)
     return fd
+
+
+def _unlock(path: Path, fd: int) -> None:
+    """Delete the lock file, then let go of it (deleted first, so no one locks it after us)."""
+    _lock_path(path).unlink(missing_ok=True)
+    os.close(fd)
 
 
 class ResultStore:
@@ -151,7 +186,7 @@ class ResultStore:
                 if col not in cols:
                     self._db.execute(f"ALTER TABLE results ADD COLUMN {col} TEXT")
         except sqlite3.DatabaseError as e:
-            os.close(self._lock_fd)
+            _unlock(self.path, self._lock_fd)
             raise BadInput(f"{self.path} is not a usable needlescope results database: {e}") from e
 
     @property
@@ -256,7 +291,7 @@ class ResultStore:
     def close(self) -> None:
         self._db.close()
         if self._lock_fd is not None:
-            os.close(self._lock_fd)  # releases the writer's lock
+            _unlock(self.path, self._lock_fd)  # releases the writer's lock
             self._lock_fd = None
 
     def __enter__(self) -> ResultStore:

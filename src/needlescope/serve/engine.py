@@ -59,6 +59,7 @@ from needlescope import __version__
 from needlescope.dsa.checkpoint import load_bundle, recorded_value_digits
 from needlescope.dsa.emulate import IndexerCapture, emulate
 from needlescope.dsa.loading import placement_of
+from needlescope.dsa.reference import visible_entries
 from needlescope.errors import BadInput
 from needlescope.serve.admission import Admission
 from needlescope.serve.config import ServeConfig
@@ -75,9 +76,10 @@ __all__ = ["Engine", "encode_indexer_topk"]
 log = logging.getLogger("needlescope.serve")
 
 
-def encode_indexer_topk(topk: torch.Tensor) -> str:
-    """SGLang's encoding: base64 of the little-endian int32 bytes of ``topk`` [N, layers, k]."""
-    return base64.b64encode(np.ascontiguousarray(topk.numpy().astype("<i4")).tobytes()).decode("ascii")
+def encode_indexer_topk(topk: torch.Tensor, dtype: str = "<i4") -> str:
+    """SGLang's encoding: base64 of the little-endian int32 bytes of ``topk`` [N, layers, k]
+    (``dtype`` "<f4": the same for the float32 logits of ``return_indexer_logits``)."""
+    return base64.b64encode(np.ascontiguousarray(topk.numpy().astype(dtype)).tobytes()).decode("ascii")
 
 
 @dataclass
@@ -238,7 +240,9 @@ class Engine:
             raise BadValue(
                 "return_indexer_topk", f"needs a DeepSeek-V4 model; this server runs a {self.architecture}"
             )
-        rows.check(prompt_len + params.max_new_tokens - 1, len(self.csa_layers), self.index_topk)
+        max_rows = prompt_len + params.max_new_tokens - 1
+        # A row's logits span the entries complete at its position: at most those of the last row.
+        rows.check(max_rows, len(self.csa_layers), self.index_topk, max_entries=visible_entries(max_rows - 1))
 
     def submit(self, req: GenRequest) -> None:
         """Admit ``req`` (raises ``Overloaded`` when the queue is full)."""
@@ -346,6 +350,9 @@ class Engine:
         want_prompt = rows[0].req.params.prompt_logprobs is not None
         if self.capture is not None:
             self.capture.clear()
+            # Score rows are kept only for a capture that asked for its logits (it runs alone).
+            self.capture.keep_scores = capture is not None and capture.logits
+            self.capture.score_from = capture.first_row(P) if self.capture.keep_scores else 0
         device = self.device
         ids = torch.tensor([r.req.prompt_ids for r in rows], dtype=torch.long, device=device)
         self.metrics.batch_size.observe(len(rows))
@@ -511,6 +518,10 @@ class Engine:
             final.indexer_topk_shape = tuple(topk.shape)
             if capture.selected:
                 final.indexer_topk_positions = positions
+            if capture.logits:
+                logits = self._indexer_logits(positions)
+                final.indexer_logits = encode_indexer_topk(logits, "<f4")
+                final.indexer_logits_shape = tuple(logits.shape)
         return final
 
     def _indexer_topk(self, n_rows: int) -> torch.Tensor:
@@ -525,6 +536,24 @@ class Engine:
                 )
             layers.append(topk)
         return torch.stack(layers, dim=1).to(torch.int32)
+
+    def _indexer_logits(self, positions: list[int]) -> torch.Tensor:
+        """float32 [len(positions), CSA layers, W]: the logits each row's top-k ranked, -inf padded
+        to the longest row (a row holds the entries complete at its position)."""
+        layers = []
+        for layer in self.csa_layers:
+            kept, rows = self.capture.score_rows(layer)
+            row_of = {int(p): r for p, r in zip(kept.tolist(), rows)}
+            missing = [p for p in positions if p not in row_of]
+            if missing:
+                raise RuntimeError(f"indexer score rows of layer {layer} lack positions {missing[:3]}")
+            layers.append([row_of[p] for p in positions])
+        width = max((len(r) for rows in layers for r in rows), default=0)
+        out = torch.full((len(positions), len(layers), width), float("-inf"), dtype=torch.float32)
+        for j, rows in enumerate(layers):
+            for i, r in enumerate(rows):
+                out[i, j, : len(r)] = r
+        return out
 
 
 def _find_stop(text: str, stops: tuple[str, ...], start: int) -> tuple[int, str] | None:

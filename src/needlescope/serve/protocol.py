@@ -243,6 +243,11 @@ class GenerateRequest(_Wire):
         None, description="positions whose indexer top-k rows to return (default: every fed position)"
     )
     indexer_topk_last: StrictInt | None = Field(None, description="return only the last N rows")
+    return_indexer_logits: StrictBool | None = Field(
+        False,
+        description="with return_indexer_topk: also the logits each returned row's top-k ranked "
+        "(meta_info.indexer_logits, base64 little-endian float32 [rows, layers, W], -inf padded)",
+    )
     stream: StrictBool | None = False
 
 

@@ -20,12 +20,16 @@ __all__ = [
     "Final",
     "TopkRows",
     "GenRequest",
+    "MAX_INDEXER_LOGITS_BYTES",
     "MAX_INDEXER_TOPK_BYTES",
     "indexer_topk_bytes",
 ]
 
 MAX_INDEXER_TOPK_BYTES = 16 * 2**20
 """Cap on the raw int32 bytes of one ``indexer_topk`` payload (base64 adds a third)."""
+
+MAX_INDEXER_LOGITS_BYTES = 16 * 2**20
+"""Cap on the raw float32 bytes of one ``indexer_logits`` payload (rows x layers x entries x 4)."""
 
 
 def indexer_topk_bytes(rows: int, layers: int, index_topk: int) -> int:
@@ -68,6 +72,8 @@ class Final:
     indexer_topk: str | None = None
     indexer_topk_shape: tuple[int, int, int] | None = None
     indexer_topk_positions: list[int] | None = None
+    indexer_logits: str | None = None
+    indexer_logits_shape: tuple[int, int, int] | None = None
     cached_tokens: int = 0
     """Prompt tokens whose state came from the prefix cache."""
 
@@ -79,18 +85,21 @@ class Final:
 @dataclass(frozen=True)
 class TopkRows:
     """Which rows of the indexer top-k capture to return: explicit ``positions``, the ``last``
-    N, or (neither) every fed position. ``selected`` says whether the caller chose."""
+    N, or (neither) every fed position. ``selected`` says whether the caller chose; ``logits``
+    whether the logits each row's top-k ranked come back too."""
 
     positions: tuple[int, ...] | None = None
     last: int | None = None
+    logits: bool = False
 
     @property
     def selected(self) -> bool:
         return self.positions is not None or self.last is not None
 
-    def check(self, max_rows: int, layers: int, index_topk: int) -> None:
+    def check(self, max_rows: int, layers: int, index_topk: int, max_entries: int = 0) -> None:
         """BadValue unless the rows are valid for at most ``max_rows`` fed positions and the
-        payload stays under ``MAX_INDEXER_TOPK_BYTES``."""
+        payloads stay under ``MAX_INDEXER_TOPK_BYTES`` (and, with ``logits``, rows of at most
+        ``max_entries`` compressed entries under ``MAX_INDEXER_LOGITS_BYTES``)."""
         if self.positions is not None and self.last is not None:
             raise BadValue("indexer_topk_positions", "and indexer_topk_last exclude each other; give one")
         if self.positions is not None:
@@ -113,6 +122,23 @@ class TopkRows:
                 f"{MAX_INDEXER_TOPK_BYTES}-byte cap; choose rows with indexer_topk_last or "
                 "indexer_topk_positions, or lower max_new_tokens",
             )
+        logits_size = 4 * rows * layers * max_entries
+        if self.logits and logits_size > MAX_INDEXER_LOGITS_BYTES:
+            raise BadValue(
+                "return_indexer_logits",
+                f"would return up to {rows} rows x {layers} layers x {max_entries} entries x 4 = {logits_size} "
+                f"bytes, over the {MAX_INDEXER_LOGITS_BYTES}-byte cap; choose fewer rows with indexer_topk_last "
+                "or indexer_topk_positions",
+            )
+
+    def first_row(self, prompt_len: int) -> int:
+        """The lowest position ``pick`` can return for a prompt of ``prompt_len`` tokens (at least
+        ``prompt_len - 1`` positions are fed), so rows before it need not be kept."""
+        if self.positions is not None:
+            return min(self.positions)
+        if self.last is not None:
+            return max(0, prompt_len - 1 - self.last)
+        return 0
 
     def pick(self, n_rows: int) -> list[int]:
         """The positions to return out of ``n_rows`` fed ones (explicit ones past the end dropped)."""

@@ -393,22 +393,21 @@ def preflight(
     timeout: float = 5,
     *,
     transport: httpx.BaseTransport | None = None,
+    flag: str = "--base-url",
 ) -> list[str]:
     """Check the server is reachable, serves ``model`` and has chat completions.
 
     Returns what had to be assumed (empty when ``/v1/models`` lists ``model``): some servers
     (transformers serve) list nothing or fail ``/v1/models`` yet chat fine, so when the list does
     not show ``model`` a one-token chat with it decides. Raises BadInput with one line saying what
-    is wrong and what to do.
+    is wrong and what to do (``flag``: the option that named this server, e.g. compare's ``--b``).
     """
     _root, v1 = normalize_base_url(base_url)
     with sync_client(api_key, timeout, transport) as client:
         try:
             resp = client.get(v1 + "/models")
         except httpx.TransportError as e:
-            raise BadInput(
-                f"cannot reach {v1}: {_reason(e)}; is the server running? check --base-url"
-            ) from None
+            raise BadInput(f"cannot reach {v1}: {_reason(e)}; is the server running? check {flag}") from None
     if resp.status_code in (401, 403):
         raise BadInput(f"{v1}/models answered HTTP {resp.status_code}; check --api-key")
     ids = _model_ids(resp)
@@ -421,7 +420,7 @@ def preflight(
                 json={"model": model, "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1},
             )
         except httpx.TransportError as e:
-            raise BadInput(f"cannot reach {v1}/chat/completions: {_reason(e)}; check --base-url") from None
+            raise BadInput(f"cannot reach {v1}/chat/completions: {_reason(e)}; check {flag}") from None
     if chat.status_code in (401, 403):
         raise BadInput(f"{v1}/chat/completions answered HTTP {chat.status_code}; check --api-key")
     if ids is not None and model in ids:
@@ -443,5 +442,5 @@ def preflight(
         raise BadInput(f"model {model!r} not served at {v1}; available: {', '.join(ids)}")
     raise BadInput(
         f"{listing}, and a one-token chat with {model!r} failed (HTTP {chat.status_code}: "
-        f"{_error_message(chat)[:120]}); check --base-url and --model"
+        f"{_error_message(chat)[:120]}); check {flag} and --model"
     )

@@ -39,12 +39,18 @@ def _capture_rows(body: GenerateRequest) -> TopkRows | None:
     if body.return_indexer_topk:
         positions = body.indexer_topk_positions
         return TopkRows(
-            positions=None if positions is None else tuple(positions), last=body.indexer_topk_last
+            positions=None if positions is None else tuple(positions),
+            last=body.indexer_topk_last,
+            logits=bool(body.return_indexer_logits),
         )
-    if body.indexer_topk_positions is not None or body.indexer_topk_last is not None:
+    if (
+        body.indexer_topk_positions is not None
+        or body.indexer_topk_last is not None
+        or body.return_indexer_logits
+    ):
         raise ApiError(
             400,
-            "indexer_topk_positions/indexer_topk_last need return_indexer_topk=true",
+            "indexer_topk_positions/indexer_topk_last/return_indexer_logits need return_indexer_topk=true",
             param="return_indexer_topk",
         )
     return None
@@ -76,6 +82,7 @@ def _generate_names(body: GenerateRequest, sp: GenerateSamplingParams) -> Names:
             "return_indexer_topk": "return_indexer_topk",
             "indexer_topk_positions": "indexer_topk_positions",
             "indexer_topk_last": "indexer_topk_last",
+            "return_indexer_logits": "return_indexer_logits",
         },
         prefix="sampling_params.",
     )
@@ -102,6 +109,9 @@ def _generate_meta(body: GenerateRequest, req: GenRequest, final) -> dict:
         meta["indexer_topk_shape"] = list(final.indexer_topk_shape)
         if final.indexer_topk_positions is not None:
             meta["indexer_topk_positions"] = final.indexer_topk_positions
+        if final.indexer_logits is not None:
+            meta["indexer_logits"] = final.indexer_logits
+            meta["indexer_logits_shape"] = list(final.indexer_logits_shape)
     return meta
 
 

@@ -1,0 +1,341 @@
+"""Compare an engine's tensor dump with the reference model, tensor by tensor, layer by layer.
+
+``compare_dump(model, dump_dir, mapping, ...)`` reads the dump (``engine_dump``, ``dump_tokens``),
+runs the reference once over the same token ids with ``module_replay.Recorder`` on every module (and the
+indexers at the dump's ``index_topk``), merges each dumped tensor's TP shards, takes the reference
+module's rows at the positions each pass stood for, and judges every tensor in the reference's
+forward order (the order its module returns; a ``take = "input"`` tensor just before the
+module's first callee returns).
+
+**The budget of one tensor**, with the localizer's measures (``module_replay.rel_err``,
+``module_replay.calibrate``, ``diff.unit_roundoff``, ``diff.swappable_fraction``):
+
+* ``rel_err``: ``||engine - reference|| / ||reference||`` over all the tensor's rows;
+* ``precision`` p (``u_p`` its unit roundoff): declared in the mapping or by ``allow``, else the
+  dumped dtype (bf16 / fp16), else bf16 or fp16 when every value of a float32 dump round-trips
+  through it, else fp32;
+* ``in_err``: the error arriving at it, the largest ``rel_err`` of the tensors before it;
+* ``budget = margin x (u_p + moved)``, where ``moved`` is how far the reference module's
+  output moves when each of its floating inputs gets Gaussian noise of relative size
+  ``in_err + u_p`` (``module_replay.calibrate``, ``draws`` seeded draws). Calibration runs only where
+  ``rel_err`` exceeds the uncalibrated ``margin x (u_p + in_err + u_p)``; a fixed ``growth``
+  replaces it (``margin x u_p + growth x (in_err + u_p)``). A tensor with no floating input
+  (the embedding) or taken as a module's input gets the uncalibrated budget.
+* an indexer top-k (``kind = "topk"``): ``rel_err`` is the set difference ``selection_error``
+  (``module_replay``); its budget is the fraction of the reference's selections that score noise of
+  ``margin x (u_p + in_err)`` of each row's largest visible score could swap
+  (``diff.swappable_fraction``), at least 0.
+
+``verdict`` is ``"within budget"``, ``"beyond budget"`` or ``"incomparable"`` (its rows do not
+match the reference module's after merging: a wrong shard rule or mapping); ``first_beyond`` is
+the first tensor beyond its budget. The indexer section compares each dumped top-k with the
+reference's selection (overlap, positions changed) and, with a needle, whether its entries
+were kept at the query position on both sides. The schema is in ``compare_dump_md``.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+
+import torch
+
+from needlescope.dsa.compare_dump_md import NO_BEYOND
+from needlescope.dsa.diff import DEFAULT_DRAWS, DEFAULT_MARGIN, swappable_fraction, unit_roundoff
+from needlescope.dsa.dump_mapping import DumpMapping
+from needlescope.dsa.dump_tokens import DumpEntry, group_dump, merged, token_layout
+from needlescope.dsa.emulate import csa_indexers, emulate
+from needlescope.dsa.engine_dump import find_dump_dir, scan_dump
+from needlescope.dsa.module_replay import Call, Recorder, calibrate, rel_err, roundtrips, selection_error
+from needlescope.dsa.prompt import covering_entries
+from needlescope.dsa.rankdump import selected_in
+from needlescope.dsa.reference import visible_entries
+from needlescope.errors import BadInput
+from needlescope.progress import Progress, no_progress
+from needlescope.setting import Setting
+
+__all__ = ["compare_dump", "PRECISION_U"]
+
+PRECISION_U = {
+    "fp32": unit_roundoff(torch.float32),
+    "bf16": unit_roundoff(torch.bfloat16),
+    "fp16": unit_roundoff(torch.float16),
+    "fp8_e4m3": float(torch.finfo(torch.float8_e4m3fn).eps) / 2,
+}
+_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+class _Incomparable(Exception):
+    """The dumped rows do not line up with the reference module's."""
+
+
+def _precision(entry: DumpEntry, engine: torch.Tensor, allow: dict[str, str]) -> str:
+    declared = entry.rule.precision or next(
+        (p for pat, p in allow.items() if fnmatch.fnmatchcase(entry.name, pat)), None
+    )
+    if declared is not None:
+        return declared
+    if engine.dtype in _DTYPE_NAMES:
+        return _DTYPE_NAMES[engine.dtype]
+    for name, dtype in ((n, d) for d, n in _DTYPE_NAMES.items()):
+        if roundtrips(engine, dtype):
+            return name
+    return "fp32"
+
+
+def _token_rows(t: torch.Tensor, T: int, where: str) -> torch.Tensor:
+    """t with its token dim first: [1, T, ...] -> [T, ...]; [T, ...] as is."""
+    if t.dim() >= 2 and t.shape[0] == 1 and t.shape[1] == T:
+        return t[0]
+    if t.dim() >= 1 and t.shape[0] == T:
+        return t
+    raise _Incomparable(f"{where}: shape {tuple(t.shape)} has no token dimension of {T}")
+
+
+def _rows(entry: DumpEntry, call: Call, positions: dict[int, torch.Tensor], T: int):
+    """(engine rows [N, ...], reference rows [N, ...], query positions [N]) over the entry's passes."""
+    engine, where = [], []
+    for p in sorted(entry.files):
+        t = merged(entry.files[p], entry.rule.shard)
+        pos = positions.get(p)
+        if pos is None:
+            raise _Incomparable(f"pass {p} has no positions")
+        want = 1 if entry.rule.rows == "last" else len(pos)
+        if t.dim() == 0 or t.shape[0] != want:
+            raise _Incomparable(f"pass {p}: {t.shape[0] if t.dim() else 0} rows, expected {want}")
+        engine.append(t)
+        where.append(pos[-1:] if entry.rule.rows == "last" else pos)
+    src = call.out if entry.rule.take == "output" else (call.inputs[0] if call.inputs else None)
+    if src is None:
+        raise _Incomparable(f"{entry.reference} has no {entry.rule.take}")
+    at = torch.cat(where)
+    ref = _token_rows(src, T, entry.reference).index_select(0, at.to(src.device))
+    width = ref[0].numel() if len(ref) else 0
+    for e in engine:
+        if e[0].numel() != width:
+            raise _Incomparable(
+                f"{e[0].numel()} values per row after merging ({entry.rule.shard}), the reference has {width}"
+            )
+    return torch.cat([e.reshape(e.shape[0], -1) for e in engine]), ref, at
+
+
+def _order(rows: list[Call]) -> tuple[dict[str, float], dict[str, Call]]:
+    """Forward order of each module call's output (and, as 'name>in', of its input) in the reference."""
+    order: dict[str, float] = {}
+    first_inner: dict[str, int] = {}
+    for i, c in enumerate(rows):
+        order.setdefault(c.key, float(i))
+        parts = c.name.split(".")
+        for j in range(1, len(parts) + 1):
+            first_inner.setdefault(".".join(parts[:j]), i)
+    for name, i in first_inner.items():
+        order[name + ">in"] = i - 0.5
+    return order, {c.key: c for c in rows}
+
+
+class _Judge:
+    """Budgets for one comparison (module docstring)."""
+
+    def __init__(self, model, margin: float, draws: int, growth: float | None, allow: dict[str, str]):
+        self.model, self.margin, self.draws, self.growth, self.allow = model, margin, draws, growth, allow
+
+    def tensor(self, entry, call, engine, ref, in_err) -> dict:
+        prec = _precision(entry, engine, self.allow)
+        u = PRECISION_U[prec]
+        err = rel_err(engine.float(), ref.reshape(ref.shape[0], -1).float())
+        floating_in = entry.rule.take == "output" and bool(call.inputs)
+        arriving = in_err + u if floating_in else 0.0
+        calibrated = False
+        if self.growth is not None:
+            budget = self.margin * u + self.growth * arriving
+        else:
+            budget = self.margin * (u + arriving)
+            if err > budget and floating_in:
+                moved = calibrate(self.model, call, [arriving] * len(call.inputs), draws=self.draws)
+                budget, calibrated = self.margin * (u + moved), True
+        return {"precision": prec, "rel_err": err, "budget": budget, "calibrated": calibrated}
+
+    def topk(self, entry, engine, ref, at, scorer: Call | None, in_err) -> dict:
+        prec = entry.rule.precision or "fp32"
+        u = PRECISION_U[prec]
+        err = selection_error(engine.long(), ref.reshape(ref.shape[0], -1).long())[0]
+        budget = 0.0
+        if scorer is not None and scorer.out is not None:
+            T = scorer.out.shape[-2]
+            scores = _token_rows(scorer.out, T, scorer.key).float().cpu().index_select(0, at.cpu())  # [N, L]
+            vis = visible_entries(at.cpu().long()).clamp_max(scores.shape[-1])
+            ar = torch.arange(scores.shape[-1]).view(1, -1)
+            scale = scores.masked_fill(ar >= vis.view(-1, 1), 0.0).abs().amax(-1)
+            k = int((ref >= 0).sum(-1).max()) if ref.numel() else 1
+            budget = swappable_fraction(scores, vis, max(k, 1), self.margin * (u + in_err) * scale)
+        return {"precision": prec, "rel_err": err, "budget": budget, "calibrated": False}
+
+
+def _needle_row(engine, ref, at, entries: list[int], query_pos: int) -> dict:
+    hits = (at == query_pos).nonzero()
+    ne = [e for e in entries if e < visible_entries(query_pos)]
+    if len(hits) == 0 or not ne:
+        return {"query_pos": query_pos, "needle_entries": ne, "needle_kept_engine": None,
+                "needle_kept_reference": None}  # fmt: skip
+    i = int(hits[-1])
+    return {
+        "query_pos": query_pos,
+        "needle_entries": ne,
+        "needle_kept_engine": selected_in(engine[i], ne),
+        "needle_kept_reference": selected_in(ref[i], ne),
+    }
+
+
+def _index_topk(grouped, K: int | None) -> int | None:
+    """The dump's top-k width (its widest top-k row), or ``K`` when given."""
+    if K is not None:
+        return K
+    widths = [
+        int(merged(fs, e.rule.shard).shape[-1])
+        for e in grouped.entries
+        if e.rule.kind == "topk"
+        for fs in list(e.files.values())[:1]
+    ]
+    return max(widths, default=None)
+
+
+def _reference_run(model, ids: list[int], index_topk: int | None) -> list[Call]:
+    """Every module call of one reference forward over ``ids`` (the indexers at ``index_topk``)."""
+    setting = Setting(index_topk=index_topk)
+    device = next(model.parameters()).device
+    with torch.no_grad(), emulate(model, setting), Recorder(model) as rec:
+        model(input_ids=torch.tensor([ids], device=device), use_cache=False)
+    return rec.rows
+
+
+def _judge_entries(grouped, calls, positions, T, judge, needle_entries, query_pos, progress):
+    """(tensor rows in forward order, indexer rows, reference names the model lacks)."""
+    order, by_key = _order(calls)
+    missing = sorted({e.reference for e in grouped.entries if e.reference not in by_key})
+    todo = [e for e in grouped.entries if e.reference in by_key]
+    todo.sort(key=lambda e: order[e.reference + (">in" if e.rule.take == "input" else "")])
+    tensors, indexer, in_err = [], [], 0.0
+    for i, entry in enumerate(todo):
+        progress("tensors", i, len(todo), entry.name)
+        call = by_key[entry.reference]
+        row = {"engine_name": entry.name, "reference": entry.reference, "layer": entry.layer,
+               "kind": entry.rule.kind, "take": entry.rule.take, "shard": entry.rule.shard,
+               "ranks": entry.ranks, "passes": len(entry.files), "in_err": in_err}  # fmt: skip
+        try:
+            engine, ref, at = _rows(entry, call, positions, T)
+        except _Incomparable as exc:
+            row.update(rows=0, precision=None, rel_err=None, budget=None, calibrated=False)
+            row.update(verdict="incomparable", reason=str(exc))
+            tensors.append(row)
+            continue
+        if entry.rule.kind == "topk":
+            scorer = by_key.get(entry.reference + ".scorer")
+            row.update(judge.topk(entry, engine, ref.reshape(ref.shape[0], -1), at, scorer, in_err))
+            indexer.append({"layer": entry.layer, "engine_name": entry.name,
+                            "topk_overlap": 1.0 - row["rel_err"],
+                            "positions_changed": selection_error(engine.long(), ref.long())[1],
+                            "positions": int(engine.shape[0]),
+                            **_needle_row(engine, ref, at, needle_entries, query_pos)})  # fmt: skip
+        else:
+            row.update(judge.tensor(entry, call, engine, ref, in_err))
+            in_err = max(in_err, row["rel_err"]) if math.isfinite(row["rel_err"]) else in_err
+        beyond = not row["rel_err"] <= row["budget"]
+        row.update(rows=int(engine.shape[0]), verdict="beyond budget" if beyond else "within budget")
+        row["reason"] = None
+        tensors.append(row)
+    progress("tensors", len(todo), len(todo), "")
+    return tensors, indexer, missing
+
+
+def _per_layer(tensors: list[dict]) -> list[dict]:
+    layers: dict = {}
+    for t in tensors:
+        d = layers.setdefault(t["layer"], {"layer": t["layer"], "tensors": 0, "beyond": 0,
+                                            "incomparable": 0, "max_rel_err": 0.0, "first_beyond": None})  # fmt: skip
+        d["tensors"] += 1
+        if t["verdict"] == "incomparable":
+            d["incomparable"] += 1
+            continue
+        if t["kind"] == "tensor":
+            d["max_rel_err"] = max(d["max_rel_err"], t["rel_err"])
+        if t["verdict"] == "beyond budget":
+            d["beyond"] += 1
+            d["first_beyond"] = d["first_beyond"] or t["engine_name"]
+    return sorted(layers.values(), key=lambda d: (d["layer"] is not None, d["layer"] or 0))
+
+
+def compare_dump(
+    model: torch.nn.Module,
+    dump_dir,
+    mapping: DumpMapping,
+    *,
+    prompt_ids: list[int] | None = None,
+    needle_span: tuple[int, int] | None = None,
+    index_topk: int | None = None,
+    margin: float = DEFAULT_MARGIN,
+    draws: int = DEFAULT_DRAWS,
+    growth: float | None = None,
+    allow: dict[str, str] | None = None,
+    progress: Progress = no_progress,
+) -> dict:
+    """Compare the dump in ``dump_dir`` with ``model`` (the reference); the ``compare_dump.json`` object.
+
+    ``prompt_ids``: the token ids the engine ran on, required when the dump carries no
+    ``input_ids`` (checked against them when it does). ``needle_span``: [start, end) token
+    indices of the needle, for the indexer's needle columns. ``index_topk``: the engine's k
+    (default: the width of the dump's top-k rows, else the checkpoint's). BadInput on a dump
+    that cannot be read or does not describe one request.
+    """
+    if not margin >= 1.0 or draws < 1 or (growth is not None and not growth >= 1.0):
+        raise BadInput(f"margin and growth must be >= 1 and draws >= 1, got {margin}, {growth}, {draws}")
+    d = find_dump_dir(dump_dir)
+    files = scan_dump(d)
+    grouped = group_dump(files, mapping)
+    if not grouped.entries:
+        raise BadInput(
+            f"no dumped name in {str(d)!r} is in the mapping {mapping.source!r} "
+            f"(names: {', '.join(grouped.unknown[:5]) or 'none'}); give a mapping that names them (--mapping)"
+        )
+    ids, positions = token_layout(grouped, prompt_ids)
+    T = len(ids)
+    K = _index_topk(grouped, index_topk)
+    progress("reference forward", 0, 1, f"{T} tokens")
+    calls = _reference_run(model, ids, K)
+    progress("reference forward", 1, 1, "")
+    ratio = csa_indexers(model)[0][1].compress_rate if csa_indexers(model) else 4
+    entries = covering_entries(needle_span, ratio) if needle_span is not None else []
+    query_pos = len(prompt_ids) - 1 if prompt_ids is not None else T - 1
+    judge = _Judge(model, margin, draws, growth, dict(allow or {}))
+    tensors, indexer, missing = _judge_entries(
+        grouped, calls, positions, T, judge, entries, query_pos, progress
+    )
+    first = next((t for t in tensors if t["verdict"] == "beyond budget"), None)
+    incomparable = sum(t["verdict"] == "incomparable" for t in tensors)
+    summary = NO_BEYOND if first is None else f"first tensor beyond its budget: {first['engine_name']}"
+    if incomparable:
+        summary += f"; {incomparable} tensor(s) could not be compared"
+    return {
+        "dump_dir": str(d),
+        "mapping": mapping.source,
+        "files": len(files),
+        "passes": grouped.passes,
+        "ranks": grouped.ranks,
+        "prompt_tokens": T,
+        "index_topk": K,
+        "tensors": tensors,
+        "layers": _per_layer(tensors),
+        "first_beyond": None
+        if first is None
+        else {k: first[k] for k in ("engine_name", "reference", "layer")},
+        "summary": summary,
+        "indexer": indexer,
+        "needle_token_span": None if needle_span is None else [int(needle_span[0]), int(needle_span[1])],
+        "unknown_names": grouped.unknown,
+        "ignored_names": grouped.ignored,
+        "names_without_layer": grouped.no_layer,
+        "missing_reference": missing,
+        "margin": margin,
+        "draws": draws,
+        "growth": growth,
+        "allow": dict(allow or {}),
+    }

@@ -1,0 +1,578 @@
+"""The investigation ledger (``investigation.toml``): target, symptom and suspects, validated.
+
+A ledger is written by the user (``needlescope investigate init`` writes a commented example,
+``EXAMPLE_LEDGER``). ``load_ledger(path)`` parses and validates it; every error is a
+``BadInput`` naming the file, the line, what was found and what was expected. Unknown question
+and check types are refused up front, before anything runs.
+
+Structure (paths are relative to the ledger's directory)::
+
+    [target]
+    model = "organism"                  # reference checkpoint: 'organism' or a DeepSeek-V4 dir
+    device = "cpu"
+    threads = 2                         # torch threads for the in-process measurements
+    # prefill_chunk = 1024              # run prompts through the KV cache in chunks (docs/scale.md)
+    reference = "k=fp32 q=fp32 acc=fp32 topk=cfg"        # a Setting (needlescope.setting)
+    candidate = "k=fp8_e4m3 q=fp32 acc=fp32 topk=64 patch=fault:indexer_page_table"
+    # candidate = "live"                # or: the endpoint below IS the candidate (live route)
+    # candidate = "dump"                # or: an engine's tensor dump is the candidate (dump route):
+    # dump = "dumps/run1"               #   SGLang dumper layout (docs/dsa_dump.md); dump_mapping = FILE.toml
+    extra_patches = []                  # more candidate patch files (not indexer-scorer patches)
+    endpoint = ""                       # a live server (server_info questions); "" = none
+    env_file = ""                       # the deployment's env file (env questions)
+    reference_env_file = ""             # the reference's env file ("" = an empty environment)
+
+    [symptom]
+    kind = "multiturn"                  # probe spec, measured in-process on the reference checkpoint
+    lengths = [256, 512, 1024]
+    depths = [0, 50, 100]
+    trials = 2
+    seed = 0
+
+    [[suspects]]
+    id = "index_keys_fp8"
+    tier = 2
+    hypothesis = "fp8 index keys flip near-margin entries out of the top-k"
+    setting = "k=fp8_e4m3"              # the suspect is these Setting fields ...
+    # patch = "patches/x.py"            # ... or this patch file (or fault:NAME)
+    checks = ["audit:index_keys_fp8", "ablation"]   # live route: ["live_emulation"]
+    [[suspects.questions]]
+    type = "env"                        # env | server_info | checkpoint_dtype | config | source
+    name = "SGLANG_FP8_PAGED_MQA_LOGITS_TORCH"
+
+A suspect is *present* in the candidate when the candidate carries its patch, or when the
+candidate's value of every field its ``setting`` names equals the suspect's value (and differs
+from the reference's). Its **removal** from the candidate puts those fields back to the
+reference's values (or drops the patch); its **addition** to the reference sets them (or
+applies the patch).
+
+With ``candidate = "live"`` (an ``endpoint`` is then required) nothing can be ablated: a
+suspect's causal check is ``live_emulation``; ``ablation`` there (or ``live_emulation`` with an
+in-process candidate), and ``extra_patches`` with a live candidate, are refused up front.
+
+With ``candidate = "dump"`` (``dump`` then names the dump directory) the candidate is an engine's
+tensor dump of one request (``dsa.compare_dump``): nothing runs it, so a suspect has no checks
+(only questions); the localization comes from comparing the dump with the reference.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from needlescope.errors import BadInput
+from needlescope.investigate.ledger.checks import Tracked, check_range, confine, suggestion
+from needlescope.setting import PatchRef, Setting
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+__all__ = [
+    "QUESTION_TYPES",
+    "CHECK_TYPES",
+    "AUDIT_CHECKS",
+    "SETTING_KEYS",
+    "Question",
+    "Suspect",
+    "Target",
+    "Symptom",
+    "Ledger",
+    "load_ledger",
+    "parse_ledger",
+    "partial_setting",
+]
+
+QUESTION_TYPES: dict[str, tuple[str, ...]] = {
+    # type -> required keys (besides "type"); optional for all: "expect", "means_absent"
+    "env": ("name",),
+    "server_info": ("field",),
+    "checkpoint_dtype": ("pattern",),
+    "config": ("key",),
+    "source": ("path", "pattern"),
+}
+"""Cheap question types and the keys each needs."""
+
+AUDIT_CHECKS = (
+    "hc_mix_bf16",
+    "routed_scale",
+    "decode_splitk_bf16",
+    "indexer_scores_bf16",
+    "index_keys_fp8",
+    "index_topk",
+)
+"""Built-in numerics checks (``needlescope.audit``)."""
+
+CHECK_TYPES = ("ablation", "live_emulation", *(f"audit:{name}" for name in AUDIT_CHECKS))
+"""Check types a suspect may list: the causal ablation (in-process candidate), the live
+emulation (``candidate = "live"``: the suspect emulated in the reference, compared with the live
+endpoint's indexer capture) and each audit check."""
+
+LIVE = "live"
+DUMP = "dump"
+"""``candidate = "dump"``: the candidate is an engine's tensor dump (``dump = "DIR"``)."""
+"""``candidate = "live"``: the candidate is the live endpoint itself (nothing to ablate)."""
+
+SETTING_KEYS = {
+    "k": "index_k",
+    "q": "index_q",
+    "acc": "score_dtype",
+    "topk": "index_topk",
+    "hadamard": "hadamard",
+}
+"""Keys of the Setting text form a suspect's ``setting`` may name."""
+
+_ID = re.compile(r"^[a-z0-9][a-z0-9_]*$")
+
+
+@dataclass(frozen=True)
+class Question:
+    """A cheap question: one value read without running the model."""
+
+    type: str
+    params: dict
+    expect: str | None = None
+    means_absent: str | None = None
+    """When the answer (as text) equals this, the suspect is not in the deployment."""
+
+
+@dataclass(frozen=True)
+class Suspect:
+    id: str
+    tier: int
+    hypothesis: str
+    checks: tuple[str, ...]
+    questions: tuple[Question, ...] = ()
+    patch: PatchRef | None = None
+    setting_fields: tuple[tuple[str, object], ...] = ()
+    """(Setting field name, value) pairs, e.g. (("index_k", "fp8_e4m3"),)."""
+    line: int = 0
+
+    def kind(self) -> str:
+        return "patch" if self.patch is not None else "setting"
+
+
+@dataclass(frozen=True)
+class Target:
+    model: str
+    reference: Setting
+    candidate: Setting | None
+    """None when the candidate is the live endpoint (``candidate = "live"``)."""
+    extra_patches: tuple[PatchRef, ...] = ()
+    device: str = "cpu"
+    threads: int = 2
+    endpoint: str | None = None
+    env_file: Path | None = None
+    reference_env_file: Path | None = None
+    """The reference's env file (``investigate.ledger.differences``); None: an empty environment."""
+    prefill_chunk: int | None = None
+    """Every in-process pass runs its prompt through the model's KV cache in chunks of this many
+    tokens (``dsa.passes``: peak memory bounded by the chunk); None: one forward per prompt."""
+    dump: Path | None = None
+    """The engine dump that is the candidate (``candidate = "dump"``); None otherwise."""
+    dump_mapping: Path | None = None
+    """Its mapping file (``dsa.dump_mapping``); None: the shipped SGLang DeepSeek-V4 one."""
+
+    @property
+    def live(self) -> bool:
+        return self.candidate is None and self.dump is None
+
+
+@dataclass(frozen=True)
+class Symptom:
+    kind: str = "multiturn"
+    lengths: tuple[int, ...] = (256, 512, 1024)
+    depths: tuple[float, ...] = (0.0, 50.0, 100.0)
+    trials: int = 2
+    seed: int = 0
+    max_new_tokens: int = 8
+
+    def to_json(self) -> dict:
+        return {
+            "kind": self.kind,
+            "lengths": list(self.lengths),
+            "depths": list(self.depths),
+            "trials": self.trials,
+            "seed": self.seed,
+        }
+
+
+@dataclass(frozen=True)
+class Ledger:
+    path: Path
+    target: Target
+    symptom: Symptom
+    suspects: tuple[Suspect, ...] = field(default=())
+
+    def ordered_suspects(self) -> list[Suspect]:
+        """Suspects in tier order (stable within a tier)."""
+        return sorted(self.suspects, key=lambda s: s.tier)
+
+
+class _Where:
+    """Finds the line of a table or key in the ledger text, for error messages."""
+
+    def __init__(self, path: Path, text: str, allow_outside: bool = False):
+        self.path, self.lines = path, text.splitlines()
+        self.allow_outside = allow_outside
+
+    def suspect_line(self, index: int) -> int:
+        seen = -1
+        for i, line in enumerate(self.lines, 1):
+            if line.strip().startswith("[[suspects]]"):
+                seen += 1
+                if seen == index:
+                    return i
+        return 1
+
+    def table_line(self, name: str) -> int:
+        return next((i for i, ln in enumerate(self.lines, 1) if ln.strip() == f"[{name}]"), 1)
+
+    def key_line(self, key: str, after: int = 1) -> int:
+        pat = re.compile(rf"^\s*{re.escape(key)}\s*=")
+        for i in range(max(after, 1), len(self.lines) + 1):
+            if pat.match(self.lines[i - 1]):
+                return i
+        return after
+
+    def error(self, line: int, what: str) -> BadInput:
+        return BadInput(f"{self.path}:{line}: {what}")
+
+    def in_range(self, key: str, value: int, after: int) -> int:
+        try:
+            check_range(key, value)
+        except BadInput as exc:
+            raise self.error(self.key_line(key, after), str(exc)) from None
+        return value
+
+    def path_inside(self, spec: str, base: Path, line: int, what: str) -> Path:
+        try:
+            return confine(Path(spec), base, self.allow_outside, what)
+        except BadInput as exc:
+            raise self.error(line, str(exc)) from None
+
+    def no_unknown_keys(self, table: Tracked, line: int, where: str) -> None:
+        """Every key of ``table`` the parser never asked for is unknown (so a field added to the
+        parser is known here without a second list)."""
+        for key in table.unasked():
+            raise self.error(
+                self.key_line(key, line), f"unknown key {key!r} in {where}{suggestion(key, table.asked)}"
+            )
+
+
+def partial_setting(text: str) -> tuple[tuple[str, object], ...]:
+    """The (field, value) pairs of a partial Setting text such as ``"k=fp8_e4m3 topk=64"``."""
+    names = []
+    for token in text.split():
+        key = token.partition("=")[0]
+        if key not in SETTING_KEYS:
+            raise BadInput(f"setting key {key!r} is not one of {', '.join(SETTING_KEYS)} (e.g. 'k=fp8_e4m3')")
+        names.append(SETTING_KEYS[key])
+    if not names:
+        raise BadInput("empty setting; name at least one field, e.g. 'k=fp8_e4m3'")
+    full = Setting.parse(text)  # validates every value
+    return tuple((n, getattr(full, n)) for n in names)
+
+
+def _expect(where: _Where, line: int, table: dict, key: str, typ, what: str, default=None):
+    if key not in table:
+        if default is not None:
+            return default
+        raise where.error(line, f"missing key {key!r}; expected {what}")
+    value = table[key]
+    if typ is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, typ) or isinstance(value, bool) and typ is not bool:
+        raise where.error(where.key_line(key, line), f"{key} = {value!r}; expected {what}")
+    return value
+
+
+def _patch(where: _Where, line: int, spec: str, base: Path) -> PatchRef:
+    if not spec.startswith("fault:"):
+        spec = str(where.path_inside(spec, base, line, "patch file"))
+    try:
+        return PatchRef.resolve(spec)
+    except BadInput as exc:
+        raise where.error(line, str(exc)) from None
+
+
+def _setting(where: _Where, line: int, text: str, base: Path) -> Setting:
+    try:
+        parsed = Setting.parse(" ".join(t for t in text.split() if not t.startswith("patch=")))
+    except BadInput as exc:
+        raise where.error(line, str(exc)) from None
+    patches = [t.partition("=")[2] for t in text.split() if t.startswith("patch=")]
+    return parsed.with_(patch=_patch(where, line, patches[0], base)) if patches else parsed
+
+
+def _question(where: _Where, line: int, q: dict) -> Question:
+    if not isinstance(q, dict):
+        raise where.error(line, "a question must be a table ([[suspects.questions]])")
+    qtype = q.get("type")
+    if qtype not in QUESTION_TYPES:
+        raise where.error(
+            where.key_line("type", line),
+            f"unknown question type {qtype!r}; expected one of {', '.join(QUESTION_TYPES)}",
+        )
+    for key in QUESTION_TYPES[qtype]:
+        _expect(
+            where, line, q, key, str, f"a string ({qtype} questions need {', '.join(QUESTION_TYPES[qtype])})"
+        )
+    allowed = ("type", "expect", "means_absent", *QUESTION_TYPES[qtype])
+    for key in q:
+        if key not in allowed:
+            raise where.error(
+                where.key_line(key, line),
+                f"unknown key {key!r} in a {qtype} question{suggestion(key, allowed)}; expected {', '.join(allowed)}",
+            )
+    if qtype == "source":
+        # The folder part of the glob (up to its first wildcard) must stay in the ledger's folder.
+        parts = Path(q["path"]).parts
+        fixed = Path(
+            *parts[: next((i for i, p in enumerate(parts) if any(c in p for c in "*?[")), len(parts))] or "."
+        )
+        where.path_inside(str(fixed), where.path.parent, where.key_line("path", line), "source path")
+    params = {k: v for k, v in q.items() if k not in ("type", "expect", "means_absent")}
+    return Question(
+        type=qtype,
+        params=params,
+        expect=None if q.get("expect") is None else str(q["expect"]),
+        means_absent=None if q.get("means_absent") is None else str(q["means_absent"]),
+    )
+
+
+def _suspect(where: _Where, index: int, s: dict, base: Path) -> Suspect:
+    line = where.suspect_line(index)
+    sid = _expect(where, line, s, "id", str, "a lower-case identifier such as 'index_keys_fp8'")
+    if not _ID.match(sid):
+        raise where.error(
+            where.key_line("id", line), f"id = {sid!r}; expected lower-case letters, digits, '_'"
+        )
+    tier = where.in_range(
+        "tier", _expect(where, line, s, "tier", int, "an integer risk tier (1 = most likely)"), line
+    )
+    hyp = _expect(where, line, s, "hypothesis", str, "a sentence saying what the suspect would do")
+    checks = s.get("checks", [])
+    if not isinstance(checks, list) or not all(isinstance(c, str) for c in checks):
+        raise where.error(where.key_line("checks", line), "checks must be a list of strings")
+    for c in checks:
+        if c not in CHECK_TYPES:
+            raise where.error(
+                where.key_line("checks", line),
+                f"unknown check type {c!r}; expected one of {', '.join(CHECK_TYPES)}",
+            )
+    has_patch, has_setting = "patch" in s, "setting" in s
+    if has_patch == has_setting:
+        raise where.error(line, f'suspect {sid!r} needs exactly one of patch = "FILE" or setting = "k=..."')
+    patch = setting_fields = None
+    if has_patch:
+        patch = _patch(
+            where,
+            where.key_line("patch", line),
+            _expect(where, line, s, "patch", str, "a file or fault:NAME"),
+            base,
+        )
+    else:
+        text = _expect(where, line, s, "setting", str, "Setting fields such as 'k=fp8_e4m3'")
+        try:
+            setting_fields = partial_setting(text)
+        except BadInput as exc:
+            raise where.error(where.key_line("setting", line), str(exc)) from None
+    questions = s.get("questions", [])
+    if not isinstance(questions, list):
+        raise where.error(line, "questions must be an array of tables ([[suspects.questions]])")
+    known = ("id", "tier", "hypothesis", "checks", "patch", "setting", "questions")
+    unknown = sorted(set(s) - set(known))
+    if unknown:
+        raise where.error(
+            where.key_line(unknown[0], line),
+            f"unknown key(s) {', '.join(unknown)} in suspect {sid!r}{suggestion(unknown[0], known)}",
+        )
+    return Suspect(
+        id=sid,
+        tier=tier,
+        hypothesis=hyp,
+        checks=tuple(checks),
+        questions=tuple(_question(where, line, q) for q in questions),
+        patch=patch,
+        setting_fields=setting_fields or (),
+        line=line,
+    )
+
+
+def _target(where: _Where, t: dict, base: Path) -> Target:
+    tl = where.table_line("target")
+    env_file = t.get("env_file") or None
+    ref_env = t.get("reference_env_file") or None
+    cand_text = _expect(where, tl, t, "candidate", str, "a Setting such as 'k=fp8_e4m3 topk=64', or 'live'")
+    endpoint = t.get("endpoint") or None
+    dump = _dump_paths(where, t, tl, base, cand_text.strip() == DUMP)
+    if cand_text.strip() == LIVE and not endpoint:
+        raise where.error(
+            where.key_line("candidate", tl),
+            'candidate = "live" needs endpoint = "http://HOST:PORT" (the live server to capture from)',
+        )
+    target = Target(
+        model=_expect(where, tl, t, "model", str, "'organism' or a checkpoint directory"),
+        reference=_setting(
+            where,
+            where.key_line("reference", tl),
+            _expect(where, tl, t, "reference", str, "a Setting", "k=fp32"),
+            base,
+        ),
+        candidate=None
+        if cand_text.strip() in (LIVE, DUMP)
+        else _setting(where, where.key_line("candidate", tl), cand_text, base),
+        dump=dump[0],
+        dump_mapping=dump[1],
+        extra_patches=tuple(
+            _patch(where, where.key_line("extra_patches", tl), p, base) for p in t.get("extra_patches", [])
+        ),
+        device=_expect(where, tl, t, "device", str, "cpu | cuda | cuda:N", "cpu"),
+        threads=_expect(where, tl, t, "threads", int, "a positive integer", 2),
+        prefill_chunk=_expect(
+            where, tl, t, "prefill_chunk", int, "a positive number of tokens (leave it out for one pass)"
+        )
+        if "prefill_chunk" in t
+        else None,
+        endpoint=endpoint,
+        env_file=None
+        if env_file is None
+        else where.path_inside(env_file, base, where.key_line("env_file", tl), "env_file"),
+        reference_env_file=None
+        if ref_env is None
+        else where.path_inside(ref_env, base, where.key_line("reference_env_file", tl), "reference_env_file"),
+    )
+    where.in_range("threads", target.threads, tl)
+    if target.prefill_chunk is not None:
+        where.in_range("prefill_chunk", target.prefill_chunk, tl)
+    if target.candidate is None and target.extra_patches:
+        raise where.error(
+            where.key_line("extra_patches", tl),
+            'extra_patches describe an in-process candidate; with candidate = "live" or "dump" leave them out',
+        )
+    return target
+
+
+def _dump_paths(where: _Where, t: dict, tl: int, base: Path, wanted: bool) -> tuple[Path | None, Path | None]:
+    """(dump directory, mapping file) of ``candidate = "dump"``; both None for other candidates."""
+    if not wanted:
+        for key in ("dump", "dump_mapping"):
+            if t.get(key):
+                raise where.error(where.key_line(key, tl), f'{key} is used only with candidate = "dump"')
+        return None, None
+    spec = t.get("dump")
+    if not isinstance(spec, str) or not spec:
+        raise where.error(
+            where.key_line("candidate", tl),
+            'candidate = "dump" needs dump = "DIR" (the engine\'s tensor dump)',
+        )
+    path = where.path_inside(spec, base, where.key_line("dump", tl), "dump")
+    if not path.is_dir():
+        raise where.error(where.key_line("dump", tl), f"dump {spec!r} is not a directory")
+    mapping = t.get("dump_mapping") or None
+    if mapping is not None:
+        mapping = where.path_inside(mapping, base, where.key_line("dump_mapping", tl), "dump_mapping")
+    return path, mapping
+
+
+def with_chunk(ledger: Ledger, prefill_chunk: int | None) -> Ledger:
+    """``ledger`` with its ``prefill_chunk`` replaced (``investigate run --prefill-chunk``);
+    unchanged when None. BadInput for a chunk that is not a positive token count."""
+    if prefill_chunk is None:
+        return ledger
+    from needlescope.dsa.passes import check_chunk  # torch: only when a chunk is given
+
+    return replace(ledger, target=replace(ledger.target, prefill_chunk=check_chunk(prefill_chunk)))
+
+
+def _check_routes(where: _Where, target: Target, suspects: tuple[Suspect, ...]) -> None:
+    """Refuse a check the target's route cannot run: ablation needs an in-process candidate,
+    live_emulation a live one."""
+    wrong = "ablation" if target.live else "live_emulation"
+    for s in suspects:
+        if target.dump is not None and s.checks:
+            raise where.error(
+                where.key_line("checks", s.line),
+                f"suspect {s.id!r}: a tensor dump cannot be ablated, emulated against or audited; with "
+                'candidate = "dump" leave checks out and ask questions (the localization comes from the dump)',
+            )
+        if wrong in s.checks:
+            need = (
+                'an in-process candidate Setting (the live endpoint cannot be ablated: use "live_emulation")'
+                if wrong == "ablation"
+                else 'candidate = "live" and an endpoint (in-process candidates use "ablation")'
+            )
+            raise where.error(
+                where.key_line("checks", s.line), f"suspect {s.id!r}: check {wrong!r} needs {need}"
+            )
+
+
+def parse_ledger(text: str, path: Path, *, allow_outside: bool = False) -> Ledger:
+    """Parse ledger ``text`` read from ``path``; BadInput ``FILE:LINE: what`` on any error.
+
+    ``allow_outside``: accept paths outside the ledger's folder (``--allow-outside``)."""
+    where = _Where(path, text, allow_outside)
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        m = re.search(r"line (\d+)", str(exc))
+        raise where.error(int(m.group(1)) if m else 1, f"not valid TOML: {exc}") from None
+    base = path.parent
+    for section in ("target", "symptom"):
+        if not isinstance(raw.get(section), dict):
+            raise where.error(1, f"missing [{section}] table")
+    unknown = sorted(set(raw) - {"target", "symptom", "suspects"})
+    if unknown:
+        hint = suggestion(unknown[0], ("target", "symptom", "suspects"))
+        raise where.error(
+            1, f"unknown top-level key(s) {', '.join(unknown)}{hint}; expected target, symptom, suspects"
+        )
+    raw["target"], raw["symptom"] = Tracked(raw["target"]), Tracked(raw["symptom"])
+    target = _target(where, raw["target"], base)
+    sy = raw["symptom"]
+    sl = where.table_line("symptom")
+    lengths = _expect(where, sl, sy, "lengths", list, "a list of token lengths such as [256, 512, 1024]")
+    depths = _expect(where, sl, sy, "depths", list, "a list of depth percents such as [0, 50, 100]", [50])
+    if not lengths or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in lengths):
+        raise where.error(where.key_line("lengths", sl), f"lengths = {lengths!r}; expected positive integers")
+    for n in lengths:
+        where.in_range("lengths", n, sl)
+    if not all(isinstance(d, (int, float)) and 0 <= d <= 100 for d in depths):
+        raise where.error(where.key_line("depths", sl), f"depths = {depths!r}; expected percents in 0..100")
+    symptom = Symptom(
+        kind=_expect(where, sl, sy, "kind", str, "a case kind such as 'multiturn'", "multiturn"),
+        lengths=tuple(lengths),
+        depths=tuple(float(d) for d in depths),
+        trials=_expect(where, sl, sy, "trials", int, "a positive integer", 1),
+        seed=_expect(where, sl, sy, "seed", int, "an integer", 0) if "seed" in sy else 0,
+        max_new_tokens=_expect(where, sl, sy, "max_new_tokens", int, "a positive integer", 8),
+    )
+    for key in ("trials", "max_new_tokens", "seed"):
+        where.in_range(key, getattr(symptom, key), sl)
+    where.no_unknown_keys(sy, sl, "[symptom]")
+    where.no_unknown_keys(raw["target"], where.table_line("target"), "[target]")
+    suspects_raw = raw.get("suspects", [])
+    if not isinstance(suspects_raw, list) or not suspects_raw:
+        raise where.error(1, "no suspects; add at least one [[suspects]] table")
+    suspects = tuple(_suspect(where, i, s, base) for i, s in enumerate(suspects_raw))
+    ids = [s.id for s in suspects]
+    dup = sorted({i for i in ids if ids.count(i) > 1})
+    if dup:
+        raise where.error(
+            where.suspect_line(ids.index(dup[0], ids.index(dup[0]) + 1)),
+            f"suspect id {dup[0]!r} appears twice",
+        )
+    _check_routes(where, target, suspects)
+    return Ledger(path=path, target=target, symptom=symptom, suspects=suspects)
+
+
+def load_ledger(path: str | Path, *, allow_outside: bool = False) -> Ledger:
+    """Read and validate ``path``; BadInput if it is missing or malformed."""
+    p = Path(path)
+    if not p.is_file():
+        raise BadInput(f"ledger {str(p)!r} does not exist; write one with 'needlescope investigate init'")
+    return parse_ledger(p.read_text(encoding="utf-8"), p.resolve(), allow_outside=allow_outside)

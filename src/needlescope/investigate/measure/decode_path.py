@@ -1,0 +1,215 @@
+"""The decode path of the localizer step: the token ids run the way a server runs them.
+
+A server prefills the prompt into its cache and then decodes one token per forward (in SGLang
+and vLLM a different kernel, paged MQA logits, from prefill's). A teacher-forced forward over the
+same ids never takes that path, so a bug that lives only there is invisible to it.
+
+``decode_path`` runs the analysed ids (prompt + the residual candidate's answer tokens before
+the first wrong one) both ways, for the residual candidate and for the reference, with
+``dsa.passes`` (chunked prefill into a cache, then ``decode`` token by token) and one
+teacher-forced forward, recording every module's output at each decoded position:
+
+* a module **departs** on the decode path when its decode output differs from its own
+  teacher-forced output at that position by more than ``FACTOR`` times the reference's
+  difference for the same module, and by more than ``FLOOR`` (the two paths reduce in different
+  orders, so small float differences are expected on both); an indexer's selection is compared as
+  sets (any change the reference does not show departs), a scorer over the visible entries;
+* the first departing module, in the order calls return, at the first decode step where any
+  departs, is where the decode path diverges (``own_err``: the candidate's difference, ``own_budget``
+  the threshold it exceeded);
+* per CSA layer at the analysed query: the candidate's decode selection against the reference's
+  decode selection (Jaccard overlap) and whether each keeps a needle entry.
+
+With the first wrong token being the first answer token, nothing is decoded before it: the
+decode path equals the prefill and the result says so.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from needlescope.dsa.emulate import IndexerCapture, emulate, patches_applied
+from needlescope.dsa.module_replay import rel_err, selection_error
+from needlescope.dsa.reference import visible_entries
+
+__all__ = ["FACTOR", "FLOOR", "decode_path", "departures"]
+
+FACTOR = 4.0
+FLOOR = 1e-3
+_INDEXER = "DeepseekV4Indexer"
+_SCORER = "DeepseekV4IndexerScorer"
+
+
+@contextmanager
+def _outputs(model, keep) -> Iterator[list]:
+    """Record ``keep(output)`` of every module call while the block runs: [(name, type, value)]."""
+    rows: list = []
+    handles = []
+    for name, mod in model.named_modules():
+        if not name:
+            continue
+
+        def hook(m, args, out, name=name):
+            t = out[0] if isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor) else out
+            if isinstance(t, torch.Tensor) and t.dim() >= 2:
+                v = keep(t)
+                if v is not None:
+                    rows.append((name, type(m).__name__, v))
+
+        handles.append(mod.register_forward_hook(hook))
+    try:
+        yield rows
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _keyed(rows: list) -> dict:
+    seen: dict[str, int] = {}
+    out = {}
+    for name, typ, v in rows:
+        seen[name] = seen.get(name, 0) + 1
+        out[f"{name}#{seen[name]}"] = (name, typ, v)
+    return out
+
+
+def _difference(typ: str, a: torch.Tensor, b: torch.Tensor, pos: int, ratio: int) -> float | None:
+    """Decode output ``a`` [B, 1, ...] vs teacher-forced ``b`` [B, 1, ...] at position ``pos``."""
+    if typ == _INDEXER:
+        return selection_error(a.reshape(1, -1).cpu(), b.reshape(1, -1).cpu())[0]
+    if typ == _SCORER:
+        v = int(visible_entries(pos, ratio))
+        return rel_err(a[..., :v].float().cpu(), b[..., :v].float().cpu())
+    if a.shape != b.shape or not a.is_floating_point():
+        return None
+    return rel_err(a.float().cpu(), b.float().cpu())
+
+
+def departures(cand: dict, ref: dict, pos: int, ratio: int) -> list[dict]:
+    """Modules whose decode output departs from their teacher-forced one (module docstring).
+
+    ``cand`` / ``ref``: key -> ((name, type, decode value), (name, type, prefill value))."""
+    out = []
+    for key, ((name, typ, dec), (_, _, tf)) in cand.items():
+        d = _difference(typ, dec, tf, pos, ratio)
+        if d is None or key not in ref:
+            continue
+        (_, _, rdec), (_, _, rtf) = ref[key]
+        r = _difference(typ, rdec, rtf, pos, ratio) or 0.0
+        limit = FACTOR * r if typ == _INDEXER else max(FACTOR * r, FLOOR)
+        if d > limit:
+            out.append({"module": name, "type": typ, "err": d, "limit": limit})
+    return out
+
+
+def _run_both(model, ids: list[int], n_prompt: int, cap: IndexerCapture, chunk: int | None) -> list[dict]:
+    """Per decoded position: {key: ((name, type, decode output), (name, type, prefill output))};
+    ``cap`` (attached by the caller's ``emulate``) ends holding the decode path's selections. The
+    decode path's prompt goes into the cache in ``chunk``-token forwards; the teacher-forced
+    side records every module's output over all ids in one forward."""
+    from needlescope.dsa import passes
+
+    dev = next(model.parameters()).device
+    T = len(ids)
+    positions = list(range(n_prompt, T))
+    with _outputs(model, lambda t: t[:, n_prompt:T].detach() if t.shape[1] == T else None) as tf_rows:
+        passes.prefill(model, torch.tensor([ids], device=dev))
+    tf = _keyed(tf_rows)
+    cap.clear()
+    steps = []
+    run = passes.prefill(model, torch.tensor([ids[:n_prompt]], device=dev), chunk=chunk, keep_cache=True)
+    for i, p in enumerate(positions):
+        with _outputs(model, lambda t: t[:, :1].detach() if t.shape[1] == 1 else None) as rows:
+            run = passes.decode(model, torch.tensor([[ids[p]]], device=dev), run.cache)
+        dec = _keyed(rows)
+        steps.append(
+            {
+                k: (v, (tf[k][0], tf[k][1], tf[k][2][:, i : i + 1]))
+                for k, v in dec.items()
+                if k in tf and tf[k][2].shape[1] == len(positions)
+            }
+        )
+    return steps
+
+
+def _layer(name: str | None) -> int | None:
+    m = re.search(r"layers\.(\d+)\.", name or "")
+    return int(m.group(1)) if m else None
+
+
+def decode_path(inv, twin, cfg, ref_setting, prompt_ids: list[int], answer: list[int], rec: dict) -> dict:
+    """The ``localization.paths`` entry of the decode path (module docstring)."""
+    from needlescope.dsa.emulate import csa_indexers
+    from needlescope.dsa.prompt import covering_entries, needle_token_span, render_prompt
+
+    a = rec["analysed_token"]
+    ids = prompt_ids + answer[:a]
+    P, q = len(prompt_ids), len(ids) - 1
+    ratio = int(csa_indexers(inv.model)[0][1].compress_rate)
+    base = {"path": "decode", "own_err": None, "own_budget": None, "layers": []}
+    if a == 0:
+        return {
+            **base,
+            "diverges": False,
+            "first_divergent_module": None,
+            "module_type": None,
+            "layer": None,
+            "first_departing_layer": None,
+            "summary": "the first answer token is wrong: nothing is decoded before it, the decode path is the prefill",
+        }
+    ref_cap, cand_cap = IndexerCapture(), IndexerCapture()
+    with torch.no_grad(), emulate(inv.model, ref_setting, capture=ref_cap):
+        ref_steps = _run_both(inv.model, ids, P, ref_cap, inv.chunk)
+    with torch.no_grad(), emulate(twin, cfg.setting, capture=cand_cap), patches_applied(twin, cfg.extra):
+        cand_steps = _run_both(twin, ids, P, cand_cap, inv.chunk)
+    first = None
+    for i, (cs, rs) in enumerate(zip(cand_steps, ref_steps)):
+        found = departures(cs, rs, P + i, ratio)
+        if found:
+            first = found[0]
+            break
+    case = next(c for c in inv.cases if c.case_id == rec["case_id"])
+    entries = covering_entries(
+        needle_token_span(render_prompt(inv.tokenizer, case.messages), case.needle), ratio
+    )
+    layers, departing = [], None
+    for layer in ref_cap.layers():
+        width = int(ref_setting.index_topk or 2048)
+        rp, rr = ref_cap.rows(layer, width)
+        cp, cr = cand_cap.rows(layer, width)
+        ri, ci = int((rp == q).nonzero()[0]), int((cp == q).nonzero()[0])
+        err = selection_error(cr[ci : ci + 1], rr[ri : ri + 1])[0]
+        ne = {e for e in entries if e < int(visible_entries(q, ratio))}
+        layers.append(
+            {
+                "layer": layer,
+                "topk_overlap": 1.0 - err,
+                "needle_visible": len(ne),
+                "needle_kept_reference": bool(ne & set(rr[ri].tolist())) if ne else None,
+                "needle_kept_candidate": bool(ne & set(cr[ci].tolist())) if ne else None,
+            }
+        )
+        if departing is None and err > 0:
+            departing = layer
+    summary = (
+        f"decode step at position {P + i}: {first['module']} ({first['type']}) departs from its teacher-forced "
+        f"output by {first['err']:.3g} (limit {first['limit']:.3g})"
+        if first
+        else "every module's decode output matches its teacher-forced output as closely as the reference's does"
+    )
+    return {
+        **base,
+        "diverges": first is not None,
+        "first_divergent_module": first and first["module"],
+        "module_type": first and first["type"],
+        "layer": _layer(first and first["module"]),
+        "own_err": first and first["err"],
+        "own_budget": first and first["limit"],
+        "first_departing_layer": departing,
+        "layers": layers,
+        "summary": summary,
+    }

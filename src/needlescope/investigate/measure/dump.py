@@ -1,0 +1,181 @@
+"""``candidate = "dump"``: an investigation whose candidate is an engine's tensor dump (issue 39, item 4).
+
+For deployments that can dump their tensors (SGLang's dumper, docs/dsa_dump.md) but cannot serve
+``return_indexer_topk``. Nothing runs the candidate, so nothing can be ablated or emulated
+against it:
+
+1. **questions**, as on every route; a suspect whose questions show it absent is exonerated,
+   every other one is inconclusive (a dump answers *where*, not *which suspect*);
+2. **symptom**: the reference on the ledger's probe cases (recall per length); the dump holds
+   one request, so there is no candidate recall;
+3. **localization**: ``dsa.compare_dump.compare_dump`` of the dump against the reference
+   (``localize/compare_dump.json`` and ``.md``), turned into ``verdicts.json``'s
+   ``localization``: one path, ``"dump"``, whose first divergent module is the reference module
+   of the first tensor beyond its precision budget, its ``own_err`` / ``own_budget`` that
+   tensor's ``rel_err`` / ``budget``, and per CSA layer the dump's top-k against the reference's.
+
+``investigation.json`` has ``route = "dump"``; DIAGNOSIS.md's "Where the divergence starts"
+section is this localization.
+"""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+
+from needlescope.investigate.decide.signature import NO_SIGNATURE
+from needlescope.investigate.measure.inprocess import (
+    _Investigation,
+    check_suspects,
+    recall_by_length,
+    suspect_record,
+)
+from needlescope.investigate.report.artifacts import relativize, write_verdicts
+from needlescope.paths import atomic_write_json
+
+__all__ = ["DumpInvestigation", "dump_localization"]
+
+DEPARTS = 0.99
+"""A CSA layer's dumped selection departs from the reference's below this mean overlap (as live)."""
+
+
+def dump_localization(result: dict, module_type: str | None, command: str) -> dict:
+    """``verdicts.json`` ``localization`` from a ``compare_dump`` result (module docstring)."""
+    first = result["first_beyond"]
+    row = None if first is None else next(t for t in result["tensors"] if t["engine_name"] == first["engine_name"]
+                                          and t["layer"] == first["layer"])  # fmt: skip
+    layers = [
+        {
+            "layer": r["layer"],
+            "topk_overlap": r["topk_overlap"],
+            "needle_visible": len(r["needle_entries"]),
+            "needle_kept_reference": r["needle_kept_reference"],
+            "needle_kept_candidate": r["needle_kept_engine"],
+        }
+        for r in result["indexer"]
+        if r["layer"] is not None
+    ]
+    departing = next((ly["layer"] for ly in layers if ly["topk_overlap"] < DEPARTS), None)
+    where = (
+        f"first tensor beyond its budget: `{first['engine_name']}` = {first['reference']} ({module_type}, "
+        f"layer {first['layer']}), rel_err {row['rel_err']:.3g} vs budget {row['budget']:.3g}"
+        if first is not None
+        else result["summary"]
+    )
+    path = {
+        "path": "dump",
+        "diverges": first is not None,
+        "first_divergent_module": None if first is None else first["reference"],
+        "module_type": module_type,
+        "layer": None if first is None else first["layer"],
+        "own_err": None if row is None else row["rel_err"],
+        "own_budget": None if row is None else row["budget"],
+        "first_departing_layer": departing,
+        "layers": layers,
+        "summary": where,
+    }
+    return {
+        "case_id": "dump",
+        "target": "the engine's tensor dump",
+        "config": f"dump of {result['prompt_tokens']} tokens, passes {result['passes']}, ranks {result['ranks']}",
+        "analysed_token": 0,
+        "query_pos": result["prompt_tokens"] - 1,
+        "paths": [path],
+        "diverges_first": "dump" if first is not None else "neither",
+        "summary": where
+        + f" ({len(result['tensors'])} dumped tensors compared, mapping {result['mapping']})",
+        "command": command,
+    }
+
+
+class DumpInvestigation(_Investigation):
+    """The dump route (module docstring); shares questions, state and reporting with in-process."""
+
+    def check_dump(self, s) -> dict:
+        absent = self.state.data.get("absent", {}).get(s.id)
+        questions = self.question_summary(s.id) or "none asked"
+        if absent is not None:
+            return suspect_record(s, "exonerated", f"not in the deployment: {absent} (cheap questions: {questions})",
+                                  present=False)  # fmt: skip
+        reason = ("a tensor dump cannot be ablated, and the cheap questions alone do not decide "
+                  f"(cheap questions: {questions}); see where the divergence starts")  # fmt: skip
+        return suspect_record(s, "inconclusive", reason, present=None)
+
+    def localize_dump(self) -> dict | None:
+        """The dump compared with the reference (resumed from ``state.json``); None when blocked."""
+        from needlescope.dsa.compare_dump import compare_dump
+        from needlescope.dsa.compare_dump_md import (
+            compare_dump_to_json,
+            render_compare_dump_md,
+            validate_compare_dump,
+        )
+        from needlescope.dsa.dump_mapping import load_mapping
+
+        done = self.state.step_value("localization")
+        if done is not None or self._model is None:
+            return done
+        t = self.ledger.target
+        self.progress("localize", 0, 1, "dump")
+        result = compare_dump(self.model, t.dump, load_mapping(t.dump_mapping))
+        validate_compare_dump(result)
+        result = relativize(result, self.path_map())
+        (self.out / "localize").mkdir(exist_ok=True)
+        (self.out / "localize" / "compare_dump.json").write_text(
+            compare_dump_to_json(result), encoding="utf-8"
+        )
+        (self.out / "localize" / "compare_dump.md").write_text(
+            render_compare_dump_md(result), encoding="utf-8"
+        )
+        first = result["first_beyond"]
+        module_type = None if first is None else type(self.model.get_submodule(first["reference"])).__name__
+        parts = [
+            "needlescope",
+            "indexer",
+            "compare-dump",
+            str(t.dump),
+            "--model",
+            t.model,
+            "--out",
+            "compare-dump",
+        ]
+        if t.dump_mapping is not None:
+            parts += ["--mapping", str(t.dump_mapping)]
+        command = relativize(" ".join(shlex.quote(p) for p in parts), self.path_map())
+        loc = dump_localization(result, module_type, command)
+        self.state.mark_done("localization", loc)
+        self.progress("localize", 1, 1, "dump")
+        return loc
+
+    def run(self, loaded=None) -> Path:
+        if not self.state.is_done("questions"):
+            self.questions()
+            self.state.mark_done("questions")
+        self.load(loaded)
+        ref_records = self.measure("reference", self.reference) if self._model is not None else []
+        suspects_out = check_suspects(self, self.suspects, self.check_dump)
+        loc = self.localize_dump()
+        symptom = {
+            **self.ledger.symptom.to_json(),
+            "reference": self.reference.label(),
+            "candidate": "engine tensor dump",
+            "recall_reference": recall_by_length(ref_records),
+            "recall_candidate": {},
+            "cases": len(ref_records),
+        }
+        verdicts = write_verdicts(self, symptom, None, NO_SIGNATURE, suspects_out, localization=loc)
+        t = self.ledger.target
+        record = {
+            "route": "dump",
+            "ledger": self.ledger.path.name,
+            "target": {"model": t.model, "device": t.device, "dump": str(t.dump)},
+            "symptom": symptom,
+            "configs": self.configs,
+            "candidate_topk": None,
+            "suspects": suspects_out,
+            "fixes": [],
+            "explained": None,
+            "verdicts": verdicts,
+        }
+        atomic_write_json(self.out / "investigation.json", relativize(record, self.path_map()))
+        self.progress("verdicts", 1, 1, "")
+        return self.out / "verdicts.json"

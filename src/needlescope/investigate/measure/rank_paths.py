@@ -1,0 +1,204 @@
+"""The rank statistics of the failing case on both paths: teacher-forced prefill and a server's decode.
+
+A server prefills the prompt into its cache and then decodes one token per forward; a
+teacher-forced forward runs the same token ids in one pass (or in the ledger's prefill chunks).
+A bug that lives only in the decode path (a decode kernel reading the key cache wrongly, say)
+moves the needle's rank on one path and not on the other, so the rank statistics of the failing
+case are measured on both.
+
+``rank_paths`` takes the failing case's record under the candidate (``measure`` record: its
+answer tokens and the analysed token, the first wrong one) and runs the token ids that produced
+that token (the prompt plus the answer tokens before it) both ways, under the candidate and
+under the reference at the candidate's ``index_topk``:
+
+* **prefill**: teacher-forced, the answer tokens run as one more prefill chunk after the
+  prompt (``dsa.passes.prefill``; a single answer token: all the ids from scratch);
+* **decode**: the prompt prefilled into the cache, then the answer tokens fed one per forward
+  (``dsa.passes.decode``), as the server does.
+
+The prompt itself runs once (in the ledger's ``prefill_chunk`` chunks) and both paths continue
+from a copy of its cache.
+
+Per CSA layer at the analysed query position: the needle's best rank, its rank percentile
+(``signature.rank_percentile``, mid-p: 0 = first, 0.5 = chance), the needle entries selected,
+on each path, and the Jaccard overlap of the candidate's selected sets on the two paths.
+
+Which path diverges first compares the candidate's selections with the reference's at the
+analysed query: on the prefill path already (``prefill``), only on the decode path with the
+prefill selections identical (``decode only``; the summary then says "decode-path only: prefill
+selections identical"), or on neither. With the first answer token wrong nothing is decoded
+before it and both paths are the prefill, which the result says.
+"""
+
+from __future__ import annotations
+
+from needlescope.investigate.decide.signature import rank_percentile
+from needlescope.investigate.decide.verdicts import PATHS
+
+__all__ = ["failing_rank_paths", "path_selections", "rank_paths"]
+
+
+def path_selections(
+    model, config, prompt_ids: list[int], answer: list[int], query: int, *, chunk: int | None = None
+) -> dict[str, dict[int, tuple]]:
+    """path -> CSA layer -> (selected entries, visible scores [v] tensor) of query position
+    ``query`` under ``config`` (``measure.Config``), the ids ``prompt_ids + answer`` run
+    teacher-forced (``prefill``) and the server's way (``decode``: the prompt into the cache, the
+    answer tokens one per forward).
+
+    The prompt is run once into the cache and both paths continue from a copy of it: the decode
+    path token by token, the prefill path with the answer tokens as one more prefill chunk
+    (equal to one pass: docs/scale.md). One answer token alone would be a one-token call, which
+    is what a decode step is, so then the prefill path runs all the ids from scratch."""
+    import copy
+
+    import torch
+
+    from needlescope.dsa import passes
+    from needlescope.dsa.emulate import IndexerCapture, csa_indexers
+    from needlescope.dsa.reference import visible_entries
+    from needlescope.investigate.measure.records import applied
+
+    dev = next(model.parameters()).device
+    capture = IndexerCapture(keep_scores=True, score_from=query)
+    with applied(model, config, capture) as layers, torch.no_grad():
+        ratio = int(csa_indexers(model)[0][1].compress_rate)
+        k = int(csa_indexers(model)[0][1].index_topk)
+        v = int(visible_entries(query, ratio))
+
+        def at_query() -> dict[int, tuple]:
+            per = {}
+            for layer in layers:
+                pos, rows = capture.rows(layer, width=k)
+                spos, scores = capture.score_rows(layer)
+                i, j = int((pos == query).nonzero()[0]), int((spos == query).nonzero()[0])
+                per[layer] = ([int(e) for e in rows[i].tolist() if e >= 0], scores[j][:v])
+            return per
+
+        run = passes.prefill(model, torch.tensor([prompt_ids], device=dev), chunk=chunk, keep_cache=True)
+        if not answer:  # the analysed query is the prompt's last: both paths are this prefill
+            same = at_query()
+            return {"prefill": same, "decode": same}
+        prompt_calls, fork = list(capture.calls), copy.deepcopy(run.cache)
+        passes.decode(model, torch.tensor([answer], device=dev), run.cache, logits_at=())
+        out = {"decode": at_query()}
+        capture.clear()
+        if len(answer) > 1:
+            capture.calls.extend(prompt_calls)
+            passes.prefill(model, torch.tensor([answer], device=dev), chunk=chunk, cache=fork)
+        else:
+            passes.prefill(model, torch.tensor([prompt_ids + answer], device=dev), chunk=chunk)
+        out["prefill"] = at_query()
+    return out
+
+
+def _stats(selected: list[int], scores, needle: list[int], k: int) -> dict:
+    from needlescope.dsa.rankdump import needle_rank_stats
+    from needlescope.investigate.measure.records import rank_scores
+
+    st = needle_rank_stats(rank_scores(scores), len(scores), needle, k)
+    return {
+        "best_rank": st.best_rank,
+        "percentile": rank_percentile(st.best_rank, len(scores), len(needle)),
+        "needle_selected": sum(1 for e in needle if e in set(selected)),
+    }
+
+
+def _jaccard(a: list[int], b: list[int]) -> float:
+    sa, sb = set(a), set(b)
+    return len(sa & sb) / len(sa | sb) if sa | sb else 1.0
+
+
+def rank_paths(inv, config, rec: dict) -> dict:
+    """The ``rank_paths`` record of ``verdicts.json`` (module docstring) for the measure record
+    ``rec`` of the candidate ``config`` (``measure.Config``) on one of ``inv.cases``."""
+    from needlescope.dsa.prompt import covering_entries, needle_token_span, render_prompt
+    from needlescope.dsa.reference import visible_entries
+    from needlescope.investigate.ledger.plan import Config
+
+    case = next(c for c in inv.cases if c.case_id == rec["case_id"])
+    prompt = render_prompt(inv.tokenizer, case.messages)
+    P, a = len(prompt.input_ids), rec["analysed_token"]
+    answer = rec["output_ids"][:a]
+    query = P - 1 + a
+    k = rec["index_topk"]
+    ratio = rec["compress_ratio"]
+    ref = Config(inv.reference.setting.with_(index_topk=k))
+    cand_sel = path_selections(inv.model, config, prompt.input_ids, answer, query, chunk=inv.chunk)
+    ref_sel = path_selections(inv.model, ref, prompt.input_ids, answer, query, chunk=inv.chunk)
+    entries = covering_entries(needle_token_span(prompt, case.needle), ratio=ratio, overlap=True)
+    visible = int(visible_entries(query, ratio))
+    needle = [e for e in entries if e < visible]
+    layers = []
+    for layer in cand_sel["prefill"]:
+        row = {"layer": layer, "visible": visible, "needle_visible": len(needle)}
+        for path in PATHS:
+            if needle:
+                row[path] = _stats(*cand_sel[path][layer], needle, k)
+                row[f"reference_{path}"] = _stats(*ref_sel[path][layer], needle, k)
+            else:
+                row[path] = row[f"reference_{path}"] = None
+            row[f"{path}_same_as_reference"] = set(cand_sel[path][layer][0]) == set(ref_sel[path][layer][0])
+        row["paths_overlap"] = _jaccard(cand_sel["prefill"][layer][0], cand_sel["decode"][layer][0])
+        layers.append(row)
+    return {
+        "case_id": rec["case_id"],
+        "config": config.label(),
+        "reference": ref.label(),
+        "analysed_token": a,
+        "query_pos": query,
+        "layers": layers,
+        **_first(layers, a),
+    }
+
+
+def _first(layers: list[dict], analysed_token: int) -> dict:
+    """``diverges_first`` and the summary of ``rank_paths`` (module docstring)."""
+    pre = [ly["layer"] for ly in layers if not ly["prefill_same_as_reference"]]
+    dec = [ly["layer"] for ly in layers if not ly["decode_same_as_reference"]]
+    moved = [ly for ly in layers if ly["prefill"] != ly["decode"]]
+    ranks = "; ".join(
+        f"layer {ly['layer']}: best rank {ly['prefill']['best_rank']} (prefill) vs {ly['decode']['best_rank']} (decode)"
+        for ly in moved
+        if ly["prefill"] is not None
+    )
+    if analysed_token == 0:
+        note = (
+            " (the first answer token is analysed: nothing is decoded before it, both paths are the prefill)"
+        )
+    else:
+        note = ""
+    if pre:
+        where = "prefill"
+        summary = f"the candidate's selection differs from the reference's already teacher-forced (prefill), in CSA layer(s) {', '.join(map(str, pre))}"
+        summary += (
+            f"; the decode path moves the needle's rank further: {ranks}"
+            if moved
+            else "; the decode path ranks the needle exactly as the prefill does"
+        )
+    elif dec:
+        where = "decode only"
+        summary = f"decode-path only: prefill selections identical; the decode path's selection departs in CSA layer(s) {', '.join(map(str, dec))}"
+        summary += f" ({ranks})" if ranks else ""
+    else:
+        where = "neither"
+        summary = "both paths select as the reference does in every CSA layer"
+    return {"diverges_first": where, "paths_agree": not moved, "summary": summary + note}
+
+
+def failing_rank_paths(
+    inv, explained: dict | None, candidate_only: str, cand_records: list[dict]
+) -> dict | None:
+    """``verdicts.json`` ``rank_paths`` of an in-process run: ``rank_paths`` of the explained case
+    under the candidate; None unless that case fails under the candidate only (``explained["why"]
+    == candidate_only``: no extra pass otherwise). Resumed from ``state.json``."""
+    if inv.model is None or not explained or explained["why"] != candidate_only:
+        return None
+    done = inv.state.step_value("rank_paths")
+    if done is None:
+        rec = next(r for r in cand_records if r["case_id"] == explained["case_id"])
+        inv.progress("rank paths", 0, 1, rec["case_id"])
+        done = rank_paths(inv, inv.candidate, rec)
+        inv.state.mark_done("rank_paths", done)
+        inv.progress("rank paths", 1, 1, rec["case_id"])
+    return done

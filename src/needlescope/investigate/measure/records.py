@@ -1,0 +1,286 @@
+"""In-process measurements of one configuration on probe cases: the answer, and the needle's
+rank in every CSA layer at the position that produced the first wrong answer token.
+
+The configuration measured is a ``ledger.plan.Config`` (a ``Setting`` plus extra patch files).
+
+``measure_case`` runs greedy decoding under the config with an ``IndexerCapture`` and returns
+one record (``CASE_RECORD_KEYS``)::
+
+    {"case_id", "length", "depth", "trial", "prompt_tokens", "expected": [str], "answer": str,
+     "correct": bool, "analysed_token": int, "analysed_source": str, "index_topk": int,
+     "compress_ratio": int,
+     "layers": [{"layer": int, "query_pos": int, "visible": int, "needle_visible": int,
+                 "needle_selected": int, "best_rank": int, "selected": bool}],
+     "first_token_layers": [the same, at the first answer token],
+     "output_ids": [int],
+     "nonfinite": {layer: {"neg_inf": int, "nan": int, "pos_inf": int, "first_position": int | None}}}
+
+``nonfinite`` maps a CSA layer (str) to the counts of non-finite indexer scores over the visible
+entries of every query row of the case (prefill and decode), ``{"neg_inf", "nan", "pos_inf",
+"first_position"}`` (the first query position with a NaN or ``+inf``; None if none), for the
+layers that have any. ``-inf`` is a legitimate masked score: it ranks last. NaN ranks last too
+and ``+inf`` first in ``best_rank`` (``rank_scores``); both are findings the report shows.
+
+``analysed_token`` is the index of the first wrong answer token (the answer compared token by
+token with the expected value, digits and words as the tokenizer splits them); the first
+answer token when the answer is right (``analysed_source = "first answer token (answer
+correct)"``) or empty (``"first answer token (answer empty)"``). A layer that cannot see any
+needle entry at that position is left out. ``first_token_layers`` holds the same at the first
+answer token whatever the outcome (the signature's outcome-blind population).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
+
+import torch
+
+from needlescope.cases.scoring import score_answer
+from needlescope.dsa.emulate import IndexerCapture, check_unpatched, csa_indexers, emulate, patches_applied
+from needlescope.dsa.passes import check_chunk, prefill
+from needlescope.dsa.prompt import covering_entries, needle_token_span, render_prompt
+from needlescope.dsa.rankdump import greedy_new_tokens, needle_rank_stats
+from needlescope.dsa.reference import visible_entries
+from needlescope.investigate.ledger.plan import Config
+
+__all__ = [
+    "measure_case",
+    "case_record",
+    "measure_cases",
+    "measuring",
+    "final_logits",
+    "first_wrong_token",
+    "applied",
+    "analyse_answer",
+    "rank_scores",
+    "nonfinite_counts",
+]
+
+
+def first_wrong_token(tokens: Sequence[str], expected: str) -> int | None:
+    """Index of the first decoded answer token that breaks the expected text (spaces ignored),
+    None when every token fits (the answer is a prefix of, or equal to, ``expected``)."""
+    want = "".join(expected.split())
+    got = ""
+    for i, tok in enumerate(tokens):
+        got += "".join(tok.split())
+        if not want.startswith(got) and not got.startswith(want):
+            return i
+        if got.startswith(want) and len(got) > len(want):
+            return i
+    return None
+
+
+@contextmanager
+def applied(model, config: Config, capture: IndexerCapture | None = None) -> Iterator[list[int]]:
+    """Apply ``config`` to ``model`` for the block; yields the CSA layer indices.
+
+    Every patch goes through ``apply_patch_once``: a patch that returns no undo marks the model,
+    which is then refused by any later application (BadInput), so a model changed for good is
+    never measured again as if it were clean. Load a fresh model for the next configuration
+    (``patched_for_good`` says when). Patch files execute once per process (``load_patch``)."""
+    check_unpatched(model)
+    with emulate(model, config.setting, capture=capture) as layers, patches_applied(model, config.extra):
+        yield layers
+
+
+def _ids(model, tokenizer, messages: list[dict]) -> tuple[list[int], torch.Tensor]:
+    prompt = render_prompt(tokenizer, messages)
+    ids = torch.tensor([prompt.input_ids], device=next(model.parameters()).device)
+    return prompt, ids
+
+
+def measure_case(
+    model, tokenizer, case, config: Config, *, max_new_tokens: int = 8, chunk: int | None = None
+) -> dict:
+    """One record for ``case`` (a ``cases.assemble.Case``) under ``config``; see the module docstring."""
+    return measure_cases(model, tokenizer, [case], config, max_new_tokens=max_new_tokens, chunk=chunk)[0]
+
+
+def measure_cases(
+    model, tokenizer, cases: Sequence, config: Config, *, max_new_tokens: int = 8, chunk: int | None = None
+) -> list[dict]:
+    """Records for ``cases`` under ``config`` (one application of it; see ``measuring``)."""
+    with measuring(model, tokenizer, config, max_new_tokens=max_new_tokens, chunk=chunk) as measure:
+        return measure(cases)
+
+
+@contextmanager
+def measuring(
+    model, tokenizer, config: Config, *, max_new_tokens: int = 8, chunk: int | None = None
+) -> Iterator[Callable[[Sequence], list[dict]]]:
+    """Apply ``config`` once and yield ``measure(cases) -> records`` for any number of batches.
+
+    ``chunk=None``: a batch is decoded together by ``model.generate``: every case's prompt must
+    have the same token count (V4's compressors would pool padding into entries, so batches are
+    never padded). Greedy decoding is per row, so a batch gives the same answers as one case at a
+    time. ``chunk=C``: each case runs alone, its prompt prefilled through the KV cache in chunks
+    of C tokens and its answer decoded token by token (``dsa.passes.greedy``), so peak memory is
+    bounded by the chunk; the records are the one-pass ones (tests/test_dsa_passes.py)."""
+    chunk = check_chunk(chunk)
+    capture = IndexerCapture(keep_scores=True)
+    with applied(model, config, capture) as layers, torch.no_grad():
+        k = int(csa_indexers(model)[0][1].index_topk)
+        ratio = int(csa_indexers(model)[0][1].compress_rate)
+
+        def measure(cases: Sequence) -> list[dict]:
+            prompts = [render_prompt(tokenizer, c.messages) for c in cases]
+            P = len(prompts[0].input_ids)
+            if any(len(p.input_ids) != P for p in prompts):
+                raise ValueError("a batch needs prompts of one token length")
+            step = len(cases) if chunk is None else 1  # passes.greedy decodes one prompt at a time
+            out = []
+            for lo in range(0, len(cases), step):
+                batch = prompts[lo : lo + step]
+                ids = torch.tensor([p.input_ids for p in batch], device=next(model.parameters()).device)
+                capture.clear()
+                new = greedy_new_tokens(model, tokenizer, ids, max_new_tokens, chunk=chunk)
+                out += [
+                    case_record(case, prompt, new[b].tolist(), tokenizer, capture, layers, b, k, ratio)
+                    for b, (case, prompt) in enumerate(zip(cases[lo : lo + step], batch, strict=True))
+                ]
+            return out
+
+        yield measure
+
+
+def analyse_answer(tokens: Sequence[int], tokenizer, expected: Sequence[str]) -> dict:
+    """The answer of generated ``tokens`` (cut at EOS) and the answer token to analyse.
+
+    Returns {"generated": [int], "answer": str, "correct": bool, "analysed_token": int,
+    "analysed_source": str} (module docstring: the first wrong answer token, else the first)."""
+    eos = tokenizer.eos_token_id
+    generated = []
+    for t in tokens:
+        if t == eos:
+            break
+        generated.append(int(t))
+    answer = tokenizer.decode(generated, skip_special_tokens=True)
+    correct = bool(generated) and score_answer(answer, list(expected))
+    if not generated:
+        tok_i, source = 0, "first answer token (answer empty)"
+    elif correct:
+        tok_i, source = 0, "first answer token (answer correct)"
+    else:
+        pieces = [tokenizer.decode([t], skip_special_tokens=True) for t in generated]
+        wrong = first_wrong_token(pieces, " ".join(expected))
+        tok_i, source = (
+            (wrong, "first wrong answer token")
+            if wrong is not None
+            else (0, "first answer token (answer incomplete)")
+        )
+    return {
+        "generated": generated,
+        "answer": answer,
+        "correct": bool(correct),
+        "analysed_token": tok_i,
+        "analysed_source": source,
+    }
+
+
+def rank_scores(row: torch.Tensor) -> torch.Tensor:
+    """``row`` [v] with its non-finite scores made rankable: -inf and NaN just below the lowest
+    finite score (they rank last, ties counted pessimistically), +inf just above the highest."""
+    finite = torch.isfinite(row)
+    if bool(finite.all()):
+        return row
+    lo = float(row[finite].min()) - 1.0 if bool(finite.any()) else 0.0
+    hi = float(row[finite].max()) + 1.0 if bool(finite.any()) else 1.0
+    out = torch.where(torch.isnan(row) | (row == float("-inf")), torch.full_like(row, lo), row)
+    return torch.where(out == float("inf"), torch.full_like(out, hi), out)
+
+
+def nonfinite_counts(capture: IndexerCapture, layer: int, b: int, ratio: int) -> dict | None:
+    """Non-finite scores of ``layer`` over the visible entries of every query row of batch item
+    ``b`` (module docstring, ``nonfinite``); None when every visible score is finite."""
+    neg = nan = pos = 0
+    first = None
+    for c in capture.calls:
+        if c.layer != layer or c.scores is None:
+            continue
+        sc = c.scores[b]  # [S, L]
+        vis = visible_entries(c.positions[b].to(sc.device), ratio)  # [S]
+        seen = torch.arange(sc.shape[-1]).view(1, -1) < vis.view(-1, 1)  # [S, L]
+        neg += int((seen & (sc == float("-inf"))).sum())
+        bad = seen & (torch.isnan(sc) | (sc == float("inf")))
+        nan += int((seen & torch.isnan(sc)).sum())
+        pos += int((seen & (sc == float("inf"))).sum())
+        rows = bad.any(-1).nonzero()
+        if first is None and len(rows):
+            first = int(c.positions[b][int(rows[0])])
+    if neg == nan == pos == 0:
+        return None
+    return {"neg_inf": neg, "nan": nan, "pos_inf": pos, "first_position": first}
+
+
+def _layer_ranks(capture, layers, b: int, t: int, entries, k: int, ratio: int) -> list[dict]:
+    """The needle's rank in every CSA layer at query position ``t`` (layers seeing no needle entry left out)."""
+    recs = []
+    for layer in layers:
+        score_pos, score_rows = capture.score_rows(layer, b)
+        _, topk_rows = capture.rows(layer, width=k, batch_index=b)
+        row = {int(p): i for i, p in enumerate(score_pos.tolist())}[t]
+        visible = visible_entries(t, ratio)
+        ne = [e for e in entries if e < visible]
+        if not ne:
+            continue
+        st = needle_rank_stats(rank_scores(score_rows[row][:visible]), visible, ne, k)
+        chosen = {int(x) for x in topk_rows[row].tolist() if x >= 0}
+        n_sel = sum(1 for e in ne if e in chosen)
+        recs.append(
+            {
+                "layer": layer,
+                "query_pos": t,
+                "visible": visible,
+                "needle_visible": len(ne),
+                "needle_selected": n_sel,
+                "best_rank": st.best_rank,
+                "selected": n_sel > 0,
+            }
+        )
+    return recs
+
+
+def case_record(
+    case, prompt, tokens: list[int], tokenizer, capture, layers, b: int, k: int, ratio: int
+) -> dict:
+    """The record of ``case`` (module docstring) from its rendered ``prompt``, its generated
+    ``tokens`` and ``capture``'s calls (batch row ``b``; CSA ``layers``, ``index_topk`` ``k``)."""
+    P = len(prompt.input_ids)
+    a = analyse_answer(tokens, tokenizer, case.expected)
+    tok_i = a["analysed_token"]
+    entries = covering_entries(needle_token_span(prompt, case.needle), ratio=ratio, overlap=True)
+    recs = _layer_ranks(capture, layers, b, P - 1 + tok_i, entries, k, ratio)
+    first = recs if tok_i == 0 else _layer_ranks(capture, layers, b, P - 1, entries, k, ratio)
+    return {
+        "case_id": case.case_id,
+        "length": case.length,
+        "depth": float(case.depth),
+        "trial": case.trial,
+        "prompt_tokens": P,
+        "expected": list(case.expected),
+        "answer": a["answer"],
+        "correct": a["correct"],
+        "analysed_token": tok_i,
+        "analysed_source": a["analysed_source"],
+        "index_topk": k,
+        "compress_ratio": ratio,
+        "layers": recs,
+        "first_token_layers": first,
+        "output_ids": a["generated"],
+        "nonfinite": {
+            str(layer): c for layer in layers if (c := nonfinite_counts(capture, layer, b, ratio)) is not None
+        },
+    }
+
+
+@torch.no_grad()
+def final_logits(
+    model, tokenizer, messages: list[dict], config: Config | None, *, chunk: int | None = None
+) -> torch.Tensor:
+    """Logits [V] (fp32) at the last prompt position under ``config`` (None: the model as loaded);
+    ``chunk``: the prompt runs through the KV cache in chunks of that many tokens (``dsa.passes``)."""
+    _, ids = _ids(model, tokenizer, messages)
+    with nullcontext() if config is None else applied(model, config):
+        return prefill(model, ids, chunk=chunk, logits_at=[ids.shape[1] - 1]).logits[0, 0].cpu()

@@ -1,0 +1,116 @@
+"""Resumable state of one investigation run directory.
+
+``DIR/state.json`` (rewritten atomically: temp file, fsync, rename)::
+
+    {"ledger_sha256": str, "suspects": {ID: {"status": STATUS, "reason": str}},
+     "evidence": {ID: [evidence]}, "done": {STEP: true}}
+
+with STATUS one of ``STATUSES``. ``DIR/measure/NAME.jsonl`` holds one measured case record a
+line (``needlescope.investigate.measure.records``), appended and fsynced as each case finishes, so a
+crash or Ctrl-C loses at most the case in flight and a resumed run measures only what is
+missing. A torn last line (a kill mid-write) is dropped on reading and the file rewritten.
+Resuming with a different ledger is refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+from needlescope.errors import BadInput
+from needlescope.paths import atomic_write_json
+
+__all__ = ["STATUSES", "RunState"]
+
+STATUSES = ("pending", "running", "exonerated", "implicated", "inconclusive", "blocked", "diverges_no_effect")
+
+
+class RunState:
+    """The state of ``out`` for the ledger whose text is ``ledger_text``."""
+
+    def __init__(self, out: Path, ledger_text: str, suspect_ids: list[str]):
+        self.out = Path(out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / "measure").mkdir(exist_ok=True)
+        self.path = self.out / "state.json"
+        digest = hashlib.sha256(ledger_text.encode()).hexdigest()
+        if self.path.exists():
+            self.data = json.loads(self.path.read_text(encoding="utf-8"))
+            if self.data.get("ledger_sha256") != digest:
+                raise BadInput(
+                    f"{self.out} holds a run of a different ledger; pass a new --out or delete {self.path}"
+                )
+        else:
+            self.data = {
+                "ledger_sha256": digest,
+                "suspects": {i: {"status": "pending", "reason": ""} for i in suspect_ids},
+                "evidence": {i: [] for i in suspect_ids},
+                "done": {},
+            }
+            self.save()
+
+    def ensure_suspects(self, ids: list[str]) -> None:
+        """Add suspects found after the ledger (the automatic ones) as ``pending``."""
+        new = [i for i in ids if i not in self.data["suspects"]]
+        for i in new:
+            self.data["suspects"][i] = {"status": "pending", "reason": ""}
+            self.data["evidence"].setdefault(i, [])
+        if new:
+            self.save()
+
+    def save(self) -> None:
+        atomic_write_json(self.path, self.data)
+
+    def set_status(self, sid: str, status: str, reason: str = "") -> None:
+        if status not in STATUSES:
+            raise ValueError(f"unknown status {status!r}")
+        self.data["suspects"][sid] = {"status": status, "reason": reason}
+        self.save()
+
+    def status(self, sid: str) -> str:
+        return self.data["suspects"][sid]["status"]
+
+    def add_evidence(self, sid: str, records: list[dict]) -> None:
+        self.data["evidence"][sid].extend(records)
+        self.save()
+
+    def evidence(self, sid: str) -> list[dict]:
+        return self.data["evidence"][sid]
+
+    def is_done(self, step: str) -> bool:
+        return bool(self.data["done"].get(step))
+
+    def mark_done(self, step: str, value=True) -> None:
+        self.data["done"][step] = value
+        self.save()
+
+    def step_value(self, step: str):
+        return self.data["done"].get(step)
+
+    # -- measured cases -------------------------------------------------------------------
+    def _mpath(self, name: str) -> Path:
+        return self.out / "measure" / f"{name}.jsonl"
+
+    def records(self, name: str) -> list[dict]:
+        """The measured case records of configuration ``name`` (a torn last line is dropped)."""
+        path = self._mpath(name)
+        if not path.exists():
+            return []
+        out, torn = [], False
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                torn = True
+        if torn:
+            with open(path, "w", encoding="utf-8") as f:
+                f.writelines(json.dumps(r) + "\n" for r in out)
+        return out
+
+    def append_record(self, name: str, record: dict) -> None:
+        with open(self._mpath(name), "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+            f.flush()
+            os.fsync(f.fileno())

@@ -1,0 +1,182 @@
+"""The summary box at the top of DIAGNOSIS: what a reader acts on, read from the verdict data.
+
+Four lines: the symptom in one line; the root cause with its decisive measurement, or
+"unexplained" (also when an unexplained residual loss or differences no suspect covers remain);
+the recommended fix with its measured effect; what not to do (workarounds, and suspects that
+move the logits but not recall). Reads ``investigation.json``'s content only (``inv``); keys a
+run may not have (``root_causes``, ``residual``, ``unaccounted_differences``, a suspect's
+``role``) are read when present.
+"""
+
+from __future__ import annotations
+
+from needlescope.report.diagnosis import recall_fall_line
+
+__all__ = ["summary_box", "shown_verdict", "COST_ORDER"]
+
+COST_ORDER = {"config": 0, "kernel": 1, "harness": 2}
+"""Cheapest kind of fix first: a setting, then a kernel, then the harness."""
+
+
+def shown_verdict(s: dict) -> str:
+    """A suspect's verdict as the report shows it: a workaround is named one, whatever its
+    verdict (a larger top-k that restores recall while the cause stays is not exonerated, nor
+    the cause); an implicated suspect shows its role (root cause, co-factor) when it has one."""
+    role = s.get("role")
+    if role == "workaround" or (s["verdict"] != "implicated" and s["reason"].startswith("workaround")):
+        return "workaround"
+    if s["verdict"] == "implicated" and role:
+        return f"implicated ({role})"
+    return s["verdict"]
+
+
+def _pair_text(p: dict) -> str:
+    return (
+        f"recall {p['recall_with']:.2f} -> {p['recall_without']:.2f} on {p['n']} paired cases "
+        f"(b={p['b']}, c={p['c']}, exact McNemar p={p['p']:.2g})"
+    )
+
+
+def _symptom(inv: dict) -> str:
+    sy = inv["symptom"]
+    if inv.get("route") == "dump":
+        return "the candidate is an engine tensor dump of one request: no candidate recall; see where the divergence starts"
+    if not sy["recall_candidate"]:
+        return f"no candidate recall was measured ({sy['cases']} cases planned)"
+    line = recall_fall_line(sy["recall_reference"], sy["recall_candidate"])
+    return f"{line} ({sy['cases']} {sy['kind']} cases)"
+
+
+def _roots(inv: dict) -> list[str]:
+    v = inv["verdicts"]
+    roots = v.get("root_causes")
+    if roots is None:
+        roots = [v["root_cause"]] if v.get("root_cause") else []
+    return list(roots)
+
+
+_SETTLED = ("implicated", "exonerated", "diverges_no_effect")
+
+
+def _unexplained(inv: dict) -> list[str]:
+    """Why (part of) the loss is unexplained: a residual that still loses, differences no ledger
+    suspect names whose automatic suspect was not settled, suspects left inconclusive."""
+    v = inv["verdicts"]
+    out = []
+    residual = v.get("residual")
+    if residual and residual.get("loses"):
+        out.append(residual.get("text") or "the candidate without its implicated suspects still loses recall")
+    diffs = [d for d in v.get("unaccounted_differences") or [] if d.get("verdict") not in _SETTLED]
+    if diffs:
+        names = ", ".join(f"`{d['name']}` ({d.get('verdict') or 'not tested'})" for d in diffs[:5])
+        more = " ..." if len(diffs) > 5 else ""
+        out.append(
+            f"{len(diffs)} difference(s) from the reference that no ledger suspect names: {names}{more}"
+        )
+    open_ = [
+        s["id"] for s in v["suspects"] if s["verdict"] == "inconclusive" and shown_verdict(s) != "workaround"
+    ]
+    if open_:
+        out.append(f"inconclusive: {', '.join(open_)}")
+    return out
+
+
+def _lost(inv: dict) -> bool:
+    sy = inv["symptom"]
+    ref, cand = sy["recall_reference"], sy["recall_candidate"]
+    return any(n in cand and cand[n] < ref[n] for n in ref)
+
+
+def _root_cause(inv: dict) -> str:
+    by_id = {s["id"]: s for s in inv["suspects"]}
+    parts = []
+    for rid in _roots(inv):
+        s = by_id.get(rid, {})
+        measured = f": removing it, {_pair_text(s['pair'])}" if s.get("pair") else ""
+        where = f"`{s['maps_to']}`; " if s.get("maps_to") else ""
+        parts.append(f"**{rid}** ({where}{s.get('hypothesis', 'see Verdicts')}){measured}")
+    co = [x["id"] for x in inv["verdicts"]["suspects"] if x.get("role") == "co-factor"]
+    if co:
+        parts.append(f"co-factor(s) {', '.join(co)}: necessary, not sufficient on their own")
+    unexplained = _unexplained(inv)
+    if not parts and not _lost(inv) and not unexplained:
+        return "none to find: the candidate loses no recall against the reference at the tested lengths"
+    if not parts:
+        why = "; ".join(unexplained) if unexplained else "no suspect in the ledger is implicated"
+        return f"**unexplained**: {why}"
+    text = "; ".join(parts)
+    if unexplained:
+        text += "; **partly unexplained**: " + "; ".join(unexplained)
+    return text
+
+
+def _fix_text(f: dict, k0: int | None) -> str:
+    what = f"remove {f['removes']}" if f.get("removes") else f"`{f['label']}`"
+    cost = (
+        "at the deployment's index_topk"
+        if f.get("keeps_topk")
+        else f"index_topk {k0} -> {f['index_topk']}"
+        + (f" ({f['index_topk'] / k0:g}x the entries each query reads)" if k0 else "")
+    )
+    return f"{what} (setting `{f['label']}`): {_pair_text(f['pair'])}, {cost}"
+
+
+def _fixes(inv: dict, kind: str) -> list[dict]:
+    return sorted(
+        (f for f in inv.get("fixes") or [] if f.get("label_kind") == kind),
+        key=lambda f: (COST_ORDER.get(f.get("changes"), 9), f["name"]),
+    )
+
+
+def _recommended(inv: dict) -> str:
+    root = _fixes(inv, "root-cause fix")
+    if root:
+        return _fix_text(root[0], inv.get("candidate_topk"))
+    if inv.get("route") == "live":
+        return "none measured: a live endpoint cannot be ablated; remove the root cause in the deployment and probe again"
+    if inv.get("route") == "dump":
+        return "none measured: a tensor dump cannot be ablated; fix the module the localization names, dump again and compare"
+    roots = _roots(inv)
+    if roots:
+        return f"remove {', '.join(roots)} (no fix without it was replayed)"
+    return "none found: no replayed fix removes a cause"
+
+
+def _workaround_text(f: dict, k0: int | None, roots: list[str]) -> str:
+    what = f"raising index_topk ({k0} -> {f['index_topk']})" if not f.get("keeps_topk") else f"`{f['label']}`"
+    cause = f"while {', '.join(roots)} stays" if roots else "while the cause stays"
+    cost = (
+        f", at {f['index_topk'] / k0:g}x the entries each query reads"
+        if k0 and not f.get("keeps_topk")
+        else ""
+    )
+    return f"{what} is a workaround: {_pair_text(f['pair'])} {cause}{cost}"
+
+
+def _do_not(inv: dict) -> str:
+    roots = _roots(inv)
+    k0 = inv.get("candidate_topk")
+    items = [_workaround_text(f, k0, roots) for f in _fixes(inv, "workaround")]
+    named = {f.get("removes") for f in _fixes(inv, "workaround")}
+    shown = [
+        s for s in inv["verdicts"]["suspects"] if shown_verdict(s) == "workaround" and s["id"] not in named
+    ]
+    items += [f"{s['id']} is a workaround, not the cause" for s in shown]
+    chase = [s["id"] for s in inv["verdicts"]["suspects"] if s["verdict"] == "diverges_no_effect"]
+    if chase:
+        items.append(f"do not chase {', '.join(chase)}: each moves the logits but costs no recall")
+    return "; ".join(items) if items else "-"
+
+
+def summary_box(inv: dict) -> tuple:
+    """The ``("box", ...)`` block of DIAGNOSIS's summary (``report.blocks``)."""
+    return (
+        "box",
+        "Summary",
+        [
+            ("Symptom", _symptom(inv)),
+            ("Root cause", _root_cause(inv)),
+            ("Recommended fix", _recommended(inv)),
+            ("Not a fix", _do_not(inv)),
+        ],
+    )

@@ -1,0 +1,74 @@
+"""Exact top-k over fp32 rows in Triton: the front of the three methods, which picks one.
+
+Contract (every method keeps it): logits fp32 [R, L], starts (None: all 0) / ends int32 [R]
+clamped to [0, L] -> int32 [R, k], the columns of each row's k largest entries inside [start,
+end) under the key order of ``topk_parts.ordered_key`` (the float order; -0.0 equals +0.0; a NaN
+with the sign bit clear ranks above +inf), ties at the k-th key to the lower index. Rows with
+``end - start <= k`` give start..end-1 in order; unused slots are -1. Output order: the entries
+above the k-th key in index order, then its ties in index order (``bisect`` keeps all k in index
+order when the k-th key has no tie).
+
+The methods, each with its own launcher and knobs:
+
+* ``radix`` (``triton_radix.radix_topk``): cooperative radix select, every row split into chunks;
+* ``filter`` (``triton_filter.filter_topk``): group-max filtering, then an exact search among the
+  candidates;
+* ``bisect`` (``triton_bisect.bisect_topk``): a threshold search in one program per row, or in
+  segments merged by a second program.
+
+``topk_method`` is the measured rule between them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["topk", "topk_method", "METHODS"]
+
+METHODS = ("radix", "filter", "bisect")
+
+
+def topk_method(rows: int, width: int, k: int) -> str:
+    """``radix``, ``filter`` or ``bisect`` for a [rows, width] top-k. Measured: one program per
+    row wins at 2048 entries (8K-token decode rows: 10-12 us, launch-bound either way; H200, run
+    7), so rows of up to 4096 entries take it. At 32-64 rows with k = 512 the filter wins (H100, docs/perf/indexer.md): 32 / 64 x 32K
+    23.4 / 33.8 us against the split bisection's 36.4 / 52.7 (run 16), 32 / 64 x 64K 39.6 / 63.8
+    against the radix select's 56.5 / 100.3 (run 17). Radix select elsewhere: the filter lost at
+    1 x 32K (18 against 12 us), 8 x 256K (94 against 58) and every k = 2048 shape (run 16), where
+    too few groups leave the threshold unselective."""
+    if width <= 4096:
+        return "bisect"
+    if rows >= 32 and k <= 512 and width <= 65536:
+        return "filter"
+    return "radix"
+
+
+def topk(
+    logits: torch.Tensor,
+    k: int,
+    starts: torch.Tensor | None,
+    ends: torch.Tensor,
+    *,
+    method: str | None = None,
+    out: torch.Tensor | None = None,
+    **knobs,
+) -> torch.Tensor:
+    """logits fp32 [R, L], starts (None: all 0) / ends int32 [R] -> int32 [R, k] (module docstring).
+
+    ``method``: one of ``METHODS``; None: ``topk_method``'s choice. ``knobs`` go to that method's
+    launcher unchanged (``radix_topk``: chunk, bits, one_launch, num_warps, hist, first_pass;
+    ``filter_topk``: block, cand_block, gmax_block, group, gmax, num_warps, counts;
+    ``bisect_topk``: bits, block, num_warps, segment), which rejects another method's.
+    ``out`` (int32 [R, k], optional) is written in place; every element gets written.
+    """
+    if method is None:
+        method = topk_method(*logits.shape, k)
+    if method == "radix":
+        from needlescope.kernels.triton_radix import radix_topk as launcher
+    elif method == "filter":
+        from needlescope.kernels.triton_filter import filter_topk as launcher
+    elif method == "bisect":
+        from needlescope.kernels.triton_bisect import bisect_topk as launcher
+    else:
+        raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
+    return launcher(logits, k, starts, ends, out=out, **knobs)
