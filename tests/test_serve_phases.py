@@ -129,6 +129,31 @@ def test_stalled_bodies_never_take_health_off_the_air(server):
     assert "no complete request body" in log and "Traceback" not in log, log[-2000:]
 
 
+def test_a_request_being_answered_is_never_evicted(server):
+    """A kept-alive connection's second request, sent whole in one write, is being answered when
+    a flood of stalled bodies fills the cap: the cap evicts the flood, never that request."""
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 200\r\n\r\n"
+    with httpx.Client(base_url=server.url, timeout=60) as client, cf.ThreadPoolExecutor(1) as pool:
+        assert client.post("/v1/chat/completions", json=chat_body()).status_code == 200
+        slow = pool.submit(
+            client.post, "/v1/chat/completions", json=chat_body(max_tokens=30, ignore_eos=True)
+        )
+        _wait_running(server, 1)
+        socks = [
+            socket.create_connection(("127.0.0.1", server.port), timeout=5)
+            for _ in range(2 * MAX_CONNECTIONS)
+        ]
+        try:
+            for s in socks:
+                s.sendall(head)
+            answer = slow.result()
+        finally:
+            for s in socks:
+                s.close()
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["usage"]["completion_tokens"] == 30
+
+
 # ---- R20: a client that half-closes after its request -------------------------------------------
 
 

@@ -266,9 +266,10 @@ def test_gate_halves_on_rejection_and_grows_back_on_success():
 def rejecting_server():
     """A loopback server that answers every chat 503 with the Retry-After its path names
     (``/<value>/v1/chat/completions``) and counts the attempts per value."""
-    import threading
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    from http.server import BaseHTTPRequestHandler
     from urllib.parse import unquote
+
+    from needlescope.testing.servers import in_thread
 
     attempts: dict[str, int] = {}
 
@@ -290,12 +291,8 @@ def rejecting_server():
             self.end_headers()
             self.wfile.write(body)
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    server.daemon_threads = True
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_address[1]}", attempts
-    server.shutdown()
-    server.server_close()
+    with in_thread(Handler) as root:
+        yield root, attempts
 
 
 RETRY_BUDGET_S = 1.0
