@@ -114,6 +114,8 @@ class Canary:
         self.queue_limit: int | None = cfg.queue_limit
         # A random first seed: a restarted canary does not repeat the probes of its last run.
         self._next_seed = random.randrange(2**31)
+        self._counter = None
+        """What counts tokens for the cases (``probe.token_counter``), found once and kept."""
         self._rounds = 0
         self._fitted: tuple[tuple[int, ...], int] | None = None
         """(lengths that fit the target, digits per value), resolved the first time it answers."""
@@ -126,6 +128,8 @@ class Canary:
         self._client = probe.watch_client(cfg, transport)
 
     async def aclose(self) -> None:
+        if self._counter is not None:
+            probe.close_counter(self._counter)
         await self._client.aclose()
         for target in self._targets:
             await target.aclose()
@@ -315,6 +319,8 @@ class Canary:
         all at this round's depth (``depths`` in turn, round by round)."""
         cfg = self.cfg
         depth = cfg.depths[self._rounds % len(cfg.depths)]
+        if self._counter is None:
+            self._counter = await asyncio.to_thread(probe.token_counter, cfg, self.root, self.model)
         cases = []
         for length in (n for n in lengths for _ in range(cfg.trials)):
             seed, self._next_seed = self._next_seed, self._next_seed + 1
@@ -327,6 +333,7 @@ class Canary:
                 depths=(depth,),
                 trials=1,
                 value_digits=digits,
+                counter=self._counter,
             )
             cases.append(case)
         # The first round says what is probed; later rounds only at debug level.
