@@ -125,11 +125,11 @@ def run_one(name: str, path: Path, loaded, seed: Path, bug_id: str | None) -> di
         if (seed / f"{n}.jsonl").exists():
             shutil.copy(seed / f"{n}.jsonl", out / "measure" / f"{n}.jsonl")
     timer, t = Timer(), time.time()
-    run_investigation(path, out, timer, loaded=loaded)
+    findings = run_investigation(path, out, timer, loaded=loaded)
     timer("end", 0, 0, "")
     from needlescope.investigate.report.diagnosis import write_reports
 
-    write_reports(out)
+    write_reports(findings)
     v = json.loads((out / "verdicts.json").read_text())
     for n in SHARED:
         if not (seed / f"{n}.jsonl").exists() and (out / "measure" / f"{n}.jsonl").exists():

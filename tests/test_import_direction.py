@@ -111,6 +111,62 @@ def test_no_lower_layer_imports_a_higher_one():
     assert _violations() == []
 
 
+# The investigation's rooms (docs/architecture.md): run.py -> measure/, report/ -> decide/ -> ledger/.
+# A room imports only rooms of a lower rank; measure/ and report/ share a rank and never import
+# each other (the report renders from Findings, never from a measurement).
+ROOMS: dict[str, int] = {"ledger": 0, "decide": 1, "measure": 2, "report": 2, "run": 3}
+TORCH_FREE_ROOMS = ("ledger", "decide", "report")
+NEEDS_TORCH = ("torch", "needlescope.dsa", "needlescope.kernels", "needlescope.serve", "needlescope.audit")
+
+
+def _room(path: Path, root: Path) -> str | None:
+    parts = path.relative_to(root).parts
+    return parts[1].removesuffix(".py") if len(parts) > 1 and parts[0] == "investigate" else None
+
+
+def _room_violations(root: Path = SRC) -> list[str]:
+    bad = []
+    for path in sorted((root / "investigate").rglob("*.py")):
+        src = _room(path, root)
+        if src not in ROOMS:
+            continue
+        for module, line in _imports(path):
+            where = f"{path.relative_to(root.parent)}:{line}"
+            if src in TORCH_FREE_ROOMS and any(
+                module == t or module.startswith(t + ".") for t in NEEDS_TORCH
+            ):
+                bad.append(f"{where}: investigate.{src} is torch-free but imports {module}")
+            parts = module.split(".")
+            if parts[:2] != ["needlescope", "investigate"] or len(parts) < 3:
+                continue
+            dst = parts[2]
+            if dst not in ROOMS:
+                bad.append(f"{where}: imports investigate.{dst}, which has no room in this test")
+            elif dst != src and ROOMS[dst] >= ROOMS[src]:
+                bad.append(f"{where}: investigate.{src} imports investigate.{dst}")
+    return bad
+
+
+def test_every_investigate_module_has_a_room():
+    rooms = {_room(p, SRC) for p in (SRC / "investigate").rglob("*.py")} - {"__init__"}
+    assert rooms <= set(ROOMS), f"give these a room: {sorted(rooms - set(ROOMS))}"
+
+
+def test_the_investigation_imports_down_its_rooms():
+    assert _room_violations() == []
+
+
+def test_the_room_checker_catches_a_report_reading_a_measurement(tmp_path):
+    fake = tmp_path / "needlescope" / "investigate"
+    for room in ("report", "decide"):
+        (fake / room).mkdir(parents=True)
+    (fake / "report" / "bad.py").write_text("from needlescope.investigate.measure.session import Session\n")
+    (fake / "decide" / "bad.py").write_text("def f():\n    import torch\n")
+    found = _room_violations(tmp_path / "needlescope")
+    assert any("investigate.report imports investigate.measure" in v for v in found), found
+    assert any("investigate.decide is torch-free but imports torch" in v for v in found), found
+
+
 def test_the_checker_catches_an_upward_import(tmp_path):
     """The rule can fail: a lazy upward import and a torch import in a torch-free core are reported."""
     fake = tmp_path / "needlescope"
@@ -120,3 +176,73 @@ def test_the_checker_catches_an_upward_import(tmp_path):
     found = _violations(fake)
     assert any("dsa (layer 2) imports workflows (layer 4)" in v for v in found), found
     assert any("cases is torch-free but imports torch" in v for v in found), found
+
+
+def test_watch_uses_only_the_torch_free_cores():
+    """docs/architecture.md: the watchers import nothing above layer 1 but themselves."""
+    bad = [
+        f"{path.relative_to(SRC.parent)}:{line}: {module}"
+        for path in sorted((SRC / "watch").rglob("*.py"))
+        for module, line in _imports(path)
+        if module.startswith("needlescope.")
+        and module.split(".")[1] != "watch"
+        and LAYERS[module.split(".")[1]] > 1
+    ]
+    assert bad == []
+
+
+def _module_graph(root: Path = SRC) -> dict[str, set[str]]:
+    """needlescope module -> the needlescope modules it imports (lazy imports included)."""
+    names = {
+        ".".join(("needlescope", *p.relative_to(root).with_suffix("").parts)).removesuffix(".__init__")
+        for p in root.rglob("*.py")
+    }
+    graph: dict[str, set[str]] = {}
+    for path in root.rglob("*.py"):
+        name = ".".join(("needlescope", *path.relative_to(root).with_suffix("").parts)).removesuffix(
+            ".__init__"
+        )
+        graph[name] = {m for m, _ in _imports(path) if m in names and m != name}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle through each strongly connected group of modules (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_house_has_no_import_circle():
+    """No module imports one that imports it back, directly or around a loop, lazy imports
+    included (the old investigate.live <-> runner and kernels.triton_topk <-> radix / filter)."""
+    assert _cycles(_module_graph()) == []
+
+
+def test_the_circle_finder_finds_one():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]

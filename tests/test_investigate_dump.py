@@ -68,7 +68,7 @@ def test_dump_candidate_localizes_from_the_dump(tmp_path, organism):
     finally:
         handle.remove()
     out = tmp_path / "out"
-    run_investigation(dump_ledger(tmp_path), out, loaded=organism)
+    findings = run_investigation(dump_ledger(tmp_path), out, loaded=organism)
     v = json.loads((out / "verdicts.json").read_text())
     loc = v["localization"]
     assert loc["case_id"] == "dump" and loc["diverges_first"] == "dump"
@@ -84,7 +84,7 @@ def test_dump_candidate_localizes_from_the_dump(tmp_path, organism):
     assert cmp["first_beyond"]["reference"] == FAULT
     from needlescope.investigate.report.diagnosis import write_reports
 
-    md = write_reports(out)[0].read_text()
+    md = write_reports(findings)[0].read_text()
     section = md.split("## Where the divergence starts", 1)[1]
     assert "The engine's tensor dump" in section and FAULT in section
     assert "non_intrusive__model.layers.3.self_attn.wo_b.output" in section

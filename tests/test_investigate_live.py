@@ -86,22 +86,29 @@ def test_live_emulation_implicates_the_planted_fault(tmp_path, live_server, orga
     # Every live record keeps the rows it was compared on; the run resumes without re-probing.
     live = [json.loads(x) for x in (out / "measure" / "live.jsonl").read_text().splitlines()]
     assert len(live) == 10 and all(r["rows"] for r in live)
-    # A failed request is an error record, not a miss; the next run sends that case again.
+    # A failed request is an error record, not a miss; the next run sends that case again, and
+    # suspects measured while that case was missing (as a run whose request failed measured them)
+    # are measured again: the rerun decides from all the data, as the uninterrupted run did.
     path = out / "measure" / "live.jsonl"
     path.write_text(
         path.read_text() + json.dumps({"case_id": live[0]["case_id"], "error": "TransportFailure: x"}) + "\n"
     )
-    run_investigation(live_ledger(tmp_path, live_server.url), out, loaded=organism)
+    state = json.loads((out / "state.json").read_text())
+    for step in [k for k in state["done"] if k.startswith("measured:")]:
+        state["done"][step] = {**state["done"][step], "basis": "fewer cases", "cmps": None, "asked": False}
+    (out / "state.json").write_text(json.dumps(state))
+    findings = run_investigation(live_ledger(tmp_path, live_server.url), out, loaded=organism)
     again = [json.loads(x) for x in path.read_text().splitlines()]
     assert len(again) == 12 and again[-1]["case_id"] == live[0]["case_id"] and "error" not in again[-1]
     assert again[-1]["answer"] == live[0]["answer"]
+    assert findings.verdicts == v  # the same verdicts, reasons and evidence (none doubled)
     from needlescope.investigate.report.diagnosis import write_reports
 
-    md = write_reports(out)[0].read_text()
+    md = write_reports(findings)[0].read_text()
     assert "## Live selection vs each suspect's emulation" in md and "**page_table**" in md
 
 
-def test_live_route_refuses_ablation_and_blocks_on_a_dead_endpoint(tmp_path, organism):
+def test_live_route_refuses_ablation_and_stops_on_a_dead_endpoint(tmp_path, organism):
     from needlescope.errors import BadInput
     from needlescope.investigate.ledger.ledger import load_ledger
 
@@ -110,7 +117,6 @@ def test_live_route_refuses_ablation_and_blocks_on_a_dead_endpoint(tmp_path, org
         load_ledger(bad)
     out = tmp_path / "dead"
     ledger = live_ledger(tmp_path, "http://127.0.0.1:9")
-    run_investigation(ledger, out, loaded=organism)
-    v = json.loads((out / "verdicts.json").read_text())
-    assert {s["verdict"] for s in v["suspects"]} == {"blocked"}
-    assert all("live endpoint unavailable" in s["reason"] for s in v["suspects"])
+    with pytest.raises(BadInput, match="answered no case .live endpoint unavailable") as exc:
+        run_investigation(ledger, out, loaded=organism)
+    assert "nothing was decided" in str(exc.value) and not (out / "verdicts.json").exists()

@@ -254,10 +254,11 @@ def test_diagnosis_html_renders_in_headless_chromium(page_table_out, tmp_path):
     import numpy as np
     from matplotlib.image import imread
 
+    from needlescope.investigate.decide.findings import Findings
     from needlescope.investigate.report.diagnosis import write_reports
     from needlescope.report.blocks import SUMMARY_BACKGROUND, SUMMARY_BORDER
 
-    md, page = write_reports(page_table_out, command="needlescope investigate run L --out O")
+    md, page = write_reports(Findings.read(page_table_out), command="needlescope investigate run L --out O")
     text = md.read_text()
     assert "**page_table**" in text and "root-cause fix" in text and "needle entries selected" in text
     assert text.startswith("# DIAGNOSIS\n\n> **Summary**")

@@ -69,8 +69,7 @@ def in_process(tmp_path_factory, organism):
     (d / "patches").mkdir()
     shutil.copy(DECODE_BUG, d / "patches" / "decode_bug.py")
     (d / "investigation.toml").write_text(LEDGER)
-    run_investigation(d / "investigation.toml", d / "out", loaded=organism)
-    md, html = write_reports(d / "out")
+    md, html = write_reports(run_investigation(d / "investigation.toml", d / "out", loaded=organism))
     return json.loads((d / "out" / "verdicts.json").read_text()), md.read_text(), html.read_text()
 
 
@@ -158,7 +157,7 @@ def test_live_emulation_of_a_decode_only_bug_reproduces_it_on_the_decode_path_on
     live = Setting.parse(f"k=fp32 topk=16 patch={tmp_path / 'patches' / 'decode_bug.py'}")
     with ServerProcess(ServeConfig(model="organism", port=0, setting=live, threads=1), timeout=300) as server:
         (tmp_path / "investigation.toml").write_text(LIVE_LEDGER.format(url=server.url))
-        run_investigation(tmp_path / "investigation.toml", tmp_path / "out", loaded=organism)
+        findings = run_investigation(tmp_path / "investigation.toml", tmp_path / "out", loaded=organism)
     v = json.loads((tmp_path / "out" / "verdicts.json").read_text())
     s = next(x for x in v["suspects"] if x["id"] == "decode_bug")
     paths = s["live_paths"]
@@ -168,5 +167,5 @@ def test_live_emulation_of_a_decode_only_bug_reproduces_it_on_the_decode_path_on
     assert paths["decode"]["jaccard_emulation"] > paths["prefill"]["jaccard_emulation"]
     assert s["verdict"] == "implicated" and paths["decided_by"] == "decode", s["reason"]
     assert s["reason"].startswith("decode-path only") and v["root_cause"] == "decode_bug"
-    md = write_reports(tmp_path / "out")[0].read_text()
+    md = write_reports(findings)[0].read_text()
     assert "decode path: failures reproduced, Jaccard" in md and "decode-path only" in md

@@ -153,8 +153,9 @@ def test_absent_suspect_exoneration_says_what_it_rests_on():
 
 
 def test_live_comparison_and_verdict():
+    from needlescope.analysis.stats import jaccard
+    from needlescope.investigate.decide.live import compare_rows, summarise
     from needlescope.investigate.decide.verdicts import live_verdict
-    from needlescope.investigate.measure.live import compare_rows, jaccard, summarise
 
     assert jaccard(set(), set()) == 1.0 and jaccard({1, 2}, {2, 3}) == 1 / 3
     live = {"1": [[0, 1], [0, 9]]}  # needle entries 5, 6: the live drops them at the analysed row

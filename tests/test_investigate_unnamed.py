@@ -81,8 +81,7 @@ def _run(d, named: bool, organism, seed=None) -> dict:
     if seed is not None:
         (d / "out" / "measure").mkdir(parents=True)
         shutil.copy(seed, d / "out" / "measure" / "reference.jsonl")
-    run_investigation(d / "investigation.toml", d / "out", loaded=organism)
-    write_reports(d / "out")
+    write_reports(run_investigation(d / "investigation.toml", d / "out", loaded=organism))
     return json.loads((d / "out" / "verdicts.json").read_text())
 
 

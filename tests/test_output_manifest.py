@@ -29,7 +29,7 @@ def test_names_that_look_like_demo_output_are_not_deleted(tmp_path):
     out = tmp_path / "out"
     _demo_like(out)
     (out / MANIFEST_NAME).write_text("written by needlescope demo; the demo may replace this directory\n")
-    with pytest.raises(BadInput, match="holds no output manifest"):
+    with pytest.raises(BadInput, match="and no output manifest"):
         prepare_out(out)
     assert (out / "reference" / "results.sqlite").read_bytes() == b"precious"
 

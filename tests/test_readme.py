@@ -29,7 +29,7 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT / "src")}
 
 # Commands not run here, each with what runs it instead.
 EQUIVALENTS = {
-    "make demo": "tests/test_investigate_demo.py and tests/test_investigate_organism.py run the same ledger",
+    "make demo": "tests/test_investigate_organism.py runs the same example ledger",
     "make test": "the test suite itself",
     "prometheus --config.file": "tests/test_watch_prometheus.py scrapes the canary with a real Prometheus",
     ".venv/bin/needlescope indexer diff": "tests/test_dsa_diff.py (localize on the organism, fp4 keys and queries)",

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from needlescope.errors import BadInput
 
-__all__ = ["atomic_write_json", "check_out_dir", "read_json_object"]
+__all__ = ["atomic_write_json", "check_out_dir", "read_json_object", "relativize"]
 
 
 def check_out_dir(out: str | Path, flag: str = "--out") -> Path:
@@ -57,3 +57,24 @@ def atomic_write_json(path: Path, obj) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def relativize(obj, prefixes: dict[str, str]):
+    """``obj`` (a JSON value) with every string's absolute ``prefixes`` (longest first) replaced by
+    their values: an artifact names no absolute path of the machine that wrote it (an
+    investigation maps the ledger's directory to nothing and the checkpoint's to its name)."""
+    order = sorted(prefixes.items(), key=lambda kv: -len(kv[0]))
+
+    def fix(x):
+        if isinstance(x, str):
+            for old, new in order:
+                if old in x:
+                    x = x.replace(old, new)
+            return x
+        if isinstance(x, dict):
+            return {k: fix(v) for k, v in x.items()}
+        if isinstance(x, list):
+            return [fix(v) for v in x]
+        return x
+
+    return fix(obj)

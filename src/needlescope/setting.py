@@ -30,6 +30,7 @@ from pathlib import Path
 from needlescope.errors import BadInput
 
 __all__ = [
+    "check_chunk",
     "PRECISIONS",
     "SCORE_DTYPES",
     "FAULT_PREFIX",
@@ -231,3 +232,12 @@ class Setting:
 
 REFERENCE = Setting()
 """fp32 keys, queries and scores; the checkpoint's own ``index_topk``; no patch."""
+
+
+def check_chunk(chunk: int | None) -> int | None:
+    """A prefill chunk (``--prefill-chunk``, a ledger's ``prefill_chunk``) validated: None (one pass) or a positive token count; BadInput otherwise."""
+    if chunk is None:
+        return None
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise BadInput(f"chunk must be a positive number of tokens (or unset for one pass), got {chunk!r}")
+    return chunk

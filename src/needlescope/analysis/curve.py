@@ -60,7 +60,8 @@ def pool_by_length(counts: Iterable[tuple[int, int, int]]) -> dict[int, tuple[in
     """(length, correct, n) triples -> length -> (correct, n) summed, by ascending length.
 
     The one pooling over depths: of ``Cell`` objects (``pooled_recall``) and of ``summary.json``
-    cells (``report.diagnosis.recall_by_length``).
+    cells (``report.diagnosis.recall_by_length``) and of an investigation's case records
+    (``investigate.decide.causal.recall_by_length``).
     """
     pooled: dict[int, list[int]] = {}
     for length, correct, n in counts:

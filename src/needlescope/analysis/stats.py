@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
-__all__ = ["wilson_interval", "mcnemar_exact", "binomial_tail", "mean_present"]
+__all__ = ["wilson_interval", "mcnemar_exact", "binomial_tail", "mean_present", "jaccard"]
 
 
 def wilson_interval(k: int, n: int, z: float = 1.959964) -> tuple[float, float]:
@@ -44,3 +45,10 @@ def mean_present(xs) -> float | None:
     """The mean of the values that are not None; None when there are none."""
     vals = [x for x in xs if x is not None]
     return sum(vals) / len(vals) if vals else None
+
+
+def jaccard(a: Iterable[int], b: Iterable[int]) -> float:
+    """|a & b| / |a | b| of two collections taken as sets; 1.0 for two empty ones. The one
+    overlap measure of top-k selections (the live comparison, the rank paths)."""
+    sa, sb = set(a), set(b)
+    return len(sa & sb) / len(sa | sb) if sa | sb else 1.0

@@ -18,8 +18,8 @@ def audit_checkpoint(
     from needlescope.cases.assemble import CaseSpec, build_cases
     from needlescope.dsa.checkpoint import load_bundle, resolve_model_dir, trained_value_digits
     from needlescope.dsa.emulate import emulate
-    from needlescope.dsa.passes import check_chunk
     from needlescope.dsa.prompt import render_prompt
+    from needlescope.setting import check_chunk
 
     check_chunk(chunk)
     path = resolve_model_dir(model_name)

@@ -12,7 +12,7 @@ torch is imported inside the commands so ``needlescope --help`` does not need it
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -26,6 +26,7 @@ from needlescope.cli.outputs import FORCE, guard
 from needlescope.cli.progress import ProgressView
 from needlescope.errors import BadInput
 from needlescope.paths import check_out_dir
+from needlescope.progress import Progress
 from needlescope.run.config import parse_float_list, parse_int_list
 from needlescope.setting import REFERENCE
 
@@ -137,8 +138,8 @@ def sweep_command(
     check_out_dir(out)
     layer_cfg = RandomLayerConfig(**_given(strength=needle_strength)) if random_layer else None
     with guard(out, "indexer sweep", force):
-        with _progress() as on_progress, kernel_backend(kernel, device):
-            result = _sweep(model, cfg, layer_cfg, patch, device, value_digits is None, on_progress)
+        with _progress() as progress, kernel_backend(kernel, device):
+            result = _sweep(model, cfg, layer_cfg, patch, device, value_digits is None, progress)
         validate_sweep(result)
         _write(out, {"sweep.json": json.dumps(result, indent=2) + "\n", "sweep.md": render_sweep_md(result)})
     for line in result["verdict"]:
@@ -153,7 +154,7 @@ def _check_fits(model: str, cfg) -> None:
 
 
 def _sweep(
-    model: str, cfg, layer_cfg, patch: str | None, device: str, trained_digits: bool, on_progress
+    model: str, cfg, layer_cfg, patch: str | None, device: str, trained_digits: bool, progress
 ) -> dict:
     """The sweep on the random layer (``layer_cfg``) or on a checkpoint (checked: DeepSeek-V4, needle
     digits); the patch is resolved last, then the model is loaded."""
@@ -169,7 +170,7 @@ def _sweep(
 
     if layer_cfg is not None:
         cfg = replace(cfg, patch=opt.with_patch(REFERENCE, patch).patch)
-        return run_random_layer_sweep(cfg, layer_cfg, device=device, on_progress=on_progress)
+        return run_random_layer_sweep(cfg, layer_cfg, device=device, progress=progress)
     path = resolve_model_dir(model)
     if trained_digits:
         cfg = replace(cfg, value_digits=trained_value_digits(path))
@@ -181,16 +182,16 @@ def _sweep(
         tokenizer,
         cfg,
         model_label=Path(model).name or model,  # the name given, never the weights' absolute path
-        on_progress=on_progress,
+        progress=progress,
         reload=lambda: load_bundle(model, device=device)[0],
     )
 
 
 @contextmanager
-def _progress() -> Iterator[Callable[[int, int], None]]:
-    """The sweep's progress (``cli.progress``); yields ``on_progress(done, total)``."""
+def _progress() -> Iterator[Progress]:
+    """The sweep's progress (``cli.progress``); yields the ``Progress`` callback it renders."""
     with ProgressView(console) as view:
-        yield lambda done, total: view("sweep", done, total, "")
+        yield view
 
 
 @indexer_app.command("synthetic")

@@ -11,12 +11,16 @@ from __future__ import annotations
 import shlex
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 
 from needlescope.cli.interrupts import measured_saved, on_interrupt
 from needlescope.cli.output import clip, console, typer_app
 from needlescope.cli.outputs import FORCE, guard
+
+if TYPE_CHECKING:
+    from needlescope.investigate.decide.findings import Findings
 
 investigate_app = typer_app(no_args_is_help=True, help="From measurements to a causal verdict.")
 
@@ -58,22 +62,23 @@ def init_command(
 
 def run_investigation_cli(
     ledger: Path, out: Path, allow_outside: bool = False, prefill_chunk: int | None = None
-) -> Path:
-    """Run with progress per phase (``cli.progress``); returns DIAGNOSIS.md's path."""
+) -> tuple[Findings, Path]:
+    """Run with progress per phase (``cli.progress``) and render the reports from the returned
+    ``Findings``; returns them and DIAGNOSIS.md's path."""
     from needlescope.cli.progress import ProgressView
     from needlescope.investigate.report.diagnosis import write_reports
     from needlescope.investigate.run import run_investigation
 
     with ProgressView(console) as view:
-        run_investigation(
+        findings = run_investigation(
             ledger,
             out,
-            lambda phase, done, total, what: view(phase, done, total, clip(what, 60)),
+            lambda phase, done, total, what="": view(phase, done, total, clip(what, 60)),
             allow_outside=allow_outside,
             prefill_chunk=prefill_chunk,
         )
-    md, _ = write_reports(out, command=shlex.join(["needlescope", *sys.argv[1:]]))
-    return md
+    md, _ = write_reports(findings, command=shlex.join(["needlescope", *sys.argv[1:]]))
+    return findings, md
 
 
 def _check_ledger_fits(ledger: Path, allow_outside: bool) -> None:
@@ -104,14 +109,11 @@ def run_command(
     force: bool = FORCE,
 ) -> None:
     """Run the ledger: cheap questions, symptom, checks in tier order, fixes, verdicts, DIAGNOSIS."""
-    import json
-
     again = "rerun the same command to continue (finished steps and cases are kept)"
     with on_interrupt(measured_saved(out), again), guard(out, "investigate run", force):
         _check_ledger_fits(ledger, allow_outside)
-        md = run_investigation_cli(ledger, out, allow_outside, prefill_chunk)
-    verdicts = json.loads((out / "verdicts.json").read_text(encoding="utf-8"))
-    for s in verdicts["suspects"]:
+        findings, md = run_investigation_cli(ledger, out, allow_outside, prefill_chunk)
+    for s in findings.verdicts["suspects"]:
         console.say("  tier {} {}: [bold]{}[/] - {}", s["tier"], s["id"], s["verdict"], s["reason"])
-    console.say("root cause: [bold]{}[/]", verdicts["root_cause"])
+    console.say("root cause: [bold]{}[/]", findings.root_cause)
     console.print(f"wrote {out / 'verdicts.json'}, {md} and DIAGNOSIS.html")

@@ -11,11 +11,11 @@ from needlescope.cli.output import console, err_console
 from needlescope.cli.outputs import FORCE, guard
 from needlescope.cli.probe_options import PROBE_FLAGS, build, config_default, option_group
 from needlescope.cli.progress import ProgressView
+from needlescope.progress import Event
 from needlescope.report.bisect import residue_lines, step_line
 from needlescope.run.bisect import BisectConfig, run_bisect
 from needlescope.run.config import ProbeConfig, parse_int_list
 from needlescope.run.difficulty import probe_with_difficulty
-from needlescope.run.probe import Event
 
 
 @option_group(ProbeConfig, PROBE_FLAGS)

@@ -50,8 +50,9 @@ import torch
 from transformers import DynamicCache
 
 from needlescope.errors import BadInput
+from needlescope.setting import check_chunk
 
-__all__ = ["Pass", "check_chunk", "new_cache", "prefill", "decode", "greedy"]
+__all__ = ["Pass", "new_cache", "prefill", "decode", "greedy"]
 
 
 @dataclass
@@ -67,15 +68,6 @@ class Pass:
     positions: list[int]
     cache: DynamicCache | None
     length: int
-
-
-def check_chunk(chunk: int | None) -> int | None:
-    """``chunk`` validated: None (one pass) or a positive token count; BadInput otherwise."""
-    if chunk is None:
-        return None
-    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
-        raise BadInput(f"chunk must be a positive number of tokens (or unset for one pass), got {chunk!r}")
-    return chunk
 
 
 def new_cache(model) -> DynamicCache:

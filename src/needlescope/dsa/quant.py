@@ -99,7 +99,7 @@ def quantize_fp4_e2m1(x: torch.Tensor) -> torch.Tensor:
     return (_fp4_round(xb / s) * s).reshape(x.shape).to(x.dtype)
 
 
-# Exactly the names of ``needlescope.setting.PRECISIONS`` (tested), which holds their bit widths.
+# Exactly the names of ``needlescope.setting.PRECISIONS`` (tests/test_name_lists.py), which holds their bit widths.
 QUANTIZERS: dict[str, Quantizer] = {
     "fp32": _cast(torch.float32),
     "bf16": _cast(torch.bfloat16),

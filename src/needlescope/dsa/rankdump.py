@@ -55,12 +55,12 @@ import torch
 
 from needlescope.cases.scoring import score_answer
 from needlescope.dsa.emulate import IndexerCapture, csa_indexers, emulate
-from needlescope.dsa.passes import check_chunk, greedy, prefill
+from needlescope.dsa.passes import greedy, prefill
 from needlescope.dsa.prompt import covering_entries, render_prompt, resolve_needle_span
 from needlescope.dsa.reference import visible_entries
 from needlescope.errors import BadInput
 from needlescope.schema import check_schema
-from needlescope.setting import REFERENCE, Setting
+from needlescope.setting import REFERENCE, Setting, check_chunk
 
 __all__ = [
     "DEFAULT_MAX_NEW_TOKENS",

@@ -82,6 +82,7 @@ from needlescope.dsa.sweep_report import (
     workaround_lines,
 )
 from needlescope.errors import BadInput
+from needlescope.progress import Progress, no_progress
 from needlescope.setting import PRECISIONS, PatchRef, Setting, check_precision, check_score_dtype
 
 __all__ = [
@@ -344,7 +345,7 @@ def _model_runs(
     model,
     tokenizer,
     cfg: SweepConfig,
-    on_progress: Callable[[int, int], None] | None,
+    progress: Progress,
     reload: Callable[[], torch.nn.Module] | None,
 ) -> tuple[list[dict], set[int]]:
     """(runs, CSA layer ids seen) of the grid on a model: one ``rank_dump`` per (setting, case)."""
@@ -396,8 +397,7 @@ def _model_runs(
                             "answer_correct": dump["answer_correct"] if cfg.generate else None,
                         }
                     )
-                    if on_progress is not None:
-                        on_progress(len(runs), total)
+                    progress("sweep", len(runs), total, "")
             finally:
                 if undo is not None:
                     undo()
@@ -423,7 +423,7 @@ def run_sweep(
     cfg: SweepConfig,
     *,
     model_label: str = "",
-    on_progress: Callable[[int, int], None] | None = None,
+    progress: Progress = no_progress,
     reload: Callable[[], torch.nn.Module] | None = None,
 ) -> dict:
     """Run the sweep grid on ``model``; returns a dict following ``SWEEP_SCHEMA``.
@@ -432,9 +432,9 @@ def run_sweep(
     every case of the setting runs on that one patched model. A patch that returns its undo
     is undone after the setting and the model is reused; one that returns no undo leaves the
     model changed, so the next setting runs on a fresh model from ``reload()`` (BadInput when
-    no ``reload`` is given). ``on_progress(done, total)`` is called after each (case, setting) run.
+    no ``reload`` is given). ``progress("sweep", done, total, "")`` is called after each (case, setting) run.
     """
-    runs, layers = _model_runs(model, tokenizer, cfg, on_progress, reload)
+    runs, layers = _model_runs(model, tokenizer, cfg, progress, reload)
     return assemble_sweep(cfg, runs, sorted(layers), model_label)
 
 
@@ -443,7 +443,7 @@ def run_random_layer_sweep(
     layer_cfg: RandomLayerConfig,
     *,
     device: str = "cpu",
-    on_progress: Callable[[int, int], None] | None = None,
+    progress: Progress = no_progress,
 ) -> dict:
     """The sweep grid on one random full-size indexer layer (``dsa.random_layer``), no checkpoint.
 
@@ -501,8 +501,7 @@ def run_random_layer_sweep(
                 }
             )
             done += 1
-            if on_progress is not None:
-                on_progress(done, total)
+            progress("sweep", done, total, "")
     runs = [r for s in grid for r in by_setting[s]]
     label = f"{RANDOM_LAYER} (seed {cfg.seed}, needle strength {layer_cfg.strength:g})"
     return {**assemble_sweep(cfg, runs, [0], label), "kind": "planted key"}

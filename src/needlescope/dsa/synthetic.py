@@ -46,7 +46,6 @@ of distractors scoring >= the needle. It is kept when rank <= k. Trials are seed
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from dataclasses import asdict, dataclass, field
@@ -345,10 +344,6 @@ def run_synthetic(cfg: SyntheticConfig) -> dict:
             }
         )
     return {"config": cfg.to_dict(), "results": results, "elapsed_s": time.perf_counter() - t0}
-
-
-def synthetic_to_json(obj: dict) -> str:
-    return json.dumps(obj, indent=2)
 
 
 def render_synthetic_md(obj: dict) -> str:

@@ -12,7 +12,7 @@ Its rooms, in import order (``tests/test_import_direction.py`` enforces it)::
   the cheap questions, the causal measurements, localization, the decode and rank paths, the
   resumable state.
 - ``decide``: verdicts, the causal decisions, the signature, the schema. Pure and torch-free.
-- ``report``: DIAGNOSIS.md/html, its summary and causal sections, the artifacts.
+- ``report``: DIAGNOSIS.md/html, its summary and causal sections.
 
 The other multi-step workflows (demo, explain, rank dump, capture) live in
 ``needlescope.workflows``.

@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -46,6 +45,7 @@ from needlescope.analysis.bisect import (
 from needlescope.analysis.stats import wilson_interval
 from needlescope.cases import CaseSpec, build_cases, score_answer
 from needlescope.errors import BadInput
+from needlescope.progress import Event, no_event
 from needlescope.report.bisect import write_bisect_outputs
 from needlescope.run.config import ProbeConfig
 from needlescope.run.probe import STORE_NAME, _token_counter, chat_target, check_out, fit_to_target
@@ -55,8 +55,6 @@ from needlescope.targets import collect_provenance, normalize_base_url, prefligh
 from needlescope.targets.limits import choose_value_digits, read_limits
 
 __all__ = ["BisectConfig", "run_bisect"]
-
-Event = Callable[[str, dict], None]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -308,9 +306,8 @@ def _check_range(lengths: tuple[int, ...]) -> None:
         raise BadInput(f"--bisect needs a range: give --lengths LO,HI with HI > LO + 1; got {list(lengths)}")
 
 
-def run_bisect(cfg: ProbeConfig, bis: BisectConfig, on_event: Event | None = None) -> dict:
+def run_bisect(cfg: ProbeConfig, bis: BisectConfig, on_event: Event = no_event) -> dict:
     """Bisect the collapse length of the server in ``cfg`` over [min(lengths), max(lengths)]."""
-    on_event = on_event or (lambda _name, _payload: None)
     if cfg.graded or cfg.auto_difficulty:
         raise BadInput("--bisect measures recall only; drop --graded and --auto-difficulty, or drop --bisect")
     _check_range(cfg.lengths)

@@ -10,10 +10,11 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
+from needlescope.progress import Event, no_event
 from needlescope.run.compare import compare_runs
 from needlescope.run.config import ProbeConfig
 from needlescope.run.difficulty import choose_difficulty
-from needlescope.run.probe import STORE_NAME, Event, fit_to_target, run_probe
+from needlescope.run.probe import STORE_NAME, fit_to_target, run_probe
 from needlescope.run.store import ResultStore
 from needlescope.targets import collect_provenance, normalize_base_url, preflight
 from needlescope.targets.limits import read_limits
@@ -29,10 +30,9 @@ def compare_live(
     alpha: float = 0.05,
     power_drop: float = 0.10,
     bucket_edges: tuple[int, ...] | None = None,
-    on_event: Event | None = None,
+    on_event: Event = no_event,
 ) -> dict:
     """Probe A (``out/a``), send B (``out/b``) A's exact case set, then compare the two runs."""
-    on_event = on_event or (lambda _name, _payload: None)
     out = Path(out)
     # Both sides are checked before either is probed, so a typo in --b costs no run of A.
     for cfg, flag in ((cfg_a, "--a"), (cfg_b, "--b")):

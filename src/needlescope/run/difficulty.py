@@ -23,8 +23,9 @@ from dataclasses import replace
 from pathlib import Path
 
 from needlescope.cases.assemble import MAX_DISTRACTORS, default_distractors
+from needlescope.progress import Event
 from needlescope.run.config import ProbeConfig
-from needlescope.run.probe import STORE_NAME, Event, check_out, run_probe
+from needlescope.run.probe import STORE_NAME, check_out, run_probe
 
 __all__ = ["ORDER", "ladder", "choose_difficulty", "probe_with_difficulty"]
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import tempfile
-from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -20,7 +19,7 @@ from needlescope.analysis.taxonomy import CaseIndex, classify, summarize_failure
 from needlescope.cases import CaseSpec, build_cases, order_for_prefix_cache, score_answer
 from needlescope.cases.needles import VALUE_DIGITS
 from needlescope.errors import BadInput
-from needlescope.progress import Progress
+from needlescope.progress import Event, Progress
 from needlescope.report.probe import write_probe_outputs
 from needlescope.run.bundles import write_failure_bundles
 from needlescope.run.config import ProbeConfig
@@ -37,8 +36,6 @@ from needlescope.targets import (
 )
 from needlescope.targets.limits import TargetLimits, choose_value_digits, fit_lengths, read_limits
 from needlescope.targets.logprobs import detect_method, score_gold
-
-Event = Callable[[str, dict], None]
 
 STORE_NAME = "results.sqlite"
 

@@ -21,12 +21,12 @@ Every artifact is checked against its documented schema before it is written.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from needlescope.errors import BadInput
 from needlescope.paths import check_out_dir
+from needlescope.progress import Event, no_event
 from needlescope.run.config import ProbeConfig
 from needlescope.run.probe import run_probe
 from needlescope.serve.config import ServeConfig
@@ -36,7 +36,6 @@ from needlescope.workflows.manifest import MANIFEST_NAME, Manifest, check_cleara
 
 __all__ = ["DEPLOYMENT", "MARKER", "DemoConfig", "check_out", "prepare_out", "run"]
 
-Phase = Callable[[str, dict], None]
 
 MARKER = MANIFEST_NAME
 """The demo's output manifest in ``out``: the files a rerun may delete (``workflows.manifest``)."""
@@ -131,7 +130,7 @@ def prepare_out(out: Path) -> Manifest:
     return manifest
 
 
-def run(cfg: DemoConfig, on_phase: Phase, on_event=lambda *_: None) -> Path:
+def run(cfg: DemoConfig, on_phase: Event, on_event: Event = no_event) -> Path:
     """Run every phase; returns the path of DIAGNOSIS.md. ``on_phase(name, info)`` marks progress."""
     from needlescope.dsa.checkpoint import (
         check_weights,

@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from needlescope.errors import BadInput
+from needlescope.progress import Event, no_event
 from needlescope.report.diagnosis import write_diagnosis
 from needlescope.run.probe import STORE_NAME
 from needlescope.run.store import ResultStore
@@ -47,7 +47,6 @@ __all__ = [
     "write",
 ]
 
-Phase = Callable[[str, dict], None]
 
 _NUMERICS = {
     "type": "object",
@@ -208,7 +207,7 @@ def fix_record(fix: Setting, dump: dict) -> dict:
     }
 
 
-def run(cfg: ExplainConfig, on_phase: Phase = lambda *_: None) -> Explanation:
+def run(cfg: ExplainConfig, on_phase: Event = no_event) -> Explanation:
     """Rank-dump the case to explain under the deployment setting and under each fix."""
     from needlescope.dsa.checkpoint import load_bundle
     from needlescope.dsa.rankdump import rank_dump

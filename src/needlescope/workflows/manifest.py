@@ -83,9 +83,12 @@ def check_clearable(out: Path) -> list[Path]:
         return []  # an empty directory
     body = _read(out)
     if body is None:
+        names = [p.relative_to(out).as_posix() for p in present][:3]
+        held = ", ".join(names) + (" and more" if len(present) > 3 else "")
         raise BadInput(
-            f"--out {str(out)!r} is not empty and holds no output manifest ({MANIFEST_NAME}) of an earlier "
-            "run; the demo replaces only files it recorded writing: choose another directory or empty this one"
+            f"--out {str(out)!r} holds {held or 'files'} and no output manifest ({MANIFEST_NAME}) of an "
+            "earlier run; the demo replaces only files it recorded writing: choose another directory or "
+            "empty this one"
         )
     recorded = {f.get("path"): f for f in body["files"] if isinstance(f, dict)}
     foreign = []

@@ -45,7 +45,7 @@ class RankDumpConfig:
     """Prefill in chunks of this many tokens through the KV cache (``dsa.passes``); None: one pass."""
 
     def __post_init__(self) -> None:
-        from needlescope.dsa.passes import check_chunk
+        from needlescope.setting import check_chunk
 
         check_chunk(self.chunk)
         if not self.prompts:

@@ -2,7 +2,7 @@
 
 * **Decisions** (``decide``): Holm-adjusted p-values across the run's ablations (one test per
   suspect with a paired ablation), and separately across the sufficiency tests; each verdict
-  re-derived on its adjusted p with the power of its ablation (``verdicts.power_check``: a
+  decided on its adjusted p with the power of its ablation (``verdicts.power_check``: a
   negative verdict states the cost it could detect, and is ``inconclusive`` when that exceeds
   the symptom or ``BOUND_FLOOR``); then the roles (root cause, co-factor, workaround).
 * **Symptom loss** (``symptom_loss``): the candidate's paired recall loss, the cost a negative
@@ -11,17 +11,20 @@
 
 from __future__ import annotations
 
+from needlescope.analysis.curve import pool_by_length
 from needlescope.investigate.decide.verdicts import (
     ALPHA,
+    classify_fix,
     holm_adjust,
     paired,
     power_check,
     resolve_root_cause,
     restores,
+    root_causes,
     suspect_verdict,
 )
 
-__all__ = ["decide", "symptom_loss"]
+__all__ = ["decide", "label_fixes", "symptom_loss", "recall_by_length"]
 
 
 def symptom_loss(ref_records: list[dict], cand_records: list[dict]) -> float:
@@ -31,36 +34,80 @@ def symptom_loss(ref_records: list[dict], cand_records: list[dict]) -> float:
     return max(0.0, (p["b"] - p["c"]) / p["n"]) if p["n"] else 0.0
 
 
-def decide(suspects: list[dict], loss: float, signature_fires: bool) -> dict:
-    """Re-derive every measured suspect's verdict on Holm-adjusted p-values with its power, set
-    ``necessary`` / ``sufficient`` / ``role``, resolve the root cause (in place). Returns
-    {"root_cause", "multiplicity"}."""
-    pairs = [s.get("pair") for s in suspects]
+_MEASURED = ("absent_by_question", "blocked", "ran_checks", "presence", "questions")
+"""The keys of a measured record ``suspect_verdict`` reads besides the pair and divergence."""
+
+
+def _sufficiency_text(sf: dict | None, p_adj: float | None, sufficient: bool | None) -> str:
+    """The clause a verdict's reason carries about sufficiency ("" when none was measured)."""
+    if sf is None:
+        return ""
+    return (
+        f"; added alone to the reference at the deployment index_topk: recall {sf['recall_with']:.2f} vs "
+        f"{sf['recall_without']:.2f}, b={sf['b']} c={sf['c']}, Holm-adjusted p={p_adj:.3g}: "
+        f"{'sufficient' if sufficient else 'not sufficient'} on its own"
+    )
+
+
+def _decided(m: dict, p_adj, sp, tests: int, loss: float) -> dict:
+    """One suspect's decided record from its measured record ``m`` (a new dict)."""
+    rest = {k: v for k, v in m.items() if k not in _MEASURED}
+    pair, suff = m["pair"], m["sufficiency"]
+    power = power_check(pair["n"], tests, loss) if pair is not None else None
+    sufficient = restores(suff, sp) if suff is not None else None
+    verdict, reason = suspect_verdict(
+        **{k: m[k] for k in _MEASURED},
+        present=m["present"],
+        pair=pair,
+        divergence=m["divergence"],
+        p_adjusted=p_adj if pair is not None else None,
+        power=power,
+    )
+    return {
+        **rest,
+        "verdict": verdict,
+        "reason": reason + _sufficiency_text(suff, sp, sufficient) if pair is not None else reason,
+        "p_holm": p_adj,
+        "necessary": restores(pair, p_adj) if pair is not None and m["present"] else None,
+        "sufficient": sufficient,
+        "role": None,
+        "power": power,
+    }
+
+
+def decide(measured: list[dict], loss: float, signature_fires: bool) -> tuple[list[dict], dict]:
+    """Every in-process suspect's verdict, decided once from its measured record
+    (``inprocess.measure_suspect``: present, pair, divergence, sufficiency, what blocked it, the
+    cheap questions' answers): Holm-adjusted p-values across the run's ablations and, separately,
+    across the sufficiency tests; each verdict on its adjusted p with its ablation's power; then
+    the roles and the root cause (``resolve_root_cause``). ``measured`` is not changed.
+
+    Returns (decided suspect records, {"root_cause", "multiplicity"})."""
+    pairs = [m["pair"] for m in measured]
     adj = holm_adjust(pairs)
-    suff_adj = holm_adjust([s.get("sufficiency") for s in suspects])
+    suff_adj = holm_adjust([m["sufficiency"] for m in measured])
     tests = sum(p is not None for p in pairs)
-    for s, p_adj, sp in zip(suspects, adj, suff_adj):
-        s["p_holm"] = p_adj
-        s["necessary"] = restores(s["pair"], p_adj) if s.get("pair") is not None and s["present"] else None
-        s["sufficient"] = restores(s["sufficiency"], sp) if s.get("sufficiency") is not None else None
-        s["role"] = None
-        if s.get("pair") is None or "inputs" not in s:
-            continue
-        s["power"] = power_check(s["pair"]["n"], tests, loss)
-        s["verdict"], s["reason"] = suspect_verdict(
-            **s["inputs"],
-            present=s["present"],
-            pair=s["pair"],
-            divergence=s["divergence"],
-            p_adjusted=p_adj,
-            power=s["power"],
-        )
-        if s["sufficiency"] is not None:
-            sf = s["sufficiency"]
-            s["reason"] += (
-                f"; added alone to the reference at the deployment index_topk: recall {sf['recall_with']:.2f} vs "
-                f"{sf['recall_without']:.2f}, b={sf['b']} c={sf['c']}, Holm-adjusted p={sp:.3g}: "
-                f"{'sufficient' if s['sufficient'] else 'not sufficient'} on its own"
-            )
+    suspects = [_decided(m, p, sp, tests, loss) for m, p, sp in zip(measured, adj, suff_adj)]
     root = resolve_root_cause(suspects, signature_fires)
-    return {"root_cause": root, "multiplicity": {"method": "holm", "tests": tests, "alpha": ALPHA}}
+    return suspects, {"root_cause": root, "multiplicity": {"method": "holm", "tests": tests, "alpha": ALPHA}}
+
+
+def label_fixes(fixes: list[dict], suspects: list[dict], root: str | None) -> list[dict]:
+    """Each replayed fix with its ``label_kind`` (``verdicts.classify_fix``) against the decided
+    root causes (new dicts)."""
+    roots = root_causes(suspects) or root
+    return [
+        {
+            **f,
+            "label_kind": classify_fix(
+                f["pair"], removes=f["removes"], root_cause=roots, keeps_topk=f["keeps_topk"]
+            ),
+        }
+        for f in fixes
+    ]
+
+
+def recall_by_length(records: list[dict]) -> dict[str, float]:
+    """Recall per prompt length (as text keys, ascending) over ``records`` (errors left out)."""
+    pooled = pool_by_length((r["length"], int(r["correct"]), 1) for r in records if not r.get("error"))
+    return {str(n): c / k for n, (c, k) in pooled.items()}

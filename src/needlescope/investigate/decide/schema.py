@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from needlescope.schema import record
 
-__all__ = ["VERDICTS_SCHEMA"]
+__all__ = ["VERDICTS_SCHEMA", "INVESTIGATION_SCHEMA"]
 
 _EVIDENCE = {
     "type": "object",
@@ -187,3 +187,55 @@ VERDICTS_SCHEMA: dict = record(
     }
 )
 """``verdicts.json`` (checked by ``validate_verdicts``); docs/investigate.md gives every key."""
+
+_INV_SUSPECT = record(
+    {
+        "id": {"type": "string"},
+        "tier": {"type": "integer"},
+        "hypothesis": {"type": "string"},
+        "maps_to": {"type": "string"},  # the patch spec or "field=value ..." it stands for
+        "changes_topk": {"type": "boolean"},
+        "auto": {"type": "boolean"},
+        "verdict": {"type": "string"},
+        "reason": {"type": "string"},
+        "present": {"type": ["boolean", "null"]},  # in the candidate (null: unknown, live route)
+        "pair": {"type": ["object", "null"], **{k: v for k, v in _PAIR.items() if k != "type"}},
+        "divergence": {"type": ["number", "null"]},  # final-logit relative error added alone
+        "sufficiency": {"type": ["object", "null"], **{k: v for k, v in _PAIR.items() if k != "type"}},
+        "live": {"type": ["object", "null"]},  # live route: the deciding path's comparison
+    },
+    optional=("live",),
+)
+_FIX = record(
+    {
+        "name": {"type": "string"},
+        "label": {"type": "string"},
+        "removes": {"type": ["string", "null"]},
+        "index_topk": {"type": "integer"},
+        "keeps_topk": {"type": "boolean"},
+        "changes": {"type": "string"},  # "kernel" | "config"
+        "pair": _PAIR,
+        "recall_by_length": {"type": "object"},
+        "case": {"type": ["object", "null"]},  # the explained case's record under the fix
+        "label_kind": {"type": "string"},  # "root-cause fix" | "workaround" | "no effect"
+    }
+)
+INVESTIGATION_SCHEMA: dict = record(
+    {
+        "route": {"type": "string"},  # "in-process" | "live"
+        "ledger": {"type": "string"},
+        "target": {
+            "type": "object",
+            "required": ["model", "device"],
+            "properties": {"model": {"type": "string"}, "device": {"type": "string"}},
+        },
+        "symptom": {"type": "object"},
+        "configs": {"type": "object"},  # name -> Config.to_json() of every configuration measured
+        "candidate_topk": {"type": ["integer", "null"]},
+        "suspects": {"type": "array", "items": _INV_SUSPECT},
+        "fixes": {"type": "array", "items": _FIX},
+        "explained": {"type": ["object", "null"]},  # {"case_id", "why", "candidate", "reference"}
+        "verdicts": VERDICTS_SCHEMA,
+    }
+)
+"""``investigation.json``: everything DIAGNOSIS renders; docs/investigate.md gives every key."""

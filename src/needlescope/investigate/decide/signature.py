@@ -68,6 +68,7 @@ from scipy.stats import t as student_t
 
 from needlescope.analysis.significance import holm
 from needlescope.analysis.stats import mcnemar_exact, wilson_interval
+from needlescope.investigate.decide.verdicts import ALPHA, restores
 
 __all__ = [
     "ALPHA",
@@ -88,7 +89,6 @@ __all__ = [
     "NO_SIGNATURE",
 ]
 
-ALPHA = 0.05
 NEAR_CHANCE = 0.15
 """Equivalence margin: a mean percentile of at least 0.5 - NEAR_CHANCE counts as near chance."""
 HOLD = 0.85
@@ -358,7 +358,7 @@ def topk_fix(runs: list[dict]) -> dict:
                 "b": b,
                 "c": c,
                 "p": p,
-                "restores": p < ALPHA and b > c,
+                "restores": restores({"p": p, "b": b, "c": c}),
             }
         )
     return {"restores": any(x["restores"] for x in out), "runs": out}

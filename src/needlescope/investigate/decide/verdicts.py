@@ -6,7 +6,7 @@ the candidate, or, when the candidate does not carry it, the reference with and 
 McNemar test on (b, c) (``analysis.stats.mcnemar_exact``) gives ``p``.
 
 Per suspect, in this order (``p`` is the Holm-adjusted p across the run's ablations when the
-runner supplies it, ``holm_adjust``):
+decision supplies it, ``holm_adjust`` in ``causal.decide``):
 
 1. **blocked**: every check it asked for could not run (the reasons are listed).
 2. **exonerated** (not in the deployment): a cheap question's answer equals its
@@ -97,6 +97,7 @@ __all__ = [
     "resolve_root_cause",
     "classify_fix",
     "live_verdict",
+    "gap_closed",
     "live_verdict_paths",
     "PATHS",
     "LIVE_THRESHOLDS",
@@ -235,7 +236,7 @@ def suspect_verdict(
 ) -> tuple[str, str]:
     """(verdict, reason) for one suspect by rules 1-6 of the module docstring.
 
-    ``presence``: what the configuration check found (``runner.presence_check``);
+    ``presence``: what the configuration check found (``differences.presence_check``);
     ``questions``: the cheap questions' answers in one line. An exoneration without a causal
     measurement says what it rests on: both, and that no causal check ran. ``p_adjusted``: the
     pair's Holm-adjusted p (default: its own p); ``power``: ``power_check`` of the pair, which a
@@ -390,12 +391,19 @@ def classify_fix(pair: dict, *, removes: str | None, root_cause, keeps_topk: boo
     return "workaround"
 
 
+def gap_closed(cmp: dict) -> float:
+    """(J_emulation - J_baseline) / (1 - J_baseline): how much of the baseline's disagreement
+    with the live selection the emulation explains (1 = identical to the live selection)."""
+    je, jb = cmp["jaccard_emulation"], cmp["jaccard_baseline"]
+    return (je - jb) / (1 - jb) if jb < 1 else float("nan")
+
+
 def live_verdict(cmp: dict) -> tuple[str, str]:
     """(verdict, reason) of a live emulation's comparison (keys of ``live.summarise``); rules
     in the module docstring, "Live endpoint"."""
     f, r = cmp["failures"], cmp["reproduced"]
     je, jb = cmp["jaccard_emulation"], cmp["jaccard_baseline"]
-    gap = (je - jb) / (1 - jb) if jb < 1 else float("nan")
+    gap = gap_closed(cmp)
     counts = (
         f"over {cmp['cases']} failing case(s): the live capture drops needle entries the baseline selects in "
         f"{f} (case, layer) pair(s), the emulation reproduces {r}; needle entries selected at the analysed rows "

@@ -60,7 +60,14 @@ def _symptom_toml(symptom: dict, why: str) -> list[str]:
 def live_ledger(url: str, *, symptom: dict | None = None, why: str = "", api_key: str | None = None) -> str:
     """The text of a live ledger for the endpoint at ``url`` (its info endpoints are read once)."""
     root, v1 = normalize_base_url(url)
-    info = collect_provenance(root, v1, api_key=api_key).get("/get_server_info")
+    prov = collect_provenance(root, v1, api_key=api_key)
+    status = prov.get("status", {})
+    if status and all(isinstance(v, str) and v.startswith("error") for v in status.values()):
+        raise BadInput(
+            f"nothing answers at {root} ({status.get('/get_server_info', next(iter(status.values())))}): "
+            "start the server first; 'investigate init --live' reads its /get_server_info"
+        )
+    info = prov.get("/get_server_info")
     model, model_why = _reference_model(info)
     lines = [
         "# needlescope investigation ledger for a live endpoint (needlescope investigate run THIS --out DIR).",

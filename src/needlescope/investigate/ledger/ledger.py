@@ -64,7 +64,7 @@ from pathlib import Path
 
 from needlescope.errors import BadInput
 from needlescope.investigate.ledger.checks import Tracked, check_range, confine, suggestion
-from needlescope.setting import PatchRef, Setting
+from needlescope.setting import PatchRef, Setting, check_chunk
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -94,7 +94,8 @@ QUESTION_TYPES: dict[str, tuple[str, ...]] = {
     "config": ("key",),
     "source": ("path", "pattern"),
 }
-"""Cheap question types and the keys each needs."""
+"""Cheap question types and the keys each needs: exactly the types ``measure.questions.ASKERS``
+answers (tests/test_name_lists.py)."""
 
 AUDIT_CHECKS = (
     "hc_mix_bf16",
@@ -104,7 +105,8 @@ AUDIT_CHECKS = (
     "index_keys_fp8",
     "index_topk",
 )
-"""Built-in numerics checks (``needlescope.audit``)."""
+"""Built-in numerics checks: exactly the names of ``audit.checks.CHECKS`` (tests/test_name_lists.py),
+spelled here because the ledger is read without torch, which ``audit`` loads."""
 
 CHECK_TYPES = ("ablation", "live_emulation", *(f"audit:{name}" for name in AUDIT_CHECKS))
 """Check types a suspect may list: the causal ablation (in-process candidate), the live
@@ -484,8 +486,6 @@ def with_chunk(ledger: Ledger, prefill_chunk: int | None) -> Ledger:
     unchanged when None. BadInput for a chunk that is not a positive token count."""
     if prefill_chunk is None:
         return ledger
-    from needlescope.dsa.passes import check_chunk  # torch: only when a chunk is given
-
     return replace(ledger, target=replace(ledger.target, prefill_chunk=check_chunk(prefill_chunk)))
 
 

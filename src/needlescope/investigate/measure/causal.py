@@ -13,28 +13,29 @@
 
 from __future__ import annotations
 
-from needlescope.investigate.decide.verdicts import ALPHA, evidence, paired, residual_verdict
+from needlescope.investigate.decide.verdicts import ALPHA, evidence, paired
 from needlescope.investigate.ledger.differences import file_slug
+from needlescope.investigate.ledger.ledger import Suspect
+from needlescope.investigate.ledger.plan import Config, at_topk
+from needlescope.investigate.measure.session import Session, outcomes
 
-__all__ = ["reference_at_k", "sufficiency", "residual_config", "residual"]
-
-
-def reference_at_k(inv):
-    """The reference at the candidate's ``index_topk`` (the reference itself when they agree)."""
-    r, k = inv.reference, inv.candidate.setting.index_topk
-    return r if r.setting.index_topk == k else inv.Config(r.setting.with_(index_topk=k), r.extra)
+__all__ = ["sufficiency", "residual_config", "residual"]
 
 
-def sufficiency(inv, s, ref_records: list[dict]) -> dict:
+def sufficiency(session: Session, s: Suspect, ref_records: list[dict]) -> dict:
     """The pair (with = ``s`` added alone to the reference at the deployment top-k, without =
     that reference; for the capacity suspect: the reference at the deployment top-k against
     the reference), recorded as evidence."""
-    base = reference_at_k(inv)
+    base = at_topk(session.reference, session.candidate.setting.index_topk)
     changes_topk = any(f == "index_topk" for f, _ in s.setting_fields)
-    with_recs = inv.measure(f"alone-{file_slug(s.id)}", base if changes_topk else inv.addition(s, base))
-    without = ref_records if changes_topk or base is inv.reference else inv.measure("reference-at-k", base)
-    pair = paired(inv.correct(with_recs), inv.correct(without))
-    inv.state.add_evidence(
+    with_recs = session.measure(
+        f"alone-{file_slug(s.id)}", base if changes_topk else session.addition(s, base)
+    )
+    without = (
+        ref_records if changes_topk or base is session.reference else session.measure("reference-at-k", base)
+    )
+    pair = paired(outcomes(with_recs), outcomes(without))
+    session.state.add_evidence(
         s.id,
         [
             evidence(
@@ -55,19 +56,22 @@ def sufficiency(inv, s, ref_records: list[dict]) -> dict:
     return pair
 
 
-def residual_config(inv, removed: list):
-    """The candidate with every suspect of ``removed`` (``Suspect`` objects) taken out."""
-    cfg = inv.candidate
+def residual_config(session: Session, removed: list[Suspect]) -> Config:
+    """The candidate with every suspect of ``removed`` taken out."""
+    cfg = session.candidate
     for s in removed:
-        cfg = inv.removal(s, cfg)
+        cfg = session.removal(s, cfg)
     return cfg
 
 
-def residual(inv, suspects_out: list[dict], ref_records, cand_records) -> tuple[dict, object, list]:
-    """(residual record for verdicts.json, the residual config, its case records)."""
-    by_id = {s.id: s for s in inv.suspects}
-    removed = [s["id"] for s in suspects_out if s["verdict"] == "implicated" and s["present"]]
-    cfg = residual_config(inv, [by_id[i] for i in removed])
-    recs = inv.measure("residual", cfg) if removed else cand_records
-    out = residual_verdict(paired(inv.correct(recs), inv.correct(ref_records)), removed)
-    return {**out, "config": cfg.label()}, cfg, recs
+def residual(
+    session: Session, decided: list[dict], cand_records: list[dict]
+) -> tuple[list[str], Config, list]:
+    """(removed ids, the residual config, its case records): the candidate with every implicated
+    suspect present in it taken out (the candidate itself when none is); ``decide.verdicts.
+    residual_verdict`` judges it."""
+    by_id = {s.id: s for s in session.suspects}
+    removed = [s["id"] for s in decided if s["verdict"] == "implicated" and s["present"]]
+    cfg = residual_config(session, [by_id[i] for i in removed])
+    recs = session.measure("residual", cfg) if removed else cand_records
+    return removed, cfg, recs

@@ -141,7 +141,7 @@ def _layer(name: str | None) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def decode_path(inv, twin, cfg, ref_setting, prompt_ids: list[int], answer: list[int], rec: dict) -> dict:
+def decode_path(session, twin, cfg, ref_setting, prompt_ids: list[int], answer: list[int], rec: dict) -> dict:
     """The ``localization.paths`` entry of the decode path (module docstring)."""
     from needlescope.dsa.emulate import csa_indexers
     from needlescope.dsa.prompt import covering_entries, needle_token_span, render_prompt
@@ -149,7 +149,7 @@ def decode_path(inv, twin, cfg, ref_setting, prompt_ids: list[int], answer: list
     a = rec["analysed_token"]
     ids = prompt_ids + answer[:a]
     P, q = len(prompt_ids), len(ids) - 1
-    ratio = int(csa_indexers(inv.model)[0][1].compress_rate)
+    ratio = int(csa_indexers(session.model)[0][1].compress_rate)
     base = {"path": "decode", "own_err": None, "own_budget": None, "layers": []}
     if a == 0:
         return {
@@ -162,19 +162,19 @@ def decode_path(inv, twin, cfg, ref_setting, prompt_ids: list[int], answer: list
             "summary": "the first answer token is wrong: nothing is decoded before it, the decode path is the prefill",
         }
     ref_cap, cand_cap = IndexerCapture(), IndexerCapture()
-    with torch.no_grad(), emulate(inv.model, ref_setting, capture=ref_cap):
-        ref_steps = _run_both(inv.model, ids, P, ref_cap, inv.chunk)
+    with torch.no_grad(), emulate(session.model, ref_setting, capture=ref_cap):
+        ref_steps = _run_both(session.model, ids, P, ref_cap, session.chunk)
     with torch.no_grad(), emulate(twin, cfg.setting, capture=cand_cap), patches_applied(twin, cfg.extra):
-        cand_steps = _run_both(twin, ids, P, cand_cap, inv.chunk)
+        cand_steps = _run_both(twin, ids, P, cand_cap, session.chunk)
     first = None
     for i, (cs, rs) in enumerate(zip(cand_steps, ref_steps)):
         found = departures(cs, rs, P + i, ratio)
         if found:
             first = found[0]
             break
-    case = next(c for c in inv.cases if c.case_id == rec["case_id"])
+    case = next(c for c in session.cases if c.case_id == rec["case_id"])
     entries = covering_entries(
-        needle_token_span(render_prompt(inv.tokenizer, case.messages), case.needle), ratio
+        needle_token_span(render_prompt(session.tokenizer, case.messages), case.needle), ratio
     )
     layers, departing = [], None
     for layer in ref_cap.layers():

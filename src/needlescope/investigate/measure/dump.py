@@ -5,7 +5,8 @@ For deployments that can dump their tensors (SGLang's dumper, docs/dsa_dump.md) 
 against it:
 
 1. **questions**, as on every route; a suspect whose questions show it absent is exonerated,
-   every other one is inconclusive (a dump answers *where*, not *which suspect*);
+   every other one is inconclusive (a dump answers *where*, not *which suspect*;
+   ``decide.dump.decide_dump`` decides it from the measured record);
 2. **symptom**: the reference on the ledger's probe cases (recall per length); the dump holds
    one request, so there is no candidate recall;
 3. **localization**: ``dsa.compare_dump.compare_dump`` of the dump against the reference
@@ -21,19 +22,12 @@ section is this localization.
 from __future__ import annotations
 
 import shlex
-from pathlib import Path
 
-from needlescope.investigate.decide.signature import NO_SIGNATURE
-from needlescope.investigate.measure.inprocess import (
-    _Investigation,
-    check_suspects,
-    recall_by_length,
-    suspect_record,
-)
-from needlescope.investigate.report.artifacts import relativize, write_verdicts
-from needlescope.paths import atomic_write_json
+from needlescope.investigate.ledger.ledger import Suspect
+from needlescope.investigate.measure.session import Session, suspect_identity
+from needlescope.paths import relativize
 
-__all__ = ["DumpInvestigation", "dump_localization"]
+__all__ = ["DumpRoute", "dump_localization"]
 
 DEPARTS = 0.99
 """A CSA layer's dumped selection departs from the reference's below this mean overlap (as live)."""
@@ -88,20 +82,22 @@ def dump_localization(result: dict, module_type: str | None, command: str) -> di
     }
 
 
-class DumpInvestigation(_Investigation):
-    """The dump route (module docstring); shares questions, state and reporting with in-process."""
+class DumpRoute:
+    """The dump route's measurements on a ``Session`` (module docstring); no verdicts."""
 
-    def check_dump(self, s) -> dict:
-        absent = self.state.data.get("absent", {}).get(s.id)
-        questions = self.question_summary(s.id) or "none asked"
-        if absent is not None:
-            return suspect_record(s, "exonerated", f"not in the deployment: {absent} (cheap questions: {questions})",
-                                  present=False)  # fmt: skip
-        reason = ("a tensor dump cannot be ablated, and the cheap questions alone do not decide "
-                  f"(cheap questions: {questions}); see where the divergence starts")  # fmt: skip
-        return suspect_record(s, "inconclusive", reason, present=None)
+    def __init__(self, session: Session):
+        self.session = session
 
-    def localize_dump(self) -> dict | None:
+    def measure_suspect(self, s: Suspect) -> dict:
+        """What a dump route knows of ``s``: its cheap questions (``decide.dump.decide_dump``)."""
+        ss = self.session
+        return {
+            **suspect_identity(s),
+            "absent_by_question": ss.absent_by_question(s.id),
+            "questions": ss.question_summary(s.id),
+        }
+
+    def localize(self) -> dict | None:
         """The dump compared with the reference (resumed from ``state.json``); None when blocked."""
         from needlescope.dsa.compare_dump import compare_dump
         from needlescope.dsa.compare_dump_md import (
@@ -111,23 +107,20 @@ class DumpInvestigation(_Investigation):
         )
         from needlescope.dsa.dump_mapping import load_mapping
 
-        done = self.state.step_value("localization")
-        if done is not None or self._model is None:
+        ss = self.session
+        done = ss.state.step_value("localization")
+        if done is not None or not ss.loaded:
             return done
-        t = self.ledger.target
-        self.progress("localize", 0, 1, "dump")
-        result = compare_dump(self.model, t.dump, load_mapping(t.dump_mapping))
+        t = ss.ledger.target
+        ss.progress("localize", 0, 1, "dump")
+        result = compare_dump(ss.model, t.dump, load_mapping(t.dump_mapping))
         validate_compare_dump(result)
-        result = relativize(result, self.path_map())
-        (self.out / "localize").mkdir(exist_ok=True)
-        (self.out / "localize" / "compare_dump.json").write_text(
-            compare_dump_to_json(result), encoding="utf-8"
-        )
-        (self.out / "localize" / "compare_dump.md").write_text(
-            render_compare_dump_md(result), encoding="utf-8"
-        )
+        result = relativize(result, ss.path_map())
+        (ss.out / "localize").mkdir(exist_ok=True)
+        (ss.out / "localize" / "compare_dump.json").write_text(compare_dump_to_json(result), encoding="utf-8")
+        (ss.out / "localize" / "compare_dump.md").write_text(render_compare_dump_md(result), encoding="utf-8")
         first = result["first_beyond"]
-        module_type = None if first is None else type(self.model.get_submodule(first["reference"])).__name__
+        module_type = None if first is None else type(ss.model.get_submodule(first["reference"])).__name__
         parts = [
             "needlescope",
             "indexer",
@@ -140,42 +133,8 @@ class DumpInvestigation(_Investigation):
         ]
         if t.dump_mapping is not None:
             parts += ["--mapping", str(t.dump_mapping)]
-        command = relativize(" ".join(shlex.quote(p) for p in parts), self.path_map())
+        command = relativize(" ".join(shlex.quote(p) for p in parts), ss.path_map())
         loc = dump_localization(result, module_type, command)
-        self.state.mark_done("localization", loc)
-        self.progress("localize", 1, 1, "dump")
+        ss.state.mark_done("localization", loc)
+        ss.progress("localize", 1, 1, "dump")
         return loc
-
-    def run(self, loaded=None) -> Path:
-        if not self.state.is_done("questions"):
-            self.questions()
-            self.state.mark_done("questions")
-        self.load(loaded)
-        ref_records = self.measure("reference", self.reference) if self._model is not None else []
-        suspects_out = check_suspects(self, self.suspects, self.check_dump)
-        loc = self.localize_dump()
-        symptom = {
-            **self.ledger.symptom.to_json(),
-            "reference": self.reference.label(),
-            "candidate": "engine tensor dump",
-            "recall_reference": recall_by_length(ref_records),
-            "recall_candidate": {},
-            "cases": len(ref_records),
-        }
-        verdicts = write_verdicts(self, symptom, None, NO_SIGNATURE, suspects_out, localization=loc)
-        t = self.ledger.target
-        record = {
-            "route": "dump",
-            "ledger": self.ledger.path.name,
-            "target": {"model": t.model, "device": t.device, "dump": str(t.dump)},
-            "symptom": symptom,
-            "configs": self.configs,
-            "candidate_topk": None,
-            "suspects": suspects_out,
-            "fixes": [],
-            "explained": None,
-            "verdicts": verdicts,
-        }
-        atomic_write_json(self.out / "investigation.json", relativize(record, self.path_map()))
-        self.progress("verdicts", 1, 1, "")
-        return self.out / "verdicts.json"

@@ -16,90 +16,30 @@ A ledger with ``candidate = "live"`` and an ``endpoint`` takes this route
    the live answer tokens up to the analysed one) on both paths: teacher-forced (``prefill``:
    one pass, or the ledger's ``prefill_chunk`` chunks) and the way the server ran them
    (``decode``: the prompt prefilled into the cache, the answer tokens one per forward); its
-   top-k rows are compared with the live capture per CSA layer (``compare_rows``), next to the
+   top-k rows are compared with the live capture per CSA layer (``decide.live.compare_rows``), next to the
    *baseline*, the reference at the live ``index_topk`` with nothing added, on the same path.
-5. **verdicts** by ``verdicts.live_verdict_paths`` (``live_verdict`` per path, thresholds there;
-   a reproduction on the decode path only is "decode-path only"), ``verdicts.json`` (each
+5. **verdicts** by ``decide.live.decide_live`` (``verdicts.live_verdict_paths`` (``live_verdict`` per path, thresholds there;
+   a reproduction on the decode path only is "decode-path only")), ``verdicts.json`` (each
    suspect's ``live_paths``), ``investigation.json`` (``route = "live"``).
 
-Comparison (per failing case, CSA layer and compared row): the Jaccard overlap of the selected
-entry sets, emulation vs live and baseline vs live; and at the analysed row, the needle entries
-each selected. A **selection failure** is a (case, layer) where the live selects fewer needle
-entries than the baseline; the emulation **reproduces** it when it selects no more needle
-entries than the live there.
+The comparisons and the verdicts are ``decide.live``'s; this module measures (``LiveRoute``
+holds a ``session.Session``, as the in-process route does).
 """
 
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 
+from needlescope.analysis.stats import jaccard
 from needlescope.errors import BadInput, ProbeError
-from needlescope.investigate.decide.signature import NO_SIGNATURE
-from needlescope.investigate.decide.verdicts import LIVE_THRESHOLDS, PATHS, evidence, live_verdict_paths
+from needlescope.investigate.decide.live import compare_rows, summarise
+from needlescope.investigate.decide.verdicts import PATHS
+from needlescope.investigate.ledger.differences import AUTO_PREFIX, auto_suspects, server_info_differences
 from needlescope.investigate.ledger.ledger import Suspect
-from needlescope.investigate.measure.inprocess import (
-    _Investigation,
-    check_suspects,
-    recall_by_length,
-    suspect_record,
-)
-from needlescope.investigate.report.artifacts import relativize, write_verdicts
-from needlescope.paths import atomic_write_json
+from needlescope.investigate.ledger.plan import Config, at_topk
+from needlescope.investigate.measure.session import Session, suspect_identity
 
-__all__ = ["LiveInvestigation", "compare_rows", "jaccard"]
-
-
-def jaccard(a: set[int], b: set[int]) -> float:
-    """|a & b| / |a | b|; 1.0 for two empty sets."""
-    return len(a & b) / len(a | b) if a | b else 1.0
-
-
-def compare_rows(live: dict, emulated: dict, baseline: dict, needle: dict) -> dict:
-    """Compare selections of one failing case. Each of ``live``, ``emulated``, ``baseline``
-    maps a CSA layer (str) to its rows (lists of selected entries, the last one the analysed
-    row); ``needle`` maps the layer to the needle entries visible at the analysed row.
-
-    Returns {"jaccard_emulation": [float], "jaccard_baseline": [float], "points": [{"layer",
-    "needle_visible", "live", "emulation", "baseline"}]} (needle entries selected per layer)."""
-    out: dict = {"jaccard_emulation": [], "jaccard_baseline": [], "points": []}
-    for layer, rows in live.items():
-        for i, row in enumerate(rows):
-            lv = set(row)
-            out["jaccard_emulation"].append(jaccard(set(emulated[layer][i]), lv))
-            out["jaccard_baseline"].append(jaccard(set(baseline[layer][i]), lv))
-        ne = set(needle.get(layer, []))
-        if ne:
-            out["points"].append(
-                {
-                    "layer": int(layer),
-                    "needle_visible": len(ne),
-                    "live": len(ne & set(rows[-1])),
-                    "emulation": len(ne & set(emulated[layer][-1])),
-                    "baseline": len(ne & set(baseline[layer][-1])),
-                }
-            )
-    return out
-
-
-def summarise(comparisons: list[dict]) -> dict:
-    """Pool ``compare_rows`` results over the failing cases into the numbers the verdict uses."""
-    je = [x for c in comparisons for x in c["jaccard_emulation"]]
-    jb = [x for c in comparisons for x in c["jaccard_baseline"]]
-    pts = [p for c in comparisons for p in c["points"]]
-    fails = [p for p in pts if p["live"] < p["baseline"]]
-    return {
-        "cases": len(comparisons),
-        "rows": len(je),
-        "jaccard_emulation": sum(je) / len(je) if je else float("nan"),
-        "jaccard_baseline": sum(jb) / len(jb) if jb else float("nan"),
-        "failures": len(fails),
-        "reproduced": sum(1 for p in fails if p["emulation"] <= p["live"]),
-        "needle_visible": sum(p["needle_visible"] for p in pts),
-        "needle_live": sum(p["live"] for p in pts),
-        "needle_emulation": sum(p["emulation"] for p in pts),
-        "needle_baseline": sum(p["baseline"] for p in pts),
-    }
+__all__ = ["LiveRoute", "live_localization"]
 
 
 async def _probe(url: str, todo: list, ids_of, max_new: int, on_record) -> None:
@@ -121,17 +61,17 @@ async def _probe(url: str, todo: list, ids_of, max_new: int, on_record) -> None:
             on_record(case, res, info)
 
 
-class LiveInvestigation(_Investigation):
-    """The live route (module docstring); shares questions, state and reporting with in-process."""
+class LiveRoute:
+    """The live route's measurements on a ``Session`` (module docstring); no verdicts."""
 
-    def __init__(self, ledger, out: Path, progress):
-        super().__init__(ledger, out, progress)
+    def __init__(self, session: Session):
+        self.session = session
         self.live_k: int | None = None
 
     def _prompt(self, case):
         from needlescope.dsa.prompt import render_prompt
 
-        return render_prompt(self.tokenizer, case.messages)
+        return render_prompt(self.session.tokenizer, case.messages)
 
     def live_record(self, case, res, info: dict | None) -> dict:
         """One ``live.jsonl`` record: the scored answer and the live top-k rows to compare."""
@@ -147,7 +87,7 @@ class LiveInvestigation(_Investigation):
         }
         if isinstance(res, str):
             return {**base, "error": res}
-        a = analyse_answer(res.output_ids, self.tokenizer, case.expected)
+        a = analyse_answer(res.output_ids, self.session.tokenizer, case.expected)
         rows = res.prompt_tokens + res.completion_tokens - 1
         layers = self.csa_layers
         try:
@@ -177,34 +117,35 @@ class LiveInvestigation(_Investigation):
     def probe_live(self) -> list[dict]:
         """The live endpoint on every case (resumed from ``measure/live.jsonl``; a case whose
         request failed is sent again on resume, and its later record supersedes the error)."""
-        done = {r["case_id"]: r for r in self.state.records("live")}
-        todo = [c for c in self.cases if c.case_id not in done or done[c.case_id].get("error")]
-        self.progress("probe live", len(done), len(self.cases), self.ledger.target.endpoint)
+        ss = self.session
+        done = {r["case_id"]: r for r in ss.state.records("live")}
+        todo = [c for c in ss.cases if c.case_id not in done or done[c.case_id].get("error")]
+        ss.progress("probe live", len(done), len(ss.cases), ss.ledger.target.endpoint)
 
         def on_record(case, res, info) -> None:
-            if info and "server_info" not in self.state.data:
-                self.state.data["server_info"] = info
-                self.state.save()
+            if info and "server_info" not in ss.state.data:
+                ss.state.data["server_info"] = info
+                ss.state.save()
             rec = self.live_record(case, res, info)
-            self.state.append_record("live", rec)
+            ss.state.append_record("live", rec)
             done[case.case_id] = rec
-            self.progress("probe live", len(done), len(self.cases), self.ledger.target.endpoint)
+            ss.progress("probe live", len(done), len(ss.cases), ss.ledger.target.endpoint)
 
         if todo:
-            url, mx = self.ledger.target.endpoint, self.ledger.symptom.max_new_tokens
+            url, mx = ss.ledger.target.endpoint, ss.ledger.symptom.max_new_tokens
             try:
                 asyncio.run(_probe(url, todo, lambda c: self._prompt(c).input_ids, mx, on_record))
             except ProbeError as exc:  # the endpoint is unreachable: every emulation is blocked
-                self.blocked_reason = f"live endpoint unavailable: {type(exc).__name__}: {exc}"
-        return [done[c.case_id] for c in self.cases if c.case_id in done]
+                ss.blocked_reason = f"live endpoint unavailable: {type(exc).__name__}: {exc}"
+        return [done[c.case_id] for c in ss.cases if c.case_id in done]
 
     @property
     def csa_layers(self) -> list[int]:
         from needlescope.dsa.emulate import csa_indexers
 
-        return [layer for layer, _ in csa_indexers(self.model)]
+        return [layer for layer, _ in csa_indexers(self.session.model)]
 
-    def emulate_rows(self, config, failing: list[dict], path: str = "prefill") -> dict[str, dict]:
+    def emulate_rows(self, config: Config, failing: list[dict], path: str = "prefill") -> dict[str, dict]:
         """case id -> CSA layer (str) -> top-k rows of ``config`` at the live record's rows, on the
         live token ids (the prompt plus the live answer tokens before the analysed one), the
         config applied once. ``path``: ``prefill`` runs them teacher-forced (one pass, or the
@@ -216,23 +157,25 @@ class LiveInvestigation(_Investigation):
         from needlescope.dsa.emulate import IndexerCapture
         from needlescope.investigate.measure.records import applied
 
-        by_id = {c.case_id: c for c in self.cases}
+        ss = self.session
+        model, chunk = ss.model, ss.chunk
+        by_id = {c.case_id: c for c in ss.cases}
         capture = IndexerCapture()
-        dev = next(self.model.parameters()).device
+        dev = next(model.parameters()).device
         out: dict[str, dict] = {}
-        with applied(self.model, config, capture) as layers, torch.no_grad():
+        with applied(model, config, capture) as layers, torch.no_grad():
             for rec in failing:
                 prompt = self._prompt(by_id[rec["case_id"]]).input_ids
                 answer = rec["output_ids"][: rec["analysed_token"]]
                 capture.clear()
                 if path == "decode":
                     run = passes.prefill(
-                        self.model, torch.tensor([prompt], device=dev), chunk=self.chunk, keep_cache=True
+                        model, torch.tensor([prompt], device=dev), chunk=chunk, keep_cache=True
                     )
                     if answer:
-                        passes.decode(self.model, torch.tensor([answer], device=dev), run.cache, logits_at=())
+                        passes.decode(model, torch.tensor([answer], device=dev), run.cache, logits_at=())
                 else:
-                    passes.prefill(self.model, torch.tensor([prompt + answer], device=dev), chunk=self.chunk)
+                    passes.prefill(model, torch.tensor([prompt + answer], device=dev), chunk=chunk)
                 first = rec["prompt_tokens"] - 1
                 n = len(next(iter(rec["rows"].values())))
                 out[rec["case_id"]] = {
@@ -246,59 +189,85 @@ class LiveInvestigation(_Investigation):
 
     def needle_entries(self, rec: dict) -> dict[str, list[int]]:
         """CSA layer (str) -> needle entries visible at the analysed row of ``rec``."""
-        from needlescope.dsa.prompt import covering_entries, needle_token_span
-
-        case = next(c for c in self.cases if c.case_id == rec["case_id"])
         from needlescope.dsa.emulate import csa_indexers
+        from needlescope.dsa.prompt import covering_entries, needle_token_span
+        from needlescope.dsa.reference import visible_entries
 
-        ratio = int(csa_indexers(self.model)[0][1].compress_rate)
+        case = next(c for c in self.session.cases if c.case_id == rec["case_id"])
+        ratio = int(csa_indexers(self.session.model)[0][1].compress_rate)
         entries = covering_entries(
             needle_token_span(self._prompt(case), case.needle), ratio=ratio, overlap=True
         )
-        visible = (rec["prompt_tokens"] + rec["analysed_token"]) // ratio
+        visible = visible_entries(rec["prompt_tokens"] - 1 + rec["analysed_token"], ratio)
         return {layer: [e for e in entries if e < visible] for layer in rec["rows"]}
-
-    def at_live_k(self, config):
-        return self.Config(config.setting.with_(index_topk=self.live_k), config.extra)
 
     def server_differences(self) -> None:
         """Add the live server's ``/get_server_info`` differences from the reference (and an
         automatic suspect for each one no ledger suspect covers)."""
-        from needlescope.investigate.ledger.differences import auto_suspects, server_info_differences
-
-        info = self.state.data.get("server_info")
-        if not info or self._model is None:
+        ss = self.session
+        info = ss.state.data.get("server_info")
+        if not info or not ss.loaded:
             return
-        topk = int(self.model.config.index_topk)
-        found = server_info_differences(info, self.reference.setting, topk, self.ledger.suspects)
-        self.diffs += found
-        autos = auto_suspects(found, self.ledger)
-        self.suspects += autos
-        self.state.ensure_suspects([s.id for s in autos])
+        topk = int(ss.model.config.index_topk)
+        found = server_info_differences(info, ss.reference.setting, topk, ss.ledger.suspects)
+        ss.diffs += found
+        autos = auto_suspects(found, ss.ledger)
+        ss.suspects += autos
+        ss.state.ensure_suspects([s.id for s in autos])
 
-    def check_live(self, s: Suspect, failing: list[dict], baseline: dict) -> dict:
-        absent_q = self.state.data.get("absent", {}).get(s.id)
-        questions = self.question_summary(s.id) or "none asked"
-        if s.id.startswith("auto:") and not s.checks:
-            return suspect_record(
-                s,
-                "blocked",
-                "not testable against a live endpoint: no emulation reproduces this difference",
-                present=True,
-            )
-        if absent_q is not None:
-            reason = f"not in the deployment: {absent_q} (cheap questions: {questions})"
-            return suspect_record(s, "exonerated", reason, present=False)
-        if "live_emulation" not in s.checks:
-            reason = (
-                "no live_emulation check asked for; a live endpoint cannot be ablated and the cheap "
-                f"questions alone do not decide (cheap questions: {questions})"
-            )
-            return suspect_record(s, "inconclusive", reason, present=None)
-        if self._model is None or self.live_k is None:
-            return suspect_record(s, "blocked", f"live_emulation: {self.blocked_reason}", present=None)
-        config = self.at_live_k(self.addition(s))
-        self.configs[f"emulate-{s.id}"] = config.to_json()
+    def measure_symptom(self) -> tuple[list[dict], list[dict], list[dict], dict]:
+        """(reference records, live records, failing live records, baseline rows per path): the
+        reference in-process and the live endpoint on every case; the failing cases (wrong live,
+        right under the reference); the reference at the live ``index_topk`` on them."""
+        ss = self.session
+        ref_records, live_records, failing, baseline = [], [], [], {}
+        if ss.loaded:
+            live_records = self.probe_live()  # first: an endpoint that answers nothing stops the run
+            scored = [r for r in live_records if not r.get("error")]
+            if not scored:
+                raise BadInput(self._nothing_answered(live_records))
+            ref_records = ss.measure("reference", ss.reference)
+            ok = {r["case_id"] for r in ref_records if r["correct"]}
+            failing = [r for r in scored if not r["correct"] and r["case_id"] in ok]
+            self.live_k = scored[0]["index_topk"]
+            base = at_topk(ss.reference, self.live_k)
+            ss.note_config("baseline", base)
+            baseline = {path: self.emulate_rows(base, failing, path) for path in PATHS}
+        self.server_differences()
+        return ref_records, live_records, failing, baseline
+
+    def _nothing_answered(self, live_records: list[dict]) -> str:
+        """What stops a run whose endpoint scored no case: why, and what to do."""
+        why = self.session.blocked_reason or (
+            f"every request failed, the first with {live_records[0]['error']}"
+            if live_records
+            else "no case was sent"
+        )
+        return (
+            f"the live endpoint {self.session.ledger.target.endpoint} answered no case ({why}); nothing "
+            "was decided: fix the endpoint and run again (measure/live.jsonl keeps what it answered)"
+        )
+
+    def measure_suspect(self, s: Suspect, failing: list[dict], baseline: dict) -> dict:
+        """The measured record of ``s``: why it was not emulated, or its emulation (the reference
+        at the live ``index_topk`` with ``s`` added alone) compared with the live capture on both
+        paths (``cmps``). ``decide.live.decide_live`` decides its verdict."""
+        ss = self.session
+        absent_q = ss.absent_by_question(s.id)
+        m = {
+            **suspect_identity(s),
+            "untestable": s.id.startswith(AUTO_PREFIX) and not s.checks,
+            "absent_by_question": absent_q,
+            "questions": ss.question_summary(s.id),
+            "asked": "live_emulation" in s.checks,
+            "blocked": ss.blocked_reason,
+            "emulated": None,
+            "cmps": None,
+        }
+        if m["untestable"] or absent_q is not None or not m["asked"] or not ss.loaded or self.live_k is None:
+            return m
+        config = at_topk(ss.addition(s), self.live_k)
+        ss.note_config(f"emulate-{s.id}", config)
         cmps = {}
         for path in PATHS:
             rows = self.emulate_rows(config, failing, path)
@@ -310,84 +279,7 @@ class LiveInvestigation(_Investigation):
                     for r in failing
                 ]
             )
-        verdict, reason, decided_by = live_verdict_paths(cmps)
-        cmp = cmps[decided_by]
-        self.state.add_evidence(s.id, _live_evidence(config, cmps, decided_by))
-        return suspect_record(
-            s, verdict, reason, present=None, live=cmp, live_paths={**cmps, "decided_by": decided_by}
-        )
-
-    def run(self, loaded=None) -> Path:
-        st = self.state
-        if not st.is_done("questions"):
-            self.questions()
-            st.mark_done("questions")
-        self.load(loaded)
-        ref_records, live_records, failing, baseline = [], [], [], {}
-        if self._model is not None:
-            ref_records = self.measure("reference", self.reference)
-            live_records = self.probe_live()
-            ok = {r["case_id"] for r in ref_records if r["correct"]}
-            scored = [r for r in live_records if not r.get("error")]
-            failing = [r for r in scored if not r["correct"] and r["case_id"] in ok]
-            if scored:
-                self.live_k = scored[0]["index_topk"]
-                base = self.at_live_k(self.reference)
-                self.configs["baseline"] = base.to_json()
-                baseline = {path: self.emulate_rows(base, failing, path) for path in PATHS}
-            elif self.blocked_reason is None:
-                self.blocked_reason = (
-                    "the live endpoint answered no case (every request failed; see measure/live.jsonl)"
-                )
-        self.server_differences()
-        suspects_out = check_suspects(self, self.suspects, lambda s: self.check_live(s, failing, baseline))
-        implicated = sorted(
-            (s for s in suspects_out if s["verdict"] == "implicated"), key=lambda s: -gap_closed(s["live"])
-        )
-        root = implicated[0]["id"] if implicated else None
-        symptom = {
-            **self.ledger.symptom.to_json(),
-            "reference": self.reference.label(),
-            "candidate": f"live endpoint {self.ledger.target.endpoint}",
-            "recall_reference": recall_by_length(ref_records),
-            "recall_candidate": recall_by_length(live_records),
-            "cases": len(live_records),
-            "errors": sum(1 for r in live_records if r.get("error")),
-            "failing_cases": len(failing),
-            "live_index_topk": self.live_k,
-        }
-        loc = (
-            live_localization(failing, baseline.get("prefill", {}), self.needle_entries)
-            if root is None
-            else None
-        )
-        if loc is not None:
-            loc["command"] = f"needlescope investigate run {self.ledger.path.name} --out {self.out.name}"
-        verdicts = write_verdicts(self, symptom, root, NO_SIGNATURE, suspects_out, localization=loc)
-        atomic_write_json(
-            self.out / "investigation.json",
-            relativize(
-                {
-                    "route": "live",
-                    "ledger": self.ledger.path.name,
-                    "target": {
-                        "model": self.ledger.target.model,
-                        "device": self.ledger.target.device,
-                        "endpoint": self.ledger.target.endpoint,
-                    },
-                    "symptom": symptom,
-                    "configs": self.configs,
-                    "candidate_topk": self.live_k,
-                    "suspects": suspects_out,
-                    "fixes": [],
-                    "explained": None,
-                    "verdicts": verdicts,
-                },
-                self.path_map(),
-            ),
-        )
-        self.progress("verdicts", 1, 1, "")
-        return self.out / "verdicts.json"
+        return {**m, "emulated": config.label(), "cmps": cmps}
 
 
 DEPARTS = 0.99
@@ -407,7 +299,7 @@ def live_localization(failing: list[dict], baseline: dict, needle_of) -> dict | 
         for layer, rows in r["rows"].items():
             base = baseline[r["case_id"]][layer]
             a = per.setdefault(int(layer), {"j": [], "visible": 0, "live": 0, "ref": 0})
-            a["j"] += [jaccard(set(x), set(y)) for x, y in zip(rows, base)]
+            a["j"] += [jaccard(x, y) for x, y in zip(rows, base)]
             ne = set(needle.get(layer, []))
             a["visible"] += len(ne)
             a["live"] += len(ne & set(rows[-1]))
@@ -455,62 +347,3 @@ def live_localization(failing: list[dict], baseline: dict, needle_of) -> dict | 
         "summary": summary + f" (over {len(failing)} failing case(s), the server's own decode path)",
         "command": "",
     }
-
-
-def _live_evidence(config, cmps: dict[str, dict], decided_by: str) -> list[dict]:
-    """Evidence records of a suspect's live emulation: the deciding path's numbers, then both paths'."""
-    cmp, t = cmps[decided_by], LIVE_THRESHOLDS
-    return [
-        evidence("live_emulation", f"emulated: `{config.label()}`; failing cases compared", cmp["cases"]),
-        evidence(
-            "live_emulation",
-            "selection failures (live selects fewer needle entries than the baseline)",
-            cmp["failures"],
-            t["min_failures"],
-        ),
-        evidence(
-            "live_emulation",
-            "failures the emulation reproduces (fraction)",
-            _frac(cmp),
-            t["reproduce"],
-        ),
-        evidence("live_emulation", "Jaccard emulation vs live (mean over rows)", cmp["jaccard_emulation"]),
-        evidence("live_emulation", "Jaccard baseline vs live (mean over rows)", cmp["jaccard_baseline"]),
-        evidence(
-            "live_emulation",
-            "share of the baseline's Jaccard gap the emulation closes",
-            gap_closed(cmp),
-            t["gap_closed"],
-        ),
-        evidence(
-            "live_emulation",
-            f"needle entries selected at the analysed rows, of {cmp['needle_visible']} visible: live",
-            cmp["needle_live"],
-        ),
-        evidence("live_emulation", "needle entries selected: emulation", cmp["needle_emulation"]),
-        evidence("live_emulation", "needle entries selected: baseline", cmp["needle_baseline"]),
-        evidence("live_emulation", "path whose comparison decides (prefill | decode)", decided_by),
-        *(
-            evidence(
-                "live_emulation",
-                f"{path} path: failures the emulation reproduces (fraction)",
-                _frac(c),
-            )
-            for path, c in cmps.items()
-        ),
-        *(
-            evidence("live_emulation", f"{path} path: Jaccard emulation vs live", c["jaccard_emulation"])
-            for path, c in cmps.items()
-        ),
-    ]
-
-
-def _frac(cmp: dict) -> float:
-    return cmp["reproduced"] / cmp["failures"] if cmp["failures"] else float("nan")
-
-
-def gap_closed(cmp: dict) -> float:
-    """(J_emulation - J_baseline) / (1 - J_baseline): how much of the baseline's disagreement
-    with the live selection the emulation explains (1 = identical to the live selection)."""
-    je, jb = cmp["jaccard_emulation"], cmp["jaccard_baseline"]
-    return (je - jb) / (1 - jb) if jb < 1 else float("nan")

@@ -36,7 +36,7 @@ def failing_case(res_recs: list[dict], ref_records: list[dict]) -> dict | None:
     return min(failing, key=lambda r: (r["length"], r["depth"], r["trial"])) if failing else None
 
 
-def _answer_ids(inv, cfg, case, rec: dict) -> list[int]:
+def _answer_ids(session, cfg, case, rec: dict) -> list[int]:
     """The residual candidate's generated tokens for ``case`` (measured again when the record
     predates ``output_ids``)."""
     if "output_ids" in rec:
@@ -44,12 +44,12 @@ def _answer_ids(inv, cfg, case, rec: dict) -> list[int]:
     from needlescope.investigate.measure.records import measure_cases
 
     return measure_cases(
-        inv.model,
-        inv.tokenizer,
+        session.model,
+        session.tokenizer,
         [case],
         cfg,
-        max_new_tokens=inv.ledger.symptom.max_new_tokens,
-        chunk=inv.chunk,
+        max_new_tokens=session.ledger.symptom.max_new_tokens,
+        chunk=session.chunk,
     )[0]["output_ids"]
 
 
@@ -91,10 +91,18 @@ def _num(x):
     return x if x is None or (isinstance(x, float) and x == x and abs(x) != float("inf")) else str(x)
 
 
-def _command(inv, cfg, prompt_file: str) -> str:
+def _command(session, cfg, prompt_file: str) -> str:
     """The ``needlescope indexer diff`` command that repeats the prefill step."""
     s = cfg.setting
-    parts = ["needlescope", "indexer", "diff", "--model", inv.ledger.target.model, "--input-ids", prompt_file]
+    parts = [
+        "needlescope",
+        "indexer",
+        "diff",
+        "--model",
+        session.ledger.target.model,
+        "--input-ids",
+        prompt_file,
+    ]
     parts += ["--index-k", s.index_k, "--index-q", s.index_q, "--score-dtype", s.score_dtype]
     if s.index_topk is not None:
         parts += ["--index-topk", str(s.index_topk)]
@@ -106,7 +114,7 @@ def _command(inv, cfg, prompt_file: str) -> str:
 
 
 def localize_residual(
-    inv, cfg, res_recs: list[dict], ref_records: list[dict], target: str = "the residual candidate"
+    session, cfg, res_recs: list[dict], ref_records: list[dict], target: str = "the residual candidate"
 ) -> dict | None:
     """The ``localization`` record (module docstring), or None when no case fails. ``target``
     says what ``cfg`` is (the residual candidate, or the candidate itself)."""
@@ -120,20 +128,20 @@ def localize_residual(
     rec = failing_case(res_recs, ref_records)
     if rec is None:
         return None
-    done = inv.state.step_value("localization")
+    done = session.state.step_value("localization")
     if done is not None:
         return done
-    case = next(c for c in inv.cases if c.case_id == rec["case_id"])
-    prompt = render_prompt(inv.tokenizer, case.messages)
-    answer = _answer_ids(inv, cfg, case, rec)
+    case = next(c for c in session.cases if c.case_id == rec["case_id"])
+    prompt = render_prompt(session.tokenizer, case.messages)
+    answer = _answer_ids(session, cfg, case, rec)
     ids = prompt.input_ids + answer[: rec["analysed_token"]]
-    device = next(inv.model.parameters()).device
+    device = next(session.model.parameters()).device
     tensor = torch.tensor([ids], device=device)
-    twin = load_bundle(inv.model_dir, device=inv.ledger.target.device)[0]
-    ref_setting = inv.reference.setting.with_(index_topk=rec["index_topk"])
-    inv.progress("localize", 0, 2, rec["case_id"])
+    twin = load_bundle(session.model_dir, device=session.ledger.target.device)[0]
+    ref_setting = session.reference.setting.with_(index_topk=rec["index_topk"])
+    session.progress("localize", 0, 2, rec["case_id"])
     diff = localize(
-        inv.model,
+        session.model,
         twin,
         tensor,
         setting=cfg.setting,
@@ -143,12 +151,12 @@ def localize_residual(
     )
     from needlescope.investigate.measure.decode_path import decode_path
 
-    inv.progress("localize", 1, 2, "decode path")
-    paths = [prefill_path(diff), decode_path(inv, twin, cfg, ref_setting, prompt.input_ids, answer, rec)]
-    (inv.out / "localize").mkdir(exist_ok=True)
+    session.progress("localize", 1, 2, "decode path")
+    paths = [prefill_path(diff), decode_path(session, twin, cfg, ref_setting, prompt.input_ids, answer, rec)]
+    (session.out / "localize").mkdir(exist_ok=True)
     span = needle_token_span(prompt, case.needle)
     atomic_write_json(
-        inv.out / "localize" / "input_ids.json", {"input_ids": ids, "needle_token_span": list(span)}
+        session.out / "localize" / "input_ids.json", {"input_ids": ids, "needle_token_span": list(span)}
     )
     out = {
         "case_id": rec["case_id"],
@@ -158,10 +166,10 @@ def localize_residual(
         "query_pos": len(ids) - 1,
         "paths": paths,
         **_first(paths),
-        "command": _command(inv, cfg, "localize/input_ids.json"),
+        "command": _command(session, cfg, "localize/input_ids.json"),
     }
-    inv.state.mark_done("localization", out)
-    inv.progress("localize", 2, 2, rec["case_id"])
+    session.state.mark_done("localization", out)
+    session.progress("localize", 2, 2, rec["case_id"])
     return out
 
 

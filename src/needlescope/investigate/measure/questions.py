@@ -28,7 +28,7 @@ from pathlib import Path
 from needlescope.investigate.ledger.differences import env_lines
 from needlescope.investigate.ledger.ledger import Question
 
-__all__ = ["Answer", "QuestionContext", "answer", "safetensors_dtypes"]
+__all__ = ["Answer", "QuestionContext", "ASKERS", "answer", "safetensors_dtypes"]
 
 
 @dataclass(frozen=True)
@@ -180,7 +180,7 @@ def _source(q: Question, ctx: QuestionContext) -> Answer:
     )
 
 
-_ASK = {
+ASKERS = {  # exactly the types of ledger.QUESTION_TYPES (tests/test_name_lists.py)
     "env": _env,
     "server_info": _server_info,
     "checkpoint_dtype": _checkpoint_dtype,
@@ -191,4 +191,4 @@ _ASK = {
 
 def answer(q: Question, ctx: QuestionContext) -> Answer:
     """Ask ``q``; never raises for an unavailable source (the answer is ``blocked`` instead)."""
-    return _ASK[q.type](q, ctx)
+    return ASKERS[q.type](q, ctx)

@@ -32,6 +32,7 @@ before it and both paths are the prefill, which the result says.
 
 from __future__ import annotations
 
+from needlescope.analysis.stats import jaccard
 from needlescope.investigate.decide.signature import rank_percentile
 from needlescope.investigate.decide.verdicts import PATHS
 
@@ -104,28 +105,23 @@ def _stats(selected: list[int], scores, needle: list[int], k: int) -> dict:
     }
 
 
-def _jaccard(a: list[int], b: list[int]) -> float:
-    sa, sb = set(a), set(b)
-    return len(sa & sb) / len(sa | sb) if sa | sb else 1.0
-
-
-def rank_paths(inv, config, rec: dict) -> dict:
+def rank_paths(session, config, rec: dict) -> dict:
     """The ``rank_paths`` record of ``verdicts.json`` (module docstring) for the measure record
-    ``rec`` of the candidate ``config`` (``measure.Config``) on one of ``inv.cases``."""
+    ``rec`` of the candidate ``config`` (``measure.Config``) on one of ``session.cases``."""
     from needlescope.dsa.prompt import covering_entries, needle_token_span, render_prompt
     from needlescope.dsa.reference import visible_entries
     from needlescope.investigate.ledger.plan import Config
 
-    case = next(c for c in inv.cases if c.case_id == rec["case_id"])
-    prompt = render_prompt(inv.tokenizer, case.messages)
+    case = next(c for c in session.cases if c.case_id == rec["case_id"])
+    prompt = render_prompt(session.tokenizer, case.messages)
     P, a = len(prompt.input_ids), rec["analysed_token"]
     answer = rec["output_ids"][:a]
     query = P - 1 + a
     k = rec["index_topk"]
     ratio = rec["compress_ratio"]
-    ref = Config(inv.reference.setting.with_(index_topk=k))
-    cand_sel = path_selections(inv.model, config, prompt.input_ids, answer, query, chunk=inv.chunk)
-    ref_sel = path_selections(inv.model, ref, prompt.input_ids, answer, query, chunk=inv.chunk)
+    ref = Config(session.reference.setting.with_(index_topk=k))
+    cand_sel = path_selections(session.model, config, prompt.input_ids, answer, query, chunk=session.chunk)
+    ref_sel = path_selections(session.model, ref, prompt.input_ids, answer, query, chunk=session.chunk)
     entries = covering_entries(needle_token_span(prompt, case.needle), ratio=ratio, overlap=True)
     visible = int(visible_entries(query, ratio))
     needle = [e for e in entries if e < visible]
@@ -139,7 +135,7 @@ def rank_paths(inv, config, rec: dict) -> dict:
             else:
                 row[path] = row[f"reference_{path}"] = None
             row[f"{path}_same_as_reference"] = set(cand_sel[path][layer][0]) == set(ref_sel[path][layer][0])
-        row["paths_overlap"] = _jaccard(cand_sel["prefill"][layer][0], cand_sel["decode"][layer][0])
+        row["paths_overlap"] = jaccard(cand_sel["prefill"][layer][0], cand_sel["decode"][layer][0])
         layers.append(row)
     return {
         "case_id": rec["case_id"],
@@ -187,18 +183,18 @@ def _first(layers: list[dict], analysed_token: int) -> dict:
 
 
 def failing_rank_paths(
-    inv, explained: dict | None, candidate_only: str, cand_records: list[dict]
+    session, explained: dict | None, candidate_only: str, cand_records: list[dict]
 ) -> dict | None:
     """``verdicts.json`` ``rank_paths`` of an in-process run: ``rank_paths`` of the explained case
     under the candidate; None unless that case fails under the candidate only (``explained["why"]
     == candidate_only``: no extra pass otherwise). Resumed from ``state.json``."""
-    if inv.model is None or not explained or explained["why"] != candidate_only:
+    if session.model is None or not explained or explained["why"] != candidate_only:
         return None
-    done = inv.state.step_value("rank_paths")
+    done = session.state.step_value("rank_paths")
     if done is None:
         rec = next(r for r in cand_records if r["case_id"] == explained["case_id"])
-        inv.progress("rank paths", 0, 1, rec["case_id"])
-        done = rank_paths(inv, inv.candidate, rec)
-        inv.state.mark_done("rank_paths", done)
-        inv.progress("rank paths", 1, 1, rec["case_id"])
+        session.progress("rank paths", 0, 1, rec["case_id"])
+        done = rank_paths(session, session.candidate, rec)
+        session.state.mark_done("rank_paths", done)
+        session.progress("rank paths", 1, 1, rec["case_id"])
     return done

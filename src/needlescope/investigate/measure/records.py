@@ -38,11 +38,12 @@ import torch
 
 from needlescope.cases.scoring import score_answer
 from needlescope.dsa.emulate import IndexerCapture, check_unpatched, csa_indexers, emulate, patches_applied
-from needlescope.dsa.passes import check_chunk, prefill
+from needlescope.dsa.passes import prefill
 from needlescope.dsa.prompt import covering_entries, needle_token_span, render_prompt
 from needlescope.dsa.rankdump import greedy_new_tokens, needle_rank_stats
 from needlescope.dsa.reference import visible_entries
 from needlescope.investigate.ledger.plan import Config
+from needlescope.setting import check_chunk
 
 __all__ = [
     "measure_case",

@@ -14,17 +14,32 @@ Resuming with a different ledger is refused.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from needlescope.errors import BadInput
 from needlescope.paths import atomic_write_json
 
-__all__ = ["STATUSES", "RunState"]
+__all__ = ["STATUSES", "RunState", "run_lock", "LOCK_NAME"]
 
-STATUSES = ("pending", "running", "exonerated", "implicated", "inconclusive", "blocked", "diverges_no_effect")
+LOCK_NAME = ".lock"
+"""The run directory's lock file: one ``investigate run`` at a time writes a directory."""
+
+STATUSES = (
+    "pending",
+    "running",
+    "measured",
+    "exonerated",
+    "implicated",
+    "inconclusive",
+    "blocked",
+    "diverges_no_effect",
+)
 
 
 class RunState:
@@ -76,6 +91,11 @@ class RunState:
         self.data["evidence"][sid].extend(records)
         self.save()
 
+    def keep_evidence(self, sid: str, keep) -> None:
+        """Drop ``sid``'s evidence records for which ``keep(record)`` is false."""
+        self.data["evidence"][sid] = [e for e in self.data["evidence"][sid] if keep(e)]
+        self.save()
+
     def evidence(self, sid: str) -> list[dict]:
         return self.data["evidence"][sid]
 
@@ -114,3 +134,29 @@ class RunState:
             f.write(json.dumps(record) + "\n")
             f.flush()
             os.fsync(f.fileno())
+
+
+@contextmanager
+def run_lock(out: Path) -> Iterator[None]:
+    """Hold ``out``'s lock for the block (created with ``out`` when missing). BadInput, one line,
+    when ``out`` cannot be created or written (a read-only file system, a file in the way) or
+    another run holds the lock; the lock goes with the process, however it ends."""
+    out = Path(out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        fd = os.open(out / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise BadInput(
+            f"--out {str(out)!r} cannot be written ({exc.strerror}); pass a writable directory"
+        ) from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise BadInput(
+                f"another 'investigate run' is writing {str(out)!r} (it holds {LOCK_NAME}); "
+                "wait for it to finish or pass another --out"
+            ) from None
+        yield
+    finally:
+        os.close(fd)

@@ -1,3 +1,2 @@
 """DIAGNOSIS.md and DIAGNOSIS.html of an investigation (``diagnosis``), its summary box
-(``summary``) and causal sections (``causal``), and the artifacts' path handling
-(``artifacts``). Imports nothing from ``measure``."""
+(``summary``) and causal sections (``causal``). Imports nothing from ``measure``."""

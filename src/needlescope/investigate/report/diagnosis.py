@@ -1,4 +1,4 @@
-"""DIAGNOSIS.md and DIAGNOSIS.html of an investigation run, from ``investigation.json`` only.
+"""DIAGNOSIS.md and DIAGNOSIS.html of an investigation run, from its ``Findings`` only.
 
 Both are rendered from one list of blocks (heading, paragraph, table, image), so they say the
 same thing; the HTML embeds the plots as data URIs and needs no other file. Every conclusion
@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import datetime
 import itertools
-import json
 from pathlib import Path
 
 import needlescope
+from needlescope.investigate.decide.findings import Findings
 from needlescope.investigate.decide.signature import NEAR_CHANCE, layer_percentiles
+from needlescope.investigate.decide.verdicts import ALPHA
 from needlescope.investigate.report import causal as dc
 from needlescope.investigate.report.summary import COST_ORDER, shown_verdict, summary_box
 from needlescope.report.blocks import render_html, render_md
@@ -447,7 +448,7 @@ def _fix_blocks(inv: dict) -> list[tuple]:
         ("table", head, frows),
         (
             "p",
-            "Labels: root-cause fix = removes the root cause and restores recall at the deployment index_topk; workaround = restores recall while the cause stays (its cost given); no effect = no significant paired change (exact McNemar, p < 0.05). No harness-level fix was replayed.",
+            f"Labels: root-cause fix = removes the root cause and restores recall at the deployment index_topk; workaround = restores recall while the cause stays (its cost given); no effect = no significant paired change (exact McNemar, p < {ALPHA}). No harness-level fix was replayed.",
         ),
     ]
 
@@ -522,12 +523,11 @@ def _blocked_blocks(inv: dict) -> list[tuple]:
     return [("h", 2, "Blocked or unrun diagnostics"), ("p", "; ".join(lines) if lines else "None.")]
 
 
-def _footer(inv: dict, out: Path, command: str | None) -> tuple:
-    state = out / "state.json"
-    digest = json.loads(state.read_text(encoding="utf-8")).get("ledger_sha256") if state.exists() else None
+def _footer(findings: Findings, command: str | None) -> tuple:
+    inv, digest = findings.investigation, findings.ledger_sha256
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     # no absolute path of this machine in an artifact: the run directory by its name
-    cmd = command or f"needlescope investigate run {inv['ledger']} --out {Path(out).name}"
+    cmd = command or f"needlescope investigate run {inv['ledger']} --out {Path(findings.out).name}"
     return (
         "footer",
         f"Rendered {when} by needlescope {needlescope.__version__}. Command: `{cmd}`. Ledger "
@@ -535,19 +535,16 @@ def _footer(inv: dict, out: Path, command: str | None) -> tuple:
     )
 
 
-def write_reports(out: str | Path, command: str | None = None) -> tuple[Path, Path]:
-    """Write DIAGNOSIS.md (+ its PNGs) and the self-contained DIAGNOSIS.html into ``out``.
+def write_reports(findings: Findings, command: str | None = None) -> tuple[Path, Path]:
+    """Write DIAGNOSIS.md (+ its PNGs) and the self-contained DIAGNOSIS.html into the run
+    directory, from ``findings`` only (``run_investigation``'s value, or ``Findings.read(out)``).
 
     ``command``: the command line that ran the investigation, for the footer (default: the
     command that reproduces it)."""
-    out = Path(out)
-    inv = json.loads((out / "investigation.json").read_text(encoding="utf-8"))
-    cand = out / "measure" / "candidate.jsonl"
-    inv["candidate_records"] = (
-        [json.loads(x) for x in cand.read_text().splitlines() if x.strip()] if cand.exists() else []
-    )
+    out = Path(findings.out)
+    inv = {**findings.investigation, "candidate_records": findings.candidate_records}
     images = _plots(inv, out) if inv["symptom"]["recall_candidate"] else []
-    blocks = diagnosis_blocks(inv, images) + [_footer(inv, out, command)]
+    blocks = diagnosis_blocks(inv, images) + [_footer(findings, command)]
     md = out / "DIAGNOSIS.md"
     md.write_text(render_md(blocks), encoding="utf-8")
     page = out / "DIAGNOSIS.html"
