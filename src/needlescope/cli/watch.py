@@ -50,7 +50,7 @@ def health_command(
     raise typer.Exit(0 if report["healthy"] else 1)
 
 
-@option_group(CanaryConfig, ("lengths", "depths", "threshold", "skip_long_lengths", *_TARGET_FLAGS))
+@option_group(CanaryConfig, ("lengths", "depths", "trials", "threshold", "skip_long_lengths", *_TARGET_FLAGS))
 def canary_command(
     flags: dict,
     base_url: str = typer.Option(..., "--base-url", help="Server URL (root or ending in /v1)."),
