@@ -34,7 +34,9 @@ import random
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
+from functools import partial
 
 import httpx
 
@@ -116,6 +118,9 @@ class Canary:
         self._next_seed = random.randrange(2**31)
         self._counter = None
         """What counts tokens for the cases (``probe.token_counter``), found once and kept."""
+        # Cases are built on one thread of their own: spread over asyncio's default pool, each
+        # thread's allocator arena kept some of the haystack strings and RSS crept up per probe.
+        self._builder = ThreadPoolExecutor(1, thread_name_prefix="canary-cases")
         self._rounds = 0
         self._fitted: tuple[tuple[int, ...], int] | None = None
         """(lengths that fit the target, digits per value), resolved the first time it answers."""
@@ -130,6 +135,7 @@ class Canary:
     async def aclose(self) -> None:
         if self._counter is not None:
             probe.close_counter(self._counter)
+        self._builder.shutdown(wait=False, cancel_futures=True)
         await self._client.aclose()
         for target in self._targets:
             await target.aclose()
@@ -319,12 +325,15 @@ class Canary:
         all at this round's depth (``depths`` in turn, round by round)."""
         cfg = self.cfg
         depth = cfg.depths[self._rounds % len(cfg.depths)]
+        loop = asyncio.get_running_loop()
         if self._counter is None:
-            self._counter = await asyncio.to_thread(probe.token_counter, cfg, self.root, self.model)
+            self._counter = await loop.run_in_executor(
+                self._builder, probe.token_counter, cfg, self.root, self.model
+            )
         cases = []
         for length in (n for n in lengths for _ in range(cfg.trials)):
             seed, self._next_seed = self._next_seed, self._next_seed + 1
-            (case,) = await asyncio.to_thread(
+            build = partial(
                 probe.build_probe_cases,
                 replace(cfg, seed=seed),
                 self.root,
@@ -335,6 +344,7 @@ class Canary:
                 value_digits=digits,
                 counter=self._counter,
             )
+            (case,) = await loop.run_in_executor(self._builder, build)
             cases.append(case)
         # The first round says what is probed; later rounds only at debug level.
         log.log(
