@@ -8,9 +8,9 @@ STAMP := $(VENV)/.installed
 # torch's CPU build, pinned by its exact local version: PyPI's torch 2.13.0 for Linux x86_64 is
 # the CUDA build (a 527 MB wheel that pulls the nvidia-* runtime wheels), and `==2.13.0+cpu`
 # matches only the CPU wheel (192 MB). pip takes it from its configured sources when they hold
-# it, else from PyTorch's CPU wheel index; constraints.txt's torch==2.13.0 admits either.
+# it; where none does, PyPI's torch==2.13.0 (which runs on a CPU too) is the fallback, since
+# nothing here may reach an index other than PyPI. constraints.txt's torch==2.13.0 admits either.
 TORCH := torch==2.13.0+cpu
-TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
 
 # --no-compile: no bytecode for every module of every package up front (270 MB of __pycache__
 # with torch, transformers and sympy); Python writes it for the modules a command imports.
@@ -23,7 +23,7 @@ $(BIN)/python:
 
 # What the demo needs and nothing more: the [model] extra on CPU torch.
 $(DEMO_STAMP): pyproject.toml constraints.txt | $(BIN)/python
-	$(PIP) '$(TORCH)' 2>/dev/null || $(PIP) --extra-index-url $(TORCH_CPU_INDEX) '$(TORCH)'
+	$(PIP) '$(TORCH)' 2>/dev/null || $(PIP) torch==2.13.0
 	$(PIP) -e '.[model]'
 	touch $@
 

@@ -225,7 +225,7 @@ def test_demo_refuses_to_replace_a_directory_it_did_not_write(tmp_path, tiny_mod
     out.mkdir()
     (out / "thesis.tex").write_text("years of work")
     res = _demo(tiny_model, out, "--lengths", "200")
-    assert res.returncode == 2 and "holds no output manifest" in res.stderr
+    assert res.returncode == 2 and "and no output manifest" in res.stderr
     assert len(res.stderr.strip().splitlines()) == 1
     assert (out / "thesis.tex").read_text() == "years of work"
 

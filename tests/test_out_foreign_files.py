@@ -33,6 +33,9 @@ COMMANDS = [
     (["indexer", "synthetic", "--entries", "64", "--topk", "8", "--out", "OUT"], "synthetic.md"),
     (["indexer", "diff", "--model", "organism", "--index-k", "fp8_e4m3", *PROMPT, "--out", "OUT"], "diff.md"),
     (["indexer", "capture", "--sglang", DEAD, *PROMPT, "--out", "OUT"], "capture.md"),
+    (["indexer", "compare-dump", "OUT/dump", "--model", "organism", "--out", "OUT"], "compare_dump.md"),
+    (["indexer", "topk-audit", "OUT/capture.pt", "--out", "OUT"], "topk_audit.json"),
+    (["kernels", "conform", "--impl", "torch", "--out", "OUT/conform.json"], "conform.json"),
     (["audit", "--checks", "routed_scale", "--out", "OUT/audit.json"], "audit.json"),
     (["demo", "--out", "OUT"], "DIAGNOSIS.md"),
     (["investigate", "init", "OUT"], "investigation.toml"),
@@ -49,10 +52,7 @@ def test_every_out_command_refuses_to_overwrite_a_foreign_file(run_cli, tmp_path
     code, stdout, stderr = run_cli(*[a.replace("OUT", str(out)) for a in argv])
     assert code == 2, stdout + stderr
     lines = stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), stderr
-    # The demo refuses any folder that is not its own earlier output (investigate.manifest) and
-    # names its manifest instead of the first file.
-    assert planted in lines[0] or (argv[0] == "demo" and "holds no output manifest" in lines[0]), stderr
+    assert len(lines) == 1 and lines[0].startswith("error: ") and planted in lines[0], stderr
     assert "Traceback" not in stderr
     assert (out / planted).read_bytes() == FOREIGN and (out / "notes.txt").read_bytes() == FOREIGN
 
@@ -68,6 +68,17 @@ def test_force_is_the_way_past(run_cli, tmp_path):
     recorded = json.loads((out / MANIFEST_NAME).read_text())["files"]
     assert recorded["investigation.toml"]["command"] == "investigate init"
     assert f"--out {out / 'out'}" in stdout  # item 9: the README's layout, the run beside its ledger
+
+
+def test_demo_force_is_the_way_past_and_keeps_other_files(run_cli, tmp_path):
+    out = tmp_path / "demo"
+    out.mkdir()
+    (out / "DIAGNOSIS.md").write_bytes(FOREIGN)
+    (out / "notes.txt").write_bytes(FOREIGN)
+    # A device no machine has: the run gets past --out, then its first server refuses to start.
+    code, stdout, stderr = run_cli("demo", "--out", str(out), "--device", "cuda:99", "--force")
+    assert code == 2 and "--device cuda:99" in stderr and "DIAGNOSIS.md" not in stderr, stdout + stderr
+    assert not (out / "DIAGNOSIS.md").exists() and (out / "notes.txt").read_bytes() == FOREIGN
 
 
 SPEC = OutputSpec("probe", ("report.md", "bundles/", "results.sqlite"), state=("results.sqlite",))

@@ -12,6 +12,7 @@ import typer
 
 from needlescope.cli.indexer import indexer_app
 from needlescope.cli.output import console
+from needlescope.cli.outputs import FORCE, guard
 from needlescope.cli.progress import ProgressView
 from needlescope.errors import BadInput
 from needlescope.paths import check_out_dir
@@ -66,6 +67,7 @@ def compare_dump_command(
     out: Path = typer.Option(
         Path("compare-dump-out"), "--out", help="Output directory (compare_dump.json, .md)."
     ),
+    force: bool = FORCE,
 ) -> None:
     """Merge a TP-sharded engine dump, run the reference on its tokens and name the first tensor beyond budget."""
     from needlescope.dsa.checkpoint import load_bundle, load_tokenizer, require_deepseek_v4, resolve_model_dir
@@ -85,21 +87,22 @@ def compare_dump_command(
     path = resolve_model_dir(model)
     require_deepseek_v4(path)
     check_out_dir(out)
-    the_mapping = load_mapping(mapping)
-    scan_dump(dump_dir)  # the layout is checked before the model loads
-    prompt_ids, span = None, None
-    if prompt is not None:
-        rendered = render_prompt(load_tokenizer(path), read_prompt_file(prompt))
-        prompt_ids = rendered.input_ids
-        span = needle_token_span(rendered, needle) if needle is not None else None
-    reference, _, _ = load_bundle(path)
-    with ProgressView(console) as view:
-        shown = lambda task, done, total, what: view(f"compare-dump: {task}", done, total, what)  # noqa: E731
-        result = compare_dump(reference, dump_dir, the_mapping, prompt_ids=prompt_ids, needle_span=span,
-                              index_topk=index_topk, growth=growth, allow=allowed, progress=shown)  # fmt: skip
-    validate_compare_dump(result)
-    _write(out, "compare_dump.json", compare_dump_to_json(result))
-    _write(out, "compare_dump.md", render_compare_dump_md(result))
+    with guard(out, "indexer compare-dump", force):
+        the_mapping = load_mapping(mapping)
+        scan_dump(dump_dir)  # the layout is checked before the model loads
+        prompt_ids, span = None, None
+        if prompt is not None:
+            rendered = render_prompt(load_tokenizer(path), read_prompt_file(prompt))
+            prompt_ids = rendered.input_ids
+            span = needle_token_span(rendered, needle) if needle is not None else None
+        reference, _, _ = load_bundle(path)
+        with ProgressView(console) as view:
+            shown = lambda task, done, total, what: view(f"compare-dump: {task}", done, total, what)  # noqa: E731
+            result = compare_dump(reference, dump_dir, the_mapping, prompt_ids=prompt_ids, needle_span=span,
+                                  index_topk=index_topk, growth=growth, allow=allowed, progress=shown)  # fmt: skip
+        validate_compare_dump(result)
+        _write(out, "compare_dump.json", compare_dump_to_json(result))
+        _write(out, "compare_dump.md", render_compare_dump_md(result))
     console.say("{}", result["summary"], soft_wrap=True)
     for d in result["layers"]:
         console.print(

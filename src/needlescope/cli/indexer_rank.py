@@ -72,6 +72,9 @@ def rank_dump_command(
     device: str = typer.Option("cpu", "--device", help="cpu | cuda | cuda:N | auto | cuda:0,cuda:1"),
     max_memory: str = typer.Option(None, "--max-memory", help="Weight bytes per device when placing: 70GiB."),
     chunk: int = typer.Option(None, "--chunk", help="Prefill in chunks of this many tokens (docs/scale.md)."),
+    stream_layers: bool = typer.Option(
+        False, "--stream-layers", help="Read one layer at a time per pass: weights larger than the device."
+    ),
     out: Path = typer.Option(..., "--out", help="Output directory."),
     force: bool = FORCE,
 ) -> None:
@@ -95,6 +98,7 @@ def rank_dump_command(
         device=device,
         max_memory=max_memory,
         chunk=chunk,
+        stream_layers=stream_layers,
     )
     check_topk(model, [setting.index_topk])
     check_out_dir(out)

@@ -13,6 +13,7 @@ import typer
 
 from needlescope.cli.indexer import indexer_app
 from needlescope.cli.output import console
+from needlescope.cli.outputs import FORCE, guard
 from needlescope.errors import BadInput
 from needlescope.paths import check_out_dir
 
@@ -42,6 +43,7 @@ def topk_audit_command(
     out: Path = typer.Option(
         Path("topk-audit"), "--out", help="Output directory (topk_audit.json, topk_audit.md)."
     ),
+    force: bool = FORCE,
 ) -> None:
     """Replay the logits through the exact top-k and report each row's recall, wrong keeps and drops."""
     from needlescope.dsa.topk_audit import audit_rows
@@ -53,13 +55,14 @@ def topk_audit_command(
     if worst < 0:
         raise BadInput(f"--worst must be >= 0, got {worst}")
     check_out_dir(out)
-    data = load_capture(capture, indices_json=indices, layer=layer)
-    columns = audit_rows(data.logits, data.selected, data.lengths, bin_bits=bin_bits)
-    report = audit_report(data, columns, capture=str(capture), bin_bits=bin_bits, worst=worst)
-    validate_audit(report)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "topk_audit.json").write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
-    (out / "topk_audit.md").write_text(render_audit_md(report), encoding="utf-8")
+    with guard(out, "indexer topk-audit", force):
+        data = load_capture(capture, indices_json=indices, layer=layer)
+        columns = audit_rows(data.logits, data.selected, data.lengths, bin_bits=bin_bits)
+        report = audit_report(data, columns, capture=str(capture), bin_bits=bin_bits, worst=worst)
+        validate_audit(report)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "topk_audit.json").write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
+        (out / "topk_audit.md").write_text(render_audit_md(report), encoding="utf-8")
     if report["exact"]:
         console.say(
             "[bold green]exact[/]: {} rows, every selection is the exact top-{}", report["rows"], report["k"]

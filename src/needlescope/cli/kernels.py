@@ -15,6 +15,8 @@ from pathlib import Path
 import typer
 
 from needlescope.cli.output import console, typer_app
+from needlescope.cli.outputs import FORCE, file_spec
+from needlescope.outdir import check_outputs, record_outputs
 
 kernels_app = typer_app(no_args_is_help=True, help="Check GPU kernels: the top-k conformance suite.")
 
@@ -44,6 +46,7 @@ def conform_command(
     case: list[str] = typer.Option(None, "--case", help="Run only this case (repeatable; default: all)."),
     seed: int = typer.Option(0, "--seed", help="Seed of the generated rows."),
     out: Path = typer.Option(None, "--out", help="Write the JSON report here (docs/conformance.md)."),
+    force: bool = FORCE,
 ) -> None:
     """Run every case through every --impl: per case exact or not, selected-value recall and the
     worst row. On the CPU, Triton runs under its interpreter (TRITON_INTERPRET=1 is set here
@@ -56,11 +59,14 @@ def conform_command(
         os.environ.setdefault("TRITON_INTERPRET", "1")  # read when triton is first imported
     from needlescope.kernels.conform import conform, load_impl
 
+    if out is not None:
+        check_outputs(*file_spec(out, "kernels conform"), force=force)  # before any case runs
     impls = [pair for spec in impl for pair in load_impl(spec)]
     report = conform(impls, shapes=shapes, device=device, names=case or None, seed=seed, on_case=_line)
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
+        record_outputs(*file_spec(out, "kernels conform"))
     failing = [r["impl"] for r in report["impls"] if not r["exact"]]
     for r in report["impls"]:
         bad = [c["name"] for c in r["cases"] if not c["exact"]]

@@ -45,6 +45,8 @@ OUTPUT_SPECS: dict[str, OutputSpec] = {
         OutputSpec("indexer synthetic", ("synthetic.json", "synthetic.md")),
         OutputSpec("indexer diff", ("diff.json", "diff.md")),
         OutputSpec("indexer capture", ("capture.json", "capture.md")),
+        OutputSpec("indexer compare-dump", ("compare_dump.json", "compare_dump.md")),
+        OutputSpec("indexer topk-audit", ("topk_audit.json", "topk_audit.md")),
         OutputSpec(
             "investigate init",
             ("investigation.toml", "reference.env", "deployment.env", "patches/"),
