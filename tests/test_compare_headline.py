@@ -74,6 +74,17 @@ def test_a_dead_b_is_named_by_its_flag(scripted_server, tmp_path):
     assert "check --b" in res.stderr and "--base-url" not in res.stderr
 
 
+def test_b_dying_after_the_comparisons_preflight_is_named_by_its_flag(scripted_server, tmp_path):
+    # B answers compare's own preflight chat, then dies on the next chat: its probe's preflight.
+    a = scripted_server(window=100_000)
+    b = scripted_server(window=100_000, die_after=1)
+    res = compare(a, b, tmp_path / "ab", "--trials", "1")
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert "cannot reach" in res.stderr and "check --b" in res.stderr, res.stderr
+    assert "--base-url" not in res.stderr and "Traceback" not in res.stderr
+    assert (tmp_path / "ab" / "a" / "results.sqlite").is_file()  # A was probed in between
+
+
 def test_compare_refuses_a_probe_runs_folder(scripted_server, tmp_path):
     a = scripted_server(window=100_000)
     out = tmp_path / "run"

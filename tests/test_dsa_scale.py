@@ -18,27 +18,9 @@ from needlescope.dsa.passes import prefill  # noqa: E402
 from needlescope.dsa.placement import GiB, parse_max_memory, plan_placement, unit_bytes  # noqa: E402
 from needlescope.dsa.release import expert_slot, hf_name  # noqa: E402
 from needlescope.errors import BadInput  # noqa: E402
-from needlescope.testing.flash import flash_config, write_flash_checkpoint  # noqa: E402
+from needlescope.testing.flash import TEST_WIDTHS, flash_config, write_flash_checkpoint  # noqa: E402
 
-# Flash's layout and formats at widths a CPU test can afford (128-wide where the fp8 blocks
-# should be whole, odd elsewhere so that partial blocks are exercised).
-TINY = {
-    "hidden_size": 128,
-    "num_attention_heads": 2,
-    "head_dim": 128,
-    "qk_rope_head_dim": 16,
-    "q_lora_rank": 96,
-    "o_groups": 2,
-    "o_lora_rank": 80,
-    "index_n_heads": 2,
-    "index_head_dim": 64,
-    "index_topk": 8,
-    "n_routed_experts": 4,
-    "num_experts_per_tok": 2,
-    "moe_intermediate_size": 256,
-    "vocab_size": 3120,
-    "sliding_window": 16,
-}
+TINY = TEST_WIDTHS
 
 
 # ---------------------------------------------------------------- block fp8

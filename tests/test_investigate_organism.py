@@ -189,11 +189,16 @@ def _as_if_typed_at_a_terminal() -> None:
     os.nice(10)
 
 
-def _interrupted_run(cmd: list[str], cand: Path) -> list[str]:
+def _interrupted_run(cmd: list[str], cand: Path) -> tuple[list[str], int, str]:
     """Start ``cmd`` (niced, so that this process sees the first records before the next batch
-    lands, even on a loaded box), SIGINT it once ``cand`` holds records; the case ids then."""
+    lands, even on a loaded box), SIGINT it once ``cand`` holds records; the case ids then, the
+    exit code and stderr."""
     proc = subprocess.Popen(
-        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=_as_if_typed_at_a_terminal
+        cmd,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=_as_if_typed_at_a_terminal,
     )
     deadline = time.time() + 600
     while time.time() < deadline and (not cand.exists() or not cand.read_text().strip()):
@@ -201,20 +206,25 @@ def _interrupted_run(cmd: list[str], cand: Path) -> list[str]:
             break
         time.sleep(0.05)
     proc.send_signal(signal.SIGINT)
-    proc.wait(timeout=120)
-    return [json.loads(x)["case_id"] for x in cand.read_text().splitlines()]
+    _, stderr = proc.communicate(timeout=120)
+    return [json.loads(x)["case_id"] for x in cand.read_text().splitlines()], proc.returncode, stderr
 
 
-def test_interrupt_and_resume(tmp_path, reference_records):
-    """A real ``needlescope investigate run`` killed mid-measurement resumes without losing or
-    repeating a case."""
+def test_interrupt_and_resume(tmp_path, reference_records, page_table_out):
+    """A real ``needlescope investigate run`` interrupted (Ctrl-C) mid-measurement says what it
+    saved and how to go on, exits 130, and resumes without losing or repeating a case, to the
+    verdicts of an uninterrupted run (``page_table_out``: the same ledger, in-process)."""
     ledger = plant_ledger(tmp_path, "page_table")
     out = tmp_path / "out"
     _seed_reference(out, reference_records)
     cmd = [sys.executable, "-m", "needlescope.cli.main", "investigate", "run", str(ledger), "--out", str(out)]
     cand = out / "measure" / "candidate.jsonl"
-    before = _interrupted_run(cmd, cand)
+    before, code, stderr = _interrupted_run(cmd, cand)
     assert 1 <= len(before) < 20, "the run was not interrupted mid-measurement"
+    assert code == 130 and "Traceback" not in stderr, stderr[-2000:]
+    saved = sum(1 for f in (out / "measure").glob("*.jsonl") for x in f.read_text().splitlines() if x.strip())
+    again = "rerun the same command to continue (finished steps and cases are kept)"
+    assert f"interrupted: {saved} measured cases saved in {out / 'measure'}; {again}" in stderr, stderr
     state = json.loads((out / "state.json").read_text())
     assert state["done"]["questions"] is True
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
@@ -223,6 +233,10 @@ def test_interrupt_and_resume(tmp_path, reference_records):
     assert after[: len(before)] == before and len(after) == len(set(after)) == 20
     v = json.loads((out / "verdicts.json").read_text())
     assert v["root_cause"] == "page_table"
+    whole = json.loads((page_table_out / "verdicts.json").read_text())
+    assert [(s["id"], s["verdict"], s["evidence"]) for s in v["suspects"]] == [
+        (s["id"], s["verdict"], s["evidence"]) for s in whole["suspects"]
+    ]
     diagnosis = (out / "DIAGNOSIS.md").read_text()
     assert diagnosis.count("page_table") >= 2
     assert f"Command: `needlescope investigate run {ledger} --out {out}`" in diagnosis  # the footer

@@ -57,3 +57,35 @@ def test_a_ledger_beyond_the_context_or_with_an_unbounded_topk_is_refused(run_cl
     line = _one_line(*run_cli("investigate", "run", str(ledger), "--out", str(tmp_path / "out")))
     assert "index_topk 100000000000: more entries than the model's context of 8192 tokens" in line
     assert not (tmp_path / "out").exists()
+
+
+def test_rank_dump_refuses_a_prompt_beyond_the_context_before_loading(run_cli, tmp_path, monkeypatch):
+    """The prompt is tokenized inside the workflow: its length, with the greedy answer, is checked
+    there against the checkpoint's context, before any model loads."""
+    import json
+
+    from needlescope.dsa import checkpoint
+
+    def no_load(*_a, **_k):
+        raise AssertionError("the model was loaded for a prompt beyond its context")
+
+    monkeypatch.setattr(checkpoint, "load_bundle", no_load)
+    chat = json.loads(open("examples/chat.json").read())
+    needle = "The secret code of the teal salmon is 179."
+    long = tmp_path / "long.json"
+    long.write_text(json.dumps([chat[0], {**chat[1], "content": chat[1]["content"] * 40}, chat[2]]))
+    line = _one_line(
+        *run_cli("indexer", "rank-dump", "--model", "organism", "--prompt", str(long), "--needle", needle,
+                 "--out", str(tmp_path / "r"))
+    )  # fmt: skip
+    tokens = int(line.split("the prompt is ", 1)[1].split()[0])
+    assert tokens > 8192 - 12, line
+    assert f"{long}: the prompt is {tokens} tokens and its answer up to 12 more; {CONTEXT[:-1]}" in line
+    assert "shorten the prompt to at most 8180 tokens" in line
+    # Explicit query positions run one prefill: no answer tokens are added to the prompt.
+    line = _one_line(
+        *run_cli("indexer", "rank-dump", "--model", "organism", "--prompt", str(long), "--needle", needle,
+                 "--positions", "5", "--out", str(tmp_path / "r"))
+    )  # fmt: skip
+    assert f"the prompt is {tokens} tokens; the model's context" in line and "at most 8192 tokens" in line
+    assert not (tmp_path / "r").exists()

@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import json
 import sys
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import openai
 import pytest
@@ -18,7 +17,7 @@ from needlescope.cli.main import main
 from needlescope.report.oracle import write_export, write_oracle
 from needlescope.run.oracle import OracleConfig, compare, export, load_prompt_set
 from needlescope.serve.launch import ServerProcess
-from needlescope.testing.servers import scripted
+from needlescope.testing.servers import in_thread, scripted
 
 FAULT = ["--patch", "fault:indexer_page_table", "--index-topk", "16"]
 
@@ -40,13 +39,8 @@ def _stdlib_server(answer):
             self.end_headers()
             self.wfile.write(data)
 
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    try:
-        yield f"http://127.0.0.1:{httpd.server_address[1]}/v1"
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
+    with in_thread(Handler) as root:
+        yield root + "/v1"
 
 
 @pytest.fixture(scope="module")

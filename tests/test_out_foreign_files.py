@@ -70,6 +70,17 @@ def test_force_is_the_way_past(run_cli, tmp_path):
     assert f"--out {out / 'out'}" in stdout  # item 9: the README's layout, the run beside its ledger
 
 
+def test_demo_force_is_the_way_past_and_keeps_other_files(run_cli, tmp_path):
+    out = tmp_path / "demo"
+    out.mkdir()
+    (out / "DIAGNOSIS.md").write_bytes(FOREIGN)
+    (out / "notes.txt").write_bytes(FOREIGN)
+    # A device no machine has: the run gets past --out, then its first server refuses to start.
+    code, stdout, stderr = run_cli("demo", "--out", str(out), "--device", "cuda:99", "--force")
+    assert code == 2 and "--device cuda:99" in stderr and "DIAGNOSIS.md" not in stderr, stdout + stderr
+    assert not (out / "DIAGNOSIS.md").exists() and (out / "notes.txt").read_bytes() == FOREIGN
+
+
 SPEC = OutputSpec("probe", ("report.md", "bundles/", "results.sqlite"), state=("results.sqlite",))
 
 

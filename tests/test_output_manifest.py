@@ -14,7 +14,7 @@ import time
 import pytest
 
 from needlescope.errors import BadInput
-from needlescope.workflows.demo import prepare_out
+from needlescope.workflows.demo import check_out, prepare_out
 from needlescope.workflows.manifest import MANIFEST_NAME, Manifest, check_clearable, clear
 
 
@@ -59,6 +59,36 @@ def test_only_recorded_unchanged_files_are_deleted(tmp_path):
     clear(out)
     assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*")) == ["reference", "reference/mine"]
     assert check_clearable(out) == []
+
+
+def test_force_replaces_the_demos_names_and_never_touches_another_file(tmp_path):
+    """Issue 38: --force as needlescope.outdir means it: the files at the names the demo writes
+    go, whoever wrote them; every other file stays byte for byte and is never recorded as the
+    demo's, so a rerun without --force names it again."""
+    from needlescope.dsa.checkpoint import shipped_dir
+
+    out = tmp_path / "out"
+    _demo_like(out)
+    (out / "drafts").mkdir()
+    (out / "drafts" / "a.txt").write_bytes(b"\x00draft\xff")
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(BadInput, match="no output manifest.*pass --force"):
+        check_out(out, shipped_dir())
+    check_out(out, shipped_dir(), force=True)
+    with pytest.raises(BadInput, match="overlaps the checkpoint"):
+        check_out(shipped_dir(), shipped_dir(), force=True)  # --force never reaches the checkpoint
+    manifest = prepare_out(out, force=True)
+    left = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
+    assert left == [MANIFEST_NAME, "drafts/a.txt", "notes.txt"]
+    assert (out / "drafts" / "a.txt").read_bytes() == b"\x00draft\xff" and (
+        out / "notes.txt"
+    ).read_text() == "mine"
+    (out / "DIAGNOSIS.md").write_text("the demo's")
+    manifest.record()
+    assert [f["path"] for f in json.loads((out / MANIFEST_NAME).read_text())["files"]] == ["DIAGNOSIS.md"]
+    with pytest.raises(BadInput, match="drafts/a.txt, notes.txt.*pass --force"):
+        clear(out)
+    assert (out / "DIAGNOSIS.md").read_text() == "the demo's"
 
 
 def test_manifest_lists_nothing_outside_out(tmp_path):

@@ -129,6 +129,31 @@ def test_stalled_bodies_never_take_health_off_the_air(server):
     assert "no complete request body" in log and "Traceback" not in log, log[-2000:]
 
 
+def test_a_request_being_answered_is_never_evicted(server):
+    """A kept-alive connection's second request, sent whole in one write, is being answered when
+    a flood of stalled bodies fills the cap: the cap evicts the flood, never that request."""
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 200\r\n\r\n"
+    with httpx.Client(base_url=server.url, timeout=60) as client, cf.ThreadPoolExecutor(1) as pool:
+        assert client.post("/v1/chat/completions", json=chat_body()).status_code == 200
+        slow = pool.submit(
+            client.post, "/v1/chat/completions", json=chat_body(max_tokens=30, ignore_eos=True)
+        )
+        _wait_running(server, 1)
+        socks = [
+            socket.create_connection(("127.0.0.1", server.port), timeout=5)
+            for _ in range(2 * MAX_CONNECTIONS)
+        ]
+        try:
+            for s in socks:
+                s.sendall(head)
+            answer = slow.result()
+        finally:
+            for s in socks:
+                s.close()
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["usage"]["completion_tokens"] == 30
+
+
 # ---- R20: a client that half-closes after its request -------------------------------------------
 
 
@@ -292,10 +317,27 @@ def test_an_api_key_no_header_can_carry_is_one_line_and_exit_2(tmp_path, key, wh
     assert key not in done.stderr
 
 
-def test_a_patch_raising_baseexception_is_one_line_and_exit_2(ckpt, tmp_path):
-    """A patch file whose import raises BaseException (not an Exception): before the fix it ended
-    serve with a traceback."""
+@pytest.mark.parametrize(
+    "source, where",
+    [
+        (
+            "raise BaseException('not an Exception')\n\ndef apply(model):\n    return None\n",
+            "failed to import",
+        ),
+        ("def apply(model):\n    raise BaseException('not an Exception')\n", "apply(model) failed"),
+    ],
+)
+def test_a_patch_raising_baseexception_is_bad_input(tmp_path, source, where):
+    """A patch file that raises BaseException (not an Exception) at import or in apply(model):
+    before the fix it escaped as itself and ended serve (and every command applying patches)
+    with a traceback; now it is BadInput, which the CLI prints as one line with exit 2."""
+    import torch
+
+    from needlescope.dsa.emulate import apply_patch_once
+    from needlescope.errors import BadInput
+
     bad = tmp_path / "raises_base.py"
-    bad.write_text("raise BaseException('not an Exception')\n\ndef apply(model):\n    return None\n")
-    done = _serve("--model", str(ckpt), "--port", "0", "--patch", str(bad))
-    _one_line_exit_2(done, "failed to import", "BaseException: not an Exception")
+    bad.write_text(source)
+    with pytest.raises(BadInput, match="BaseException: not an Exception") as info:
+        apply_patch_once(torch.nn.Linear(2, 2), bad)
+    assert where in str(info.value)

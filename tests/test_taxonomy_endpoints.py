@@ -118,6 +118,11 @@ def test_bundle_replays_against_faulty_and_not_healthy(scripted_server, tmp_path
     good = cli("replay", str(bundle), "--base-url", healthy, "--times", "2")
     assert good.returncode == 0, good.stderr
     assert "did not reproduce: answered correctly 2/2 times" in good.stdout
+    down = scripted_server(fail_every=1)  # every chat answers HTTP 500: nothing is measured
+    blocked = cli("replay", str(bundle), "--base-url", down, "--times", "2")
+    assert blocked.returncode == 1, blocked.stdout + blocked.stderr  # never 0, the healthy code
+    assert "could not tell: all 2 request(s) failed" in blocked.stdout
+    assert "target failed: none of 2 request(s)" in blocked.stderr and "Traceback" not in blocked.stderr
     missing = cli("replay", str(tmp_path / "nope"), "--base-url", healthy)
     assert missing.returncode == 2 and "not a bundle directory" in missing.stderr
 

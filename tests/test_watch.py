@@ -19,7 +19,7 @@ import subprocess
 import sys
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import httpx
@@ -28,6 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from needlescope.testing import scripted_server
 from needlescope.testing.prometheus import free_port
+from needlescope.testing.servers import in_thread
 from needlescope.watch.canary import Canary, RollingWindow
 from needlescope.watch.config import CanaryConfig
 from needlescope.watch.engine import UnexpectedFormat, engine_metric_names, normalize
@@ -84,13 +85,8 @@ def engine():
 
     opts = scripted_server.parse_options(["--window", "300"])
     Handler.state = scripted_server.State(opts)
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    server.daemon_threads = True
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    Handler.url = f"http://127.0.0.1:{server.server_address[1]}"
-    yield Handler
-    server.shutdown()
-    server.server_close()
+    with in_thread(Handler) as Handler.url:
+        yield Handler
 
 
 def samples(metrics: CanaryMetrics) -> dict[tuple, float]:
@@ -119,7 +115,7 @@ def run_rounds(cfg: CanaryConfig, rounds: int = 1, between=None) -> dict[tuple, 
 
 
 def canary_cfg(url: str, **kw) -> CanaryConfig:
-    kw = {"lengths": (200, 600), "depths": (0.0, 25.0), "timeout_s": 5.0, **kw}
+    kw = {"lengths": (200, 600), "depths": (0.0, 25.0), "trials": 1, "timeout_s": 5.0, **kw}
     return CanaryConfig(base_url=url, **kw)
 
 
@@ -257,13 +253,8 @@ def recording_engine():
             super()._chat(body)
 
     Handler.state = scripted_server.State(scripted_server.parse_options(["--window", "300"]))
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    server.daemon_threads = True
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    Handler.url = f"http://127.0.0.1:{server.server_address[1]}"
-    yield Handler
-    server.shutdown()
-    server.server_close()
+    with in_thread(Handler) as Handler.url:
+        yield Handler
 
 
 def test_every_probe_is_a_fresh_haystack_and_every_round_logs_its_recall(recording_engine, caplog):
@@ -405,6 +396,13 @@ def test_health_with_a_model_the_server_does_not_serve_is_bad_usage(scripted_ser
     assert typo.stderr.strip().splitlines() == [
         f"error: model 'scriptd' not served at {url}/v1; available: scripted"
     ], typo.stderr
+    canary = subprocess.run(
+        [*CLI, "canary", "--base-url", url, "--model", "scriptd", "--rounds", "1", "--listen", "127.0.0.1:0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert canary.returncode == 2 and "error: model 'scriptd' not served" in canary.stderr, canary.stderr
 
 
 @pytest.mark.parametrize(
@@ -467,7 +465,7 @@ def test_health_and_canary_watch_the_organism_and_its_admission_queue():
         assert ok.stdout.splitlines()[2].startswith("ok    needle")
         assert "needle values: 3 digits, from the target's /get_server_info trained_value_digits" in ok.stdout
 
-        cfg = CanaryConfig(base_url=srv.url, lengths=(256,), depths=(50.0,))
+        cfg = CanaryConfig(base_url=srv.url, lengths=(256,), depths=(50.0,), trials=1)
         got = run_rounds(cfg)
         assert got[("needlescope_recall", "256")] == 1.0
         assert got[("needlescope_engine_queue_depth",)] == 0.0
@@ -653,13 +651,9 @@ def stream_server():
                 self.wfile.flush()
             self.close_connection = True
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    server.daemon_threads = True
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    Handler.url = f"http://127.0.0.1:{server.server_address[1]}/v1"
-    yield Handler
-    server.shutdown()
-    server.server_close()
+    with in_thread(Handler) as root:
+        Handler.url = root + "/v1"
+        yield Handler
 
 
 @pytest.mark.parametrize(

@@ -48,6 +48,8 @@ def test_prometheus_sees_recall_and_up_through_an_outage(tmp_path, procs):
             "200,600",
             "--depths",
             "0,25",
+            "--trials",
+            "1",
             "--window",
             "4",
             "--listen",

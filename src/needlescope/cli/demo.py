@@ -5,7 +5,8 @@ and with a deployment-like setting (by default ``needlescope.workflows.demo.DEPL
 keys, ``index_topk`` 64, the built-in ``fault:indexer_page_table``), probes both with multiturn
 needles, rank-dumps the failing case, tries the fixes and writes ``DIAGNOSIS.md``
 (``needlescope.workflows.demo``). Every input is checked before anything is written, and
-``--out`` is replaced only when it is an earlier demo output. A progress bar advances through
+``--out`` is replaced only when it is an earlier demo output (``--force``: the files at the
+demo's names whoever wrote them; other files are never touched). A progress bar advances through
 the six phases.
 """
 
@@ -17,6 +18,7 @@ from pathlib import Path
 import typer
 
 from needlescope.cli.model_context import check_lengths, check_topk
+from needlescope.cli.outputs import FORCE
 from needlescope.cli.setting_options import PATCH_HELP, numerics_from_flags, with_patch
 from needlescope.run.config import ProbeConfig
 from needlescope.workflows.demo import DEPLOYMENT, MARKER, DemoConfig
@@ -32,7 +34,7 @@ def demo_command(
     out: Path = typer.Option(
         Path("demo-out"),
         "--out",
-        help=f"Output directory; replaced only when it is an earlier demo output (holds {MARKER}).",
+        help=f"Output directory; replaced only when it is an earlier demo output (holds {MARKER}), or with --force.",
     ),
     model: str = typer.Option("organism", "--model", help="'organism' or a DeepSeek-V4 checkpoint dir."),
     deploy_index_k: str = typer.Option(DEPLOYMENT.index_k, help="Deployment-like index-key precision."),
@@ -45,6 +47,7 @@ def demo_command(
     ),
     trials: int = typer.Option(_default("trials"), help="Trials per cell."),
     device: str = typer.Option(_default("device"), help="cpu | cuda | cuda:N"),
+    force: bool = FORCE,
 ) -> None:
     """Probe the organism under reference and deployment numerics and explain the difference."""
     from needlescope.cli.output import console
@@ -60,6 +63,7 @@ def demo_command(
         lengths=tuple(parse_int_list(lengths, "--lengths")),
         trials=trials,
         device=device,
+        force=force,
     )
     # Before anything loads: every probe length with its answer tokens fits the model's context.
     check_lengths(model, cfg.lengths, ProbeConfig.__dataclass_fields__["max_tokens"].default)

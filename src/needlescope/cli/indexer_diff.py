@@ -59,6 +59,16 @@ def diff_command(
         "--allow",
         help="PATTERN=bf16|fp16: modules (fnmatch on the name) declared to run at a reduced precision; repeatable.",
     ),
+    chunk: int = typer.Option(
+        None,
+        "--chunk",
+        help="Run layer by layer in chunks of this many tokens through the KV cache (docs/scale.md).",
+    ),
+    device: str = typer.Option("cpu", "--device", help="cpu | cuda | cuda:N | auto | cuda:0,cuda:1"),
+    max_memory: str = typer.Option(None, "--max-memory", help="Weight bytes per device: 70GiB."),
+    stream_layers: bool = typer.Option(
+        False, "--stream-layers", help="Read one layer at a time: weights larger than the device."
+    ),
     force: bool = FORCE,
 ) -> None:
     """Run reference and candidate side by side and name the first module that diverges too much."""
@@ -66,6 +76,7 @@ def diff_command(
 
     from needlescope.dsa.checkpoint import load_bundle, require_deepseek_v4, resolve_model_dir
     from needlescope.dsa.diff import diff_to_json, localize, parse_allow, render_diff_md, validate_diff
+    from needlescope.dsa.passes import check_chunk
     from needlescope.dsa.prompt import read_prompt_file, render_prompt
 
     setting = opt.numerics_from_flags(index_k, index_q, score_dtype, index_topk)
@@ -90,14 +101,18 @@ def diff_command(
             opt.with_patch(setting, patch),
             tuple(PatchRef.resolve(p) for p in extra_patch or ()),
         )
-        reference, tokenizer, _ = load_bundle(path)
-        candidate, _, _ = load_bundle(path)
+        check_chunk(chunk)
+        loading = dict(
+            device=device, max_memory=max_memory, stream_layers=stream_layers, stream_if_needed=True
+        )
+        reference, tokenizer, _ = load_bundle(path, **loading)
+        candidate, _, _ = load_bundle(path, **loading)
         if input_ids is None and render_prompt(tokenizer, read_prompt_file(prompt)).input_ids != token_ids:
             raise BadInput(f"the tokenizer of {str(path)!r} renders the prompt differently when loaded twice")
         ids = torch.tensor([token_ids])
         with ProgressView(console) as view:
             shown = lambda task, done, total, what: view(f"diff: {task}", done, total, what)  # noqa: E731
-            result = localize(reference, candidate, ids, setting=setting, needle_span=span, growth=growth, allow=allowed, extra_patches=extras, progress=shown)  # fmt: skip
+            result = localize(reference, candidate, ids, setting=setting, needle_span=span, growth=growth, allow=allowed, extra_patches=extras, progress=shown, chunk=chunk)  # fmt: skip
         validate_diff(result)
         _write(out, "diff.json", diff_to_json(result))
         _write(out, "diff.md", render_diff_md(result))

@@ -21,6 +21,7 @@ from needlescope.cli.indexer import indexer_app
 from needlescope.cli.model_context import check_topk
 from needlescope.cli.output import console
 from needlescope.cli.outputs import FORCE, guard
+from needlescope.cli.progress import ProgressView
 from needlescope.errors import BadInput
 from needlescope.paths import check_out_dir
 from needlescope.run.config import parse_int_list
@@ -71,6 +72,9 @@ def rank_dump_command(
     device: str = typer.Option("cpu", "--device", help="cpu | cuda | cuda:N | auto | cuda:0,cuda:1"),
     max_memory: str = typer.Option(None, "--max-memory", help="Weight bytes per device when placing: 70GiB."),
     chunk: int = typer.Option(None, "--chunk", help="Prefill in chunks of this many tokens (docs/scale.md)."),
+    stream_layers: bool = typer.Option(
+        False, "--stream-layers", help="Read one layer at a time per pass: weights larger than the device."
+    ),
     out: Path = typer.Option(..., "--out", help="Output directory."),
     force: bool = FORCE,
 ) -> None:
@@ -94,12 +98,14 @@ def rank_dump_command(
         device=device,
         max_memory=max_memory,
         chunk=chunk,
+        stream_layers=stream_layers,
     )
     check_topk(model, [setting.index_topk])
     check_out_dir(out)
     cfg = replace(cfg, setting=opt.with_patch(setting, patch))  # resolved last; it runs when first applied
     with guard(out, "indexer rank-dump", force):
-        result = rankdump.run(cfg)
+        with ProgressView(console) as view:
+            result = rankdump.run(cfg, view)
         written = rankdump.write(result, out)
     _render_rank_summary(result.dumps, setting.label(), result.stability)
     console.print(f"wrote {out}/" + ", ".join(written))

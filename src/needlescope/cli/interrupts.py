@@ -33,10 +33,11 @@ def on_interrupt(saved: Callable[[], str], how: str) -> Iterator[None]:
 
 def store_saved(*stores: Path, sends: bool = False) -> Callable[[], str]:
     """``saved`` for runs kept in results stores: "20 of 30 cases saved" over all of them
-    (``sends``: the answered sends of an engine-state run instead, which sends a case in arms)."""
+    (``sends``: "7 of 16 sends saved" of an engine-state run, which sends a case in every arm)."""
 
     def count() -> str:
         from needlescope.errors import BadInput
+        from needlescope.run.engine_state import planned_sends
         from needlescope.run.store import peek
 
         ok = total = 0
@@ -46,10 +47,13 @@ def store_saved(*stores: Path, sends: bool = False) -> Callable[[], str]:
                     found = peek(path)
                 except BadInput:
                     continue
-                ok, total = ok + found["sends_ok" if sends else "ok"], total + found["cases"]
+                planned = (
+                    planned_sends(found["fingerprint"] or {}, found["cases"]) if sends else found["cases"]
+                )
+                ok, total = ok + found["sends_ok" if sends else "ok"], total + planned
         if not total:
             return "no case was saved yet"
-        return f"{ok} answered sends of {total} cases saved" if sends else f"{ok} of {total} cases saved"
+        return f"{ok} of {total} {'sends' if sends else 'cases'} saved"
 
     return count
 

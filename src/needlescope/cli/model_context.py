@@ -19,13 +19,13 @@ __all__ = ["check_lengths", "check_topk", "model_context"]
 def model_context(model: str | Path) -> tuple[int, str] | None:
     """(context in tokens, where it was read) of a checkpoint ('organism' or a directory); None
     when its config.json states none or the checkpoint is not there (the tool says so itself)."""
-    from needlescope.dsa.checkpoint import ORGANISM, read_config, shipped_dir
+    from needlescope.dsa.checkpoint import ORGANISM, context_tokens, shipped_dir
 
     path = shipped_dir() if str(model) == ORGANISM else Path(model)
     if not (path / "config.json").is_file():
         return None
-    context = read_config(path).get("max_position_embeddings")
-    if not isinstance(context, int) or isinstance(context, bool) or context <= 0:
+    context = context_tokens(path)
+    if context is None:
         return None
     name = ORGANISM if str(model) == ORGANISM else path.name
     return context, f"{name}'s config.json max_position_embeddings"

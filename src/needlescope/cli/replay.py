@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from needlescope.cli.output import console
+from needlescope.cli.output import console, err_console
 from needlescope.errors import BadInput
 from needlescope.run.bundles import replay_bundle
 
@@ -17,7 +17,9 @@ def replay_command(
     base_url: str = typer.Option(..., "--base-url", help="Server to re-send the request to."),
     times: int = typer.Option(1, "--times", help="How many times to send it."),
 ) -> None:
-    """Re-send a failing case exactly as it was sent and report how often the miss comes back."""
+    """Re-send a failing case exactly as it was sent and report how often the miss comes back.
+
+    Exit 0 with a verdict; 1 when no request was answered (nothing was measured); 2 bad input."""
     if times < 1:
         raise BadInput(f"--times must be at least 1; got {times}")
     res = replay_bundle(
@@ -33,3 +35,11 @@ def replay_command(
             mark = "right" if a["correct"] else a["failure"]["category"]
             console.print(f"{i}: {a['answer']!r} ({mark})", highlight=False)
     console.print(f"{res['case_id']}: {res['verdict']}", style="bold")
+    if not res["scored"]:
+        # Blocked is never healthy: an answer of no request says nothing about the failure.
+        err_console.print(
+            f"target failed: none of {res['times']} request(s) to {base_url} was answered; check --base-url",
+            highlight=False,
+            soft_wrap=True,
+        )
+        raise typer.Exit(1)

@@ -50,7 +50,7 @@ def health_command(
     raise typer.Exit(0 if report["healthy"] else 1)
 
 
-@option_group(CanaryConfig, ("lengths", "depths", "threshold", "skip_long_lengths", *_TARGET_FLAGS))
+@option_group(CanaryConfig, ("lengths", "depths", "trials", "threshold", "skip_long_lengths", *_TARGET_FLAGS))
 def canary_command(
     flags: dict,
     base_url: str = typer.Option(..., "--base-url", help="Server URL (root or ending in /v1)."),
@@ -123,6 +123,11 @@ def canary_command(
     finally:
         server.shutdown()
         server.server_close()
+    scored = sum(s.value for s in metrics.probes.collect()[0].samples if s.name.endswith("_total"))
+    if rounds and not scored:
+        # A bounded run is a check: one that scored no probe measured nothing, which is never healthy.
+        log.error("no probe was scored in %d round(s): nothing was measured (see the lines above)", rounds)
+        raise typer.Exit(1)
 
 
 async def _watch(canary, rounds: int | None) -> None:

@@ -30,6 +30,7 @@ __all__ = [
     "read_config",
     "resolve_model_dir",
     "check_weights",
+    "context_tokens",
     "load_bundle",
     "load_tokenizer",
     "require_deepseek_v4",
@@ -67,6 +68,15 @@ def read_config(path: Path) -> dict:
     if not cfg_path.is_file():
         raise BadInput(f"{str(path)!r} has no config.json; it is not a transformers checkpoint directory")
     return read_json_object(cfg_path, "restore the checkpoint's config.json")
+
+
+def context_tokens(path: Path) -> int | None:
+    """The context in tokens that ``path/config.json`` states (``max_position_embeddings``);
+    None when it states none (the tools then have nothing to check lengths against)."""
+    context = read_config(path).get("max_position_embeddings")
+    if not isinstance(context, int) or isinstance(context, bool) or context <= 0:
+        return None
+    return context
 
 
 def check_weights(path: Path) -> None:
@@ -172,6 +182,8 @@ def load_bundle(
     device: str = "cpu",
     max_memory: str | None = None,
     reserve: int | None = None,
+    stream_layers: bool = False,
+    stream_if_needed: bool = False,
 ):
     """(model in eval mode, tokenizer, resolved path). Offline, safetensors only.
 
@@ -185,10 +197,18 @@ def load_bundle(
     ``dtype``: None is float32 for a transformers-layout checkpoint (as before) and the
     checkpoint's own dtype (bf16) for the release layout. ``dsa.loading.placement_of(model)`` gives the placement
     and the bytes per device.
+
+    ``stream_layers``: keep the decoder layers on disk and read one at a time per pass
+    (``dsa.streaming``), on the one device given (``auto``: the first GPU, else the CPU).
+    ``stream_if_needed`` (for callers that run every forward through ``dsa.passes`` or
+    ``dsa.diff``): with ``device="auto"`` streaming is also chosen when the weights do not fit
+    the budgets; otherwise such a checkpoint is refused, as before.
+    ``dsa.streaming.streamer_of(model)`` is then the layer reader with its per-layer times.
     """
-    from needlescope.dsa.loading import checkpoint_tensors, load_sharded
+    from needlescope.dsa.loading import checkpoint_tensors
     from needlescope.dsa.placement import DEFAULT_RESERVE, auto_devices
     from needlescope.dsa.release import is_release_layout
+    from needlescope.dsa.streaming import load_weights
 
     for one in [] if device == "auto" else device.split(","):
         check_device(one.strip())
@@ -198,15 +218,19 @@ def load_bundle(
     release = is_release_layout(checkpoint_tensors(path))
     if dtype is None and not release:
         dtype = torch.float32
-    if placed or release:
+    if placed or release or stream_layers:
         devices = auto_devices() if device == "auto" else [d.strip() for d in device.split(",") if d.strip()]
+        if stream_layers and device == "auto":
+            devices = devices[:1]
         with quiet_transformers():
-            model = load_sharded(
+            model = load_weights(
                 path,
                 devices=devices,
                 max_memory=max_memory,
                 reserve=DEFAULT_RESERVE if reserve is None else reserve,
                 dtype=dtype,
+                stream_layers=stream_layers,
+                stream_if_needed=stream_if_needed and device == "auto",
             )
         return model, load_tokenizer(path), path
     config = AutoConfig.from_pretrained(path, local_files_only=True)

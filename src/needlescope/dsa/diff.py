@@ -77,6 +77,7 @@ from collections.abc import Mapping
 import torch
 
 from needlescope.dsa.diff_md import DIFF_SCHEMA, diff_to_json, render_diff_md, validate_diff
+from needlescope.dsa.diff_steps import judged_in_steps
 from needlescope.dsa.emulate import (
     ACC_DTYPES,
     IndexerCapture,
@@ -97,10 +98,12 @@ from needlescope.dsa.module_replay import (
     selection_error,
     tensors,
 )
+from needlescope.dsa.passes import check_chunk
 from needlescope.dsa.prompt import covering_entries
 from needlescope.dsa.quant import get_quantizer, hadamard_128
 from needlescope.dsa.rankdump import selected_in
 from needlescope.dsa.reference import visible_entries
+from needlescope.dsa.streaming import is_streamed
 from needlescope.errors import BadInput
 from needlescope.progress import Progress, no_progress
 from needlescope.setting import Setting
@@ -481,6 +484,7 @@ def localize(
     reference_setting: Setting | None = None,
     extra_patches: tuple = (),
     progress: Progress = no_progress,
+    chunk: int | None = None,
 ) -> dict:
     """Run both models on ``input_ids`` [1, T] and return the ``diff.json`` object (module docstring).
     ``progress`` hears of the two forward passes, then of each module compared.
@@ -491,6 +495,9 @@ def localize(
     precision the module is declared to run at. Cost: two forwards, one replay (about one
     forward), and per amplifying module ``draws`` forwards of that module. ``extra_patches``:
     model-level patch files the candidate also carries (applied after ``setting``).
+    ``chunk``: run both models layer-major through their KV caches in chunks of this many tokens
+    and judge each (layer, chunk) step's calls before the next (``dsa.diff_steps``); models
+    loaded by ``dsa.streaming`` always run that way (one chunk when None).
     """
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise ValueError(f"input_ids must be [1, T], got shape {tuple(input_ids.shape)}")
@@ -501,29 +508,42 @@ def localize(
     allow = dict(allow or {})
     parse_allow([f"{k}={v}" for k, v in allow.items()])
     check_unpatched(candidate)
+    check_chunk(chunk)
     numerics = setting
     ref_num = reference_setting or Setting(index_topk=setting.index_topk)
     T = int(input_ids.shape[1])
     ref_cap, cand_cap = IndexerCapture(keep_scores=True), IndexerCapture(keep_scores=True)
     ratio = csa_indexers(reference)[0][1].compress_rate
+    topk_by_layer = {layer: int(idx.index_topk) for layer, idx in csa_indexers(reference)}
+    judge = _Judge(reference, numerics, growth, margin, draws, allow)
     with torch.no_grad():
-        with emulate(reference, ref_num, capture=ref_cap) as layers, Recorder(reference) as rec_ref:
-            topk_by_layer = {layer: int(idx.index_topk) for layer, idx in csa_indexers(reference)}
-            progress("forward passes", 0, 2, "reference")
-            reference(input_ids=input_ids.to(_device(reference)), use_cache=False)
-        with (
-            emulate(candidate, setting, capture=cand_cap),
-            patches_applied(candidate, extra_patches),
-            Recorder(candidate) as rec_cand,
-        ):
-            progress("forward passes", 1, 2, "candidate")
-            candidate(input_ids=input_ids.to(_device(candidate)), use_cache=False)
-            progress("forward passes", 2, 2, "")
-        # Replays and calibrations run the reference with the scorer it was recorded with.
-        with emulate(reference, ref_num, capture=IndexerCapture(keep_scores=True)):
-            judge = _Judge(reference, numerics, growth, margin, draws, allow)
-            modules, unmatched = _compare(rec_ref.rows, rec_cand.rows, judge, ratio, progress)
-            progress("modules", len(rec_ref.rows), len(rec_ref.rows), "")
+        if chunk is None and not (is_streamed(reference) or is_streamed(candidate)):
+            modules, unmatched, layers = _one_pass(
+                reference,
+                candidate,
+                input_ids,
+                judge,
+                ratio,
+                ref_num,
+                (ref_cap, cand_cap),
+                extra_patches,
+                progress,
+            )
+        else:
+            modules, unmatched = [], {"reference_only": [], "candidate_only": []}
+
+            def judge_step(ref_rows, cand_rows) -> None:
+                rows, missing = _compare(ref_rows, cand_rows, judge, ratio, no_progress)
+                modules.extend(rows)
+                for side, keys in missing.items():
+                    unmatched[side] += keys
+
+            ref_cap.score_from = cand_cap.score_from = T - 1  # the needle's rank is read there only
+            layers = judged_in_steps(
+                reference, candidate, input_ids, chunk=chunk, reference_setting=ref_num, setting=setting,
+                extra_patches=extra_patches, captures=(ref_cap, cand_cap), judge_step=judge_step,
+                progress=progress,
+            )  # fmt: skip
     first = next((m["module"] for m in modules if m["exceeds"]), None)
     query_pos = T - 1
     entries = covering_entries(needle_span, ratio) if needle_span is not None else []
@@ -545,6 +565,30 @@ def localize(
         "allow": allow,
         "unmatched": unmatched,
     }
+
+
+def _one_pass(
+    reference, candidate, input_ids, judge: _Judge, ratio: int, ref_num, captures, extra_patches, progress
+):
+    """(modules, unmatched, CSA layers): both models over the whole prompt in one forward each,
+    every call recorded, then every call judged."""
+    ref_cap, cand_cap = captures
+    with emulate(reference, ref_num, capture=ref_cap) as layers, Recorder(reference) as rec_ref:
+        progress("forward passes", 0, 2, "reference")
+        reference(input_ids=input_ids.to(_device(reference)), use_cache=False)
+    with (
+        emulate(candidate, judge.numerics, capture=cand_cap),
+        patches_applied(candidate, extra_patches),
+        Recorder(candidate) as rec_cand,
+    ):
+        progress("forward passes", 1, 2, "candidate")
+        candidate(input_ids=input_ids.to(_device(candidate)), use_cache=False)
+        progress("forward passes", 2, 2, "")
+    # Replays and calibrations run the reference with the scorer it was recorded with.
+    with emulate(reference, ref_num, capture=IndexerCapture(keep_scores=True)):
+        modules, unmatched = _compare(rec_ref.rows, rec_cand.rows, judge, ratio, progress)
+        progress("modules", len(rec_ref.rows), len(rec_ref.rows), "")
+    return modules, unmatched, layers
 
 
 def _device(model: torch.nn.Module) -> torch.device:

@@ -131,6 +131,12 @@ class IndexerCapture:
         self.calls.clear()
         self._pending.clear()
 
+    def forget_after(self, n: int) -> None:
+        """Drop the calls recorded after the first ``n`` and any pending scores: what replays of
+        the captured model's own modules added (``dsa.diff`` judging a chunk)."""
+        del self.calls[n:]
+        self._pending.clear()
+
     def k_used(self) -> int | None:
         """The largest k any recorded indexer call passed to its topk (None if none was seen)."""
         ks = [c.k for c in self.calls if c.k is not None]

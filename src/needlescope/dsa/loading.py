@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from needlescope.dsa.blockfp4 import dequantize_block_fp4, is_packed_fp4
 from needlescope.dsa.blockfp8 import dequantize_block_fp8
 from needlescope.dsa.placement import (
     DEFAULT_RESERVE,
@@ -27,7 +28,21 @@ from needlescope.dsa.placement import (
 from needlescope.dsa.release import SCALE_SUFFIX, expert_slot, hf_name
 from needlescope.errors import BadInput
 
-__all__ = ["checkpoint_tensors", "empty_model", "load_placed", "load_sharded", "model_config", "placement_of"]
+__all__ = [
+    "TensorReader",
+    "checkpoint_tensors",
+    "empty_model",
+    "fill",
+    "load_placed",
+    "load_sharded",
+    "model_config",
+    "model_tensors",
+    "placement_of",
+    "set_tensor",
+    "planned",
+    "read_group",
+    "stored_names",
+]
 
 _PLACEMENT_ATTR = "needlescope_placement"
 
@@ -73,17 +88,19 @@ def empty_model(config, dtype: torch.dtype) -> torch.nn.Module:
     if dtype != torch.float32:
         for name, t in [*model.named_parameters(), *model.named_buffers()]:
             if t.is_floating_point() and keep & set(name.split(".")):
-                _set(model, name, torch.empty(t.shape, dtype=torch.float32, device=t.device))
+                set_tensor(model, name, torch.empty(t.shape, dtype=torch.float32, device=t.device))
     return model
 
 
-def _set(model: torch.nn.Module, name: str, value: torch.Tensor) -> None:
+def set_tensor(model: torch.nn.Module, name: str, value: torch.Tensor) -> torch.Tensor:
+    """Put ``value`` in place of the parameter or buffer ``name``; returns what the model now holds."""
     module_path, _, leaf = name.rpartition(".")
     module = model.get_submodule(module_path)
     if leaf in module._parameters:
         module._parameters[leaf] = torch.nn.Parameter(value, requires_grad=False)
-    else:
-        module._buffers[leaf] = value
+        return module._parameters[leaf]
+    module._buffers[leaf] = value
+    return value
 
 
 def _unit_of(name: str, placement: Placement) -> str:
@@ -95,38 +112,71 @@ def _unit_of(name: str, placement: Placement) -> str:
     raise BadInput(f"checkpoint tensor {name!r} belongs to no placement unit")
 
 
-def _read(handles, files: dict[str, Path], name: str, device: str, dtype: torch.dtype) -> torch.Tensor:
-    """Tensor ``name`` on ``device``: dequantized to ``dtype`` when a ``.scale`` sits beside it."""
-    from safetensors import safe_open
+class TensorReader:
+    """Reads checkpoint tensors by name from their safetensors files (memory-mapped, opened once)."""
 
-    def get(n: str) -> torch.Tensor:
-        f = files[n]
-        if f not in handles:
-            handles[f] = safe_open(f, framework="pt", device="cpu")
-        return handles[f].get_tensor(n).to(device)
+    def __init__(self, files: dict[str, Path]):
+        self.files = files
+        self._handles: dict[Path, object] = {}
 
-    t = get(name)
-    scale_name = name.removesuffix(".weight") + SCALE_SUFFIX
-    if name.endswith(".weight") and scale_name in files:
-        return dequantize_block_fp8(t, get(scale_name), dtype=dtype)
-    return t
+    def get(self, name: str) -> torch.Tensor:
+        """Tensor ``name`` as stored, on the CPU (this copy is the disk read)."""
+        from safetensors import safe_open
+
+        f = self.files[name]
+        if f not in self._handles:
+            self._handles[f] = safe_open(f, framework="pt", device="cpu")
+        return self._handles[f].get_tensor(name)
 
 
-def load_placed(
-    path: Path, placement: Placement, model: torch.nn.Module, dtype: torch.dtype
-) -> torch.nn.Module:
-    """Fill the meta-device ``model`` from the checkpoint at ``path`` according to ``placement``."""
-    files = checkpoint_tensors(path)
-    targets = dict(model.named_parameters())
-    targets.update({n: b for n, b in model.named_buffers() if n in model.state_dict()})
-    device_of = placement.device_map()
+def stored_names(files: dict[str, Path]) -> list[str]:
+    """The checkpoint tensors that load as one model tensor each: every name but a weight's ``.scale``."""
+    return [
+        n
+        for n in files
+        if not (n.endswith(SCALE_SUFFIX) and n.removesuffix(SCALE_SUFFIX) + ".weight" in files)
+    ]
+
+
+def read_group(get, files: dict[str, Path], names: list[str]) -> dict[str, torch.Tensor]:
+    """``names`` and their ``.scale`` tensors, as stored, read through ``get`` (CPU tensors)."""
+    out = {}
+    for name in names:
+        out[name] = get(name)
+        scale_name = name.removesuffix(".weight") + SCALE_SUFFIX
+        if name.endswith(".weight") and scale_name in files:
+            out[scale_name] = get(scale_name)
+    return out
+
+
+def _decoded(raw: dict[str, torch.Tensor], name: str, device: str, dtype: torch.dtype) -> torch.Tensor:
+    """Tensor ``name`` of ``raw`` on ``device``: dequantized to ``dtype`` when a ``.scale`` sits beside
+    it (packed fp4 for int8 weights, block fp8 otherwise)."""
+    t = raw[name].to(device)
+    scale = raw.get(name.removesuffix(".weight") + SCALE_SUFFIX) if name.endswith(".weight") else None
+    if scale is None:
+        return t
+    if is_packed_fp4(t):
+        return dequantize_block_fp4(t, scale.to(device), dtype=dtype)
+    return dequantize_block_fp8(t, scale.to(device), dtype=dtype)
+
+
+def fill(
+    model: torch.nn.Module,
+    raw: dict[str, torch.Tensor],
+    names: list[str],
+    device_of,
+    dtype: torch.dtype,
+    targets: dict[str, torch.Tensor],
+    filled: set[str],
+) -> list[str]:
+    """Set the model tensors of checkpoint tensors ``names`` (read into ``raw``); returns the names the
+    model does not have. ``device_of(target)`` gives each model tensor's device; ``targets`` (model
+    path -> tensor) is updated as stacked expert parameters are created; ``filled`` collects the paths set.
+    """
     intermediate = int(model.config.moe_intermediate_size)
-    handles: dict[Path, object] = {}
-    filled: set[str] = set()
     unexpected = []
-    for name in files:
-        if name.endswith(SCALE_SUFFIX) and name.removesuffix(SCALE_SUFFIX) + ".weight" in files:
-            continue
+    for name in names:
         slot = expert_slot(name, intermediate)
         target = slot.param if slot is not None else hf_name(name)
         if target is None:  # the release's MTP block: transformers does not load it
@@ -135,22 +185,47 @@ def load_placed(
             unexpected.append(name)
             continue
         ref = targets[target]
-        device = device_of[_unit_of(target, placement)]
-        value = _read(handles, files, name, device, ref.dtype if ref.is_floating_point() else dtype)
+        device = device_of(target)
+        value = _decoded(raw, name, device, ref.dtype if ref.is_floating_point() else dtype)
         if slot is None:
             value = value.to(ref.dtype)
             if tuple(value.shape) != tuple(ref.shape):
                 raise BadInput(
                     f"checkpoint tensor {name!r} has shape {tuple(value.shape)}, the model wants {tuple(ref.shape)}"
                 )
-            _set(model, target, value)
+            set_tensor(model, target, value)
         else:
             if target not in filled:
-                _set(model, target, torch.empty(ref.shape, dtype=ref.dtype, device=device))
+                set_tensor(model, target, torch.empty(ref.shape, dtype=ref.dtype, device=device))
                 targets[target] = model.get_parameter(target)
             dest = targets[target][slot.expert]
             (dest if slot.rows is None else dest[slot.rows]).copy_(value)
         filled.add(target)
+    return unexpected
+
+
+def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Model path -> parameter or persistent buffer: what a checkpoint fills."""
+    targets = dict(model.named_parameters())
+    targets.update({n: b for n, b in model.named_buffers() if n in model.state_dict()})
+    return targets
+
+
+def load_placed(
+    path: Path, placement: Placement, model: torch.nn.Module, dtype: torch.dtype
+) -> torch.nn.Module:
+    """Fill the meta-device ``model`` from the checkpoint at ``path`` according to ``placement``."""
+    files = checkpoint_tensors(path)
+    targets = model_tensors(model)
+    device_map = placement.device_map()
+    reader = TensorReader(files)
+    filled: set[str] = set()
+    unexpected = []
+    for name in stored_names(files):
+        raw = read_group(reader.get, files, [name])
+        unexpected += fill(
+            model, raw, [name], lambda t: device_map[_unit_of(t, placement)], dtype, targets, filled
+        )
     if unexpected:
         raise BadInput(
             f"{path}: {len(unexpected)} checkpoint tensors the model does not have, e.g. {unexpected[:3]}"
@@ -182,6 +257,23 @@ def placement_of(model: torch.nn.Module) -> Placement | None:
     return getattr(model, _PLACEMENT_ATTR, None)
 
 
+def planned(
+    path: Path, devices: list[str], max_memory: str | None, reserve: int, dtype: torch.dtype | None
+) -> tuple[torch.nn.Module, list[int | None], torch.dtype]:
+    """(model on the meta device, weight budget per device, dtype): what placing or streaming starts from.
+
+    ``dtype``: None takes the checkpoint's own (``config.json`` ``dtype`` / ``torch_dtype``).
+    """
+    config = model_config(path, torch.float32)
+    if dtype is None:
+        dtype = _config_dtype(path)
+    config.dtype = dtype
+    model = empty_model(config, dtype)
+    budgets = parse_max_memory(max_memory, len(devices))
+    budgets = [b if b is not None else default_budget(d, reserve) for d, b in zip(devices, budgets)]
+    return model, budgets, dtype
+
+
 def load_sharded(
     path: Path,
     *,
@@ -195,13 +287,7 @@ def load_sharded(
     ``dtype``: None takes the checkpoint's own (``config.json`` ``dtype`` / ``torch_dtype``);
     block-fp8 weights dequantize to it.
     """
-    config = model_config(path, torch.float32)
-    if dtype is None:
-        dtype = _config_dtype(path)
-    config.dtype = dtype
-    model = empty_model(config, dtype)
-    budgets = parse_max_memory(max_memory, len(devices))
-    budgets = [b if b is not None else default_budget(d, reserve) for d, b in zip(devices, budgets)]
+    model, budgets, dtype = planned(path, devices, max_memory, reserve, dtype)
     placement = plan_placement(unit_bytes(model), devices, budgets)
     return load_placed(path, placement, model, dtype)
 

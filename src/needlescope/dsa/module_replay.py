@@ -15,6 +15,12 @@ The three measurements ``needlescope.dsa.diff`` judges a module by:
   Gaussian noise of given relative sizes, and measure how far its output moves: an empirical
   condition number at the scale of the error that actually arrives.
 
+Calls that run through a KV cache (a chunk of a chunked or streamed run): the recorder keeps,
+in place of the live ``Cache`` the call was given, a copy of the cache entry of the call's layer
+as it stood before the call (``frozen``), and every replay and calibration runs on a fresh copy
+of that (``thawed``), so a replayed attention, compressor or indexer sees the sliding window,
+compressor buffers and indexer keys of the chunks before its own, as the recorded run did.
+
 All error measures are ``output_err``: the largest norm-wise relative error over the tensors
 of two outputs of one structure, with selections (integer top-k outputs of an indexer)
 compared as sets (``selection_error``).
@@ -22,8 +28,11 @@ compared as sets (``selection_error``).
 
 from __future__ import annotations
 
+import copy
 import math
+import re
 from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -169,6 +178,53 @@ class Call:
         return [t for t in tensors((self.args, self.kwargs)) if t.is_floating_point()]
 
 
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
+
+
+def _is_cache(obj) -> bool:
+    from transformers.cache_utils import Cache
+
+    return isinstance(obj, Cache)
+
+
+def copy_cache(cache, layer: int | None):
+    """A copy of ``cache`` whose entry of ``layer`` (every entry when None) is independent of the
+    original; the other entries are shared (a module of one layer touches only its own)."""
+    new = copy.copy(cache)
+    new.layers = list(cache.layers)
+    for i in range(len(new.layers)) if layer is None else [layer]:
+        new.layers[i] = copy.deepcopy(cache.layers[i])
+    return new
+
+
+@dataclass(frozen=True)
+class FrozenCache:
+    """A cache as it stood before a recorded call: ``cache`` (never run again) and the layer it is for."""
+
+    cache: object
+    layer: int | None
+
+
+def frozen(args: tuple, kwargs: dict, name: str) -> tuple[tuple, dict]:
+    """``args`` and ``kwargs`` with every ``Cache`` replaced by a ``FrozenCache`` of module ``name``'s layer."""
+    m = _LAYER.search(name)
+    layer = int(m.group(1)) if m else None
+
+    def freeze(x):
+        return FrozenCache(copy_cache(x, layer), layer) if _is_cache(x) else x
+
+    return tuple(freeze(a) for a in args), {k: freeze(v) for k, v in kwargs.items()}
+
+
+def thawed(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``args`` and ``kwargs`` with every ``FrozenCache`` replaced by a fresh copy a replay may run on."""
+
+    def thaw(x):
+        return copy_cache(x.cache, x.layer) if isinstance(x, FrozenCache) else x
+
+    return tuple(thaw(a) for a in args), {k: thaw(v) for k, v in kwargs.items()}
+
+
 class Recorder:
     """Forward hooks on every named sub-module; ``rows`` in the order the calls return.
 
@@ -183,6 +239,16 @@ class Recorder:
         self._calls: dict[str, int] = {}
         self._stack: list[Call] = []
         self._handles: list = []
+        self._paused = False
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Record nothing inside the block (replays of the recorded model's own modules)."""
+        self._paused = True
+        try:
+            yield
+        finally:
+            self._paused = False
 
     def _key(self, name: str) -> str:
         n = self._calls.get(name, 0) + 1
@@ -191,6 +257,8 @@ class Recorder:
 
     def _pre(self, name: str, tname: str):
         def hook(module, args, kwargs):
+            if self._paused:
+                return
             parent = self._stack[-1].key if self._stack else None
             if tname == DECODER:
                 hs = args[0] if args else kwargs["hidden_states"]
@@ -203,11 +271,14 @@ class Recorder:
                 if tname == DECODER
                 else "module"
             )
-            self._stack.append(Call(self._key(name), name, tname, kind, parent, tuple(args), dict(kwargs)))
+            args_in, kwargs_in = frozen(tuple(args), dict(kwargs), name)
+            self._stack.append(Call(self._key(name), name, tname, kind, parent, args_in, kwargs_in))
 
         return hook
 
     def _post(self, module, args, kwargs, output):
+        if self._paused:
+            return
         call = self._stack.pop()
         call.seen = [t.detach() for t in tensors((args, kwargs)) if t.is_floating_point()]
         call.output = output
@@ -280,7 +351,8 @@ def replay_own(
             saved.append((mod, mod.__dict__.get("forward")))
             mod.forward = stub(mod, queue, mod.forward)
         try:
-            replayed = module(*call.args, **call.kwargs)
+            args, kwargs = thawed(call.args, call.kwargs)
+            replayed = module(*args, **kwargs)
         except Exception:  # the candidate's inputs do not fit the reference code: its own doing
             return math.inf, 0.0, None
     finally:
@@ -334,6 +406,6 @@ def calibrate(
     gen = torch.Generator().manual_seed(seed)
     moved = 0.0
     for _ in range(draws):
-        args, kwargs = _perturb((call.args, call.kwargs), list(sizes), gen)
+        args, kwargs = thawed(*_perturb((call.args, call.kwargs), list(sizes), gen))
         moved = max(moved, output_err(module(*args, **kwargs), call.output, selection=selection))
     return moved

@@ -49,6 +49,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
+from needlescope.dsa.streaming import is_streamed, streamed_forward
 from needlescope.errors import BadInput
 from needlescope.setting import check_chunk
 
@@ -87,8 +88,21 @@ def _logits_positions(logits_at: Sequence[int], start: int, end: int) -> list[in
     return positions
 
 
-def _run(model, ids: torch.Tensor, start: int, cache: DynamicCache | None, keep: list[int]) -> torch.Tensor:
-    """One forward over ``ids`` [B, S] at absolute positions start..start+S-1; logits [B, len(keep), V]."""
+def _run(
+    model,
+    ids: torch.Tensor,
+    start: int,
+    cache: DynamicCache | None,
+    keep: list[int],
+    chunk: int | None = None,
+) -> torch.Tensor:
+    """One forward over ``ids`` [B, S] at absolute positions start..start+S-1; logits [B, len(keep), V].
+
+    A streamed model (``dsa.streaming``) runs it as one layer-major pass, each layer over chunks
+    of ``chunk`` tokens; an in-memory model ignores ``chunk`` (its callers split the ids).
+    """
+    if is_streamed(model):
+        return streamed_forward(model, ids, start, cache, keep, chunk)
     S = ids.shape[1]
     dev = _device(model)
     position_ids = torch.arange(start, start + S, device=dev).unsqueeze(0).expand(ids.shape[0], -1)
@@ -118,7 +132,9 @@ def prefill(
     seen (0 without one). ``chunk=None`` and no cache: one cacheless forward, exactly today's
     ``model(ids, use_cache=False)`` (the organism path); ``keep_cache=True`` then runs the one
     pass through a new cache so that decoding can continue. ``chunk=C``: forwards of at most C
-    tokens through ``cache`` (a new one when None). Call under ``torch.no_grad()``.
+    tokens through ``cache`` (a new one when None). A streamed model (``dsa.streaming``) runs
+    the whole prompt as one layer-major pass, each layer over the same chunks, reading each
+    layer once. Call under ``torch.no_grad()``.
     """
     chunk = check_chunk(chunk)
     if ids.dim() != 2 or ids.shape[1] < 1:
@@ -130,6 +146,8 @@ def prefill(
         return Pass(_run(model, ids, 0, None, positions), positions, None, end)
     if cache is None:
         cache = new_cache(model)
+    if is_streamed(model):  # one layer-major pass: each layer read once, run over the chunks
+        return Pass(_run(model, ids, start, cache, positions, chunk), positions, cache, end)
     step = ids.shape[1] if chunk is None else chunk
     parts = []
     for lo in range(start, end, step):

@@ -66,10 +66,13 @@ def read_prompt_file(path: str | Path) -> list[dict]:
     return [{"role": "user", "content": raw}]
 
 
-def render_prompt(tokenizer, messages: list[dict]) -> Prompt:
-    """Render ``messages`` with the chat template (generation prompt added) and tokenize with offsets."""
+def render_prompt(tokenizer, messages: list[dict], *, warn_long: bool = True) -> Prompt:
+    """Render ``messages`` with the chat template (generation prompt added) and tokenize with offsets.
+
+    ``warn_long=False``: the caller checks the length against the model's context itself and
+    says so in one line, so transformers' "longer than the maximum" warning is not printed."""
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, verbose=warn_long)
     return Prompt(
         text=text, input_ids=list(enc["input_ids"]), offsets=[tuple(o) for o in enc["offset_mapping"]]
     )

@@ -62,6 +62,7 @@ from needlescope.dsa.passes import greedy, prefill
 from needlescope.dsa.prompt import covering_entries, render_prompt, resolve_needle_span
 from needlescope.dsa.rankdump_schema import RANKDUMP_SCHEMA
 from needlescope.dsa.reference import visible_entries
+from needlescope.dsa.streaming import is_streamed
 from needlescope.errors import BadInput
 from needlescope.schema import check_schema
 from needlescope.setting import REFERENCE, Setting, check_chunk
@@ -178,11 +179,12 @@ def greedy_new_tokens(
 ) -> torch.Tensor:
     """Greedy decoding of the unpadded batch ``ids`` [B, P]: the new tokens [B, <= max_new_tokens].
 
-    ``chunk=None``: ``model.generate`` (one-pass prefill); a token count: chunked prefill and
-    token-by-token decode through the KV cache (``dsa.passes.greedy``, one prompt at a time).
+    ``chunk=None``: ``model.generate`` (one-pass prefill); a token count, or a streamed model
+    (``dsa.streaming``): chunked prefill and token-by-token decode through the KV cache
+    (``dsa.passes.greedy``, one prompt at a time).
     """
     eos = tokenizer.eos_token_id
-    if chunk is not None:
+    if chunk is not None or is_streamed(model):
         return torch.tensor(
             [greedy(model, ids, max_new_tokens, eos_token_id=eos, chunk=chunk)], dtype=torch.long
         )

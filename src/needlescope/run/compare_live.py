@@ -46,13 +46,13 @@ def compare_live(
     difficulty = None
     if cfg_a.auto_difficulty:
         # A is the reference: its difficulty is chosen once and held for both sides.
-        cfg_a, difficulty = choose_difficulty(cfg_a, out / "difficulty", on_event)
+        cfg_a, difficulty = choose_difficulty(cfg_a, out / "difficulty", on_event, "--a")
         cfg_a = replace(cfg_a, resume=(out / "a" / STORE_NAME).is_file())
         cfg_b = replace(cfg_b, distractors=cfg_a.distractors, value_digits=cfg_a.value_digits)
     cfg_a = replace(cfg_a, out=out / "a")
     cfg_b = replace(cfg_b, out=out / "b")
     on_event("side", {"side": "A", "base_urls": list(cfg_a.base_urls)})
-    run_probe(cfg_a, on_event, difficulty=difficulty)
+    run_probe(cfg_a, on_event, difficulty=difficulty, flag="--a")
     b_store = cfg_b.out / STORE_NAME
     if not b_store.exists():
         cfg_b.out.mkdir(parents=True, exist_ok=True)
@@ -66,7 +66,7 @@ def compare_live(
             store.put_meta("run_notes", {"value_digits_source": "side A's case set (compare)", "assumed": []})
             store.add_cases(cases_a)
     on_event("side", {"side": "B", "base_urls": list(cfg_b.base_urls)})
-    run_probe(replace(cfg_b, resume=True), on_event)
+    run_probe(replace(cfg_b, resume=True), on_event, flag="--b")
     return compare_runs(
         cfg_a.out, cfg_b.out, out, alpha=alpha, power_drop=power_drop, bucket_edges=bucket_edges
     )

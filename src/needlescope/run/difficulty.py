@@ -49,7 +49,9 @@ def _pooled(summary: dict) -> tuple[float | None, int]:
     return (correct / n if n else None), n
 
 
-def _probe_level(cfg: ProbeConfig, out: Path, distractors: int | None, digits: int | None, on_event: Event):
+def _probe_level(
+    cfg: ProbeConfig, out: Path, distractors: int | None, digits: int | None, on_event: Event, flag: str
+):
     level_cfg = replace(
         cfg,
         out=out,
@@ -61,19 +63,24 @@ def _probe_level(cfg: ProbeConfig, out: Path, distractors: int | None, digits: i
         auto_difficulty=False,
         resume=(out / STORE_NAME).is_file(),
     )
-    return run_probe(level_cfg, on_event)
+    return run_probe(level_cfg, on_event, flag=flag)
 
 
-def choose_difficulty(cfg: ProbeConfig, out: Path, on_event: Event) -> tuple[ProbeConfig, dict]:
+def choose_difficulty(
+    cfg: ProbeConfig, out: Path, on_event: Event, flag: str = "--base-url"
+) -> tuple[ProbeConfig, dict]:
     """``cfg`` at the first level of ``ladder`` where its target (the reference) recalls below
-    ``cfg.difficulty_target``, and the record of the search (report.probe.DIFFICULTY_SCHEMA)."""
+    ``cfg.difficulty_target``, and the record of the search (report.probe.DIFFICULTY_SCHEMA).
+    ``flag``: the option that named the target (``run_probe``)."""
     levels: list[dict] = []
     # Level 0 is the task as asked; its run also settles the value length when none was given.
-    first = _probe_level(cfg, out / "level-0", cfg.distractors, cfg.value_digits, on_event)
+    first = _probe_level(cfg, out / "level-0", cfg.distractors, cfg.value_digits, on_event, flag)
     plan = ladder(cfg.kind, cfg.distractors, first["value_digits"])
     reached = False
     for i, (distractors, digits) in enumerate(plan):
-        summary = first if i == 0 else _probe_level(cfg, out / f"level-{i}", distractors, digits, on_event)
+        summary = (
+            first if i == 0 else _probe_level(cfg, out / f"level-{i}", distractors, digits, on_event, flag)
+        )
         recall, n = _pooled(summary)
         levels.append(
             {

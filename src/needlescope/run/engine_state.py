@@ -51,7 +51,7 @@ from needlescope.targets.limits import choose_value_digits, fit_lengths, read_li
 from needlescope.targets.provenance import collect_provenance
 from needlescope.targets.tokenize import detect_server_tokenizer
 
-__all__ = ["FACTORS", "EngineStateConfig", "run_engine_state"]
+__all__ = ["FACTORS", "EngineStateConfig", "planned_sends", "run_engine_state"]
 
 FACTORS = ("cache", "concurrency", "repeat")
 NONCE_TOKENS = 8
@@ -120,6 +120,13 @@ class EngineStateConfig:
         for key in ("base_url", "timeout_s", "run_id", "skip_long_lengths"):
             d.pop(key)
         return {"command": COMMAND, **{k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}}
+
+
+def planned_sends(fingerprint: dict, cases: int) -> int:
+    """The scored sends a run with this store fingerprint makes over ``cases`` cases: a case is
+    sent once in each arm of each factor (``repeats`` arms for repeat; warm-ups not counted)."""
+    arms = {"cache": 2, "concurrency": 2, "repeat": int(fingerprint.get("repeats", 0))}
+    return cases * sum(arms.get(f, 0) for f in fingerprint.get("factors", ()))
 
 
 def _nonce(run: str, factor: str, arm: str, case_id: str) -> str:

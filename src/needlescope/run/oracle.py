@@ -192,6 +192,12 @@ def fit_prompts(
     why = f"beyond the target's context of {limits.context} tokens ({limits.context_from})"
     if not cfg.skip_long_prompts:
         raise BadInput(f"prompt(s) {', '.join(long)} are {why}; pass --skip-long-prompts to leave them out")
+    if len(long) == len(pset.prompts):
+        # Nothing left to measure: an export or a comparison of no prompt is no result (issue 38).
+        raise BadInput(
+            f"every prompt ({', '.join(long)}) is {why}: no prompt is left to send; "
+            "use a prompt set that fits the target, or a target with a longer context"
+        )
     note(f"WARNING: leaving out prompt(s) {', '.join(long)}: {why}")
     return dataclasses.replace(pset, prompts=[p for p in pset.prompts if p["id"] not in long])
 

@@ -181,17 +181,23 @@ def _resume_store(cfg: ProbeConfig, on_event: Event) -> ResultStore:
     return ResultStore(path)
 
 
-def run_probe(cfg: ProbeConfig, on_event: Event = _noop, *, difficulty: dict | None = None) -> dict:
+def run_probe(
+    cfg: ProbeConfig, on_event: Event = _noop, *, difficulty: dict | None = None, flag: str = "--base-url"
+) -> dict:
     """Run the probe described by ``cfg`` and return the summary dict written to summary.json.
 
     ``difficulty``: the auto-difficulty search that chose ``cfg``'s difficulty (run.difficulty),
-    kept with the run and written to its summary."""
+    kept with the run and written to its summary. ``flag``: the option that named the server,
+    for the preflight's message (compare's ``--a``/``--b``; a side may die after compare's own
+    preflight)."""
     roots = [normalize_base_url(u) for u in cfg.base_urls]
     check_out(cfg.out, cfg.resume)
     # The test chat may be a cold server's first request (CPU warm-up); allow it more than 5 s.
     wait = min(cfg.timeout_s, 30.0)
     assumed = [
-        n for root, _v1 in roots for n in preflight(root, cfg.model, api_key=cfg.api_key, timeout=wait)
+        n
+        for root, _v1 in roots
+        for n in preflight(root, cfg.model, api_key=cfg.api_key, timeout=wait, flag=flag)
     ]
     if len(roots) > 1:
         listed = {root: served_models(root, cfg.api_key) for root, _v1 in roots}

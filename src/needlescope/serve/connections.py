@@ -237,7 +237,7 @@ class GuardedH11Protocol(H11Protocol):
         elif state is h11.SEND_BODY:
             if self._phase != "body":
                 self._arm("body")
-        elif self._phase in ("head", "body"):
+        elif self._phase != "answer":  # the whole request is in (a keep-alive one may come whole)
             self._disarm()
             self._phase = "answer"
 

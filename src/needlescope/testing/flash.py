@@ -9,7 +9,8 @@ release's own schema (``compress_ratios``, ``num_hash_layers``, ``quantization_c
 ...) and ``model.safetensors.index.json`` (``metadata.total_size``, ``weight_map``).
 ``fmt="bf16"`` is the same layout with every projection in bf16 and no ``.scale`` tensors (and no
 ``quantization_config``). docs/scale.md names the sources of the layout and what differs from
-the release (fp8 routed experts instead of the release's fp4, no MTP block, the organism's
+the release (routed experts in block fp8 unless ``experts="fp4"`` asks for the release's packed
+fp4, no MTP block, the organism's
 tokenizer and chat template so that prompts render offline).
 
 ``FLASH`` holds Flash's widths; ``layers=4`` gives the SWA, CSA, HCA, CSA schedule of the
@@ -28,11 +29,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from needlescope.dsa.blockfp4 import quantize_block_fp4
 from needlescope.dsa.blockfp8 import quantize_block_fp8
 from needlescope.dsa.checkpoint import shipped_dir
 from needlescope.dsa.release import quantized
 
-__all__ = ["FLASH", "flash_config", "release_tensors", "write_flash_checkpoint"]
+__all__ = ["FLASH", "TEST_WIDTHS", "flash_config", "release_tensors", "write_flash_checkpoint"]
 
 # DeepSeek-V4-Flash's config.json values (docs/scale.md gives the sources).
 FLASH: dict = {
@@ -92,14 +94,40 @@ FP8_QUANTIZATION = {
     "scale_fmt": "ue8m0",
     "weight_block_size": [128, 128],
 }
+# Flash's layout and formats at widths a CPU test can afford: 128-wide where the fp8 blocks
+# should be whole, odd elsewhere so that partial blocks are exercised.
+TEST_WIDTHS: dict = {
+    "hidden_size": 128,
+    "num_attention_heads": 2,
+    "head_dim": 128,
+    "qk_rope_head_dim": 16,
+    "q_lora_rank": 96,
+    "o_groups": 2,
+    "o_lora_rank": 80,
+    "index_n_heads": 2,
+    "index_head_dim": 64,
+    "index_topk": 8,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 256,
+    "vocab_size": 3120,
+    "sliding_window": 16,
+}
 # Flash's schedule is [0, 0, 4, 128, 4, 128, ...]; a short checkpoint keeps one of each kind.
 SHORT_SCHEDULES = {1: [4], 2: [0, 4], 3: [0, 4, 128], 4: [0, 4, 128, 4]}
 
 
-def flash_config(layers: int = 4, fmt: str = "fp8", overrides: dict | None = None) -> dict:
-    """The release-schema config.json of a ``layers``-layer Flash-shaped checkpoint."""
+def flash_config(
+    layers: int = 4, fmt: str = "fp8", overrides: dict | None = None, experts: str | None = None
+) -> dict:
+    """The release-schema config.json of a ``layers``-layer Flash-shaped checkpoint.
+
+    ``experts``: the routed experts' format, ``"fp4"`` (the release's) or the checkpoint's ``fmt``
+    (None); recorded as ``expert_dtype``."""
     if fmt not in ("fp8", "bf16"):
         raise ValueError(f"fmt must be 'fp8' or 'bf16', got {fmt!r}")
+    if experts not in (None, fmt, "fp4"):
+        raise ValueError(f"experts must be 'fp4' or the checkpoint's fmt {fmt!r}, got {experts!r}")
     if layers in SHORT_SCHEDULES:
         ratios = SHORT_SCHEDULES[layers]
     else:
@@ -107,6 +135,7 @@ def flash_config(layers: int = 4, fmt: str = "fp8", overrides: dict | None = Non
     cfg = {**FLASH, "num_hidden_layers": layers, "compress_ratios": ratios, "num_nextn_predict_layers": 0}
     if fmt == "fp8":
         cfg["quantization_config"] = dict(FP8_QUANTIZATION)
+    cfg["expert_dtype"] = experts or fmt
     cfg.update(overrides or {})
     return cfg
 
@@ -192,14 +221,18 @@ def write_flash_checkpoint(
     device: str = "cpu",
     overrides: dict | None = None,
     shard_bytes: int = 4 << 30,
+    experts: str | None = None,
 ) -> dict:
     """Write the checkpoint to ``out`` (created; must be empty or absent); returns a summary
-    ``{"path", "fmt", "layers", "tensors", "total_size", "shards", "parameters"}``."""
+    ``{"path", "fmt", "experts", "layers", "tensors", "total_size", "shards", "parameters"}``.
+
+    ``experts="fp4"``: routed experts packed e2m1 with a UE8M0 scale per 32 inputs, as the
+    release ships them (``dsa.blockfp4``); None: in ``fmt`` like every other projection."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     if any(out.iterdir()):
         raise FileExistsError(f"{out} is not empty; the writer does not overwrite checkpoints")
-    cfg = flash_config(layers, fmt, overrides)
+    cfg = flash_config(layers, fmt, overrides, experts)
     gen = torch.Generator(device=device).manual_seed(seed)
     shard: dict[str, torch.Tensor] = {}
     files: list[tuple[Path, list[str]]] = []
@@ -215,7 +248,10 @@ def write_flash_checkpoint(
         t = _make(name, shape, kind, cfg, gen, device)
         params += t.numel()
         pieces = {name: t}
-        if fmt == "fp8" and quantized(name):
+        if cfg["expert_dtype"] == "fp4" and ".ffn.experts." in name:
+            q, scale = quantize_block_fp4(t)
+            pieces = {name: q, name.removesuffix(".weight") + ".scale": scale}
+        elif fmt == "fp8" and quantized(name):
             q, scale = quantize_block_fp8(t)
             pieces = {name: q, name.removesuffix(".weight") + ".scale": scale}
         for n, v in pieces.items():
@@ -242,6 +278,7 @@ def write_flash_checkpoint(
     return {
         "path": str(out),
         "fmt": fmt,
+        "experts": cfg["expert_dtype"],
         "layers": layers,
         "tensors": len(weight_map),
         "total_size": size,

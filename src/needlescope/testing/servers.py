@@ -1,12 +1,31 @@
-"""Child servers for tests: the scripted server started through the one READY handshake."""
+"""Servers for tests: the scripted server as a child, started through the one READY handshake,
+and any stdlib request handler served in this process (``in_thread``)."""
 
 from __future__ import annotations
 
 import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from needlescope.serve.launch import ChildServer
 
-__all__ = ["scripted"]
+__all__ = ["in_thread", "scripted"]
+
+
+@contextmanager
+def in_thread(handler: type[BaseHTTPRequestHandler]) -> Iterator[str]:
+    """``handler`` served on a free loopback port in daemon threads; yields the root URL and
+    stops the server on exit."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def scripted(**opts: object) -> ChildServer:

@@ -2,12 +2,14 @@
 
 A round, every ``interval_s``: GET ``/health`` (up or down), GET the engine's ``/metrics``
 (normalized load, ``watch.engine``; the first round before that learns the engine's admission
-limit from ``/get_server_info``), then one probe per length, at most ``max_in_flight`` at once.
+limit from ``/get_server_info``), then ``trials`` probes per length, at most ``max_in_flight``
+at once.
 Nothing in a round raises for a failing target: a refused connection, a 503 or a garbage body is
 an error of its kind and ``target_up`` says whether the server answered.
 
 Every probe is a fresh case: its own seed (one more than the last probe's, from a random start),
-so a new haystack and a new needle value; a round's probes share a depth, ``depths`` in turn. An engine's prefix
+so a new haystack and a new needle value; ``trials`` of them per length per round, all at one
+depth, ``depths`` in turn from round to round. An engine's prefix
 cache therefore never answers a probe from an earlier one. Cases are built token-exact through
 the server's ``/tokenize`` when they are sent, so a canary started before its target simply
 waits for it.
@@ -32,7 +34,9 @@ import random
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
+from functools import partial
 
 import httpx
 
@@ -112,6 +116,11 @@ class Canary:
         self.queue_limit: int | None = cfg.queue_limit
         # A random first seed: a restarted canary does not repeat the probes of its last run.
         self._next_seed = random.randrange(2**31)
+        self._counter = None
+        """What counts tokens for the cases (``probe.token_counter``), found once and kept."""
+        # Cases are built on one thread of their own: spread over asyncio's default pool, each
+        # thread's allocator arena kept some of the haystack strings and RSS crept up per probe.
+        self._builder = ThreadPoolExecutor(1, thread_name_prefix="canary-cases")
         self._rounds = 0
         self._fitted: tuple[tuple[int, ...], int] | None = None
         """(lengths that fit the target, digits per value), resolved the first time it answers."""
@@ -124,6 +133,9 @@ class Canary:
         self._client = probe.watch_client(cfg, transport)
 
     async def aclose(self) -> None:
+        if self._counter is not None:
+            probe.close_counter(self._counter)
+        self._builder.shutdown(wait=False, cancel_futures=True)
         await self._client.aclose()
         for target in self._targets:
             await target.aclose()
@@ -175,6 +187,8 @@ class Canary:
             self._count_error(Outcome(None, "connection", f"{type(e).__name__}: {e}", 0.0))
             self._set_up(False, "lost the server while reading its limits")
             return
+        # The engine's load before this round's own requests (building cases asks /tokenize).
+        await self._scrape_engine()
         try:
             self._ensure_targets()
             cases = await self._fresh_cases(lengths, digits)
@@ -185,7 +199,6 @@ class Canary:
             self._count_error(Outcome(None, "connection", f"{type(e).__name__}: {e}", 0.0))
             self._set_up(False, "lost the server while building cases")
             return
-        await self._scrape_engine()
         if cases is None:
             self._set_up(True, "the server answers, but no probe could be built")
             return
@@ -215,15 +228,17 @@ class Canary:
         self._log_round(cases, outcomes)
 
     def _log_round(self, cases: list[Case], outcomes: list[Outcome]) -> None:
-        """One line per round: each length's result (hit, miss or the error's kind) and its
-        rolling recall, then the effective length over the window."""
+        """One line per round: each length's results (hit, miss or the error's kind, one per
+        probe) and its rolling recall, then the effective length over the window."""
         self._rounds += 1
-        parts = []
+        results: dict[int, list[str]] = {}
         for case, o in zip(cases, outcomes, strict=True):
-            result = o.error or ("hit" if o.correct else "miss")
-            recall = self.window.recall(case.length)
+            results.setdefault(case.length, []).append(o.error or ("hit" if o.correct else "miss"))
+        parts = []
+        for length, got in results.items():
+            recall = self.window.recall(length)
             shown = "-" if math.isnan(recall) else f"{recall:.2f}"
-            parts.append(f"{case.length} tokens {result} (recall {shown})")
+            parts.append(f"{length} tokens {'/'.join(got)} (recall {shown})")
         eff = self.window.effective_length(self.cfg.threshold)
         log.info(
             "round %d: %s; effective length %s",
@@ -306,14 +321,19 @@ class Canary:
             ]
 
     async def _fresh_cases(self, lengths: tuple[int, ...], digits: int) -> list[Case]:
-        """One new case per length: each with its own seed (a new haystack and needle), all at
-        this round's depth (``depths`` in turn, round by round)."""
+        """``trials`` new cases per length: each with its own seed (a new haystack and needle),
+        all at this round's depth (``depths`` in turn, round by round)."""
         cfg = self.cfg
         depth = cfg.depths[self._rounds % len(cfg.depths)]
+        loop = asyncio.get_running_loop()
+        if self._counter is None:
+            self._counter = await loop.run_in_executor(
+                self._builder, probe.token_counter, cfg, self.root, self.model
+            )
         cases = []
-        for length in lengths:
+        for length in (n for n in lengths for _ in range(cfg.trials)):
             seed, self._next_seed = self._next_seed, self._next_seed + 1
-            (case,) = await asyncio.to_thread(
+            build = partial(
                 probe.build_probe_cases,
                 replace(cfg, seed=seed),
                 self.root,
@@ -322,10 +342,18 @@ class Canary:
                 depths=(depth,),
                 trials=1,
                 value_digits=digits,
+                counter=self._counter,
             )
+            (case,) = await loop.run_in_executor(self._builder, build)
             cases.append(case)
-        log.debug(
-            "built %d fresh probe cases at depth %g (seeds up to %d)", len(cases), depth, self._next_seed - 1
+        # The first round says what is probed; later rounds only at debug level.
+        log.log(
+            logging.INFO if self._rounds == 0 else logging.DEBUG,
+            "built %d probe cases for model %s at lengths %s, depth %g (a fresh case, a new seed, per probe)",
+            len(cases),
+            self.model,
+            list(lengths),
+            depth,
         )
         return cases
 

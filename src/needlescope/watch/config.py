@@ -88,10 +88,12 @@ class CanaryConfig(TargetConfig):
     """Scheduled recall probes, exported for Prometheus."""
 
     interval_s: float = 60.0
-    """Seconds between rounds; a round sends one probe per length."""
+    """Seconds between rounds; a round sends ``trials`` probes per length."""
     lengths: tuple[int, ...] = (2000, 8000, 32000)
     depths: tuple[float, ...] = (10.0, 50.0, 90.0)
     """Needle depths, one per round in turn (every probe is a fresh case with its own seed)."""
+    trials: int = 1
+    """Probes per length in each round, each a fresh case."""
     window: int = 20
     """Probes per length that the rolling recall covers."""
     threshold: float = 0.85
@@ -113,6 +115,8 @@ class CanaryConfig(TargetConfig):
             raise BadInput(f"--lengths must be positive token counts; got {list(self.lengths)}")
         if not self.depths or any(not 0 <= d <= 100 for d in self.depths):
             raise BadInput(f"--depths must be percentages in 0..100; got {list(self.depths)}")
+        if self.trials < 1:
+            raise BadInput(f"--trials must be at least 1; got {self.trials}")
         if self.window < 1:
             raise BadInput(f"--window must be at least 1 probe; got {self.window}")
         if not 0 < self.threshold <= 1:

@@ -35,11 +35,13 @@ __all__ = [
     "RecordingTransport",
     "build_probe_cases",
     "check_server",
+    "close_counter",
     "error_kind",
     "probe_case",
     "probe_target",
     "resolve_model",
     "target_limits",
+    "token_counter",
     "watch_client",
 ]
 
@@ -240,6 +242,24 @@ async def resolve_model(client: httpx.AsyncClient, v1: str, model: str | None) -
     return ids[0]
 
 
+def token_counter(cfg: TargetConfig, root: str, model: str):
+    """What counts a request's tokens: the server's ``/tokenize`` (BadInput where it has none) or
+    a local ``tokenizer.json``; blocking. The caller closes it (``close()``, where it has one)."""
+    if cfg.tokenizer != "server":
+        return LocalTokenCounter(Path(cfg.tokenizer))
+    counter = detect_server_tokenizer(root, model, api_key=cfg.api_key)
+    if counter is None:
+        raise BadInput(
+            f"the server at {root} exposes no /tokenize endpoint; pass --tokenizer PATH to a tokenizer.json"
+        )
+    return counter
+
+
+def close_counter(counter) -> None:
+    if hasattr(counter, "close"):
+        counter.close()
+
+
 def build_probe_cases(
     cfg: TargetConfig,
     root: str,
@@ -249,16 +269,13 @@ def build_probe_cases(
     depths: tuple[float, ...],
     trials: int,
     value_digits: int,
+    counter=None,
 ) -> list[Case]:
-    """Exact-length cases as the probe builds them (blocking: it counts tokens through the server)."""
-    if cfg.tokenizer == "server":
-        counter = detect_server_tokenizer(root, model, api_key=cfg.api_key)
-        if counter is None:
-            raise BadInput(
-                f"the server at {root} exposes no /tokenize endpoint; pass --tokenizer PATH to a tokenizer.json"
-            )
-    else:
-        counter = LocalTokenCounter(Path(cfg.tokenizer))
+    """Exact-length cases as the probe builds them (blocking: it counts tokens through the server).
+    ``counter`` (``token_counter``) is used and left open when given; else one is made and closed."""
+    own = counter is None
+    if own:
+        counter = token_counter(cfg, root, model)
     spec = CaseSpec(
         kind=cfg.kind,
         lengths=lengths,
@@ -271,5 +288,5 @@ def build_probe_cases(
     try:
         return build_cases(spec, counter)
     finally:
-        if hasattr(counter, "close"):
-            counter.close()
+        if own:
+            close_counter(counter)

@@ -6,7 +6,9 @@
    filesystem is touched. ``out`` may be missing, empty, or an earlier demo output: the demo
    records every file it writes in a manifest (``workflows.manifest``, ``.needlescope-demo``)
    and a rerun deletes exactly those files, and only when ``out`` holds nothing else and none
-   of them changed; otherwise it refuses and deletes nothing. The deployment patch is loaded
+   of them changed; otherwise it refuses and deletes nothing. ``force`` (``--force``) is the only
+   way past: it deletes the files at the names the demo writes (``OUTPUTS``) whoever wrote them,
+   and leaves every other file alone (``manifest.clear_forced``). The deployment patch is loaded
    (its file executed) last, once for this process;
 1. **serve**: two real ``needlescope serve`` processes on loopback, each started with its
    ``ServeConfig`` as JSON: the reference (fp32, the checkpoint's ``index_topk``) and the
@@ -25,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from needlescope.errors import BadInput
+from needlescope.outdir import OutputSpec
 from needlescope.paths import check_out_dir
 from needlescope.progress import Event, no_event
 from needlescope.run.config import ProbeConfig
@@ -32,9 +35,9 @@ from needlescope.run.probe import run_probe
 from needlescope.serve.config import ServeConfig
 from needlescope.setting import Setting
 from needlescope.workflows import explain
-from needlescope.workflows.manifest import MANIFEST_NAME, Manifest, check_clearable, clear
+from needlescope.workflows.manifest import MANIFEST_NAME, Manifest, check_clearable, clear, clear_forced
 
-__all__ = ["DEPLOYMENT", "MARKER", "DemoConfig", "check_out", "prepare_out", "run"]
+__all__ = ["DEPLOYMENT", "MARKER", "OUTPUTS", "DemoConfig", "check_out", "prepare_out", "run"]
 
 
 MARKER = MANIFEST_NAME
@@ -45,6 +48,9 @@ DEPLOYMENT = Setting(index_k="fp8_e4m3", index_topk=64, patch="fault:indexer_pag
 4K), and a Triton indexer that reads the paged key cache without the block table: precision and
 top-k alone cost this organism at most 8 points at 4K; with the fault, recall holds only while
 top-k covers every entry (docs/organism.md, "Deployment-like settings")."""
+
+OUTPUTS = OutputSpec("demo", ("reference/", "deployment/", "rankdump.json", "fixes.json", "DIAGNOSIS.md"))
+"""The names the demo writes in ``out`` (beside its manifest): what ``--force`` may replace."""
 
 
 @dataclass(frozen=True)
@@ -64,6 +70,8 @@ class DemoConfig:
     device: str = "cpu"
     concurrency: int = 2
     fixes: tuple[Setting, ...] = field(default=())
+    force: bool = False
+    """Replace the files at the demo's names in ``out`` whoever wrote them (``OUTPUTS``)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.deployment, Setting):
@@ -109,23 +117,28 @@ class DemoConfig:
         )
 
 
-def check_out(out: Path, model: Path) -> None:
+def check_out(out: Path, model: Path, force: bool = False) -> None:
     """BadInput unless ``out`` can be (re)created without touching anything that is not the demo's:
-    missing (with a writable parent), empty, or holding only files its manifest lists unchanged;
-    never the checkpoint or near it."""
+    missing (with a writable parent), empty, or holding only files its manifest lists unchanged
+    (anything, with ``force``); never the checkpoint or near it, ``force`` or not."""
     check_out_dir(out)
     out_abs, model_abs = Path(out).resolve(), Path(model).resolve()
     if out_abs == model_abs or model_abs in out_abs.parents or out_abs in model_abs.parents:
         raise BadInput(f"--out {str(out)!r} overlaps the checkpoint directory {str(model)!r}; choose another")
-    check_clearable(Path(out))
+    if not force:
+        check_clearable(Path(out))
 
 
-def prepare_out(out: Path) -> Manifest:
-    """Delete the earlier demo's files from ``out`` (checked by ``check_out``), or create it;
-    the manifest this run records its files in."""
-    clear(out)
+def prepare_out(out: Path, force: bool = False) -> Manifest:
+    """Delete the earlier demo's files from ``out`` (checked by ``check_out``; with ``force``,
+    every file at the demo's names), or create it; the manifest this run records its files in."""
+    if force:
+        keep = clear_forced(out, OUTPUTS)
+    else:
+        clear(out)
+        keep = frozenset()
     out.mkdir(parents=True, exist_ok=True)
-    manifest = Manifest(out, "demo")
+    manifest = Manifest(out, "demo", keep=keep)
     manifest.record()
     return manifest
 
@@ -143,13 +156,13 @@ def run(cfg: DemoConfig, on_phase: Event, on_event: Event = no_event) -> Path:
     path = resolve_model_dir(cfg.model)
     require_deepseek_v4(path)
     check_weights(path)
-    check_out(cfg.out, path)
+    check_out(cfg.out, path, cfg.force)
     digits = cfg.value_digits or trained_value_digits(path)
     fixes = cfg.fix_candidates()
     for s in (cfg.deployment, *fixes):
         if s.patch is not None:
             load_patch(s.patch)  # last check: a bad patch fails here, not inside the deployment server
-    manifest = prepare_out(cfg.out)
+    manifest = prepare_out(cfg.out, cfg.force)
     try:
         return _run_phases(cfg, path, digits, fixes, on_phase, on_event, manifest)
     finally:

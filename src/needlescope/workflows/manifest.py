@@ -10,6 +10,11 @@ recorded content, then the directories left empty; it refuses (BadInput, nothing
 The command calls ``record`` at each step and once more however it ends (``finally``), so only a
 SIGKILL mid-step leaves files unrecorded; a rerun then names them and deletes nothing.
 
+``--force`` (``clear_forced``) is the only way past, with ``needlescope.outdir``'s meaning: it
+deletes every file at a name the command writes (its ``OutputSpec``), recorded or not, changed or
+not, and never a file at any other name; those stay, and the run does not record them as its own
+(``Manifest(keep=...)``), so a later rerun without ``--force`` names them again.
+
 Schema of the manifest file (JSON object): ``kind`` ("needlescope-output-manifest"), ``command``
 (str), ``version`` (1), ``files`` (array of ``{"path": str, "bytes": int, "sha256": str}``).
 """
@@ -21,8 +26,9 @@ import json
 from pathlib import Path
 
 from needlescope.errors import BadInput
+from needlescope.outdir import OutputSpec
 
-__all__ = ["MANIFEST_NAME", "Manifest", "clear"]
+__all__ = ["MANIFEST_NAME", "Manifest", "clear", "clear_forced"]
 
 MANIFEST_NAME = ".needlescope-demo"
 KIND = "needlescope-output-manifest"
@@ -41,18 +47,20 @@ def _files(out: Path) -> list[Path]:
 
 
 class Manifest:
-    """The files ``command`` wrote under ``out`` (which was empty or missing when it started)."""
+    """The files ``command`` wrote under ``out`` (which was empty or missing when it started, but
+    for the files ``keep`` names: relative paths a forced run left in place)."""
 
-    def __init__(self, out: Path, command: str) -> None:
+    def __init__(self, out: Path, command: str, keep: frozenset[str] = frozenset()) -> None:
         self.out = out
         self.command = command
+        self.keep = keep
 
     def record(self) -> None:
-        """Record every file under ``out`` now (all written by this run: it started empty)."""
+        """Record every file under ``out`` now but ``keep`` (all written by this run)."""
         files = [
-            {"path": p.relative_to(self.out).as_posix(), "bytes": p.stat().st_size, "sha256": _sha256(p)}
+            {"path": rel, "bytes": p.stat().st_size, "sha256": _sha256(p)}
             for p in _files(self.out)
-            if not p.is_symlink()
+            if not p.is_symlink() and (rel := p.relative_to(self.out).as_posix()) not in self.keep
         ]
         body = {"kind": KIND, "command": self.command, "version": 1, "files": files}
         tmp = self.out / (MANIFEST_NAME + ".tmp")
@@ -87,8 +95,8 @@ def check_clearable(out: Path) -> list[Path]:
         held = ", ".join(names) + (" and more" if len(present) > 3 else "")
         raise BadInput(
             f"--out {str(out)!r} holds {held or 'files'} and no output manifest ({MANIFEST_NAME}) of an "
-            "earlier run; the demo replaces only files it recorded writing: choose another directory or "
-            "empty this one"
+            "earlier run; the demo replaces only files it recorded writing: choose another directory, "
+            "empty this one, or pass --force to replace the files at the demo's names"
         )
     recorded = {f.get("path"): f for f in body["files"] if isinstance(f, dict)}
     foreign = []
@@ -105,7 +113,8 @@ def check_clearable(out: Path) -> list[Path]:
         shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
         raise BadInput(
             f"--out {str(out)!r} holds files the earlier run did not write, or changed since: {shown}; "
-            "nothing was deleted: move them away or choose another directory"
+            "nothing was deleted: move them away, choose another directory, or pass --force to replace the "
+            "files at the demo's names"
         )
     return present
 
@@ -113,7 +122,22 @@ def check_clearable(out: Path) -> list[Path]:
 def clear(out: Path) -> None:
     """Delete what ``check_clearable`` allows, the folders that held those files once empty, and
     the manifest; ``out`` itself stays."""
-    files = check_clearable(out)
+    _delete(out, check_clearable(out))
+
+
+def clear_forced(out: Path, spec: OutputSpec) -> frozenset[str]:
+    """``--force``: delete every file under ``out`` at a name ``spec`` writes, whoever wrote it,
+    the folders that held them once empty, and the manifest; returns the relative paths of the
+    files left (at other names: never touched)."""
+    if not out.exists():
+        return frozenset()
+    present = {p.relative_to(out).as_posix(): p for p in _files(out)}
+    _delete(out, [p for rel, p in present.items() if spec.covers(rel)])
+    return frozenset(rel for rel in present if not spec.covers(rel))
+
+
+def _delete(out: Path, files: list[Path]) -> None:
+    """Delete ``files``, then the folders under ``out`` they leave empty, then the manifest."""
     for p in files:
         p.unlink()
     folders = {d for p in files for d in p.parents if out in d.parents}

@@ -1,7 +1,8 @@
 """The rank-dump workflow: the needle's rank in every CSA layer, over several prompts, with stability.
 
 ``run(RankDumpConfig(...)) -> RankDumpResult`` checks every input first (needle, positions,
-prompt files, the checkpoint, the needle in every prompt, with the tokenizer alone), then loads
+prompt files, the checkpoint, the needle in every prompt and its length against each
+checkpoint's context, with the tokenizer alone), then loads
 the model(s) and runs ``needlescope.dsa.rankdump.rank_dump`` per prompt under the setting, plus
 ``needlescope.dsa.stability.selection_stability`` against the reference numerics (on the same
 checkpoint, or on ``compare_model``). The setting's patch executes when the setting is first
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from needlescope.errors import BadInput
+from needlescope.progress import Progress, no_progress
 from needlescope.setting import REFERENCE, Setting
 
 __all__ = ["RankDumpConfig", "RankDumpResult", "run", "write"]
@@ -43,6 +45,8 @@ class RankDumpConfig:
     """Weight bytes per device when placing (``70GiB`` or one per device)."""
     chunk: int | None = None
     """Prefill in chunks of this many tokens through the KV cache (``dsa.passes``); None: one pass."""
+    stream_layers: bool = False
+    """Keep the layers on disk and read one at a time per pass (``dsa.streaming``)."""
 
     def __post_init__(self) -> None:
         from needlescope.setting import check_chunk
@@ -96,37 +100,67 @@ def _check_inputs(cfg: RankDumpConfig) -> tuple[list[list[dict]], Path, Path | N
             f"{cfg.compare_model!r} has a different tokenizer; stability compares the same prompt tokens"
         )
     for p, msgs in zip(cfg.prompts, messages, strict=True):
+        prompt = render_prompt(tokenizer, msgs, warn_long=False)  # checked against the context below
         try:
-            resolve_needle_span(render_prompt(tokenizer, msgs), cfg.needle, cfg.needle_span)
+            resolve_needle_span(prompt, cfg.needle, cfg.needle_span)
+            _check_context(cfg, len(prompt.input_ids), [(cfg.model, path), (cfg.compare_model, other)])
         except BadInput as exc:
             raise BadInput(f"{p}: {exc}") from None
     return messages, path, other
 
 
-def run(cfg: RankDumpConfig) -> RankDumpResult:
-    """Rank-dump every prompt (and compare its selection with the reference when asked)."""
+def _load(cfg: RankDumpConfig, path):
     from needlescope.dsa.checkpoint import load_bundle
+
+    return load_bundle(
+        path,
+        device=cfg.device,
+        max_memory=cfg.max_memory,
+        stream_layers=cfg.stream_layers,
+        stream_if_needed=True,  # every pass of a rank dump runs through dsa.passes
+    )
+
+
+def _check_context(
+    cfg: RankDumpConfig, prompt_tokens: int, models: list[tuple[str | None, Path | None]]
+) -> None:
+    """BadInput when the prompt (with the greedy answer, unless ``positions`` are given) exceeds a
+    checkpoint's context: the model would run past what it was built for, for minutes, and
+    report ranks at lengths it never handles (issue 38, item 10)."""
+    from needlescope.dsa.checkpoint import context_tokens
+    from needlescope.dsa.rankdump import DEFAULT_MAX_NEW_TOKENS
+
+    answer = 0 if cfg.positions is not None else cfg.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
+    for name, path in models:
+        context = context_tokens(path) if path is not None else None
+        if context is not None and prompt_tokens + answer > context:
+            with_answer = f" and its answer up to {answer} more" if answer else ""
+            raise BadInput(
+                f"the prompt is {prompt_tokens} tokens{with_answer}; the model's context is {context} tokens "
+                f"({Path(name).name}'s config.json max_position_embeddings): shorten the prompt to at most "
+                f"{context - answer} tokens"
+            )
+
+
+def run(cfg: RankDumpConfig, progress: Progress = no_progress) -> RankDumpResult:
+    """Rank-dump every prompt (and compare its selection with the reference when asked);
+    ``progress("rank dump", done, total, prompt)`` after each prompt."""
     from needlescope.dsa.emulate import patched_for_good
     from needlescope.dsa.rankdump import DEFAULT_MAX_NEW_TOKENS, combine_dumps, rank_dump
     from needlescope.dsa.stability import selection_stability
 
     messages, path, other_path = _check_inputs(cfg)
-    model, tokenizer, _ = load_bundle(path, device=cfg.device, max_memory=cfg.max_memory)
-    other = (
-        load_bundle(other_path, device=cfg.device, max_memory=cfg.max_memory)[0]
-        if other_path is not None
-        else None
-    )
+    model, tokenizer, _ = _load(cfg, path)
+    other = _load(cfg, other_path)[0] if other_path is not None else None
     kw = dict(needle=cfg.needle, needle_span=cfg.needle_span)
 
     def usable(m, m_path):
         # A patch that returned no undo changed ``m`` for good: the next run needs a fresh model.
-        return (
-            load_bundle(m_path, device=cfg.device, max_memory=cfg.max_memory)[0] if patched_for_good(m) else m
-        )
+        return _load(cfg, m_path)[0] if patched_for_good(m) else m
 
     dumps, stabs = [], []
-    for p, msgs in zip(cfg.prompts, messages, strict=True):
+    progress("rank dump", 0, len(cfg.prompts), "")
+    for n, (p, msgs) in enumerate(zip(cfg.prompts, messages, strict=True)):
         model = usable(model, path)
         dumps.append(
             rank_dump(
@@ -147,7 +181,7 @@ def run(cfg: RankDumpConfig) -> RankDumpResult:
             ref_model, ref_path = (other, other_path) if other is not None else (usable(model, path), path)
             if ref_model is model and cfg.setting.patch is not None:
                 # The candidate patch may give no undo; the reference must never see it.
-                ref_model = load_bundle(path, device=cfg.device, max_memory=cfg.max_memory)[0]
+                ref_model = _load(cfg, path)[0]
             stabs.append(
                 selection_stability(
                     ref_model,
@@ -162,6 +196,7 @@ def run(cfg: RankDumpConfig) -> RankDumpResult:
                     candidate_label=str(path),
                 )
             )
+        progress("rank dump", n + 1, len(cfg.prompts), p.name)
     obj = combine_dumps(dumps)
     obj["model"] = str(path)
     stability = None

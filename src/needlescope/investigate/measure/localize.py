@@ -148,6 +148,7 @@ def localize_residual(
         reference_setting=ref_setting,
         needle_span=needle_token_span(prompt, case.needle),
         extra_patches=cfg.extra,
+        chunk=session.chunk,
     )
     from needlescope.investigate.measure.decode_path import decode_path
 
