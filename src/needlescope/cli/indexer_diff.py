@@ -80,13 +80,7 @@ def diff_command(
     from needlescope.dsa.prompt import read_prompt_file, render_prompt
 
     setting = opt.numerics_from_flags(index_k, index_q, score_dtype, index_topk)
-    if patch is None and not extra_patch and setting.with_(index_topk=None) == REFERENCE:
-        raise BadInput(
-            "the candidate equals the reference; give candidate numerics (--index-k/--index-q/--score-dtype) "
-            "or a --patch FILE"
-        )
-    if growth is not None and growth < 1:
-        raise BadInput(f"--growth must be >= 1, got {growth}")
+    _check_candidate(setting, patch, extra_patch, growth)
     allowed = parse_allow(allow)
     path = resolve_model_dir(model)
     require_deepseek_v4(path)
@@ -117,6 +111,17 @@ def diff_command(
         _write(out, "diff.json", diff_to_json(result))
         _write(out, "diff.md", render_diff_md(result))
     _render_diff(result, out)
+
+
+def _check_candidate(setting, patch, extra_patch, growth) -> None:
+    """BadInput when the candidate equals the reference or ``--growth`` is below 1."""
+    if patch is None and not extra_patch and setting.with_(index_topk=None) == REFERENCE:
+        raise BadInput(
+            "the candidate equals the reference; give candidate numerics (--index-k/--index-q/--score-dtype) "
+            "or a --patch FILE"
+        )
+    if growth is not None and growth < 1:
+        raise BadInput(f"--growth must be >= 1, got {growth}")
 
 
 def _render_diff(result: dict, out: Path) -> None:

@@ -2,7 +2,7 @@
 
 The reference and the candidate are the same weights loaded twice. The reference runs with
 fp32 indexer numerics (``Setting(index_topk=candidate.index_topk)``: ``index_topk`` is a
-selection setting, not a precision); the candidate runs under ``emulate(candidate, setting)``. ``needlescope.dsa.replay.Recorder`` records every module call of both runs
+selection setting, not a precision); the candidate runs under ``emulate(candidate, setting)``. ``needlescope.dsa.module_replay.Recorder`` records every module call of both runs
 (what its caller passed in, what its forward saw, its whole output, the call it ran inside).
 Rows are listed in the order calls return in the reference run (children before their
 parent); a module called several times gets ``name[call 2]``, ...; each decoder layer adds a
@@ -57,13 +57,7 @@ of the scorer's budget could swap (``swappable_fraction``).
 says ``"no module diverges beyond what its precision explains"``. ``inner_divergent`` names
 the first diverging module inside a row (informational: a parent is judged by its own code).
 
-Per CSA layer: the candidate's and reference's selections compared as sets
-(``selection_error``: mean over rows of |A Δ B| / |A ∪ B|, so additions count as drops do;
-``topk_overlap = 1 - selection_error``; ``positions_changed`` = rows whose set changed), and
-the needle's rank at the last prompt position **in the scores the top-k call actually
-ranked** (``IndexerCapture`` keeps them): 1 + non-needle entries with a finite score >= the
-best needle entry's; ``k`` is the k that call used. ``rank_consistent`` checks that a rank
-<= k means selected.
+Per CSA layer, the selections and the needle's rank: ``needlescope.dsa.diff_layers``.
 
 ``diff.json``, its schema (``DIFF_SCHEMA``) and ``diff.md`` are written by ``needlescope.dsa.diff_md``.
 """
@@ -76,6 +70,7 @@ from collections.abc import Mapping
 
 import torch
 
+from needlescope.dsa.diff_layers import layer_rows
 from needlescope.dsa.diff_md import DIFF_SCHEMA, diff_to_json, render_diff_md, validate_diff
 from needlescope.dsa.diff_steps import judged_in_steps
 from needlescope.dsa.emulate import (
@@ -101,7 +96,6 @@ from needlescope.dsa.module_replay import (
 from needlescope.dsa.passes import check_chunk
 from needlescope.dsa.prompt import covering_entries
 from needlescope.dsa.quant import get_quantizer, hadamard_128
-from needlescope.dsa.rankdump import selected_in
 from needlescope.dsa.reference import visible_entries
 from needlescope.dsa.streaming import is_streamed
 from needlescope.errors import BadInput
@@ -402,72 +396,18 @@ def _child_key(key: str, child: str) -> str:
     return f"{key}.{child}"
 
 
-# ---------------------------------------------------------------------------- per CSA layer
-
-
-def needle_rank(scores: torch.Tensor, needle_entries: list[int]) -> int | None:
-    """1 + non-needle entries with a finite score >= the best needle entry's (None: no needle entry scored).
-
-    scores: [L] the row the top-k call ranked (entries it could not pick are -inf).
-    """
-    ne = [e for e in needle_entries if e < scores.shape[0] and math.isfinite(float(scores[e]))]
-    if not ne:
-        return None
-    best = scores[ne].max()
-    others = torch.ones_like(scores, dtype=torch.bool)
-    others[ne] = False
-    return 1 + int((torch.isfinite(scores) & others & (scores >= best)).sum())
-
-
-def _needle_side(cap: IndexerCapture, layer: int, query_pos: int, entries: list[int], ratio: int):
-    """(rank, selected, visible needle entries, k) of one run at ``query_pos``."""
-    visible = visible_entries(query_pos, ratio)
-    ne = [e for e in entries if e < visible]
-    calls = [c for c in cap.calls if c.layer == layer]
-    k = max((c.k for c in calls if c.k is not None), default=None)
-    positions, rows = cap.score_rows(layer)
-    hits = (positions == query_pos).nonzero()
-    if not ne or len(hits) == 0:
-        return None, None, ne, k
-    i = int(hits[0])
-    width = max(int(c.topk.shape[-1]) for c in calls)
-    pos, topk = cap.rows(layer, width)
-    sel = selected_in(topk[int((pos == query_pos).nonzero()[0])], ne)
-    return needle_rank(rows[i], ne), sel, ne, k
-
-
-def _layer_rows(layers, ref_cap, cand_cap, entries, query_pos, ratio, topk_by_layer) -> list[dict]:
-    out = []
-    for layer in layers:
-        width = max(int(c.topk.shape[-1]) for c in ref_cap.calls + cand_cap.calls if c.layer == layer)
-        _, ref_topk = ref_cap.rows(layer, width)
-        _, cand_topk = cand_cap.rows(layer, width)
-        err, changed, counted = selection_error(cand_topk, ref_topk)
-        rr, rs, ne, k_ref = _needle_side(ref_cap, layer, query_pos, entries, ratio)
-        cr, cs, _, k_cand = _needle_side(cand_cap, layer, query_pos, entries, ratio)
-        consistent = all(
-            rank is None or k is None or rank > k or bool(sel)
-            for rank, sel, k in ((rr, rs, k_ref), (cr, cs, k_cand))
-        )
-        out.append(
-            {
-                "layer": layer,
-                "index_topk": topk_by_layer[layer],
-                "k_reference": k_ref,
-                "k_candidate": k_cand,
-                "topk_overlap": 1.0 - err,
-                "selection_error": err,
-                "positions_changed": changed,
-                "positions": counted,
-                "needle_entries": ne,
-                "needle_rank_reference": rr,
-                "needle_rank_candidate": cr,
-                "needle_selected_reference": rs,
-                "needle_selected_candidate": cs,
-                "rank_consistent": consistent,
-            }
-        )
-    return out
+def _checked_args(input_ids, growth, margin, draws, allow, chunk) -> dict[str, str]:
+    """``allow`` as a dict, once ``localize``'s arguments are checked (ValueError or BadInput)."""
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+        raise ValueError(f"input_ids must be [1, T], got shape {tuple(input_ids.shape)}")
+    if growth is not None and not growth >= 1.0:
+        raise BadInput(f"growth must be >= 1, got {growth}")
+    if not margin >= 1.0 or draws < 1:
+        raise BadInput(f"margin must be >= 1 and draws >= 1, got {margin} and {draws}")
+    allow = dict(allow or {})
+    parse_allow([f"{k}={v}" for k, v in allow.items()])
+    check_chunk(chunk)
+    return allow
 
 
 def localize(
@@ -499,16 +439,8 @@ def localize(
     and judge each (layer, chunk) step's calls before the next (``dsa.diff_steps``); models
     loaded by ``dsa.streaming`` always run that way (one chunk when None).
     """
-    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
-        raise ValueError(f"input_ids must be [1, T], got shape {tuple(input_ids.shape)}")
-    if growth is not None and not growth >= 1.0:
-        raise BadInput(f"growth must be >= 1, got {growth}")
-    if not margin >= 1.0 or draws < 1:
-        raise BadInput(f"margin must be >= 1 and draws >= 1, got {margin} and {draws}")
-    allow = dict(allow or {})
-    parse_allow([f"{k}={v}" for k, v in allow.items()])
+    allow = _checked_args(input_ids, growth, margin, draws, allow, chunk)
     check_unpatched(candidate)
-    check_chunk(chunk)
     numerics = setting
     ref_num = reference_setting or Setting(index_topk=setting.index_topk)
     T = int(input_ids.shape[1])
@@ -530,19 +462,10 @@ def localize(
                 progress,
             )
         else:
-            modules, unmatched = [], {"reference_only": [], "candidate_only": []}
-
-            def judge_step(ref_rows, cand_rows) -> None:
-                rows, missing = _compare(ref_rows, cand_rows, judge, ratio, no_progress)
-                modules.extend(rows)
-                for side, keys in missing.items():
-                    unmatched[side] += keys
-
             ref_cap.score_from = cand_cap.score_from = T - 1  # the needle's rank is read there only
-            layers = judged_in_steps(
-                reference, candidate, input_ids, chunk=chunk, reference_setting=ref_num, setting=setting,
-                extra_patches=extra_patches, captures=(ref_cap, cand_cap), judge_step=judge_step,
-                progress=progress,
+            modules, unmatched, layers = _in_steps(
+                reference, candidate, input_ids, judge, ratio, ref_num, setting, (ref_cap, cand_cap),
+                extra_patches, progress, chunk,
             )  # fmt: skip
     first = next((m["module"] for m in modules if m["exceeds"]), None)
     query_pos = T - 1
@@ -551,7 +474,7 @@ def localize(
         "modules": modules,
         "first_divergent_module": first,
         "summary": NO_DIVERGENCE if first is None else f"first divergent module: {first}",
-        "layers": _layer_rows(layers, ref_cap, cand_cap, entries, query_pos, ratio, topk_by_layer),
+        "layers": layer_rows(layers, ref_cap, cand_cap, entries, query_pos, ratio, topk_by_layer),
         "numerics": numerics.numerics_json(),
         "reference_numerics": ref_num.numerics_json(),
         "patch": None if setting.patch is None else setting.patch.spec,
@@ -565,6 +488,27 @@ def localize(
         "allow": allow,
         "unmatched": unmatched,
     }
+
+
+def _in_steps(
+    reference, candidate, input_ids, judge: _Judge, ratio: int, ref_num, setting, captures, extra_patches,
+    progress, chunk,
+):  # fmt: skip
+    """(modules, unmatched, CSA layers): both models layer-major in chunks (``dsa.diff_steps``),
+    each (layer, chunk) step's calls judged before the next step runs."""
+    modules, unmatched = [], {"reference_only": [], "candidate_only": []}
+
+    def judge_step(ref_rows, cand_rows) -> None:
+        rows, missing = _compare(ref_rows, cand_rows, judge, ratio, no_progress)
+        modules.extend(rows)
+        for side, keys in missing.items():
+            unmatched[side] += keys
+
+    layers = judged_in_steps(
+        reference, candidate, input_ids, chunk=chunk, reference_setting=ref_num, setting=setting,
+        extra_patches=extra_patches, captures=captures, judge_step=judge_step, progress=progress,
+    )  # fmt: skip
+    return modules, unmatched, layers
 
 
 def _one_pass(
