@@ -22,6 +22,7 @@ from needlescope.cli.indexer import indexer_app
 from needlescope.cli.model_context import check_topk
 from needlescope.cli.output import console
 from needlescope.cli.outputs import FORCE, guard
+from needlescope.cli.progress import ProgressView
 from needlescope.errors import BadInput
 from needlescope.paths import check_out_dir
 from needlescope.run.config import parse_int_list
@@ -102,7 +103,8 @@ def rank_dump_command(
     check_out_dir(out)
     cfg = replace(cfg, setting=opt.with_patch(setting, patch))  # resolved last; it runs when first applied
     with guard(out, "indexer rank-dump", force):
-        result = rankdump.run(cfg)
+        with ProgressView(console) as view:
+            result = rankdump.run(cfg, view)
         written = rankdump.write(result, out)
     _render_rank_summary(result.dumps, setting.label(), result.stability)
     console.print(f"wrote {out}/" + ", ".join(written))

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from needlescope.errors import BadInput
+from needlescope.progress import Progress, no_progress
 from needlescope.setting import REFERENCE, Setting
 
 __all__ = ["RankDumpConfig", "RankDumpResult", "run", "write"]
@@ -141,8 +142,9 @@ def _check_context(
             )
 
 
-def run(cfg: RankDumpConfig) -> RankDumpResult:
-    """Rank-dump every prompt (and compare its selection with the reference when asked)."""
+def run(cfg: RankDumpConfig, progress: Progress = no_progress) -> RankDumpResult:
+    """Rank-dump every prompt (and compare its selection with the reference when asked);
+    ``progress("rank dump", done, total, prompt)`` after each prompt."""
     from needlescope.dsa.emulate import patched_for_good
     from needlescope.dsa.rankdump import DEFAULT_MAX_NEW_TOKENS, combine_dumps, rank_dump
     from needlescope.dsa.stability import selection_stability
@@ -157,7 +159,8 @@ def run(cfg: RankDumpConfig) -> RankDumpResult:
         return _load(cfg, m_path)[0] if patched_for_good(m) else m
 
     dumps, stabs = [], []
-    for p, msgs in zip(cfg.prompts, messages, strict=True):
+    progress("rank dump", 0, len(cfg.prompts), "")
+    for n, (p, msgs) in enumerate(zip(cfg.prompts, messages, strict=True)):
         model = usable(model, path)
         dumps.append(
             rank_dump(
@@ -193,6 +196,7 @@ def run(cfg: RankDumpConfig) -> RankDumpResult:
                     candidate_label=str(path),
                 )
             )
+        progress("rank dump", n + 1, len(cfg.prompts), p.name)
     obj = combine_dumps(dumps)
     obj["model"] = str(path)
     stability = None
