@@ -262,3 +262,47 @@ def test_cli_diff_streams_in_chunks_and_refuses_two_devices(flash_dir, tmp_path,
     assert "model.layers.2.mlp" in stdout
     code, _, err = run_cli(*args, "--stream-layers", "--device", "cpu,cpu", "--out", str(tmp_path / "o2"))
     assert code == 2 and "--stream-layers runs on one device" in err
+
+
+# ---------------------------------------------------------------- the numerics audit
+
+
+AUDIT_CHECKS = ["routed_scale", "hc_mix_bf16", "decode_splitk_bf16", "indexer_scores_bf16", "index_keys_fp8"]
+
+
+def test_streamed_audit_equals_in_memory_and_reads_each_layer_once_per_pass():
+    """Every check in chunks of 100 tokens: the op-level metrics are computed while each layer is
+    on the device (its weights are gone after the pass), the decode-split check keeps each
+    attention module's calls apart (layer-major runs them module by module, not chunk by chunk),
+    and compounding runs reference and candidate in one layer-major pass. In float32: both runs
+    call each layer on the same chunks, so even float32 gives the same bits."""
+    from needlescope.audit.run import audit_model
+
+    memory, tok, path = load_bundle("organism")
+    streamed = load_bundle("organism", stream_layers=True)[0]
+    one = audit_model(memory, tok, path, AUDIT_CHECKS, SETTING, 256, chunk=100)
+    reads = _count_reads(streamed)
+    two = audit_model(streamed, tok, path, AUDIT_CHECKS, SETTING, 256, chunk=100)
+    assert two == one  # record for record: every metric, verdict and reason
+    top1 = [m["value"] for r in one for m in r["metrics"] if m["metric"] == "compounded top-1 agreement"]
+    assert len(top1) == 2 and all(0.9 < v <= 1.0 for v in top1)
+    # one pass per capturing check (5), one per compounding (2): reference and candidate together
+    passes = streamer_of(streamed).passes
+    assert [[r["layer"] for r in p] for p in passes] == [list(range(5))] * 7
+    layer_reads = [n for n in reads if n.startswith("model.layers.0.")]
+    assert layer_reads and len(layer_reads) == len(set(layer_reads)) * 7
+
+
+def test_cli_audit_streams_under_device_auto_and_takes_stream_layers(flash_dir, tmp_path, run_cli):
+    import json
+
+    args = ["audit", "--model", str(flash_dir), "--checks", "hc_mix_bf16", "--candidate", "topk=16",
+            "--length", "120", "--prefill-chunk", "48"]  # fmt: skip
+    outs = [tmp_path / "memory.json", tmp_path / "auto.json"]
+    for out, extra in zip(outs, ([], ["--device", "auto", "--max-memory", "4MiB"])):
+        code, _, err = run_cli(*args, *extra, "--out", str(out))
+        assert code == 0, err
+    memory, auto = (json.loads(out.read_text()) for out in outs)
+    assert auto == memory and memory[0]["check"] == "hc_mix_bf16"  # 4 MiB would have been refused placed
+    code, _, err = run_cli(*args, "--stream-layers", "--device", "cpu,cpu")
+    assert code == 2 and "--stream-layers runs on one device" in err

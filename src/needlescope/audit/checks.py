@@ -38,16 +38,15 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
+from needlescope.audit.compounding import KL_MAX, TOP1_MIN, compounding
 from needlescope.audit.substitutes import attn_out_bf16, hc_mix_bf16, hc_modules
 from needlescope.dsa.emulate import csa_indexers
-from needlescope.dsa.passes import new_cache, prefill
+from needlescope.dsa.passes import prefill
 from needlescope.dsa.quant import get_quantizer, hadamard_128
 from needlescope.dsa.reference import lightning_scores, visible_entries
 
 __all__ = ["CHECKS", "TOP1_MIN", "KL_MAX", "OVERLAP_MIN", "BF16_UNIT", "run_check"]
 
-TOP1_MIN = 0.99
-KL_MAX = 1e-3
 OVERLAP_MIN = 0.99
 BF16_UNIT = 2.0**-8
 
@@ -79,32 +78,6 @@ def _forward(model, ids: torch.Tensor, ctx: dict) -> None:
     prefill(model, ids, chunk=ctx.get("chunk"))
 
 
-def compounding(model, ids: torch.Tensor, substitute, chunk: int | None = None) -> list[dict]:
-    """Top-1 agreement and mean KL of the final logits with ``substitute`` in every layer, over
-    every prompt position. ``chunk``: reference and candidate run side by side, chunk by chunk,
-    each through its own cache, so only one chunk's logits exist at a time."""
-    S = ids.shape[1]
-    step = S if chunk is None else chunk
-    caches = (None, None) if chunk is None else (new_cache(model), new_cache(model))
-    agree, kl = 0, 0.0
-    for lo in range(0, S, step):
-        part, at = ids[:, lo : lo + step], range(lo, min(lo + step, S))
-        ref = prefill(model, part, logits_at=at, cache=caches[0]).logits[0]  # [s, V]
-        undo = substitute(model)
-        try:
-            cand = prefill(model, part, logits_at=at, cache=caches[1]).logits[0]
-        finally:
-            undo()
-        agree += int((ref.argmax(-1) == cand.argmax(-1)).sum())
-        kl += float(
-            F.kl_div(cand.log_softmax(-1), ref.log_softmax(-1), log_target=True, reduction="none").sum()
-        )
-    return [
-        _m("compounded top-1 agreement", agree / S, TOP1_MIN),
-        _m("compounded mean KL (nats)", kl / S, KL_MAX),
-    ]
-
-
 def _flag_compound(metrics: list[dict]) -> bool:
     top1 = next(m["value"] for m in metrics if m["metric"] == "compounded top-1 agreement")
     kl = next(m["value"] for m in metrics if m["metric"].startswith("compounded mean KL"))
@@ -112,15 +85,19 @@ def _flag_compound(metrics: list[dict]) -> bool:
 
 
 @contextmanager
-def _capture_inputs(modules: list[torch.nn.Module]):
-    """module index -> [(args, kwargs)] of every call while the block runs (one per chunk)."""
-    got: dict[int, list[tuple]] = {}
-    handles = [
-        m.register_forward_pre_hook(
-            lambda mod, args, kw, _i=i: got.setdefault(_i, []).append((args, kw)), with_kwargs=True
-        )
-        for i, m in enumerate(modules)
-    ]
+def _per_call(modules: list[torch.nn.Module], take, *, after: bool = False):
+    """module index -> [take(module, args, kwargs, output)] of every call while the block runs (one
+    per chunk), computed in the hook (before the call, output None; or ``after`` it): a streamed
+    model's layer weights are on the device only while their layer runs (``dsa.streaming``)."""
+    got: dict[int, list] = {i: [] for i in range(len(modules))}
+
+    def hook(i: int):
+        if after:
+            return lambda mod, args, kw, out: got[i].append(take(mod, args, kw, out))
+        return lambda mod, args, kw: got[i].append(take(mod, args, kw, None))
+
+    register = "register_forward_hook" if after else "register_forward_pre_hook"
+    handles = [getattr(m, register)(hook(i), with_kwargs=True) for i, m in enumerate(modules)]
     try:
         yield got
     finally:
@@ -128,17 +105,18 @@ def _capture_inputs(modules: list[torch.nn.Module]):
             h.remove()
 
 
+def _hc_mix_pair(mod, args, kw, out) -> tuple[torch.Tensor, torch.Tensor]:
+    """The mixing GEMM of one hyper-connection call in fp32 and with bf16 operands."""
+    (streams,) = args
+    flat = mod.input_norm(streams.reshape(*streams.shape[:2], -1).float())
+    return F.linear(flat, mod.fn.float()), F.linear(flat.bfloat16().float(), mod.fn.bfloat16().float())
+
+
 def check_hc_mix_bf16(model, ids, ctx) -> dict:
-    mods = [m for _, m in hc_modules(model)]
-    with _capture_inputs(mods) as got, torch.no_grad():
+    with _per_call([m for _, m in hc_modules(model)], _hc_mix_pair) as got, torch.no_grad():
         _forward(model, ids, ctx)
     rels, maxs, coss = [], [], []
-    for i, mod in enumerate(mods):
-        pairs = []
-        for (streams,), _ in got[i]:
-            flat = mod.input_norm(streams.reshape(*streams.shape[:2], -1).float())
-            ref = F.linear(flat, mod.fn.float())
-            pairs.append((ref, F.linear(flat.bfloat16().float(), mod.fn.bfloat16().float())))
+    for pairs in got.values():
         r, mx, c = _err(pairs)
         rels.append(r), maxs.append(mx), coss.append(c)
     metrics = [
@@ -158,16 +136,9 @@ def check_hc_mix_bf16(model, ids, ctx) -> dict:
 
 def check_decode_splitk_bf16(model, ids, ctx) -> dict:
     mods = [m for _, m in model.named_modules() if type(m).__name__ == "DeepseekV4Attention"]
-    outs: list[torch.Tensor] = []
-    handles = [m.register_forward_hook(lambda mod, a, o: outs.append(o[0].detach())) for m in mods]
-    try:
-        with torch.no_grad():
-            _forward(model, ids, ctx)
-    finally:
-        for h in handles:
-            h.remove()
-    # one output per module and call, in call order: the calls of module j are outs[j::len(mods)]
-    rels = [_err([(o, o.bfloat16().float()) for o in outs[j :: len(mods)]])[0] for j in range(len(mods))]
+    with _per_call(mods, lambda mod, a, kw, out: out[0].detach(), after=True) as outs, torch.no_grad():
+        _forward(model, ids, ctx)
+    rels = [_err([(o, o.bfloat16().float()) for o in calls])[0] for calls in outs.values()]
     metrics = [
         _m("attention output max relative error (bf16 merge)", max(rels)),
         _m("attention output error in bf16 units", max(rels) / BF16_UNIT),
@@ -182,24 +153,20 @@ def check_decode_splitk_bf16(model, ids, ctx) -> dict:
 
 def check_routed_scale(model, ids, ctx) -> dict:
     expected = float(model.config.routed_scaling_factor)
-    sums: list[torch.Tensor] = []
     gates = [
         m
         for _, m in model.named_modules()
         if type(m).__name__ in ("DeepseekV4TopKRouter", "DeepseekV4HashRouter")
     ]
-    handles = [
-        g.register_forward_hook(lambda mod, a, o: sums.append(o[1].detach().float().sum(-1))) for g in gates
-    ]
+    weight_sums = _per_call(gates, lambda mod, a, kw, out: out[1].detach().float().sum(-1), after=True)
     undo = ctx["apply_candidate"](model)
     try:
-        with torch.no_grad():
+        with weight_sums as sums, torch.no_grad():
             _forward(model, ids, ctx)
     finally:
         undo()
-        for h in handles:
-            h.remove()
-    eff = float(torch.cat(sums).mean())
+    # gate by gate, call by call: the same order whether the model runs token- or layer-major
+    eff = float(torch.cat([s for calls in sums.values() for s in calls]).mean())
     rel = abs(eff / expected - 1.0)
     kind = "as configured"
     if rel > 1e-3:
@@ -223,27 +190,33 @@ def check_routed_scale(model, ids, ctx) -> dict:
     }
 
 
+def _scorer_inputs(scorer, args, kw, out) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(queries, keys, per-head weights ``weights_proj(hidden)``) of one scorer call, fp32."""
+    names = ("q", "compressed_kv", "hidden_states")
+    q, kv, hs = (list(args) + [kw.get(k) for k in names][len(args) :])[:3]
+    return q.float(), kv.float(), scorer.weights_proj(hs).float()
+
+
 def _indexer_inputs(model, ids, ctx) -> list[tuple[torch.nn.Module, int, list[tuple]]]:
-    """Per CSA layer: (scorer, compress ratio, [(start, q, keys, hidden)] per call), ``start`` the
-    absolute position of the call's first query row (one call, or one per chunk: a call's keys
+    """Per CSA layer: (scorer, compress ratio, [(start, q, keys, head weights)] per call), ``start``
+    the absolute position of the call's first query row (one call, or one per chunk: a call's keys
     are the entries emitted so far, all its rows can see)."""
     idx = [m for _, m in csa_indexers(model)]
-    with _capture_inputs([m.scorer for m in idx]) as got, torch.no_grad():
+    with _per_call([m.scorer for m in idx], _scorer_inputs) as got, torch.no_grad():
         _forward(model, ids, ctx)
     out = []
     for i, m in enumerate(idx):
         calls, start = [], 0
-        for args, kw in got[i]:
-            names = ("q", "compressed_kv", "hidden_states")
-            q, kv, hs = (list(args) + [kw.get(k) for k in names][len(args) :])[:3]
-            calls.append((start, q.float(), kv.float(), hs))
+        for q, kv, w in got[i]:
+            calls.append((start, q, kv, w))
             start += q.shape[1]
         out.append((m.scorer, int(m.compress_rate), calls))
     return out
 
 
-def _scores(scorer, q, k, hs, acc=torch.float32) -> torch.Tensor:
-    w = scorer.weights_proj(hs).float()
+def _scores(scorer, q, k, w, acc=torch.float32) -> torch.Tensor:
+    """Scores [B, S, L] of queries ``q`` against keys ``k`` with head weights ``w`` [B, S, heads]
+    (``scorer``'s scales only: its weights may be gone, on a streamed model)."""
     return lightning_scores(
         q, k, w, scale=scorer.softmax_scale, weight_scale=scorer.weights_scaling, acc_dtype=acc
     ).float()
@@ -281,8 +254,8 @@ def check_indexer_scores_bf16(model, ids, ctx) -> dict:
     with torch.no_grad():
         for scorer, ratio, calls in _indexer_inputs(model, ids, ctx):
             pairs = [
-                (_scores(scorer, q, kv, hs), _scores(scorer, q, kv, hs, torch.bfloat16))
-                for _, q, kv, hs in calls
+                (_scores(scorer, q, kv, w), _scores(scorer, q, kv, w, torch.bfloat16))
+                for _, q, kv, w in calls
             ]
             # the error over the entries each query row can see (a one-pass call also scores the
             # future entries, which no row uses and a chunked call never computes)
@@ -309,14 +282,14 @@ def check_index_keys_fp8(model, ids, ctx) -> dict:
     with torch.no_grad():
         for scorer, ratio, calls in _indexer_inputs(model, ids, ctx):
             fracs: dict[str, list[float]] = {name: [] for name in res}
-            for start, q, kv, hs in calls:
-                ref = _scores(scorer, q, kv, hs)
+            for start, q, kv, w in calls:
+                ref = _scores(scorer, q, kv, w)
                 for name in res:
                     if name == "fp4_e2m1":  # trained numerics: rotate, then quantise both sides
                         qq, kk = get_quantizer(name)(hadamard_128(q)), get_quantizer(name)(hadamard_128(kv))
                     else:
                         qq, kk = q, get_quantizer(name)(kv)
-                    fracs[name] += _overlaps(ref, _scores(scorer, qq, kk, hs), k, ratio, start)
+                    fracs[name] += _overlaps(ref, _scores(scorer, qq, kk, w), k, ratio, start)
             for name in res:
                 res[name].append(_mean(fracs[name]))
     worst = {name: min(v) for name, v in res.items()}

@@ -7,23 +7,46 @@ import torch
 from needlescope.audit.checks import run_check
 from needlescope.setting import Setting
 
-__all__ = ["audit_checkpoint"]
+__all__ = ["audit_checkpoint", "audit_model"]
 
 
 def audit_checkpoint(
-    model_name: str, checks: list[str], candidate: Setting, length: int, *, chunk: int | None = None
+    model_name: str,
+    checks: list[str],
+    candidate: Setting,
+    length: int,
+    *,
+    chunk: int | None = None,
+    device: str = "cpu",
+    max_memory: str | None = None,
+    stream_layers: bool = False,
 ) -> list[dict]:
     """Results of ``checks`` on a multiturn case of ``length`` tokens (``run_check`` records);
-    ``chunk``: the prompt runs through the KV cache in chunks of that many tokens."""
-    from needlescope.cases.assemble import CaseSpec, build_cases
-    from needlescope.dsa.checkpoint import load_bundle, resolve_model_dir, trained_value_digits
-    from needlescope.dsa.emulate import emulate
-    from needlescope.dsa.prompt import render_prompt
+    ``chunk``: the prompt runs through the KV cache in chunks of that many tokens.
+
+    ``device``, ``max_memory``, ``stream_layers``: as ``dsa.checkpoint.load_bundle`` takes them;
+    every audit forward runs through ``dsa.passes`` or layer-major, so ``device="auto"`` streams
+    the layers when the weights do not fit the budget (``stream_if_needed``)."""
+    from needlescope.dsa.checkpoint import load_bundle, resolve_model_dir
     from needlescope.setting import check_chunk
 
     check_chunk(chunk)
     path = resolve_model_dir(model_name)
-    model, tokenizer, _ = load_bundle(path)
+    model, tokenizer, _ = load_bundle(
+        path, device=device, max_memory=max_memory, stream_layers=stream_layers, stream_if_needed=True
+    )
+    return audit_model(model, tokenizer, path, checks, candidate, length, chunk=chunk)
+
+
+def audit_model(
+    model, tokenizer, path, checks: list[str], candidate: Setting, length: int, *, chunk: int | None = None
+) -> list[dict]:
+    """``audit_checkpoint`` on a loaded ``model`` (in memory or streamed) of the checkpoint ``path``."""
+    from needlescope.cases.assemble import CaseSpec, build_cases
+    from needlescope.dsa.checkpoint import trained_value_digits
+    from needlescope.dsa.emulate import emulate
+    from needlescope.dsa.prompt import render_prompt
+
     spec = CaseSpec(
         kind="multiturn",
         lengths=(length,),

@@ -3,6 +3,8 @@
 Runs each named check (``needlescope.audit.checks``) on a multiturn probe case of
 ``--length`` tokens and prints every metric with its threshold; ``--out FILE`` writes them as
 JSON (``[{"check", "metrics": [{"metric", "value", "threshold"}], "flagged", "why"}]``).
+``--stream-layers``, or ``--device auto --max-memory`` below the weights, reads one decoder
+layer at a time per pass (``cli.loading_options``, docs/scale.md).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
+from needlescope.cli import loading_options as load
 from needlescope.cli.output import console
 from needlescope.cli.outputs import FORCE, file_spec
 from needlescope.outdir import check_outputs, record_outputs
@@ -40,6 +43,9 @@ def audit_command(
         "--prefill-chunk",
         help="Run the prompt through the KV cache in chunks of this many tokens (docs/scale.md).",
     ),
+    device: load.Device = "cpu",
+    max_memory: load.MaxMemory = None,
+    stream_layers: load.StreamLayers = False,
     force: bool = FORCE,
 ) -> None:
     """Op-level microtests and compounding of reduced-precision ops against the fp32 reference."""
@@ -57,7 +63,16 @@ def audit_command(
 
     if out is not None:
         check_outputs(*file_spec(out, "audit"), force=force)  # before the checkpoint loads
-    results = audit_checkpoint(model, names, Setting.parse(candidate), length, chunk=prefill_chunk)
+    results = audit_checkpoint(
+        model,
+        names,
+        Setting.parse(candidate),
+        length,
+        chunk=prefill_chunk,
+        device=device,
+        max_memory=max_memory,
+        stream_layers=stream_layers,
+    )
     table = Table("check", "metric", "value", "threshold", "flagged")
     for r in results:
         for m in r["metrics"]:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import typer
 
+from needlescope.cli import loading_options as load
 from needlescope.cli import setting_options as opt
 from needlescope.cli.indexer import indexer_app
 from needlescope.cli.model_context import check_lengths, check_topk
@@ -64,11 +65,9 @@ def diff_command(
         "--chunk",
         help="Run layer by layer in chunks of this many tokens through the KV cache (docs/scale.md).",
     ),
-    device: str = typer.Option("cpu", "--device", help="cpu | cuda | cuda:N | auto | cuda:0,cuda:1"),
-    max_memory: str = typer.Option(None, "--max-memory", help="Weight bytes per device: 70GiB."),
-    stream_layers: bool = typer.Option(
-        False, "--stream-layers", help="Read one layer at a time: weights larger than the device."
-    ),
+    device: load.Device = "cpu",
+    max_memory: load.MaxMemory = None,
+    stream_layers: load.StreamLayers = False,
     force: bool = FORCE,
 ) -> None:
     """Run reference and candidate side by side and name the first module that diverges too much."""
@@ -96,11 +95,9 @@ def diff_command(
             tuple(PatchRef.resolve(p) for p in extra_patch or ()),
         )
         check_chunk(chunk)
-        loading = dict(
-            device=device, max_memory=max_memory, stream_layers=stream_layers, stream_if_needed=True
-        )
-        reference, tokenizer, _ = load_bundle(path, **loading)
-        candidate, _, _ = load_bundle(path, **loading)
+        loading = dict(device=device, max_memory=max_memory, stream_layers=stream_layers)
+        reference, tokenizer, _ = load_bundle(path, **loading, stream_if_needed=True)
+        candidate, _, _ = load_bundle(path, **loading, stream_if_needed=True)
         if input_ids is None and render_prompt(tokenizer, read_prompt_file(prompt)).input_ids != token_ids:
             raise BadInput(f"the tokenizer of {str(path)!r} renders the prompt differently when loaded twice")
         ids = torch.tensor([token_ids])

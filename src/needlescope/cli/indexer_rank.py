@@ -16,6 +16,7 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
+from needlescope.cli import loading_options as load
 from needlescope.cli import setting_options as opt
 from needlescope.cli.indexer import indexer_app
 from needlescope.cli.model_context import check_topk
@@ -69,12 +70,10 @@ def rank_dump_command(
         "--compare-model",
         help="Also write stability.json: the reference numerics on this second checkpoint vs --model.",
     ),
-    device: str = typer.Option("cpu", "--device", help="cpu | cuda | cuda:N | auto | cuda:0,cuda:1"),
-    max_memory: str = typer.Option(None, "--max-memory", help="Weight bytes per device when placing: 70GiB."),
+    device: load.Device = "cpu",
+    max_memory: load.MaxMemory = None,
     chunk: int = typer.Option(None, "--chunk", help="Prefill in chunks of this many tokens (docs/scale.md)."),
-    stream_layers: bool = typer.Option(
-        False, "--stream-layers", help="Read one layer at a time per pass: weights larger than the device."
-    ),
+    stream_layers: load.StreamLayers = False,
     out: Path = typer.Option(..., "--out", help="Output directory."),
     force: bool = FORCE,
 ) -> None:
