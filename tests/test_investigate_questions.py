@@ -103,3 +103,14 @@ def test_checkpoint_dtype_config_and_source(tmp_path):
     assert answer(Question("source", {"path": "*.py", "pattern": r"\* f"}), c).value == "3"
     assert not answer(Question("source", {"path": "none/*.py", "pattern": "x"}), c).ok
     assert not answer(Question("checkpoint_dtype", {"pattern": "*"}), ctx(tmp_path, checkpoint=tmp_path)).ok
+
+
+def test_a_catastrophic_source_pattern_ends_and_is_blocked_past_its_time_bound(tmp_path):
+    """Issue 38 R17: "(a+)+$" on a run of a's followed by another character backtracks for ages
+    under ``re`` (the run hung). It now answers (no match); a pattern that still backtracks,
+    "(a|aa)+$", is blocked once its time bound passes, with the pattern named."""
+    (tmp_path / "p.py").write_text("a" * 40 + "!\n")
+    c = ctx(tmp_path)
+    assert answer(Question("source", {"path": "*.py", "pattern": "(a+)+$"}), c).value == "0"
+    a = answer(Question("source", {"path": "*.py", "pattern": "(a|aa)+$"}), c)
+    assert not a.ok and "(a|aa)+$" in a.blocked and "backtracking" in a.blocked

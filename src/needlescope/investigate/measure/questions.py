@@ -20,15 +20,20 @@ from __future__ import annotations
 
 import fnmatch
 import json
-import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+
+import regex
 
 from needlescope.investigate.ledger.differences import env_lines
 from needlescope.investigate.ledger.ledger import Question
 
 __all__ = ["Answer", "QuestionContext", "ASKERS", "answer", "safetensors_dtypes"]
+
+
+# A source question's pattern gets this long per file before its answer is blocked.
+SOURCE_TIMEOUT_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -166,15 +171,24 @@ def _source(q: Question, ctx: QuestionContext) -> Answer:
     if not files:
         return Answer(None, f"no file matches {pattern!r} (relative to {ctx.base})")
     try:
-        rx = re.compile(q.params["pattern"])
-    except re.error as exc:
+        rx = regex.compile(q.params["pattern"])
+    except regex.error as exc:
         return Answer(None, f"pattern {q.params['pattern']!r} is not a regular expression: {exc}")
     count = 0
     for f in files:
         try:
-            count += len(rx.findall(f.read_text(encoding="utf-8", errors="replace")))
+            # A ledger's pattern may backtrack catastrophically ("(a+)+$"): `regex` bounds its time.
+            count += len(
+                rx.findall(f.read_text(encoding="utf-8", errors="replace"), timeout=SOURCE_TIMEOUT_S)
+            )
         except OSError as exc:
             return Answer(None, f"cannot read {f}: {exc.strerror or exc}")
+        except TimeoutError:
+            return Answer(
+                None,
+                f"pattern {q.params['pattern']!r} ran over {SOURCE_TIMEOUT_S:g} s on {f} (catastrophic "
+                "backtracking?): simplify it",
+            )
     return Answer(
         str(count), detail=f"occurrences of {q.params['pattern']!r} in {len(files)} file(s) {pattern!r}"
     )
