@@ -181,14 +181,14 @@ def _source(q: Question, ctx: QuestionContext) -> Answer:
             count += len(
                 rx.findall(f.read_text(encoding="utf-8", errors="replace"), timeout=SOURCE_TIMEOUT_S)
             )
-        except OSError as exc:
-            return Answer(None, f"cannot read {f}: {exc.strerror or exc}")
-        except TimeoutError:
+        except TimeoutError:  # before OSError, of which it is a subclass
             return Answer(
                 None,
                 f"pattern {q.params['pattern']!r} ran over {SOURCE_TIMEOUT_S:g} s on {f} (catastrophic "
                 "backtracking?): simplify it",
             )
+        except OSError as exc:
+            return Answer(None, f"cannot read {f}: {exc.strerror or exc}")
     return Answer(
         str(count), detail=f"occurrences of {q.params['pattern']!r} in {len(files)} file(s) {pattern!r}"
     )
