@@ -194,3 +194,38 @@ def test_a_server_that_dies_mid_run_gives_no_data_cells_and_exit_1(scripted_serv
     rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
     errors = [r for r in rows if r["status"] == "error"]
     assert errors and all(r["attempts"] == 5 for r in errors)  # first try + 4 retries, recorded
+
+
+def _file_size_limit(limit: int):
+    """A child's writes past ``limit`` bytes fail with EFBIG, as a full disk fails with ENOSPC."""
+
+    def apply() -> None:
+        import resource
+
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    return apply
+
+
+@pytest.mark.parametrize("command", ["probe", "investigate-init"])
+def test_no_room_to_write_is_one_line_and_exit_2(scripted_server, tmp_path, command):
+    """Issue 38 R14: a disk that fills mid-run ended in a traceback. Now one line names the file,
+    says what was kept and how to go on, and the exit code is 2."""
+    out = tmp_path / "out"
+    if command == "probe":
+        args = [*CLI, "probe", "--base-url", scripted_server(window=10_000), "--model", "scripted"]
+        args += ["--out", str(out), *GRID]
+    else:
+        args = [*CLI, "investigate", "init", str(out)]
+    proc = subprocess.run(
+        args,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        preexec_fn=_file_size_limit(64 * 1024 if command == "probe" else 2048),
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr and "cannot write" in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr

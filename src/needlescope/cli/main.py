@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import os
+import sqlite3
 import sys
 
 import typer
@@ -85,6 +87,16 @@ EXTRA_OF = {
 }
 
 
+# Write failures that are the machine's room, not a bug: a full disk, a quota, a file-size limit.
+_NO_ROOM = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+
+
+def _out_of_room(exc: Exception) -> bool:
+    if isinstance(exc, sqlite3.OperationalError):
+        return "disk is full" in str(exc) or "disk I/O error" in str(exc)
+    return isinstance(exc, OSError) and exc.errno in _NO_ROOM
+
+
 def main() -> None:
     exit_with_parent(os.environ)  # a no-op unless a ChildServer started this process
     # Click handles usage errors itself (exit 2); BadInput from the library is printed as one line.
@@ -92,6 +104,21 @@ def main() -> None:
         app()
     except BadInput as exc:
         err_console.say("[bold red]error:[/] {}", exc, soft_wrap=True)
+        sys.exit(2)
+    except (OSError, sqlite3.OperationalError) as exc:
+        # A full disk, a quota or a file-size limit mid-run: what was saved is kept (the stores
+        # commit per case), so say so and how to go on, in one line; anything else is a bug.
+        if not _out_of_room(exc):
+            raise
+        where = getattr(exc, "filename", None) or "the output folder"
+        why = getattr(exc, "strerror", None) or str(exc)
+        err_console.say(
+            "[bold red]error:[/] cannot write {}: {}: free space or choose another --out; what was saved "
+            "is kept, so rerun the same command with --resume where it takes one",
+            where,
+            why,
+            soft_wrap=True,
+        )
         sys.exit(2)
     except ModuleNotFoundError as exc:
         # A missing capability, not a bug: say which extra brings it.

@@ -187,6 +187,9 @@ class ResultStore:
                     self._db.execute(f"ALTER TABLE results ADD COLUMN {col} TEXT")
         except sqlite3.DatabaseError as e:
             _unlock(self.path, self._lock_fd)
+            if isinstance(e, sqlite3.OperationalError) and ("disk is full" in str(e) or "disk I/O" in str(e)):
+                # No room to write (a full disk, a quota): the folder's fault, not the store's.
+                raise BadInput(f"cannot write {self.path}: {e}: free space or choose another --out") from e
             raise BadInput(f"{self.path} is not a usable needlescope results database: {e}") from e
 
     @property
