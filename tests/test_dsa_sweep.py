@@ -200,7 +200,7 @@ def _scale_patch(tmp_path, log):
     return path
 
 
-def test_patch_without_undo_is_applied_once_per_model(tiny, tmp_path):
+def test_patch_without_undo_is_applied_once_per_model(tiny, tmp_path, monkeypatch):
     model, tok = tiny
     path = save_random(tmp_path / "fresh", seed=2, **TINY)
     log = tmp_path / "applied.log"
@@ -212,6 +212,25 @@ def test_patch_without_undo_is_applied_once_per_model(tiny, tmp_path):
         generate=False,
         patch=str(_scale_patch(tmp_path, log)),
     )
+    original = model.config.routed_scaling_factor
+
+    def applications() -> dict[str, list[float]]:
+        seen = {}
+        for line in log.read_text().split("\n")[:-1]:
+            owner, scale = line.split()
+            seen.setdefault(owner, []).append(float(scale))
+        log.unlink()
+        return seen
+
+    # A small model keeps a pristine copy (dsa.pristine): one model, restored after each
+    # application, so every application finds the unpatched scale, and no reload is needed.
+    res = run_sweep(load_bundle(path)[0], tok, cfg)
+    validate_sweep(res)
+    seen = applications()
+    assert len(seen) == 1 and len(next(iter(seen.values()))) >= 2 and len(res["runs"]) == 4
+    assert all(s == original for scales in seen.values() for s in scales)
+    # A model too large to copy is marked instead: each setting runs on its own fresh model.
+    monkeypatch.setattr("needlescope.dsa.emulate.PRISTINE_COPY_MAX_BYTES", 0)
     loaded = []
 
     def reload():
@@ -220,14 +239,8 @@ def test_patch_without_undo_is_applied_once_per_model(tiny, tmp_path):
 
     res = run_sweep(reload(), tok, cfg, reload=reload)
     validate_sweep(res)
-    lines = log.read_text().split("\n")[:-1]
-    seen = {}
-    for line in lines:
-        owner, scale = line.split()
-        seen.setdefault(owner, []).append(float(scale))
-    # One application per setting, each on its own fresh model, each finding the unpatched scale.
+    seen = applications()
     assert len(seen) == 2 == len(loaded) and len(res["runs"]) == 4
-    original = model.config.routed_scaling_factor
     assert all(s == original for scales in seen.values() for s in scales)
     # Without a way to reload, a second setting is refused rather than run on a patched model.
     with pytest.raises(BadInput, match="no undo"):

@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.overrides import TorchFunctionMode
 
-from needlescope.dsa.pristine import PristineCopy, weight_bytes
+from needlescope.dsa.pristine import PristineCopy, copyable, weight_bytes
 from needlescope.dsa.quant import get_quantizer, hadamard_128
 from needlescope.dsa.reference import NO_ENTRY, lightning_scores, visible_entries
 from needlescope.errors import BadInput
@@ -244,7 +244,8 @@ def apply_patch_once(model: torch.nn.Module, patch, *, check: bool = True) -> Ca
     (``pristine.PristineCopy``) and its restore is the undo: the configuration runs on a model
     it may change, and the next finds it as loaded. The cost (one copy of the weights per
     application) is logged once per patch. Patches learned to return an undo skip the copy.
-    A model larger than ``PRISTINE_COPY_MAX_BYTES`` is not copied: it is marked instead
+    A model larger than ``PRISTINE_COPY_MAX_BYTES``, or streamed (``pristine.copyable``), is not
+    copied: it is marked instead
     (``patched_for_good``) and its caller loads a fresh one; ``check`` refuses such a model
     (``check=False``: the caller checked before applying a group of patches).
     """
@@ -253,7 +254,7 @@ def apply_patch_once(model: torch.nn.Module, patch, *, check: bool = True) -> Ca
     fn = load_patch(patch)
     key = _patch_key(patch)
     kept = None
-    if key not in _GIVES_UNDO and weight_bytes(model) <= PRISTINE_COPY_MAX_BYTES:
+    if key not in _GIVES_UNDO and copyable(model) and weight_bytes(model) <= PRISTINE_COPY_MAX_BYTES:
         start = time.perf_counter()
         kept = PristineCopy.take(model)
         copy_s = time.perf_counter() - start

@@ -35,6 +35,12 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
 
 
+def copyable(model: torch.nn.Module) -> bool:
+    """Whether every parameter and buffer holds data: a streamed model's layers live on the meta
+    device between passes (``dsa.streaming``), and a copy of those would hold nothing."""
+    return not any(t.is_meta for t in (*model.parameters(), *model.buffers()))
+
+
 def _classes(model: torch.nn.Module) -> list[type]:
     """The module classes of ``model`` and their module bases (``torch.nn.Module`` included),
     each once, plus ``torch.Tensor`` (a patch may replace ``Tensor.topk``)."""

@@ -246,6 +246,10 @@ class GuardedH11Protocol(H11Protocol):
         it (then close), within the half-close deadline; otherwise close now (True keeps it open)."""
         if not self.busy:
             return None
+        # A FIN reads the same whether the client half-closed or left: the route withdraws a
+        # request still waiting in the queue (admission control must not run abandoned work) and
+        # answers one already running.
+        self.cycle.scope[HALF_CLOSED] = True
         self.cycle.keep_alive = False  # uvicorn closes the connection after this answer
         self._arm("half-closed")
         return True
@@ -259,6 +263,10 @@ class GuardedH11Protocol(H11Protocol):
         self.guard.forget(self)
         self._disarm()
         super().connection_lost(exc)
+
+
+HALF_CLOSED = "needlescope.half_closed"
+"""ASGI scope key set when the client sent its FIN after a whole request (``eof_received``)."""
 
 
 def guarded_protocol(limits: ConnectionLimits) -> type[GuardedH11Protocol]:

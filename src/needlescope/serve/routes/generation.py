@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
+from needlescope.serve.connections import HALF_CLOSED
 from needlescope.serve.engine import Engine
 from needlescope.serve.errors import EngineError
 from needlescope.serve.requests import Delta, Final, GenRequest, TokenOut
@@ -214,6 +215,9 @@ class Serving:
                 except asyncio.TimeoutError:
                     if await request.is_disconnected():
                         log.info("client of %s went away; cancelling it", req.rid)
+                        raise ApiError(499, "client disconnected", type="client_closed_request") from None
+                    if request.scope.get(HALF_CLOSED) and self.engine.admission.withdraw(req):
+                        log.info("client of %s closed its side before the request ran; withdrawn", req.rid)
                         raise ApiError(499, "client disconnected", type="client_closed_request") from None
                     continue
                 if isinstance(ev, EngineError):
