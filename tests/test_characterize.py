@@ -201,3 +201,32 @@ def test_the_characterization_reads_no_patch():
         src = inspect.getsource(m)
         assert "import torch" not in src and "open(" not in src and "Path(" not in src
         assert ".patch" not in src and "extra_patches" not in src
+
+
+def test_every_next_command_runs_as_printed(tmp_path):
+    """Each experiment's command parses with needlescope's own CLI, and every file it names is one
+    the run wrote (absolute, present, readable as the option reads it): no placeholder."""
+    import json
+
+    from needlescope.investigate.decide.characterize import _command
+    from next_command import check_next
+
+    ids, prompt, patch = tmp_path / "input_ids.json", tmp_path / "prompt.json", tmp_path / "p1.py"
+    ids.write_text(json.dumps({"input_ids": [1, 2, 3], "needle_token_span": [1, 2]}))
+    prompt.write_text(json.dumps([{"role": "user", "content": "hi"}]))
+    patch.write_text("def apply(model):\n    pass\n")
+    flags = ("--index-k", "fp8_e4m3", "--index-q", "fp32", "--score-dtype", "fp32")
+    inproc = Context(
+        route="in-process", ratio=4, topk=16, lengths=(512,), input_ids=str(ids), device="cuda",
+        candidate_flags=(*flags, "--extra-patch", str(patch)), sweep_flags=(*flags, "--patch", str(patch)),
+    )  # fmt: skip
+    many_patches = Context(**{**inproc.__dict__, "sweep_flags": None})
+    live = Context(**{**LIVE.__dict__, "prompt": str(prompt), "needle": "the key", "served_model": "m"})
+    no_case = Context(**{**LIVE.__dict__, "served_model": "m"})
+    for ctx in (inproc, many_patches, live, no_case):
+        for experiment in ("dense", "residue", "selection", "paths", "localize"):
+            command = _command(ctx, experiment)
+            params = check_next(command)
+            assert params.get("model") or params.get("sglang"), command
+    assert check_next(_command(inproc, "residue"))["patch"] == str(patch)
+    assert check_next(_command(live, "paths"))["prompt"] == prompt

@@ -54,6 +54,11 @@ def test_a_decode_only_bug_is_characterized_decode_only(tmp_path):
     assert ch["where"]["path"] == "decode" and ch["where"]["cause"] == "in the selection"
     # the dense length (64 tokens at top-16) is too short for the needle: left out, said so
     assert ch["next"].startswith("needlescope indexer diff --model organism")
+    from next_command import check_next
+
+    params = check_next(ch["next"])  # runnable as printed: the failing case's ids written by the run
+    assert str(params["input_ids"]).startswith(str((tmp_path / "out").resolve()))
+    assert [str(p) for p in params["extra_patch"]] == [str((tmp_path / "p1.py").resolve())]
     lengths = {c["length"] for c in ch["measured"]["cells"]}
     assert {257, 258, 259} <= lengths  # the residue lengths around the failing one
     # nothing read the patch: the same records with no loss say "nothing to explain"

@@ -72,6 +72,7 @@ import torch
 
 from needlescope.dsa.diff_layers import layer_rows
 from needlescope.dsa.diff_md import DIFF_SCHEMA, diff_to_json, render_diff_md, validate_diff
+from needlescope.dsa.diff_rope import rope_tables
 from needlescope.dsa.diff_steps import judged_in_steps
 from needlescope.dsa.emulate import (
     ACC_DTYPES,
@@ -366,6 +367,8 @@ def _compare(
             expected = max(expected, sel)
         verdict = own.pop("verdict") or ("explained" if err > expected else "ok")
         row.update(in_err=in_err, expected_rel_err=expected, calibrated=calibrated, **own, verdict=verdict)
+        if is_indexer and (rope := rope_tables(judge.reference, cand, callees.get(cand.key, []))):
+            row["rope"] = rope
         out.append(row)
     for row in out:
         row["exceeds"] = row["verdict"] == "diverges"
@@ -468,12 +471,14 @@ def localize(
                 extra_patches, progress, chunk,
             )  # fmt: skip
     first = next((m["module"] for m in modules if m["exceeds"]), None)
+    rope = [m.pop("rope") for m in modules if "rope" in m]
     query_pos = T - 1
     entries = covering_entries(needle_span, ratio) if needle_span is not None else []
     return {
         "modules": modules,
         "first_divergent_module": first,
-        "summary": NO_DIVERGENCE if first is None else f"first divergent module: {first}",
+        "summary": _summary(first, rope),
+        "rope": rope,
         "layers": layer_rows(layers, ref_cap, cand_cap, entries, query_pos, ratio, topk_by_layer),
         "numerics": numerics.numerics_json(),
         "reference_numerics": ref_num.numerics_json(),
@@ -488,6 +493,11 @@ def localize(
         "allow": allow,
         "unmatched": unmatched,
     }
+
+
+def _summary(first: str | None, rope: list[dict]) -> str:
+    said = NO_DIVERGENCE if first is None else f"first divergent module: {first}"
+    return f"{said}; {rope[0]['finding']} ({rope[0]['module']})" if rope else said
 
 
 def _in_steps(

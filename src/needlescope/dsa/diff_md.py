@@ -17,7 +17,13 @@
      "numerics": {...}, "reference_numerics": {...}, "patch": str | null,
      "prompt_tokens": int, "needle_token_span": [int, int] | null, "query_pos": int,
      "growth": float | null, "margin": float, "draws": int, "allow": {str: str},
-     "unmatched": {"reference_only": [str], "candidate_only": [str]}}
+     "unmatched": {"reference_only": [str], "candidate_only": [str]},
+     "rope": [{"module": str, "expected": str, "finding": str,
+               "queries": {"table": str | null, "rel_err": float},
+               "keys": {"table": str | null, "rel_err": float} | null}]}
+
+``rope``: the indexer calls whose queries or keys a RoPE table other than the indexer's own
+rotates (``needlescope.dsa.diff_rope``); ``summary`` then names the first one.
 
 Non-finite numbers are written as JSON strings ``"inf"`` / ``"nan"`` by ``diff_to_json``.
 """
@@ -101,6 +107,10 @@ DIFF_SCHEMA: dict = {
         "numerics": {"type": "object"},
         "patch": {"type": ["string", "null"]},
         "prompt_tokens": {"type": "integer"},
+        "rope": {
+            "type": "array",
+            "items": {"type": "object", "required": ["module", "expected", "finding", "queries", "keys"]},
+        },
     },
 }
 """JSON-Schema-style description of ``diff.json``."""

@@ -141,6 +141,7 @@ class Localized:
     module: str | None
     module_type: str | None
     layer: int | None
+    finding: str | None = None  # what the localizer names there (a query/key RoPE-table mismatch)
 
 
 @dataclass(frozen=True)
@@ -168,9 +169,12 @@ class Context:
     model: str = "organism"
     base_url: str | None = None
     candidate_flags: tuple[str, ...] = ()
-    input_ids: str | None = None  # the localizer's saved ids (in-process)
-    prompt: str | None = None  # a failing case's messages file (live: for ``indexer capture``)
+    input_ids: str | None = None  # a failing case's ids file the run wrote (in-process: ``indexer diff``)
+    prompt: str | None = None  # a failing case's messages file the run wrote (live: ``indexer capture``)
     needle: str | None = None
+    served_model: str = "organism"  # the live server's model name (``probe --model``)
+    sweep_flags: tuple[str, ...] | None = ()  # ``indexer sweep`` flags; None: not expressible (patches > 1)
+    device: str = "cpu"
     lengths: tuple[int, ...] = field(default_factory=tuple)
 
 
@@ -191,7 +195,8 @@ def jaccard_chance(visible: int, k_cand: int, k_ref: int) -> float:
 def family_of(module: str | None, module_type: str | None) -> str:
     """The family of a localized module, from its class and dotted name."""
     t, m = module_type or "", module or ""
-    if "Scorer" in t or m.endswith(".scorer"):
+    base = m.split("[call ")[0]
+    if "Scorer" in t or base.endswith((".scorer", ".indexer.rotary_emb")):  # q/k RoPE feeds the score
         return "indexer scorer"
     if "Indexer" in t or "Compressor" in t or ".compressor" in m:
         return "index-key cache/compressor"
@@ -447,45 +452,39 @@ def _lengths(ctx: Context, which: str) -> list[int]:
 
 
 def _command(ctx: Context, experiment: str) -> str:
-    """The ``needlescope`` command that runs ``experiment`` against the candidate."""
-    q = shlex.join
-    if experiment in ("dense", "residue"):
-        lengths = ",".join(str(n) for n in _lengths(ctx, experiment))
-        if ctx.route == "live":
-            return q(
-                ["needlescope", "probe", "--base-url", ctx.base_url or "URL", "--kind", "multiturn"]
-                + [
-                    "--lengths",
-                    lengths,
-                    "--depths",
-                    "0,50,100",
-                    "--trials",
-                    "4",
-                    "--out",
-                    f"next-{experiment}",
-                ]
-            )
-        return q(
-            ["needlescope", "indexer", "sweep", "--model", ctx.model, *ctx.candidate_flags]
-            + ["--index-topk", str(ctx.topk), "--lengths", lengths, "--kind", "multiturn"]
-            + ["--depths", "0,50,100", "--trials", "4", "--out", f"next-{experiment}"]
+    """The ``needlescope`` command that runs ``experiment`` against the candidate, runnable as
+    printed: every file it names is one the run wrote (``Context``'s paths), and an experiment
+    whose input the run could not write falls back to one it can run."""
+    if experiment in ("dense", "residue") or (ctx.route == "live" and ctx.prompt is None):
+        return _length_command(ctx, experiment if experiment in ("dense", "residue") else "residue")
+    if ctx.route == "live":  # the selections on both paths: the live capture of a failing case
+        return shlex.join(
+            ["needlescope", "indexer", "capture", "--sglang", ctx.base_url or "", "--prompt", ctx.prompt]
+            + ["--needle", ctx.needle or "", "--tokenizer", ctx.model, "--out", "next-capture"]
         )
-    if ctx.route == "live":  # the selections on both paths: the live capture at a failing length
-        return q(
-            [
-                "needlescope",
-                "indexer",
-                "capture",
-                "--sglang",
-                ctx.base_url or "URL",
-                "--prompt",
-                ctx.prompt or "PROMPT",
-            ]
-            + ["--needle", ctx.needle or "NEEDLE", "--tokenizer", ctx.model, "--out", "next-capture"]
+    if ctx.input_ids is None:
+        return _length_command(ctx, "residue")
+    return shlex.join(
+        ["needlescope", "indexer", "diff", "--model", ctx.model, "--input-ids", ctx.input_ids]
+        + [*ctx.candidate_flags, "--index-topk", str(ctx.topk), "--device", ctx.device, "--out", "next-diff"]
+    )
+
+
+def _length_command(ctx: Context, experiment: str) -> str:
+    """Recall at the dense or residue lengths: ``probe`` against the live server, ``indexer
+    sweep`` in-process (one patch at most: with more, the localizer's ``indexer diff``)."""
+    lengths = ",".join(str(n) for n in _lengths(ctx, experiment))
+    grid = ["--kind", "multiturn", "--lengths", lengths, "--depths", "0,50,100", "--trials", "4"]
+    if ctx.route == "live":
+        return shlex.join(
+            ["needlescope", "probe", "--base-url", ctx.base_url or "", "--model", ctx.served_model]
+            + [*grid, "--out", f"next-{experiment}"]
         )
-    return q(
-        ["needlescope", "indexer", "diff", "--model", ctx.model, "--input-ids", ctx.input_ids or "IDS.json"]
-        + [*ctx.candidate_flags, "--index-topk", str(ctx.topk), "--out", "next-diff"]
+    if ctx.sweep_flags is None and ctx.input_ids is not None:
+        return _command(ctx, "localize")
+    return shlex.join(
+        ["needlescope", "indexer", "sweep", "--model", ctx.model, *(ctx.sweep_flags or ())]
+        + ["--index-topk", str(ctx.topk), *grid, "--device", ctx.device, "--out", f"next-{experiment}"]
     )
 
 
@@ -519,6 +518,7 @@ def _where(ev: Evidence, ctx: Context, classes: list[str]) -> dict:
             layer=loc.layer,
             family=family_of(loc.module, loc.module_type),
             localized_path=loc.path,
+            finding=loc.finding,
         )
     return where
 
@@ -570,7 +570,8 @@ def summary_line(ch: dict) -> str:
     numbers = ", ".join(
         f"{k} {_fmt(v)}" for k, v in e.items() if k not in ("rule", "null") and isinstance(v, (int, float))
     )
-    return f"not among the suspects: {e['rule']} ({numbers}); {_HINT[first]}; at {place}"
+    found = f" ({where['finding']})" if where.get("finding") else ""
+    return f"not among the suspects: {e['rule']} ({numbers}); {_HINT[first]}; at {place}{found}"
 
 
 def _fmt(v) -> str:

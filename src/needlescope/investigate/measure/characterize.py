@@ -137,7 +137,9 @@ def _localized(localization: dict | None) -> tuple[Localized, ...]:
     if not localization:
         return ()
     return tuple(
-        Localized(p["path"], p.get("first_divergent_module"), p.get("module_type"), p.get("layer"))
+        Localized(
+            p["path"], p.get("first_divergent_module"), p.get("module_type"), p.get("layer"), p.get("finding")
+        )
         for p in localization.get("paths", [])
     )
 
@@ -190,14 +192,17 @@ def characterize_inprocess(
         answers_differ=bool(failing),
         localized=_localized(localization),
     )
+    ids_file, _, _ = _case_files(inv, failing)
     ctx = Context(
         route="in-process",
         ratio=ratio,
         topk=k,
         model=inv.ledger.target.model,
         candidate_flags=_flags(target),
-        input_ids="localize/input_ids.json" if localization else None,
+        sweep_flags=_sweep_flags(target),
+        input_ids=ids_file,
         lengths=tuple(lengths),
+        device=inv.ledger.target.device,
     )
     out = {**characterize(ev, ctx), "measured": _measured(ev, baseline.label())}
     inv.state.mark_done("characterization", out)
@@ -237,6 +242,17 @@ def _measured(ev: Evidence, baseline: str) -> dict:
     }
 
 
+def _sweep_flags(cfg) -> tuple[str, ...] | None:
+    """The target's setting as ``indexer sweep`` flags, or None when it carries more than one
+    patch (the sweep takes one ``--patch``)."""
+    s = cfg.setting
+    patches = ([s.patch.spec] if s.patch is not None else []) + [p.spec for p in cfg.extra]
+    if len(patches) > 1:
+        return None
+    flags = ["--index-k", s.index_k, "--index-q", s.index_q, "--score-dtype", s.score_dtype]
+    return tuple(flags + [f for p in patches for f in ("--patch", p)])
+
+
 def _flags(cfg) -> tuple[str, ...]:
     """The target's setting as ``needlescope indexer`` flags (its patches quoted as given)."""
     s = cfg.setting
@@ -268,19 +284,26 @@ def _live_layers(route, ratio: int, failing: list[dict], baseline: dict) -> list
     return [layer_selection(layer, path, r) for (layer, path), r in sorted(rows.items())]
 
 
-def _failing_prompt(inv, failing: list[dict]) -> tuple[str | None, str | None]:
-    """(messages file of the first failing case, written under the run directory, its needle)."""
-    import json
+def _case_files(inv, failing: list[dict]) -> tuple[str | None, str | None, str | None]:
+    """(ids file, messages file, needle) of the first failing case, written under the run
+    directory for the ``next`` command (absolute paths: it runs as printed from anywhere): the
+    ids are the prompt and the answer tokens before the analysed one, as ``indexer diff
+    --input-ids`` reads them; the messages file is what ``indexer capture --prompt`` reads."""
+    from needlescope.dsa.prompt import needle_token_span, render_prompt
+    from needlescope.paths import atomic_write_json
 
     if not failing:
-        return None, None
-    case = next(c for c in inv.cases if c.case_id == failing[0]["case_id"])
-    path = inv.out / "characterize" / "prompt.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(case.messages, indent=1), encoding="utf-8")
-    return str(path.relative_to(inv.ledger.path.parent)) if path.is_relative_to(
-        inv.ledger.path.parent
-    ) else str(path), case.needle
+        return None, None, None
+    rec = failing[0]
+    case = next(c for c in inv.cases if c.case_id == rec["case_id"])
+    prompt = render_prompt(inv.tokenizer, case.messages)
+    ids = prompt.input_ids + list(rec.get("output_ids", []))[: rec.get("analysed_token", 0)]
+    folder = (inv.out / "characterize").resolve()
+    folder.mkdir(parents=True, exist_ok=True)
+    span = needle_token_span(prompt, case.needle)
+    atomic_write_json(folder / "input_ids.json", {"input_ids": ids, "needle_token_span": list(span)})
+    atomic_write_json(folder / "prompt.json", case.messages)
+    return str(folder / "input_ids.json"), str(folder / "prompt.json"), case.needle
 
 
 def _csa(model):
@@ -320,13 +343,18 @@ def characterize_live(
         layers=tuple(_live_layers(route, ratio, failing, baseline.get("decode", {}))),
         answers_differ=bool(failing),
     )
+    _, prompt_file, needle = _case_files(inv, failing)
     ctx = Context(
         route="live",
         ratio=ratio,
         topk=k,
         model=inv.ledger.target.model,
         base_url=inv.ledger.target.endpoint,
+        prompt=prompt_file,
+        needle=needle,
+        served_model=str((inv.state.data.get("server_info") or {}).get("model") or "organism"),
         lengths=tuple(lengths),
+        device=inv.ledger.target.device,
     )
     out = {**characterize(ev, ctx), "measured": _measured(ev, f"reference at the live index_topk {k}")}
     inv.state.mark_done("characterization", out)

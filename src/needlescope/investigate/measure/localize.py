@@ -84,6 +84,7 @@ def prefill_path(diff: dict) -> dict:
         "first_departing_layer": departing,
         "layers": layers,
         "summary": diff["summary"],
+        "finding": diff["rope"][0]["finding"] if diff.get("rope") else None,
     }
 
 
