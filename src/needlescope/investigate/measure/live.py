@@ -37,18 +37,21 @@ from needlescope.investigate.decide.verdicts import PATHS
 from needlescope.investigate.ledger.differences import AUTO_PREFIX, auto_suspects, server_info_differences
 from needlescope.investigate.ledger.ledger import Suspect
 from needlescope.investigate.ledger.plan import Config, at_topk
+from needlescope.investigate.measure.server_identity import check_same_server
 from needlescope.investigate.measure.session import Session, suspect_identity
 
 __all__ = ["LiveRoute", "live_localization"]
 
 
-async def _probe(url: str, todo: list, ids_of, max_new: int, on_record) -> None:
-    """Send every case of ``todo`` to ``url``; ``on_record(case, result | error text, server
-    info)`` after each. An unreachable server raises (TransportFailure) before the first case."""
+async def _probe(url: str, todo: list, ids_of, max_new: int, on_record, on_info) -> None:
+    """Send every case of ``todo`` to ``url``; ``on_info(server info)`` first (it may refuse the
+    server), ``on_record(case, result | error text, server info)`` after each. An unreachable
+    server raises (TransportFailure) before the first case."""
     from needlescope.targets.sglang import SGLangTarget
 
     async with SGLangTarget(url, timeout=600.0) as target:
         info = await target.server_info()
+        on_info(info)
         for case in todo:
             try:
                 res = await target.generate(input_ids=ids_of(case), max_new_tokens=max_new)
@@ -124,6 +127,10 @@ class LiveRoute:
         todo = [c for c in cases if c.case_id not in done or done[c.case_id].get("error")]
         ss.progress("probe live", len(done), len(cases), ss.ledger.target.endpoint)
 
+        def on_info(info) -> None:  # a resumed run: the same server, whatever its port
+            if info:
+                check_same_server(ss.state.data.get("server_info"), info, ss.ledger.target.endpoint)
+
         def on_record(case, res, info) -> None:
             if info and "server_info" not in ss.state.data:
                 ss.state.data["server_info"] = info
@@ -136,7 +143,7 @@ class LiveRoute:
         if todo:
             url, mx = ss.ledger.target.endpoint, ss.ledger.symptom.max_new_tokens
             try:
-                asyncio.run(_probe(url, todo, lambda c: self._prompt(c).input_ids, mx, on_record))
+                asyncio.run(_probe(url, todo, lambda c: self._prompt(c).input_ids, mx, on_record, on_info))
             except ProbeError as exc:  # the endpoint is unreachable: every emulation is blocked
                 ss.blocked_reason = f"live endpoint unavailable: {type(exc).__name__}: {exc}"
         return [done[c.case_id] for c in cases if c.case_id in done]

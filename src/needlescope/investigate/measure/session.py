@@ -24,6 +24,7 @@ from needlescope.investigate.ledger.differences import AUTO_PREFIX, auto_suspect
 from needlescope.investigate.ledger.ledger import Ledger, Suspect
 from needlescope.investigate.ledger.plan import Config, addition, removal
 from needlescope.investigate.measure.questions import QuestionContext, answer
+from needlescope.investigate.measure.server_identity import resume_text
 from needlescope.investigate.measure.state import RunState
 from needlescope.progress import Progress
 
@@ -45,9 +46,9 @@ class Session:
         self.ledger, self.out, self.progress = ledger, Path(out), progress
         self.diffs = differences(ledger)
         self.suspects: list[Suspect] = ledger.ordered_suspects() + auto_suspects(self.diffs, ledger)
-        self.state = RunState(
-            self.out, ledger.path.read_text(encoding="utf-8"), [s.id for s in ledger.suspects]
-        )
+        text = ledger.path.read_text(encoding="utf-8")
+        live = ledger.target.candidate is None  # a live run resumes against the same server, any port
+        self.state = RunState(self.out, resume_text(text) if live else text, [s.id for s in ledger.suspects])
         self.state.ensure_suspects([s.id for s in self.suspects])
         t = ledger.target
         self.reference = Config(t.reference)
