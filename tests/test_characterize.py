@@ -69,6 +69,13 @@ def test_ranking_uninformative_against_the_exact_null():
     e = ch["evidence"]["ranking_uninformative"]
     assert e["chance"] == pytest.approx(jaccard_chance(128, 16, 16)) and e["overlap"] < 0.2
     assert "scoring bug" in ch["text"] and "chance" in ch["text"]
+    # the localizer's finding there (a RoPE-table mismatch it named) is the where's and the line's
+    rope = "query/key RoPE-table mismatch: the indexer's queries are rotated with the 'main' table"
+    module = "model.layers.1.self_attn.compressor.indexer.rotary_emb[call 2]"
+    loc = (Localized("prefill", module, "DeepseekV4RotaryEmbedding", 1, rope),)
+    named = characterize(_ev(sel, _decode_twin(sel), localized=loc), CTX)
+    assert named["where"]["family"] == "indexer scorer" and named["where"]["finding"] == rope
+    assert rope in named["text"]
 
 
 def test_needle_excluded_when_the_rest_agrees():
@@ -188,6 +195,10 @@ def test_every_class_is_in_the_vocabulary_and_the_families():
         == "index-key cache/compressor"
     )
     assert family_of("model.layers.3.self_attn.o_b_proj", "Linear") == "attention"
+    # the indexer's own rotary feeds its scores (a q/k RoPE-table mismatch is a scoring bug)
+    rotary = "model.layers.1.self_attn.compressor.indexer.rotary_emb[call 2]"
+    assert family_of(rotary, "DeepseekV4RotaryEmbedding") == "indexer scorer"
+    assert family_of("model.layers.0.mlp.gate", "DeepseekV4HashRouter") == "MoE router"
     assert family_of("model.layers.2.post_attention_layernorm", "DeepseekV4RMSNorm") == "norm/other"
 
 

@@ -26,7 +26,9 @@ def apply(model):
 """
 
 
-def test_no_undo_patch_runs_once_and_leaves_the_model_as_loaded(tmp_path):
+def test_no_undo_patch_runs_once_and_leaves_the_model_as_loaded(tmp_path, caplog):
+    import logging
+
     import torch
 
     from needlescope.dsa.emulate import patched_for_good
@@ -60,8 +62,12 @@ def test_no_undo_patch_runs_once_and_leaves_the_model_as_loaded(tmp_path):
 
     model, tok, _ = load_bundle("organism")
     out = tmp_path / "out"
-    run_investigation(tmp_path / "investigation.toml", out, loaded=(model, tok))
+    with caplog.at_level(logging.WARNING):
+        run_investigation(tmp_path / "investigation.toml", out, loaded=(model, tok))
     log = (tmp_path / "for_good.log").read_text().split()
+    # the pristine copy's cost is logged once for the run, not once per application
+    costs = [r.getMessage() for r in caplog.records if "returned no undo" in r.getMessage()]
+    assert len(costs) == 1 and "pristine copy of the model" in costs[0] and " MB, " in costs[0], costs
     # one module execution; one application per configuration that carries the patch: the
     # candidate (both cases in one batch), the divergence (added alone to the reference) and the
     # top-32 fix (the candidate at twice its index_topk); the removal equals the reference

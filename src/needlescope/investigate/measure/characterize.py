@@ -246,7 +246,7 @@ def _sweep_flags(cfg) -> tuple[str, ...] | None:
     """The target's setting as ``indexer sweep`` flags, or None when it carries more than one
     patch (the sweep takes one ``--patch``)."""
     s = cfg.setting
-    patches = ([s.patch.spec] if s.patch is not None else []) + [p.spec for p in cfg.extra]
+    patches = ([_spec(s.patch)] if s.patch is not None else []) + [_spec(p) for p in cfg.extra]
     if len(patches) > 1:
         return None
     flags = ["--index-k", s.index_k, "--index-q", s.index_q, "--score-dtype", s.score_dtype]
@@ -258,10 +258,15 @@ def _flags(cfg) -> tuple[str, ...]:
     s = cfg.setting
     flags = ["--index-k", s.index_k, "--index-q", s.index_q, "--score-dtype", s.score_dtype]
     if s.patch is not None:
-        flags += ["--patch", s.patch.spec]
+        flags += ["--patch", _spec(s.patch)]
     for p in cfg.extra:
-        flags += ["--extra-patch", p.spec]
+        flags += ["--extra-patch", _spec(p)]
     return tuple(flags)
+
+
+def _spec(patch) -> str:
+    """A patch as a ``next`` command names it: ``fault:NAME``, or its file's absolute path."""
+    return patch.spec if patch.is_fault else str(patch.path.resolve())
 
 
 def _live_layers(route, ratio: int, failing: list[dict], baseline: dict) -> list:
