@@ -49,8 +49,7 @@ def _target_text(text: str, args, lengths: list[int]) -> str:
     if 'device = "' not in text:  # a live ledger names no device: the reference runs on ours
         text = text.replace("[target]\n", f'[target]\ndevice = "{args.device}"\n', 1)
     text = text.replace("lengths = [256, 512, 1024]", f"lengths = {json.dumps(lengths)}")
-    text = text.replace("depths = [0, 50, 100]", f"depths = {json.dumps(args.depths)}")
-    return text.replace("trials = 2", f"trials = {args.trials}\nmax_new_tokens = 6")
+    return text.replace("depths = [0, 50, 100]", f"depths = {json.dumps(args.depths)}")
 
 
 def inprocess_ledger(d: Path, bug: str, args, lengths: list[int]) -> Path:
@@ -58,6 +57,7 @@ def inprocess_ledger(d: Path, bug: str, args, lengths: list[int]) -> Path:
 
     write_example(d, force=True)
     text = _target_text((d / "investigation.toml").read_text(), args, lengths)
+    text = text.replace("trials = 2", f"trials = {args.trials}\nmax_new_tokens = 6")
     (d / "extra").mkdir(exist_ok=True)
     shutil.copy(PLANTED / bug, d / "extra" / "p1.py")  # a neutral name: nothing reads it but the run
     text = text.replace(

@@ -1,8 +1,9 @@
 """Test helper: a characterization's ``next`` command is one the user can run as printed.
 
-``check_next(command)`` parses the command with needlescope's own CLI (every option known,
+``check_next(command, cwd)`` parses the command with needlescope's own CLI (every option known,
 required ones given, values of the right type) without running it, and checks every file it
-names exists and parses as that option reads it. Returns the parsed parameters.
+names exists and parses as that option reads it, a relative path read from ``cwd`` (the ledger's
+directory: a run's artifacts name paths relative to it). Returns the parsed parameters.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 FILE_OPTIONS = ("input_ids", "prompt", "patch", "extra_patch")
 
 
-def check_next(command: str) -> dict:
+def check_next(command: str, cwd: Path | None = None) -> dict:
     import typer
 
     from needlescope.cli.main import app
@@ -32,8 +33,8 @@ def check_next(command: str) -> dict:
         for value in values if isinstance(values, (list, tuple)) else [values]:
             if value is None or str(value).startswith("fault:"):
                 continue
-            path = Path(value)
-            assert path.is_absolute() and path.is_file(), f"{command!r}: {name} {value} is not a file"
+            path = Path(value) if Path(value).is_absolute() or cwd is None else Path(cwd) / value
+            assert path.is_file(), f"{command!r}: {name} {value} is not a file"
             if name == "input_ids":
                 data = json.loads(path.read_text())
                 assert data["input_ids"] and all(isinstance(i, int) for i in data["input_ids"])

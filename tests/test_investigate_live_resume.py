@@ -55,7 +55,8 @@ def _server():
     from needlescope.serve.launch import ServerProcess
     from needlescope.setting import Setting
 
-    cfg = ServeConfig(model="organism", port=0, setting=Setting.parse("k=fp32 topk=16"), threads=1)
+    # the checkpoint's own numerics: no case fails, so nothing but the symptom is measured (cheap)
+    cfg = ServeConfig(model="organism", port=0, setting=Setting.parse("k=fp32"), threads=1)
     return ServerProcess(cfg, timeout=300)
 
 

@@ -68,5 +68,7 @@ def characterization_blocks(v: dict) -> list[tuple]:
     if ch.get("undecided"):
         blocks.append(("p", "What would decide it: " + "; ".join(ch["undecided"]) + "."))
     if ch.get("next"):
-        blocks.append(("p", f"Next: `{ch['next']}`"))
+        blocks.append(
+            ("p", f"Next (run it from the ledger's directory; its files are the run's): `{ch['next']}`")
+        )
     return blocks
