@@ -20,13 +20,10 @@ from needlescope.dsa.diff import localize  # noqa: E402
 from needlescope.investigate.decide.characterize import family_of  # noqa: E402
 from needlescope.setting import PatchRef, Setting  # noqa: E402
 from needlescope.testing.checkpoints import save_random  # noqa: E402
-from planted_bugs import CLASSES  # noqa: E402
+from planted_bugs import CLASSES, FAMILY  # noqa: E402
 from test_characterize_inprocess import PLANTED  # noqa: E402
 
 T = 69  # 68 = 0 mod 4 prompt tokens in the first chunk, then one decode-like step
-FAMILY = {  # the module family each harmful bug lives in
-    "hash_router_table.py": "MoE router",
-}
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +56,7 @@ def test_the_localizer_flags_every_harmful_planted_bug_and_no_benign_one(tiny, b
         return
     assert first is not None, (bug, "missed")
     row = next(m for m in diff["modules"] if m["module"] == first)
-    assert family_of(first, row["type"]) == FAMILY.get(bug, "indexer scorer"), (bug, first)
+    assert family_of(first, row["type"]) == FAMILY[bug], (bug, first)
     if bug == "decode_sign_flip.py":  # only the one-token step takes the decode path
         assert first.endswith("[call 2]"), first
     named = [r["finding"] for r in diff["rope"]]

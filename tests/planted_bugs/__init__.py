@@ -13,3 +13,8 @@ CLASSES = {
     "attn_out_bf16.py": ("none", False),
     "index_keys_fp16.py": ("none", True),
 }
+
+FAMILY = {name: "indexer scorer" for name, (cls, _) in CLASSES.items() if cls != "none"} | {
+    "hash_router_table.py": "MoE router",
+}
+"""The module family each harmful bug lives in (the localizer's and ``where``'s answer)."""
