@@ -119,8 +119,8 @@ def _in_process(session: Session) -> dict:
 
 def _unexplained(session: Session, suspects: list[dict], sy: inprocess.Symptom) -> dict:
     """The residual (judged by ``residual_verdict``), the localizer step when something is left
-    unexplained (or a root cause is an automatic suspect), the characterization and the
-    non-finite score counts."""
+    unexplained (or a root cause is an automatic suspect, or cases are lost that no suspect
+    explains), the characterization and the non-finite score counts."""
     out: dict = {}
     if session.loaded:
         removed, res_cfg, res_recs = residual(session, suspects, sy.candidate)
@@ -137,6 +137,10 @@ def _unexplained(session: Session, suspects: list[dict], sy: inprocess.Symptom) 
                 sy.reference,
                 "the candidate (its root cause is not named by the ledger)",
             )
+        elif pair["b"] > pair["c"] and not root_causes(suspects):
+            # a loss too small for the exact test and no suspect for it: the localizer is one of
+            # the characterization's discriminating experiments (its `where` family)
+            out["localization"] = localize_residual(session, res_cfg, res_recs, sy.reference)
     out["characterization"] = characterize_inprocess(
         session, suspects, sy.reference, sy.candidate, out.get("localization")
     )
