@@ -83,6 +83,18 @@ def test_needle_excluded_when_the_rest_agrees():
     ch = characterize(_ev(sel, _decode_twin(sel)), CTX)
     assert ch["classes"][0] == "needle_excluded", ch
     assert ch["evidence"]["needle_excluded"]["needle_candidate"] == 0
+    # a top-k that drops the best entries keeps a third of a 3-entry needle in the first CSA layer
+    # (the live run of topk_drops_best.py); a later layer, fed the changed hidden states, departs
+    # more and does not decide
+    needle = (40, 41, 42)
+    first = layer_selection(1, "prefill", _rows(set(range(42, 56)) | {99, 100}, needle=needle))
+    later = layer_selection(3, "prefill", _rows(set(range(70, 86)), needle=needle))
+    ch = characterize(_ev(first, later), CTX)
+    assert ch["classes"][0] == "needle_excluded", ch
+    assert ch["evidence"]["needle_excluded"]["layer"] == 1
+    # keeping more than half of them is not "excluded"
+    kept = layer_selection(1, "prefill", _rows(set(range(41, 56)) | {99}, needle=needle))
+    assert "needle_excluded" not in characterize(_ev(kept), CTX)["classes"]
 
 
 def test_misaddressed_by_a_constant_shift_and_by_a_page_permutation():

@@ -30,8 +30,9 @@ bug classes each one points at:
                        classes, and those lose at most 10% of their cases)
 ``misaddressed``       a constant shift or a page permutation of the candidate's selection
                        reproduces the reference's (Jaccard >= 0.9, 0.1 above the plain one's)
-``needle_excluded``    the reference keeps needle entries the candidate drops (<= 20% of them)
-                       while the rest of the selection agrees (Jaccard without the needle >= 0.7)
+``needle_excluded``    in the first CSA layer that sees the needle, the candidate keeps at most half
+                       the needle entries the reference keeps while the rest of the selection
+                       agrees (Jaccard without the needle >= 0.7: the rest loses under 18%)
 ``positional_bias``    >= 75% of the candidate's selection in one quarter of the context (first
                        or last), at least 30 points more than the reference's
 ``ranking_uninformative``  overlap near chance: (J - J0) / (1 - J0) <= 0.15, J0 the exact
@@ -80,7 +81,7 @@ RULES = {
     "decode_drop": 0.2,  # decode_only: the decode overlap this far below the prefill's
     "moved": 0.9,  # a shifted / permuted selection this close reproduces the reference's
     "moved_gain": 0.1,  # ... and beats the plain Jaccard by at least this
-    "needle_kept_at_most": 0.2,
+    "needle_kept_at_most": 0.5,  # of the needle entries the reference keeps, in the first CSA layer
     "rest_agrees": 0.7,
     "end_share": 0.75,
     "end_excess": 0.3,
@@ -332,19 +333,24 @@ def _rule_misaddressed(ev: Evidence, ctx: Context) -> dict | None:
 
 
 def _rule_needle_excluded(ev: Evidence, ctx: Context) -> dict | None:
-    ref = sum(s.needle_reference for s in ev.layers)
-    cand = sum(s.needle_candidate for s in ev.layers)
-    rest = [s.overlap_without_needle for s in ev.layers if s.overlap_without_needle is not None]
-    if ref == 0 or not rest or cand > RULES["needle_kept_at_most"] * ref:
+    # The first CSA layer that sees the needle decides: a later layer's inputs already carry
+    # what the first one's changed selection did to the hidden states.
+    seeing = [s for s in ev.layers if s.needle_reference > 0 and s.overlap_without_needle is not None]
+    if not seeing:
         return None
-    if min(rest) < RULES["rest_agrees"]:
+    first = [s for s in seeing if s.layer == min(x.layer for x in seeing)]
+    ref = sum(s.needle_reference for s in first)
+    cand = sum(s.needle_candidate for s in first)
+    rest = min(s.overlap_without_needle for s in first)
+    if cand > RULES["needle_kept_at_most"] * ref or rest < RULES["rest_agrees"]:
         return None
     return {
         "rule": "the needle is dropped while the rest of the selection agrees",
+        "layer": first[0].layer,
         "needle_reference": ref,
         "needle_candidate": cand,
-        "needle_visible": sum(s.needle_visible for s in ev.layers),
-        "overlap_without_needle": min(rest),
+        "needle_visible": sum(s.needle_visible for s in first),
+        "overlap_without_needle": rest,
         "null": f"the candidate keeps > {RULES['needle_kept_at_most']:.0%} of the reference's needle entries",
     }
 
