@@ -7,8 +7,9 @@ residual candidate), the **baseline** what it is compared with (the candidate wi
 automatic suspects; else the reference at the target's ``index_topk``). It measures:
 
 * **cells**: paired outcomes per length, the symptom's own plus two cheap experiments, each on
-  the reference and the target: a **dense length** (``ratio x index_topk`` tokens: every entry is
-  selected, so a loss there is outside the selection), and the **residue lengths** L+1 ..
+  the reference and the target: a **dense length** (``ratio x index_topk`` tokens, one less when
+  that shares the failing length's residue mod ratio: every entry is selected, so a loss there is
+  outside the selection), and the **residue lengths** L+1 ..
   L+ratio-1 around the shortest failing length L (one trial per depth);
 * **selections**: for up to ``FAILING_CASES`` failing cases (wrong under the target, right under
   the reference; shortest first), every CSA layer's selection of the target and of the baseline
@@ -103,8 +104,12 @@ def _extra_cases(inv, lengths: list[int], trials: int = 1) -> list:
 
 def _discriminating_cases(inv, dense: int, shortest: int, failing: int, ratio: int) -> list:
     """The dense length's cases (``DENSE_CASES`` at least; none when the symptom already has a
-    dense length) and one per depth at each residue length around the shortest failing one."""
+    dense length) and one per depth at each residue length around the shortest failing one.
+    The dense length is moved one token down (still dense) when it shares the failing length's
+    residue mod ``ratio``: a loss there must not be a boundary bug's, read as outside_selection."""
     depths = len(inv.ledger.symptom.depths)
+    if dense % ratio == failing % ratio:
+        dense -= 1
     cases = _extra_cases(inv, [dense], -(-DENSE_CASES // depths)) if dense < shortest else []
     return cases + _extra_cases(inv, [failing + d for d in range(1, ratio)])
 
