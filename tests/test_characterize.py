@@ -115,6 +115,13 @@ def test_positional_bias_at_the_end():
     ch = characterize(_ev(sel, _decode_twin(sel)), CTX)
     assert ch["classes"][0] == "positional_bias", ch
     assert ch["evidence"]["positional_bias"]["share_candidate"] == 1.0
+    # a recency term in the scores (recency_bias.py, live: 74% in the last quarter, the reference 30%)
+    rows = _rows(set(range(117, 128)) | {40, 41, 50, 60, 70}, visible=128)
+    ch = characterize(_ev(layer_selection(1, "prefill", rows)), CTX)
+    assert (
+        ch["classes"][0] == "positional_bias"
+        and ch["evidence"]["positional_bias"]["share_candidate"] == 11 / 16
+    )
 
 
 def test_decode_only_when_prefill_selections_are_equal():

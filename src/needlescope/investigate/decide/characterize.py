@@ -33,7 +33,7 @@ bug classes each one points at:
 ``needle_excluded``    in the first CSA layer that sees the needle, the candidate keeps at most half
                        the needle entries the reference keeps while the rest of the selection
                        agrees (Jaccard without the needle >= 0.7: the rest loses under 18%)
-``positional_bias``    >= 75% of the candidate's selection in one quarter of the context (first
+``positional_bias``    >= 60% of the candidate's selection in one quarter of the context (first
                        or last), at least 30 points more than the reference's
 ``ranking_uninformative``  overlap near chance: (J - J0) / (1 - J0) <= 0.15, J0 the exact
                        expected Jaccard of a random k-subset (hypergeometric)
@@ -83,7 +83,7 @@ RULES = {
     "moved_gain": 0.1,  # ... and beats the plain Jaccard by at least this
     "needle_kept_at_most": 0.5,  # of the needle entries the reference keeps, in the first CSA layer
     "rest_agrees": 0.7,
-    "end_share": 0.75,
+    "end_share": 0.6,  # of the selection in one quarter (uniform: 25%)
     "end_excess": 0.3,
     "near_chance": 0.15,  # normalized overlap (J - J0) / (1 - J0)
     "partial_high": 0.95,
