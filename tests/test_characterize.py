@@ -54,6 +54,12 @@ def test_jaccard_chance_is_exact():
 def test_no_recall_lost_is_nothing_to_explain():
     ch = characterize(Evidence(recall_lost=False, recall_reference=1.0, recall_candidate=1.0), CTX)
     assert ch["classes"] == ["none"] and ch["text"] == "nothing to explain: no recall lost"
+    # and DIAGNOSIS renders it (a benign bug's live run crashed there: its evidence had no rule)
+    from needlescope.investigate.report.characterization import characterization_blocks
+
+    blocks = characterization_blocks({"characterization": ch})
+    assert blocks[1] == ("p", "nothing to explain: no recall lost.")
+    assert blocks[-1][0] == "table" and blocks[-1][2][0][0] == "`none`"
     assert "unexplained" not in ch["text"]
 
 

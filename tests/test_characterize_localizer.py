@@ -1,5 +1,7 @@
-"""The localizer's truth table over issue 37's planted set: every harmful bug flagged in its
-family, no benign one flagged, and a query/key RoPE-table mismatch named as such.
+"""The localizer's truth table over issue 37's planted set: every bug flagged in its family
+(``FLAGGED``: the harmful ones and the RoPE-table mismatch, which costs no recall on the
+organism but is a divergence), no rounding within its precision flagged, and a query/key
+RoPE-table mismatch named as such.
 
 One ``dsa.diff.localize`` per bug on a tiny random DeepSeek-V4 (two chunks: 4m prompt tokens,
 then one token through the cache, so the prefill and a decode step are both judged and the
@@ -20,7 +22,7 @@ from needlescope.dsa.diff import localize  # noqa: E402
 from needlescope.investigate.decide.characterize import family_of  # noqa: E402
 from needlescope.setting import PatchRef, Setting  # noqa: E402
 from needlescope.testing.checkpoints import save_random  # noqa: E402
-from planted_bugs import CLASSES, FAMILY  # noqa: E402
+from planted_bugs import CLASSES, FLAGGED  # noqa: E402
 from test_characterize_inprocess import PLANTED  # noqa: E402
 
 T = 69  # 68 = 0 mod 4 prompt tokens in the first chunk, then one decode-like step
@@ -46,17 +48,16 @@ def _localize(tiny, patch) -> dict:
 
 
 @pytest.mark.parametrize("bug", sorted(CLASSES))
-def test_the_localizer_flags_every_harmful_planted_bug_and_no_benign_one(tiny, bug):
-    planted = CLASSES[bug][0]
+def test_the_localizer_flags_every_planted_bug_and_no_rounding(tiny, bug):
     diff = _localize(tiny, PLANTED / bug)
     first = diff["first_divergent_module"]
-    if planted == "none":
-        assert first is None, (bug, diff["summary"])  # bf16 attention output: within its rounding
+    if bug not in FLAGGED:
+        assert first is None, (bug, diff["summary"])  # rounding within its precision
         assert not diff["rope"]
         return
     assert first is not None, (bug, "missed")
     row = next(m for m in diff["modules"] if m["module"] == first)
-    assert family_of(first, row["type"]) == FAMILY[bug], (bug, first)
+    assert family_of(first, row["type"]) == FLAGGED[bug], (bug, first)
     if bug == "decode_sign_flip.py":  # only the one-token step takes the decode path
         assert first.endswith("[call 2]"), first
     named = [r["finding"] for r in diff["rope"]]

@@ -1,4 +1,10 @@
-"""The planted set of issue 37: file -> (planted class, returns an undo)."""
+"""The planted set of issue 37: file -> (planted class, returns an undo).
+
+The planted class is what the characterization must say: ``none`` for a bug that costs no recall
+on the organism. ``indexer_rope_mismatch.py`` is a real bug that costs none here (only 16 of the
+indexer's 128 dimensions are rotated; measured 1.00 vs 1.00 at 512 and 1,024 tokens, live): the
+characterization must say "nothing to explain" / ``diverges_no_effect``, and the localizer must
+still flag it (``FLAGGED``)."""
 
 CLASSES = {
     "scorer_key_scale.py": ("ranking_uninformative", False),
@@ -9,7 +15,7 @@ CLASSES = {
     "hash_router_table.py": ("outside_selection", False),
     "boundary_residue.py": ("length_residue", False),
     "scorer_noise_graded.py": ("graded", True),
-    "indexer_rope_mismatch.py": ("ranking_uninformative", False),
+    "indexer_rope_mismatch.py": ("none", False),
     "attn_out_bf16.py": ("none", False),
     "index_keys_fp16.py": ("none", True),
 }
@@ -17,4 +23,8 @@ CLASSES = {
 FAMILY = {name: "indexer scorer" for name, (cls, _) in CLASSES.items() if cls != "none"} | {
     "hash_router_table.py": "MoE router",
 }
-"""The module family each harmful bug lives in (the localizer's and ``where``'s answer)."""
+"""The module family each harmful bug lives in (``where``'s answer in-process)."""
+
+FLAGGED = FAMILY | {"indexer_rope_mismatch.py": "indexer scorer"}
+"""The family the localizer must flag each bug in; a bug not here must not be flagged (bf16 or
+fp16 rounding within its precision)."""

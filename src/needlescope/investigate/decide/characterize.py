@@ -536,7 +536,12 @@ def characterize(ev: Evidence, ctx: Context) -> dict:
             "classes": ["none"],
             "where": None,
             "evidence": {
-                "none": {"recall_reference": ev.recall_reference, "recall_candidate": ev.recall_candidate}
+                "none": {
+                    "rule": "no recall lost: the candidate loses no more paired cases than it gains",
+                    "recall_reference": ev.recall_reference,
+                    "recall_candidate": ev.recall_candidate,
+                    "null": "a paired loss (more cases lost than gained)",
+                }
             },
             "undecided": [],
             "next": None,
