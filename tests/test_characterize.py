@@ -128,6 +128,12 @@ def test_positional_bias_at_the_end():
         ch["classes"][0] == "positional_bias"
         and ch["evidence"]["positional_bias"]["share_candidate"] == 11 / 16
     )
+    # a top-k of half the visible entries can put only half of itself in a quarter: all 32 entries
+    # of the last quarter selected is the whole of what it can hold (recency_bias.py in-process)
+    full = _rows(set(range(96, 128)) | set(range(0, 32)), reference=range(16, 80), visible=128)
+    ch = characterize(_ev(layer_selection(1, "prefill", full)), CTX)
+    assert ch["classes"][0] == "positional_bias", ch
+    assert ch["evidence"]["positional_bias"]["share_candidate"] == 1.0
 
 
 def test_decode_only_when_prefill_selections_are_equal():

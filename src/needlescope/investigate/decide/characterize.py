@@ -33,7 +33,8 @@ bug classes each one points at:
 ``needle_excluded``    in the first CSA layer that sees the needle, the candidate keeps at most half
                        the needle entries the reference keeps while the rest of the selection
                        agrees (Jaccard without the needle >= 0.7: the rest loses under 18%)
-``positional_bias``    >= 60% of the candidate's selection in one quarter of the context (first
+``positional_bias``    >= 60% of the candidate's selection in one quarter of the context (of the
+                       most that quarter can hold; first
                        or last), at least 30 points more than the reference's
 ``ranking_uninformative``  overlap near chance: (J - J0) / (1 - J0) <= 0.15, J0 the exact
                        expected Jaccard of a random k-subset (hypergeometric)

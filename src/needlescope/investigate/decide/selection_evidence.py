@@ -10,7 +10,8 @@ needle's entries) and computes what the characterization's rules read:
   Jaccard (a key cache read one slot off selects the reference's entries plus d);
 * the best Jaccard under a page permutation (``PAGE`` entries a page: pages matched one to one
   by their selected offsets), the misaddressing of a page table;
-* the share of each selection in the first and the last quarter of the visible entries.
+* the share of each selection in the first and the last quarter of the visible entries, out of
+  the most that quarter can hold.
 """
 
 from __future__ import annotations
@@ -68,11 +69,14 @@ def _permutation_overlap(row: Row) -> float:
 
 
 def _share(entries: frozenset[int], visible: int, end: str) -> float:
+    """The selection's share in one quarter of the visible entries, out of the most that quarter
+    can hold (a top-k of half the entries puts at most half of itself in a quarter)."""
     if not entries or visible <= 0:
         return 0.0
     cut = visible / 4
+    quarter = [e for e in range(visible) if (e >= visible - cut if end == "tail" else e < cut)]
     inside = [e for e in entries if (e >= visible - cut if end == "tail" else e < cut)]
-    return len(inside) / len(entries)
+    return len(inside) / max(1, min(len(entries), len(quarter)))
 
 
 def _mean(values: list[float]) -> float:
