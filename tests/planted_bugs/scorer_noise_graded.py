@@ -1,12 +1,14 @@
-"""Planted (graded, with undo): the indexer's scores carry a rounding noise of a fixed share of
-their spread (a reduced-precision accumulation): a partial loss of overlap that costs the needle
-only where more entries compete."""
+"""Planted (graded, with undo): the indexer's scores carry an error of several times their spread
+(a split-K reduction that races): a partial loss of overlap; the needle's outlying score survives
+it while few entries compete and is lost where more do (measured with `indexer sweep`, fp8 keys,
+top-64, three depths: answer recall 1.00 at 512 tokens, 0.67 at 1,024 and 2,048; at 0.8x the
+spread, as first planted, the organism lost nothing up to 2,048 tokens)."""
 
 import torch
 
 from needlescope.dsa.emulate import wrap_scorers
 
-SHARE = 0.8
+SHARE = 4.0
 
 
 def apply(model):
