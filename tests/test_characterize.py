@@ -180,6 +180,12 @@ def test_length_residue_concentrates_on_one_class():
     # the same losses spread over every class are not a residue
     spread = tuple(LengthCell(c.length, 8, 4, 0, 256) for c in cells)
     assert "length_residue" not in characterize(_ev(sel, cells=spread), CTX)["classes"]
+    # a boundary bug whose teacher-forced pass (prompt + answer tokens) misses the residue while
+    # the decode pass (the prompt alone) hits it looks decode-only too: the residue ranks first
+    # (boundary_residue.py in-process)
+    same = layer_selection(1, "prefill", _rows(range(40, 56)))
+    ch = characterize(_ev(same, _decode_twin(sel), cells=cells), CTX)
+    assert ch["classes"][:2] == ["length_residue", "decode_only"], ch
 
 
 def test_graded_loses_only_at_longer_lengths():

@@ -17,17 +17,19 @@ files, no patch names: the evidence records below are all it reads). Its result 
 The rules, in the order they rank (a specific pattern explains a generic one: a selection
 shifted by one slot is also near-random against the reference, so ``misaddressed`` ranks
 before ``ranking_uninformative``); thresholds in ``RULES``, docs/signatures.md for the public
-bug classes each one points at:
+bug classes each one points at (``length_residue`` ranks before ``decode_only``: a boundary bug
+shows on whichever path's length hits the residue, and the teacher-forced pass runs the prompt
+plus the answer tokens while the decode pass prefills the prompt alone):
 
 ``outside_selection``  recall lost at a dense length (every entry selected: entries <= top-k),
                        exact one-sided McNemar p < 0.05; or every compared selection agrees with
                        the reference's (normalized overlap >= 0.8 on every path: up to the
                        candidate's own rounding) while the answers differ
-``decode_only``        every prefill selection agrees with the reference's (normalized overlap
-                       >= 0.8), a decode one departs (Jaccard 0.2 below its prefill's)
 ``length_residue``     the losses concentrate on one residue class of the length modulo the
                        compression ratio (one-sided Fisher exact p < 0.05 against the other
                        classes, and those lose at most 10% of their cases)
+``decode_only``        every prefill selection agrees with the reference's (normalized overlap
+                       >= 0.8), a decode one departs (Jaccard 0.2 below its prefill's)
 ``misaddressed``       a constant shift or a page permutation of the candidate's selection
                        reproduces the reference's (Jaccard >= 0.9, 0.1 above the plain one's)
 ``needle_excluded``    in the first CSA layer that sees the needle, the candidate keeps at most half
@@ -64,8 +66,8 @@ __all__ = [
 
 VOCABULARY = (
     "outside_selection",
-    "decode_only",
     "length_residue",
+    "decode_only",
     "misaddressed",
     "needle_excluded",
     "positional_bias",
@@ -414,8 +416,8 @@ def _rule_graded(ev: Evidence, ctx: Context) -> dict | None:
 
 _ORDERED = (
     ("outside_selection", _rule_outside),
-    ("decode_only", _rule_decode_only),
-    ("length_residue", _rule_residue),
+    ("length_residue", _rule_residue),  # before decode_only: a boundary bug shows on whichever
+    ("decode_only", _rule_decode_only),  # path's length hits the residue (decode: the prompt alone)
     ("misaddressed", _rule_misaddressed),
     ("needle_excluded", _rule_needle_excluded),
     ("positional_bias", _rule_positional),
