@@ -2,7 +2,7 @@
 
     python bench/investigate_planted_37.py OUT [--table cpu:512,1024] [--table cuda:1024,2048]
         [--jobs 12] [--gpu-jobs 4] [--threads 1] [--deadline 540] [--depths 0,50,100]
-        [--trials 1] [--bugs NAME,...] [--routes inprocess,live]
+        [--trials 1] [--inprocess-trials 4] [--bugs NAME,...] [--routes inprocess,live]
     python bench/investigate_planted_37.py --render OUT/rows.jsonl     # the docs/investigate.md tables
 
 Each bug is a patch file of ``tests/planted_bugs/`` (``CLASSES`` there: the planted class).
@@ -10,6 +10,11 @@ Each bug is a patch file of ``tests/planted_bugs/`` (``CLASSES`` there: the plan
 an unnamed ``extra_patches`` entry (no page-table fault). **Live**: ``needlescope serve`` with
 ``--index-k fp8_e4m3 --index-topk 64 --patch BUG --undisclosed-patch`` (``/get_server_info``
 names no patch), a ledger written by ``investigate init --live``, then ``investigate run``.
+
+In-process runs take ``--inprocess-trials`` (4: 24 paired cases at two lengths and three depths,
+enough for ``power_check`` to exonerate a benign bug's automatic suspect at the Holm level of the
+example ledger's ablations; with one trial it can only be "inconclusive"); live runs ``--trials``
+(one: a benign bug's "nothing to explain" needs no power).
 
 Every (table, bug, route) run is its own process (``--one``), ``--jobs`` at a time on the CPU
 table(s) and ``--gpu-jobs`` on a CUDA one, each with ``--threads`` torch threads (the ledger's
@@ -57,7 +62,7 @@ def inprocess_ledger(d: Path, bug: str, args, lengths: list[int]) -> Path:
 
     write_example(d, force=True)
     text = _target_text((d / "investigation.toml").read_text(), args, lengths)
-    text = text.replace("trials = 2", f"trials = {args.trials}\nmax_new_tokens = 6")
+    text = text.replace("trials = 2", f"trials = {args.inprocess_trials}\nmax_new_tokens = 6")
     (d / "extra").mkdir(exist_ok=True)
     shutil.copy(PLANTED / bug, d / "extra" / "p1.py")  # a neutral name: nothing reads it but the run
     text = text.replace(
@@ -183,6 +188,8 @@ def _child(args, key: str) -> subprocess.Popen:
         str(args.trials),
         "--threads",
         str(args.threads),
+        "--inprocess-trials",
+        str(args.inprocess_trials),
     ]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads)}
     log = open(args.out / "rows" / (row.stem + ".log"), "w")
@@ -199,7 +206,7 @@ def run_all(args) -> None:
         for line in (args.out / "rows.jsonl").read_text().splitlines():
             rows[json.loads(line)["key"]] = json.loads(line)
     todo = [k for k in _pairs(args) if not rows.get(k, {}).get("completes")]
-    todo.sort(key=lambda k: k.endswith(":live"), reverse=True)  # live runs are the longer ones
+    todo.sort(key=lambda k: k.endswith(":live"))  # in-process runs (more trials) are the longer ones
     running: list[subprocess.Popen] = []
     deadline = time.time() + args.deadline
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a timeout's TERM: stop the children too
@@ -237,7 +244,13 @@ def main() -> None:
     ap.add_argument("out", type=Path, nargs="?")
     ap.add_argument("--table", action="append", help="DEVICE:LENGTHS, e.g. cpu:512,1024 (repeatable)")
     ap.add_argument("--depths", default="0,50,100")
-    ap.add_argument("--trials", type=int, default=1)
+    ap.add_argument("--trials", type=int, default=1, help="trials per length and depth, live")
+    ap.add_argument(
+        "--inprocess-trials",
+        type=int,
+        default=4,
+        help="in-process: 24 paired cases can exonerate (power_check)",
+    )
     ap.add_argument("--bugs", default=",".join(CLASSES))
     ap.add_argument("--routes", default="inprocess,live")
     ap.add_argument("--jobs", type=int, default=1, help="CPU-table runs at a time")
