@@ -243,9 +243,9 @@ def test_the_characterization_reads_no_patch():
     import inspect
 
     from needlescope.investigate.decide import characterize as mod
-    from needlescope.investigate.decide import selection_evidence
+    from needlescope.investigate.decide import next_step, selection_evidence
 
-    for m in (mod, selection_evidence):
+    for m in (mod, next_step, selection_evidence):
         src = inspect.getsource(m)
         assert "import torch" not in src and "open(" not in src and "Path(" not in src
         assert ".patch" not in src and "extra_patches" not in src
@@ -256,7 +256,7 @@ def test_every_next_command_runs_as_printed(tmp_path):
     the run wrote (absolute, present, readable as the option reads it): no placeholder."""
     import json
 
-    from needlescope.investigate.decide.characterize import _command
+    from needlescope.investigate.decide.next_step import next_command as _command
     from next_command import check_next
 
     ids, prompt, patch = tmp_path / "input_ids.json", tmp_path / "prompt.json", tmp_path / "p1.py"
