@@ -13,9 +13,12 @@ pytest.importorskip("torch")
 PLANTED = Path(__file__).parent / "planted_bugs"
 
 
-def test_a_decode_only_bug_is_characterized_decode_only(tmp_path):
+def test_a_decode_only_bug_is_characterized_decode_only(tmp_path, monkeypatch):
     from needlescope.investigate.ledger.ledger import load_ledger
+    from needlescope.investigate.measure import characterize as measure
     from needlescope.investigate.measure.characterize import characterize_inprocess
+
+    monkeypatch.setattr(measure, "FAILING_CASES", 1)  # one failing case's selections decide it (cheap)
     from needlescope.investigate.measure.session import Session
 
     shutil.copy(PLANTED / "decode_sign_flip.py", tmp_path / "p1.py")  # the name says nothing
@@ -30,7 +33,7 @@ def test_a_decode_only_bug_is_characterized_decode_only(tmp_path):
                 'extra_patches = ["p1.py"]',
                 "[symptom]",
                 "lengths = [256]",
-                "depths = [0, 100]",
+                "depths = [50]",
                 "trials = 1",
                 "max_new_tokens = 6",
                 "[[suspects]]",
