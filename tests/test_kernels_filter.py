@@ -388,3 +388,37 @@ def test_maxima_of_minus_inf_from_outside_the_range_give_no_threshold() -> None:
     out, counts = _run(x, k, st, en, gmax=_as_int32(gm), block=512)
     _check(x, k, st, en, out, counts, reference=False)
     assert torch.equal(counts, en - st), counts.tolist()
+
+
+ROW_LENGTH = min(LENGTH, triton_filter.ROW_MAX_WIDTH)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_one_program_filter_gives_the_same_output(kind: str) -> None:
+    """``row_topk`` (method ``row``: the whole row in one program) on every kind of row and range:
+    the radix select's output (order included), the model's candidate counts, every slot written;
+    with a 64-candidate block the rows over it take the list search in blocks instead, and
+    512-column steps compact the row in several steps."""
+    g = _gen(200 + KINDS.index(kind))
+    x = _rows(kind, ROWS, ROW_LENGTH, g)
+    for k, cand_block, step in ((16, None, None), (100, 64, 512)):
+        st, en = _ranges(ROWS, ROW_LENGTH, k, g)
+        out = torch.full((ROWS, k), POISON_IDX, dtype=torch.int32, device=DEV)
+        counts = torch.full((ROWS,), POISON_IDX, dtype=torch.int32, device=DEV)
+        got = triton_filter.row_topk(x, k, st, en, out=out, counts=counts, cand_block=cand_block, step=step)
+        assert got is out
+        assert not (out == POISON_IDX).any(), "an output slot was never written"
+        _check(x, k, st, en, out, counts, reference=kind != "nan")
+        assert torch.equal(counts, _model_counts(x, k, st, en)), (counts.tolist(), k)
+        if cand_block:
+            assert (counts > cand_block).any(), counts.tolist()
+
+
+def test_the_row_method_is_picked_for_few_rows_and_wide_rows_take_the_filter() -> None:
+    assert topk.topk_method(1, 32768, 512) == "row"
+    assert topk.topk_method(8, 16384, 512) == "row"
+    assert topk.topk_method(32, 32768, 512) == "filter"
+    assert topk.topk_method(1, 32768, 2048) == "radix"
+    assert topk.topk_method(1, 65536, 512) == "radix"
+    with pytest.raises(ValueError, match="at most 32768"):
+        triton_filter.row_topk(torch.zeros(1, 32769, device=DEV), 4, None, torch.tensor([5], device=DEV))

@@ -14,7 +14,9 @@ The methods, each with its own launcher and knobs:
 * ``filter`` (``triton_filter.filter_topk``): group-max filtering, then an exact search among the
   candidates;
 * ``bisect`` (``triton_bisect.bisect_topk``): a threshold search in one program per row, or in
-  segments merged by a second program.
+  segments merged by a second program;
+* ``row`` (``triton_filter.row_topk``): the filter in one program per row holding the whole row
+  (up to ``ROW_MAX_WIDTH`` entries; wider rows take ``filter``), one launch.
 
 ``topk_method`` is the measured rule between them.
 """
@@ -25,19 +27,23 @@ import torch
 
 __all__ = ["topk", "topk_method", "METHODS"]
 
-METHODS = ("radix", "filter", "bisect")
+METHODS = ("radix", "filter", "bisect", "row")
 
 
 def topk_method(rows: int, width: int, k: int) -> str:
-    """``radix``, ``filter`` or ``bisect`` for a [rows, width] top-k. Measured: one program per
+    """``radix``, ``filter``, ``bisect`` or ``row`` for a [rows, width] top-k. Measured: one program per
     row wins at 2048 entries (8K-token decode rows: 10-12 us, launch-bound either way; H200, run
     7), so rows of up to 4096 entries take it. At 32-64 rows with k = 512 the filter wins (H100, docs/perf/indexer.md): 32 / 64 x 32K
     23.4 / 33.8 us against the split bisection's 36.4 / 52.7 (run 16), 32 / 64 x 64K 39.6 / 63.8
     against the radix select's 56.5 / 100.3 (run 17). Radix select elsewhere: the filter lost at
     1 x 32K (18 against 12 us), 8 x 256K (94 against 58) and every k = 2048 shape (run 16), where
-    too few groups leave the threshold unselective."""
+    too few groups leave the threshold unselective. Fewer than 32 rows of 4K-32K entries with
+    k <= 512: ``row`` (issue 40, predicted from its structure, no loop and one launch: 6-10 us
+    at 1 x 32K against the radix select's 12.2; the one run of docs/perf/indexer.md checks it)."""
     if width <= 4096:
         return "bisect"
+    if rows < 32 and k <= 512 and width <= 32768:
+        return "row"
     if rows >= 32 and k <= 512 and width <= 65536:
         return "filter"
     return "radix"
@@ -58,7 +64,8 @@ def topk(
     ``method``: one of ``METHODS``; None: ``topk_method``'s choice. ``knobs`` go to that method's
     launcher unchanged (``radix_topk``: chunk, bits, one_launch, num_warps, hist, first_pass;
     ``filter_topk``: block, cand_block, gmax_block, group, gmax, num_warps, counts;
-    ``bisect_topk``: bits, block, num_warps, segment), which rejects another method's.
+    ``bisect_topk``: bits, block, num_warps, segment; ``row_topk``: group, cand_block, num_warps,
+    counts), which rejects another method's.
     ``out`` (int32 [R, k], optional) is written in place; every element gets written.
     """
     if method is None:
@@ -69,6 +76,11 @@ def topk(
         from needlescope.kernels.triton_filter import filter_topk as launcher
     elif method == "bisect":
         from needlescope.kernels.triton_bisect import bisect_topk as launcher
+    elif method == "row":
+        from needlescope.kernels import triton_filter
+
+        wide = logits.shape[1] > triton_filter.ROW_MAX_WIDTH
+        launcher = triton_filter.filter_topk if wide else triton_filter.row_topk
     else:
         raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
     return launcher(logits, k, starts, ends, out=out, **knobs)
