@@ -16,7 +16,9 @@ The methods, each with its own launcher and knobs:
 * ``bisect`` (``triton_bisect.bisect_topk``): a threshold search in one program per row, or in
   segments merged by a second program;
 * ``row`` (``triton_filter.row_topk``): the filter in one program per row holding the whole row
-  (up to ``ROW_MAX_WIDTH`` entries; wider rows take ``filter``), one launch.
+  (up to ``ROW_MAX_WIDTH`` entries; wider rows take ``filter``), one launch. Not in
+  ``topk_method``'s rule yet: it enters it once a GPU run has measured it (issue 40; the command
+  is in docs/perf/indexer.md).
 
 ``topk_method`` is the measured rule between them.
 """
@@ -31,19 +33,15 @@ METHODS = ("radix", "filter", "bisect", "row")
 
 
 def topk_method(rows: int, width: int, k: int) -> str:
-    """``radix``, ``filter``, ``bisect`` or ``row`` for a [rows, width] top-k. Measured: one program per
+    """``radix``, ``filter`` or ``bisect`` for a [rows, width] top-k. Measured: one program per
     row wins at 2048 entries (8K-token decode rows: 10-12 us, launch-bound either way; H200, run
     7), so rows of up to 4096 entries take it. At 32-64 rows with k = 512 the filter wins (H100, docs/perf/indexer.md): 32 / 64 x 32K
     23.4 / 33.8 us against the split bisection's 36.4 / 52.7 (run 16), 32 / 64 x 64K 39.6 / 63.8
     against the radix select's 56.5 / 100.3 (run 17). Radix select elsewhere: the filter lost at
     1 x 32K (18 against 12 us), 8 x 256K (94 against 58) and every k = 2048 shape (run 16), where
-    too few groups leave the threshold unselective. Fewer than 32 rows of 4K-32K entries with
-    k <= 512: ``row`` (issue 40, predicted from its structure, no loop and one launch: 6-10 us
-    at 1 x 32K against the radix select's 12.2; the one run of docs/perf/indexer.md checks it)."""
+    too few groups leave the threshold unselective."""
     if width <= 4096:
         return "bisect"
-    if rows < 32 and k <= 512 and width <= 32768:
-        return "row"
     if rows >= 32 and k <= 512 and width <= 65536:
         return "filter"
     return "radix"
