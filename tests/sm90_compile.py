@@ -132,8 +132,7 @@ def _topk_kernels():
     select = {**k, "CH": 4096, "SB": 8, "CAPL": 256, "CBLOCK": 2048, "HAS_COUNTS": False}
     yield "filter select", triton_filter._select_kernel, flt, select, 8, 3
     row = {**k, "BLOCK": 32768, "CB": 8192, "GROUP": 16, "CAP": 2048, "HAS_COUNTS": False}
-    for warps in (16, 32):
-        yield f"filter, one program a row, {warps} warps", triton_filter._row_kernel, flt, row, warps, 3
+    yield "filter, one program a row", triton_filter._row_kernel, flt, row, 32, 3
     rad = {**common, "hist_ptr": "i32", "state_ptr": "i32", "below_ptr": "i32", "bar_ptr": "i32"}
     rk = {**k, "CH": 2048, "NP": 4, "BITS": 8, "SB": 16}
     for p in (1, 4):

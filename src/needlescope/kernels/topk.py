@@ -62,8 +62,8 @@ def topk(
     ``method``: one of ``METHODS``; None: ``topk_method``'s choice. ``knobs`` go to that method's
     launcher unchanged (``radix_topk``: chunk, bits, one_launch, num_warps, hist, first_pass;
     ``filter_topk``: block, cand_block, gmax_block, group, gmax, num_warps, counts;
-    ``bisect_topk``: bits, block, num_warps, segment; ``row_topk``: group, cand_block, num_warps,
-    counts), which rejects another method's.
+    ``bisect_topk``: bits, block, num_warps, segment; ``row_topk``: group, cand_block, step,
+    num_warps, counts), which rejects another method's.
     ``out`` (int32 [R, k], optional) is written in place; every element gets written.
     """
     if method is None:
