@@ -456,9 +456,10 @@ def topk_variants(k: int, rows: int, length: int) -> dict:
     }
     if length <= triton_filter.ROW_MAX_WIDTH:
         v["row/default"] = lambda x, st, en: tk(x, k, st, en, method="row")
-        for warps, step in ((32, 4096), (16, 4096), (16, 8192)):
-            v[f"row/w{warps}/{step}"] = lambda x, st, en, nw=warps, sp=step: tk(
-                x, k, st, en, method="row", num_warps=nw, step=sp
+        for warps, step, cand in ((32, 4096, None), (16, 4096, None), (16, 8192, None), (32, 8192, 1024)):
+            name = f"row/w{warps}/{step}" + (f"/c{cand}" if cand else "")
+            v[name] = lambda x, st, en, nw=warps, sp=step, cb=cand: tk(
+                x, k, st, en, method="row", num_warps=nw, step=sp, cand_block=cb
             )
     for warps, ch in ((4, None), (16, None), (8, 2048), (8, 1024)):
         v[f"filter/w{warps}/{ch or 'default'}"] = lambda x, st, en, nw=warps, c=ch: tk(
