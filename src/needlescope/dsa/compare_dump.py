@@ -47,7 +47,7 @@ from needlescope.dsa.diff import DEFAULT_DRAWS, DEFAULT_MARGIN, swappable_fracti
 from needlescope.dsa.dump_mapping import DumpMapping
 from needlescope.dsa.dump_tokens import DumpEntry, group_dump, merged, token_layout
 from needlescope.dsa.emulate import csa_indexers
-from needlescope.dsa.engine_dump import find_dump_dir, scan_dump
+from needlescope.dsa.engine_dump import check_tensor_parallel, find_dump_dir, scan_dump
 from needlescope.dsa.module_replay import rel_err, roundtrips, selection_error
 from needlescope.dsa.prompt import covering_entries
 from needlescope.dsa.rankdump import selected_in
@@ -302,6 +302,7 @@ def compare_dump(
         raise BadInput(f"margin and growth must be >= 1 and draws >= 1, got {margin}, {growth}, {draws}")
     d = find_dump_dir(dump_dir)
     files = scan_dump(d)
+    check_tensor_parallel(files)
     grouped = group_dump(files, mapping)
     if not grouped.entries:
         raise BadInput(

@@ -7,9 +7,12 @@ writes, for every ``[[tensor]]`` of the mapping and every layer it applies to, o
 
     DIR/dump_test/step=P___rank=R___dump_index=N___name=NAME___recompute_status=disabled___layer_id=L.pt
 
-holding ``torch.save({"value": tensor, "meta": {...}})``. ``passes`` splits the tokens into
-forward passes (a chunked prefill, then one-token decode steps); each pass also gets the core
-fields ``input_ids`` and ``positions``. Shards follow the rule and, for ``nn.Linear`` modules,
+holding ``torch.save({"value": tensor, "meta": {...}})`` (the tags, ``world_rank``,
+``world_size`` and ``sglang_parallel_info``, as SGLang's ``_Dumper._dump_single`` writes them;
+``dump_index`` counts per rank). ``passes`` splits the tokens into forward passes (a chunked
+prefill, then one-token decode steps); each pass also gets the core fields ``input_ids`` and
+``positions``, once without a layer (the ``ForwardBatch``'s) and once per decoder layer with its
+``layer_id`` (SGLang's hooks dump them again for every module taking them as keywords). Shards follow the rule and, for ``nn.Linear`` modules,
 the way tensor parallelism splits the weight: a column-parallel rank computes
 ``x @ W[rows_r].T`` (its slice of the output features), a row-parallel rank ``x[..., cols_r] @
 W[:, cols_r].T`` (a partial sum over its slice of the input features). Floating values are cast
