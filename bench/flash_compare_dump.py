@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 import torch
-from flash_stream import evict, needle_case, peak, reset_peak, sync
+from flash_stream import evict, needle_case, peak, reset_peak, sync, write_checkpoint
 
 
 def engine_passes(n: int, pass_tokens: int) -> list[int]:
@@ -158,19 +158,12 @@ def main() -> None:
     from needlescope.dsa.checkpoint import load_bundle
     from needlescope.dsa.placement import unit_bytes
     from needlescope.dsa.streaming import is_streamed
-    from needlescope.testing.flash import TEST_WIDTHS, write_flash_checkpoint
 
     res: dict = {"machine": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
                  "torch": torch.__version__, "transformers": transformers.__version__,
                  "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "args": vars(args)}  # fmt: skip
     ckpt = Path(args.ckpt)
-    shutil.rmtree(ckpt, ignore_errors=True)
-    t0 = time.perf_counter()
-    res["write"] = write_flash_checkpoint(
-        ckpt, layers=args.layers, fmt="fp8", experts="fp4", device=args.device,
-        overrides=TEST_WIDTHS if args.tiny else None, shard_bytes=(1 << 20) if args.tiny else 4 << 30,
-    )  # fmt: skip
-    res["write"]["seconds"] = round(time.perf_counter() - t0, 1)
+    res["write"] = write_checkpoint(args)
     if args.cold:
         res["page_cache"] = evict(ckpt)
     (model, tok, _), load_s, load_peak = timed(
