@@ -46,7 +46,7 @@ def _shards(model, name: str, rule: TensorRule, t: torch.Tensor, x: torch.Tensor
         if not linear:
             raise ValueError(f"{name}: a 'sum' shard is written only for nn.Linear outputs")
         cols = torch.arange(module.in_features).chunk(tp)
-        return [F.linear(x[..., c], module.weight[:, c.to(x.device)]) for c in cols]
+        return [F.linear(x[..., c.to(x.device)], module.weight[:, c.to(x.device)]) for c in cols]
     dim = int(rule.shard.split(":", 1)[1])
     if linear and dim in (-1, t.dim() - 1):
         rows = torch.arange(module.out_features).chunk(tp)
