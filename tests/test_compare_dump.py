@@ -9,10 +9,7 @@ order, the shard rule and the layer mapping each have a test that fails when the
 
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -216,17 +213,17 @@ def test_dump_layout_and_refusals(dumps, tmp_path):
         group_dump(twice, mapping)
 
 
-def test_cli_writes_report_and_refuses_bad_input(dumps, tmp_path):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    cli = [sys.executable, "-m", "needlescope.cli.main", "indexer", "compare-dump"]
-    bad = subprocess.run([*cli, str(tmp_path / "none"), "--model", "organism", "--out", str(tmp_path / "o")],
-                         capture_output=True, text=True, env=env, timeout=120)  # fmt: skip
-    assert bad.returncode == 2 and "does not exist" in bad.stderr and "Traceback" not in bad.stderr
+def test_cli_writes_report_and_refuses_bad_input(dumps, tmp_path, run_cli):
+    """The real entry point, in-process (``run_cli``): a BadInput is one line and exit 2."""
+    code, _, err = run_cli("indexer", "compare-dump", str(tmp_path / "none"), "--model", "organism",
+                           "--out", str(tmp_path / "o"))  # fmt: skip
+    assert code == 2 and "does not exist" in err and "Traceback" not in err
     out = tmp_path / "out"
-    ok = subprocess.run([*cli, str(dumps[1]), "--model", "organism", "--out", str(out)],
-                        capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
-    assert ok.returncode == 0, ok.stderr
-    assert "layers.3.self_attn.wo_b.output" in ok.stdout
+    code, stdout, err = run_cli(
+        "indexer", "compare-dump", str(dumps[1]), "--model", "organism", "--out", str(out)
+    )
+    assert code == 0, err
+    assert "layers.3.self_attn.wo_b.output" in stdout
     assert "First tensor beyond its precision budget" in (out / "compare_dump.md").read_text()
     assert (out / "compare_dump.json").is_file()
 
