@@ -3,7 +3,10 @@
 # 128K tokens through both kernels, then the benchmark.
 # Usage (from the repository root): OUT=/some/dir [STEPS="tests sweep bench"] bash bench/indexer_gpu.sh [bench args]
 # STEPS may also name "profile": ncu's speed-of-light, occupancy, warp-stall, scheduler and memory
-# sections of the persistent fp8 decode loop at 32 x 128K (bench/decode_profile.py), into $OUT/profile.txt.
+# sections of the persistent fp8 decode loop at 32 x 128K (bench/decode_profile.py), into $OUT/profile.txt;
+# and "conform": `needlescope kernels conform --shapes full` over $CONFORM_IMPLS (default "ours torch";
+# e.g. "ours:row ours:row-small-candidates") at $CONFORM_SHAPES (default full; small for a CPU under
+# TRITON_INTERPRET=1), into $OUT/conform.json and $OUT/conform.txt.
 # Optional: wheels in $WHEELS (default .whl/; e.g. transformers for the random layer, sgl-deep-gemm
 # for the side-by-side DeepGEMM timing) are installed into /tmp/site first; nothing else is installed.
 set -uo pipefail
@@ -23,6 +26,15 @@ rc=0
 if [[ " $STEPS " == *" tests "* ]]; then
   NEEDLESCOPE_KERNEL_SHAPES=full $PY -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_kernels_filter.py tests/test_kernels_launch.py 2>&1 | tee "$OUT/tests.log"
   rc=$(( rc || PIPESTATUS[0] ))
+fi
+if [[ " $STEPS " == *" conform "* ]]; then
+  impls=()
+  for impl in ${CONFORM_IMPLS:-ours torch}; do impls+=(--impl "$impl"); done
+  $PY -m needlescope.cli.main kernels conform "${impls[@]}" --shapes "${CONFORM_SHAPES:-full}" --out "$OUT/conform.json" > "$OUT/conform.txt" 2>&1
+  status=$?
+  grep -v " exact " "$OUT/conform.txt"
+  echo "conform rc=$status" | tee -a "$OUT/conform.txt"
+  rc=$(( rc || status ))
 fi
 if [[ " $STEPS " == *" sweep "* ]]; then
   # `needlescope indexer sweep` on a random full-size DeepSeek-V4-Flash indexer layer (64 heads x 128,

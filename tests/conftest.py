@@ -15,6 +15,9 @@ from needlescope.testing.servers import scripted
 # bench/indexer_gpu.sh sets NEEDLESCOPE_KERNEL_SHAPES=full to run them compiled on a GPU instead.
 if os.environ.get("NEEDLESCOPE_KERNEL_SHAPES") != "full":
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    import triton_interpreter  # noqa: E402  (tests/: helper calls skip a redundant re-patch)
+
+    triton_interpreter.install()
 
 
 @pytest.fixture

@@ -388,3 +388,40 @@ def test_maxima_of_minus_inf_from_outside_the_range_give_no_threshold() -> None:
     out, counts = _run(x, k, st, en, gmax=_as_int32(gm), block=512)
     _check(x, k, st, en, out, counts, reference=False)
     assert torch.equal(counts, en - st), counts.tolist()
+
+
+ROW_LENGTH = min(LENGTH, triton_filter.ROW_MAX_WIDTH)
+
+
+@pytest.mark.parametrize("kind", ["random", "ties", "equal"])
+def test_the_one_program_filter_gives_the_same_output(kind: str) -> None:
+    """``row_topk`` (method ``row``: the whole row in one program) on rows of three kinds (-inf and
+    NaN rows: the conformance suite's cases, tests/test_conformance.py) and every kind of range:
+    the radix select's output (order included), the model's candidate counts, every slot written;
+    with a 64-candidate block the rows over it take the list search in blocks instead, and
+    512-column steps compact the row in several steps."""
+    g = _gen(200 + KINDS.index(kind))
+    x = _rows(kind, ROWS, ROW_LENGTH, g)
+    for k, cand_block, step in ((16, None, None), (100, 64, 512)):
+        st, en = _ranges(ROWS, ROW_LENGTH, k, g)
+        out = torch.full((ROWS, k), POISON_IDX, dtype=torch.int32, device=DEV)
+        counts = torch.full((ROWS,), POISON_IDX, dtype=torch.int32, device=DEV)
+        got = triton_filter.row_topk(x, k, st, en, out=out, counts=counts, cand_block=cand_block, step=step)
+        assert got is out
+        assert not (out == POISON_IDX).any(), "an output slot was never written"
+        _check(x, k, st, en, out, counts, reference=kind != "nan")
+        assert torch.equal(counts, _model_counts(x, k, st, en)), (counts.tolist(), k)
+        if cand_block:
+            assert (counts > cand_block).any(), counts.tolist()
+
+
+def test_the_row_method_refuses_wider_rows_and_the_front_sends_them_to_the_filter(monkeypatch) -> None:
+    """The width limit (``ROW_MAX_WIDTH``, lowered here so that the interpreter's rows are cheap)."""
+    monkeypatch.setattr(triton_filter, "ROW_MAX_WIDTH", 64)
+    x = torch.randn(2, 65, device=DEV)
+    en = torch.tensor([65, 33], dtype=torch.int32, device=DEV)
+    with pytest.raises(ValueError, match="at most 64 entries, got 65"):
+        triton_filter.row_topk(x, 8, None, en)
+    got = topk.topk(x, 8, None, en, method="row")
+    assert torch.equal(got, triton_filter.filter_topk(x, 8, None, en))
+    assert torch.equal(got.sort(1).values, topk_reference(x, 8, torch.zeros_like(en), en).sort(1).values)

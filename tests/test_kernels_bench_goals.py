@@ -1,0 +1,53 @@
+"""The benchmark's goal lines (bench/indexer_bench.py, ``_goal_lines``): each goal's verdict comes
+from the run's own numbers, on both sides of each threshold (CPU; no kernel runs)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+import indexer_bench as B  # noqa: E402
+
+
+def _decode(clean_pct: float, fused_us: float, unfused_us: float) -> list[dict]:
+    cell = {
+        "persistent_clean_pct_copy": clean_pct,
+        "persistent_clean_us": 50.0,
+        "persistent_graph_pct_copy": 92.0,
+        "fused_filter_us": fused_us,
+        "unfused_persistent_us": unfused_us,
+    }
+    return [{"batch": b, "context": c, "fp8_e4m3": dict(cell)} for b, c in B.GOAL_CELLS]
+
+
+def _topk(default_us: float, row_us: float, same: bool = True) -> list[dict]:
+    one = {"rows": 1, "length": 32768, "k": 512, "method": "radix"}
+    one["default"] = {"us": default_us, "same_set": same}
+    one["row/default"] = {"us": row_us, "same_set": True}
+    return [one]
+
+
+def _verdicts(out: dict) -> list[str]:
+    return [ln.rsplit("|", 2)[1].strip() for ln in B._goal_lines(out)[2:] if ln]
+
+
+def test_each_goal_is_met_or_not_by_its_own_number() -> None:
+    good = {"topk": _topk(7.9, 6.0), "decode": _decode(85.0, 90.0, 100.0)}
+    assert _verdicts(good) == ["met", "met", "met"]
+    bad = {"topk": _topk(8.1, 6.0), "decode": _decode(84.9, 90.1, 100.0)}
+    assert _verdicts(bad) == ["not met", "not met", "not met"]
+    lines = "\n".join(B._goal_lines(bad))
+    assert "8.1 us (radix); the row method 6.0 us (default), not yet the default" in lines
+    assert "9.9% / 9.9% / 9.9% / 9.9% ahead" in lines and "clean 84.9% / 84.9%" in lines
+
+
+def test_a_wrong_set_is_never_met_and_missing_sections_give_no_line() -> None:
+    assert _verdicts({"topk": _topk(5.0, 6.0, same=False)}) == ["not met"]
+    assert B._goal_lines({}) == ["| goal | this run | met? |", "|---|---|---|", ""]
+    partial = {"decode": _decode(90.0, 80.0, 100.0)[:3]}  # a cell short: no decode verdicts
+    assert _verdicts(partial) == []
