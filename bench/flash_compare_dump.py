@@ -174,8 +174,15 @@ def main() -> None:
                    "dequantized_weight_bytes": sum(n for _, n in sizes), **load_peak}  # fmt: skip
     if not res["load"]["streamed"]:
         sys.exit(f"the weights fit --max-memory {args.max_memory}: give a smaller budget")
-    res.update(dump_and_compare(model, tok, args, out))
-    (out / "compare_dump_run.json").write_text(json.dumps(res, indent=1) + "\n")
+    run_json = out / "compare_dump_run.json"
+    run_json.write_text(json.dumps(res, indent=1) + "\n")  # what a failure below would leave
+    try:
+        res.update(dump_and_compare(model, tok, args, out))
+    except torch.OutOfMemoryError as exc:
+        res["error"] = f"OOM: {str(exc)[:300]}"
+        run_json.write_text(json.dumps(res, indent=1) + "\n")
+        raise
+    run_json.write_text(json.dumps(res, indent=1) + "\n")
     print(render(res))
 
 
