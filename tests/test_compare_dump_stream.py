@@ -2,8 +2,8 @@
 fp4 experts) at test widths is the engine and the reference. The two-rank dump is written streamed
 (each layer read once, its files written while it is on the device), with a planted fault in
 layer 4 (its MLP output x 1.5); the streamed comparison equals the in-memory one in every field
-(the same layer-major computation), agrees with the one-pass comparison on every verdict, names
-the planted layer and tensor, and finds every tensor within budget in the clean dump. Float64,
+(the same layer-major computation), agrees with a one-pass comparison on every verdict (where no
+top-k tie can break differently), names the planted layer and tensor, and finds every tensor within budget in the clean dump. Float64,
 as the chunked tests.
 """
 
