@@ -70,7 +70,7 @@ deps:
 		$$SUDO apt-get update -qq && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(DEB_PACKAGES); }
 
 test: $(STAMP) deps lint
-	PYTHONPATH=$(CURDIR)/src HF_HUB_OFFLINE=1 $(BIN)/pytest -q -n 2 tests
+	PYTHONPATH=$(CURDIR)/src HF_HUB_OFFLINE=1 $(BIN)/pytest -q -n 2 --dist worksteal --durations=25 tests
 
 # Deletes the virtual environment and mutation-out/ (both ours); demo-out/ holds your ledger and
 # is left for you to delete.

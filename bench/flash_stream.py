@@ -64,6 +64,22 @@ def evict(ckpt: Path) -> str:
     return "posix_fadvise(DONTNEED) on every shard"
 
 
+def write_checkpoint(args) -> dict:
+    """Write the Flash-shaped checkpoint (fp8 projections, fp4 experts) to ``args.ckpt`` afresh;
+    its summary with the seconds it took (``--tiny``: test widths, 1 MiB shards)."""
+    from needlescope.testing.flash import TEST_WIDTHS, write_flash_checkpoint
+
+    ckpt = Path(args.ckpt)
+    shutil.rmtree(ckpt, ignore_errors=True)
+    t0 = time.perf_counter()
+    summary = write_flash_checkpoint(
+        ckpt, layers=args.layers, fmt="fp8", experts="fp4", device=args.device,
+        overrides=TEST_WIDTHS if args.tiny else None, shard_bytes=(1 << 20) if args.tiny else 4 << 30,
+    )  # fmt: skip
+    summary["seconds"] = round(time.perf_counter() - t0, 1)
+    return summary
+
+
 def needle_case(tok, length: int, seed: int):
     from needlescope.cases.assemble import CaseSpec, build_cases
     from needlescope.dsa.prompt import render_prompt
@@ -200,7 +216,6 @@ def main() -> None:
     from needlescope.dsa.checkpoint import load_bundle
     from needlescope.dsa.placement import unit_bytes
     from needlescope.dsa.streaming import is_streamed
-    from needlescope.testing.flash import TEST_WIDTHS, write_flash_checkpoint
 
     res: dict = {
         "machine": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
@@ -215,13 +230,7 @@ def main() -> None:
 
     ckpt = Path(args.ckpt)
     if not (args.reuse and (ckpt / "config.json").is_file()):
-        shutil.rmtree(ckpt, ignore_errors=True)
-        t0 = time.perf_counter()
-        res["write"] = write_flash_checkpoint(
-            ckpt, layers=args.layers, fmt="fp8", experts="fp4", device=args.device,
-            overrides=TEST_WIDTHS if args.tiny else None, shard_bytes=(1 << 20) if args.tiny else 4 << 30,
-        )  # fmt: skip
-        res["write"]["seconds"] = round(time.perf_counter() - t0, 1)
+        res["write"] = write_checkpoint(args)
         save()
     if args.cold:
         res["page_cache"] = evict(ckpt)

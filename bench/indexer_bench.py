@@ -58,7 +58,6 @@ from needlescope.kernels import (
     quantize_queries,
     topk,
     triton_decode,
-    triton_filter,
     triton_logits,
     triton_radix,
 )
@@ -213,13 +212,6 @@ def decode_cell(cfg: dict, c: dict, kd: str, k: int) -> dict:
     res["topk_method"] = topk.topk_method(*base.shape, k)
     res["topk_filter_us"] = med(partial(topk.topk, base, k, zeros, c["lens"], method="filter"), graph=True)
     want = topk.topk(base, k, zeros, c["lens"], method="bisect").sort(1).values
-    if base.shape[1] <= triton_filter.ROW_MAX_WIDTH:
-        row = partial(topk.topk, base, k, zeros, c["lens"], method="row")
-        try:  # a new method: its failure must not cost the cell's other numbers
-            res["topk_row_same_set"] = bool(torch.equal(row().sort(1).values, want))
-            res["topk_row_us"] = med(row, graph=True)
-        except Exception as e:
-            res["topk_row_error"] = f"{type(e).__name__}: {str(e)[:300]}"
     pipelines = {
         "unfused": partial(
             triton_decode.decode_topk, *args, k, fused=False, logits_args={"persistent": False}
@@ -238,7 +230,6 @@ def decode_cell(cfg: dict, c: dict, kd: str, k: int) -> dict:
             triton_logits.paged_logits(*args), k, None, c["lens"], method="filter"
         ),
         "fused_filter": partial(triton_decode.decode_topk, *args, k, fused=True, select="filter"),
-        "unfused_row": lambda: topk.topk(triton_logits.paged_logits(*args), k, None, c["lens"], method="row"),
         "default": partial(triton_decode.decode_topk, *args, k),
         "old_pipeline": lambda: topk.topk(
             triton_logits.paged_logits(*args, persistent=False), k, zeros, c["lens"], method="bisect"
@@ -454,13 +445,6 @@ def topk_variants(k: int, rows: int, length: int) -> dict:
         "default": lambda x, st, en: tk(x, k, st, en),
         "filter": lambda x, st, en: tk(x, k, st, en, method="filter"),
     }
-    if length <= triton_filter.ROW_MAX_WIDTH:
-        v["row/default"] = lambda x, st, en: tk(x, k, st, en, method="row")
-        for warps, step, cand in ((32, 4096, None), (16, 4096, None), (16, 8192, None), (32, 8192, 1024)):
-            name = f"row/w{warps}/{step}" + (f"/c{cand}" if cand else "")
-            v[name] = lambda x, st, en, nw=warps, sp=step, cb=cand: tk(
-                x, k, st, en, method="row", num_warps=nw, step=sp, cand_block=cb
-            )
     for warps, ch in ((4, None), (16, None), (8, 2048), (8, 1024)):
         v[f"filter/w{warps}/{ch or 'default'}"] = lambda x, st, en, nw=warps, c=ch: tk(
             x, k, st, en, method="filter", num_warps=nw, block=c
@@ -649,10 +633,9 @@ def _decode_lines(out: dict) -> list[str]:
         "| batch | context | fp8 roofline µs | same-byte copy µs flushed / clean / graph | fp8 persistent flushed | flushed, JIT launch "
         "| clean flush "
         "| host µs direct / JIT | fp8 persistent graph "
-        "| with group maxima, graph µs | bf16 persistent flushed | top-k 512 µs (method) | filter top-k µs | row top-k µs "
-        "| logits+top-k µs | fused radix µs | logits+filter µs | logits+row µs | fused filter µs | default µs "
-        "| default host µs direct / JIT | previous pipeline µs | torch ref µs |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| with group maxima, graph µs | bf16 persistent flushed | top-k 512 µs (method) | filter top-k µs | logits+top-k µs | fused radix µs "
+        "| logits+filter µs | fused filter µs | default µs | default host µs direct / JIT | previous pipeline µs | torch ref µs |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in out["decode"]:
         f, b = r["fp8_e4m3"], r["bf16"]
@@ -671,9 +654,8 @@ def _decode_lines(out: dict) -> list[str]:
             f"| {us(f, 'persistent_host_us')} / {us(f, 'persistent_host_jit_us')} "
             f"| {pct(f, 'persistent_graph')} | {us(f, 'persistent_gmax_graph_us')} "
             f"| {pct(b, 'persistent')} "
-            f"| {f['topk_us']:.1f} ({f['topk_method']}) | {us(f, 'topk_filter_us')} | {us(f, 'topk_row_us')} "
-            f"| {us(f, 'unfused_persistent_us')} | {us(f, 'fused_us')} | {us(f, 'unfused_filter_us')} "
-            f"| {us(f, 'unfused_row_us')} | {us(f, 'fused_filter_us')} "
+            f"| {f['topk_us']:.1f} ({f['topk_method']}) | {us(f, 'topk_filter_us')} | {us(f, 'unfused_persistent_us')} "
+            f"| {us(f, 'fused_us')} | {us(f, 'unfused_filter_us')} | {us(f, 'fused_filter_us')} "
             f"| {us(f, 'default_us')} | {us(f, 'default_host_us')} / {us(f, 'default_host_jit_us')} "
             f"| {us(f, 'old_pipeline_us')} | {'n/a' if ref is None else f'{ref:.0f}'} |"
             + (f" MISMATCH OR ERROR: {bad}" if bad else "")
@@ -684,8 +666,8 @@ def _decode_lines(out: dict) -> list[str]:
 def _topk_lines(out: dict) -> list[str]:
     lines = [
         "| rows | length | k | torch.topk µs | unsplit µs | split µs | best radix µs (bits/chunk) | filter µs (best other setting) "
-        "| row µs (warps) | default µs (method) | default / torch.topk |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| default µs (method) | default / torch.topk |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     nan = {"us": float("nan"), "same_set": True}
     for r in out["topk"]:
@@ -694,13 +676,10 @@ def _topk_lines(out: dict) -> list[str]:
         g = lambda n, r=r: r.get(n, nan)["us"]  # noqa: E731
         filt = {n: v for n, v in r.items() if n.startswith("filter/") and isinstance(v, dict)}
         best_filter = min(filt, key=lambda n: filt[n]["us"]) if filt else "filter/none"
-        rows = {n: v for n, v in r.items() if n.startswith("row/") and isinstance(v, dict)}
-        row_cells = " / ".join(f"{v['us']:.1f} ({n[4:]})" for n, v in rows.items()) or "n/a"
         bad = [n for n, v in r.items() if isinstance(v, dict) and not v["same_set"]]
         lines.append(
             f"| {r['rows']} | {r['length']} | {r['k']} | {g('torch.topk'):.1f} | {g('unsplit'):.1f} | {g('split'):.1f} "
-            f"| {g(best):.1f} ({best}) | {g('filter'):.1f} ({g(best_filter):.1f} {best_filter}) | {row_cells} "
-            f"| {g('default'):.1f} ({r['method']}, chunk {r['default_chunk']}"
+            f"| {g(best):.1f} ({best}) | {g('filter'):.1f} ({g(best_filter):.1f} {best_filter}) | {g('default'):.1f} ({r['method']}, chunk {r['default_chunk']}"
             f"{', one launch' if r.get('default_one_launch') else ''}) "
             f"| {g('default') / g('torch.topk'):.2f} |" + (f" DIFFERENT SETS: {bad}" if bad else "")
         )
@@ -749,18 +728,9 @@ def _goal_lines(out: dict) -> list[str]:
     if one is not None:
         t = one.get("default", {}).get("us")
         ok = None if t is None else t <= GOAL_TOPK_US and one["default"]["same_set"]
-        rows = {
-            n: v for n, v in one.items() if n.startswith("row/") and isinstance(v, dict) and v["same_set"]
-        }
-        best = min(rows, key=lambda n: rows[n]["us"]) if rows else None
-        row = (
-            ""
-            if best is None
-            else f"; the row method {rows[best]['us']:.1f} us ({best[4:]}), not yet the default"
-        )
         lines.append(
             f"| exact top-k at 1 x 32K, k = 512 <= {GOAL_TOPK_US:g} us "
-            f"| default {t:.1f} us ({one['method']}){row} | {_met(ok)} |"
+            f"| default {t:.1f} us ({one['method']}) | {_met(ok)} |"
         )
     cells = {(r["batch"], r["context"]): r["fp8_e4m3"] for r in out.get("decode", [])}
     goal = [cells[c] for c in GOAL_CELLS if c in cells]

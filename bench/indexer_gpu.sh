@@ -5,7 +5,7 @@
 # STEPS may also name "profile": ncu's speed-of-light, occupancy, warp-stall, scheduler and memory
 # sections of the persistent fp8 decode loop at 32 x 128K (bench/decode_profile.py), into $OUT/profile.txt;
 # and "conform": `needlescope kernels conform --shapes full` over $CONFORM_IMPLS (default "ours torch";
-# e.g. "ours:row ours:row-small-candidates") at $CONFORM_SHAPES (default full; small for a CPU under
+# e.g. "ours:filter ours:filter-small-candidates") at $CONFORM_SHAPES (default full; small for a CPU under
 # TRITON_INTERPRET=1), into $OUT/conform.json and $OUT/conform.txt.
 # Optional: wheels in $WHEELS (default .whl/; e.g. transformers for the random layer, sgl-deep-gemm
 # for the side-by-side DeepGEMM timing) are installed into /tmp/site first; nothing else is installed.

@@ -5,10 +5,18 @@ from __future__ import annotations
 import os
 import sys
 
-import pytest
+# Each xdist worker (and every CLI child it starts) gets its share of the cores: torch's default
+# of one thread per core in each of `make test`'s two workers oversubscribed the 2-core box (one
+# compare-dump test file: 131 s wall / 59 s CPU by default, 63 s / 17.5 s with one thread each).
+# Set before torch is first imported; a test or ledger that sets its own thread count still can.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _WORKERS)))
 
-from needlescope.serve.launch import ChildServer
-from needlescope.testing.servers import scripted
+import pytest  # noqa: E402
+
+from needlescope.serve.launch import ChildServer  # noqa: E402
+from needlescope.testing.servers import scripted  # noqa: E402
 
 # The Triton kernels run under Triton's interpreter in CI (no GPU). Triton reads this when it is
 # first imported (transformers may import it early), so it is set here, before any test module;

@@ -131,8 +131,6 @@ def _topk_kernels():
     yield "filter compact", triton_filter._compact_kernel, flt, compact, 8, 3
     select = {**k, "CH": 4096, "SB": 8, "CAPL": 256, "CBLOCK": 2048, "HAS_COUNTS": False}
     yield "filter select", triton_filter._select_kernel, flt, select, 8, 3
-    row = {**k, "BLOCK": 32768, "CB": 8192, "GROUP": 16, "CAP": 2048, "HAS_COUNTS": False}
-    yield "filter, one program a row", triton_filter._row_kernel, flt, row, 32, 3
     rad = {**common, "hist_ptr": "i32", "state_ptr": "i32", "below_ptr": "i32", "bar_ptr": "i32"}
     rk = {**k, "CH": 2048, "NP": 4, "BITS": 8, "SB": 16}
     for p in (1, 4):

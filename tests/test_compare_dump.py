@@ -9,10 +9,7 @@ order, the shard rule and the layer mapping each have a test that fails when the
 
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -216,16 +213,63 @@ def test_dump_layout_and_refusals(dumps, tmp_path):
         group_dump(twice, mapping)
 
 
-def test_cli_writes_report_and_refuses_bad_input(dumps, tmp_path):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    cli = [sys.executable, "-m", "needlescope.cli.main", "indexer", "compare-dump"]
-    bad = subprocess.run([*cli, str(tmp_path / "none"), "--model", "organism", "--out", str(tmp_path / "o")],
-                         capture_output=True, text=True, env=env, timeout=120)  # fmt: skip
-    assert bad.returncode == 2 and "does not exist" in bad.stderr and "Traceback" not in bad.stderr
+def test_cli_writes_report_and_refuses_bad_input(dumps, tmp_path, run_cli):
+    """The real entry point, in-process (``run_cli``): a BadInput is one line and exit 2."""
+    code, _, err = run_cli("indexer", "compare-dump", str(tmp_path / "none"), "--model", "organism",
+                           "--out", str(tmp_path / "o"))  # fmt: skip
+    assert code == 2 and "does not exist" in err and "Traceback" not in err
     out = tmp_path / "out"
-    ok = subprocess.run([*cli, str(dumps[1]), "--model", "organism", "--out", str(out)],
-                        capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
-    assert ok.returncode == 0, ok.stderr
-    assert "layers.3.self_attn.wo_b.output" in ok.stdout
+    code, stdout, err = run_cli(
+        "indexer", "compare-dump", str(dumps[1]), "--model", "organism", "--out", str(out)
+    )
+    assert code == 0, err
+    assert "layers.3.self_attn.wo_b.output" in stdout
     assert "First tensor beyond its precision budget" in (out / "compare_dump.md").read_text()
     assert (out / "compare_dump.json").is_file()
+
+
+def _as_sglang_writes(src: Path, dst: Path, meta_extra: dict | None = None) -> Path:
+    """A copy of a dump as SGLang's ``_Dumper._dump_single`` writes it (read in sglang's
+    ``debug_utils/dumper.py``): the first forward pass is ``step=0``; with
+    ``DUMPER_INCLUDE_PARALLEL_RANK_IN_FILENAME`` the stem ends in ``___pp_rank=0___tp_rank=R``; the
+    meta carries ``sglang_parallel_info``; the root module also dumps its positional inputs
+    (``non_intrusive__inputs.0``) and the ForwardBatch's ``seq_lens`` and ``rids`` (a list of
+    strings, not a tensor)."""
+    dst.mkdir(parents=True)
+    for f in sorted(src.iterdir(), key=lambda p: parse_stem(p.stem)["dump_index"]):
+        tags = parse_stem(f.stem)
+        value, meta = load_value(f)
+        tags["step"] = int(tags["step"]) - 1
+        tags.update(pp_rank=0, tp_rank=tags["rank"])
+        info = {"tp_rank": int(tags["rank"]), "tp_size": 2, "pp_rank": 0, "pp_size": 1, "attn_dp_size": 1,
+                "enable_dp_attention": False, **(meta_extra or {})}  # fmt: skip
+        extra = [] if tags["name"] != "input_ids" or "layer_id" in tags else [
+            ("non_intrusive__inputs.0", value), ("seq_lens", torch.tensor([len(value)])), ("rids", ["req-0"])]  # fmt: skip
+        for name, v in [(tags["name"], value), *extra]:
+            stem = "___".join(f"{k}={v_}" for k, v_ in {**tags, "name": name}.items())
+            full = {
+                **meta,
+                **tags,
+                "name": name,
+                "world_rank": int(tags["rank"]),
+                "sglang_parallel_info": info,
+            }
+            torch.save({"value": v, "meta": full}, dst / f"{stem}.pt")
+    return dst
+
+
+def test_reads_what_sglangs_dumper_writes(organism, dumps, tmp_path):
+    """The token fields are dumped again by every layer that takes them as keywords (the writer
+    does this too); root inputs, seq_lens and rids are ignored by the mapping, never loaded."""
+    mapping = load_mapping()
+    real = _as_sglang_writes(dumps[1], tmp_path / "dump_20261206_120000_000123")
+    files = scan_dump(tmp_path)
+    assert {f.pass_id for f in files} == {0, 1, 2, 3} and {f.rank for f in files} == {0, 1}
+    assert sum(f.name == "positions" and f.layer is not None for f in files) > 0
+    got, want = compare_dump(organism, real, mapping), compare_dump(organism, dumps[1], mapping)
+    assert got["tensors"] == want["tensors"] and got["first_beyond"] == want["first_beyond"]
+    assert not got["unknown_names"]
+    assert {"rids", "seq_lens", "non_intrusive__inputs.0"} <= set(got["ignored_names"])
+    pipelined = _as_sglang_writes(dumps[1], tmp_path / "pp", {"pp_size": 2})
+    with pytest.raises(BadInput, match="pipeline parallelism"):
+        compare_dump(organism, pipelined, mapping)

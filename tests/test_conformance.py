@@ -24,7 +24,7 @@ from truncating_topk import BUFFER, truncating
 
 FIXTURE = Path(__file__).resolve().parent / "truncating_topk.py"
 SMALL_BUFFER = BUFFER // C.SHAPES["small"]
-METHODS = ("radix", "filter", "bisect", "row", "default")  # every case, under the interpreter
+METHODS = ("radix", "filter", "bisect", "default")  # every case, under the interpreter
 PATH_CASES = ["bin-16k-ulp", "nan", "ties-at-cutoff"]  # the other code paths of ours: these cases
 
 

@@ -151,6 +151,36 @@ def test_streamed_flash_shaped_fp4_checkpoint_equals_in_memory(flash_dir):
     assert bool(torch.isfinite(a[0]).all())
 
 
+def test_streamed_flash_shaped_rank_dump_and_greedy_answer_equal_in_memory(flash_dir):
+    """The rank dump (its greedy answer included) on the 4-layer Flash-shaped checkpoint."""
+    memory, tok, _ = load_bundle(flash_dir)
+    streamed = load_bundle(flash_dir, stream_layers=True)[0]
+    words = " ".join(f"w{i}" for i in range(60))
+    messages = [{"role": "user", "content": f"{words} The secret code is 4815927. {words} What is the code?"}]
+    dumps = []
+    for model in (_f64(memory), _f64(streamed)):
+        with torch.no_grad():
+            dumps.append(rank_dump(model, tok, messages, needle="The secret code is 4815927.",
+                                   setting=SETTING, max_new_tokens=3, chunk=64))  # fmt: skip
+    one, two = dumps
+    assert two == one and len(one["generated_tokens"]) == 3 and one["prompt_tokens"] > 128
+    assert [layer["layer"] for layer in one["layers"]] == [1, 3]
+    assert [[r["layer"] for r in p] for p in streamer_of(streamed).passes] == [list(range(4))] * 3
+
+
+def test_streamed_organism_localizer_equals_in_memory_record_for_record(tmp_path):
+    from needlescope.dsa.diff import localize
+
+    ids = torch.randint(3, 3000, (1, 40), generator=torch.Generator().manual_seed(6))
+    fault = Setting(patch=_mlp_fault(tmp_path, 4))  # the last layer: few calls carry the fault
+    memory = localize(load_bundle("organism")[0], load_bundle("organism")[0], ids, setting=fault, chunk=24)
+    pair = [load_bundle("organism", stream_layers=True)[0] for _ in range(2)]
+    streamed = localize(*pair, ids, setting=fault, chunk=24)
+    assert memory["first_divergent_module"] == "model.layers.4.mlp"
+    assert streamed == memory  # every module call of both chunks, every verdict
+    assert [len(p) for p in streamer_of(pair[0]).passes] == [5] and not streamer_of(pair[1]).passes
+
+
 def test_device_auto_streams_when_the_weights_do_not_fit_and_refuses_below_one_layer(flash_dir):
     from needlescope.dsa.placement import unit_bytes
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import typer
 
+from needlescope.cli import loading_options as load
 from needlescope.cli.indexer import indexer_app
 from needlescope.cli.output import console
 from needlescope.cli.outputs import FORCE, guard
@@ -64,6 +65,14 @@ def compare_dump_command(
         "--allow",
         help="NAME_PATTERN=bf16|fp16|fp8_e4m3|fp32: the precision engine tensors were computed in.",
     ),
+    chunk: int = typer.Option(
+        None,
+        "--chunk",
+        help="Run the reference layer by layer in chunks of this many tokens through the KV cache (docs/scale.md).",
+    ),
+    device: load.Device = "cpu",
+    max_memory: load.MaxMemory = None,
+    stream_layers: load.StreamLayers = False,
     out: Path = typer.Option(
         Path("compare-dump-out"), "--out", help="Output directory (compare_dump.json, .md)."
     ),
@@ -80,8 +89,10 @@ def compare_dump_command(
     from needlescope.dsa.dump_mapping import load_mapping
     from needlescope.dsa.engine_dump import scan_dump
     from needlescope.dsa.prompt import needle_token_span, read_prompt_file, render_prompt
+    from needlescope.setting import check_chunk
 
     allowed = _allow(allow, PRECISION_U)
+    check_chunk(chunk)
     if needle is not None and prompt is None:
         raise BadInput("--needle needs the --prompt it appears in")
     path = resolve_model_dir(model)
@@ -95,14 +106,19 @@ def compare_dump_command(
             rendered = render_prompt(load_tokenizer(path), read_prompt_file(prompt))
             prompt_ids = rendered.input_ids
             span = needle_token_span(rendered, needle) if needle is not None else None
-        reference, _, _ = load_bundle(path)
+        loading = dict(device=device, max_memory=max_memory, stream_layers=stream_layers)
+        reference, _, _ = load_bundle(path, **loading, stream_if_needed=True)
         with ProgressView(console) as view:
             shown = lambda task, done, total, what: view(f"compare-dump: {task}", done, total, what)  # noqa: E731
             result = compare_dump(reference, dump_dir, the_mapping, prompt_ids=prompt_ids, needle_span=span,
-                                  index_topk=index_topk, growth=growth, allow=allowed, progress=shown)  # fmt: skip
+                                  index_topk=index_topk, growth=growth, allow=allowed, chunk=chunk, progress=shown)  # fmt: skip
         validate_compare_dump(result)
         _write(out, "compare_dump.json", compare_dump_to_json(result))
         _write(out, "compare_dump.md", render_compare_dump_md(result))
+    _print_result(result, out)
+
+
+def _print_result(result: dict, out: Path) -> None:
     console.say("{}", result["summary"], soft_wrap=True)
     for d in result["layers"]:
         console.print(

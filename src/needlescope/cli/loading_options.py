@@ -1,6 +1,6 @@
 """The options that say where a checkpoint's weights go, for commands whose every forward runs
 through ``dsa.passes`` (or layer-major), so that they can stream: ``indexer rank-dump``,
-``indexer diff``, ``audit``.
+``indexer diff``, ``indexer compare-dump``, ``audit``.
 
 They map one to one onto ``dsa.checkpoint.load_bundle(device=, max_memory=, stream_layers=)``;
 those commands pass ``stream_if_needed=True``, so ``--device auto`` reads one decoder layer at a

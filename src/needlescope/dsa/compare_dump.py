@@ -1,8 +1,9 @@
 """Compare an engine's tensor dump with the reference model, tensor by tensor, layer by layer.
 
 ``compare_dump(model, dump_dir, mapping, ...)`` reads the dump (``engine_dump``, ``dump_tokens``),
-runs the reference once over the same token ids with ``module_replay.Recorder`` on every module (and the
-indexers at the dump's ``index_topk``), merges each dumped tensor's TP shards, takes the reference
+runs the reference over the same token ids with ``module_replay.Recorder`` on the mapped modules (and the
+indexers at the dump's ``index_topk``): in one pass, or layer-major in chunks and streamed
+(``compare_dump_steps``: each decoder layer read once, judged while it is on the device), merges each dumped tensor's TP shards, takes the reference
 module's rows at the positions each pass stood for, and judges every tensor in the reference's
 forward order (the order its module returns; a ``take = "input"`` tensor just before the
 module's first callee returns).
@@ -41,18 +42,19 @@ import math
 import torch
 
 from needlescope.dsa.compare_dump_md import NO_BEYOND
+from needlescope.dsa.compare_dump_steps import Incomparable, Stage, StageCall, reference_stages
 from needlescope.dsa.diff import DEFAULT_DRAWS, DEFAULT_MARGIN, swappable_fraction, unit_roundoff
 from needlescope.dsa.dump_mapping import DumpMapping
 from needlescope.dsa.dump_tokens import DumpEntry, group_dump, merged, token_layout
-from needlescope.dsa.emulate import csa_indexers, emulate
-from needlescope.dsa.engine_dump import find_dump_dir, scan_dump
-from needlescope.dsa.module_replay import Call, Recorder, calibrate, rel_err, roundtrips, selection_error
+from needlescope.dsa.emulate import csa_indexers
+from needlescope.dsa.engine_dump import check_tensor_parallel, find_dump_dir, scan_dump
+from needlescope.dsa.module_replay import rel_err, roundtrips, selection_error
 from needlescope.dsa.prompt import covering_entries
 from needlescope.dsa.rankdump import selected_in
 from needlescope.dsa.reference import visible_entries
 from needlescope.errors import BadInput
 from needlescope.progress import Progress, no_progress
-from needlescope.setting import Setting
+from needlescope.setting import check_chunk
 
 __all__ = ["compare_dump", "PRECISION_U"]
 
@@ -63,10 +65,6 @@ PRECISION_U = {
     "fp8_e4m3": float(torch.finfo(torch.float8_e4m3fn).eps) / 2,
 }
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
-
-
-class _Incomparable(Exception):
-    """The dumped rows do not line up with the reference module's."""
 
 
 def _precision(entry: DumpEntry, engine: torch.Tensor, allow: dict[str, str]) -> str:
@@ -83,54 +81,30 @@ def _precision(entry: DumpEntry, engine: torch.Tensor, allow: dict[str, str]) ->
     return "fp32"
 
 
-def _token_rows(t: torch.Tensor, T: int, where: str) -> torch.Tensor:
-    """t with its token dim first: [1, T, ...] -> [T, ...]; [T, ...] as is."""
-    if t.dim() >= 2 and t.shape[0] == 1 and t.shape[1] == T:
-        return t[0]
-    if t.dim() >= 1 and t.shape[0] == T:
-        return t
-    raise _Incomparable(f"{where}: shape {tuple(t.shape)} has no token dimension of {T}")
-
-
-def _rows(entry: DumpEntry, call: Call, positions: dict[int, torch.Tensor], T: int):
-    """(engine rows [N, ...], reference rows [N, ...], query positions [N]) over the entry's passes."""
+def _rows(entry: DumpEntry, ref_call: StageCall, positions: dict[int, torch.Tensor]):
+    """(engine rows [N, ...], reference rows [N, ...], query positions [N]) over the entry's passes;
+    the engine's rows on the reference's device."""
     engine, where = [], []
     for p in sorted(entry.files):
         t = merged(entry.files[p], entry.rule.shard)
         pos = positions.get(p)
         if pos is None:
-            raise _Incomparable(f"pass {p} has no positions")
+            raise Incomparable(f"pass {p} has no positions")
         want = 1 if entry.rule.rows == "last" else len(pos)
         if t.dim() == 0 or t.shape[0] != want:
-            raise _Incomparable(f"pass {p}: {t.shape[0] if t.dim() else 0} rows, expected {want}")
+            raise Incomparable(f"pass {p}: {t.shape[0] if t.dim() else 0} rows, expected {want}")
         engine.append(t)
         where.append(pos[-1:] if entry.rule.rows == "last" else pos)
-    src = call.out if entry.rule.take == "output" else (call.inputs[0] if call.inputs else None)
-    if src is None:
-        raise _Incomparable(f"{entry.reference} has no {entry.rule.take}")
     at = torch.cat(where)
-    ref = _token_rows(src, T, entry.reference).index_select(0, at.to(src.device))
+    ref = ref_call.rows(entry.rule.take, at)
     width = ref[0].numel() if len(ref) else 0
     for e in engine:
         if e[0].numel() != width:
-            raise _Incomparable(
+            raise Incomparable(
                 f"{e[0].numel()} values per row after merging ({entry.rule.shard}), the reference has {width}"
             )
-    return torch.cat([e.reshape(e.shape[0], -1) for e in engine]), ref, at
-
-
-def _order(rows: list[Call]) -> tuple[dict[str, float], dict[str, Call]]:
-    """Forward order of each module call's output (and, as 'name>in', of its input) in the reference."""
-    order: dict[str, float] = {}
-    first_inner: dict[str, int] = {}
-    for i, c in enumerate(rows):
-        order.setdefault(c.key, float(i))
-        parts = c.name.split(".")
-        for j in range(1, len(parts) + 1):
-            first_inner.setdefault(".".join(parts[:j]), i)
-    for name, i in first_inner.items():
-        order[name + ">in"] = i - 0.5
-    return order, {c.key: c for c in rows}
+    rows = torch.cat([e.reshape(e.shape[0], -1) for e in engine])
+    return rows.to(ref.device), ref, at
 
 
 class _Judge:
@@ -139,11 +113,12 @@ class _Judge:
     def __init__(self, model, margin: float, draws: int, growth: float | None, allow: dict[str, str]):
         self.model, self.margin, self.draws, self.growth, self.allow = model, margin, draws, growth, allow
 
-    def tensor(self, entry, call, engine, ref, in_err) -> dict:
+    def tensor(self, entry, ref_call: StageCall, engine, ref, in_err) -> dict:
         prec = _precision(entry, engine, self.allow)
         u = PRECISION_U[prec]
         err = rel_err(engine.float(), ref.reshape(ref.shape[0], -1).float())
-        floating_in = entry.rule.take == "output" and bool(call.inputs)
+        n_in = len(ref_call.first.inputs)
+        floating_in = entry.rule.take == "output" and n_in > 0
         arriving = in_err + u if floating_in else 0.0
         calibrated = False
         if self.growth is not None:
@@ -151,18 +126,17 @@ class _Judge:
         else:
             budget = self.margin * (u + arriving)
             if err > budget and floating_in:
-                moved = calibrate(self.model, call, [arriving] * len(call.inputs), draws=self.draws)
+                moved = ref_call.moved(self.model, [arriving] * n_in, self.draws)
                 budget, calibrated = self.margin * (u + moved), True
         return {"precision": prec, "rel_err": err, "budget": budget, "calibrated": calibrated}
 
-    def topk(self, entry, engine, ref, at, scorer: Call | None, in_err) -> dict:
+    def topk(self, entry, engine, ref, at, scorer: StageCall | None, in_err) -> dict:
         prec = entry.rule.precision or "fp32"
         u = PRECISION_U[prec]
         err = selection_error(engine.long(), ref.reshape(ref.shape[0], -1).long())[0]
         budget = 0.0
-        if scorer is not None and scorer.out is not None:
-            T = scorer.out.shape[-2]
-            scores = _token_rows(scorer.out, T, scorer.key).float().cpu().index_select(0, at.cpu())  # [N, L]
+        if scorer is not None and scorer.first.out is not None:
+            scores = scorer.rows("output", at).float().cpu()  # [N, L]
             vis = visible_entries(at.cpu().long()).clamp_max(scores.shape[-1])
             ar = torch.arange(scores.shape[-1]).view(1, -1)
             scale = scores.masked_fill(ar >= vis.view(-1, 1), 0.0).abs().amax(-1)
@@ -199,52 +173,86 @@ def _index_topk(grouped, K: int | None) -> int | None:
     return max(widths, default=None)
 
 
-def _reference_run(model, ids: list[int], index_topk: int | None) -> list[Call]:
-    """Every module call of one reference forward over ``ids`` (the indexers at ``index_topk``)."""
-    setting = Setting(index_topk=index_topk)
-    device = next(model.parameters()).device
-    with torch.no_grad(), emulate(model, setting), Recorder(model) as rec:
-        model(input_ids=torch.tensor([ids], device=device), use_cache=False)
-    return rec.rows
+class _Walk:
+    """The judged tensors so far, in the reference's forward order, and the error arriving."""
 
+    def __init__(self, judge: _Judge, positions, needle_entries: list[int], query_pos: int):
+        self.judge, self.positions = judge, positions
+        self.needle_entries, self.query_pos = needle_entries, query_pos
+        self.tensors: list[dict] = []
+        self.indexer: list[dict] = []
+        self.in_err = 0.0
 
-def _judge_entries(grouped, calls, positions, T, judge, needle_entries, query_pos, progress):
-    """(tensor rows in forward order, indexer rows, reference names the model lacks)."""
-    order, by_key = _order(calls)
-    missing = sorted({e.reference for e in grouped.entries if e.reference not in by_key})
-    todo = [e for e in grouped.entries if e.reference in by_key]
-    todo.sort(key=lambda e: order[e.reference + (">in" if e.rule.take == "input" else "")])
-    tensors, indexer, in_err = [], [], 0.0
-    for i, entry in enumerate(todo):
-        progress("tensors", i, len(todo), entry.name)
-        call = by_key[entry.reference]
+    def stage(self, stage: Stage, entries: list[DumpEntry]) -> None:
+        """Judge the ``entries`` whose reference module ran in ``stage``, in forward order."""
+        order = stage.order
+        entries = sorted(
+            entries, key=lambda e: order[e.reference + (">in" if e.rule.take == "input" else "")]
+        )
+        for entry in entries:
+            self.entry(entry, stage)
+
+    def entry(self, entry: DumpEntry, stage: Stage) -> None:
+        ref_call = stage.calls[entry.reference]
         row = {"engine_name": entry.name, "reference": entry.reference, "layer": entry.layer,
                "kind": entry.rule.kind, "take": entry.rule.take, "shard": entry.rule.shard,
-               "ranks": entry.ranks, "passes": len(entry.files), "in_err": in_err}  # fmt: skip
+               "ranks": entry.ranks, "passes": len(entry.files), "in_err": self.in_err}  # fmt: skip
         try:
-            engine, ref, at = _rows(entry, call, positions, T)
-        except _Incomparable as exc:
+            engine, ref, at = _rows(entry, ref_call, self.positions)
+        except Incomparable as exc:
             row.update(rows=0, precision=None, rel_err=None, budget=None, calibrated=False)
             row.update(verdict="incomparable", reason=str(exc))
-            tensors.append(row)
-            continue
+            self.tensors.append(row)
+            return
         if entry.rule.kind == "topk":
-            scorer = by_key.get(entry.reference + ".scorer")
-            row.update(judge.topk(entry, engine, ref.reshape(ref.shape[0], -1), at, scorer, in_err))
-            indexer.append({"layer": entry.layer, "engine_name": entry.name,
-                            "topk_overlap": 1.0 - row["rel_err"],
-                            "positions_changed": selection_error(engine.long(), ref.long())[1],
-                            "positions": int(engine.shape[0]),
-                            **_needle_row(engine, ref, at, needle_entries, query_pos)})  # fmt: skip
+            engine, ref = engine.cpu(), ref.cpu()
+            scorer = stage.calls.get(entry.reference + ".scorer")
+            row.update(self.judge.topk(entry, engine, ref.reshape(ref.shape[0], -1), at, scorer, self.in_err))
+            self.indexer.append({"layer": entry.layer, "engine_name": entry.name,
+                                 "topk_overlap": 1.0 - row["rel_err"],
+                                 "positions_changed": selection_error(engine.long(), ref.long())[1],
+                                 "positions": int(engine.shape[0]),
+                                 **_needle_row(engine, ref, at, self.needle_entries, self.query_pos)})  # fmt: skip
         else:
-            row.update(judge.tensor(entry, call, engine, ref, in_err))
-            in_err = max(in_err, row["rel_err"]) if math.isfinite(row["rel_err"]) else in_err
+            row.update(self.judge.tensor(entry, ref_call, engine, ref, self.in_err))
+            if math.isfinite(row["rel_err"]):
+                self.in_err = max(self.in_err, row["rel_err"])
         beyond = not row["rel_err"] <= row["budget"]
         row.update(rows=int(engine.shape[0]), verdict="beyond budget" if beyond else "within budget")
         row["reason"] = None
-        tensors.append(row)
-    progress("tensors", len(todo), len(todo), "")
-    return tensors, indexer, missing
+        self.tensors.append(row)
+
+
+def _judge_stages(model, grouped, ids, K, chunk, walk: _Walk, progress) -> list[str]:
+    """Run the reference stage by stage and judge each stage's entries; returns the reference
+    names the model never ran (``missing_reference``)."""
+    by_ref: dict[str, list[DumpEntry]] = {}
+    for e in grouped.entries:
+        by_ref.setdefault(e.reference, []).append(e)
+    wanted = set(by_ref) | {
+        r + ".scorer" for r, es in by_ref.items() if any(e.rule.kind == "topk" for e in es)
+    }
+    logits_at = sorted({p for e in by_ref.get("lm_head", []) for p in _positions_of(e, walk.positions)})
+    seen: set[str] = set()
+    stages = len(model.model.layers) + 2  # embedding, layers, head (one pass: a single stage)
+    stream = reference_stages(model, ids, wanted=wanted, index_topk=K, chunk=chunk, logits_at=logits_at)
+    for k, stage in enumerate(stream):
+        progress("reference stages", k, stages, stage.name)
+        todo = [e for ref, es in by_ref.items() if ref in stage.calls and ref not in seen for e in es]
+        seen |= {e.reference for e in todo}
+        walk.stage(stage, todo)
+    progress("reference stages", stages, stages, "")
+    return sorted(set(by_ref) - seen)
+
+
+def _positions_of(entry: DumpEntry, positions: dict[int, torch.Tensor]) -> list[int]:
+    """The absolute positions of the rows the entry's passes hold."""
+    out: list[int] = []
+    for p in entry.files:
+        pos = positions.get(p)
+        if pos is not None and len(pos):
+            out += pos[-1:].tolist() if entry.rule.rows == "last" else pos.tolist()
+    return out
 
 
 def _per_layer(tensors: list[dict]) -> list[dict]:
@@ -276,6 +284,7 @@ def compare_dump(
     draws: int = DEFAULT_DRAWS,
     growth: float | None = None,
     allow: dict[str, str] | None = None,
+    chunk: int | None = None,
     progress: Progress = no_progress,
 ) -> dict:
     """Compare the dump in ``dump_dir`` with ``model`` (the reference); the ``compare_dump.json`` object.
@@ -284,12 +293,16 @@ def compare_dump(
     ``input_ids`` (checked against them when it does). ``needle_span``: [start, end) token
     indices of the needle, for the indexer's needle columns. ``index_topk``: the engine's k
     (default: the width of the dump's top-k rows, else the checkpoint's). BadInput on a dump
-    that cannot be read or does not describe one request.
+    that cannot be read or does not describe one request. ``chunk``: run the reference
+    layer-major in chunks of that many tokens through its KV cache (``compare_dump_steps``; a
+    streamed model always runs layer-major, reading each layer once); None: one pass.
     """
+    check_chunk(chunk)
     if not margin >= 1.0 or draws < 1 or (growth is not None and not growth >= 1.0):
         raise BadInput(f"margin and growth must be >= 1 and draws >= 1, got {margin}, {growth}, {draws}")
     d = find_dump_dir(dump_dir)
     files = scan_dump(d)
+    check_tensor_parallel(files)
     grouped = group_dump(files, mapping)
     if not grouped.entries:
         raise BadInput(
@@ -299,16 +312,13 @@ def compare_dump(
     ids, positions = token_layout(grouped, prompt_ids)
     T = len(ids)
     K = _index_topk(grouped, index_topk)
-    progress("reference forward", 0, 1, f"{T} tokens")
-    calls = _reference_run(model, ids, K)
-    progress("reference forward", 1, 1, "")
-    ratio = csa_indexers(model)[0][1].compress_rate if csa_indexers(model) else 4
+    indexers = csa_indexers(model)
+    ratio = indexers[0][1].compress_rate if indexers else 4
     entries = covering_entries(needle_span, ratio) if needle_span is not None else []
     query_pos = len(prompt_ids) - 1 if prompt_ids is not None else T - 1
-    judge = _Judge(model, margin, draws, growth, dict(allow or {}))
-    tensors, indexer, missing = _judge_entries(
-        grouped, calls, positions, T, judge, entries, query_pos, progress
-    )
+    walk = _Walk(_Judge(model, margin, draws, growth, dict(allow or {})), positions, entries, query_pos)
+    missing = _judge_stages(model, grouped, ids, K, chunk, walk, progress)
+    tensors, indexer = walk.tensors, walk.indexer
     first = next((t for t in tensors if t["verdict"] == "beyond budget"), None)
     incomparable = sum(t["verdict"] == "incomparable" for t in tensors)
     summary = NO_BEYOND if first is None else f"first tensor beyond its budget: {first['engine_name']}"

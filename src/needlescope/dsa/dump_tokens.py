@@ -56,16 +56,29 @@ def _add(pass_files: list[DumpFile], f: DumpFile) -> None:
     pass_files.append(f)
 
 
+def _token_copy(pass_files: list[DumpFile], f: DumpFile) -> None:
+    """Keep, per rank, one file of a token field in a pass: the ForwardBatch's (no ``layer_id``;
+    SGLang's hooks also dump ``positions`` and ``input_ids`` again for every module that takes them
+    as keywords, tagged with the layer), else the first by ``dump_index``."""
+    for i, g in enumerate(pass_files):
+        if g.rank == f.rank:
+            if (f.layer is not None, f.dump_index) < (g.layer is not None, g.dump_index):
+                pass_files[i] = f
+            return
+    pass_files.append(f)
+
+
 def group_dump(files: list[DumpFile], mapping: DumpMapping) -> GroupedDump:
-    """Sort the dump's files (see the module docstring). A compared name (or token field) with two
-    values for one (pass, layer, rank) is refused; names compared with nothing may repeat."""
+    """Sort the dump's files (see the module docstring). A compared name with two values for one
+    (pass, layer, rank) is refused; a token field's copies are reduced to one (``_token_copy``);
+    names compared with nothing may repeat."""
     entries: dict[tuple[str, int | None], DumpEntry] = {}
     tokens: dict[str, dict[int, list[DumpFile]]] = {"input_ids": {}, "positions": {}}
     unknown, ignored, no_layer = set(), set(), set()
     for f in files:
         field_name = {mapping.input_ids: "input_ids", mapping.positions: "positions"}.get(f.name)
         if field_name is not None:
-            _add(tokens[field_name].setdefault(f.pass_id, []), f)
+            _token_copy(tokens[field_name].setdefault(f.pass_id, []), f)
             continue
         hit = mapping.match(f.name, f.layer)
         if hit is None:

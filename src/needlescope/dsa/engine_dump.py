@@ -38,6 +38,7 @@ __all__ = [
     "parse_stem",
     "scan_dump",
     "load_value",
+    "check_tensor_parallel",
     "merge_shards",
     "SHARD_RULES",
 ]
@@ -138,12 +139,8 @@ def scan_dump(path: str | Path) -> list[DumpFile]:
     return sorted(files, key=lambda f: (f.pass_id, f.rank, f.dump_index))
 
 
-def load_value(path: Path) -> tuple[torch.Tensor, dict]:
-    """(tensor, meta) of one dump file, on the CPU. BadInput if it holds no tensor or is refused.
-
-    ``.pt``: ``torch.load(weights_only=True)`` only (see the module docstring); ``.safetensors``:
-    the tensor ``value`` and the file's string metadata.
-    """
+def _load_object(path: Path):
+    """(value, meta) of one dump file as stored, on the CPU (module docstring: weights_only only)."""
     if path.suffix == ".safetensors":
         from safetensors import safe_open
 
@@ -158,13 +155,44 @@ def load_value(path: Path) -> tuple[torch.Tensor, dict]:
             f"dump file {path.name!r} cannot be read with torch.load(weights_only=True) "
             f"(needlescope never unpickles anything else): {str(exc).splitlines()[0][:200]}"
         ) from None
-    meta: dict = {}
     if isinstance(obj, dict) and "value" in obj:
-        meta = obj.get("meta") or {}
-        obj = obj["value"]
+        return obj["value"], obj.get("meta") or {}
+    return obj, {}
+
+
+def load_value(path: Path) -> tuple[torch.Tensor, dict]:
+    """(tensor, meta) of one dump file, on the CPU. BadInput if it holds no tensor or is refused.
+
+    ``.pt``: ``torch.load(weights_only=True)`` only (see the module docstring); ``.safetensors``:
+    the tensor ``value`` and the file's string metadata.
+    """
+    obj, meta = _load_object(path)
     if not isinstance(obj, torch.Tensor):
         raise BadInput(f"dump file {path.name!r} holds a {type(obj).__name__}, not a tensor")
     return obj, meta
+
+
+_NOT_TP_ALONE = (("pp_size", "pipeline"), ("attn_dp_size", "DP-attention"), ("attn_cp_size", "context"))
+
+
+def check_tensor_parallel(files: list[DumpFile]) -> None:
+    """Refuse a dump whose ranks are not tensor-parallel ranks alone.
+
+    SGLang's dumper stores ``sglang_parallel_info`` (``tp_size``, ``pp_size``, ``attn_dp_size``,
+    ...) in every file's meta; the first file's is read. With pipeline, DP-attention or context
+    parallelism the ranks hold different layers or tokens, which ``merge_shards`` cannot join.
+    """
+    if not files:
+        return
+    info = _load_object(files[0].path)[1].get("sglang_parallel_info")
+    if not isinstance(info, dict):
+        return
+    for key, what in _NOT_TP_ALONE:
+        if int(info.get(key, 1) or 1) > 1:
+            raise BadInput(
+                f"the dump was written with {what} parallelism ({key}={info[key]} in {files[0].path.name!r}); "
+                "compare-dump merges tensor-parallel ranks only: dump with tensor parallelism alone"
+            )
 
 
 def merge_shards(shards: Iterable[tuple[int, torch.Tensor]], rule: str) -> torch.Tensor:

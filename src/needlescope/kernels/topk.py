@@ -14,11 +14,7 @@ The methods, each with its own launcher and knobs:
 * ``filter`` (``triton_filter.filter_topk``): group-max filtering, then an exact search among the
   candidates;
 * ``bisect`` (``triton_bisect.bisect_topk``): a threshold search in one program per row, or in
-  segments merged by a second program;
-* ``row`` (``triton_filter.row_topk``): the filter in one program per row holding the whole row
-  (up to ``ROW_MAX_WIDTH`` entries; wider rows take ``filter``), one launch. Not in
-  ``topk_method``'s rule yet: it enters it once a GPU run has measured it (issue 40; the command
-  is in docs/perf/indexer.md).
+  segments merged by a second program.
 
 ``topk_method`` is the measured rule between them.
 """
@@ -29,7 +25,7 @@ import torch
 
 __all__ = ["topk", "topk_method", "METHODS"]
 
-METHODS = ("radix", "filter", "bisect", "row")
+METHODS = ("radix", "filter", "bisect")
 
 
 def topk_method(rows: int, width: int, k: int) -> str:
@@ -62,8 +58,7 @@ def topk(
     ``method``: one of ``METHODS``; None: ``topk_method``'s choice. ``knobs`` go to that method's
     launcher unchanged (``radix_topk``: chunk, bits, one_launch, num_warps, hist, first_pass;
     ``filter_topk``: block, cand_block, gmax_block, group, gmax, num_warps, counts;
-    ``bisect_topk``: bits, block, num_warps, segment; ``row_topk``: group, cand_block, step,
-    num_warps, counts), which rejects another method's.
+    ``bisect_topk``: bits, block, num_warps, segment), which rejects another method's.
     ``out`` (int32 [R, k], optional) is written in place; every element gets written.
     """
     if method is None:
@@ -74,11 +69,6 @@ def topk(
         from needlescope.kernels.triton_filter import filter_topk as launcher
     elif method == "bisect":
         from needlescope.kernels.triton_bisect import bisect_topk as launcher
-    elif method == "row":
-        from needlescope.kernels import triton_filter
-
-        wide = logits.shape[1] > triton_filter.ROW_MAX_WIDTH
-        launcher = triton_filter.filter_topk if wide else triton_filter.row_topk
     else:
         raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
     return launcher(logits, k, starts, ends, out=out, **knobs)

@@ -95,8 +95,6 @@ OURS = {
     "filter-small-candidates": _front("filter", cand_block=64, block=1024),
     "filter-given-maxima": filter_given_maxima,
     "bisect": _front("bisect"),
-    "row": _front("row"),
-    "row-small-candidates": _front("row", cand_block=64, step=256),
     "bisect-unsplit": _front("bisect", segment=0),
     "bisect-radix8": _front("bisect", bits=8, segment=0),
     "reference": reference,
@@ -104,6 +102,4 @@ OURS = {
 """Every method and dispatch path of ours: ``default`` (``topk_method``'s choice), each method
 with its defaults and with the knobs that take its other code paths (the filter's chunked
 candidate search, the radix select over a launch per pass, with 11-bit digits, with pass 0 built
-by a producer; the bisection unsplit and by radix digits; the one-program filter compacting
-256 columns a step with a 64-candidate tile, so that most rows take its list search), and the
-torch reference."""
+by a producer; the bisection unsplit and by radix digits), and the torch reference."""

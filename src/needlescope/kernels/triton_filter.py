@@ -69,7 +69,7 @@ from needlescope.kernels.topk_parts import (
     write_chunk,
 )
 
-__all__ = ["filter_topk", "filter_defaults", "row_topk", "ROW_MAX_WIDTH"]
+__all__ = ["filter_topk", "filter_defaults"]
 
 KNEG = 0x007FFFFF  # ordered_key(-inf) (the kernel spells it out: Triton reads no plain globals)
 
@@ -370,130 +370,5 @@ def filter_topk(
         starts, ends, cidx, ckey, cnt, out, ends if counts is None else counts, out.stride(0), L, S,
         K=k, CH=block, SB=SB, CAPL=max(cand_block // SB, 1), CBLOCK=cand_block, HAS_START=has_start,
         HAS_COUNTS=counts is not None, num_warps=warps,
-    )  # fmt: skip
-    return out
-
-
-@triton.jit
-def _row_kernel(
-    x_ptr,  # fp32 [R, x_stride]
-    starts_ptr,  # int32 [R] (HAS_START)
-    ends_ptr,  # int32 [R]
-    cidx_ptr,  # int32 [R, BLOCK] scratch: candidate columns
-    ckey_ptr,  # int32 [R, BLOCK] scratch: their keys
-    cnt_ptr,  # int32 [R] scratch: candidate counts (the slow path's list length)
-    out_ptr,  # int32 [R, out_stride]
-    counts_ptr,  # int32 [R] (HAS_COUNTS): candidate counts
-    x_stride,
-    out_stride,
-    L,
-    K: tl.constexpr,
-    BLOCK: tl.constexpr,  # the whole row: a power of two >= L
-    CB: tl.constexpr,  # columns a compaction step (BLOCK / CB steps)
-    GROUP: tl.constexpr,
-    CAP: tl.constexpr,  # candidates the fast path holds in registers
-    HAS_START: tl.constexpr,
-    HAS_COUNTS: tl.constexpr,
-):
-    """Steps A-E of the module docstring for row r in one program: the row's group maxima in
-    registers and t from them (two radix passes), the candidates (key >= t) compacted in index
-    order to a scratch list in BLOCK / CB steps (a scan over the whole row at once spills
-    registers: 224 B a thread at 32 warps, ptxas), then the exact search among them: in registers
-    up to CAP candidates, else over the list in blocks of CAP (a runtime branch: adversarial rows,
-    k near L / GROUP)."""
-    r = tl.program_id(0)
-    st, en = row_range(starts_ptr, ends_ptr, r, L, HAS_START)
-    orow = out_ptr + r.to(tl.int64) * out_stride
-    if en - st <= K:
-        short_row(orow, st, en, 0, 1, K, CAP)
-        if HAS_COUNTS:
-            tl.store(counts_ptr + r, 0)
-    else:
-        row = x_ptr + r.to(tl.int64) * x_stride
-        idx, m, key = load_chunk(row, row, 0, tl.arange(0, BLOCK), L, st, en, False)
-        gk = tl.max(tl.reshape(tl.where(m, key, 0), [BLOCK // GROUP, GROUP]), 1)
-        t, _ = _radix(gk, gk >= 0, row, row, 1, 0, 0, K, 2, BLOCK // GROUP, 0)
-        t = tl.where(t > 0x007FFFFF, t, tl.zeros([], dtype=tl.uint32))  # t <= KNEG: every entry
-        cidx = cidx_ptr + r.to(tl.int64) * BLOCK
-        ckey = ckey_ptr + r.to(tl.int64) * BLOCK
-        n = tl.zeros([], dtype=tl.int32)
-        for c in range(0, BLOCK, CB):  # a loop, not unrolled: unrolled, ptxas spilled more
-            c_idx, c_in, c_key = load_chunk(row, row, c, tl.arange(0, CB), L, st, en, False)
-            hit = (c_in & (c_key >= t)).to(tl.int32)
-            pos = n + tl.cumsum(hit, 0) - 1
-            tl.store(cidx + pos, c_idx, mask=hit != 0)
-            tl.store(ckey + pos, c_key.to(tl.int32, bitcast=True), mask=hit != 0)
-            n += tl.sum(hit, 0)
-        tl.store(cnt_ptr + r, n)
-        if HAS_COUNTS:
-            tl.store(counts_ptr + r, n)
-        tl.debug_barrier()  # the list other threads of this program stored, read back below
-        if n <= CAP:
-            ck, cm = _load_keys(ckey, 0, n, CAP)
-            ci = tl.load(cidx + tl.arange(0, CAP), mask=cm, other=-1)
-            thr, krem = _radix(ck, cm, ckey, ckey, 1, n, 0, K, 4, CAP, 0)
-            write_chunk(orow, ci, cm, ck, thr, krem, K, 0, 0)
-        else:
-            thr, krem = _radix(n, n, ckey, ckey, 1, n, 0, K, 4, CAP, 1)
-            _write_lists(orow, cidx, ckey, cnt_ptr + r, 1, thr, krem, K, BLOCK, CAP)
-
-
-ROW_MAX_WIDTH = 32768  # the whole row's keys in registers: 32 a thread at 32 warps
-ROW_STEP = 8192
-"""Columns a compaction step of the row method. ptxas (Triton 3.9, sm_90, a 32K row, 2048
-candidates) spills 64 B a thread at 32 warps with steps of 8192, 32 B with 4096, none at 16 warps
-with 4096; with the steps unrolled, or one scan over the whole row, 224-336 B."""
-
-
-def row_topk(
-    logits: torch.Tensor,
-    k: int,
-    starts: torch.Tensor | None,
-    ends: torch.Tensor,
-    *,
-    group: int = 16,
-    cand_block: int | None = None,
-    step: int | None = None,
-    num_warps: int | None = None,
-    out: torch.Tensor | None = None,
-    counts: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The filter in one launch of one program a row (method ``row``): logits fp32 [R, L] with L at
-    most ``ROW_MAX_WIDTH``, starts (None: all 0) / ends int32 [R] (clamped in the kernel) -> int32
-    [R, k], the same output as ``filter_topk``'s (module docstring, steps A-E, with the maxima over
-    ``group`` consecutive columns of the whole row and the candidates' fast path up to
-    ``cand_block`` of them, else the search over the list in blocks of that many), the candidates
-    compacted ``step`` columns at a time (None: ``ROW_STEP``). ``num_warps`` None: one warp per
-    1024 columns, 4 to 32. ``counts`` as ``filter_topk``'s."""
-    if k < 1:
-        raise ValueError(f"k must be at least 1, got {k}")
-    R, L = logits.shape
-    if L > ROW_MAX_WIDTH:
-        raise ValueError(f"the row method holds rows of at most {ROW_MAX_WIDTH} entries, got {L}")
-    dev = logits.device
-    if logits.stride(1) != 1:
-        logits = logits.contiguous()
-    out = torch.empty(R, k, dtype=torch.int32, device=dev) if out is None else out
-    if R == 0:
-        return out
-    block = max(triton.next_power_of_2(max(L, 1)), 2 * group, 16)
-    cap = cand_block or min(max(triton.next_power_of_2(2 * k), 2048), 8192)
-    step = min(step or ROW_STEP, block)
-    for name, v in (("group", group), ("cand_block", cap), ("step", step)):
-        _pow2(name, v)
-    cidx = torch.empty(R, block, dtype=torch.int32, device=dev)
-    ckey = torch.empty(R, block, dtype=torch.int32, device=dev)
-    cnt = torch.empty(R, dtype=torch.int32, device=dev)
-    ends = ends.to(device=dev, dtype=torch.int32).contiguous()
-    has_start = starts is not None
-    starts = starts.to(device=dev, dtype=torch.int32).contiguous() if has_start else ends
-    warps = num_warps or min(max(block // 1024, 4), 32)
-    launch(
-        _row_kernel, (R,),
-        logits, starts, ends, cidx, ckey, cnt, out, ends if counts is None else counts,
-        logits.stride(0), out.stride(0), L,
-        K=k, BLOCK=block, CB=step, GROUP=group, CAP=cap, HAS_START=has_start,
-        HAS_COUNTS=counts is not None,
-        num_warps=warps,
     )  # fmt: skip
     return out
