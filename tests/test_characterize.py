@@ -199,6 +199,30 @@ def test_graded_loses_only_at_longer_lengths():
     assert "graded" not in characterize(_ev(sel, cells=flat), CTX)["classes"]
 
 
+def test_graded_is_a_loss_that_grows_with_length_not_a_clean_shortest_length():
+    # The same window bug in a 1K/2K table: it has started to lose at 1K (4 of 12), and loses
+    # twice that at 2K. The old rule (the shortest length loses nothing) called this undecided.
+    sel = layer_selection(1, "prefill", _rows(set(range(40, 50)) | set(range(90, 96))))
+    grows = (LengthCell(1024, 12, 4, 0, 256), LengthCell(2048, 12, 8, 0, 512))
+    ch = characterize(_ev(sel, _decode_twin(sel), cells=grows), CTX)
+    assert ch["classes"] == ["graded"], ch
+    e = ch["evidence"]["graded"]
+    assert (e["shortest_rate"], e["longest_rate"]) == (4 / 12, 8 / 12)
+    # more than half the longest's rate at the shortest length: flat enough not to be graded
+    assert (
+        "graded"
+        not in characterize(
+            _ev(sel, cells=(LengthCell(1024, 12, 5, 0, 256), LengthCell(2048, 12, 8, 0, 512))), CTX
+        )["classes"]
+    )
+    # a loss that shrinks with length is not graded either
+    shrinks = (LengthCell(1024, 12, 8, 0, 256), LengthCell(2048, 12, 4, 0, 512))
+    assert "graded" not in characterize(_ev(sel, cells=shrinks), CTX)["classes"]
+    # gains count against losses: 4 lost and 4 gained at the shortest length is no net loss
+    netted = (LengthCell(1024, 12, 4, 4, 256), LengthCell(2048, 12, 2, 0, 512))
+    assert characterize(_ev(sel, _decode_twin(sel), cells=netted), CTX)["classes"] == ["graded"]
+
+
 def test_undecided_says_what_would_decide_and_the_next_command_runs_it():
     ch = characterize(Evidence(recall_lost=True, cells=(LengthCell(1024, 8, 3, 0, 256),)), LIVE)
     assert ch["classes"] == ["undecided"]

@@ -22,7 +22,7 @@ from needlescope.dsa.diff import localize  # noqa: E402
 from needlescope.investigate.decide.characterize import family_of  # noqa: E402
 from needlescope.setting import PatchRef, Setting  # noqa: E402
 from needlescope.testing.checkpoints import save_random  # noqa: E402
-from planted_bugs import CLASSES, FLAGGED  # noqa: E402
+from planted_bugs import CLASSES, FLAGGED, LOCALIZER_TOKENS  # noqa: E402
 from test_characterize_inprocess import PLANTED  # noqa: E402
 
 T = 69  # 68 = 0 mod 4 prompt tokens in the first chunk, then one decode-like step
@@ -31,19 +31,21 @@ T = 69  # 68 = 0 mod 4 prompt tokens in the first chunk, then one decode-like st
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     path = save_random(tmp_path_factory.mktemp("tiny_v4"), seed=1, hidden_size=64, index_topk=4)
-    ids = torch.randint(5, 200, (1, T), generator=torch.Generator().manual_seed(0))
+    longest = max([T, *LOCALIZER_TOKENS.values()])
+    ids = torch.randint(5, 200, (1, longest), generator=torch.Generator().manual_seed(0))
     return path, load_bundle(path)[0], ids
 
 
 def _localize(tiny, patch) -> dict:
     path, reference, ids = tiny
+    ids = ids[:, : LOCALIZER_TOKENS.get(patch.name, T)]
     return localize(
         reference,
         load_bundle(path)[0],
         ids,
         setting=Setting(index_k="fp8_e4m3"),
         extra_patches=(PatchRef.resolve(patch),),
-        chunk=T - 1,
+        chunk=ids.shape[1] - 1,
     )
 
 

@@ -14,7 +14,7 @@ CLASSES = {
     "decode_sign_flip.py": ("decode_only", False),
     "hash_router_table.py": ("outside_selection", False),
     "boundary_residue.py": ("length_residue", False),
-    "scorer_noise_graded.py": ("graded", True),
+    "stale_far_keys.py": ("graded", False),
     "indexer_rope_mismatch.py": ("none", False),
     "attn_out_bf16.py": ("none", False),
     "index_keys_fp16.py": ("none", True),
@@ -28,3 +28,8 @@ FAMILY = {name: "indexer scorer" for name, (cls, _) in CLASSES.items() if cls !=
 FLAGGED = FAMILY | {"indexer_rope_mismatch.py": "indexer scorer"}
 """The family the localizer must flag each bug in; a bug not here must not be flagged (bf16 or
 fp16 rounding within its precision)."""
+
+LOCALIZER_TOKENS = {"stale_far_keys.py": 4 * 168 + 1}
+"""Prompt tokens (compression ratio 4) a bug needs in the localizer's test to change anything:
+the window bug scrambles only entries more than its ``WINDOW`` (160) behind the query. The
+others act within the test's default 69."""

@@ -40,8 +40,17 @@ plus the answer tokens while the decode pass prefills the prompt alone):
                        or last), at least 30 points more than the reference's
 ``ranking_uninformative``  overlap near chance: (J - J0) / (1 - J0) <= 0.15, J0 the exact
                        expected Jaccard of a random k-subset (hypergeometric)
-``graded``             partial overlap (0.15 < (J - J0) / (1 - J0) < 0.95) and the recall lost only
-                       at longer lengths (the shortest selective length loses nothing)
+``graded``             partial overlap (0.15 < (J - J0) / (1 - J0) < 0.95) and a loss that grows
+                       with length: the longest selective length loses (net of gains), the
+                       shortest loses at most half its rate (net losses per case), so strictly less
+
+"Recall lost only at longer lengths" (issue 37) is read as a trend over the selective lengths,
+not as a zero at the shortest one: a bug whose damage grows with the number of visible entries
+(a window, a precision that runs out) starts to lose at a length of its own, and whether the
+user's shortest length lies below it depends on the table (the same bug loses nothing at 512
+tokens, some at 1K and more at 2K: a 512/1K table's shortest row is clean, a 1K/2K table's is
+not). "The shortest loses at most half the longest's rate" holds in both tables and still tells
+``graded`` from a loss flat in length.
 """
 
 from __future__ import annotations
@@ -91,6 +100,7 @@ RULES = {
     "end_excess": 0.3,
     "near_chance": 0.15,  # normalized overlap (J - J0) / (1 - J0)
     "partial_high": 0.95,
+    "graded_shortest_share": 0.5,  # the shortest selective length's net loss rate, of the longest's
     "other_residues_lose_at_most": 0.1,
 }
 
@@ -394,25 +404,37 @@ def _rule_uninformative(ev: Evidence, ctx: Context) -> dict | None:
 
 def _rule_graded(ev: Evidence, ctx: Context) -> dict | None:
     first = _first_departing(ev)
-    cells = sorted((c for c in ev.cells if c.entries > ctx.topk), key=lambda c: c.length)
+    cells = sorted((c for c in ev.cells if c.entries > ctx.topk and c.n), key=lambda c: c.length)
     if first is None or len({c.length for c in cells}) < 2:
         return None
     k = _kappa(first)
     shortest, longest = cells[0], cells[-1]
-    if not (RULES["near_chance"] < k < RULES["partial_high"]) or shortest.lost > shortest.gained:
+    short_net, long_net = _net_lost(shortest), _net_lost(longest)
+    if not (RULES["near_chance"] < k < RULES["partial_high"]) or long_net == 0:
         return None
-    if longest.lost <= longest.gained:
+    # the rates cross-multiplied: 1 of 3 against 2 of 3 is exactly half, no rounding either way
+    if short_net * longest.n > RULES["graded_shortest_share"] * long_net * shortest.n:
         return None
     return {
-        "rule": "a partial loss of overlap; recall lost only at longer lengths",
+        "rule": "a partial loss of overlap; the recall lost grows with length",
         "layer": first.layer,
         "overlap": first.overlap,
         "chance": first.chance,
         "normalized": k,
         "shortest": [shortest.length, shortest.lost, shortest.n],
         "longest": [longest.length, longest.lost, longest.n],
-        "null": "a loss at every selective length, or none",
+        "shortest_rate": short_net / shortest.n,
+        "longest_rate": long_net / longest.n,
+        "null": (
+            f"the shortest selective length loses more than {RULES['graded_shortest_share']:.0%} "
+            "of the longest's rate, or the longest loses nothing"
+        ),
     }
+
+
+def _net_lost(cell: LengthCell) -> int:
+    """Cases lost net of those gained (0 when it gains as many as it loses)."""
+    return max(0, cell.lost - cell.gained)
 
 
 _ORDERED = (
