@@ -133,10 +133,11 @@ def run_one(args) -> None:
 
     from needlescope.investigate.run import run_investigation
 
-    device, lengths, bug, route = args.one.split(":")
-    args.device, lengths = device, [int(x) for x in lengths.split(",")]
+    device, table_lengths, bug, route = args.one.split(":")
+    args.device, lengths = device, [int(x) for x in table_lengths.split(",")]
     torch.set_num_threads(args.threads)
-    d = args.out / device / bug.removesuffix(".py") / route
+    # one folder per table: two tables of one device (cpu:512,1024 and cpu:1024,2048) run at once
+    d = args.out / f"{device}-{table_lengths.replace(',', '-')}" / bug.removesuffix(".py") / route
     d.mkdir(parents=True, exist_ok=True)
     row = {"key": args.one, "device": device, "lengths": lengths, "bug": bug, "route": route}
     row.update(planted=CLASSES[bug][0], undo=CLASSES[bug][1])

@@ -5,8 +5,9 @@ RoPE-table mismatch named as such.
 
 One ``dsa.diff.localize`` per bug on a tiny random DeepSeek-V4 (two chunks: 4m prompt tokens,
 then one token through the cache, so the prefill and a decode step are both judged and the
-boundary bug's prefill length is 0 mod the compression ratio), the candidate at fp8 index keys
-as the planted runs (docs/investigate.md). Cheap: about 2 s a bug.
+boundary bug's prefill length is 0 mod the compression ratio; the window bug gets the longer
+prompt ``LOCALIZER_TOKENS`` names, as it changes nothing within its window), the candidate at fp8
+index keys as the planted runs (docs/investigate.md). Cheap: about 2 s a bug.
 """
 
 from __future__ import annotations

@@ -578,5 +578,5 @@ _HINT = {
     "needle_excluded": "a top-k or masking bug dropping candidates",
     "positional_bias": "a position-dependent scoring bug (RoPE, masks)",
     "ranking_uninformative": "a scoring bug (key scales, RoPE layout, head weights)",
-    "graded": "a precision or partial scoring bug that grows with length",
+    "graded": "a precision, partial-scoring or window bug whose damage grows with length",
 }

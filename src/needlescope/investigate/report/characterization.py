@@ -36,7 +36,8 @@ CATALOGUE = {
         "the localizer: the first divergent module is the scorer or its inputs",
     ),
     "graded": (
-        "reduced-precision or partial scoring bugs whose cost grows with the competing entries",
+        "reduced-precision or partial scoring bugs whose cost grows with the competing entries;"
+        " window bugs (entries past a window scored with stale or scrambled keys)",
         "a longer length and a larger top-k: the loss grows with length and shrinks with top-k",
     ),
 }
