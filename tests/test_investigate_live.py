@@ -9,6 +9,7 @@ import json
 
 import pytest
 
+from live_ledgers import write_live_ledger
 from needlescope.investigate.run import run_investigation
 
 pytest.importorskip("torch")
@@ -23,28 +24,14 @@ SUSPECTS = {
 
 
 def live_ledger(directory, url: str, *, checks: str = '["live_emulation"]') -> str:
-    lines = [
-        "[target]",
-        'model = "organism"',
-        "threads = 1",
-        'reference = "k=fp32 q=fp32 acc=fp32 topk=cfg"',
-        'candidate = "live"',
-        f'endpoint = "{url}"',
-        "",
-        "[symptom]",
-        'kind = "multiturn"',
-        "lengths = [512]",
-        "depths = [0, 25, 50, 75, 100]",
-        "trials = 2",
-        "max_new_tokens = 6",
-        "",
+    suspects = [
+        [f'id = "{sid}"', f"tier = {1 + i // 2}", f'hypothesis = "{sid}"', mapping, f"checks = {checks}"]
+        for i, (sid, mapping) in enumerate(SUSPECTS.items())
     ]
-    for i, (sid, mapping) in enumerate(SUSPECTS.items()):
-        lines += ["[[suspects]]", f'id = "{sid}"', f"tier = {1 + i // 2}", f'hypothesis = "{sid}"', mapping]
-        lines += [f"checks = {checks}", ""]
-    path = directory / "investigation.toml"
-    path.write_text("\n".join(lines))
-    return path
+    return write_live_ledger(
+        directory, url, lengths="[512]", depths="[0, 25, 50, 75, 100]", trials=2, max_new_tokens=6,
+        suspects=suspects,
+    )  # fmt: skip
 
 
 @pytest.fixture(scope="module")

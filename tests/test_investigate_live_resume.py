@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from live_ledgers import write_live_ledger
 from needlescope.errors import BadInput
 from needlescope.investigate.measure.server_identity import check_same_server, resume_text
 
@@ -22,32 +23,16 @@ CASES = 4
 
 
 def _ledger(directory, url: str):
-    path = directory / "investigation.toml"
-    path.write_text(
-        "\n".join(
-            [
-                "[target]",
-                'model = "organism"',
-                "threads = 1",
-                'reference = "k=fp32 q=fp32 acc=fp32 topk=cfg"',
-                'candidate = "live"',
-                f'endpoint = "{url}"',
-                "[symptom]",
-                'kind = "multiturn"',
-                "lengths = [256]",
-                "depths = [0, 33, 67, 100]",
-                "trials = 1",
-                "max_new_tokens = 4",
-                "[[suspects]]",
-                'id = "index_topk"',
-                "tier = 1",
-                'hypothesis = "top-16 drops the needle"',
-                'setting = "topk=16"',
-                'checks = ["live_emulation"]',
-            ]
-        )
-    )
-    return path
+    suspect = [
+        'id = "index_topk"',
+        "tier = 1",
+        'hypothesis = "top-16 drops the needle"',
+        'setting = "topk=16"',
+    ]
+    return write_live_ledger(
+        directory, url, lengths="[256]", depths="[0, 33, 67, 100]", trials=1, max_new_tokens=4,
+        suspects=[[*suspect, 'checks = ["live_emulation"]']],
+    )  # fmt: skip
 
 
 def _server():

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from live_ledgers import write_live_ledger
 from needlescope.errors import BadInput
 from needlescope.investigate.ledger.example import EXAMPLE_LEDGER, write_example
 from needlescope.investigate.ledger.ledger import load_ledger
@@ -46,35 +47,16 @@ def _blocked_ledger(tmp_path: Path) -> Path:
 
 
 def _live_ledger(directory: Path, url: str) -> Path:
-    path = directory / "investigation.toml"
-    path.write_text(
-        "\n".join(
-            [
-                "[target]",
-                'model = "organism"',
-                "threads = 1",
-                'reference = "k=fp32 q=fp32 acc=fp32 topk=cfg"',
-                'candidate = "live"',
-                f'endpoint = "{url}"',
-                "",
-                "[symptom]",
-                'kind = "multiturn"',
-                "lengths = [512]",
-                "depths = [0, 100]",
-                "trials = 1",
-                "max_new_tokens = 4",
-                "",
-                "[[suspects]]",
-                'id = "page_table"',
-                "tier = 1",
-                'hypothesis = "the page table"',
-                'patch = "fault:indexer_page_table"',
-                'checks = ["live_emulation"]',
-                "",
-            ]
-        )
-    )
-    return path
+    suspect = [
+        'id = "page_table"',
+        "tier = 1",
+        'hypothesis = "the page table"',
+        'patch = "fault:indexer_page_table"',
+    ]
+    return write_live_ledger(
+        directory, url, lengths="[512]", depths="[0, 100]", trials=1, max_new_tokens=4,
+        suspects=[[*suspect, 'checks = ["live_emulation"]']],
+    )  # fmt: skip
 
 
 class _Stub(BaseHTTPRequestHandler):
