@@ -2,16 +2,35 @@
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import os
 import sys
 
 # Each xdist worker (and every CLI child it starts) gets its share of the cores: torch's default
 # of one thread per core in each of `make test`'s two workers oversubscribed the 2-core box (one
 # compare-dump test file: 131 s wall / 59 s CPU by default, 63 s / 17.5 s with one thread each).
-# Set before torch is first imported; a test or ledger that sets its own thread count still can.
+# Set before torch is first imported.
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _WORKERS > 1:
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _WORKERS)))
+    # A ledger's `threads` (2 unless it says otherwise) or an in-process engine's then asked torch
+    # for more than the share, in both workers at once, and it stayed so for every later test of
+    # that worker: four busy threads on two cores. test_investigate_unnamed's fixture beside one
+    # busy core: 26 s with 2 threads, 13 s with 1 (12.6 s vs 11.8 s alone). So under xdist torch's
+    # intra-op threads stay at most the share; the ledger's value is still what it validates and
+    # records, and a run without -n sets what it asks for.
+    if importlib.util.find_spec("torch") is not None:
+        import torch
+
+        _SHARE = int(os.environ["OMP_NUM_THREADS"])
+        _set_num_threads = torch.set_num_threads
+
+        @functools.wraps(_set_num_threads)
+        def _set_at_most_the_share(n: int) -> None:
+            _set_num_threads(min(n, _SHARE))
+
+        torch.set_num_threads = _set_at_most_the_share
 
 import pytest  # noqa: E402
 

@@ -60,7 +60,10 @@ def plant_ledger(directory, planted: str) -> str:
     lines = [
         "[target]",
         'model = "organism"',
-        "threads = 2",
+        # One torch thread: the organism is dispatch-bound (no faster with two alone) and each of
+        # `make test`'s two workers has one core; test_interrupt_and_resume's child process then
+        # computes with the thread count of the in-process run it is compared with.
+        "threads = 1",
         f'reference = "{REFERENCE}"',
         f'candidate = "{setting}"',
         f"extra_patches = {extra}",
