@@ -7,9 +7,10 @@ import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 from needlescope.serve.launch import ChildServer
+from needlescope.testing.scripted_server import LoopbackServer
 
 __all__ = ["in_thread", "scripted"]
 
@@ -18,8 +19,7 @@ __all__ = ["in_thread", "scripted"]
 def in_thread(handler: type[BaseHTTPRequestHandler]) -> Iterator[str]:
     """``handler`` served on a free loopback port in daemon threads; yields the root URL and
     stops the server on exit."""
-    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    server.daemon_threads = True
+    server = LoopbackServer(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         yield f"http://127.0.0.1:{server.server_address[1]}"
