@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 
 import pytest
 
@@ -19,14 +17,21 @@ from needlescope.dsa.sweep import validate_sweep  # noqa: E402
 from needlescope.organism.config import TINY_OVERRIDES  # noqa: E402
 from needlescope.testing.checkpoints import save_random  # noqa: E402
 
-CLI = [sys.executable, "-m", "needlescope.cli.main", "indexer"]
-ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
 TINY = TINY_OVERRIDES
 NEEDLE = "The secret code of the red heron is 2617297."
 
 
-def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout, env=ENV)
+@pytest.fixture
+def cli(run_cli):
+    """``needlescope indexer ARGS`` through the real entry point (``main``: exit codes and the
+    one-line errors as on the shell), in this process: a child would spend more on importing
+    torch and transformers than these tiny models take to load and run."""
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        code, out, err = run_cli("indexer", *args)
+        return subprocess.CompletedProcess(["needlescope", "indexer", *args], code, out, err)
+
+    return run
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +53,7 @@ def bundle(tmp_path_factory):
     return path, files
 
 
-def test_rank_dump_writes_valid_outputs(bundle, tmp_path):
+def test_rank_dump_writes_valid_outputs(bundle, tmp_path, cli):
     model, prompts = bundle
     res = cli(
         "rank-dump",
@@ -94,7 +99,7 @@ def test_rank_dump_writes_valid_outputs(bundle, tmp_path):
     assert "Selection stability" in (tmp_path / "rankdump.md").read_text()
 
 
-def test_sweep_writes_valid_outputs(bundle, tmp_path):
+def test_sweep_writes_valid_outputs(bundle, tmp_path, cli):
     model, _ = bundle
     res = cli(
         "sweep",
@@ -122,7 +127,7 @@ def test_sweep_writes_valid_outputs(bundle, tmp_path):
     assert "cheapest setting" in res.stdout or "no setting" in res.stdout
 
 
-def test_bad_inputs_exit_2_with_one_line(bundle, tmp_path):
+def test_bad_inputs_exit_2_with_one_line(bundle, tmp_path, cli):
     model, prompts = bundle
     llama = tmp_path / "llama"
     llama.mkdir()
@@ -145,22 +150,16 @@ def test_bad_inputs_exit_2_with_one_line(bundle, tmp_path):
         "'llama'": [*base, "--model", str(llama), "--needle", NEEDLE],
         "apply(model)": [*base, "--model", str(model), "--needle", NEEDLE, "--patch", str(no_apply)],
     }
-    # Run the processes side by side: each pays the torch/transformers import.
-    procs = {
-        expect: subprocess.Popen(
-            [*CLI, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV
-        )
-        for expect, args in cases.items()
-    }
-    for expect, proc in procs.items():
-        _, err = proc.communicate(timeout=300)
-        assert proc.returncode == 2, (expect, err)
+    for expect, args in cases.items():
+        res = cli(*args)
+        err = res.stderr
+        assert res.returncode == 2, (expect, err)
         lines = [line for line in err.splitlines() if line.strip()]
         assert len(lines) == 1 and lines[0].startswith("error:") and expect in lines[0], (expect, err)
     assert not (tmp_path / "o").exists()
 
 
-def test_rank_dump_compares_two_models(bundle, tmp_path):
+def test_rank_dump_compares_two_models(bundle, tmp_path, cli):
     from needlescope.dsa.stability import validate_stability
 
     model, prompts = bundle
@@ -190,7 +189,7 @@ def test_rank_dump_compares_two_models(bundle, tmp_path):
     assert stab["summary"]["mean_recall"] < 1.0
 
 
-def test_rank_dump_chunked_over_two_devices_writes_the_one_pass_dump(bundle, tmp_path):
+def test_rank_dump_chunked_over_two_devices_writes_the_one_pass_dump(bundle, tmp_path, cli):
     """--chunk and --device cpu,cpu --max-memory (docs/scale.md) leave every rank unchanged; --chunk 0 is refused."""
     from needlescope.dsa.checkpoint import load_bundle
     from needlescope.dsa.placement import unit_bytes
