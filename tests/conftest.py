@@ -88,6 +88,20 @@ def run_cli(monkeypatch, capsys):
 
 
 @pytest.fixture
+def run_cli_completed(run_cli):
+    """``run_cli`` answering as ``subprocess.run`` does (``.returncode``, ``.stdout``, ``.stderr``):
+    for a test of a command's arguments and messages that once ran it in a child, which spent
+    seconds importing torch and transformers before the command did anything."""
+    import subprocess
+
+    def run(*argv: str) -> subprocess.CompletedProcess:
+        code, out, err = run_cli(*argv)
+        return subprocess.CompletedProcess(["needlescope", *argv], code, out, err)
+
+    return run
+
+
+@pytest.fixture
 def tiny_train() -> dict:
     """``TrainConfig`` keywords for a seconds-long CPU stage (32-wide model, short examples, no eval)."""
     return dict(

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import functools
 import json
-import subprocess
 
 import pytest
 
@@ -22,16 +22,10 @@ NEEDLE = "The secret code of the red heron is 2617297."
 
 
 @pytest.fixture
-def cli(run_cli):
+def cli(run_cli_completed):
     """``needlescope indexer ARGS`` through the real entry point (``main``: exit codes and the
-    one-line errors as on the shell), in this process: a child would spend more on importing
-    torch and transformers than these tiny models take to load and run."""
-
-    def run(*args: str) -> subprocess.CompletedProcess:
-        code, out, err = run_cli("indexer", *args)
-        return subprocess.CompletedProcess(["needlescope", "indexer", *args], code, out, err)
-
-    return run
+    one-line errors as on the shell), in this process."""
+    return functools.partial(run_cli_completed, "indexer")
 
 
 @pytest.fixture(scope="module")

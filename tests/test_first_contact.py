@@ -22,9 +22,17 @@ CLI = [sys.executable, "-m", "needlescope.cli.main"]
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
 
 
-def cli(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
-    """The real command, stdout a pipe (not a terminal), as in CI or under ``| tee``."""
+def child_cli(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
+    """The real command in a child process, its stdout a pipe: for a command whose messages go
+    through the logging set up by ``main`` for a fresh process (canary)."""
     return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout, env=ENV)
+
+
+@pytest.fixture
+def cli(run_cli_completed):
+    """The real command through its entry point (``main``: exit codes and error lines as on the
+    shell), stdout not a terminal, as in CI or under ``| tee``; in this process."""
+    return run_cli_completed
 
 
 def one_error_line(res: subprocess.CompletedProcess) -> str:
@@ -79,7 +87,7 @@ def test_lengths_that_do_not_fit_are_refused_or_skipped():
 # --- the commands ------------------------------------------------------------------------------
 
 
-def test_probe_refuses_a_length_beyond_the_context_before_any_request(scripted_server, tmp_path):
+def test_probe_refuses_a_length_beyond_the_context_before_any_request(scripted_server, tmp_path, cli):
     url = scripted_server(window=100_000, max_len=2000)
     out = tmp_path / "run"
     common = ["probe", "--base-url", url, "--model", "scripted", "--depths", "50", "--trials", "1"]
@@ -95,7 +103,7 @@ def test_probe_refuses_a_length_beyond_the_context_before_any_request(scripted_s
     assert sorted({c["length"] for c in summary["cells"]}) == [500]
 
 
-def test_probe_says_which_value_length_it_took_and_shows_progress_when_piped(scripted_server, tmp_path):
+def test_probe_says_which_value_length_it_took_and_shows_progress_when_piped(scripted_server, tmp_path, cli):
     url = scripted_server(window=100_000, trained_value_digits=4)
     res = cli("probe", "--base-url", url, "--model", "scripted", "--lengths", "300,600", "--depths", "0,100",
               "--trials", "2", "--out", str(tmp_path))  # fmt: skip
@@ -107,7 +115,7 @@ def test_probe_says_which_value_length_it_took_and_shows_progress_when_piped(scr
     assert json.loads((tmp_path / "summary.json").read_text())["value_digits"] == 4
 
 
-def test_bisect_refuses_a_range_beyond_the_context_and_shows_each_step(scripted_server, tmp_path):
+def test_bisect_refuses_a_range_beyond_the_context_and_shows_each_step(scripted_server, tmp_path, cli):
     url = scripted_server(window=500, max_len=1000)
     common = [
         "probe",
@@ -130,7 +138,7 @@ def test_bisect_refuses_a_range_beyond_the_context_and_shows_each_step(scripted_
     assert first[2].startswith("coarse: 0/10 (0%), ETA measuring"), first  # 5 lengths x 2 depths
 
 
-def test_compare_refuses_a_length_side_b_cannot_hold_before_a_is_probed(scripted_server, tmp_path):
+def test_compare_refuses_a_length_side_b_cannot_hold_before_a_is_probed(scripted_server, tmp_path, cli):
     a = scripted_server(window=100_000, max_len=100_000)
     b = scripted_server(window=100_000, max_len=2000)
     args = ["compare", "--a", a, "--b", b, "--model", "scripted", "--depths", "50", "--trials", "1"]
@@ -146,17 +154,21 @@ def test_compare_refuses_a_length_side_b_cannot_hold_before_a_is_probed(scripted
 def test_canary_defaults_against_a_small_context_are_one_line_and_exit_2(scripted_server):
     # The default lengths (2000, 8000, 32000) against any server under 32K context (issue 29).
     url = scripted_server(window=100_000, max_len=8192)
-    res = cli("canary", "--base-url", url, "--rounds", "1", "--interval", "1", "--listen", "127.0.0.1:0")
+    res = child_cli(
+        "canary", "--base-url", url, "--rounds", "1", "--interval", "1", "--listen", "127.0.0.1:0"
+    )
     line = one_error_line(res)
     assert "--lengths 32000: the target's context is 8192 tokens" in line and "--skip-long-lengths" in line
 
-    skipped = cli("canary", "--base-url", url, "--rounds", "1", "--interval", "1", "--listen", "127.0.0.1:0",
+    skipped = child_cli("canary", "--base-url", url, "--rounds", "1", "--interval", "1", "--listen", "127.0.0.1:0",
                   "--skip-long-lengths", "--lengths", "300,32000", "--depths", "50", "--trials", "1")  # fmt: skip
     assert skipped.returncode == 0, skipped.stderr
     assert "skipping lengths 32000" in skipped.stderr and "built 1 probe cases" in skipped.stderr
 
 
-def test_health_takes_the_advertised_value_length_and_refuses_a_length_beyond_the_context(scripted_server):
+def test_health_takes_the_advertised_value_length_and_refuses_a_length_beyond_the_context(
+    scripted_server, cli
+):
     url = scripted_server(window=100_000, max_len=4000, trained_value_digits=3)
     res = cli("health", "--base-url", url, "--length", "300", "--json")
     assert res.returncode == 0, res.stdout + res.stderr
@@ -180,7 +192,7 @@ def organism():
         yield srv.url
 
 
-def test_engine_state_takes_the_value_length_and_refuses_long_lengths(organism, tmp_path):
+def test_engine_state_takes_the_value_length_and_refuses_long_lengths(organism, tmp_path, cli):
     base = ["engine-state", "--base-url", organism, "--model", "organism", "--factors", "repeat"]
     line = one_error_line(cli(*base, "--lengths", "9000", "--out", str(tmp_path / "long")))
     assert "--lengths 9000: the target's context is 8192 tokens" in line
@@ -206,7 +218,7 @@ def test_engine_state_reports_progress_through_its_callback(organism, tmp_path):
     assert last == {"building cases": (1, 1), "cache": (2, 2), "repeat": (3, 3)}
 
 
-def test_oracle_refuses_a_prompt_beyond_the_context_or_leaves_it_out(organism, tmp_path):
+def test_oracle_refuses_a_prompt_beyond_the_context_or_leaves_it_out(organism, tmp_path, cli):
     words = "Iris parks her nurse every morning. " * 1400  # about 8,400 tokens
     prompts = {
         "name": "long",
@@ -300,7 +312,7 @@ def test_terminal_progress_is_a_labelled_bar_with_rate_and_measured_eta():
         ["demo", "--device", "cuda"],
     ],
 )
-def test_cuda_without_cuda_is_one_line_and_exit_2(args, tmp_path):
+def test_cuda_without_cuda_is_one_line_and_exit_2(args, tmp_path, cli):
     res = cli(*args, "--out", str(tmp_path / "out")) if args[0] != "serve" else cli(*args)
     line = one_error_line(res)
     assert "--device cuda was given but CUDA is not available" in line and "--device cpu" in line
@@ -328,7 +340,7 @@ def test_a_missing_extra_names_the_extra_to_install():
         (["compare", "--a-run", "{tmp}/none", "--b-run", "{tmp}/none", "--out", "{tmp}/c"], "holds no results.sqlite"),
     ],
 )  # fmt: skip
-def test_bad_files_are_one_line_and_exit_2(args, message, tmp_path):
+def test_bad_files_are_one_line_and_exit_2(args, message, tmp_path, cli):
     (tmp_path / "bad.json").write_text("{bad")
     line = one_error_line(cli(*(a.replace("{tmp}", str(tmp_path)) for a in args)))
     assert message in line
@@ -344,7 +356,7 @@ def test_progress_renderer_is_the_only_one():
 # --- ledgers for a live deployment -------------------------------------------------------------
 
 
-def test_init_live_and_from_probe_write_ledgers_that_load(scripted_server, tmp_path):
+def test_init_live_and_from_probe_write_ledgers_that_load(scripted_server, tmp_path, cli):
     from needlescope.investigate.ledger.ledger import load_ledger
 
     url = scripted_server(window=500)
