@@ -199,60 +199,57 @@ def test_diagnosis_blames_no_cutoff_when_the_needle_was_selected_but_a_fix_resto
     assert "the cause is outside the indexer's top-k" in text
 
 
-def test_demo_with_an_unknown_fault_exits_2_before_serving(tmp_path):
-    res = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "needlescope.cli.main",
-            "demo",
-            "--out",
-            str(tmp_path / "o"),
-            "--deploy-patch",
-            "fault:nope",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+@pytest.fixture
+def demo_refusal(run_cli_completed):
+    """``needlescope demo --model MODEL --out OUT ...`` through its real entry point in this process:
+    its input checks refuse before anything is served, and a child spent seconds on imports."""
+
+    def run(model, out, *extra: str) -> subprocess.CompletedProcess:
+        return run_cli_completed("demo", "--model", str(model), "--out", str(out), *extra)
+
+    return run
+
+
+def test_demo_with_an_unknown_fault_exits_2_before_serving(tmp_path, run_cli_completed):
+    res = run_cli_completed("demo", "--out", str(tmp_path / "o"), "--deploy-patch", "fault:nope")
     assert res.returncode == 2
     assert "unknown fault 'nope'" in res.stderr and len(res.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "o").exists()
 
 
-def test_demo_refuses_to_replace_a_directory_it_did_not_write(tmp_path, tiny_model):
+def test_demo_refuses_to_replace_a_directory_it_did_not_write(tmp_path, tiny_model, demo_refusal):
     out = tmp_path / "precious"
     out.mkdir()
     (out / "thesis.tex").write_text("years of work")
-    res = _demo(tiny_model, out, "--lengths", "200")
+    res = demo_refusal(tiny_model, out, "--lengths", "200")
     assert res.returncode == 2 and "and no output manifest" in res.stderr
     assert len(res.stderr.strip().splitlines()) == 1
     assert (out / "thesis.tex").read_text() == "years of work"
 
 
-def test_demo_checks_the_model_before_touching_out(tmp_path):
+def test_demo_checks_the_model_before_touching_out(tmp_path, demo_refusal):
     out = tmp_path / "old-demo"
     out.mkdir()
     (out / MARKER).write_text("")
     (out / "DIAGNOSIS.md").write_text("earlier run")
-    res = _demo(tmp_path / "typo", out)
+    res = demo_refusal(tmp_path / "typo", out)
     assert res.returncode == 2 and "does not exist" in res.stderr
     assert len(res.stderr.strip().splitlines()) == 1
     assert (out / "DIAGNOSIS.md").read_text() == "earlier run"
 
 
-def test_demo_refuses_an_out_that_is_a_file_or_inside_the_checkpoint(tmp_path, tiny_model):
+def test_demo_refuses_an_out_that_is_a_file_or_inside_the_checkpoint(tmp_path, tiny_model, demo_refusal):
     clash = tmp_path / "file"
     clash.write_text("x")
     for out, words in ((clash, "is not a directory"), (tiny_model / "sub", "overlaps the checkpoint")):
-        res = _demo(tiny_model, out)
+        res = demo_refusal(tiny_model, out)
         assert res.returncode == 2 and words in res.stderr, res.stderr
     assert clash.read_text() == "x"
 
 
-def test_demo_runs_no_patch_when_another_input_is_bad(tmp_path):
+def test_demo_runs_no_patch_when_another_input_is_bad(tmp_path, demo_refusal):
     patch = tmp_path / "counting_patch.py"
     patch.write_text(COUNTING_PATCH)
-    res = _demo(tmp_path / "typo", tmp_path / "out", "--deploy-patch", str(patch))
+    res = demo_refusal(tmp_path / "typo", tmp_path / "out", "--deploy-patch", str(patch))
     assert res.returncode == 2 and "does not exist" in res.stderr
     assert not patch.with_suffix(".runs").exists() and not (tmp_path / "out").exists()
