@@ -6,6 +6,7 @@ import functools
 import importlib.util
 import os
 import sys
+from pathlib import Path
 
 # Each xdist worker (and every CLI child it starts) gets its share of the cores: torch's default
 # of one thread per core in each of `make test`'s two workers oversubscribed the 2-core box (one
@@ -99,6 +100,32 @@ def run_cli_completed(run_cli):
         return subprocess.CompletedProcess(["needlescope", *argv], code, out, err)
 
     return run
+
+
+@pytest.fixture(scope="session")
+def built_once(tmp_path_factory):
+    """Factory: ``built_once(name, build)`` -> a directory that ``build(directory)`` filled once
+    for the whole test run, whichever xdist worker asked first; a worker asking meanwhile waits
+    for it. For a module fixture that xdist's work stealing would otherwise compute again in the
+    other worker, when a module's tests land in both. Callers only read the directory."""
+    import fcntl
+    import shutil
+
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # the run's, shared
+
+    def get(name: str, build) -> Path:
+        directory = root / f"built-once-{name}"
+        with open(root / f"built-once-{name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also on an error
+            if not (directory / ".built").exists():
+                shutil.rmtree(directory, ignore_errors=True)  # a build that failed part-way
+                directory.mkdir()
+                build(directory)
+                (directory / ".built").touch()
+        return directory
+
+    return get
 
 
 @pytest.fixture

@@ -86,9 +86,11 @@ def _run(d, named: bool, organism, seed=None) -> dict:
 
 
 @pytest.fixture(scope="module")
-def unnamed(tmp_path_factory, organism):
-    d = tmp_path_factory.mktemp("unnamed")
-    return d, _run(d, False, organism)
+def unnamed(built_once, request):
+    """The unnamed-patch investigation, run once per test run even when xdist gives this module's
+    tests to both workers (it was computed twice in CI: 59 s and 56 s of setup)."""
+    d = built_once("investigate-unnamed", lambda d: _run(d, False, request.getfixturevalue("organism")))
+    return d, json.loads((d / "out" / "verdicts.json").read_text())
 
 
 def test_an_unnamed_patch_becomes_an_automatic_suspect_and_the_root_cause(unnamed):
