@@ -35,6 +35,8 @@ def _free_port() -> int:
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
+    """The command in a child process: where the other side of a lock must be another process
+    (flock is per open file); the other tests run it in-process through ``run_cli_completed``."""
     return subprocess.run([*CLI, *args], capture_output=True, text=True, env=ENV, timeout=600)
 
 
@@ -121,8 +123,10 @@ def organism():
 # -- (a) an endpoint that answers nothing usable ------------------------------------------------
 
 
-def test_init_live_refuses_when_nothing_answers(tmp_path):
-    r = _cli("investigate", "init", str(tmp_path / "l"), "--live", f"http://127.0.0.1:{_free_port()}")
+def test_init_live_refuses_when_nothing_answers(tmp_path, run_cli_completed):
+    r = run_cli_completed(
+        "investigate", "init", str(tmp_path / "l"), "--live", f"http://127.0.0.1:{_free_port()}"
+    )
     assert r.returncode == 2 and "nothing answers at" in r.stderr and "Traceback" not in r.stderr
     assert not (tmp_path / "l" / "investigation.toml").exists()
 
@@ -147,10 +151,10 @@ def test_run_refuses_an_endpoint_that_answers_no_case(tmp_path, stub, organism, 
     assert not (tmp_path / "out" / "verdicts.json").exists()  # no verdict from zero cases
 
 
-def test_run_on_an_unreachable_endpoint_exits_2(tmp_path):
+def test_run_on_an_unreachable_endpoint_exits_2(tmp_path, run_cli_completed):
     pytest.importorskip("torch")
     ledger = _live_ledger(tmp_path, f"http://127.0.0.1:{_free_port()}")
-    r = _cli("investigate", "run", str(ledger), "--out", str(tmp_path / "out"))
+    r = run_cli_completed("investigate", "run", str(ledger), "--out", str(tmp_path / "out"))
     assert r.returncode == 2 and "answered no case" in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
@@ -165,7 +169,7 @@ def test_a_second_concurrent_run_is_refused(tmp_path):
     assert "Traceback" not in r.stderr and not (tmp_path / "out" / "state.json").exists()
 
 
-def test_an_unwritable_out_is_one_line(tmp_path):
+def test_an_unwritable_out_is_one_line(tmp_path, run_cli_completed):
     out = Path("/sys/needlescope-investigation-out")  # sysfs: no directory can be made there, even by root
     try:
         out.mkdir()
@@ -174,7 +178,7 @@ def test_an_unwritable_out_is_one_line(tmp_path):
     else:
         out.rmdir()
         pytest.skip("a directory can be made in /sys here")
-    r = _cli("investigate", "run", str(_blocked_ledger(tmp_path)), "--out", str(out))
+    r = run_cli_completed("investigate", "run", str(_blocked_ledger(tmp_path)), "--out", str(out))
     assert r.returncode == 2 and "cannot be written" in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) <= 2  # one message (wrapped at most once)
 
