@@ -444,6 +444,8 @@ def topk_variants(k: int, rows: int, length: int) -> dict:
         "split": lambda x, st, en: tk(x, k, st, en, method="bisect"),
         "default": lambda x, st, en: tk(x, k, st, en),
         "filter": lambda x, st, en: tk(x, k, st, en, method="filter"),
+        "cuda": lambda x, st, en: tk(x, k, st, en, method="cuda"),
+        "cuda/general": lambda x, st, en: tk(x, k, st, en, method="cuda", general=True),
     }
     for warps, ch in ((4, None), (16, None), (8, 2048), (8, 1024)):
         v[f"filter/w{warps}/{ch or 'default'}"] = lambda x, st, en, nw=warps, c=ch: tk(

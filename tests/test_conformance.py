@@ -18,7 +18,7 @@ import torch
 
 from needlescope.kernels import conformance as C
 from needlescope.kernels.conform import REPORT_SCHEMA, conform
-from needlescope.kernels.topk_impls import OURS, torch_topk
+from needlescope.kernels.topk_impls import GPU_ONLY, OURS, torch_topk
 from needlescope.schema import check_schema
 from truncating_topk import BUFFER, truncating
 
@@ -113,7 +113,7 @@ def test_our_methods_pass_every_case_under_the_interpreter(method: str) -> None:
     assert not bad
 
 
-@pytest.mark.parametrize("path", [name for name in OURS if name not in (*METHODS, "reference")])
+@pytest.mark.parametrize("path", [name for name in OURS if name not in (*METHODS, *GPU_ONLY, "reference")])
 def test_our_other_paths_pass_under_the_interpreter(path: str) -> None:
     report = conform([(path, OURS[path])], shapes="small", names=PATH_CASES)
     bad = {
@@ -185,6 +185,7 @@ def test_cli_writes_the_report_and_exits_1_on_an_inexact_case(run_cli, tmp_path:
         (f"{FIXTURE}:no_function", "no callable 'no_function'"),
         ("missing_file.py:f", "no file missing_file.py"),
         ("ours:nope", "ours has default"),
+        ("ours:cuda", "runs on CUDA rows only"),
     ],
 )
 def test_cli_bad_impl_is_one_line_and_exit_2(run_cli, impl: str, message: str) -> None:

@@ -8,7 +8,7 @@ import ast
 from pathlib import Path
 
 KERNELS = Path(__file__).resolve().parents[1] / "src" / "needlescope" / "kernels"
-METHODS = ("triton_bisect", "triton_radix", "triton_filter")
+METHODS = ("triton_bisect", "triton_radix", "triton_filter", "cuda_topk")
 
 
 def _kernel_imports(name: str) -> set[str]:
@@ -36,4 +36,4 @@ def test_the_front_holds_the_dispatcher_only() -> None:
     tree = ast.parse((KERNELS / "topk.py").read_text(encoding="utf-8"))
     defs = [n.name for n in tree.body if isinstance(n, ast.FunctionDef)]
     assert defs == ["topk_method", "topk"]
-    assert _kernel_imports("topk") == set(METHODS), "the front imports exactly the three methods"
+    assert _kernel_imports("topk") == set(METHODS), "the front imports exactly the four methods"

@@ -1,7 +1,7 @@
 """Run the conformance suite (``kernels.conformance``) over implementations named ``MODULE:FUNCTION``.
 
-``load_impl`` resolves a name: ``ours`` (every entry of ``topk_impls.OURS``), ``ours:NAME`` (one
-of them), ``torch`` (``topk_impls.torch_topk``), ``MODULE:FUNCTION`` (an importable module, the
+``load_impl`` resolves a name: ``ours`` (every entry of ``topk_impls.OURS`` that runs on the
+rows' device: the ``GPU_ONLY`` ones need CUDA rows), ``ours:NAME`` (one of them), ``torch`` (``topk_impls.torch_topk``), ``MODULE:FUNCTION`` (an importable module, the
 working directory on the path as with ``python -m``) or ``PATH.py:FUNCTION`` (a file). Every
 bad name is one ``BadInput``. ``conform`` runs them and returns the report ``REPORT_SCHEMA``
 describes (docs/conformance.md).
@@ -100,16 +100,21 @@ def _import_function(spec: str) -> TopK:
     return fn
 
 
-def load_impl(spec: str) -> list[tuple[str, TopK]]:
-    """(name, callable) pairs for one ``--impl`` value (module docstring)."""
-    from needlescope.kernels.topk_impls import OURS, torch_topk
+def load_impl(spec: str, device: str = "cpu") -> list[tuple[str, TopK]]:
+    """(name, callable) pairs for one ``--impl`` value (module docstring), for rows on ``device``."""
+    from needlescope.kernels.topk_impls import GPU_ONLY, OURS, torch_topk
 
+    gpu = torch.device(device).type == "cuda"
     if spec == "ours":
-        return [(f"ours:{name}", fn) for name, fn in OURS.items()]
+        return [(f"ours:{name}", fn) for name, fn in OURS.items() if gpu or name not in GPU_ONLY]
     if spec.startswith("ours:"):
         name = spec.removeprefix("ours:")
         if name not in OURS:
             raise BadInput(f"--impl {spec}: ours has {', '.join(OURS)}")
+        if name in GPU_ONLY and not gpu:
+            raise BadInput(
+                f"--impl {spec} runs on CUDA rows only (CUDA C++, no interpreter): use --device cuda"
+            )
         return [(spec, OURS[name])]
     if spec == "torch":
         return [("torch", torch_topk)]

@@ -1,4 +1,5 @@
-"""Exact top-k over fp32 rows in Triton: the front of the three methods, which picks one.
+"""Exact top-k over fp32 rows: the front of the four methods (three in Triton, one in CUDA C++), which
+picks one.
 
 Contract (every method keeps it): logits fp32 [R, L], starts (None: all 0) / ends int32 [R]
 clamped to [0, L] -> int32 [R, k], the columns of each row's k largest entries inside [start,
@@ -14,7 +15,9 @@ The methods, each with its own launcher and knobs:
 * ``filter`` (``triton_filter.filter_topk``): group-max filtering, then an exact search among the
   candidates;
 * ``bisect`` (``triton_bisect.bisect_topk``): a threshold search in one program per row, or in
-  segments merged by a second program.
+  segments merged by a second program;
+* ``cuda`` (``cuda_topk.cuda_topk``): one CUDA thread block per row, keys in registers, compiled by
+  NVRTC at first use (GPU only: no interpreter path).
 
 ``topk_method`` is the measured rule between them.
 """
@@ -25,17 +28,27 @@ import torch
 
 __all__ = ["topk", "topk_method", "METHODS"]
 
-METHODS = ("radix", "filter", "bisect")
+METHODS = ("radix", "filter", "bisect", "cuda")
 
 
-def topk_method(rows: int, width: int, k: int) -> str:
-    """``radix``, ``filter`` or ``bisect`` for a [rows, width] top-k. Measured: one program per
+def topk_method(rows: int, width: int, k: int, cuda: bool | None = None) -> str:
+    """One of ``METHODS`` for a [rows, width] top-k; ``cuda``: whether the CUDA method can run (None:
+    ``cuda_topk.available()``). Where it can, it takes rows of up to ``cuda_topk.FAST_WIDTH``
+    entries with k <= ``cuda_topk.FAST_K`` (its register path): PREDICTED, before its first GPU
+    run, at 5-7 us for 1 x 32K, k = 512 and about the same per row up to 132 rows (one block an SM).
+    Among the Triton methods, measured: one program per
     row wins at 2048 entries (8K-token decode rows: 10-12 us, launch-bound either way; H200, run
     7), so rows of up to 4096 entries take it. At 32-64 rows with k = 512 the filter wins (H100, docs/perf/indexer.md): 32 / 64 x 32K
     23.4 / 33.8 us against the split bisection's 36.4 / 52.7 (run 16), 32 / 64 x 64K 39.6 / 63.8
     against the radix select's 56.5 / 100.3 (run 17). Radix select elsewhere: the filter lost at
     1 x 32K (18 against 12 us), 8 x 256K (94 against 58) and every k = 2048 shape (run 16), where
     too few groups leave the threshold unselective."""
+    from needlescope.kernels import cuda_topk
+
+    if cuda is None:
+        cuda = cuda_topk.available()
+    if cuda and width <= cuda_topk.FAST_WIDTH and k <= cuda_topk.FAST_K:
+        return "cuda"
     if width <= 4096:
         return "bisect"
     if rows >= 32 and k <= 512 and width <= 65536:
@@ -58,17 +71,20 @@ def topk(
     ``method``: one of ``METHODS``; None: ``topk_method``'s choice. ``knobs`` go to that method's
     launcher unchanged (``radix_topk``: chunk, bits, one_launch, num_warps, hist, first_pass;
     ``filter_topk``: block, cand_block, gmax_block, group, gmax, num_warps, counts;
-    ``bisect_topk``: bits, block, num_warps, segment), which rejects another method's.
+    ``bisect_topk``: bits, block, num_warps, segment; ``cuda_topk``: general), which rejects
+    another method's. The default method is ``cuda`` only for CUDA tensors.
     ``out`` (int32 [R, k], optional) is written in place; every element gets written.
     """
     if method is None:
-        method = topk_method(*logits.shape, k)
+        method = topk_method(*logits.shape, k, cuda=None if logits.is_cuda else False)
     if method == "radix":
         from needlescope.kernels.triton_radix import radix_topk as launcher
     elif method == "filter":
         from needlescope.kernels.triton_filter import filter_topk as launcher
     elif method == "bisect":
         from needlescope.kernels.triton_bisect import bisect_topk as launcher
+    elif method == "cuda":
+        from needlescope.kernels.cuda_topk import cuda_topk as launcher
     else:
         raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
     return launcher(logits, k, starts, ends, out=out, **knobs)

@@ -2,16 +2,16 @@
 
 ``scores`` fp32 [R, W], ``k`` an int, ``lengths`` int32 [R] (row r's entries: columns [0,
 lengths[r])) -> integer [R, k], -1 in unused slots. ``OURS`` names every method and dispatch
-path of needlescope's Triton top-k (``needlescope kernels conform --impl ours`` runs them all);
+path of needlescope's top-k (``needlescope kernels conform --impl ours`` runs them all);
 ``torch_topk`` wraps ``torch.topk``. Triton paths need CUDA tensors, or ``TRITON_INTERPRET=1``
-on the CPU. docs/conformance.md shows how to wrap an engine's kernel the same way.
+on the CPU; the ``GPU_ONLY`` ones (the CUDA C++ method) need CUDA tensors. docs/conformance.md shows how to wrap an engine's kernel the same way.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["OURS", "torch_topk", "reference"]
+__all__ = ["OURS", "GPU_ONLY", "torch_topk", "reference"]
 
 
 def torch_topk(scores: torch.Tensor, k: int, lengths: torch.Tensor) -> torch.Tensor:
@@ -97,9 +97,14 @@ OURS = {
     "bisect": _front("bisect"),
     "bisect-unsplit": _front("bisect", segment=0),
     "bisect-radix8": _front("bisect", bits=8, segment=0),
+    "cuda": _front("cuda"),
+    "cuda-general": _front("cuda", general=True),
     "reference": reference,
 }
 """Every method and dispatch path of ours: ``default`` (``topk_method``'s choice), each method
 with its defaults and with the knobs that take its other code paths (the filter's chunked
 candidate search, the radix select over a launch per pass, with 11-bit digits, with pass 0 built
-by a producer; the bisection unsplit and by radix digits), and the torch reference."""
+by a producer; the bisection unsplit and by radix digits; the CUDA method's register path and its
+general path over the row in memory), and the torch reference."""
+GPU_ONLY = ("cuda", "cuda-general")
+"""Paths of ``OURS`` with no interpreter: they run on CUDA rows only."""

@@ -1,0 +1,327 @@
+// Exact top-k over fp32 rows, one thread block of 1024 threads per row (compiled by NVRTC at
+// first use; launcher: needlescope/kernels/cuda_topk.py, contract: needlescope/kernels/topk.py).
+//
+// Why CUDA and not Triton: the row's select is a chain of block-wide steps (a histogram, a scan,
+// a compaction), and Triton's one-program versions of it ran 41-76 us at 1 x 32K on an H100
+// (docs/perf/indexer-notes.md, runs 15 and 25) for want of warp ballots, warp-aggregated
+// shared atomics and register-resident keys; here each step is a few hundred cycles.
+//
+// Fast path (row of at most 32,768 entries, k <= 2048): the row's keys stay in registers (32 a
+// thread); SUB group maxima a thread (groups of columns tid + 1024 i, i = j mod SUB); a bound t
+// from two radix passes over the maxima, the bin of the k-th largest maximum (so at least k
+// entries are >= t); the entries >= t compacted in index order into shared memory (warp ballots
+// and one block scan); the exact k-th key among them by radix passes; the output in index order
+// (entries above the k-th key, then its ties, lower index first). When more than CAP entries
+// pass t (a row where one value fills the top bins), or for longer rows and larger k, the
+// general path runs the same radix select over the whole row from global memory.
+//
+// Keys: fp32 bits mapped to an order-preserving uint32 (-0.0 onto +0.0; a NaN with the sign bit
+// clear above +inf, one with it set below -inf), as topk_parts.ordered_key does.
+
+#define THREADS 1024
+#define WARPS 32
+#define ITEMS 32
+#define TILE (THREADS * ITEMS)
+#define CAP 4096
+#define FULL 0xffffffffu
+
+struct Smem {
+    unsigned cand_key[CAP];
+    int cand_idx[CAP];
+    int cnt[THREADS];
+    int hist[256];
+    int wsum[WARPS + 1];
+    unsigned wkey[WARPS];
+    int bin, above;
+};
+
+__device__ __forceinline__ unsigned ordered_key(float x) {
+    unsigned u = __float_as_uint(x);
+    if (u == 0x80000000u) u = 0u;
+    return u ^ ((u >> 31) ? 0xffffffffu : 0x80000000u);
+}
+
+__device__ __forceinline__ unsigned lanemask_lt() {
+    unsigned m;
+    asm("mov.u32 %0, %%lanemask_lt;" : "=r"(m));
+    return m;
+}
+
+// Exclusive scan of one int a thread over the block; *total gets the sum. Ends with a barrier.
+__device__ int block_scan(int v, Smem& s, int* total) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int incl = v;
+    for (int d = 1; d < 32; d <<= 1) {
+        int y = __shfl_up_sync(FULL, incl, d);
+        if (lane >= d) incl += y;
+    }
+    if (lane == 31) s.wsum[warp] = incl;
+    __syncthreads();
+    if (warp == 0) {
+        int w = s.wsum[lane], wi = w;
+        for (int d = 1; d < 32; d <<= 1) {
+            int y = __shfl_up_sync(FULL, wi, d);
+            if (lane >= d) wi += y;
+        }
+        s.wsum[lane] = wi - w;
+        if (lane == 31) s.wsum[WARPS] = wi;
+    }
+    __syncthreads();
+    int out = s.wsum[warp] + incl - v;
+    *total = s.wsum[WARPS];
+    __syncthreads();
+    return out;
+}
+
+// Block-wide min (want_max = false) or max of one key a thread. Ends with a barrier.
+__device__ unsigned block_extreme(unsigned v, bool want_max, Smem& s) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    v = want_max ? __reduce_max_sync(FULL, v) : __reduce_min_sync(FULL, v);
+    if (lane == 0) s.wkey[warp] = v;
+    __syncthreads();
+    unsigned w = s.wkey[lane];
+    w = want_max ? __reduce_max_sync(FULL, w) : __reduce_min_sync(FULL, w);
+    __syncthreads();
+    return w;
+}
+
+// Add one to hist[bin] for every active lane, one shared atomic per distinct bin of the warp:
+// the keys of a row share their top bits, so plain atomics would serialize on a few bins.
+// Every lane of the warp calls it.
+__device__ __forceinline__ void hist_add(int* hist, unsigned bin, bool active) {
+    unsigned mask = __ballot_sync(FULL, active);
+    if (active) {
+        unsigned peers = __match_any_sync(mask, bin);
+        if ((threadIdx.x & 31) == __ffs(peers) - 1) atomicAdd(&hist[bin], __popc(peers));
+    }
+}
+
+// After hist holds the digit counts of a pass: the digit of the krem-th largest key counted and
+// how many counted keys lie in higher digits (into s.bin, s.above), then hist is cleared.
+__device__ void find_bin(Smem& s, int krem) {
+    const int t = threadIdx.x;
+    int h = 0, cum = 0;
+    if (t < 256) {
+        h = s.hist[255 - t];
+        cum = h;
+        const int lane = t & 31;
+        for (int d = 1; d < 32; d <<= 1) {
+            int y = __shfl_up_sync(FULL, cum, d);
+            if (lane >= d) cum += y;
+        }
+        if (lane == 31) s.wsum[t >> 5] = cum;
+    }
+    __syncthreads();
+    if (t < 256) {
+        for (int w = 0; w < (t >> 5); ++w) cum += s.wsum[w];
+        if (cum >= krem && cum - h < krem) {
+            s.bin = 255 - t;
+            s.above = cum - h;
+        }
+        s.hist[255 - t] = 0;
+    }
+    __syncthreads();
+}
+
+// Radix select, most significant digit first, starting below the bits every key shares. Keys
+// come from get(i, &key) -> valid, i < n_items, a thread's items. With passes left when it
+// stops (max_passes), *kth is the lower bound of the bin holding the k-th largest key; run to
+// the end (max_passes >= 4), *kth is that key and *take_eq how many keys equal to it to take.
+// Needs at least k valid keys.
+template <class Get>
+__device__ void radix_select(Get get, int n_items, int k, int max_passes, Smem& s, unsigned* kth,
+                             int* take_eq) {
+    unsigned lo = 0xffffffffu, hi = 0u;
+    for (int i = 0; i < n_items; ++i) {
+        unsigned key;
+        if (get(i, &key)) {
+            lo = min(lo, key);
+            hi = max(hi, key);
+        }
+    }
+    lo = block_extreme(lo, false, s);
+    hi = block_extreme(hi, true, s);
+    unsigned diff = lo ^ hi;
+    int hb = diff ? 31 - __clz(diff) : -1;  // highest bit in which keys differ
+    unsigned prefix = hb >= 0 ? hi & ~((2u << hb) - 1u) : hi;
+    int krem = k;
+    for (int pass = 0; pass < max_passes && hb >= 0; ++pass) {
+        const int shift = max(hb - 7, 0);
+        const unsigned width_mask = (2u << (hb - shift)) - 1u;
+        for (int i = 0; i < n_items; ++i) {
+            unsigned key;
+            bool ok = get(i, &key);
+            ok = ok && (hb == 31 || (key >> (hb + 1)) == (prefix >> (hb + 1)));
+            hist_add(s.hist, (key >> shift) & width_mask, ok);
+        }
+        __syncthreads();
+        find_bin(s, krem);
+        prefix |= (unsigned)s.bin << shift;
+        krem -= s.above;
+        hb = shift - 1;
+    }
+    *kth = prefix;
+    *take_eq = krem;
+}
+
+// Writes out[0, k): the entries above kth in index order, then the first take_eq entries equal
+// to it. Entries come in index order from get(p, &key, &idx) -> valid, p < n, THREADS at a time.
+template <class Get>
+__device__ void emit(Get get, int n, unsigned kth, int take_eq, int k, int* out, Smem& s) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int base_gt = 0, base_eq = 0;
+    const int first_eq = k - take_eq;
+    for (int p0 = 0; p0 < n; p0 += THREADS) {
+        unsigned key = 0u;
+        int idx = -1;
+        bool ok = get(p0 + (int)threadIdx.x, &key, &idx);
+        bool gt = ok && key > kth, eq = ok && key == kth;
+        unsigned bg = __ballot_sync(FULL, gt), be = __ballot_sync(FULL, eq);
+        int packed = (__popc(bg) << 16) | __popc(be);  // at most 32 each
+        int tot;
+        int off = block_scan(lane == 0 ? packed : 0, s, &tot);
+        off = __shfl_sync(FULL, off, 0);
+        if (gt) out[base_gt + (off >> 16) + __popc(bg & lanemask_lt())] = idx;
+        if (eq) {
+            int r = base_eq + (off & 0xffff) + __popc(be & lanemask_lt());
+            if (r < take_eq) out[first_eq + r] = idx;
+        }
+        base_gt += tot >> 16;
+        base_eq += tot & 0xffff;
+    }
+}
+
+// The whole row from global memory: radix select, then the output over the row.
+__device__ void general_path(const float* row, int st, int n, int k, int* out, Smem& s) {
+    const int per = (n + THREADS - 1) / THREADS;
+    auto get = [&](int i, unsigned* key) {
+        int p = i * THREADS + (int)threadIdx.x;
+        if (p >= n) return false;
+        *key = ordered_key(row[st + p]);
+        return true;
+    };
+    unsigned kth;
+    int take_eq;
+    radix_select(get, per, k, 4, s, &kth, &take_eq);
+    auto at = [&](int p, unsigned* key, int* idx) {
+        if (p >= n) return false;
+        *key = ordered_key(row[st + p]);
+        *idx = st + p;
+        return true;
+    };
+    emit(at, n, kth, take_eq, k, out, s);
+}
+
+template <int SUB>
+__device__ void fast_path(const float* row, int st, int n, int k, int* out, Smem& s) {
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    unsigned key[ITEMS];
+#pragma unroll
+    for (int i = 0; i < ITEMS; ++i) {
+        int p = i * THREADS + tid;
+        key[i] = p < n ? ordered_key(row[st + p]) : 0u;
+    }
+    unsigned gmax[SUB];
+#pragma unroll
+    for (int j = 0; j < SUB; ++j) gmax[j] = 0u;
+#pragma unroll
+    for (int i = 0; i < ITEMS; ++i)
+        if (i * THREADS + tid < n) gmax[i % SUB] = max(gmax[i % SUB], key[i]);
+    // Group j of this thread is empty when its first column is past the row.
+    auto get_max = [&](int j, unsigned* k_) {
+        if (j * THREADS + tid >= n) return false;
+        unsigned v = 0u;
+#pragma unroll
+        for (int q = 0; q < SUB; ++q)
+            if (q == j) v = gmax[q];
+        *k_ = v;
+        return true;
+    };
+    unsigned t;
+    int unused;
+    radix_select(get_max, SUB, k, 2, s, &t, &unused);
+
+    // Compaction of the entries >= t in index order: per (item, warp) counts, one scan.
+    int mine = 0;
+#pragma unroll
+    for (int i = 0; i < ITEMS; ++i) {
+        bool f = i * THREADS + tid < n && key[i] >= t;
+        unsigned b = __ballot_sync(FULL, f);
+        if (lane == i) mine = __popc(b);
+    }
+    // Thread (warp w, lane i) holds the count of item i in warp w; slot i * WARPS + w is index order.
+    s.cnt[lane * WARPS + warp] = mine;
+    __syncthreads();
+    int total;
+    int off = block_scan(s.cnt[tid], s, &total);
+    s.cnt[tid] = off;
+    __syncthreads();
+    if (total > CAP) {
+        general_path(row, st, n, k, out, s);
+        return;
+    }
+#pragma unroll
+    for (int i = 0; i < ITEMS; ++i) {
+        bool f = i * THREADS + tid < n && key[i] >= t;
+        unsigned b = __ballot_sync(FULL, f);
+        if (f) {
+            int slot = s.cnt[i * WARPS + warp] + __popc(b & lanemask_lt());
+            s.cand_key[slot] = key[i];
+            s.cand_idx[slot] = st + i * THREADS + tid;
+        }
+    }
+    __syncthreads();
+    auto get_cand = [&](int i, unsigned* k_) {
+        int c = i * THREADS + tid;
+        if (c >= total) return false;
+        *k_ = s.cand_key[c];
+        return true;
+    };
+    unsigned kth;
+    int take_eq;
+    radix_select(get_cand, CAP / THREADS, k, 4, s, &kth, &take_eq);
+    auto at = [&](int c, unsigned* k_, int* idx) {
+        if (c >= total) return false;
+        *k_ = s.cand_key[c];
+        *idx = s.cand_idx[c];
+        return true;
+    };
+    emit(at, total, kth, take_eq, k, out, s);
+}
+
+template <int SUB>
+__device__ void topk_rows(const float* logits, int stride, const int* starts, int has_starts,
+                          const int* ends, int width, int k, int* out, int force_general) {
+    __shared__ Smem s;
+    const int r = blockIdx.x;
+    const float* row = logits + (long long)r * stride;
+    int* orow = out + (long long)r * k;
+    int en = min(max(ends[r], 0), width);
+    int st = has_starts ? min(max(starts[r], 0), width) : 0;
+    en = max(en, st);
+    const int n = en - st;
+    if (n <= k) {  // the whole range, in order, then -1
+        for (int c = threadIdx.x; c < k; c += THREADS) orow[c] = c < n ? st + c : -1;
+        return;
+    }
+    for (int b = threadIdx.x; b < 256; b += THREADS) s.hist[b] = 0;
+    __syncthreads();
+    if (n <= TILE && k <= 2048 && !force_general)
+        fast_path<SUB>(row, st, n, k, orow, s);
+    else
+        general_path(row, st, n, k, orow, s);
+}
+
+// SUB group maxima a thread: 2 (2048 maxima) for k <= 512, 8 (8192) for k <= 2048, so that there
+// are at least four maxima per selected entry and the bound t filters.
+extern "C" __global__ void __launch_bounds__(THREADS)
+    needlescope_topk_sub2(const float* logits, int stride, const int* starts, int has_starts,
+                          const int* ends, int width, int k, int* out, int force_general) {
+    topk_rows<2>(logits, stride, starts, has_starts, ends, width, k, out, force_general);
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS)
+    needlescope_topk_sub8(const float* logits, int stride, const int* starts, int has_starts,
+                          const int* ends, int width, int k, int* out, int force_general) {
+    topk_rows<8>(logits, stride, starts, has_starts, ends, width, k, out, force_general);
+}

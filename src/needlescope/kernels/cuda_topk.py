@@ -1,0 +1,94 @@
+"""Exact top-k in CUDA C++, one thread block per row: the ``cuda`` method of ``topk``.
+
+The kernel source is ``cuda_topk.cu`` beside this module (its header has the algorithm); it is
+compiled by NVRTC through ``torch.cuda._compile_kernel`` at the first call on a device and cached
+for the process. The contract is ``topk``'s (kernels/topk.py): logits fp32 [R, L], starts (None:
+all 0) / ends int32 [R] clamped to [0, L] -> int32 [R, k], ties at the k-th key to the lower index,
+output above the k-th key in index order then its ties, -1 in unused slots.
+
+Needs a CUDA device and PyTorch's NVRTC binding; there is no interpreter path, so ``make test``
+(CPU) checks the launcher's input validation only and the GPU script runs the conformance suite
+on it (bench/indexer_gpu.sh, ``conform``).
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+
+import torch
+
+__all__ = ["cuda_topk", "available", "FAST_WIDTH", "FAST_K"]
+
+FAST_WIDTH = 32768
+"""Rows of at most this many entries keep their keys in registers (1024 threads x 32)."""
+FAST_K = 2048
+"""k up to this takes the register path; larger k, longer rows, or a row where more than 4,096
+entries pass the group-max bound take the general path (radix select over the row in memory)."""
+_THREADS = 1024
+_KERNELS: dict[tuple[int, str], object] = {}
+
+
+def available() -> bool:
+    """A CUDA device and PyTorch's NVRTC binding are both present."""
+    return torch.cuda.is_available() and hasattr(torch.cuda, "_compile_kernel")
+
+
+def _kernel(device: torch.device, name: str):
+    """The compiled kernel ``name`` for ``device``, compiled once a process."""
+    key = (device.index if device.index is not None else torch.cuda.current_device(), name)
+    if key not in _KERNELS:
+        src = resources.files("needlescope.kernels").joinpath("cuda_topk.cu").read_text(encoding="utf-8")
+        with torch.cuda.device(key[0]):
+            _KERNELS[key] = torch.cuda._compile_kernel(src, name)
+    return _KERNELS[key]
+
+
+def _check(logits: torch.Tensor, k: int, starts: torch.Tensor | None, ends: torch.Tensor) -> None:
+    if not available():
+        raise RuntimeError("the cuda top-k needs a CUDA device and torch.cuda._compile_kernel (NVRTC)")
+    if logits.dim() != 2 or logits.dtype != torch.float32 or not logits.is_cuda:
+        raise ValueError(
+            f"logits must be a 2-D float32 CUDA tensor, got {tuple(logits.shape)} {logits.dtype}"
+        )
+    if logits.shape[1] > 0 and logits.stride(1) != 1:
+        raise ValueError("logits rows must be contiguous (stride 1 along a row)")
+    if not 1 <= k < 2**31 or logits.stride(0) >= 2**31:
+        raise ValueError(f"k must be in [1, 2**31) and the row stride below 2**31, got k={k}")
+    for name, t in (("ends", ends), ("starts", starts)):
+        if t is None:
+            continue
+        if t.dtype != torch.int32 or t.shape != (logits.shape[0],) or t.device != logits.device:
+            raise ValueError(f"{name} must be int32 [{logits.shape[0]}] on {logits.device}")
+
+
+def cuda_topk(
+    logits: torch.Tensor,
+    k: int,
+    starts: torch.Tensor | None,
+    ends: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+    general: bool = False,
+) -> torch.Tensor:
+    """logits fp32 [R, L], starts (None: all 0) / ends int32 [R] -> int32 [R, k] (module docstring).
+
+    ``general``: every row takes the general path (the conformance suite's second path of this
+    method). ``out`` (int32 [R, k], contiguous) is written in place; every element gets written."""
+    _check(logits, k, starts, ends)
+    R, L = logits.shape
+    if out is None:
+        out = torch.empty(R, k, dtype=torch.int32, device=logits.device)
+    elif out.shape != (R, k) or out.dtype != torch.int32 or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous int32 [{R}, {k}] tensor")
+    if R == 0:
+        return out
+    has_starts = starts is not None
+    ends = ends.contiguous()
+    starts = starts.contiguous() if has_starts else ends  # not read when has_starts is 0
+    name = "needlescope_topk_sub2" if k <= 512 else "needlescope_topk_sub8"
+    _kernel(logits.device, name)(
+        grid=(R, 1, 1),
+        block=(_THREADS, 1, 1),
+        args=[logits, logits.stride(0), starts, int(has_starts), ends, L, k, out, int(general)],
+    )
+    return out
