@@ -4,8 +4,6 @@ deployment whose indexer leaves -inf and NaN scores, as the investigation does, 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -29,7 +27,7 @@ def apply(model):
 """
 
 
-def test_demo_with_a_nonfinite_patch_completes_and_reports_the_counts(tmp_path):
+def test_demo_with_a_nonfinite_patch_completes_and_reports_the_counts(tmp_path, run_cli_completed):
     from needlescope.dsa.rankdump import validate_rankdump
     from needlescope.testing.checkpoints import save_random
 
@@ -37,9 +35,9 @@ def test_demo_with_a_nonfinite_patch_completes_and_reports_the_counts(tmp_path):
     patch = tmp_path / "nonfinite.py"
     patch.write_text(NONFINITE_PATCH)
     out = tmp_path / "demo"
-    argv = [sys.executable, "-m", "needlescope.cli.main", "demo", "--model", str(model), "--out", str(out)]
+    argv = ["demo", "--model", str(model), "--out", str(out)]
     argv += ["--lengths", "200", "--trials", "1", "--deploy-index-topk", "8", "--deploy-patch", str(patch)]
-    res = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    res = run_cli_completed(*argv)  # in-process: its servers are children, as on the shell
     assert res.returncode == 0, res.stderr[
         -2000:
     ]  # before: ValueError "a visible entry has a non-finite score"
