@@ -3,22 +3,20 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from needlescope.report.probe import validate_summary
 
-CLI = [sys.executable, "-m", "needlescope.cli.main"]
+
+@pytest.fixture
+def cli(run_cli_completed):
+    """The real command through its entry point, in this process."""
+    return run_cli_completed
 
 
-def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout)
-
-
-def probe(out: Path, *urls: str, kind: str = "single", extra: tuple[str, ...] = ()) -> dict:
+def probe(cli, out: Path, *urls: str, kind: str = "single", extra: tuple[str, ...] = ()) -> dict:
     flags = [x for u in urls for x in ("--base-url", u)]
     grid = ["--lengths", "200,300", "--depths", "0,100", "--trials", "2", "--kind", kind]
     res = cli("probe", *flags, "--model", "scripted", "--out", str(out), *grid, *extra)
@@ -40,9 +38,9 @@ def probe(out: Path, *urls: str, kind: str = "single", extra: tuple[str, ...] = 
         ("reasoning", "single", "reasoning_exhausted"),
     ],
 )
-def test_taxonomy_classifies_planted_failures(scripted_server, tmp_path, fault, kind, category):
+def test_taxonomy_classifies_planted_failures(scripted_server, tmp_path, fault, kind, category, cli):
     url = scripted_server(fault=fault)
-    summary = probe(tmp_path, url, kind=kind)
+    summary = probe(cli, tmp_path, url, kind=kind)
     failures = summary["failures"]
     assert failures["misses"] == 8 and failures["counts"][category] == 8, failures["counts"]
     example = failures["examples"][category][0]
@@ -55,16 +53,16 @@ def test_taxonomy_classifies_planted_failures(scripted_server, tmp_path, fault, 
     assert f"**{category}**" in (tmp_path / "report.md").read_text()
 
 
-def test_errors_are_never_classified_as_misses(scripted_server, tmp_path):
+def test_errors_are_never_classified_as_misses(scripted_server, tmp_path, cli):
     url = scripted_server(fail_every=2, fail_status=500)
-    summary = probe(tmp_path, url, extra=("--timeout", "5"))
+    summary = probe(cli, tmp_path, url, extra=("--timeout", "5"))
     assert summary["failures"]["misses"] == 0
 
 
-def test_three_replicas_one_faulty_is_named(scripted_server, tmp_path):
+def test_three_replicas_one_faulty_is_named(scripted_server, tmp_path, cli):
     healthy = [scripted_server(replica_id=f"r{i}") for i in range(2)]
     faulty = scripted_server(fault="near_miss", fault_rate=0.8, fault_seed=3, replica_id="r2")
-    summary = probe(tmp_path, *healthy, faulty, extra=("--trials", "8", "--concurrency", "3"))
+    summary = probe(cli, tmp_path, *healthy, faulty, extra=("--trials", "8", "--concurrency", "3"))
     ep = summary["endpoints"]
     assert [e["name"] for e in ep["endpoints"]] == sorted(u + "/v1" for u in (*healthy, faulty))
     assert faulty + "/v1" in ep["differs"] and "r2" in ep["differs"]
@@ -74,7 +72,7 @@ def test_three_replicas_one_faulty_is_named(scripted_server, tmp_path):
     assert {r["base_url"] for r in rows} == {u + "/v1" for u in (*healthy, faulty)}
 
 
-def test_endpoints_serving_different_models_are_refused(scripted_server, tmp_path):
+def test_endpoints_serving_different_models_are_refused(scripted_server, tmp_path, cli):
     a, b = scripted_server(), scripted_server(model="other")
     res = cli("probe", "--base-url", a, "--base-url", b, "--model", "scripted", "--out", str(tmp_path))
     assert res.returncode == 2 and "not served" in res.stderr
@@ -100,10 +98,10 @@ def test_endpoints_serving_different_models_are_refused(scripted_server, tmp_pat
     assert "per-replica attribution needs each replica's URL" in (tmp_path / "x" / "report.md").read_text()
 
 
-def test_bundle_replays_against_faulty_and_not_healthy(scripted_server, tmp_path):
+def test_bundle_replays_against_faulty_and_not_healthy(scripted_server, tmp_path, cli):
     faulty = scripted_server(fault="near_miss", fault_from=250)
     healthy = scripted_server()
-    probe(tmp_path, faulty, extra=("--bundles", "2"))
+    probe(cli, tmp_path, faulty, extra=("--bundles", "2"))
     bundles = sorted((tmp_path / "bundles").iterdir())
     assert len(bundles) == 2
     bundle = bundles[0]
@@ -127,7 +125,7 @@ def test_bundle_replays_against_faulty_and_not_healthy(scripted_server, tmp_path
     assert missing.returncode == 2 and "not a bundle directory" in missing.stderr
 
 
-def test_probe_bisect_cli(scripted_server, tmp_path):
+def test_probe_bisect_cli(scripted_server, tmp_path, cli):
     url = scripted_server(fault="near_miss", fault_from=500)
     res = cli(
         "probe",
