@@ -6,24 +6,31 @@ compare never writes into a probe run's folder."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 
-CLI = [sys.executable, "-m", "needlescope.cli.main"]
+import pytest
+
 GRID = ["--kind", "single", "--lengths", "200,400", "--depths", "0,50,100"]
 
 
-def cli(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "COLUMNS": "80"}
-    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=180, env=env)
+@pytest.fixture
+def cli(run_cli_completed, monkeypatch):
+    """The real command through its entry point, in this process, on an 80-column terminal."""
+    monkeypatch.setenv("COLUMNS", "80")
+    return run_cli_completed
 
 
-def compare(a: str, b: str, out, *extra: str) -> subprocess.CompletedProcess:
-    return cli("compare", "--a", a, "--b", b, "--model", "scripted", "--out", str(out), *GRID, *extra)
+@pytest.fixture
+def compare(cli):
+    def run(a: str, b: str, out, *extra: str) -> subprocess.CompletedProcess:
+        return cli("compare", "--a", a, "--b", b, "--model", "scripted", "--out", str(out), *GRID, *extra)
+
+    return run
 
 
-def test_too_few_pairs_shows_both_recalls_and_the_trials_that_would_test_it(scripted_server, tmp_path):
+def test_too_few_pairs_shows_both_recalls_and_the_trials_that_would_test_it(
+    scripted_server, tmp_path, compare
+):
     a = scripted_server(window=100_000)
     b = scripted_server(window=100_000, fault="near_miss", fault_from=300)
     res = compare(a, b, tmp_path / "one", "--trials", "1")
@@ -43,7 +50,7 @@ def test_too_few_pairs_shows_both_recalls_and_the_trials_that_would_test_it(scri
     assert "B 0.50 vs A 1.00 on" in again.stdout
 
 
-def test_failed_requests_are_counted_and_exit_1_never_no_difference(scripted_server, tmp_path):
+def test_failed_requests_are_counted_and_exit_1_never_no_difference(scripted_server, tmp_path, compare):
     a = scripted_server(window=100_000)
     b = scripted_server(window=100_000, die_after=4)  # two preflight chats, then 2 answers, then gone
     res = compare(a, b, tmp_path / "ab", "--trials", "1", "--retry-budget", "1")
@@ -59,7 +66,7 @@ def test_failed_requests_are_counted_and_exit_1_never_no_difference(scripted_ser
     assert f"**Failed requests:** B: {failed} of 6" in (tmp_path / "ab" / "report.md").read_text()
 
 
-def test_all_of_b_failing_is_a_target_failure_not_bad_usage(scripted_server, tmp_path):
+def test_all_of_b_failing_is_a_target_failure_not_bad_usage(scripted_server, tmp_path, compare):
     a = scripted_server(window=100_000)
     b = scripted_server(window=100_000, fail_every=1)  # answers /v1/models, fails every chat with 500
     res = compare(a, b, tmp_path / "ab", "--trials", "1", "--retry-budget", "1")
@@ -67,14 +74,14 @@ def test_all_of_b_failing_is_a_target_failure_not_bad_usage(scripted_server, tmp
     assert "target failed: no case was scored on both sides (B: 6 of 6 requests failed" in res.stderr
 
 
-def test_a_dead_b_is_named_by_its_flag(scripted_server, tmp_path):
+def test_a_dead_b_is_named_by_its_flag(scripted_server, tmp_path, compare):
     a = scripted_server(window=100_000)
     res = compare(a, "http://127.0.0.1:9", tmp_path / "ab", "--trials", "1")
     assert res.returncode == 2
     assert "check --b" in res.stderr and "--base-url" not in res.stderr
 
 
-def test_b_dying_after_the_comparisons_preflight_is_named_by_its_flag(scripted_server, tmp_path):
+def test_b_dying_after_the_comparisons_preflight_is_named_by_its_flag(scripted_server, tmp_path, compare):
     # B answers compare's own preflight chat, then dies on the next chat: its probe's preflight.
     a = scripted_server(window=100_000)
     b = scripted_server(window=100_000, die_after=1)
@@ -85,7 +92,7 @@ def test_b_dying_after_the_comparisons_preflight_is_named_by_its_flag(scripted_s
     assert (tmp_path / "ab" / "a" / "results.sqlite").is_file()  # A was probed in between
 
 
-def test_compare_refuses_a_probe_runs_folder(scripted_server, tmp_path):
+def test_compare_refuses_a_probe_runs_folder(scripted_server, tmp_path, compare, cli):
     a = scripted_server(window=100_000)
     out = tmp_path / "run"
     probe = cli("probe", "--base-url", a, "--model", "scripted", *GRID, "--trials", "1", "--out", str(out))

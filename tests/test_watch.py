@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import logging
 import math
@@ -335,7 +336,7 @@ def test_gpu_gauges_come_from_nvml_per_gpu():
     assert got[("needlescope_gpu_temperature_celsius", "1", "NVIDIA H200")] == 55.0
 
 
-def test_without_nvml_the_gpu_gauges_degrade_to_zero_devices():
+def test_without_nvml_the_gpu_gauges_degrade_to_zero_devices(health):
     class Broken(FakeNvml):
         def nvmlInit(self):
             raise self.NVMLError("NVML Shared Library Not Found")
@@ -350,11 +351,13 @@ def test_without_nvml_the_gpu_gauges_degrade_to_zero_devices():
 # --- health ------------------------------------------------------------------------------------
 
 
-def health(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([*CLI, "health", *args], capture_output=True, text=True, timeout=120)
+@pytest.fixture
+def health(run_cli_completed):
+    """``needlescope health ARGS`` through the real entry point, in this process."""
+    return functools.partial(run_cli_completed, "health")
 
 
-def test_health_reports_each_check_and_exits_by_verdict(scripted_server):
+def test_health_reports_each_check_and_exits_by_verdict(scripted_server, health):
     url = scripted_server(window=300)
     ok = health("--base-url", url + "/v1", "--length", "200")
     assert ok.returncode == 0, ok.stdout + ok.stderr
@@ -386,7 +389,7 @@ def test_health_reports_each_check_and_exits_by_verdict(scripted_server):
     assert failing.returncode == 1 and failing.stdout.splitlines()[1].startswith("fail  chat")
 
 
-def test_health_with_a_model_the_server_does_not_serve_is_bad_usage(scripted_server):
+def test_health_with_a_model_the_server_does_not_serve_is_bad_usage(scripted_server, health):
     """Issue 38 item 3: before, a typo in --model was blamed on the server ("exposes no /tokenize
     endpoint", exit 1, unhealthy); it is the caller's mistake: one line naming the served models,
     exit 2, as the probe says it."""
@@ -454,7 +457,7 @@ def test_a_port_in_use_is_one_line_and_exit_2(run_cli):
 # --- against the organism ----------------------------------------------------------------------
 
 
-def test_health_and_canary_watch_the_organism_and_its_admission_queue():
+def test_health_and_canary_watch_the_organism_and_its_admission_queue(health):
     from needlescope.serve.launch import ServerProcess
 
     args = ["--model", "organism", "--port", "0", "--max-running-requests", "1", "--max-queued-requests", "1"]
