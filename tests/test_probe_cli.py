@@ -19,17 +19,18 @@ CLI = [sys.executable, "-m", "needlescope.cli.main"]
 GRID = ["--lengths", "200,400,800,1600", "--depths", "0,25,50,75,100", "--trials", "2"]
 
 
-def probe(url: str, out: Path, *extra: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [*CLI, "probe", "--base-url", url, "--model", "scripted", "--out", str(out), *extra],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
-    )
+@pytest.fixture
+def probe(run_cli_completed):
+    """``needlescope probe`` of the scripted model through the real entry point, in this process
+    (the SIGKILL and file-size tests below start their own child)."""
+
+    def run(url: str, out: Path, *extra: str) -> subprocess.CompletedProcess:
+        return run_cli_completed("probe", "--base-url", url, "--model", "scripted", "--out", str(out), *extra)
+
+    return run
 
 
-def test_probe_finds_the_scripted_cliff(scripted_server, tmp_path):
+def test_probe_finds_the_scripted_cliff(scripted_server, tmp_path, probe):
     url = scripted_server(window=500)
     res = probe(url + "/v1", tmp_path, *GRID)
     assert res.returncode == 0, res.stderr
@@ -47,7 +48,7 @@ def test_probe_finds_the_scripted_cliff(scripted_server, tmp_path):
 
 
 @pytest.mark.parametrize("kind", ["single", "multikey", "multivalue", "multiturn"])
-def test_exact_lengths_for_each_kind(scripted_server, tmp_path, kind):
+def test_exact_lengths_for_each_kind(scripted_server, tmp_path, kind, probe):
     url = scripted_server(window=10_000)
     res = probe(
         url, tmp_path, "--kind", kind, "--lengths", "300,700", "--depths", "0,50,100", "--trials", "1"
@@ -61,7 +62,7 @@ def test_exact_lengths_for_each_kind(scripted_server, tmp_path, kind):
         assert row["correct"] is True or row["correct"] == 1
 
 
-def test_faults_are_errors_not_misses(scripted_server, tmp_path):
+def test_faults_are_errors_not_misses(scripted_server, tmp_path, probe):
     url = scripted_server(window=10_000, fail_every=3, fail_status=500, garbage_every=7)
     res = probe(url, tmp_path, *GRID, "--kind", "single")
     # Garbage is not retried, so both cases of one cell may draw it (which ones depends on how
@@ -75,7 +76,7 @@ def test_faults_are_errors_not_misses(scripted_server, tmp_path):
     assert sum(c["n"] + c["errors"] for c in cells) == 40
 
 
-def test_sigkill_then_resume_loses_and_duplicates_nothing(scripted_server, tmp_path):
+def test_sigkill_then_resume_loses_and_duplicates_nothing(scripted_server, tmp_path, probe):
     url = scripted_server(window=500, slow_every=1, slow_s=0.15)
     cmd = [
         *CLI,
@@ -113,7 +114,7 @@ def test_sigkill_then_resume_loses_and_duplicates_nothing(scripted_server, tmp_p
     assert len(ids) == 40 and len(set(ids)) == 40
 
 
-def test_bad_inputs_exit_2_with_one_clear_line(scripted_server, tmp_path):
+def test_bad_inputs_exit_2_with_one_clear_line(scripted_server, tmp_path, run_cli_completed):
     url = scripted_server(window=500)
     a_file = tmp_path / "a_file"
     a_file.write_text("not a folder")
@@ -136,9 +137,7 @@ def test_bad_inputs_exit_2_with_one_clear_line(scripted_server, tmp_path):
     ]
     for i, (args, needle) in enumerate(cases):
         out = tmp_path / str(i)
-        res = subprocess.run(
-            [*CLI, "probe", *args, "--out", str(out)], capture_output=True, text=True, timeout=60
-        )
+        res = run_cli_completed("probe", *args, "--out", str(out))
         assert res.returncode == 2, (args, res.stdout, res.stderr)
         assert needle in res.stderr, (args, res.stderr)
         assert "Traceback" not in res.stderr
@@ -153,20 +152,17 @@ def test_bad_inputs_exit_2_with_one_clear_line(scripted_server, tmp_path):
     [("a_file", "is a file, not a folder"), ("a_file/sub", "is a file, so the folder"),
      ("/proc/needlescope-probe-out", "is not writable")],
 )  # fmt: skip
-def test_unwritable_or_clashing_out_exits_2_before_any_request(tmp_path, out, needle):
+def test_unwritable_or_clashing_out_exits_2_before_any_request(tmp_path, out, needle, run_cli_completed):
     (tmp_path / "a_file").write_text("x")
     # The base URL is unreachable: the --out check must come first to be seen at all.
-    res = subprocess.run(
-        [*CLI, "probe", "--base-url", "http://127.0.0.1:9", "--model", "m", "--out", str(tmp_path / out)],
-        capture_output=True,
-        text=True,
-        timeout=60,
+    res = run_cli_completed(
+        "probe", "--base-url", "http://127.0.0.1:9", "--model", "m", "--out", str(tmp_path / out)
     )
     assert res.returncode == 2 and needle in res.stderr, res.stderr
     assert len(res.stderr.strip().splitlines()) == 1 and res.stdout == ""
 
 
-def test_a_rejected_input_leaves_no_store_so_the_corrected_rerun_runs(scripted_server, tmp_path):
+def test_a_rejected_input_leaves_no_store_so_the_corrected_rerun_runs(scripted_server, tmp_path, probe):
     url = scripted_server(window=10_000)
     bad = probe(url, tmp_path, "--lengths", "5", "--depths", "50", "--trials", "1")
     assert bad.returncode == 2 and "shorter than the needle" in bad.stderr
@@ -175,11 +171,11 @@ def test_a_rejected_input_leaves_no_store_so_the_corrected_rerun_runs(scripted_s
     assert good.returncode == 0, good.stderr
 
 
-def test_a_server_that_dies_mid_run_gives_no_data_cells_and_exit_1(scripted_server, tmp_path):
+def test_a_server_that_dies_mid_run_gives_no_data_cells_and_exit_1(scripted_server, tmp_path, probe):
     # Preflight's one-token chat is chat 1; six probe chats succeed, then the process exits.
     url = scripted_server(window=10_000, die_after=7)
     grid = ["--lengths", "200,400,800", "--depths", "0,50", "--trials", "2", "--concurrency", "4"]
-    res = probe(url, tmp_path, *grid, timeout=180)
+    res = probe(url, tmp_path, *grid)
     assert res.returncode == 1, (res.stdout, res.stderr)
     assert "have no scored case" in res.stderr and len(res.stderr.strip().splitlines()) == 1
     summary = json.loads((tmp_path / "summary.json").read_text())
