@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import subprocess
-import sys
+
+import pytest
 
 from needlescope.analysis.paired import Pair, compare_pairs
 from needlescope.cases import CaseSpec, build_cases, score_answer
@@ -14,14 +14,14 @@ from needlescope.report.compare import validate_compare
 from needlescope.run import ResultStore, run_cases
 from needlescope.targets import ChatTarget, ServerTokenCounter
 
-CLI = [sys.executable, "-m", "needlescope.cli.main"]
+
+@pytest.fixture
+def cli(run_cli_completed):
+    """The real command through its entry point, in this process."""
+    return run_cli_completed
 
 
-def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout)
-
-
-def test_compare_detects_a_planted_regression(scripted_server, tmp_path):
+def test_compare_detects_a_planted_regression(scripted_server, tmp_path, cli):
     a = scripted_server()
     b = scripted_server(fault="near_miss", fault_from=400)
     grid = ["--lengths", "200,400,600", "--depths", "0,50,100", "--trials", "3"]
@@ -103,7 +103,7 @@ def test_identical_noisy_servers_false_positive_rate_within_nominal(scripted_ser
     assert positives <= _binom_upper(reps, 0.05, 0.01), positives
 
 
-def test_compare_refuses_runs_with_different_case_sets(scripted_server, tmp_path):
+def test_compare_refuses_runs_with_different_case_sets(scripted_server, tmp_path, cli):
     url = scripted_server()
     grid = ["--lengths", "200", "--depths", "0,100", "--trials", "1"]
     for name, seed in (("x", "0"), ("y", "1")):
