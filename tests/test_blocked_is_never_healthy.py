@@ -10,7 +10,9 @@ import sys
 CLI = [sys.executable, "-m", "needlescope.cli.main"]
 
 
-def test_oracle_with_every_prompt_left_out_measures_nothing_and_says_so(scripted_server, tmp_path):
+def test_oracle_with_every_prompt_left_out_measures_nothing_and_says_so(
+    scripted_server, tmp_path, run_cli_completed
+):
     """``--skip-long-prompts`` against a target whose context holds none of the prompts used to
     write an export of no prompt and exit 0, and ``oracle compare`` (the same ``run.oracle.fit_prompts``)
     called no prompt compared "identical"."""
@@ -20,11 +22,8 @@ def test_oracle_with_every_prompt_left_out_measures_nothing_and_says_so(scripted
     path = tmp_path / "prompts.json"
     path.write_text(json.dumps({"name": "long", "prompts": prompts}))
     out = tmp_path / "export"
-    res = subprocess.run(
-        [*CLI, "oracle", "export", "--base-url", url, "--model", "scripted", "--prompts", str(path),
-         "--skip-long-prompts", "--out", str(out)],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    res = run_cli_completed("oracle", "export", "--base-url", url, "--model", "scripted", "--prompts", str(path),
+                            "--skip-long-prompts", "--out", str(out))  # fmt: skip
     assert res.returncode == 2, res.stdout + res.stderr
     line = res.stderr.strip()
     assert line.startswith("error: every prompt (a, b) is beyond the target's context of 16 tokens"), line

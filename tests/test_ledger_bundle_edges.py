@@ -64,23 +64,9 @@ def test_allow_outside_accepts_a_patch_elsewhere(tmp_path, ledger):
     assert any(s.patch is not None and s.patch.path == outside for s in loaded.suspects)
 
 
-def test_cli_refuses_an_outside_patch_in_one_line(tmp_path, ledger):
+def test_cli_refuses_an_outside_patch_in_one_line(tmp_path, ledger, run_cli_completed):
     _with(ledger, 'patch = "patches/hc_mix_bf16.py"', 'patch = "../../evil.py"')
-    res = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "needlescope.cli.main",
-            "investigate",
-            "run",
-            str(ledger),
-            "--out",
-            str(tmp_path / "o"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    res = run_cli_completed("investigate", "run", str(ledger), "--out", str(tmp_path / "o"))
     assert res.returncode == 2 and "--allow-outside" in res.stderr, res.stderr
     assert len(res.stderr.strip().splitlines()) == 1 and not (tmp_path / "o").exists()
 

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from dataclasses import asdict
 from pathlib import Path
 
@@ -60,15 +58,10 @@ def test_recipe_runs_stages_in_order_casts_to_bf16_and_repeats_bit_for_bit(tmp_p
     assert all(torch.equal(final[k], again[k]) for k in final)
 
 
-def test_cli_without_recipe_flags_refuses_cuda_it_does_not_have(tmp_path):
+def test_cli_without_recipe_flags_refuses_cuda_it_does_not_have(tmp_path, run_cli_completed):
     if torch.cuda.is_available():
         pytest.skip("a GPU is visible")
-    res = subprocess.run(
-        [sys.executable, "-m", "needlescope.cli.main", "organism", "train", "--out", str(tmp_path / "o")],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    res = run_cli_completed("organism", "train", "--out", str(tmp_path / "o"))
     assert res.returncode == 2 and "CUDA is not available" in res.stderr and len(res.stderr.splitlines()) == 1
 
 

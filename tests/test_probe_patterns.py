@@ -9,33 +9,36 @@ plain recall window (a real length cliff), which must keep its length headline a
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
+
+import pytest
 
 from needlescope.report.probe import validate_summary
 
-CLI = [sys.executable, "-m", "needlescope.cli.main"]
 DEPTHS = "0,25,50,75,100"
 
 
-def probe(out: Path, url: str, lengths: str, depths: str, trials: int, *extra: str) -> tuple[dict, str]:
-    res = subprocess.run(
-        [*CLI, "probe", "--base-url", url, "--model", "scripted", "--out", str(out), "--kind", "single",
-         "--lengths", lengths, "--depths", depths, "--trials", str(trials), *extra],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert res.returncode == 0, res.stderr
-    summary = json.loads((out / "summary.json").read_text())
-    validate_summary(summary)
-    return summary, res.stdout
+@pytest.fixture
+def probe(run_cli_completed):
+    """``needlescope probe`` of the scripted model through the real entry point, in this process:
+    (validated summary, stdout)."""
+
+    def run(out: Path, url: str, lengths: str, depths: str, trials: int, *extra: str) -> tuple[dict, str]:
+        res = run_cli_completed("probe", "--base-url", url, "--model", "scripted", "--out", str(out), "--kind", "single",
+                                "--lengths", lengths, "--depths", depths, "--trials", str(trials), *extra)  # fmt: skip
+        assert res.returncode == 0, res.stderr
+        summary = json.loads((out / "summary.json").read_text())
+        validate_summary(summary)
+        return summary, res.stdout
+
+    return run
 
 
 def rows(out: Path) -> dict[str, dict]:
     return {r["case_id"]: r for r in map(json.loads, (out / "results.jsonl").read_text().splitlines())}
 
 
-def test_answers_from_another_request_are_named_with_their_source(scripted_server, tmp_path):
+def test_answers_from_another_request_are_named_with_their_source(scripted_server, tmp_path, probe):
     # A stale cache slot: prompts of 250+ tokens get the previous chat's answer. In prefix-cache order
     # (group by group) each group's first case gets the group before's value: a "length cliff".
     url = scripted_server(fault="stale", fault_from=250)
@@ -60,7 +63,7 @@ def test_answers_from_another_request_are_named_with_their_source(scripted_serve
     assert "## Headline" in report and "source_case=" in report
 
 
-def test_a_dropped_middle_is_lost_in_the_middle_not_just_a_cliff(scripted_server, tmp_path):
+def test_a_dropped_middle_is_lost_in_the_middle_not_just_a_cliff(scripted_server, tmp_path, probe):
     # Prompts over 600 words keep their first and last 300: at 800 tokens depth 50 is gone, at 1600
     # every middle depth; the ends always stay.
     url = scripted_server(truncate_middle=600)
@@ -76,7 +79,7 @@ def test_a_dropped_middle_is_lost_in_the_middle_not_just_a_cliff(scripted_server
     assert "| 50% | 0.333 |" in (tmp_path / "report.md").read_text()
 
 
-def test_a_depth_band_says_depth_not_length_instead_of_no_effective_length(scripted_server, tmp_path):
+def test_a_depth_band_says_depth_not_length_instead_of_no_effective_length(scripted_server, tmp_path, probe):
     url = scripted_server(fault="refusal", fault_depth="40:60")
     summary, stdout = probe(tmp_path, url, "300,600,1200", DEPTHS, 3)
     assert summary["effective_length"] is None  # pooled recall 0.8 at every length, below 0.85
@@ -90,7 +93,7 @@ def test_a_depth_band_says_depth_not_length_instead_of_no_effective_length(scrip
     assert "failures depend on depth, not on length" in stdout and "effective length: none" not in stdout
 
 
-def test_a_plain_recall_window_keeps_its_length_headline(scripted_server, tmp_path):
+def test_a_plain_recall_window_keeps_its_length_headline(scripted_server, tmp_path, probe):
     # Control: a real length cliff (only the last 500 words are seen) names no depth or cross-case pattern.
     url = scripted_server(window=500)
     summary, _ = probe(tmp_path, url, "200,400,800,1600", "0,50,100", 3)

@@ -5,22 +5,27 @@ instead of "the shortest tested length already fails"."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 
-CLI = [sys.executable, "-m", "needlescope.cli.main"]
+import pytest
+
 GRID = ["--kind", "single", "--lengths", "200,400", "--depths", "0,100", "--trials", "1"]
 
 
-def probe(url: str, out, *extra: str) -> subprocess.CompletedProcess:
-    cmd = [*CLI, "probe", "--base-url", url, "--model", "scripted", *GRID, "--out", str(out), *extra]
-    return subprocess.run(
-        cmd, capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "200"}
-    )
+@pytest.fixture
+def probe(run_cli_completed, monkeypatch):
+    """``needlescope probe`` through the real entry point, in this process, on a 200-column terminal."""
+    monkeypatch.setenv("COLUMNS", "200")
+
+    def run(url: str, out, *extra: str) -> subprocess.CompletedProcess:
+        return run_cli_completed(
+            "probe", "--base-url", url, "--model", "scripted", *GRID, "--out", str(out), *extra
+        )
+
+    return run
 
 
-def test_each_thing_is_said_once_and_no_lock_is_left(scripted_server, tmp_path):
+def test_each_thing_is_said_once_and_no_lock_is_left(scripted_server, tmp_path, probe):
     res = probe(scripted_server(window=300), tmp_path / "run")
     assert res.returncode == 0, res.stderr
     assert res.stdout.count("needle values:") == 1
@@ -29,7 +34,7 @@ def test_each_thing_is_said_once_and_no_lock_is_left(scripted_server, tmp_path):
     assert sorted(p.name for p in (tmp_path / "run").iterdir() if "sqlite" in p.name) == ["results.sqlite"]
 
 
-def test_no_scored_case_is_said_as_such(scripted_server, tmp_path):
+def test_no_scored_case_is_said_as_such(scripted_server, tmp_path, probe):
     res = probe(scripted_server(window=100_000, fail_every=1), tmp_path / "run", "--retry-budget", "1")
     assert res.returncode == 1
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
