@@ -7,6 +7,8 @@ from __future__ import annotations
 import base64
 import io
 import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -228,7 +230,7 @@ def test_bad_captures_say_what_is_wrong(tmp_path):
         load_capture(tmp_path / "sglang.json")
 
 
-def test_cli_exits_1_on_an_inexact_capture_and_2_on_bad_input(tmp_path, run_cli_completed):
+def test_cli_exits_1_on_an_inexact_capture_and_2_on_bad_input(tmp_path):
     from needlescope.cli.main import app
 
     logits = np.array([[5, 3, 3, 1], [1, 2, 3, 4]], np.float32)
@@ -241,6 +243,9 @@ def test_cli_exits_1_on_an_inexact_capture_and_2_on_bad_input(tmp_path, run_cli_
     assert res.exit_code == 1 and "row 1: recall 0.6000" in res.output  # (3 + 0) / (3 + 2)
     report = json.loads((tmp_path / "o2" / "topk_audit.json").read_text())
     assert report["rows_inexact"] == 1 and [r["row"] for r in report["worst"]] == [1]
-    proc = run_cli_completed("indexer", "topk-audit", str(tmp_path / "missing.safetensors"))  # through main
+    proc = subprocess.run(
+        [sys.executable, "-m", "needlescope.cli.main", "indexer", "topk-audit", str(tmp_path / "missing.safetensors")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
     assert proc.returncode == 2 and "does not exist" in proc.stderr and "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
