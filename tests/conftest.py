@@ -15,23 +15,6 @@ from pathlib import Path
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _WORKERS > 1:
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _WORKERS)))
-    # A ledger's `threads` (2 unless it says otherwise) or an in-process engine's then asked torch
-    # for more than the share, in both workers at once, and it stayed so for every later test of
-    # that worker: four busy threads on two cores. test_investigate_unnamed's fixture beside one
-    # busy core: 26 s with 2 threads, 13 s with 1 (12.6 s vs 11.8 s alone). So under xdist torch's
-    # intra-op threads stay at most the share; the ledger's value is still what it validates and
-    # records, and a run without -n sets what it asks for.
-    if importlib.util.find_spec("torch") is not None:
-        import torch
-
-        _SHARE = int(os.environ["OMP_NUM_THREADS"])
-        _set_num_threads = torch.set_num_threads
-
-        @functools.wraps(_set_num_threads)
-        def _set_at_most_the_share(n: int) -> None:
-            _set_num_threads(min(n, _SHARE))
-
-        torch.set_num_threads = _set_at_most_the_share
 
 import pytest  # noqa: E402
 
@@ -46,6 +29,24 @@ if os.environ.get("NEEDLESCOPE_KERNEL_SHAPES") != "full":
     import triton_interpreter  # noqa: E402  (tests/: helper calls skip a redundant re-patch)
 
     triton_interpreter.install()
+
+# Under xdist, a ledger's `threads` (2 unless it says otherwise) or an in-process engine's asked
+# torch for more than the share, in both workers at once, and it stayed so for every later test of
+# that worker: four busy threads on two cores. test_investigate_unnamed's fixture beside one
+# busy core: 26 s with 2 threads, 13 s with 1 (12.6 s vs 11.8 s alone). So under xdist torch's
+# intra-op threads stay at most the share; the ledger's value is still what it validates and
+# records, and a run without -n sets what it asks for.
+if _WORKERS > 1 and importlib.util.find_spec("torch") is not None:
+    import torch
+
+    _SHARE = int(os.environ["OMP_NUM_THREADS"])
+    _set_num_threads = torch.set_num_threads
+
+    @functools.wraps(_set_num_threads)
+    def _set_at_most_the_share(n: int) -> None:
+        _set_num_threads(min(n, _SHARE))
+
+    torch.set_num_threads = _set_at_most_the_share
 
 
 @pytest.fixture
