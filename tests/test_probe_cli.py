@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -19,15 +20,15 @@ CLI = [sys.executable, "-m", "needlescope.cli.main"]
 GRID = ["--lengths", "200,400,800,1600", "--depths", "0,25,50,75,100", "--trials", "2"]
 
 
+def run_probe(cli, url: str, out: Path, *extra: str) -> subprocess.CompletedProcess:
+    """``needlescope probe`` of the scripted model through ``cli`` (``run_cli_completed``)."""
+    return cli("probe", "--base-url", url, "--model", "scripted", "--out", str(out), *extra)
+
+
 @pytest.fixture
 def probe(run_cli_completed):
-    """``needlescope probe`` of the scripted model through the real entry point, in this process
-    (the SIGKILL and file-size tests below start their own child)."""
-
-    def run(url: str, out: Path, *extra: str) -> subprocess.CompletedProcess:
-        return run_cli_completed("probe", "--base-url", url, "--model", "scripted", "--out", str(out), *extra)
-
-    return run
+    """``run_probe`` in this process (the SIGKILL and file-size tests below start their own child)."""
+    return functools.partial(run_probe, run_cli_completed)
 
 
 def test_probe_finds_the_scripted_cliff(scripted_server, tmp_path, probe):

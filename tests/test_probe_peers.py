@@ -3,22 +3,29 @@ admission queues, an advertised trained value length. Real CLI, real loopback HT
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
 import pytest
 
 from needlescope.report.probe import validate_summary
-from test_probe_cli import probe
+from test_probe_cli import run_probe
 
 SMALL = ["--lengths", "200,400", "--depths", "0,100", "--trials", "1"]
+
+
+@pytest.fixture
+def probe(run_cli_completed):
+    """The probe CLI in this process, as in tests/test_probe_cli.py."""
+    return functools.partial(run_probe, run_cli_completed)
 
 
 def rows(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
 
 
-def test_the_api_key_reaches_tokenize_and_provenance_and_is_never_written(scripted_server, tmp_path):
+def test_the_api_key_reaches_tokenize_and_provenance_and_is_never_written(scripted_server, tmp_path, probe):
     key = "sk-needlescope-test-7d1f"
     url = scripted_server(api_key=key, trained_value_digits=3)
     res = probe(url, tmp_path, *SMALL, "--api-key", key)
@@ -35,7 +42,7 @@ def test_the_api_key_reaches_tokenize_and_provenance_and_is_never_written(script
 
 @pytest.mark.parametrize("models", ["empty", "error"])
 def test_a_server_whose_model_list_is_empty_or_fails_is_probed_after_a_test_chat(
-    scripted_server, tmp_path, models
+    scripted_server, tmp_path, models, probe
 ):
     url = scripted_server(models=models)
     res = probe(url, tmp_path, *SMALL)
@@ -43,7 +50,7 @@ def test_a_server_whose_model_list_is_empty_or_fails_is_probed_after_a_test_chat
     assert "assumed to be served" in (tmp_path / "report.md").read_text()
 
 
-def test_a_small_admission_queue_is_retried_and_concurrency_adapts(scripted_server, tmp_path):
+def test_a_small_admission_queue_is_retried_and_concurrency_adapts(scripted_server, tmp_path, probe):
     # Seen: 3 of 12 cases became errors after 5 attempts in 4.5 s against a 2-slot queue.
     url = scripted_server(max_concurrent=2, slow_every=1, slow_s=0.05)
     res = probe(url, tmp_path, "--lengths", "200,400", "--depths", "0,50,100", "--trials", "2")
@@ -53,7 +60,7 @@ def test_a_small_admission_queue_is_retried_and_concurrency_adapts(scripted_serv
     assert "rejected" in md and "concurrency adapted down to" in md
 
 
-def test_defaults_take_the_targets_trained_value_length_and_say_so(scripted_server, tmp_path):
+def test_defaults_take_the_targets_trained_value_length_and_say_so(scripted_server, tmp_path, probe):
     url = scripted_server(trained_value_digits=3)
     res = probe(url, tmp_path, *SMALL)
     assert res.returncode == 0, res.stderr
@@ -89,7 +96,7 @@ SCRIPTED_TEMPLATE = (
 )
 
 
-def test_tokenizer_dir_counts_with_its_template_and_agrees_with_the_server(scripted_server, tmp_path):
+def test_tokenizer_dir_counts_with_its_template_and_agrees_with_the_server(scripted_server, tmp_path, probe):
     pytest.importorskip("tokenizers")
     url = scripted_server(no_tokenize=1)
     no_tok = probe(url, tmp_path / "server", *SMALL)
@@ -105,7 +112,7 @@ def test_tokenizer_dir_counts_with_its_template_and_agrees_with_the_server(scrip
         )
 
 
-def test_a_local_count_the_server_disagrees_with_is_flagged(scripted_server, tmp_path):
+def test_a_local_count_the_server_disagrees_with_is_flagged(scripted_server, tmp_path, probe):
     # Seen against transformers serve: every case counted 256, the server said 253, length_mismatches 0.
     pytest.importorskip("tokenizers")
     url = scripted_server(no_tokenize=1)
