@@ -51,6 +51,7 @@ import triton
 from triton.testing import do_bench, do_bench_cudagraph
 
 from needlescope.kernels import (
+    cuda_topk,
     launch,
     occupancy,
     page_keys,
@@ -209,7 +210,7 @@ def decode_cell(cfg: dict, c: dict, kd: str, k: int) -> dict:
     if kd != "fp8_e4m3":
         return res
     res["topk_us"] = med(partial(topk.topk, base, k, zeros, c["lens"]), graph=True)
-    res["topk_method"] = topk.topk_method(*base.shape, k)
+    res["topk_method"] = topk.topk_method(*base.shape, k, cuda=cuda_topk.available())  # as graph-timed
     res["topk_filter_us"] = med(partial(topk.topk, base, k, zeros, c["lens"], method="filter"), graph=True)
     want = topk.topk(base, k, zeros, c["lens"], method="bisect").sort(1).values
     pipelines = {
@@ -473,7 +474,12 @@ def bench_topk(out: dict, quick: bool) -> None:
         xs = [torch.randn(R, L, generator=g, device=DEV) for _ in range(ROTATE)]
         st = torch.zeros(R, dtype=torch.int32, device=DEV)
         en = torch.full((R,), L, dtype=torch.int32, device=DEV)
-        row = {"rows": R, "length": L, "k": k, "method": topk.topk_method(R, L, k)}
+        row = {
+            "rows": R,
+            "length": L,
+            "k": k,
+            "method": topk.topk_method(R, L, k, cuda=cuda_topk.available()),
+        }
         row["default_chunk"], row["default_one_launch"] = triton_radix.radix_plan(R, L, DEV)
         want = topk.topk(xs[0], k, st, en, method="bisect", segment=0).long().sort(1).values
         for name, fn in topk_variants(k, R, L).items():
@@ -668,8 +674,8 @@ def _decode_lines(out: dict) -> list[str]:
 def _topk_lines(out: dict) -> list[str]:
     lines = [
         "| rows | length | k | torch.topk µs | unsplit µs | split µs | best radix µs (bits/chunk) | filter µs (best other setting) "
-        "| default µs (method) | default / torch.topk |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| cuda µs (general path) | default µs (method) | default / torch.topk |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     nan = {"us": float("nan"), "same_set": True}
     for r in out["topk"]:
@@ -681,7 +687,8 @@ def _topk_lines(out: dict) -> list[str]:
         bad = [n for n, v in r.items() if isinstance(v, dict) and not v["same_set"]]
         lines.append(
             f"| {r['rows']} | {r['length']} | {r['k']} | {g('torch.topk'):.1f} | {g('unsplit'):.1f} | {g('split'):.1f} "
-            f"| {g(best):.1f} ({best}) | {g('filter'):.1f} ({g(best_filter):.1f} {best_filter}) | {g('default'):.1f} ({r['method']}, chunk {r['default_chunk']}"
+            f"| {g(best):.1f} ({best}) | {g('filter'):.1f} ({g(best_filter):.1f} {best_filter}) "
+            f"| {g('cuda'):.1f} ({g('cuda/general'):.1f}) | {g('default'):.1f} ({r['method']}, chunk {r['default_chunk']}"
             f"{', one launch' if r.get('default_one_launch') else ''}) "
             f"| {g('default') / g('torch.topk'):.2f} |" + (f" DIFFERENT SETS: {bad}" if bad else "")
         )

@@ -53,7 +53,7 @@ def test_a_wrong_set_is_never_met_and_missing_sections_give_no_line() -> None:
     assert _verdicts(partial) == []
 
 
-RUN = Path(__file__).resolve().parents[1] / "docs" / "perf" / "run-issue40-h100" / "indexer_bench.json"
+RUN = Path(__file__).resolve().parents[1] / "docs" / "perf" / "run-issue40-h100-cuda" / "indexer_bench.json"
 DOC = Path(__file__).resolve().parents[1] / "docs" / "perf" / "indexer.md"
 
 

@@ -65,7 +65,9 @@ def conform_command(
     if "ours" in impl and device == "cpu":
         from needlescope.kernels.topk_impls import GPU_ONLY
 
-        console.print(f"not run on the CPU (CUDA C++, no interpreter): {', '.join('ours:' + n for n in GPU_ONLY)}")
+        console.print(
+            f"not run on the CPU (CUDA C++, no interpreter): {', '.join('ours:' + n for n in GPU_ONLY)}"
+        )
     report = conform(impls, shapes=shapes, device=device, names=case or None, seed=seed, on_case=_line)
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -32,10 +32,16 @@ METHODS = ("radix", "filter", "bisect", "cuda")
 
 
 def topk_method(rows: int, width: int, k: int, cuda: bool | None = None) -> str:
-    """One of ``METHODS`` for a [rows, width] top-k; ``cuda``: whether the CUDA method can run (None:
-    ``cuda_topk.available()``). Where it can, it takes rows of up to ``cuda_topk.FAST_WIDTH``
-    entries with k <= ``cuda_topk.FAST_K`` (its register path): PREDICTED, before its first GPU
-    run, at 5-7 us for 1 x 32K, k = 512 and about the same per row up to 132 rows (one block an SM).
+    """One of ``METHODS`` for a [rows, width] top-k; ``cuda``: whether the CUDA method is a candidate
+    (None: where ``cuda_topk.available()`` and a CUDA graph is being captured: its launch through
+    PyTorch's NVRTC wrapper costs ~270 us of host time a call eager, run 26, which a graph pays once
+    at capture; eager, the Triton methods' ~110 us win). Measured on an H100 (run 26, docs/perf/indexer.md), k = 512 at
+    32K entries a row: the CUDA method 15.6 / 15.8 / 15.9 us at 1 / 32 / 64 rows (one block a row,
+    flat in the rows) against the filter's 23.5 / 33.9 at 32 / 64 rows and the radix select's one
+    launch at 1 row, 12.3 us (11.9 at 256 columns a program). So it takes 5+ rows of 4K-32K
+    entries with k <= 2048: rows 2-4 are not measured; the radix select's single launch still
+    fits them at 512-1024 columns a program (12.3-14.3 us at one row), and from 5 rows it needs
+    2048 columns a program (17.4 us at one row) or several launches.
     Among the Triton methods, measured: one program per
     row wins at 2048 entries (8K-token decode rows: 10-12 us, launch-bound either way; H200, run
     7), so rows of up to 4096 entries take it. At 32-64 rows with k = 512 the filter wins (H100, docs/perf/indexer.md): 32 / 64 x 32K
@@ -46,11 +52,11 @@ def topk_method(rows: int, width: int, k: int, cuda: bool | None = None) -> str:
     from needlescope.kernels import cuda_topk
 
     if cuda is None:
-        cuda = cuda_topk.available()
-    if cuda and width <= cuda_topk.FAST_WIDTH and k <= cuda_topk.FAST_K:
-        return "cuda"
+        cuda = cuda_topk.available() and torch.cuda.is_current_stream_capturing()
     if width <= 4096:
         return "bisect"
+    if cuda and rows >= 5 and width <= cuda_topk.FAST_WIDTH and k <= cuda_topk.FAST_K:
+        return "cuda"
     if rows >= 32 and k <= 512 and width <= 65536:
         return "filter"
     return "radix"
