@@ -38,6 +38,9 @@ def test_cpu_rows_never_default_to_cuda_and_asking_for_it_says_why(monkeypatch) 
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     assert topk_method(8, 5000, 4) != "cuda"  # eager: the launch's host time would dominate
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    monkeypatch.setattr(cuda_topk, "loaded", lambda device: False)
+    assert topk_method(8, 5000, 4) != "cuda"  # a capture never compiles: only what an eager call loaded
+    monkeypatch.setattr(cuda_topk, "loaded", lambda device: True)
     assert topk_method(8, 5000, 4) == "cuda"  # while a graph is captured
     x = torch.randn(8, 5000)
     ends = torch.tensor([5000, 3, 4999, 100, 5000, 5000, 7, 4096], dtype=torch.int32)
@@ -116,4 +119,20 @@ def test_a_captured_graph_replays_the_same_selection() -> None:
     out.fill_(-7)
     graph.replay()
     torch.cuda.synchronize()
+    assert torch.equal(out, _contract_order(x, 512, torch.zeros_like(ends), ends))
+
+
+@pytest.mark.skipif(not GPU, reason="CUDA C++ kernel: needs a GPU")
+def test_an_eager_call_loads_the_kernel_and_a_captured_default_uses_it() -> None:
+    x = torch.randn(8, 32768, device="cuda")
+    ends = torch.full((8,), 32768, dtype=torch.int32, device="cuda")
+    eager = topk(x, 512, None, ends)  # a Triton method eager; compiles the CUDA one for graphs
+    assert cuda_topk.loaded(x.device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        assert topk_method(8, 32768, 512) == "cuda"
+        out = topk(x, 512, None, ends)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out.sort(1).values, eager.sort(1).values)
     assert torch.equal(out, _contract_order(x, 512, torch.zeros_like(ends), ends))

@@ -13,11 +13,12 @@ on it (bench/indexer_gpu.sh, ``conform``).
 
 from __future__ import annotations
 
+import warnings
 from importlib import resources
 
 import torch
 
-__all__ = ["cuda_topk", "available", "FAST_WIDTH", "FAST_K"]
+__all__ = ["cuda_topk", "available", "loaded", "prepare", "FAST_WIDTH", "FAST_K"]
 
 FAST_WIDTH = 32768
 """Rows of at most this many entries keep their keys in registers (1024 threads x 32)."""
@@ -25,17 +26,45 @@ FAST_K = 2048
 """k up to this takes the register path; larger k, longer rows, or a row where more than 4,096
 entries pass the group-max bound take the general path (radix select over the row in memory)."""
 _THREADS = 1024
+_NAMES = ("needlescope_topk_sub2", "needlescope_topk_sub8")
 _KERNELS: dict[tuple[int, str], object] = {}
+_BROKEN: list[str] = []  # why compiling failed once in this process (then ``available`` is False)
 
 
 def available() -> bool:
-    """A CUDA device and PyTorch's NVRTC binding are both present."""
-    return torch.cuda.is_available() and hasattr(torch.cuda, "_compile_kernel")
+    """A CUDA device and PyTorch's NVRTC binding are both present (and compiling has not failed)."""
+    return torch.cuda.is_available() and hasattr(torch.cuda, "_compile_kernel") and not _BROKEN
+
+
+def loaded(device: torch.device) -> bool:
+    """Both kernels are compiled and loaded for ``device`` (so a graph capture can launch them)."""
+    return all((_index(device), name) in _KERNELS for name in _NAMES)
+
+
+def prepare(device: torch.device) -> None:
+    """Compile and load both kernels for ``device`` now, outside any graph capture (loading a module
+    while a stream is captured is not something to rely on). The front calls it from eager calls
+    whose shape the CUDA method takes in graphs. A failure is warned once and turns ``available``
+    off for the process, so the Triton methods keep working."""
+    if not available() or loaded(device) or torch.cuda.is_current_stream_capturing():
+        return
+    try:
+        for name in _NAMES:
+            _kernel(device, name)
+    except Exception as e:  # NVRTC or the driver: reported, and the method is not offered again
+        _BROKEN.append(f"{type(e).__name__}: {e}")
+        warnings.warn(
+            f"needlescope: the CUDA top-k could not be compiled ({_BROKEN[0]}); using Triton", stacklevel=2
+        )
+
+
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def _kernel(device: torch.device, name: str):
     """The compiled kernel ``name`` for ``device``, compiled once a process."""
-    key = (device.index if device.index is not None else torch.cuda.current_device(), name)
+    key = (_index(device), name)
     if key not in _KERNELS:
         src = resources.files("needlescope.kernels").joinpath("cuda_topk.cu").read_text(encoding="utf-8")
         with torch.cuda.device(key[0]):

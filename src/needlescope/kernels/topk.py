@@ -33,7 +33,8 @@ METHODS = ("radix", "filter", "bisect", "cuda")
 
 def topk_method(rows: int, width: int, k: int, cuda: bool | None = None) -> str:
     """One of ``METHODS`` for a [rows, width] top-k; ``cuda``: whether the CUDA method is a candidate
-    (None: where ``cuda_topk.available()`` and a CUDA graph is being captured: its launch through
+    (None: where ``cuda_topk.available()``, a CUDA graph is being captured and the kernels are
+    loaded, which ``topk``'s eager calls of such shapes do beforehand: its launch through
     PyTorch's NVRTC wrapper costs ~270 us of host time a call eager, run 26, which a graph pays once
     at capture; eager, the Triton methods' ~110 us win). Measured on an H100 (run 26, docs/perf/indexer.md), k = 512 at
     32K entries a row: the CUDA method 15.6 / 15.8 / 15.9 us at 1 / 32 / 64 rows (one block a row,
@@ -52,7 +53,11 @@ def topk_method(rows: int, width: int, k: int, cuda: bool | None = None) -> str:
     from needlescope.kernels import cuda_topk
 
     if cuda is None:
-        cuda = cuda_topk.available() and torch.cuda.is_current_stream_capturing()
+        cuda = (
+            cuda_topk.available()
+            and torch.cuda.is_current_stream_capturing()
+            and cuda_topk.loaded(torch.device("cuda"))
+        )
     if width <= 4096:
         return "bisect"
     if cuda and rows >= 5 and width <= cuda_topk.FAST_WIDTH and k <= cuda_topk.FAST_K:
@@ -83,6 +88,10 @@ def topk(
     """
     if method is None:
         method = topk_method(*logits.shape, k, cuda=None if logits.is_cuda else False)
+        if method != "cuda" and logits.is_cuda and topk_method(*logits.shape, k, cuda=True) == "cuda":
+            from needlescope.kernels import cuda_topk
+
+            cuda_topk.prepare(logits.device)  # eager warm-up, so that a graph captured later uses it
     if method == "radix":
         from needlescope.kernels.triton_radix import radix_topk as launcher
     elif method == "filter":
