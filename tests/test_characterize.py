@@ -116,6 +116,34 @@ def test_misaddressed_by_a_constant_shift_and_by_a_page_permutation():
         assert "ranking_uninformative" not in ch["classes"][:1]
 
 
+def test_a_shift_that_agrees_up_to_the_live_references_rounding_is_misaddressed():
+    """Issue 37's GPU table, live route, key_cache_shift2 at 1K/2K: the shifted selection agreed with
+    the reference at Jaccard 0.80 (prefill) and 0.85 (decode) against chance 0.105, because the live
+    reference runs at the reference precision, not the server's; a 0.9 Jaccard bar read it as
+    ranking_uninformative. The recorded layer-1 evidence (docs/investigate_runs/planted_37_device.jsonl)."""
+    common = dict(
+        layer=1, rows=6, chance=0.10540397871899411, needle_visible=60, shift=2, permutation_overlap=0.0
+    )
+    prefill = LayerSelection(
+        path="prefill", overlap=0.1296, shift_overlap=0.8036, needle_reference=14, needle_candidate=18,
+        overlap_without_needle=0.12, **common,
+    )  # fmt: skip
+    decode = LayerSelection(
+        path="decode", overlap=0.1429, shift_overlap=0.8457, needle_reference=44, needle_candidate=27,
+        overlap_without_needle=0.13, **common,
+    )  # fmt: skip
+    ch = characterize(_ev(prefill, decode), LIVE)
+    assert ch["classes"][0] == "misaddressed", ch
+    # a shift that lifts the overlap only to where an unrelated selection sits is not one
+    weak = LayerSelection(**{**decode.__dict__, "shift_overlap": 0.5})
+    assert (
+        "misaddressed"
+        not in characterize(_ev(LayerSelection(**{**prefill.__dict__, "shift_overlap": 0.5}), weak), LIVE)[
+            "classes"
+        ]
+    )
+
+
 def test_positional_bias_at_the_end():
     sel = layer_selection(1, "prefill", _rows(range(112, 128)))
     ch = characterize(_ev(sel, _decode_twin(sel)), CTX)

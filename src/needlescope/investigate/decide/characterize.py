@@ -31,7 +31,9 @@ plus the answer tokens while the decode pass prefills the prompt alone):
 ``decode_only``        every prefill selection agrees with the reference's (normalized overlap
                        >= 0.8), a decode one departs (Jaccard 0.2 below its prefill's)
 ``misaddressed``       a constant shift or a page permutation of the candidate's selection
-                       reproduces the reference's (Jaccard >= 0.9, 0.1 above the plain one's)
+                       agrees with the reference's as a healthy selection does (normalized
+                       overlap >= 0.8, the ``agree`` tolerance for the candidate's own rounding;
+                       Jaccard 0.1 above the plain one's)
 ``needle_excluded``    in the first CSA layer that sees the needle, the candidate keeps at most half
                        the needle entries the reference keeps while the rest of the selection
                        agrees (Jaccard without the needle >= 0.7: the rest loses under 18%)
@@ -92,7 +94,6 @@ RULES = {
     "same_selection": 0.99,  # Jaccard at or above: the selection is the reference's
     "agree": 0.8,  # normalized overlap at or above: agrees up to rounding (the candidate's fp8 keys)
     "decode_drop": 0.2,  # decode_only: the decode overlap this far below the prefill's
-    "moved": 0.9,  # a shifted / permuted selection this close reproduces the reference's
     "moved_gain": 0.1,  # ... and beats the plain Jaccard by at least this
     "needle_kept_at_most": 0.5,  # of the needle entries the reference keeps, in the first CSA layer
     "rest_agrees": 0.7,
@@ -237,8 +238,13 @@ def _fisher_greater(a: int, n1: int, c: int, n2: int) -> float:
     return sum(math.comb(n1, x) * math.comb(n2, m - x) for x in range(a, min(n1, m) + 1)) / denom
 
 
+def _normalized(overlap: float, chance: float) -> float:
+    """(J - J0) / (1 - J0): 0 at chance, 1 for the same selection."""
+    return (overlap - chance) / (1 - chance) if chance < 1 else 1.0
+
+
 def _kappa(sel: LayerSelection) -> float:
-    return (sel.overlap - sel.chance) / (1 - sel.chance) if sel.chance < 1 else 1.0
+    return _normalized(sel.overlap, sel.chance)
 
 
 def _departing(ev: Evidence) -> list[LayerSelection]:
@@ -328,7 +334,10 @@ def _rule_residue(ev: Evidence, ctx: Context) -> dict | None:
 def _rule_misaddressed(ev: Evidence, ctx: Context) -> dict | None:
     for s in sorted(_departing(ev), key=lambda s: s.layer):
         moved = max(s.shift_overlap or 0.0, s.permutation_overlap or 0.0)
-        if moved >= RULES["moved"] and moved - s.overlap >= RULES["moved_gain"]:
+        # The live route's reference runs at the reference's precision, not the server's, so even
+        # the right selection agrees only up to rounding: a 0.9 Jaccard bar missed a shifted key
+        # cache there at 1K/2K (shift overlap 0.80-0.85, chance 0.105; issue 37's GPU table).
+        if _normalized(moved, s.chance) >= RULES["agree"] and moved - s.overlap >= RULES["moved_gain"]:
             how = (
                 "a page permutation" if (s.permutation_overlap or 0) >= (s.shift_overlap or 0) else "a shift"
             )
@@ -341,7 +350,8 @@ def _rule_misaddressed(ev: Evidence, ctx: Context) -> dict | None:
                 "shift_overlap": s.shift_overlap,
                 "permutation_overlap": s.permutation_overlap,
                 "chance": s.chance,
-                "null": f"no shift or page permutation reaches Jaccard {RULES['moved']}",
+                "normalized": _normalized(moved, s.chance),
+                "null": f"no shift or page permutation reaches normalized overlap {RULES['agree']}",
             }
     return None
 
