@@ -6,6 +6,13 @@ from __future__ import annotations
 from pathlib import Path
 
 
+def live_suspect(
+    sid: str, hypothesis: str, mapping: str, *, tier: int = 1, checks: str = '["live_emulation"]'
+) -> list[str]:
+    """One suspect's lines after ``[[suspects]]``; ``mapping`` its ``patch = ...`` or ``setting = ...`` line."""
+    return [f'id = "{sid}"', f"tier = {tier}", f'hypothesis = "{hypothesis}"', mapping, f"checks = {checks}"]
+
+
 def write_live_ledger(
     directory: Path,
     url: str,

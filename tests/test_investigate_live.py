@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from live_ledgers import write_live_ledger
+from live_ledgers import live_suspect, write_live_ledger
 from needlescope.investigate.run import run_investigation
 
 pytest.importorskip("torch")
@@ -25,7 +25,7 @@ SUSPECTS = {
 
 def live_ledger(directory, url: str, *, checks: str = '["live_emulation"]') -> str:
     suspects = [
-        [f'id = "{sid}"', f"tier = {1 + i // 2}", f'hypothesis = "{sid}"', mapping, f"checks = {checks}"]
+        live_suspect(sid, sid, mapping, tier=1 + i // 2, checks=checks)
         for i, (sid, mapping) in enumerate(SUSPECTS.items())
     ]
     return write_live_ledger(

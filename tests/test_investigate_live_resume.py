@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from live_ledgers import write_live_ledger
+from live_ledgers import live_suspect, write_live_ledger
 from needlescope.errors import BadInput
 from needlescope.investigate.measure.server_identity import check_same_server, resume_text
 
@@ -23,15 +23,9 @@ CASES = 4
 
 
 def _ledger(directory, url: str):
-    suspect = [
-        'id = "index_topk"',
-        "tier = 1",
-        'hypothesis = "top-16 drops the needle"',
-        'setting = "topk=16"',
-    ]
     return write_live_ledger(
         directory, url, lengths="[256]", depths="[0, 33, 67, 100]", trials=1, max_new_tokens=4,
-        suspects=[[*suspect, 'checks = ["live_emulation"]']],
+        suspects=[live_suspect("index_topk", "top-16 drops the needle", 'setting = "topk=16"')],
     )  # fmt: skip
 
 

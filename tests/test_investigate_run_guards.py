@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from live_ledgers import write_live_ledger
+from live_ledgers import live_suspect, write_live_ledger
 from needlescope.errors import BadInput
 from needlescope.investigate.ledger.example import EXAMPLE_LEDGER, write_example
 from needlescope.investigate.ledger.ledger import load_ledger
@@ -49,15 +49,9 @@ def _blocked_ledger(tmp_path: Path) -> Path:
 
 
 def _live_ledger(directory: Path, url: str) -> Path:
-    suspect = [
-        'id = "page_table"',
-        "tier = 1",
-        'hypothesis = "the page table"',
-        'patch = "fault:indexer_page_table"',
-    ]
     return write_live_ledger(
         directory, url, lengths="[512]", depths="[0, 100]", trials=1, max_new_tokens=4,
-        suspects=[[*suspect, 'checks = ["live_emulation"]']],
+        suspects=[live_suspect("page_table", "the page table", 'patch = "fault:indexer_page_table"')],
     )  # fmt: skip
 
 
