@@ -26,8 +26,8 @@ from needlescope.investigate.ledger.plan import Config  # noqa: E402
 from needlescope.investigate.measure.records import case_record, final_logits, measure_cases  # noqa: E402
 from needlescope.setting import Setting  # noqa: E402
 
-# Below the organism's 1,000 entries at 4K, so the top-k is a real selection.
-SETTING = Setting(index_topk=256)
+# Below the organism's 500 entries at 2K, so the top-k is a real selection.
+SETTING = Setting(index_topk=128)
 
 
 @pytest.fixture(scope="module")
@@ -44,18 +44,18 @@ def organism64():
 
 
 @pytest.fixture(scope="module")
-def dumps_4k(organism64):
-    """The 4K rank dump with greedy answer, one pass and in 1K chunks (four chunks, 1,000 entries
-    for a top-256), with their captures."""
+def dumps_2k(organism64):
+    """The 2K rank dump with greedy answer, one pass and in 512-token chunks (four chunks, 500
+    entries for a top-128), with their captures."""
     model, tok, path = organism64
 
     def count(msgs):
         return len(render_prompt(tok, msgs).input_ids)
 
-    spec = CaseSpec("single", (4000,), (30.0,), 1, 11, value_digits=trained_value_digits(path))
+    spec = CaseSpec("single", (2000,), (30.0,), 1, 11, value_digits=trained_value_digits(path))
     case = build_cases(spec, count)[0]
     out = {"case": case}
-    for chunk in (None, 1024):
+    for chunk in (None, 512):
         capture = IndexerCapture(keep_scores=True)
         with torch.no_grad(), emulate(model, SETTING, capture=capture):
             dump = rank_dump(
@@ -73,22 +73,22 @@ def dumps_4k(organism64):
     return out
 
 
-def test_chunked_rank_dump_equals_one_pass_token_for_token_and_rank_for_rank(dumps_4k):
-    one, chunked = dumps_4k[None][0], dumps_4k[1024][0]
+def test_chunked_rank_dump_equals_one_pass_token_for_token_and_rank_for_rank(dumps_2k):
+    one, chunked = dumps_2k[None][0], dumps_2k[512][0]
     validate_rankdump(chunked)
-    assert one["prompt_tokens"] > 3900
+    assert one["prompt_tokens"] > 1900
     assert chunked["generated_tokens"] == one["generated_tokens"] and one["generated_tokens"]
     assert chunked["layers"] == one["layers"]  # every rank, tie count, score, margin and selection
     assert any(p["best_rank"] > 1 for layer in one["layers"] for p in layer["positions"])
 
 
-def test_measure_records_of_a_chunked_run_equal_the_one_pass_records(dumps_4k, organism64):
+def test_measure_records_of_a_chunked_run_equal_the_one_pass_records(dumps_2k, organism64):
     """``investigate.measure.records`` builds its record from the generated tokens and the capture; both
-    come out of the 4K runs identical, at the first answer token and at a decode step."""
+    come out of the 2K runs identical, at the first answer token and at a decode step."""
     _, tok, _ = organism64
-    case = dumps_4k["case"]
+    case = dumps_2k["case"]
     prompt = render_prompt(tok, case.messages)
-    tokens, k = dumps_4k[None][0]["generated_tokens"], SETTING.index_topk
+    tokens, k = dumps_2k[None][0]["generated_tokens"], SETTING.index_topk
     answer = tok.decode([t for t in tokens if t != tok.eos_token_id], skip_special_tokens=True).strip()
     # the same answer scored against a value differing in its last digit: analysed at a decode step
     wrong = answer[:-1] + str((int(answer[-1]) + 1) % 10)
@@ -98,7 +98,7 @@ def test_measure_records_of_a_chunked_run_equal_the_one_pass_records(dumps_4k, o
             case_record(
                 c, prompt, dump["generated_tokens"], tok, cap, cap.layers(), 0, k, dump["compress_ratio"]
             )
-            for dump, cap in (dumps_4k[None], dumps_4k[1024])
+            for dump, cap in (dumps_2k[None], dumps_2k[512])
         )
         assert chunked == one
         assert one["layers"] and all(ly["visible"] > k for ly in one["layers"])
@@ -123,9 +123,9 @@ def test_measure_cases_and_final_logits_in_chunks_equal_one_pass(organism64):
     torch.testing.assert_close(logits[1], logits[0], rtol=0, atol=1e-9)
 
 
-def test_chunked_capture_has_the_one_pass_topk_rows_and_scores(dumps_4k):
-    one, chunked = dumps_4k[None][1], dumps_4k[1024][1]
-    assert len(chunked.calls) > len(one.calls)  # 8 chunks and the decode steps, per layer
+def test_chunked_capture_has_the_one_pass_topk_rows_and_scores(dumps_2k):
+    one, chunked = dumps_2k[None][1], dumps_2k[512][1]
+    assert len(chunked.calls) > len(one.calls)  # 4 chunks and the decode steps, per layer
     for layer in one.layers():
         pos1, rows1 = one.rows(layer, width=SETTING.index_topk)
         pos2, rows2 = chunked.rows(layer, width=SETTING.index_topk)
