@@ -68,6 +68,18 @@ def scripted_server():
         server.stop()
 
 
+@pytest.fixture(scope="session")
+def organism_server():
+    """Factory: ``organism_server(*flags)`` -> "http://127.0.0.1:PORT" of ``needlescope serve
+    --model organism --port 0 *flags``, started once per worker for each set of flags and shared
+    by the files asking for the same flags (``shared_servers``); all are stopped at the end."""
+    from shared_servers import SharedOrganismServers
+
+    servers = SharedOrganismServers()
+    yield servers.get
+    servers.stop()
+
+
 @pytest.fixture
 def run_cli(monkeypatch, capsys):
     """``run_cli("indexer", "diff", ...)``: the real ``needlescope`` entry point in-process.

@@ -3,50 +3,19 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-
-from needlescope.serve.launch import ServerProcess
 
 DEPLOYMENT = ["--patch", "fault:indexer_page_table", "--index-k", "fp8_e4m3", "--index-topk", "64"]
 
 
-def test_compare_finds_the_page_table_fault_on_the_organism(tmp_path):
-    with (
-        ServerProcess(["--model", "organism", "--port", "0"]) as ref,
-        ServerProcess(["--model", "organism", "--port", "0", *DEPLOYMENT]) as dep,
-    ):
-        res = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "needlescope.cli.main",
-                "compare",
-                "--a",
-                ref.url,
-                "--b",
-                dep.url,
-                "--model",
-                "organism",
-                "--kind",
-                "multiturn",
-                "--lengths",
-                "1024",
-                "--depths",
-                "0,25,50,75,100",
-                "--trials",
-                "2",
-                "--value-digits",
-                "3",
-                "--concurrency",
-                "4",
-                "--out",
-                str(tmp_path),
-            ],
-            capture_output=True,
-            text=True,
-            timeout=900,
-        )
+def test_compare_finds_the_page_table_fault_on_the_organism(tmp_path, organism_server, run_cli_completed):
+    # The real entry point in this process (a child spent seconds importing torch first); the
+    # two servers are children, shared with the other files serving the same flags.
+    ref, dep = organism_server(), organism_server(*DEPLOYMENT)
+    res = run_cli_completed(
+        "compare", "--a", ref, "--b", dep, "--model", "organism", "--kind", "multiturn",
+        "--lengths", "1024", "--depths", "0,25,50,75,100", "--trials", "2", "--value-digits", "3",
+        "--concurrency", "4", "--out", str(tmp_path),
+    )  # fmt: skip
     assert res.returncode == 0, res.stderr
     compare = json.loads((tmp_path / "compare.json").read_text())
     (bucket,) = compare["buckets"]

@@ -185,11 +185,8 @@ def test_health_takes_the_advertised_value_length_and_refuses_a_length_beyond_th
 
 
 @pytest.fixture(scope="module")
-def organism():
-    from needlescope.serve.launch import ServerProcess
-
-    with ServerProcess(["--model", "organism", "--port", "0"], timeout=300) as srv:
-        yield srv.url
+def organism(organism_server):
+    return organism_server()  # shared with the other files serving the plain organism
 
 
 def test_engine_state_takes_the_value_length_and_refuses_long_lengths(organism, tmp_path, cli):

@@ -1,9 +1,10 @@
 """The graded signal end to end: real organism servers, the real probe, store and compare.
 
-One module-scoped set of servers keeps this file to three organism starts; every run is tiny (one
-length, 8 cases). Side A is the reference numerics at the deployment's top-16 (fp32 keys), so
-the fp8 comparison isolates key precision: at the checkpoint's top-2048 every entry up to 8K
-tokens is selected and index-key precision cannot move anything (docs/graded.md).
+One module-scoped set of servers keeps this file to three organism starts (the fault's is
+shared with test_compare_organism); every run is tiny (one length, 8 cases). Side A is the
+reference numerics at the deployment's top-16 (fp32 keys), so the fp8 comparison isolates key
+precision: at the checkpoint's top-2048 every entry up to 8K tokens is selected and index-key
+precision cannot move anything (docs/graded.md).
 """
 
 from __future__ import annotations
@@ -33,17 +34,19 @@ FP8 = ["--index-k", "fp8_e4m3", "--index-topk", "16"]
 
 
 @pytest.fixture(scope="module")
-def organism():
+def organism(organism_server):
     servers = {
         "ref": ServerProcess(["--model", "organism", "--port", "0", *REF]),
-        "fault": ServerProcess(["--model", "organism", "--port", "0", *FAULT]),
         "fp8": ServerProcess(["--model", "organism", "--port", "0", *FP8]),
     }
     try:
-        # Started side by side: each start is mostly the child's own imports and model load.
-        with ThreadPoolExecutor(len(servers)) as pool:
+        # Started side by side: each start is mostly the child's own imports and model load. The
+        # fault's server is shared with test_compare_organism's deployment (the same flags).
+        with ThreadPoolExecutor(len(servers) + 1) as pool:
+            fault = pool.submit(organism_server, *FAULT)
             list(pool.map(ServerProcess.start, servers.values()))
-        yield {name: s.url for name, s in servers.items()}
+            urls = {"fault": fault.result(), **{name: s.url for name, s in servers.items()}}
+        yield urls
     finally:
         for s in servers.values():
             s.stop()

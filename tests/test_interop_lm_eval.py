@@ -22,7 +22,6 @@ import pytest
 
 from needlescope.cases.assemble import CaseSpec, build_cases
 from needlescope.cases.scoring import score_answer
-from needlescope.serve.launch import ServerProcess
 
 lm_eval = pytest.importorskip("lm_eval")  # in the dev extra; `make` installs it
 datasets = pytest.importorskip("datasets")
@@ -42,9 +41,8 @@ def offline():
 
 
 @pytest.fixture(scope="module")
-def server():
-    with ServerProcess(["--model", "organism", "--port", "0", "--max-new-tokens", "16"], timeout=300) as srv:
-        yield srv
+def server(organism_server):
+    return organism_server("--max-new-tokens", "16")  # shared with test_interop_ruler.py
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +98,7 @@ def _evaluate(server, model: str, path: str, task: dict, **model_args) -> float:
         model=model,
         model_args={
             "model": "organism",
-            "base_url": server.url + path,
+            "base_url": server + path,
             "num_concurrent": 1,
             "max_retries": 1,
             **model_args,

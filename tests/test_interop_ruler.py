@@ -20,8 +20,6 @@ from pathlib import Path
 
 import pytest
 
-from needlescope.serve.launch import ServerProcess
-
 lm_eval = pytest.importorskip("lm_eval")
 pytest.importorskip("wonderwords")  # lm-eval[ruler]
 nltk = pytest.importorskip("nltk")
@@ -52,9 +50,8 @@ def offline(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server():
-    with ServerProcess(["--model", "organism", "--port", "0", "--max-new-tokens", "16"], timeout=300) as srv:
-        yield srv
+def server(organism_server):
+    return organism_server("--max-new-tokens", "16")  # shared with test_interop_lm_eval.py
 
 
 def test_ruler_niah_single_1_scores_the_organism(offline, server, monkeypatch):
@@ -72,7 +69,7 @@ def test_ruler_niah_single_1_scores_the_organism(offline, server, monkeypatch):
     res = lm_eval.simple_evaluate(
         model="local-completions",
         model_args=(
-            f"model=organism,base_url={server.url}/v1/completions,tokenizer={WEIGHTS},"
+            f"model=organism,base_url={server}/v1/completions,tokenizer={WEIGHTS},"
             "tokenizer_backend=huggingface,tokenized_requests=True,num_concurrent=1,max_retries=1"
         ),
         tasks=["niah_single_1_organism"],

@@ -44,16 +44,19 @@ def _stdlib_server(answer):
 
 
 @pytest.fixture(scope="module")
-def servers():
+def servers(organism_server):
+    """The plain organism (shared with the other files serving it), one with a prefix cache (this
+    file's own: its tests count cached tokens) and the planted fault."""
     procs = {
-        "ref": ServerProcess(["--model", "organism", "--port", "0"]),
         "cached": ServerProcess(["--model", "organism", "--port", "0", "--prefix-cache-mib", "16"]),
         "fault": ServerProcess(["--model", "organism", "--port", "0", *FAULT]),
     }
-    with ThreadPoolExecutor(3) as pool:
-        list(pool.map(lambda p: p.start(), procs.values()))
     try:
-        yield {k: p.url for k, p in procs.items()}
+        with ThreadPoolExecutor(3) as pool:
+            ref = pool.submit(organism_server)
+            list(pool.map(lambda p: p.start(), procs.values()))
+            urls = {"ref": ref.result(), **{k: p.url for k, p in procs.items()}}
+        yield urls
     finally:
         for p in procs.values():
             p.stop()

@@ -60,24 +60,18 @@ def test_every_readme_command_is_run_or_listed():
 
 
 @pytest.fixture(scope="module")
-def servers():
-    """The README's two servers, started from its own serve lines on free ports."""
-    from needlescope.serve.launch import ServerProcess
-
+def servers(organism_server):
+    """The README's two servers, started from its own serve lines on free ports (the plain one is
+    shared with the other files serving the organism with the same flags)."""
     serves = [shlex.split(c)[2:] for c in readme_commands() if c.startswith(".venv/bin/needlescope serve")]
     assert len(serves) == 2, serves
-    started, urls = [], {}
-    try:
-        for args in serves:
-            port = args[args.index("--port") + 1] if "--port" in args else "8000"
-            args = [a for i, a in enumerate(args) if a != "--port" and (i == 0 or args[i - 1] != "--port")]
-            server = ServerProcess([*args, "--port", "0"], timeout=300)
-            started.append(server.start())
-            urls[port] = server.url
-        yield urls
-    finally:
-        for server in started:
-            server.stop()
+    urls = {}
+    for args in serves:
+        port = args[args.index("--port") + 1] if "--port" in args else "8000"
+        args = [a for i, a in enumerate(args) if a != "--port" and (i == 0 or args[i - 1] != "--port")]
+        assert args[:2] == ["--model", "organism"], args
+        urls[port] = organism_server(*args[2:])
+    return urls
 
 
 def _rewrite(command: str, urls: dict[str, str]) -> list[str]:
