@@ -69,8 +69,10 @@ deps:
 		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 		$$SUDO apt-get update -qq && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(DEB_PACKAGES); }
 
+# Two workers, each taking whole test files, longest first (tests/schedule.py): a file's module
+# fixtures (servers, reference runs) are built once, and the two workers end together.
 test: $(STAMP) deps lint
-	PYTHONPATH=$(CURDIR)/src HF_HUB_OFFLINE=1 $(BIN)/pytest -q -n 2 --dist worksteal --durations=25 tests
+	PYTHONPATH=$(CURDIR)/src HF_HUB_OFFLINE=1 $(BIN)/pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=25 tests
 
 # Deletes the virtual environment and mutation-out/ (both ours); demo-out/ holds your ledger and
 # is left for you to delete.

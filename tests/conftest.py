@@ -49,6 +49,14 @@ if _WORKERS > 1 and importlib.util.find_spec("torch") is not None:
     torch.set_num_threads = _set_at_most_the_share
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items):
+    """Longest files first (``schedule``): `make test`'s workers take whole files in this order."""
+    from schedule import load_seconds, longest_files_first
+
+    items[:] = longest_files_first(items, load_seconds())
+
+
 @pytest.fixture
 def scripted_server():
     """Factory: ``scripted_server(window=500, fail_every=3, ...)`` -> "http://127.0.0.1:PORT".
