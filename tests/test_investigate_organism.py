@@ -213,10 +213,12 @@ def _interrupted_run(cmd: list[str], cand: Path) -> tuple[list[str], int, str]:
     return [json.loads(x)["case_id"] for x in cand.read_text().splitlines()], proc.returncode, stderr
 
 
-def test_interrupt_and_resume(tmp_path, reference_records, page_table_out):
+def test_interrupt_and_resume(tmp_path, reference_records, page_table_out, run_cli_completed):
     """A real ``needlescope investigate run`` interrupted (Ctrl-C) mid-measurement says what it
     saved and how to go on, exits 130, and resumes without losing or repeating a case, to the
-    verdicts of an uninterrupted run (``page_table_out``: the same ledger, in-process)."""
+    verdicts of an uninterrupted run (``page_table_out``: the same ledger, in-process). The
+    resuming command runs through the same entry point in this process (a child spent seconds
+    importing torch first)."""
     ledger = plant_ledger(tmp_path, "page_table")
     out = tmp_path / "out"
     _seed_reference(out, reference_records)
@@ -230,7 +232,7 @@ def test_interrupt_and_resume(tmp_path, reference_records, page_table_out):
     assert f"interrupted: {saved} measured cases saved in {out / 'measure'}; {again}" in stderr, stderr
     state = json.loads((out / "state.json").read_text())
     assert state["done"]["questions"] is True
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    done = run_cli_completed(*cmd[3:])
     assert done.returncode == 0, done.stderr[-2000:]
     after = [json.loads(x)["case_id"] for x in cand.read_text().splitlines()]
     assert after[: len(before)] == before and len(after) == len(set(after)) == 20
