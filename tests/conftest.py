@@ -136,8 +136,9 @@ def run_cli_completed(run_cli):
 def built_once(tmp_path_factory):
     """Factory: ``built_once(name, build)`` -> a directory that ``build(directory)`` filled once
     for the whole test run, whichever xdist worker asked first; a worker asking meanwhile waits
-    for it. For a module fixture that xdist's work stealing would otherwise compute again in the
-    other worker, when a module's tests land in both. Callers only read the directory."""
+    for it. For a module fixture that xdist would otherwise compute again in the other worker
+    when a module's tests land in both (`make test` hands out whole files, but a plain
+    ``pytest -n 2`` splits them). Callers only read the directory."""
     import fcntl
     import shutil
 
