@@ -28,9 +28,11 @@ class SharedOrganismServers:
 
     def get(self, *flags: str) -> str:
         with self._lock:
-            if flags in self._running:
+            server = self._running.get(flags)
+            if server is not None and server.proc.poll() is None:
                 self._running.move_to_end(flags)
-                return self._running[flags].url
+                return server.url
+            self._running.pop(flags, None)  # one that died under an earlier test is started again
             while len(self._running) >= self.alive:
                 self._running.popitem(last=False)[1].stop()
             server = ServerProcess(["--model", "organism", "--port", "0", *flags], timeout=self.timeout)
