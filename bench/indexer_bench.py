@@ -445,9 +445,11 @@ def topk_variants(k: int, rows: int, length: int) -> dict:
         "split": lambda x, st, en: tk(x, k, st, en, method="bisect"),
         "default": lambda x, st, en: tk(x, k, st, en),
         "filter": lambda x, st, en: tk(x, k, st, en, method="filter"),
-        "cuda": lambda x, st, en: tk(x, k, st, en, method="cuda"),
-        "cuda/general": lambda x, st, en: tk(x, k, st, en, method="cuda", general=True),
+        "cuda": lambda x, st, en: tk(x, k, st, en, method="cuda", path="block"),
+        "cuda/general": lambda x, st, en: tk(x, k, st, en, method="cuda", path="general"),
     }
+    if length <= cuda_topk.CLUSTER_WIDTH and cuda_topk.clusters(DEV):
+        v["cuda/cluster"] = lambda x, st, en: tk(x, k, st, en, method="cuda", path="cluster")
     for warps, ch in ((4, None), (16, None), (8, 2048), (8, 1024)):
         v[f"filter/w{warps}/{ch or 'default'}"] = lambda x, st, en, nw=warps, c=ch: tk(
             x, k, st, en, method="filter", num_warps=nw, block=c
@@ -672,10 +674,13 @@ def _decode_lines(out: dict) -> list[str]:
 
 
 def _topk_lines(out: dict) -> list[str]:
+    cluster = any("cuda/cluster" in r for r in out["topk"])  # runs before 27 have no such column
     lines = [
         "| rows | length | k | torch.topk µs | unsplit µs | split µs | best radix µs (bits/chunk) | filter µs (best other setting) "
-        "| cuda µs (general path) | default µs (method) | default / torch.topk |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| cuda µs (general path) |"
+        + (" cuda cluster µs |" if cluster else "")
+        + " default µs (method) | default / torch.topk |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if cluster else ""),
     ]
     nan = {"us": float("nan"), "same_set": True}
     for r in out["topk"]:
@@ -688,7 +693,9 @@ def _topk_lines(out: dict) -> list[str]:
         lines.append(
             f"| {r['rows']} | {r['length']} | {r['k']} | {g('torch.topk'):.1f} | {g('unsplit'):.1f} | {g('split'):.1f} "
             f"| {g(best):.1f} ({best}) | {g('filter'):.1f} ({g(best_filter):.1f} {best_filter}) "
-            f"| {g('cuda'):.1f} ({g('cuda/general'):.1f}) | {g('default'):.1f} ({r['method']}, chunk {r['default_chunk']}"
+            f"| {g('cuda'):.1f} ({g('cuda/general'):.1f}) |"
+            + (f" {g('cuda/cluster'):.1f} |" if cluster else "")
+            + f" {g('default'):.1f} ({r['method']}, chunk {r['default_chunk']}"
             f"{', one launch' if r.get('default_one_launch') else ''}) "
             f"| {g('default') / g('torch.topk'):.2f} |" + (f" DIFFERENT SETS: {bad}" if bad else "")
         )

@@ -47,14 +47,20 @@ __device__ __forceinline__ unsigned lanemask_lt() {
     return m;
 }
 
+// Inclusive scan of one int a lane over the warp.
+__device__ __forceinline__ int warp_inclusive_scan(int v) {
+    const int lane = threadIdx.x & 31;
+    for (int d = 1; d < 32; d <<= 1) {
+        int y = __shfl_up_sync(FULL, v, d);
+        if (lane >= d) v += y;
+    }
+    return v;
+}
+
 // Exclusive scan of one int a thread over the block; *total gets the sum. Ends with a barrier.
 __device__ int block_scan(int v, Smem& s, int* total) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    int incl = v;
-    for (int d = 1; d < 32; d <<= 1) {
-        int y = __shfl_up_sync(FULL, incl, d);
-        if (lane >= d) incl += y;
-    }
+    int incl = warp_inclusive_scan(v);
     if (lane == 31) s.wsum[warp] = incl;
     __syncthreads();
     if (warp == 0) {
@@ -289,6 +295,14 @@ __device__ void fast_path(const float* row, int st, int n, int k, int* out, Smem
     emit(at, total, kth, take_eq, k, out, s);
 }
 
+// Row r's entries [*st, *st + n) (the contract's clamping of starts and ends to [0, width]); returns n.
+__device__ __forceinline__ int row_range(const int* starts, int has_starts, const int* ends, int width, int r,
+                                         int* st) {
+    int en = min(max(ends[r], 0), width);
+    *st = has_starts ? min(max(starts[r], 0), width) : 0;
+    return max(en, *st) - *st;
+}
+
 template <int SUB>
 __device__ void topk_rows(const float* logits, int stride, const int* starts, int has_starts,
                           const int* ends, int width, int k, int* out, int force_general) {
@@ -296,10 +310,8 @@ __device__ void topk_rows(const float* logits, int stride, const int* starts, in
     const int r = blockIdx.x;
     const float* row = logits + (long long)r * stride;
     int* orow = out + (long long)r * k;
-    int en = min(max(ends[r], 0), width);
-    int st = has_starts ? min(max(starts[r], 0), width) : 0;
-    en = max(en, st);
-    const int n = en - st;
+    int st;
+    const int n = row_range(starts, has_starts, ends, width, r, &st);
     if (n <= k) {  // the whole range, in order, then -1
         for (int c = threadIdx.x; c < k; c += THREADS) orow[c] = c < n ? st + c : -1;
         return;
@@ -325,3 +337,205 @@ extern "C" __global__ void __launch_bounds__(THREADS)
                           const int* ends, int width, int k, int* out, int force_general) {
     topk_rows<8>(logits, stride, starts, has_starts, ends, width, k, out, force_general);
 }
+
+// ---------------------------------------------------------------------------------------------
+// Cluster path: one row split over a cluster of CL thread blocks (H100's thread block clusters,
+// sm_90), each block holding CHUNK = NT * IT of the row's entries in registers. A single block
+// reads a 32K row at one SM's share of the memory system and walks a chain of ~35 barriers;
+// eight blocks read it eight times as fast and each barrier has fewer threads. The blocks meet in
+// a cluster barrier once per radix pass and read each other's 256-bin histograms through
+// distributed shared memory (every block then finds the same digit), so the select is the plain
+// MSD radix select over the whole row: 8-bit digits from the top, stopping early at a digit that
+// holds the k-th largest key alone (its digit's key is then the k-th key). The output is written
+// in index order: per block counts exchanged once more, then a block scan over (item, warp) slots.
+
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900  // clusters: sm_90 and later
+
+#define CL 8
+
+__device__ __forceinline__ unsigned cluster_rank() {
+    unsigned r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+}
+
+// Every thread of every block of the cluster; orders shared-memory writes before it for all.
+__device__ __forceinline__ void cluster_sync() {
+    __syncwarp();  // the barrier's .aligned form wants each warp converged
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::
+                     : "memory");
+}
+
+// p's int in the shared memory of cluster block `rank` (the same variable in that block).
+__device__ __forceinline__ int ld_cluster(const int* p, unsigned rank) {
+    unsigned local, remote;
+    int v;
+    asm volatile("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(local) : "l"(p));
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
+    asm volatile("ld.shared::cluster.u32 %0, [%1];" : "=r"(v) : "r"(remote) : "memory");
+    return v;
+}
+
+struct ClusterSmem {
+    int hist[2][256];   // this block's digit counts, by pass parity (read by the whole cluster)
+    int slot[256];      // (item, warp) counts, then their exclusive offsets (CHUNK / 32 used)
+    int totals[2];      // this block's entries above the cut and equal to it (read by the cluster)
+    int lane_sum[32];
+    int bin, above, in_bin, base_gt, base_eq;
+};
+
+// After the cluster barrier of a pass: the cluster's count of each digit, the digit of the
+// krem-th largest key (s.bin), the count above it (s.above) and in it (s.in_bin); clears the
+// other parity's histogram, which every block finished reading before this pass's barrier.
+template <int NT>
+__device__ void cluster_find_bin(ClusterSmem& s, int buf, int krem, int* g) {
+    const int t = threadIdx.x;
+    for (int b = t; b < 256; b += NT) {
+        int sum = 0;
+#pragma unroll
+        for (unsigned c = 0; c < CL; ++c) sum += ld_cluster(&s.hist[buf][b], c);
+        g[b] = sum;
+        s.hist[buf ^ 1][b] = 0;
+    }
+    __syncthreads();
+    if (t < 32) {  // one warp: lane l holds digits 255 - 8l ... 248 - 8l (descending)
+        int v[8], tot = 0;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) tot += (v[j] = g[255 - 8 * t - j]);
+        int incl = warp_inclusive_scan(tot);
+        int cum = incl - tot;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            if (cum < krem && cum + v[j] >= krem) {
+                s.bin = 255 - 8 * t - j;
+                s.above = cum;
+                s.in_bin = v[j];
+            }
+            cum += v[j];
+        }
+    }
+    __syncthreads();
+}
+
+template <int NT, int IT>
+__device__ void cluster_rows(const float* logits, int stride, const int* starts, int has_starts,
+                             const int* ends, int width, int k, int* out) {
+    constexpr int NW = NT / 32, CHUNK = NT * IT, SLOTS = IT * NW, PER = SLOTS / 32;
+    static_assert(SLOTS % 32 == 0 && SLOTS <= 256 && IT <= 32, "one slot per (item, warp)");
+    __shared__ ClusterSmem s;
+    __shared__ int g[256];
+    const unsigned c = cluster_rank();
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int r = blockIdx.y;
+    const float* row = logits + (long long)r * stride;
+    int* orow = out + (long long)r * k;
+    int st;
+    const int n = row_range(starts, has_starts, ends, width, r, &st);
+    if (n <= k) {  // the whole range, in order, then -1; no block touches another's memory
+        for (int q = c * NT + tid; q < k; q += CL * NT) orow[q] = q < n ? st + q : -1;
+        return;
+    }
+    const int base = (int)c * CHUNK;  // this block's first position in the range
+    unsigned key[IT];
+#pragma unroll
+    for (int i = 0; i < IT; ++i) {
+        int p = base + i * NT + tid;
+        key[i] = p < n ? ordered_key(row[st + p]) : 0u;
+    }
+    for (int b = tid; b < 512; b += NT) (&s.hist[0][0])[b] = 0;
+    __syncthreads();
+
+    unsigned prefix = 0u;
+    int krem = k, shift = 24;
+    for (int pass = 0; ; ++pass, shift -= 8) {
+        const int buf = pass & 1;
+#pragma unroll
+        for (int i = 0; i < IT; ++i) {
+            bool ok = base + i * NT + tid < n && (pass == 0 || (key[i] >> (shift + 8)) == (prefix >> (shift + 8)));
+            hist_add(s.hist[buf], (key[i] >> shift) & 255u, ok);
+        }
+        cluster_sync();
+        cluster_find_bin<NT>(s, buf, krem, g);
+        prefix |= (unsigned)s.bin << shift;
+        krem -= s.above;
+        if (s.in_bin == 1 || shift == 0) break;
+    }
+    // The k-th key is the one key of its digit, or (shift 0) prefix itself: keys of a higher digit
+    // lie above it, those of its digit are equal to it; take_eq of them, in index order.
+    const int take_eq = krem;
+    int mine = 0;
+#pragma unroll
+    for (int i = 0; i < IT; ++i) {
+        bool valid = base + i * NT + tid < n;
+        bool gt = valid && (key[i] >> shift) > (prefix >> shift);
+        bool eq = valid && (key[i] >> shift) == (prefix >> shift);
+        unsigned bg = __ballot_sync(FULL, gt), be = __ballot_sync(FULL, eq);
+        if (lane == i) mine = (__popc(bg) << 16) | __popc(be);
+    }
+    if (lane < IT) s.slot[lane * NW + warp] = mine;
+    __syncthreads();
+    if (tid < 32) {  // exclusive scan of the slots, PER a lane
+        int v[PER], tot = 0;
+#pragma unroll
+        for (int j = 0; j < PER; ++j) tot += (v[j] = s.slot[PER * tid + j]);
+        int incl = warp_inclusive_scan(tot);
+        int e = incl - tot;
+#pragma unroll
+        for (int j = 0; j < PER; ++j) {
+            s.slot[PER * tid + j] = e;
+            e += v[j];
+        }
+        if (tid == 31) {
+            s.totals[0] = incl >> 16;
+            s.totals[1] = incl & 0xffff;
+        }
+    }
+    cluster_sync();  // every block's totals are written
+    if (tid < 32) {
+        int gt = 0, eq = 0;
+        if ((unsigned)tid < c) {
+            gt = ld_cluster(&s.totals[0], tid);
+            eq = ld_cluster(&s.totals[1], tid);
+        }
+        gt = __reduce_add_sync(FULL, gt);
+        eq = __reduce_add_sync(FULL, eq);
+        if (tid == 0) {
+            s.base_gt = gt;
+            s.base_eq = eq;
+        }
+    }
+    __syncthreads();
+    const int first_eq = k - take_eq;
+#pragma unroll
+    for (int i = 0; i < IT; ++i) {
+        const int p = base + i * NT + tid;
+        bool valid = p < n;
+        bool gt = valid && (key[i] >> shift) > (prefix >> shift);
+        bool eq = valid && (key[i] >> shift) == (prefix >> shift);
+        unsigned bg = __ballot_sync(FULL, gt), be = __ballot_sync(FULL, eq);
+        const int off = s.slot[i * NW + warp];
+        if (gt) orow[s.base_gt + (off >> 16) + __popc(bg & lanemask_lt())] = st + p;
+        if (eq) {
+            int q = s.base_eq + (off & 0xffff) + __popc(be & lanemask_lt());
+            if (q < take_eq) orow[first_eq + q] = st + p;
+        }
+    }
+    cluster_sync();  // no block leaves while another may still read its shared memory
+}
+
+// Rows of up to 8 x 1024 x 4 = 32,768 and 8 x 512 x 16 = 65,536 entries (the fastest shapes of
+// those timed in run 27: 1024 x 4 at 10.3 us against 512 x 8 at 10.9 and 256 x 16 at 13.4).
+extern "C" __global__ void __cluster_dims__(CL, 1, 1) __launch_bounds__(1024)
+    needlescope_topk_cluster_32k(const float* logits, int stride, const int* starts, int has_starts,
+                                 const int* ends, int width, int k, int* out) {
+    cluster_rows<1024, 4>(logits, stride, starts, has_starts, ends, width, k, out);
+}
+
+extern "C" __global__ void __cluster_dims__(CL, 1, 1) __launch_bounds__(512)
+    needlescope_topk_cluster_64k(const float* logits, int stride, const int* starts, int has_starts,
+                                 const int* ends, int width, int k, int* out) {
+    cluster_rows<512, 16>(logits, stride, starts, has_starts, ends, width, k, out);
+}
+
+
+#endif  // sm_90

@@ -1,4 +1,6 @@
-"""Exact top-k in CUDA C++, one thread block per row: the ``cuda`` method of ``topk``.
+"""Exact top-k in CUDA C++: the ``cuda`` method of ``topk``. Paths: one thread block a row (keys in
+registers for rows of up to 32K entries, else the row from memory), or a row over a cluster of 8
+blocks (sm_90+, rows of up to 64K entries; ``cuda_topk(path="cluster")``).
 
 The kernel source is ``cuda_topk.cu`` beside this module (its header has the algorithm); it is
 compiled by NVRTC through ``torch.cuda._compile_kernel`` at the first call on a device and cached
@@ -13,12 +15,24 @@ on it (bench/indexer_gpu.sh, ``conform``).
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import warnings
 from importlib import resources
 
 import torch
 
-__all__ = ["cuda_topk", "available", "loaded", "prepare", "FAST_WIDTH", "FAST_K"]
+__all__ = [
+    "cuda_topk",
+    "available",
+    "clusters",
+    "loaded",
+    "prepare",
+    "FAST_WIDTH",
+    "FAST_K",
+    "CLUSTER_WIDTH",
+    "PATHS",
+]
 
 FAST_WIDTH = 32768
 """Rows of at most this many entries keep their keys in registers (1024 threads x 32)."""
@@ -26,7 +40,15 @@ FAST_K = 2048
 """k up to this takes the register path; larger k, longer rows, or a row where more than 4,096
 entries pass the group-max bound take the general path (radix select over the row in memory)."""
 _THREADS = 1024
-_NAMES = ("needlescope_topk_sub2", "needlescope_topk_sub8")
+_BLOCK_NAMES = ("needlescope_topk_sub2", "needlescope_topk_sub8")
+_CLUSTER = 8  # thread blocks a row on the cluster path (``CL`` in the source)
+_CLUSTER_NAMES = {  # rows of up to this many entries -> (kernel, threads a block)
+    32768: ("needlescope_topk_cluster_32k", 1024),
+    65536: ("needlescope_topk_cluster_64k", 512),
+}
+CLUSTER_WIDTH = max(_CLUSTER_NAMES)
+"""Rows of at most this many entries can take the cluster path (sm_90 and later)."""
+PATHS = ("auto", "block", "general", "cluster")
 _KERNELS: dict[tuple[int, str], object] = {}
 _BROKEN: list[str] = []  # why compiling failed once in this process (then ``available`` is False)
 
@@ -36,20 +58,31 @@ def available() -> bool:
     return torch.cuda.is_available() and hasattr(torch.cuda, "_compile_kernel") and not _BROKEN
 
 
+def clusters(device: torch.device) -> bool:
+    """The device runs thread block clusters (compute capability 9.0 and later)."""
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def _names(device: torch.device) -> tuple[str, ...]:
+    cluster = tuple(name for name, _ in _CLUSTER_NAMES.values()) if clusters(device) else ()
+    return _BLOCK_NAMES + cluster
+
+
 def loaded(device: torch.device) -> bool:
-    """Both kernels are compiled and loaded for ``device`` (so a graph capture can launch them)."""
-    return all((_index(device), name) in _KERNELS for name in _NAMES)
+    """Every kernel of the method is compiled and loaded for ``device`` (so a graph capture can
+    launch them)."""
+    return all((_index(device), name) in _KERNELS for name in _names(device))
 
 
 def prepare(device: torch.device) -> None:
-    """Compile and load both kernels for ``device`` now, outside any graph capture (loading a module
+    """Compile and load the kernels for ``device`` now, outside any graph capture (loading a module
     while a stream is captured is not something to rely on). The front calls it from eager calls
     whose shape the CUDA method takes in graphs. A failure is warned once and turns ``available``
     off for the process, so the Triton methods keep working."""
     if not available() or loaded(device) or torch.cuda.is_current_stream_capturing():
         return
     try:
-        for name in _NAMES:
+        for name in _names(device):
             _kernel(device, name)
     except Exception as e:  # NVRTC or the driver: reported, and the method is not offered again
         _BROKEN.append(f"{type(e).__name__}: {e}")
@@ -70,6 +103,28 @@ def _kernel(device: torch.device, name: str):
         with torch.cuda.device(key[0]):
             _KERNELS[key] = torch.cuda._compile_kernel(src, name)
     return _KERNELS[key]
+
+
+@functools.cache
+def _driver():
+    """libcuda's ``cuLaunchKernel``, typed once: PyTorch's wrapper opens the library and builds
+    its argument conversion on every call (~270 us of host time a launch, run 26)."""
+    lib = ctypes.CDLL("libcuda.so.1")
+    launch = lib.cuLaunchKernel
+    launch.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
+    launch.restype = ctypes.c_int
+    return launch
+
+
+def _launch(device: torch.device, name: str, grid: tuple[int, int], threads: int, args: list) -> None:
+    """One launch of kernel ``name``: ``args`` are CUDA tensors (passed as pointers) and ints."""
+    kernel = _kernel(device, name)
+    values = [ctypes.c_void_p(a.data_ptr()) if isinstance(a, torch.Tensor) else ctypes.c_int(a) for a in args]
+    pointers = (ctypes.c_void_p * len(values))(*(ctypes.addressof(v) for v in values))
+    stream = torch.cuda.current_stream(device).cuda_stream
+    rc = _driver()(kernel.func, grid[0], grid[1], 1, threads, 1, 1, 0, stream, pointers, None)
+    if rc != 0:
+        raise RuntimeError(f"cuLaunchKernel({name}) failed with CUresult {rc}")
 
 
 def _check(logits: torch.Tensor, k: int, starts: torch.Tensor | None, ends: torch.Tensor) -> None:
@@ -97,14 +152,23 @@ def cuda_topk(
     ends: torch.Tensor,
     *,
     out: torch.Tensor | None = None,
-    general: bool = False,
+    path: str = "auto",
 ) -> torch.Tensor:
     """logits fp32 [R, L], starts (None: all 0) / ends int32 [R] -> int32 [R, k] (module docstring).
 
-    ``general``: every row takes the general path (the conformance suite's second path of this
-    method). ``out`` (int32 [R, k], contiguous) is written in place; every element gets written."""
+    ``path``: ``block`` (one block a row: keys in registers, the general path where they do not
+    fit), ``general`` (every row on the block's general path over the row in memory), ``cluster``
+    (a row over a cluster of blocks where it fits: rows of at most ``CLUSTER_WIDTH`` on sm_90+;
+    the block path otherwise) or ``auto`` (``cuda_path``'s choice). ``out`` (int32 [R, k], contiguous) is written in place; every
+    element gets written."""
     _check(logits, k, starts, ends)
     R, L = logits.shape
+    if path not in PATHS:
+        raise ValueError(f"path must be one of {', '.join(PATHS)}, got {path!r}")
+    if path == "auto":
+        path = cuda_path(R, L, k, logits.device)
+    if path == "cluster" and not (L <= CLUSTER_WIDTH and clusters(logits.device)):
+        path = "block"
     if out is None:
         out = torch.empty(R, k, dtype=torch.int32, device=logits.device)
     elif out.shape != (R, k) or out.dtype != torch.int32 or not out.is_contiguous():
@@ -114,10 +178,18 @@ def cuda_topk(
     has_starts = starts is not None
     ends = ends.contiguous()
     starts = starts.contiguous() if has_starts else ends  # not read when has_starts is 0
-    name = "needlescope_topk_sub2" if k <= 512 else "needlescope_topk_sub8"
-    _kernel(logits.device, name)(
-        grid=(R, 1, 1),
-        block=(_THREADS, 1, 1),
-        args=[logits, logits.stride(0), starts, int(has_starts), ends, L, k, out, int(general)],
-    )
+    args = [logits, logits.stride(0), starts, int(has_starts), ends, L, k, out]
+    if path == "cluster":
+        name, threads = next(v for w, v in sorted(_CLUSTER_NAMES.items()) if L <= w)
+        _launch(logits.device, name, (_CLUSTER, R), threads, args)
+    else:
+        name = "needlescope_topk_sub2" if k <= 512 else "needlescope_topk_sub8"
+        _launch(logits.device, name, (R, 1), _THREADS, [*args, int(path == "general")])
     return out
+
+
+def cuda_path(rows: int, width: int, k: int, device: torch.device) -> str:
+    """The path ``auto`` takes: the block kernel. The cluster path measured faster at 1-64 rows
+    of 32K and 64K entries (run 27, docs/perf/indexer.md) with exact sets, but its tie order was
+    wrong there; the fixed kernel has not run on a GPU yet, so nothing picks it by default."""
+    return "block"

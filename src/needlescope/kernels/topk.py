@@ -33,16 +33,18 @@ METHODS = ("radix", "filter", "bisect", "cuda")
 
 def topk_method(rows: int, width: int, k: int, cuda: bool | None = None) -> str:
     """One of ``METHODS`` for a [rows, width] top-k; ``cuda``: whether the CUDA method is a candidate
-    (None: where ``cuda_topk.available()``, a CUDA graph is being captured and the kernels are
-    loaded, which ``topk``'s eager calls of such shapes do beforehand: its launch through
-    PyTorch's NVRTC wrapper costs ~270 us of host time a call eager, run 26, which a graph pays once
-    at capture; eager, the Triton methods' ~110 us win). Measured on an H100 (run 26, docs/perf/indexer.md), k = 512 at
-    32K entries a row: the CUDA method 15.6 / 15.8 / 15.9 us at 1 / 32 / 64 rows (one block a row,
-    flat in the rows) against the filter's 23.5 / 33.9 at 32 / 64 rows and the radix select's one
-    launch at 1 row, 12.3 us (11.9 at 256 columns a program). So it takes 5+ rows of 4K-32K
-    entries with k <= 2048: rows 2-4 are not measured; the radix select's single launch still
-    fits them at 512-1024 columns a program (12.3-14.3 us at one row), and from 5 rows it needs
-    2048 columns a program (17.4 us at one row) or several launches.
+    (None: where ``cuda_topk.available()``, and while a CUDA graph is being captured only if its
+    kernels are loaded, which ``topk``'s eager calls of such shapes do beforehand). Its launch
+    costs 18.5 us of host time a call eager through the driver (run 27; 270 us through PyTorch's
+    NVRTC wrapper in run 26), against the filter's 70.8 us, so eager calls take it too. Measured
+    on an H100 (runs 26 and 27, docs/perf/indexer.md), k = 512 at 32K entries a row: the block
+    kernel 15.5-15.9 us at 1-32 rows, 19.1 at 64 (one block a row), against the filter's 22.8 /
+    32.8 at 32 / 64 rows and the radix select's one launch at 1 row, 12.3 us. So it takes 5+ rows
+    of 4K-32K entries with k <= 2048: rows 2-4 are left to the radix select's single launch
+    (12.3-14.7 us at 1-4 rows). Its cluster path (``cuda_topk(path="cluster")``: a row over 8
+    blocks) measured 10.3 / 10.8 / 28.0 / 48.6 us at 1 / 8 / 32 / 64 x 32K and 14.0 / 14.7 / 31.5
+    / 51.9 at 1 / 8 / 32 / 64 x 64K (filter 40.0 / 66.5 at 32 / 64 x 64K), but no rule takes it
+    until its fixed tie order has run on a GPU (``cuda_topk.cuda_path``).
     Among the Triton methods, measured: one program per
     row wins at 2048 entries (8K-token decode rows: 10-12 us, launch-bound either way; H200, run
     7), so rows of up to 4096 entries take it. At 32-64 rows with k = 512 the filter wins (H100, docs/perf/indexer.md): 32 / 64 x 32K
@@ -52,11 +54,9 @@ def topk_method(rows: int, width: int, k: int, cuda: bool | None = None) -> str:
     too few groups leave the threshold unselective."""
     from needlescope.kernels import cuda_topk
 
-    if cuda is None:
-        cuda = (
-            cuda_topk.available()
-            and torch.cuda.is_current_stream_capturing()
-            and cuda_topk.loaded(torch.device("cuda"))
+    if cuda is None:  # eager calls compile the kernels; a capture only uses loaded ones
+        cuda = cuda_topk.available() and (
+            not torch.cuda.is_current_stream_capturing() or cuda_topk.loaded(torch.device("cuda"))
         )
     if width <= 4096:
         return "bisect"
@@ -82,16 +82,18 @@ def topk(
     ``method``: one of ``METHODS``; None: ``topk_method``'s choice. ``knobs`` go to that method's
     launcher unchanged (``radix_topk``: chunk, bits, one_launch, num_warps, hist, first_pass;
     ``filter_topk``: block, cand_block, gmax_block, group, gmax, num_warps, counts;
-    ``bisect_topk``: bits, block, num_warps, segment; ``cuda_topk``: general), which rejects
+    ``bisect_topk``: bits, block, num_warps, segment; ``cuda_topk``: path), which rejects
     another method's. The default method is ``cuda`` only for CUDA tensors.
     ``out`` (int32 [R, k], optional) is written in place; every element gets written.
     """
     if method is None:
-        method = topk_method(*logits.shape, k, cuda=None if logits.is_cuda else False)
-        if method != "cuda" and logits.is_cuda and topk_method(*logits.shape, k, cuda=True) == "cuda":
+        if logits.is_cuda and topk_method(*logits.shape, k, cuda=True) == "cuda":
             from needlescope.kernels import cuda_topk
 
-            cuda_topk.prepare(logits.device)  # eager warm-up, so that a graph captured later uses it
+            cuda_topk.prepare(
+                logits.device
+            )  # compiled here (a failure turns the method off), not in a capture
+        method = topk_method(*logits.shape, k, cuda=None if logits.is_cuda else False)
     if method == "radix":
         from needlescope.kernels.triton_radix import radix_topk as launcher
     elif method == "filter":

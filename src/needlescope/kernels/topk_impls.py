@@ -98,13 +98,14 @@ OURS = {
     "bisect-unsplit": _front("bisect", segment=0),
     "bisect-radix8": _front("bisect", bits=8, segment=0),
     "cuda": _front("cuda"),
-    "cuda-general": _front("cuda", general=True),
+    "cuda-general": _front("cuda", path="general"),
+    "cuda-cluster": _front("cuda", path="cluster"),
     "reference": reference,
 }
 """Every method and dispatch path of ours: ``default`` (``topk_method``'s choice), each method
 with its defaults and with the knobs that take its other code paths (the filter's chunked
 candidate search, the radix select over a launch per pass, with 11-bit digits, with pass 0 built
-by a producer; the bisection unsplit and by radix digits; the CUDA method's register path and its
-general path over the row in memory), and the torch reference."""
-GPU_ONLY = ("cuda", "cuda-general")
+by a producer; the bisection unsplit and by radix digits; the CUDA method's register path, its
+general path over the row in memory and its cluster path), and the torch reference."""
+GPU_ONLY = ("cuda", "cuda-general", "cuda-cluster")
 """Paths of ``OURS`` with no interpreter: they run on CUDA rows only."""
