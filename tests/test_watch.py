@@ -495,14 +495,20 @@ def test_health_and_canary_watch_the_organism_and_its_admission_queue(health):
         while httpx.get(srv.url + "/metrics").text.count("needlescope_serve_queue_depth 1.0") == 0:
             assert time.monotonic() < deadline, "the flood never filled the queue"
             time.sleep(0.05)
+        # The gauge is a snapshot taken at the start of a round, and the flood's queue empties for
+        # a moment each time a request finishes: up to five rounds, until one snapshot sees it full.
+        at_limit, admission = [], 0.0
         try:
-            got = run_rounds(cfg, rounds=2)
+            while len(at_limit) < 5 and 1.0 not in at_limit:
+                got = run_rounds(cfg)
+                at_limit.append(got[("needlescope_engine_queue_at_limit",)])
+                admission += got[("needlescope_probe_errors_total", "admission")]
         finally:
             stop.set()
             for t in floods:
                 t.join(timeout=60)
-        assert got[("needlescope_engine_queue_at_limit",)] == 1.0
-        assert got[("needlescope_probe_errors_total", "admission")] >= 1.0
+        assert 1.0 in at_limit, at_limit
+        assert admission >= 1.0
 
 
 # --- dashboards and config ---------------------------------------------------------------------
