@@ -380,7 +380,6 @@ struct ClusterSmem {
     int hist[2][256];   // this block's digit counts, by pass parity (read by the whole cluster)
     int slot[256];      // (item, warp) counts, then their exclusive offsets (CHUNK / 32 used)
     int totals[2];      // this block's entries above the cut and equal to it (read by the cluster)
-    int lane_sum[32];
     int bin, above, in_bin, base_gt, base_eq;
 };
 

@@ -63,15 +63,11 @@ def clusters(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] >= 9
 
 
-def _names(device: torch.device) -> tuple[str, ...]:
-    cluster = tuple(name for name, _ in _CLUSTER_NAMES.values()) if clusters(device) else ()
-    return _BLOCK_NAMES + cluster
-
-
 def loaded(device: torch.device) -> bool:
-    """Every kernel of the method is compiled and loaded for ``device`` (so a graph capture can
-    launch them)."""
-    return all((_index(device), name) in _KERNELS for name in _names(device))
+    """The kernels the front's rule launches (the block kernel's) are compiled and loaded for
+    ``device``, so a graph capture can launch them. The cluster kernels, which no rule takes yet,
+    compile at their first explicit call."""
+    return all((_index(device), name) in _KERNELS for name in _BLOCK_NAMES)
 
 
 def prepare(device: torch.device) -> None:
@@ -82,7 +78,7 @@ def prepare(device: torch.device) -> None:
     if not available() or loaded(device) or torch.cuda.is_current_stream_capturing():
         return
     try:
-        for name in _names(device):
+        for name in _BLOCK_NAMES:
             _kernel(device, name)
     except Exception as e:  # NVRTC or the driver: reported, and the method is not offered again
         _BROKEN.append(f"{type(e).__name__}: {e}")
@@ -159,8 +155,8 @@ def cuda_topk(
     ``path``: ``block`` (one block a row: keys in registers, the general path where they do not
     fit), ``general`` (every row on the block's general path over the row in memory), ``cluster``
     (a row over a cluster of blocks where it fits: rows of at most ``CLUSTER_WIDTH`` on sm_90+;
-    the block path otherwise) or ``auto`` (``cuda_path``'s choice). ``out`` (int32 [R, k], contiguous) is written in place; every
-    element gets written."""
+    the block path otherwise) or ``auto`` (``cuda_path``'s choice). ``out`` (int32 [R, k],
+    contiguous) is written in place; every element gets written."""
     _check(logits, k, starts, ends)
     R, L = logits.shape
     if path not in PATHS:
