@@ -21,14 +21,29 @@ GPU = cuda_topk.available()
 
 def test_the_rule_takes_cuda_where_it_was_measured_faster_and_only_where_it_runs() -> None:
     for rows, width, k in ((32, 32768, 512), (64, 32768, 2048), (5, 8192, 64), (200, 32768, 512)):
-        assert topk_method(rows, width, k, cuda=True) == "cuda"
-        assert topk_method(rows, width, k, cuda=False) != "cuda"
+        for cl in (False, True):
+            assert topk_method(rows, width, k, cuda=True, clusters=cl) == "cuda"
+            assert topk_method(rows, width, k, cuda=False, clusters=cl) != "cuda"
     for rows, width, k in ((1, 32768, 512), (4, 32768, 512), (64, 32769, 512), (8, 262144, 512)):
-        assert topk_method(rows, width, k, cuda=True) != "cuda"  # radix, filter: faster or unmeasured
+        assert topk_method(rows, width, k, cuda=True, clusters=False) != "cuda"  # radix, filter
     assert (
         topk_method(64, 32768, 2049, cuda=True) != "cuda"
         and topk_method(64, 4096, 512, cuda=True) == "bisect"
     )
+
+
+def test_the_cluster_path_takes_the_shapes_runs_27_and_28_measured_it_fastest_at() -> None:
+    """1-8 rows of 16K-32K entries (at 16 rows the block kernel wins) and 4+ rows of 32K-64K;
+    not 1 x 64K (the radix select's 13.0 us against 16.2), longer rows, or k > 2048."""
+    taken = [(1, 32768, 512), (4, 32768, 512), (8, 20000, 2048), (4, 65536, 512), (64, 40000, 512)]
+    for rows, width, k in taken:
+        assert cuda_topk.cluster_shape(rows, width, k)
+        assert topk_method(rows, width, k, cuda=True, clusters=True) == "cuda"
+    left = [(9, 32768, 512), (3, 65536, 512), (8, 65537, 512), (4, 32768, 2049), (4, 16384, 512)]
+    for rows, width, k in left:
+        assert not cuda_topk.cluster_shape(rows, width, k)
+    assert topk_method(1, 65536, 512, cuda=True, clusters=True) == "radix"
+    assert topk_method(9, 32768, 512, cuda=True, clusters=True) == "cuda"  # the block kernel's rows
 
 
 def test_cpu_rows_never_default_to_cuda_and_asking_for_it_says_why(monkeypatch) -> None:
@@ -38,9 +53,9 @@ def test_cpu_rows_never_default_to_cuda_and_asking_for_it_says_why(monkeypatch) 
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     assert topk_method(8, 5000, 4) == "cuda"  # eager: compiled at the call
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    monkeypatch.setattr(cuda_topk, "loaded", lambda device: False)
+    monkeypatch.setattr(cuda_topk, "loaded", lambda *shape: False)
     assert topk_method(8, 5000, 4) != "cuda"  # a capture never compiles: only what an eager call loaded
-    monkeypatch.setattr(cuda_topk, "loaded", lambda device: True)
+    monkeypatch.setattr(cuda_topk, "loaded", lambda *shape: True)
     assert topk_method(8, 5000, 4) == "cuda"  # while a graph is captured
     x = torch.randn(8, 5000)
     ends = torch.tensor([5000, 3, 4999, 100, 5000, 5000, 7, 4096], dtype=torch.int32)
@@ -127,7 +142,7 @@ def test_an_eager_call_loads_the_kernel_and_a_captured_default_uses_it() -> None
     x = torch.randn(8, 32768, device="cuda")
     ends = torch.full((8,), 32768, dtype=torch.int32, device="cuda")
     eager = topk(x, 512, None, ends)  # the CUDA method eager: compiles it for graphs too
-    assert cuda_topk.loaded(x.device)
+    assert cuda_topk.loaded(x.device, 8, 32768, 512)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         assert topk_method(8, 32768, 512) == "cuda"

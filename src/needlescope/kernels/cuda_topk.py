@@ -28,6 +28,8 @@ __all__ = [
     "clusters",
     "loaded",
     "prepare",
+    "cuda_path",
+    "cluster_shape",
     "FAST_WIDTH",
     "FAST_K",
     "CLUSTER_WIDTH",
@@ -40,7 +42,6 @@ FAST_K = 2048
 """k up to this takes the register path; larger k, longer rows, or a row where more than 4,096
 entries pass the group-max bound take the general path (radix select over the row in memory)."""
 _THREADS = 1024
-_BLOCK_NAMES = ("needlescope_topk_sub2", "needlescope_topk_sub8")
 _CLUSTER = 8  # thread blocks a row on the cluster path (``CL`` in the source)
 _CLUSTER_NAMES = {  # rows of up to this many entries -> (kernel, threads a block)
     32768: ("needlescope_topk_cluster_32k", 1024),
@@ -63,23 +64,59 @@ def clusters(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] >= 9
 
 
-def loaded(device: torch.device) -> bool:
-    """The kernels the front's rule launches (the block kernel's) are compiled and loaded for
-    ``device``, so a graph capture can launch them. The cluster kernels, which no rule takes yet,
-    compile at their first explicit call."""
-    return all((_index(device), name) in _KERNELS for name in _BLOCK_NAMES)
+def cluster_shape(rows: int, width: int, k: int) -> bool:
+    """Whether ``rows`` rows of ``width`` entries take the cluster path (where clusters run).
+    Measured on H100s (docs/perf/indexer.md, runs 27 and 28, graph-replayed, k = 512): at 32K
+    entries the cluster path took 10.3-10.5 / 10.8-11.6 us at 1 / 8 rows against the block
+    kernel's 15.5-15.7 and the radix select's 12.3 / 17.8, but 19.8 at 16 rows against the block
+    kernel's 15.7 (eight blocks a row: the clusters no longer run at once), so rows of 16K-32K
+    take it up to 8 rows. At 64K entries it took 17.5 / 34.0 us at 8 / 32 rows against the
+    filter's 21.8 / 40.2 and the radix select's 21.8 / 56.0 (the block kernel's general path:
+    122-126), and 16.2 at 1 row against the radix select's 13.0, which grows ~1.2 us a row: rows
+    of 32K-64K take it from 4 rows. Rows of 16K entries and fewer were not measured on it."""
+    if k > FAST_K:
+        return False
+    if FAST_WIDTH // 2 < width <= FAST_WIDTH:
+        return rows <= 8
+    return FAST_WIDTH < width <= CLUSTER_WIDTH and rows >= 4
 
 
-def prepare(device: torch.device) -> None:
-    """Compile and load the kernels for ``device`` now, outside any graph capture (loading a module
-    while a stream is captured is not something to rely on). The front calls it from eager calls
-    whose shape the CUDA method takes in graphs. A failure is warned once and turns ``available``
-    off for the process, so the Triton methods keep working."""
-    if not available() or loaded(device) or torch.cuda.is_current_stream_capturing():
+def cuda_path(rows: int, width: int, k: int, device: torch.device) -> str:
+    """The path ``auto`` takes: ``cluster`` where ``cluster_shape`` says so and the device runs
+    clusters, else ``block``."""
+    return "cluster" if cluster_shape(rows, width, k) and clusters(device) else "block"
+
+
+def _kernel_name(path: str, width: int, k: int) -> str:
+    if path == "cluster":
+        return next(name for w, (name, _) in sorted(_CLUSTER_NAMES.items()) if width <= w)
+    return "needlescope_topk_sub2" if k <= 512 else "needlescope_topk_sub8"
+
+
+def _resolve(path: str, rows: int, width: int, k: int, device: torch.device) -> str:
+    if path == "auto":
+        path = cuda_path(rows, width, k, device)
+    if path == "cluster" and not (width <= CLUSTER_WIDTH and clusters(device)):
+        path = "block"
+    return path
+
+
+def loaded(device: torch.device, rows: int, width: int, k: int) -> bool:
+    """The kernel a default call on a [rows, width] top-k launches is compiled and loaded for
+    ``device``, so a graph capture can launch it."""
+    name = _kernel_name(_resolve("auto", rows, width, k, device), width, k)
+    return (_index(device), name) in _KERNELS
+
+
+def prepare(device: torch.device, rows: int, width: int, k: int) -> None:
+    """Compile and load the kernel a default call on a [rows, width] top-k launches, now, outside
+    any graph capture (loading a module while a stream is captured is not something to rely on).
+    The front calls it from eager calls whose shape the CUDA method takes. A failure is warned
+    once and turns ``available`` off for the process, so the Triton methods keep working."""
+    if not available() or torch.cuda.is_current_stream_capturing() or loaded(device, rows, width, k):
         return
     try:
-        for name in _BLOCK_NAMES:
-            _kernel(device, name)
+        _kernel(device, _kernel_name(_resolve("auto", rows, width, k, device), width, k))
     except Exception as e:  # NVRTC or the driver: reported, and the method is not offered again
         _BROKEN.append(f"{type(e).__name__}: {e}")
         warnings.warn(
@@ -161,10 +198,7 @@ def cuda_topk(
     R, L = logits.shape
     if path not in PATHS:
         raise ValueError(f"path must be one of {', '.join(PATHS)}, got {path!r}")
-    if path == "auto":
-        path = cuda_path(R, L, k, logits.device)
-    if path == "cluster" and not (L <= CLUSTER_WIDTH and clusters(logits.device)):
-        path = "block"
+    path = _resolve(path, R, L, k, logits.device)
     if out is None:
         out = torch.empty(R, k, dtype=torch.int32, device=logits.device)
     elif out.shape != (R, k) or out.dtype != torch.int32 or not out.is_contiguous():
@@ -175,17 +209,10 @@ def cuda_topk(
     ends = ends.contiguous()
     starts = starts.contiguous() if has_starts else ends  # not read when has_starts is 0
     args = [logits, logits.stride(0), starts, int(has_starts), ends, L, k, out]
+    name = _kernel_name(path, L, k)
     if path == "cluster":
-        name, threads = next(v for w, v in sorted(_CLUSTER_NAMES.items()) if L <= w)
+        threads = next(t for w, (n, t) in _CLUSTER_NAMES.items() if n == name)
         _launch(logits.device, name, (_CLUSTER, R), threads, args)
     else:
-        name = "needlescope_topk_sub2" if k <= 512 else "needlescope_topk_sub8"
         _launch(logits.device, name, (R, 1), _THREADS, [*args, int(path == "general")])
     return out
-
-
-def cuda_path(rows: int, width: int, k: int, device: torch.device) -> str:
-    """The path ``auto`` takes: the block kernel. The cluster path measured faster at 1-64 rows
-    of 32K and 64K entries (run 27, docs/perf/indexer.md) with exact sets, but its tie order was
-    wrong there; the fixed kernel has not run on a GPU yet, so nothing picks it by default."""
-    return "block"

@@ -16,8 +16,9 @@ The methods, each with its own launcher and knobs:
   candidates;
 * ``bisect`` (``triton_bisect.bisect_topk``): a threshold search in one program per row, or in
   segments merged by a second program;
-* ``cuda`` (``cuda_topk.cuda_topk``): one CUDA thread block per row, keys in registers, compiled by
-  NVRTC at first use (GPU only: no interpreter path).
+* ``cuda`` (``cuda_topk.cuda_topk``): one CUDA thread block per row, keys in registers, or a row
+  over a cluster of 8 blocks (sm_90+), compiled by NVRTC at first use (GPU only: no interpreter
+  path).
 
 ``topk_method`` is the measured rule between them.
 """
@@ -31,20 +32,21 @@ __all__ = ["topk", "topk_method", "METHODS"]
 METHODS = ("radix", "filter", "bisect", "cuda")
 
 
-def topk_method(rows: int, width: int, k: int, cuda: bool | None = None) -> str:
+def topk_method(rows: int, width: int, k: int, cuda: bool | None = None, clusters: bool | None = None) -> str:
     """One of ``METHODS`` for a [rows, width] top-k; ``cuda``: whether the CUDA method is a candidate
-    (None: where ``cuda_topk.available()``, and while a CUDA graph is being captured only if its
-    kernels are loaded, which ``topk``'s eager calls of such shapes do beforehand). Its launch
-    costs 18.5 us of host time a call eager through the driver (run 27; 270 us through PyTorch's
-    NVRTC wrapper in run 26), against the filter's 70.8 us, so eager calls take it too. Measured
-    on an H100 (runs 26 and 27, docs/perf/indexer.md), k = 512 at 32K entries a row: the block
-    kernel 15.5-15.9 us at 1-32 rows, 19.1 at 64 (one block a row), against the filter's 22.8 /
-    32.8 at 32 / 64 rows and the radix select's one launch at 1 row, 12.3 us. So it takes 5+ rows
-    of 4K-32K entries with k <= 2048: rows 2-4 are left to the radix select's single launch
-    (12.3-14.7 us at 1-4 rows). Its cluster path (``cuda_topk(path="cluster")``: a row over 8
-    blocks) measured 10.3 / 10.8 / 28.0 / 48.6 us at 1 / 8 / 32 / 64 x 32K and 14.0 / 14.7 / 31.5
-    / 51.9 at 1 / 8 / 32 / 64 x 64K (filter 40.0 / 66.5 at 32 / 64 x 64K), but no rule takes it
-    until its fixed tie order has run on a GPU (``cuda_topk.cuda_path``).
+    (None: where ``cuda_topk.available()``, and while a CUDA graph is being captured only if the
+    kernel the shape launches is loaded, which ``topk``'s eager calls of such shapes do
+    beforehand); ``clusters``: whether the device runs thread block clusters (None: the current
+    CUDA device's capability, sm_90+). Its launch costs 18.5 us of host time a call eager through
+    the driver (run 27; 270 us through PyTorch's NVRTC wrapper in run 26), against the filter's
+    70.8 us, so eager calls take it too. Measured on an H100 (runs 26 and 27,
+    docs/perf/indexer.md), k = 512 at 32K entries a row: the block kernel 15.5-15.9 us at 1-32
+    rows, 19.1 at 64 (one block a row), against the filter's 22.8 / 32.8 at 32 / 64 rows and the
+    radix select's one launch at 1 row, 12.3 us. So it takes 5+ rows of 4K-32K entries with
+    k <= 2048, and, where clusters run, the shapes of ``cuda_topk.cluster_shape`` (its cluster
+    path, a row over 8 blocks: 10.3-11.6 us at 1-8 rows of 32K; 17.5 / 34.0 us at 8 / 32 rows of
+    64K against the filter's 21.8 / 40.2; runs 27 and 28). Without clusters rows 2-4 are left to
+    the radix select's single launch (12.3-14.7 us at 1-4 rows).
     Among the Triton methods, measured: one program per
     row wins at 2048 entries (8K-token decode rows: 10-12 us, launch-bound either way; H200, run
     7), so rows of up to 4096 entries take it. At 32-64 rows with k = 512 the filter wins (H100, docs/perf/indexer.md): 32 / 64 x 32K
@@ -54,14 +56,21 @@ def topk_method(rows: int, width: int, k: int, cuda: bool | None = None) -> str:
     too few groups leave the threshold unselective."""
     from needlescope.kernels import cuda_topk
 
-    if cuda is None:  # eager calls compile the kernels; a capture only uses loaded ones
-        cuda = cuda_topk.available() and (
-            not torch.cuda.is_current_stream_capturing() or cuda_topk.loaded(torch.device("cuda"))
-        )
     if width <= 4096:
         return "bisect"
-    if cuda and rows >= 5 and width <= cuda_topk.FAST_WIDTH and k <= cuda_topk.FAST_K:
-        return "cuda"
+    dev = torch.device("cuda")
+    if cuda is None:  # eager calls compile the kernel; a capture only uses loaded ones
+        cuda = cuda_topk.available() and (
+            not torch.cuda.is_current_stream_capturing() or cuda_topk.loaded(dev, rows, width, k)
+        )
+    if cuda:
+        if rows >= 5 and width <= cuda_topk.FAST_WIDTH and k <= cuda_topk.FAST_K:
+            return "cuda"
+        if cuda_topk.cluster_shape(rows, width, k):
+            if clusters is None:
+                clusters = torch.cuda.is_available() and cuda_topk.clusters(dev)
+            if clusters:
+                return "cuda"
     if rows >= 32 and k <= 512 and width <= 65536:
         return "filter"
     return "radix"
@@ -90,9 +99,7 @@ def topk(
         if logits.is_cuda and topk_method(*logits.shape, k, cuda=True) == "cuda":
             from needlescope.kernels import cuda_topk
 
-            cuda_topk.prepare(
-                logits.device
-            )  # compiled here (a failure turns the method off), not in a capture
+            cuda_topk.prepare(logits.device, *logits.shape, k)  # compiled here, not in a capture
         method = topk_method(*logits.shape, k, cuda=None if logits.is_cuda else False)
     if method == "radix":
         from needlescope.kernels.triton_radix import radix_topk as launcher
