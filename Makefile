@@ -54,12 +54,12 @@ mutation: $(STAMP)
 	$(BIN)/python bench/mutation.py --out mutation-out
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests bench
-	$(BIN)/ruff format --check src tests bench
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 format: $(STAMP)
-	$(BIN)/ruff format src tests bench
-	$(BIN)/ruff check --fix src tests bench
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
 
 # System packages the tests need, skipped when present: headless Chromium screenshots
 # DIAGNOSIS.html; Debian's prometheus (and its promtool) scrapes the canary in the watch tests.

@@ -1,10 +1,16 @@
 # Session 9: take the gather form into the tree when the lab found it exact and faster at 1 x 32K.
-import json, sys
+import json
+import sys
+
 c, t = json.load(open("/tmp/lab/lab_checks.json")), json.load(open("/tmp/lab/lab_times.json"))
 order = [v for n, v in c["order_checks"].items() if n.startswith("gather")]
 conf = [d for s in ("small", "full") for n, d in c[f"conform_{s}"].items() if n.startswith("gather")]
 exact = bool(order) and all(v is True for v in order) and len(conf) == 4 and all(not d["bad"] for d in conf)
 one = t.get("1x32768k512", {})
-faster = isinstance(one.get("gather4"), float) and isinstance(one.get("pull4"), float) and one["gather4"] < one["pull4"]
+faster = (
+    isinstance(one.get("gather4"), float)
+    and isinstance(one.get("pull4"), float)
+    and one["gather4"] < one["pull4"]
+)
 print("gather exact", exact, "faster", faster, one.get("gather4"), one.get("pull4"))
 sys.exit(0 if exact and faster else 1)
