@@ -87,10 +87,11 @@ def cuda_path(rows: int, width: int, k: int, device: torch.device) -> str:
     return "cluster" if cluster_shape(rows, width, k) and clusters(device) else "block"
 
 
-def _kernel_name(path: str, width: int, k: int) -> str:
+def _kernel_for(path: str, width: int, k: int) -> tuple[str, int]:
+    """(kernel name, threads a block) that a resolved ``path`` launches for rows of ``width``."""
     if path == "cluster":
-        return next(name for w, (name, _) in sorted(_CLUSTER_NAMES.items()) if width <= w)
-    return "needlescope_topk_sub2" if k <= 512 else "needlescope_topk_sub8"
+        return next(v for w, v in sorted(_CLUSTER_NAMES.items()) if width <= w)
+    return ("needlescope_topk_sub2" if k <= 512 else "needlescope_topk_sub8"), _THREADS
 
 
 def _resolve(path: str, rows: int, width: int, k: int, device: torch.device) -> str:
@@ -101,11 +102,14 @@ def _resolve(path: str, rows: int, width: int, k: int, device: torch.device) -> 
     return path
 
 
+def _default_kernel(device: torch.device, rows: int, width: int, k: int) -> str:
+    return _kernel_for(_resolve("auto", rows, width, k, device), width, k)[0]
+
+
 def loaded(device: torch.device, rows: int, width: int, k: int) -> bool:
     """The kernel a default call on a [rows, width] top-k launches is compiled and loaded for
     ``device``, so a graph capture can launch it."""
-    name = _kernel_name(_resolve("auto", rows, width, k, device), width, k)
-    return (_index(device), name) in _KERNELS
+    return (_index(device), _default_kernel(device, rows, width, k)) in _KERNELS
 
 
 def prepare(device: torch.device, rows: int, width: int, k: int) -> None:
@@ -116,7 +120,7 @@ def prepare(device: torch.device, rows: int, width: int, k: int) -> None:
     if not available() or torch.cuda.is_current_stream_capturing() or loaded(device, rows, width, k):
         return
     try:
-        _kernel(device, _kernel_name(_resolve("auto", rows, width, k, device), width, k))
+        _kernel(device, _default_kernel(device, rows, width, k))
     except Exception as e:  # NVRTC or the driver: reported, and the method is not offered again
         _BROKEN.append(f"{type(e).__name__}: {e}")
         warnings.warn(
@@ -209,10 +213,9 @@ def cuda_topk(
     ends = ends.contiguous()
     starts = starts.contiguous() if has_starts else ends  # not read when has_starts is 0
     args = [logits, logits.stride(0), starts, int(has_starts), ends, L, k, out]
-    name = _kernel_name(path, L, k)
+    name, threads = _kernel_for(path, L, k)
     if path == "cluster":
-        threads = next(t for w, (n, t) in _CLUSTER_NAMES.items() if n == name)
         _launch(logits.device, name, (_CLUSTER, R), threads, args)
     else:
-        _launch(logits.device, name, (R, 1), _THREADS, [*args, int(path == "general")])
+        _launch(logits.device, name, (R, 1), threads, [*args, int(path == "general")])
     return out

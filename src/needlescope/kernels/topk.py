@@ -58,19 +58,18 @@ def topk_method(rows: int, width: int, k: int, cuda: bool | None = None, cluster
 
     if width <= 4096:
         return "bisect"
-    dev = torch.device("cuda")
     if cuda is None:  # eager calls compile the kernel; a capture only uses loaded ones
         cuda = cuda_topk.available() and (
-            not torch.cuda.is_current_stream_capturing() or cuda_topk.loaded(dev, rows, width, k)
+            not torch.cuda.is_current_stream_capturing()
+            or cuda_topk.loaded(torch.device("cuda"), rows, width, k)
         )
-    if cuda:
-        if rows >= 5 and width <= cuda_topk.FAST_WIDTH and k <= cuda_topk.FAST_K:
+    if cuda and rows >= 5 and width <= cuda_topk.FAST_WIDTH and k <= cuda_topk.FAST_K:
+        return "cuda"
+    if cuda and cuda_topk.cluster_shape(rows, width, k):
+        if clusters is None:
+            clusters = torch.cuda.is_available() and cuda_topk.clusters(torch.device("cuda"))
+        if clusters:
             return "cuda"
-        if cuda_topk.cluster_shape(rows, width, k):
-            if clusters is None:
-                clusters = torch.cuda.is_available() and cuda_topk.clusters(dev)
-            if clusters:
-                return "cuda"
     if rows >= 32 and k <= 512 and width <= 65536:
         return "filter"
     return "radix"
@@ -96,11 +95,13 @@ def topk(
     ``out`` (int32 [R, k], optional) is written in place; every element gets written.
     """
     if method is None:
-        if logits.is_cuda and topk_method(*logits.shape, k, cuda=True) == "cuda":
+        method = topk_method(*logits.shape, k, cuda=None if logits.is_cuda else False)
+        if method == "cuda":
             from needlescope.kernels import cuda_topk
 
             cuda_topk.prepare(logits.device, *logits.shape, k)  # compiled here, not in a capture
-        method = topk_method(*logits.shape, k, cuda=None if logits.is_cuda else False)
+            if not cuda_topk.available():  # compiling failed (warned once): a Triton method instead
+                method = topk_method(*logits.shape, k, cuda=False)
     if method == "radix":
         from needlescope.kernels.triton_radix import radix_topk as launcher
     elif method == "filter":
