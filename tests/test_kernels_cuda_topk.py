@@ -32,9 +32,9 @@ def test_the_rule_takes_cuda_where_it_was_measured_faster_and_only_where_it_runs
     )
 
 
-def test_the_cluster_path_takes_the_shapes_runs_27_and_28_measured_it_fastest_at() -> None:
+def test_the_cluster_path_takes_the_shapes_runs_27_to_29_measured_it_fastest_at() -> None:
     """1-8 rows of 16K-32K entries (at 16 rows the block kernel wins) and 4+ rows of 32K-64K;
-    not 1 x 64K (the radix select's 13.0 us against 16.2), longer rows, or k > 2048."""
+    not 1 x 64K (the radix select's 12.8 us against 13.8), longer rows, or k > 2048."""
     taken = [(1, 32768, 512), (4, 32768, 512), (8, 20000, 2048), (4, 65536, 512), (64, 40000, 512)]
     for rows, width, k in taken:
         assert cuda_topk.cluster_shape(rows, width, k)
@@ -44,6 +44,15 @@ def test_the_cluster_path_takes_the_shapes_runs_27_and_28_measured_it_fastest_at
         assert not cuda_topk.cluster_shape(rows, width, k)
     assert topk_method(1, 65536, 512, cuda=True, clusters=True) == "radix"
     assert topk_method(9, 32768, 512, cuda=True, clusters=True) == "cuda"  # the block kernel's rows
+
+
+def test_the_64k_cluster_kernel_is_the_mbarrier_form_up_to_8_rows_and_the_pull_form_beyond() -> None:
+    """Run 29: the mbarrier form 15.0 us against the pull form's 17.6 at 8 x 64K, 40.8 against
+    33.6 at 32 x 64K; rows of up to 32K take the mbarrier form at any count."""
+    assert cuda_topk._kernel_for("cluster", 8, 65536, 512)[0] == "needlescope_topk_cluster_64k"
+    assert cuda_topk._kernel_for("cluster", 9, 40000, 512)[0] == "needlescope_topk_pull_64k"
+    assert cuda_topk._kernel_for("cluster", 64, 32768, 512)[0] == "needlescope_topk_cluster_32k"
+    assert cuda_topk._kernel_for("block", 64, 65536, 512)[0] == "needlescope_topk_sub2"
 
 
 def test_cpu_rows_never_default_to_cuda_and_asking_for_it_says_why(monkeypatch) -> None:
@@ -105,7 +114,8 @@ def _contract_order(x: torch.Tensor, k: int, starts: torch.Tensor, ends: torch.T
 
 @pytest.mark.skipif(not GPU, reason="CUDA C++ kernel: needs a GPU")
 @pytest.mark.parametrize(
-    ("rows", "width", "k"), [(4, 32768, 512), (3, 20000, 2048), (2, 70000, 512), (5, 900, 600)]
+    ("rows", "width", "k"),
+    [(4, 32768, 512), (3, 20000, 2048), (2, 70000, 512), (5, 900, 600), (10, 50000, 512)],
 )
 def test_output_is_the_contract_order_on_every_path(rows: int, width: int, k: int) -> None:
     g = torch.Generator(device="cuda").manual_seed(width + k)

@@ -348,6 +348,8 @@ extern "C" __global__ void __launch_bounds__(THREADS)
 // MSD radix select over the whole row: 8-bit digits from the top, stopping early at a digit that
 // holds the k-th largest key alone (its digit's key is then the k-th key). The output is written
 // in index order: per block counts exchanged once more, then a block scan over (item, warp) slots.
+// This is the pull form (needlescope_topk_pull_64k); the default cluster kernels at the end of
+// the file exchange the same histograms without cluster barriers.
 
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900  // clusters: sm_90 and later
 
@@ -522,19 +524,225 @@ __device__ void cluster_rows(const float* logits, int stride, const int* starts,
     cluster_sync();  // no block leaves while another may still read its shared memory
 }
 
+// The pull form stays for many rows of 64K entries: run 29 measured it at 33.6 us at 32 x 64K
+// against 40.8 for the mbarrier form below (which is faster at 8 rows: 15.0 against 17.6).
+extern "C" __global__ void __cluster_dims__(CL, 1, 1) __launch_bounds__(512)
+    needlescope_topk_pull_64k(const float* logits, int stride, const int* starts, int has_starts,
+                              const int* ends, int width, int k, int* out) {
+    cluster_rows<512, 16>(logits, stride, starts, has_starts, ends, width, k, out);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The cluster path's exchanges without cluster barriers (the default cluster kernels; run 29:
+// 8.6 us at 1 x 32K against 10.5 with the barriers). Each pass, every block stores its 256-bin
+// histogram into every block's receive buffer with st.async, which completes bytes on the
+// receiver's mbarrier; a block waits on its own mbarrier for the eight histograms (8 KB) and sums
+// them locally, one digit a thread. Buffers and mbarriers are double buffered by pass parity: a
+// block sends pass p + 1 only after its own pass p search has read its buffer, and nobody reaches
+// pass p + 2 without that block's pass p + 1 histogram, so no buffer is overwritten while read.
+// The output's bases need no exchange: every block holds every block's histograms of every pass,
+// so each counts, for the blocks before it, their keys above the cut (digits above each pass's
+// bin) and at it (the last pass's bin). One relaxed cluster barrier after the mbarriers'
+// initialization; none at the end (every byte a block is sent is one its mbarrier waits for).
+__device__ __forceinline__ unsigned smem_u32(const void* p) {
+    unsigned a;
+    asm volatile("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+__device__ __forceinline__ unsigned map_rank(unsigned local, unsigned rank) {
+    unsigned remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
+    return remote;
+}
+__device__ __forceinline__ void mbar_init(unsigned long long* bar, unsigned count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_expect(unsigned long long* bar, unsigned bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned parity) {
+    asm volatile(
+        "{ .reg .pred p;\n"
+        "W: mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%0], %1;\n"
+        "@!p bra W; }" ::"r"(smem_u32(bar)), "r"(parity) : "memory");
+}
+// 16 bytes of v into `dst` of cluster block `rank`, completing 16 bytes on that block's `bar`.
+__device__ __forceinline__ void st_async4(const int* dst, const unsigned long long* bar, unsigned rank, int4 v) {
+    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.s32 [%0], {%2, %3, %4, %5}, [%1];" ::
+                     "r"(map_rank(smem_u32(dst), rank)), "r"(map_rank(smem_u32(bar), rank)),
+                     "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
+}
+struct MbarSmem {
+    alignas(16) int recv[2][CL][256];  // the cluster's histograms by pass parity, one row a sender
+    alignas(16) int hist[2][256];      // this block's digit counts by pass parity
+    unsigned long long bar[2];         // recv[0], recv[1]
+    int slot[256];                     // (item, warp) counts, then their exclusive offsets
+    int wsum[8];                       // the digit search's warp totals (digits 255 - 32 w down)
+    int before[CL][2];                 // block b < this one: its keys above the cut, at the cut
+    int bin, above, in_bin;
+};
+
+// After this block's mbarrier of a pass completed: the cluster's count of each digit, summed
+// over the senders one digit a thread (thread t < 256: digit 255 - t, so a scan over threads
+// runs over descending digits), and the digit of the krem-th largest key (s.bin), the count
+// above it (s.above) and in it (s.in_bin). Ends with a barrier.
+__device__ __forceinline__ void mbar_find_bin(MbarSmem& s, int buf, int krem) {
+    const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
+    int v = 0, incl = 0;
+    if (t < 256) {
+#pragma unroll
+        for (int b = 0; b < CL; ++b) v += s.recv[buf][b][255 - t];
+        incl = warp_inclusive_scan(v);
+        if (lane == 31) s.wsum[warp] = incl;
+    }
+    __syncthreads();
+    if (t < 256) {
+        int cum = incl - v;
+        for (int w = 0; w < warp; ++w) cum += s.wsum[w];
+        if (cum < krem && cum + v >= krem) {
+            s.bin = 255 - t;
+            s.above = cum;
+            s.in_bin = v;
+        }
+    }
+    __syncthreads();
+}
+
+template <int NT, int IT>
+__device__ void mbar_rows(const float* logits, int stride, const int* starts, int has_starts,
+                          const int* ends, int width, int k, int* out) {
+    constexpr int NW = NT / 32, CHUNK = NT * IT, SLOTS = IT * NW, PER = SLOTS / 32;
+    static_assert(SLOTS % 32 == 0 && SLOTS <= 256 && IT <= 32 && NT >= 512, "slots; 512 senders");
+    __shared__ MbarSmem s;
+    const unsigned c = cluster_rank();
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int r = blockIdx.y;
+    const float* row = logits + (long long)r * stride;
+    int* orow = out + (long long)r * k;
+    int st;
+    const int n = row_range(starts, has_starts, ends, width, r, &st);
+    if (n <= k) {  // the whole range, in order, then -1; no block touches another's memory
+        for (int q = c * NT + tid; q < k; q += CL * NT) orow[q] = q < n ? st + q : -1;
+        return;
+    }
+    const int base = (int)c * CHUNK;  // this block's first position in the range
+    unsigned key[IT];
+#pragma unroll
+    for (int i = 0; i < IT; ++i) {
+        int p = base + i * NT + tid;
+        key[i] = p < n ? ordered_key(row[st + p]) : 0u;
+    }
+    for (int b = tid; b < 512; b += NT) (&s.hist[0][0])[b] = 0;
+    if (tid == 0) {
+        for (int b = 0; b < 2; ++b) mbar_init(&s.bar[b], 1);
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+    __syncwarp();
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");  // waited before the first send
+
+    unsigned prefix = 0u;
+    int krem = k, shift = 24, buf = 0;
+    int above = 0;  // warp b < c: block b's keys in digits above each pass's bin, so far
+    for (int pass = 0;; ++pass, shift -= 8) {
+        buf = pass & 1;
+        const unsigned parity = (pass >> 1) & 1;
+#pragma unroll
+        for (int i = 0; i < IT; ++i) {
+            bool ok = base + i * NT + tid < n && (pass == 0 || (key[i] >> (shift + 8)) == (prefix >> (shift + 8)));
+            hist_add(s.hist[buf], (key[i] >> shift) & 255u, ok);
+        }
+        if (tid == 0) mbar_expect(&s.bar[buf], CL * 256 * 4);
+        __syncthreads();  // the histogram is complete
+        if (pass == 0) {
+            __syncwarp();
+            asm volatile("barrier.cluster.wait.aligned;" ::: "memory");  // every block's mbarriers exist
+        }
+        if (tid < 64 * CL) {  // thread t sends 16 bytes: digits 4 (t & 63) .. +3 to block t >> 6
+            const int q = (tid & 63) * 4;
+            int4 v = make_int4(s.hist[buf][q], s.hist[buf][q + 1], s.hist[buf][q + 2], s.hist[buf][q + 3]);
+            st_async4(&s.recv[buf][c][q], &s.bar[buf], tid >> 6, v);
+        }
+        if (tid < 256) s.hist[buf ^ 1][tid] = 0;  // next pass's; its last reader was this block's sends of pass - 1
+        mbar_wait(&s.bar[buf], parity);
+        mbar_find_bin(s, buf, krem);
+        // Block warp's keys above this pass's bin. Read before the next pass's first barrier, so
+        // before this block's next send: recv[buf] is not rewritten while read (see above).
+        if ((unsigned)warp < c) {
+            int sum = 0;
+#pragma unroll
+            for (int j = 0; j < 8; ++j) sum += lane + 32 * j > s.bin ? s.recv[buf][warp][lane + 32 * j] : 0;
+            above += __reduce_add_sync(FULL, sum);
+        }
+        prefix |= (unsigned)s.bin << shift;
+        krem -= s.above;
+        if (s.in_bin == 1 || shift == 0) break;
+    }
+    // The k-th key is the one key of its digit, or (shift 0) prefix itself: keys of a higher digit
+    // lie above it, those of its digit are equal to it; take_eq of them, in index order.
+    const int take_eq = krem;
+    int mine = 0;
+#pragma unroll
+    for (int i = 0; i < IT; ++i) {
+        bool valid = base + i * NT + tid < n;
+        bool gt = valid && (key[i] >> shift) > (prefix >> shift);
+        bool eq = valid && (key[i] >> shift) == (prefix >> shift);
+        unsigned bg = __ballot_sync(FULL, gt), be = __ballot_sync(FULL, eq);
+        if (lane == i) mine = (__popc(bg) << 16) | __popc(be);
+    }
+    if (lane < IT) s.slot[lane * NW + warp] = mine;
+    if ((unsigned)warp < c && lane == 0) {
+        s.before[warp][0] = above;
+        s.before[warp][1] = s.recv[buf][warp][s.bin];
+    }
+    __syncthreads();
+    if (tid < 32) {  // exclusive scan of the slots, PER a lane
+        int v[PER], tot = 0;
+#pragma unroll
+        for (int j = 0; j < PER; ++j) tot += (v[j] = s.slot[PER * tid + j]);
+        int incl = warp_inclusive_scan(tot);
+        int e = incl - tot;
+#pragma unroll
+        for (int j = 0; j < PER; ++j) {
+            s.slot[PER * tid + j] = e;
+            e += v[j];
+        }
+    }
+    int base_gt = 0, base_eq = 0;
+    for (unsigned b = 0; b < c; ++b) {
+        base_gt += s.before[b][0];
+        base_eq += s.before[b][1];
+    }
+    __syncthreads();  // the slot offsets
+    const int first_eq = k - take_eq;
+#pragma unroll
+    for (int i = 0; i < IT; ++i) {
+        const int p = base + i * NT + tid;
+        bool valid = p < n;
+        bool gt = valid && (key[i] >> shift) > (prefix >> shift);
+        bool eq = valid && (key[i] >> shift) == (prefix >> shift);
+        unsigned bg = __ballot_sync(FULL, gt), be = __ballot_sync(FULL, eq);
+        const int off = s.slot[i * NW + warp];
+        if (gt) orow[base_gt + (off >> 16) + __popc(bg & lanemask_lt())] = st + p;
+        if (eq) {
+            int q = base_eq + (off & 0xffff) + __popc(be & lanemask_lt());
+            if (q < take_eq) orow[first_eq + q] = st + p;
+        }
+    }
+}
+
 // Rows of up to 8 x 1024 x 4 = 32,768 and 8 x 512 x 16 = 65,536 entries (the fastest shapes of
-// those timed in run 27: 1024 x 4 at 10.3 us against 512 x 8 at 10.9 and 256 x 16 at 13.4).
+// those timed in run 27 with the pull form: 1024 x 4 at 10.3 us, 512 x 8 at 10.9, 256 x 16 at 13.4).
 extern "C" __global__ void __cluster_dims__(CL, 1, 1) __launch_bounds__(1024)
     needlescope_topk_cluster_32k(const float* logits, int stride, const int* starts, int has_starts,
-                                 const int* ends, int width, int k, int* out) {
-    cluster_rows<1024, 4>(logits, stride, starts, has_starts, ends, width, k, out);
+                              const int* ends, int width, int k, int* out) {
+    mbar_rows<1024, 4>(logits, stride, starts, has_starts, ends, width, k, out);
 }
 
 extern "C" __global__ void __cluster_dims__(CL, 1, 1) __launch_bounds__(512)
     needlescope_topk_cluster_64k(const float* logits, int stride, const int* starts, int has_starts,
-                                 const int* ends, int width, int k, int* out) {
-    cluster_rows<512, 16>(logits, stride, starts, has_starts, ends, width, k, out);
+                              const int* ends, int width, int k, int* out) {
+    mbar_rows<512, 16>(logits, stride, starts, has_starts, ends, width, k, out);
 }
-
 
 #endif  // sm_90

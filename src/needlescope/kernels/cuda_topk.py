@@ -47,6 +47,7 @@ _CLUSTER_NAMES = {  # rows of up to this many entries -> (kernel, threads a bloc
     32768: ("needlescope_topk_cluster_32k", 1024),
     65536: ("needlescope_topk_cluster_64k", 512),
 }
+_PULL_64K = ("needlescope_topk_pull_64k", 512)  # the barrier form, for more than 8 rows of 64K
 CLUSTER_WIDTH = max(_CLUSTER_NAMES)
 """Rows of at most this many entries can take the cluster path (sm_90 and later)."""
 PATHS = ("auto", "block", "general", "cluster")
@@ -66,14 +67,15 @@ def clusters(device: torch.device) -> bool:
 
 def cluster_shape(rows: int, width: int, k: int) -> bool:
     """Whether ``rows`` rows of ``width`` entries take the cluster path (where clusters run).
-    Measured on H100s (docs/perf/indexer.md, runs 27 and 28, graph-replayed, k = 512): at 32K
-    entries the cluster path took 10.3-10.5 / 10.8-11.6 us at 1 / 8 rows against the block
-    kernel's 15.5-15.7 and the radix select's 12.3 / 17.8, but 19.8 at 16 rows against the block
-    kernel's 15.7 (eight blocks a row: the clusters no longer run at once), so rows of 16K-32K
-    take it up to 8 rows. At 64K entries it took 17.5 / 34.0 us at 8 / 32 rows against the
-    filter's 21.8 / 40.2 and the radix select's 21.8 / 56.0 (the block kernel's general path:
-    122-126), and 16.2 at 1 row against the radix select's 13.0, which grows ~1.2 us a row: rows
-    of 32K-64K take it from 4 rows. Rows of 16K entries and fewer were not measured on it."""
+    Measured on an H100 (docs/perf/indexer.md, run 29, graph-replayed, k = 512): at 32K entries
+    the cluster path took 8.6 / 9.7 us at 1 / 8 rows against the block kernel's 15.5 / 15.7 and
+    the radix select's 12.3 / 17.9, but 16.5 at 16 rows against the block kernel's 15.7 (eight
+    blocks a row: the clusters no longer run at once), so rows of 16K-32K take it up to 8 rows.
+    At 64K entries it took 15.0 at 8 rows (the mbarrier form) and 33.6 at 32 (the pull form)
+    against the filter's 21.7 / 40.1 and the radix select's 21.8 / 55.8 (the block kernel's
+    general path: 121-126), and 13.8 at 1 row against the radix select's 12.8, which grows ~1.2 us
+    a row: rows of 32K-64K take it from 4 rows. Rows of 16K entries and fewer were not measured
+    on it."""
     if k > FAST_K:
         return False
     if FAST_WIDTH // 2 < width <= FAST_WIDTH:
@@ -87,9 +89,13 @@ def cuda_path(rows: int, width: int, k: int, device: torch.device) -> str:
     return "cluster" if cluster_shape(rows, width, k) and clusters(device) else "block"
 
 
-def _kernel_for(path: str, width: int, k: int) -> tuple[str, int]:
-    """(kernel name, threads a block) that a resolved ``path`` launches for rows of ``width``."""
+def _kernel_for(path: str, rows: int, width: int, k: int) -> tuple[str, int]:
+    """(kernel name, threads a block) that a resolved ``path`` launches for [rows, width]. The
+    cluster path's 64K kernel is the mbarrier form up to 8 rows and the pull form beyond (run 29:
+    15.0 against 17.6 us at 8 rows, 40.8 against 33.6 at 32)."""
     if path == "cluster":
+        if width > FAST_WIDTH and rows > 8:
+            return _PULL_64K
         return next(v for w, v in sorted(_CLUSTER_NAMES.items()) if width <= w)
     return ("needlescope_topk_sub2" if k <= 512 else "needlescope_topk_sub8"), _THREADS
 
@@ -103,7 +109,7 @@ def _resolve(path: str, rows: int, width: int, k: int, device: torch.device) -> 
 
 
 def _default_kernel(device: torch.device, rows: int, width: int, k: int) -> str:
-    return _kernel_for(_resolve("auto", rows, width, k, device), width, k)[0]
+    return _kernel_for(_resolve("auto", rows, width, k, device), rows, width, k)[0]
 
 
 def loaded(device: torch.device, rows: int, width: int, k: int) -> bool:
@@ -213,7 +219,7 @@ def cuda_topk(
     ends = ends.contiguous()
     starts = starts.contiguous() if has_starts else ends  # not read when has_starts is 0
     args = [logits, logits.stride(0), starts, int(has_starts), ends, L, k, out]
-    name, threads = _kernel_for(path, L, k)
+    name, threads = _kernel_for(path, R, L, k)
     if path == "cluster":
         _launch(logits.device, name, (_CLUSTER, R), threads, args)
     else:
