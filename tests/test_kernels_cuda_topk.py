@@ -46,15 +46,6 @@ def test_the_cluster_path_takes_the_shapes_runs_27_to_29_measured_it_fastest_at(
     assert topk_method(9, 32768, 512, cuda=True, clusters=True) == "cuda"  # the block kernel's rows
 
 
-def test_the_64k_cluster_kernel_is_the_mbarrier_form_up_to_8_rows_and_the_pull_form_beyond() -> None:
-    """Run 29: the mbarrier form 15.0 us against the pull form's 17.6 at 8 x 64K, 40.8 against
-    33.6 at 32 x 64K; rows of up to 32K take the mbarrier form at any count."""
-    assert cuda_topk._kernel_for("cluster", 8, 65536, 512)[0] == "needlescope_topk_cluster_64k"
-    assert cuda_topk._kernel_for("cluster", 9, 40000, 512)[0] == "needlescope_topk_pull_64k"
-    assert cuda_topk._kernel_for("cluster", 64, 32768, 512)[0] == "needlescope_topk_cluster_32k"
-    assert cuda_topk._kernel_for("block", 64, 65536, 512)[0] == "needlescope_topk_sub2"
-
-
 def test_cpu_rows_never_default_to_cuda_and_asking_for_it_says_why(monkeypatch) -> None:
     """Even where the CUDA method could run, rows on the CPU take a Triton method (under the
     interpreter here; CI's Triton 3.9 runs it, the GPU machine's 3.6 cannot)."""

@@ -342,14 +342,24 @@ extern "C" __global__ void __launch_bounds__(THREADS)
 // Cluster path: one row split over a cluster of CL thread blocks (H100's thread block clusters,
 // sm_90), each block holding CHUNK = NT * IT of the row's entries in registers. A single block
 // reads a 32K row at one SM's share of the memory system and walks a chain of ~35 barriers;
-// eight blocks read it eight times as fast and each barrier has fewer threads. The blocks meet in
-// a cluster barrier once per radix pass and read each other's 256-bin histograms through
-// distributed shared memory (every block then finds the same digit), so the select is the plain
-// MSD radix select over the whole row: 8-bit digits from the top, stopping early at a digit that
-// holds the k-th largest key alone (its digit's key is then the k-th key). The output is written
-// in index order: per block counts exchanged once more, then a block scan over (item, warp) slots.
-// This is the pull form (needlescope_topk_pull_64k); the default cluster kernels at the end of
-// the file exchange the same histograms without cluster barriers.
+// eight blocks read it eight times as fast and each barrier has fewer threads. The select is the
+// plain MSD radix select over the whole row: 8-bit digits from the top, stopping early at a digit
+// that holds the k-th largest key alone (its digit's key is then the k-th key); every block
+// finds the same digit from the cluster's histogram.
+//
+// The exchange has no cluster barrier (run 29: 8.6 us at 1 x 32K against 10.5 for the form that
+// met in a cluster barrier each pass and read the others' histograms remotely, run 28). Each
+// pass, every block stores its 256-bin histogram into every block's receive buffer with
+// st.async, which completes bytes on the receiver's mbarrier; a block waits on its own mbarrier
+// for the eight histograms (8 KB) and sums them locally, one digit a thread. Buffers and
+// mbarriers are double buffered by pass parity: a block sends pass p + 1 only after its own pass
+// p search has read its buffer, and nobody reaches pass p + 2 without that block's pass p + 1
+// histogram, so no buffer is overwritten while read. The output is written in index order and
+// needs no exchange: every block holds every block's histograms of every pass, so each counts,
+// for the blocks before it, their keys above the cut (digits above each pass's bin) and at it
+// (the last pass's bin), then offsets over its (item, warp) slots. One relaxed cluster barrier
+// after the mbarriers' initialization; none at the end (every byte a block is sent is one its
+// mbarrier waits for).
 
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900  // clusters: sm_90 and later
 
@@ -361,189 +371,6 @@ __device__ __forceinline__ unsigned cluster_rank() {
     return r;
 }
 
-// Every thread of every block of the cluster; orders shared-memory writes before it for all.
-__device__ __forceinline__ void cluster_sync() {
-    __syncwarp();  // the barrier's .aligned form wants each warp converged
-    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::
-                     : "memory");
-}
-
-// p's int in the shared memory of cluster block `rank` (the same variable in that block).
-__device__ __forceinline__ int ld_cluster(const int* p, unsigned rank) {
-    unsigned local, remote;
-    int v;
-    asm volatile("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(local) : "l"(p));
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
-    asm volatile("ld.shared::cluster.u32 %0, [%1];" : "=r"(v) : "r"(remote) : "memory");
-    return v;
-}
-
-struct ClusterSmem {
-    int hist[2][256];   // this block's digit counts, by pass parity (read by the whole cluster)
-    int slot[256];      // (item, warp) counts, then their exclusive offsets (CHUNK / 32 used)
-    int totals[2];      // this block's entries above the cut and equal to it (read by the cluster)
-    int bin, above, in_bin, base_gt, base_eq;
-};
-
-// After the cluster barrier of a pass: the cluster's count of each digit, the digit of the
-// krem-th largest key (s.bin), the count above it (s.above) and in it (s.in_bin); clears the
-// other parity's histogram, which every block finished reading before this pass's barrier.
-template <int NT>
-__device__ void cluster_find_bin(ClusterSmem& s, int buf, int krem, int* g) {
-    const int t = threadIdx.x;
-    for (int b = t; b < 256; b += NT) {
-        int sum = 0;
-#pragma unroll
-        for (unsigned c = 0; c < CL; ++c) sum += ld_cluster(&s.hist[buf][b], c);
-        g[b] = sum;
-        s.hist[buf ^ 1][b] = 0;
-    }
-    __syncthreads();
-    if (t < 32) {  // one warp: lane l holds digits 255 - 8l ... 248 - 8l (descending)
-        int v[8], tot = 0;
-#pragma unroll
-        for (int j = 0; j < 8; ++j) tot += (v[j] = g[255 - 8 * t - j]);
-        int incl = warp_inclusive_scan(tot);
-        int cum = incl - tot;
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            if (cum < krem && cum + v[j] >= krem) {
-                s.bin = 255 - 8 * t - j;
-                s.above = cum;
-                s.in_bin = v[j];
-            }
-            cum += v[j];
-        }
-    }
-    __syncthreads();
-}
-
-template <int NT, int IT>
-__device__ void cluster_rows(const float* logits, int stride, const int* starts, int has_starts,
-                             const int* ends, int width, int k, int* out) {
-    constexpr int NW = NT / 32, CHUNK = NT * IT, SLOTS = IT * NW, PER = SLOTS / 32;
-    static_assert(SLOTS % 32 == 0 && SLOTS <= 256 && IT <= 32, "one slot per (item, warp)");
-    __shared__ ClusterSmem s;
-    __shared__ int g[256];
-    const unsigned c = cluster_rank();
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int r = blockIdx.y;
-    const float* row = logits + (long long)r * stride;
-    int* orow = out + (long long)r * k;
-    int st;
-    const int n = row_range(starts, has_starts, ends, width, r, &st);
-    if (n <= k) {  // the whole range, in order, then -1; no block touches another's memory
-        for (int q = c * NT + tid; q < k; q += CL * NT) orow[q] = q < n ? st + q : -1;
-        return;
-    }
-    const int base = (int)c * CHUNK;  // this block's first position in the range
-    unsigned key[IT];
-#pragma unroll
-    for (int i = 0; i < IT; ++i) {
-        int p = base + i * NT + tid;
-        key[i] = p < n ? ordered_key(row[st + p]) : 0u;
-    }
-    for (int b = tid; b < 512; b += NT) (&s.hist[0][0])[b] = 0;
-    __syncthreads();
-
-    unsigned prefix = 0u;
-    int krem = k, shift = 24;
-    for (int pass = 0; ; ++pass, shift -= 8) {
-        const int buf = pass & 1;
-#pragma unroll
-        for (int i = 0; i < IT; ++i) {
-            bool ok = base + i * NT + tid < n && (pass == 0 || (key[i] >> (shift + 8)) == (prefix >> (shift + 8)));
-            hist_add(s.hist[buf], (key[i] >> shift) & 255u, ok);
-        }
-        cluster_sync();
-        cluster_find_bin<NT>(s, buf, krem, g);
-        prefix |= (unsigned)s.bin << shift;
-        krem -= s.above;
-        if (s.in_bin == 1 || shift == 0) break;
-    }
-    // The k-th key is the one key of its digit, or (shift 0) prefix itself: keys of a higher digit
-    // lie above it, those of its digit are equal to it; take_eq of them, in index order.
-    const int take_eq = krem;
-    int mine = 0;
-#pragma unroll
-    for (int i = 0; i < IT; ++i) {
-        bool valid = base + i * NT + tid < n;
-        bool gt = valid && (key[i] >> shift) > (prefix >> shift);
-        bool eq = valid && (key[i] >> shift) == (prefix >> shift);
-        unsigned bg = __ballot_sync(FULL, gt), be = __ballot_sync(FULL, eq);
-        if (lane == i) mine = (__popc(bg) << 16) | __popc(be);
-    }
-    if (lane < IT) s.slot[lane * NW + warp] = mine;
-    __syncthreads();
-    if (tid < 32) {  // exclusive scan of the slots, PER a lane
-        int v[PER], tot = 0;
-#pragma unroll
-        for (int j = 0; j < PER; ++j) tot += (v[j] = s.slot[PER * tid + j]);
-        int incl = warp_inclusive_scan(tot);
-        int e = incl - tot;
-#pragma unroll
-        for (int j = 0; j < PER; ++j) {
-            s.slot[PER * tid + j] = e;
-            e += v[j];
-        }
-        if (tid == 31) {
-            s.totals[0] = incl >> 16;
-            s.totals[1] = incl & 0xffff;
-        }
-    }
-    cluster_sync();  // every block's totals are written
-    if (tid < 32) {
-        int gt = 0, eq = 0;
-        if ((unsigned)tid < c) {
-            gt = ld_cluster(&s.totals[0], tid);
-            eq = ld_cluster(&s.totals[1], tid);
-        }
-        gt = __reduce_add_sync(FULL, gt);
-        eq = __reduce_add_sync(FULL, eq);
-        if (tid == 0) {
-            s.base_gt = gt;
-            s.base_eq = eq;
-        }
-    }
-    __syncthreads();
-    const int first_eq = k - take_eq;
-#pragma unroll
-    for (int i = 0; i < IT; ++i) {
-        const int p = base + i * NT + tid;
-        bool valid = p < n;
-        bool gt = valid && (key[i] >> shift) > (prefix >> shift);
-        bool eq = valid && (key[i] >> shift) == (prefix >> shift);
-        unsigned bg = __ballot_sync(FULL, gt), be = __ballot_sync(FULL, eq);
-        const int off = s.slot[i * NW + warp];
-        if (gt) orow[s.base_gt + (off >> 16) + __popc(bg & lanemask_lt())] = st + p;
-        if (eq) {
-            int q = s.base_eq + (off & 0xffff) + __popc(be & lanemask_lt());
-            if (q < take_eq) orow[first_eq + q] = st + p;
-        }
-    }
-    cluster_sync();  // no block leaves while another may still read its shared memory
-}
-
-// The pull form stays for many rows of 64K entries: run 29 measured it at 33.6 us at 32 x 64K
-// against 40.8 for the mbarrier form below (which is faster at 8 rows: 15.0 against 17.6).
-extern "C" __global__ void __cluster_dims__(CL, 1, 1) __launch_bounds__(512)
-    needlescope_topk_pull_64k(const float* logits, int stride, const int* starts, int has_starts,
-                              const int* ends, int width, int k, int* out) {
-    cluster_rows<512, 16>(logits, stride, starts, has_starts, ends, width, k, out);
-}
-
-// ---------------------------------------------------------------------------------------------
-// The cluster path's exchanges without cluster barriers (the default cluster kernels; run 29:
-// 8.6 us at 1 x 32K against 10.5 with the barriers). Each pass, every block stores its 256-bin
-// histogram into every block's receive buffer with st.async, which completes bytes on the
-// receiver's mbarrier; a block waits on its own mbarrier for the eight histograms (8 KB) and sums
-// them locally, one digit a thread. Buffers and mbarriers are double buffered by pass parity: a
-// block sends pass p + 1 only after its own pass p search has read its buffer, and nobody reaches
-// pass p + 2 without that block's pass p + 1 histogram, so no buffer is overwritten while read.
-// The output's bases need no exchange: every block holds every block's histograms of every pass,
-// so each counts, for the blocks before it, their keys above the cut (digits above each pass's
-// bin) and at it (the last pass's bin). One relaxed cluster barrier after the mbarriers'
-// initialization; none at the end (every byte a block is sent is one its mbarrier waits for).
 __device__ __forceinline__ unsigned smem_u32(const void* p) {
     unsigned a;
     asm volatile("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
@@ -576,36 +403,38 @@ struct MbarSmem {
     alignas(16) int recv[2][CL][256];  // the cluster's histograms by pass parity, one row a sender
     alignas(16) int hist[2][256];      // this block's digit counts by pass parity
     unsigned long long bar[2];         // recv[0], recv[1]
-    int slot[256];                     // (item, warp) counts, then their exclusive offsets
-    int wsum[8];                       // the digit search's warp totals (digits 255 - 32 w down)
+    int slot[256];                     // (item, warp) counts of keys above the cut and at it
+    int cnt[256];                      // the cluster's digit counts, digit 255 - i at i
+    int wsum[8];                       // their sums by 32 (digits 255 - 32 w down)
     int before[CL][2];                 // block b < this one: its keys above the cut, at the cut
-    int bin, above, in_bin;
 };
 
 // After this block's mbarrier of a pass completed: the cluster's count of each digit, summed
-// over the senders one digit a thread (thread t < 256: digit 255 - t, so a scan over threads
-// runs over descending digits), and the digit of the krem-th largest key (s.bin), the count
-// above it (s.above) and in it (s.in_bin). Ends with a barrier.
-__device__ __forceinline__ void mbar_find_bin(MbarSmem& s, int buf, int krem) {
-    const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
-    int v = 0, incl = 0;
+// over the senders one digit a thread (thread t < 256: digit 255 - t, so lanes run over
+// descending digits), then in every warp (no second barrier to broadcast it): the group of 32
+// digits holding the krem-th largest key, and in it the digit (*bin), the count above it
+// (*above) and in it (*in_bin). s.cnt and s.wsum are rewritten only after the next pass's first
+// barrier, so no warp reads them while they change.
+__device__ __forceinline__ void mbar_find_bin(MbarSmem& s, int buf, int krem, int* bin, int* above, int* in_bin) {
+    const int t = threadIdx.x, lane = t & 31;
     if (t < 256) {
+        int v = 0;
 #pragma unroll
         for (int b = 0; b < CL; ++b) v += s.recv[buf][b][255 - t];
-        incl = warp_inclusive_scan(v);
-        if (lane == 31) s.wsum[warp] = incl;
+        s.cnt[t] = v;
+        v = __reduce_add_sync(FULL, v);
+        if (lane == 0) s.wsum[t >> 5] = v;
     }
     __syncthreads();
-    if (t < 256) {
-        int cum = incl - v;
-        for (int w = 0; w < warp; ++w) cum += s.wsum[w];
-        if (cum < krem && cum + v >= krem) {
-            s.bin = 255 - t;
-            s.above = cum;
-            s.in_bin = v;
-        }
-    }
-    __syncthreads();
+    const int w = lane < 8 ? s.wsum[lane] : 0;
+    const int wi = warp_inclusive_scan(w);
+    const int g = __ffs(__ballot_sync(FULL, lane < 8 && wi >= krem)) - 1;  // krem <= the keys counted
+    const int v = s.cnt[32 * g + lane];
+    const int vi = warp_inclusive_scan(v) + __shfl_sync(FULL, wi - w, g);
+    const int l = __ffs(__ballot_sync(FULL, vi >= krem)) - 1;
+    *bin = 255 - (32 * g + l);
+    *in_bin = __shfl_sync(FULL, v, l);
+    *above = __shfl_sync(FULL, vi - v, l);
 }
 
 template <int NT, int IT>
@@ -642,7 +471,7 @@ __device__ void mbar_rows(const float* logits, int stride, const int* starts, in
     asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");  // waited before the first send
 
     unsigned prefix = 0u;
-    int krem = k, shift = 24, buf = 0;
+    int krem = k, shift = 24, buf = 0, bin = 0;
     int above = 0;  // warp b < c: block b's keys in digits above each pass's bin, so far
     for (int pass = 0;; ++pass, shift -= 8) {
         buf = pass & 1;
@@ -665,18 +494,19 @@ __device__ void mbar_rows(const float* logits, int stride, const int* starts, in
         }
         if (tid < 256) s.hist[buf ^ 1][tid] = 0;  // next pass's; its last reader was this block's sends of pass - 1
         mbar_wait(&s.bar[buf], parity);
-        mbar_find_bin(s, buf, krem);
+        int n_above, in_bin;
+        mbar_find_bin(s, buf, krem, &bin, &n_above, &in_bin);
         // Block warp's keys above this pass's bin. Read before the next pass's first barrier, so
         // before this block's next send: recv[buf] is not rewritten while read (see above).
         if ((unsigned)warp < c) {
             int sum = 0;
 #pragma unroll
-            for (int j = 0; j < 8; ++j) sum += lane + 32 * j > s.bin ? s.recv[buf][warp][lane + 32 * j] : 0;
+            for (int j = 0; j < 8; ++j) sum += lane + 32 * j > bin ? s.recv[buf][warp][lane + 32 * j] : 0;
             above += __reduce_add_sync(FULL, sum);
         }
-        prefix |= (unsigned)s.bin << shift;
-        krem -= s.above;
-        if (s.in_bin == 1 || shift == 0) break;
+        prefix |= (unsigned)bin << shift;
+        krem -= n_above;
+        if (in_bin == 1 || shift == 0) break;
     }
     // The k-th key is the one key of its digit, or (shift 0) prefix itself: keys of a higher digit
     // lie above it, those of its digit are equal to it; take_eq of them, in index order.
@@ -693,27 +523,21 @@ __device__ void mbar_rows(const float* logits, int stride, const int* starts, in
     if (lane < IT) s.slot[lane * NW + warp] = mine;
     if ((unsigned)warp < c && lane == 0) {
         s.before[warp][0] = above;
-        s.before[warp][1] = s.recv[buf][warp][s.bin];
+        s.before[warp][1] = s.recv[buf][warp][bin];
     }
     __syncthreads();
-    if (tid < 32) {  // exclusive scan of the slots, PER a lane
-        int v[PER], tot = 0;
+    // Every warp its own offsets (no scan by one warp and a barrier after it): lane l sums slots
+    // PER l ... PER l + PER - 1, a warp scan gives their starts, and lane i < IT adds the slots
+    // before its own (item i, this warp) within its lane's run. The blocks before this one: a lane each.
+    int run = 0;
 #pragma unroll
-        for (int j = 0; j < PER; ++j) tot += (v[j] = s.slot[PER * tid + j]);
-        int incl = warp_inclusive_scan(tot);
-        int e = incl - tot;
-#pragma unroll
-        for (int j = 0; j < PER; ++j) {
-            s.slot[PER * tid + j] = e;
-            e += v[j];
-        }
-    }
-    int base_gt = 0, base_eq = 0;
-    for (unsigned b = 0; b < c; ++b) {
-        base_gt += s.before[b][0];
-        base_eq += s.before[b][1];
-    }
-    __syncthreads();  // the slot offsets
+    for (int j = 0; j < PER; ++j) run += s.slot[PER * lane + j];
+    const int run_start = warp_inclusive_scan(run) - run;
+    const int my_slot = (lane < IT ? lane : 0) * NW + warp;
+    int off = __shfl_sync(FULL, run_start, my_slot / PER);
+    for (int j = my_slot - my_slot % PER; j < my_slot; ++j) off += s.slot[j];
+    const int base_gt = __reduce_add_sync(FULL, (unsigned)lane < c ? s.before[lane][0] : 0);
+    const int base_eq = __reduce_add_sync(FULL, (unsigned)lane < c ? s.before[lane][1] : 0);
     const int first_eq = k - take_eq;
 #pragma unroll
     for (int i = 0; i < IT; ++i) {
@@ -722,10 +546,10 @@ __device__ void mbar_rows(const float* logits, int stride, const int* starts, in
         bool gt = valid && (key[i] >> shift) > (prefix >> shift);
         bool eq = valid && (key[i] >> shift) == (prefix >> shift);
         unsigned bg = __ballot_sync(FULL, gt), be = __ballot_sync(FULL, eq);
-        const int off = s.slot[i * NW + warp];
-        if (gt) orow[base_gt + (off >> 16) + __popc(bg & lanemask_lt())] = st + p;
+        const int o = __shfl_sync(FULL, off, i);
+        if (gt) orow[base_gt + (o >> 16) + __popc(bg & lanemask_lt())] = st + p;
         if (eq) {
-            int q = base_eq + (off & 0xffff) + __popc(be & lanemask_lt());
+            int q = base_eq + (o & 0xffff) + __popc(be & lanemask_lt());
             if (q < take_eq) orow[first_eq + q] = st + p;
         }
     }
@@ -739,7 +563,8 @@ extern "C" __global__ void __cluster_dims__(CL, 1, 1) __launch_bounds__(1024)
     mbar_rows<1024, 4>(logits, stride, starts, has_starts, ends, width, k, out);
 }
 
-extern "C" __global__ void __cluster_dims__(CL, 1, 1) __launch_bounds__(512)
+// At most 64 registers (two blocks an SM, as 16 rows and more need to run at once; 82 unbounded).
+extern "C" __global__ void __cluster_dims__(CL, 1, 1) __launch_bounds__(512, 2)
     needlescope_topk_cluster_64k(const float* logits, int stride, const int* starts, int has_starts,
                               const int* ends, int width, int k, int* out) {
     mbar_rows<512, 16>(logits, stride, starts, has_starts, ends, width, k, out);

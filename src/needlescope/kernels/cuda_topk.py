@@ -47,7 +47,6 @@ _CLUSTER_NAMES = {  # rows of up to this many entries -> (kernel, threads a bloc
     32768: ("needlescope_topk_cluster_32k", 1024),
     65536: ("needlescope_topk_cluster_64k", 512),
 }
-_PULL_64K = ("needlescope_topk_pull_64k", 512)  # the barrier form, for more than 8 rows of 64K
 CLUSTER_WIDTH = max(_CLUSTER_NAMES)
 """Rows of at most this many entries can take the cluster path (sm_90 and later)."""
 PATHS = ("auto", "block", "general", "cluster")
@@ -89,13 +88,9 @@ def cuda_path(rows: int, width: int, k: int, device: torch.device) -> str:
     return "cluster" if cluster_shape(rows, width, k) and clusters(device) else "block"
 
 
-def _kernel_for(path: str, rows: int, width: int, k: int) -> tuple[str, int]:
-    """(kernel name, threads a block) that a resolved ``path`` launches for [rows, width]. The
-    cluster path's 64K kernel is the mbarrier form up to 8 rows and the pull form beyond (run 29:
-    15.0 against 17.6 us at 8 rows, 40.8 against 33.6 at 32)."""
+def _kernel_for(path: str, width: int, k: int) -> tuple[str, int]:
+    """(kernel name, threads a block) that a resolved ``path`` launches for rows of ``width``."""
     if path == "cluster":
-        if width > FAST_WIDTH and rows > 8:
-            return _PULL_64K
         return next(v for w, v in sorted(_CLUSTER_NAMES.items()) if width <= w)
     return ("needlescope_topk_sub2" if k <= 512 else "needlescope_topk_sub8"), _THREADS
 
@@ -109,7 +104,7 @@ def _resolve(path: str, rows: int, width: int, k: int, device: torch.device) -> 
 
 
 def _default_kernel(device: torch.device, rows: int, width: int, k: int) -> str:
-    return _kernel_for(_resolve("auto", rows, width, k, device), rows, width, k)[0]
+    return _kernel_for(_resolve("auto", rows, width, k, device), width, k)[0]
 
 
 def loaded(device: torch.device, rows: int, width: int, k: int) -> bool:
@@ -219,7 +214,7 @@ def cuda_topk(
     ends = ends.contiguous()
     starts = starts.contiguous() if has_starts else ends  # not read when has_starts is 0
     args = [logits, logits.stride(0), starts, int(has_starts), ends, L, k, out]
-    name, threads = _kernel_for(path, R, L, k)
+    name, threads = _kernel_for(path, L, k)
     if path == "cluster":
         _launch(logits.device, name, (_CLUSTER, R), threads, args)
     else:

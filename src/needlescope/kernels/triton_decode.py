@@ -8,17 +8,9 @@ measured 4-41 us slower: its barriers sit in the pipelined loop.) The logits row
 written and read back by the remaining passes: a per-segment candidate list instead would need
 each program to finish a serial selection over its segment, which measured 8-40 us a stage
 (docs/perf/indexer-notes.md).
-
-The overlapped path (``select="overlap"``) fuses nothing into a kernel: it runs the logits kernel
-on the batch's rows in ``chunks`` consecutive groups on the caller's stream and each group's
-top-k on a second stream as soon as that group's logits are written, so a group's select runs
-while the next group's logits stream from memory; only the last group's select is not hidden.
-Both streams are captured into a CUDA graph like any fork and join.
 """
 
 from __future__ import annotations
-
-import contextlib
 
 import torch
 
@@ -51,7 +43,6 @@ def decode_topk(
     select: str | None = None,
     bits: int = 8,
     fault: str | None = None,
-    chunks: int = 4,
     logits_args: dict | None = None,
 ) -> torch.Tensor:
     """q [B, H, D] codes, w [B, H] fp32, context_lens int32 [B] -> int32 [B, k]: the exact top-k
@@ -59,8 +50,7 @@ def decode_topk(
     ``select``: the fused path's top-k: ``radix`` (pass 0's histogram in the logits kernel, ``bits``
     its digit width) or ``filter`` (the logits kernel writes the group maxima ``triton_filter``
     starts from, so its first launch is skipped); None: ``filter`` where ``topk_method`` picks the
-    filter, else ``radix``; or ``overlap`` (module docstring: ``chunks`` groups of rows, at most
-    one a row).
+    filter, else ``radix``.
     ``logits_args``: tuning keywords of ``triton_logits.paged_logits``."""
     B = q.shape[0]
     # No clamping kernel: every kernel here bounds entries by the width as well as by the length.
@@ -83,51 +73,8 @@ def decode_topk(
             gmax = torch.empty(B, groups, dtype=torch.int32, device=q.device)
         logits = triton_logits.paged_logits(q, w, paged, lens, fault=fault, gmax=gmax, **kw)
         return triton_filter.filter_topk(logits, k, None, lens, gmax=gmax)
-    if select == "overlap":
-        return _overlapped(q, w, paged, lens, k, chunks, fault, kw)
     if select != "radix":
-        raise ValueError(f"select must be radix, filter or overlap, got {select!r}")
+        raise ValueError(f"select must be radix or filter, got {select!r}")
     hist = triton_radix.radix_workspace(B, q.device, bits)
     logits = triton_logits.paged_logits(q, w, paged, lens, fault=fault, hist=hist[0], hist_bits=bits, **kw)
     return triton_radix.radix_topk(logits, k, None, lens, bits=bits, hist=hist, first_pass=1)
-
-
-_SIDE: dict[int, torch.cuda.Stream] = {}  # the overlapped path's second stream, one a device
-
-
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SIDE:
-        _SIDE[index] = torch.cuda.Stream(device=index)
-    return _SIDE[index]
-
-
-def _overlapped(q, w, paged: PagedKeys, lens, k: int, chunks: int, fault, kw: dict) -> torch.Tensor:
-    """``decode_topk``'s ``overlap`` path: logits of each group of rows on the current stream, its
-    top-k on a side stream once an event says the group's logits are written (CPU tensors: in
-    order on the one stream)."""
-    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
-        raise ValueError(f"chunks must be a positive integer, got {chunks!r}")
-    B = q.shape[0]
-    logits = torch.empty(B, paged.width, dtype=torch.float32, device=q.device)
-    out = torch.empty(B, k, dtype=torch.int32, device=q.device)
-    main = torch.cuda.current_stream(q.device) if q.is_cuda else None
-    side = _side_stream(q.device) if q.is_cuda else None
-    if side is not None:
-        side.wait_stream(main)  # the inputs, and the outputs' allocation, precede the side's work
-    n = min(chunks, B)
-    for i in range(n):
-        a, b = i * B // n, (i + 1) * B // n
-        rows = PagedKeys(paged.data, paged.block_table[a:b], paged.dim)
-        triton_logits.paged_logits(q[a:b], w[a:b], rows, lens[a:b], fault=fault, out=logits[a:b], **kw)
-        if side is not None:
-            written = torch.cuda.Event()
-            written.record(main)
-            side.wait_event(written)
-        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-            topk.topk(logits[a:b], k, None, lens[a:b], out=out[a:b])
-    if side is not None:
-        # The caller's stream sees every group's selection, and the logits' memory is reused by
-        # it only after the side's reads (so no record_stream, which a graph capture would see).
-        main.wait_stream(side)
-    return out
