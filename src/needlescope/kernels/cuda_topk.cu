@@ -399,14 +399,11 @@ __device__ __forceinline__ void st_async4(const int* dst, const unsigned long lo
                      "r"(map_rank(smem_u32(dst), rank)), "r"(map_rank(smem_u32(bar), rank)),
                      "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
 }
-#define SUBS 4  // pass 0's histograms, one per warp mod SUBS
-
 struct MbarSmem {
     alignas(16) int recv[2][CL][256];  // the cluster's histograms by pass parity, one row a sender
-    alignas(16) int hist[2][256];      // this block's digit counts by pass parity (passes 1 on)
-    alignas(16) int first[SUBS][256];  // pass 0's, split so that fewer warps add to one bin
+    alignas(16) int hist[2][256];      // this block's digit counts by pass parity
     unsigned long long bar[2];         // recv[0], recv[1]
-    int slot[256];                     // (item, warp) counts of keys above the cut and at it
+    int slot[256];                     // (item, warp) counts, then their exclusive offsets
     int wsum[8];                       // the digit search's warp totals (digits 255 - 32 w down)
     int before[CL][2];                 // block b < this one: its keys above the cut, at the cut
     int bin, above, in_bin;
@@ -415,8 +412,7 @@ struct MbarSmem {
 // After this block's mbarrier of a pass completed: the cluster's count of each digit, summed
 // over the senders one digit a thread (thread t < 256: digit 255 - t, so a scan over threads
 // runs over descending digits), and the digit of the krem-th largest key (s.bin), the count
-// above it (s.above) and in it (s.in_bin). Ends with a barrier. (Every warp finding the digit
-// itself, without the second barrier, measured slower: 8.6 against 8.4 us at 1 x 32K, run 31.)
+// above it (s.above) and in it (s.in_bin). Ends with a barrier.
 __device__ __forceinline__ void mbar_find_bin(MbarSmem& s, int buf, int krem) {
     const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
     int v = 0, incl = 0;
@@ -464,7 +460,6 @@ __device__ void mbar_rows(const float* logits, int stride, const int* starts, in
         key[i] = p < n ? ordered_key(row[st + p]) : 0u;
     }
     for (int b = tid; b < 512; b += NT) (&s.hist[0][0])[b] = 0;
-    for (int b = tid; b < SUBS * 256; b += NT) (&s.first[0][0])[b] = 0;
     if (tid == 0) {
         for (int b = 0; b < 2; ++b) mbar_init(&s.bar[b], 1);
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
@@ -479,13 +474,10 @@ __device__ void mbar_rows(const float* logits, int stride, const int* starts, in
     for (int pass = 0;; ++pass, shift -= 8) {
         buf = pass & 1;
         const unsigned parity = (pass >> 1) & 1;
-        // Pass 0 counts every key, whose top bits a row's keys share: 32 warps adding to a few
-        // bins of one histogram wait on each other, so the warps add to SUBS histograms.
-        int* h = pass == 0 ? s.first[warp % SUBS] : s.hist[buf];
 #pragma unroll
         for (int i = 0; i < IT; ++i) {
             bool ok = base + i * NT + tid < n && (pass == 0 || (key[i] >> (shift + 8)) == (prefix >> (shift + 8)));
-            hist_add(h, (key[i] >> shift) & 255u, ok);
+            hist_add(s.hist[buf], (key[i] >> shift) & 255u, ok);
         }
         if (tid == 0) mbar_expect(&s.bar[buf], CL * 256 * 4);
         __syncthreads();  // the histogram is complete
@@ -495,14 +487,7 @@ __device__ void mbar_rows(const float* logits, int stride, const int* starts, in
         }
         if (tid < 64 * CL) {  // thread t sends 16 bytes: digits 4 (t & 63) .. +3 to block t >> 6
             const int q = (tid & 63) * 4;
-            int4 v = *reinterpret_cast<const int4*>(&s.hist[buf][q]);
-            if (pass == 0) {
-#pragma unroll
-                for (int j = 0; j < SUBS; ++j) {
-                    const int4 u = *reinterpret_cast<const int4*>(&s.first[j][q]);
-                    v = make_int4(v.x + u.x, v.y + u.y, v.z + u.z, v.w + u.w);
-                }
-            }
+            int4 v = make_int4(s.hist[buf][q], s.hist[buf][q + 1], s.hist[buf][q + 2], s.hist[buf][q + 3]);
             st_async4(&s.recv[buf][c][q], &s.bar[buf], tid >> 6, v);
         }
         if (tid < 256) s.hist[buf ^ 1][tid] = 0;  // next pass's; its last reader was this block's sends of pass - 1
@@ -538,18 +523,24 @@ __device__ void mbar_rows(const float* logits, int stride, const int* starts, in
         s.before[warp][1] = s.recv[buf][warp][s.bin];
     }
     __syncthreads();
-    // Every warp its own offsets (no scan by one warp and a barrier after it): lane l sums slots
-    // PER l ... PER l + PER - 1, a warp scan gives their starts, and lane i < IT adds the slots
-    // before its own (item i, this warp) within its lane's run. The blocks before this one: a lane each.
-    int run = 0;
+    if (tid < 32) {  // exclusive scan of the slots, PER a lane
+        int v[PER], tot = 0;
 #pragma unroll
-    for (int j = 0; j < PER; ++j) run += s.slot[PER * lane + j];
-    const int run_start = warp_inclusive_scan(run) - run;
-    const int my_slot = (lane < IT ? lane : 0) * NW + warp;
-    int off = __shfl_sync(FULL, run_start, my_slot / PER);
-    for (int j = my_slot - my_slot % PER; j < my_slot; ++j) off += s.slot[j];
-    const int base_gt = __reduce_add_sync(FULL, (unsigned)lane < c ? s.before[lane][0] : 0);
-    const int base_eq = __reduce_add_sync(FULL, (unsigned)lane < c ? s.before[lane][1] : 0);
+        for (int j = 0; j < PER; ++j) tot += (v[j] = s.slot[PER * tid + j]);
+        int incl = warp_inclusive_scan(tot);
+        int e = incl - tot;
+#pragma unroll
+        for (int j = 0; j < PER; ++j) {
+            s.slot[PER * tid + j] = e;
+            e += v[j];
+        }
+    }
+    int base_gt = 0, base_eq = 0;
+    for (unsigned b = 0; b < c; ++b) {
+        base_gt += s.before[b][0];
+        base_eq += s.before[b][1];
+    }
+    __syncthreads();  // the slot offsets
     const int first_eq = k - take_eq;
 #pragma unroll
     for (int i = 0; i < IT; ++i) {
@@ -558,10 +549,10 @@ __device__ void mbar_rows(const float* logits, int stride, const int* starts, in
         bool gt = valid && (key[i] >> shift) > (prefix >> shift);
         bool eq = valid && (key[i] >> shift) == (prefix >> shift);
         unsigned bg = __ballot_sync(FULL, gt), be = __ballot_sync(FULL, eq);
-        const int o = __shfl_sync(FULL, off, i);
-        if (gt) orow[base_gt + (o >> 16) + __popc(bg & lanemask_lt())] = st + p;
+        const int off = s.slot[i * NW + warp];
+        if (gt) orow[base_gt + (off >> 16) + __popc(bg & lanemask_lt())] = st + p;
         if (eq) {
-            int q = base_eq + (o & 0xffff) + __popc(be & lanemask_lt());
+            int q = base_eq + (off & 0xffff) + __popc(be & lanemask_lt());
             if (q < take_eq) orow[first_eq + q] = st + p;
         }
     }
@@ -575,8 +566,7 @@ extern "C" __global__ void __cluster_dims__(CL, 1, 1) __launch_bounds__(1024)
     mbar_rows<1024, 4>(logits, stride, starts, has_starts, ends, width, k, out);
 }
 
-// At most 64 registers (two blocks an SM, as 16 rows and more need to run at once; 82 unbounded).
-extern "C" __global__ void __cluster_dims__(CL, 1, 1) __launch_bounds__(512, 2)
+extern "C" __global__ void __cluster_dims__(CL, 1, 1) __launch_bounds__(512)
     needlescope_topk_cluster_64k(const float* logits, int stride, const int* starts, int has_starts,
                               const int* ends, int width, int k, int* out) {
     mbar_rows<512, 16>(logits, stride, starts, has_starts, ends, width, k, out);
