@@ -66,15 +66,15 @@ def clusters(device: torch.device) -> bool:
 
 def cluster_shape(rows: int, width: int, k: int) -> bool:
     """Whether ``rows`` rows of ``width`` entries take the cluster path (where clusters run).
-    Measured on an H100 (docs/perf/indexer.md, run 29, graph-replayed, k = 512): at 32K entries
-    the cluster path took 8.6 / 9.7 us at 1 / 8 rows against the block kernel's 15.5 / 15.7 and
-    the radix select's 12.3 / 17.9, but 16.5 at 16 rows against the block kernel's 15.7 (eight
-    blocks a row: the clusters no longer run at once), so rows of 16K-32K take it up to 8 rows.
-    At 64K entries it took 15.0 at 8 rows (the mbarrier form) and 33.6 at 32 (the pull form)
-    against the filter's 21.7 / 40.1 and the radix select's 21.8 / 55.8 (the block kernel's
-    general path: 121-126), and 13.8 at 1 row against the radix select's 12.8, which grows ~1.2 us
-    a row: rows of 32K-64K take it from 4 rows. Rows of 16K entries and fewer were not measured
-    on it."""
+    Measured on an H100 (docs/perf/indexer.md, run 33, graph-replayed, k = 512): at 32K entries
+    the cluster path took 8.1 / 9.1 us at 1 / 8 rows against the block kernel's 15.5 / 15.6 and
+    the radix select's 12.3 / 17.9; at 16 rows 15.5 against the block kernel's 15.7 (eight blocks
+    a row: the clusters no longer all run at once; the block kernel stays at 15.7-15.8 up to 64
+    rows, the cluster path 22.9 / 38.8 at 32 / 64), so rows of 16K-32K take it up to 8 rows. At
+    64K entries it took 14.4 / 29.3 / 49.8 us at 8 / 32 / 64 rows against the filter's 21.7 /
+    40.1 / 66.5 and the radix select's 21.8 / 55.9 / 97.9 (the block kernel's general path:
+    121-129), and 13.2 at 1 row against the radix select's 12.9, which grows ~1.2 us a row: rows
+    of 32K-64K take it from 4 rows. Rows of 16K entries and fewer were not measured on it."""
     if k > FAST_K:
         return False
     if FAST_WIDTH // 2 < width <= FAST_WIDTH:

@@ -44,8 +44,8 @@ def topk_method(rows: int, width: int, k: int, cuda: bool | None = None, cluster
     rows, 19.1 at 64 (one block a row), against the filter's 22.8 / 32.8 at 32 / 64 rows and the
     radix select's one launch at 1 row, 12.3 us. So it takes 5+ rows of 4K-32K entries with
     k <= 2048, and, where clusters run, the shapes of ``cuda_topk.cluster_shape`` (its cluster
-    path, a row over 8 blocks: 10.3-11.6 us at 1-8 rows of 32K; 17.5 / 34.0 us at 8 / 32 rows of
-    64K against the filter's 21.8 / 40.2; runs 27 and 28). Without clusters rows 2-4 are left to
+    path, a row over 8 blocks: 8.1-9.1 us at 1-8 rows of 32K; 14.4 / 29.3 / 49.8 us at 8 / 32 /
+    64 rows of 64K against the filter's 21.7 / 40.1 / 66.5; run 33). Without clusters rows 2-4 are left to
     the radix select's single launch (12.3-14.7 us at 1-4 rows).
     Among the Triton methods, measured: one program per
     row wins at 2048 entries (8K-token decode rows: 10-12 us, launch-bound either way; H200, run

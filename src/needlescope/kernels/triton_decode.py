@@ -28,7 +28,9 @@ def fuse_decode(batch: int, width: int, k: int) -> bool:
     (run 17); fused radix 154.5 / 286.7 against logits + radix 157.1 / 295.1 at 32 / 64 x 256K (run
     15). Below batch 32 the unfused path's persistent logits loop measured faster in five of six
     cells (runs 10 and 12: 1 x 32K 14.3-14.5 us against 16.8-16.9; 8 x 256K 50.3 against 53.2).
-    Where the bisection is the method (8K tokens) logits + bisection is as fast or faster."""
+    Where the bisection is the method (8K tokens) logits + bisection is as fast or faster. Where
+    the CUDA top-k is the method (the four 128K/256K goal cells since run 29) the fused filter
+    path measured 1.7-7.1% slower than logits + top-k (run 33), so those stay unfused."""
     return batch >= 32 and topk.topk_method(batch, width, k) in ("radix", "filter")
 
 
