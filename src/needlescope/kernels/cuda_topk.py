@@ -61,7 +61,13 @@ def available() -> bool:
 
 def clusters(device: torch.device) -> bool:
     """The device runs thread block clusters (compute capability 9.0 and later)."""
-    return torch.cuda.get_device_capability(device)[0] >= 9
+    return _has_clusters(_index(device))
+
+
+@functools.cache
+def _has_clusters(index: int) -> bool:
+    # Once a device: an eager default call asks up to four times (the rule, prepare, the launch).
+    return torch.cuda.get_device_capability(index)[0] >= 9
 
 
 def cluster_shape(rows: int, width: int, k: int) -> bool:
