@@ -19,6 +19,7 @@ from needlescope.dsa.reference import topk_indices  # noqa: E402
 from needlescope.errors import BadInput  # noqa: E402
 from needlescope.kernels import (  # noqa: E402
     KERNEL_FAULTS,
+    cuda_topk,
     indexer_logits,
     indexer_topk,
     page_keys,
@@ -263,6 +264,9 @@ def test_fused_decode_topk_equals_logits_then_topk(key_dtype: str) -> None:
         assert torch.equal(fused_filter.sort(1).values, fused.sort(1).values), k
         unfused = triton_decode.decode_topk(qc, wf, paged, lens, k, fused=False)
         assert torch.equal(fused.sort(1).values, unfused.sort(1).values), k
+        if cuda_topk.available():  # the CUDA group path from the same maxima: the CUDA method's output
+            fused_cuda = triton_decode.decode_topk(qc, wf, paged, lens, k, fused=True, select="cuda")
+            assert torch.equal(fused_cuda, topk.topk(logits, k, zeros, lens, method="cuda")), k
         # Exact selection on the kernel's logits; those are checked against the float64
         # reference elsewhere (at full shapes a near-tie at the k-th entry can differ between them).
         want = topk_reference(logits, k, zeros, lens)

@@ -14,7 +14,8 @@ from needlescope.kernels import cuda_topk
 from needlescope.kernels.conform import conform, load_impl
 from needlescope.kernels.conformance import ordered_keys
 from needlescope.kernels.topk import topk, topk_method
-from needlescope.kernels.topk_impls import GPU_ONLY, OURS
+from needlescope.kernels.topk_impls import GPU_ONLY, OURS, given_maxima
+from needlescope.kernels.triton_decode import fuse_decode, groups_fit
 
 GPU = cuda_topk.available()
 
@@ -75,7 +76,7 @@ def test_ours_on_the_cpu_leaves_out_the_gpu_only_paths_and_names_them_on_request
 
 
 @pytest.mark.skipif(not GPU, reason="CUDA C++ kernel: needs a GPU")
-@pytest.mark.parametrize("name", ["cuda", "cuda-general", "cuda-cluster"])
+@pytest.mark.parametrize("name", GPU_ONLY)
 def test_every_small_case_is_exact_on_every_path(name: str) -> None:
     report = conform([(name, OURS[name])], shapes="small", device="cuda")
     bad = {
@@ -152,3 +153,66 @@ def test_an_eager_call_loads_the_kernel_and_a_captured_default_uses_it() -> None
     torch.cuda.synchronize()
     assert torch.equal(out.sort(1).values, eager.sort(1).values)
     assert torch.equal(out, _contract_order(x, 512, torch.zeros_like(ends), ends))
+
+
+def test_the_fused_decode_path_takes_the_group_path_where_the_cuda_method_is_the_top_k(monkeypatch) -> None:
+    """At the goal cells (32 / 64 rows of 32K / 64K entries, k = 512) the CUDA method is the top-k,
+    so the fused decode path is logits with group maxima + ``group_topk``; not for k > 512, rows
+    past ``GROUP_WIDTH``, small batches, or a capture that finds the kernel unloaded."""
+    monkeypatch.setattr(cuda_topk, "available", lambda: True)
+    monkeypatch.setattr(cuda_topk, "clusters", lambda device: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    for batch, width in ((32, 32768), (64, 32768), (32, 65536), (64, 65536)):
+        assert groups_fit(batch, width, 512) and fuse_decode(batch, width, 512)
+    assert not groups_fit(32, 32768, 513) and not fuse_decode(32, 32768, 513)
+    assert groups_fit(8, 32768, 512) and not fuse_decode(8, 32768, 512)  # fused only from batch 32
+    assert not groups_fit(64, 2 * cuda_topk.GROUP_WIDTH, 512)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    monkeypatch.setattr(cuda_topk, "loaded", lambda *shape: True)  # the unfused top-k's kernel is
+    monkeypatch.setattr(cuda_topk, "group_loaded", lambda device, width: False)
+    assert not groups_fit(32, 32768, 512)
+    monkeypatch.setattr(cuda_topk, "group_loaded", lambda device, width: True)
+    assert groups_fit(32, 32768, 512)
+
+
+@pytest.mark.skipif(not GPU, reason="CUDA C++ kernel: needs a GPU")
+@pytest.mark.parametrize(
+    ("rows", "width", "k"), [(6, 32768, 512), (3, 70000, 512), (5, 900, 600), (2, 262144, 512)]
+)
+def test_the_group_path_is_the_contract_order_and_falls_back_where_the_bound_does_not_filter(
+    rows: int, width: int, k: int
+) -> None:
+    g = torch.Generator(device="cuda").manual_seed(width + k + 1)
+    x = torch.randn(rows, width, generator=g, device="cuda")
+    x[0, ::7] = x[0, 5]  # ties at many places, some at the cut-off
+    x[1] = 0.25  # one value everywhere: every group reaches the bound (general path)
+    x[2, : width // 2] = float("-inf")  # half the groups' maxima at -inf's key
+    if rows > 4:
+        x[3, : width - 16 * (k // 2)] = float("-inf")  # fewer than k finite maxima: the bound is -inf's key
+        x[4, : 16 * 1000] = 5.0  # 1,000 groups at the bound, 16,000 entries: more than the candidates' room
+    ends = torch.randint(width // 2, width + 1, (rows,), generator=g, device="cuda", dtype=torch.int32)
+    ends[-1] = k // 2  # a row shorter than k
+    zeros = torch.zeros_like(ends)
+    got = cuda_topk.group_topk(x, k, ends, given_maxima(x, ends))
+    assert torch.equal(got, _contract_order(x, k, zeros, ends))
+
+
+@pytest.mark.skipif(not GPU, reason="CUDA C++ kernel: needs a GPU")
+def test_the_group_path_replays_in_a_graph_and_refuses_an_unloaded_capture() -> None:
+    x = torch.randn(8, 65536, device="cuda")
+    ends = torch.full((8,), 65536, dtype=torch.int32, device="cuda")
+    gmax = given_maxima(x, ends)
+    out = torch.full((8, 512), -7, dtype=torch.int32, device="cuda")
+    cuda_topk.group_topk(x, 512, ends, gmax, out=out)  # compiled before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        cuda_topk.group_topk(x, 512, ends, gmax, out=out)
+    x.copy_(torch.randn_like(x))
+    gmax.copy_(given_maxima(x, ends))
+    out.fill_(-7)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, _contract_order(x, 512, torch.zeros_like(ends), ends))
+    with pytest.raises(ValueError, match="gmax must be int32"):
+        cuda_topk.group_topk(x, 512, ends, gmax[:, :10])

@@ -24,6 +24,10 @@
 #define TILE (THREADS * ITEMS)
 #define CAP 4096
 #define FULL 0xffffffffu
+#define GROUP 16                   // group path: entries a given group maximum covers
+#define GSLOTS (THREADS / GROUP)   // groups one item of the block reads: 16 lanes a group
+#define GITEMS 16                  // items: at most GITEMS * GSLOTS = 1024 groups above the bound
+#define KNEG 0x007fffffu           // ordered_key(-inf)
 
 struct Smem {
     unsigned cand_key[CAP];
@@ -32,6 +36,7 @@ struct Smem {
     int hist[256];
     int wsum[WARPS + 1];
     unsigned wkey[WARPS];
+    int glist[GITEMS * GSLOTS];  // group path: the groups above the bound, in index order
     int bin, above;
 };
 
@@ -174,7 +179,7 @@ __device__ void radix_select(Get get, int n_items, int k, int max_passes, Smem& 
 // to it. Entries come in index order from get(p, &key, &idx) -> valid, p < n, THREADS at a time.
 template <class Get>
 __device__ void emit(Get get, int n, unsigned kth, int take_eq, int k, int* out, Smem& s) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int lane = threadIdx.x & 31;
     int base_gt = 0, base_eq = 0;
     const int first_eq = k - take_eq;
     for (int p0 = 0; p0 < n; p0 += THREADS) {
@@ -216,6 +221,28 @@ __device__ void general_path(const float* row, int st, int n, int k, int* out, S
         return true;
     };
     emit(at, n, kth, take_eq, k, out, s);
+}
+
+// The candidates s.cand_key / s.cand_idx[0, total), in index order (at least k of them, at most
+// CAP): the exact k-th key among them by radix passes, then the output.
+__device__ void candidates_out(int total, int k, int* out, Smem& s) {
+    const int tid = threadIdx.x;
+    auto get_cand = [&](int i, unsigned* k_) {
+        int c = i * THREADS + tid;
+        if (c >= total) return false;
+        *k_ = s.cand_key[c];
+        return true;
+    };
+    unsigned kth;
+    int take_eq;
+    radix_select(get_cand, CAP / THREADS, k, 4, s, &kth, &take_eq);
+    auto at = [&](int c, unsigned* k_, int* idx) {
+        if (c >= total) return false;
+        *k_ = s.cand_key[c];
+        *idx = s.cand_idx[c];
+        return true;
+    };
+    emit(at, total, kth, take_eq, k, out, s);
 }
 
 template <int SUB>
@@ -277,22 +304,103 @@ __device__ void fast_path(const float* row, int st, int n, int k, int* out, Smem
         }
     }
     __syncthreads();
-    auto get_cand = [&](int i, unsigned* k_) {
-        int c = i * THREADS + tid;
-        if (c >= total) return false;
-        *k_ = s.cand_key[c];
+    candidates_out(total, k, out, s);
+}
+
+// Group path (the fused decode path: the logits kernel wrote the row's group maxima): the same
+// filter as fast_path with maxima of GROUP consecutive entries read from memory, so only the
+// groups whose maximum reaches the bound are read (~k of them: ~k * 64 bytes against the row's
+// 4 * n). The bound t is the two-pass bin of the k-th largest maximum; the groups at or above it
+// are compacted in index order (s.glist), their entries >= t become the candidates. Exactness as
+// in triton_filter's header: every maximum >= t > KNEG is the key of an entry of the row, so at
+// least k entries are >= t and the top-k with its ties is among them. Rows where the bound does
+// not filter (fewer than k groups, t <= KNEG, more than GITEMS * GSLOTS groups or CAP entries at or
+// above it) take the general path. gmax: uint32 keys as int32, -inf's key (or 0) past the row.
+template <int MI>  // maxima a thread: rows of up to MI * THREADS groups
+__device__ void group_path(const float* row, int n, const int* grow, int k, int* out, Smem& s) {
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int ng = (n + GROUP - 1) / GROUP;
+    if (ng < k) {
+        general_path(row, 0, n, k, out, s);
+        return;
+    }
+    unsigned gm[MI];
+#pragma unroll
+    for (int j = 0; j < MI; ++j) gm[j] = j * THREADS + tid < ng ? (unsigned)grow[j * THREADS + tid] : 0u;
+    auto get_max = [&](int j, unsigned* k_) {
+        if (j * THREADS + tid >= ng) return false;
+        unsigned v = 0u;
+#pragma unroll
+        for (int q = 0; q < MI; ++q)
+            if (q == j) v = gm[q];
+        *k_ = v;
         return true;
     };
-    unsigned kth;
-    int take_eq;
-    radix_select(get_cand, CAP / THREADS, k, 4, s, &kth, &take_eq);
-    auto at = [&](int c, unsigned* k_, int* idx) {
-        if (c >= total) return false;
-        *k_ = s.cand_key[c];
-        *idx = s.cand_idx[c];
-        return true;
-    };
-    emit(at, total, kth, take_eq, k, out, s);
+    unsigned t;
+    int unused;
+    radix_select(get_max, MI, k, 2, s, &t, &unused);
+    // The groups >= t in index order: per (item, warp) counts, one scan (as fast_path's entries).
+    int mine = 0;
+#pragma unroll
+    for (int j = 0; j < MI; ++j) {
+        unsigned b = __ballot_sync(FULL, j * THREADS + tid < ng && gm[j] >= t);
+        if (lane == j) mine = __popc(b);
+    }
+    s.cnt[lane * WARPS + warp] = mine;
+    __syncthreads();
+    int groups;
+    int off = block_scan(s.cnt[tid], s, &groups);
+    s.cnt[tid] = off;
+    __syncthreads();
+    if (t <= KNEG || groups > GITEMS * GSLOTS) {
+        general_path(row, 0, n, k, out, s);
+        return;
+    }
+#pragma unroll
+    for (int j = 0; j < MI; ++j) {
+        bool f = j * THREADS + tid < ng && gm[j] >= t;
+        unsigned b = __ballot_sync(FULL, f);
+        if (f) s.glist[s.cnt[j * WARPS + warp] + __popc(b & lanemask_lt())] = j * THREADS + tid;
+    }
+    __syncthreads();
+    // Item i, thread tid: entry tid % GROUP of listed group i * GSLOTS + tid / GROUP; key 0 (< t)
+    // where there is none. Thread order within an item, then item order, is index order.
+    const int e = tid & (GROUP - 1), gl = tid / GROUP;
+    unsigned key[GITEMS];
+#pragma unroll
+    for (int i = 0; i < GITEMS; ++i) {
+        const int q = i * GSLOTS + gl;
+        const int p = q < groups ? s.glist[q] * GROUP + e : n;
+        key[i] = p < n ? ordered_key(row[p]) : 0u;
+    }
+    mine = 0;
+#pragma unroll
+    for (int i = 0; i < GITEMS; ++i) {
+        unsigned b = __ballot_sync(FULL, key[i] >= t);
+        if (lane == i) mine = __popc(b);
+    }
+    s.cnt[lane * WARPS + warp] = mine;
+    __syncthreads();
+    int total;
+    off = block_scan(s.cnt[tid], s, &total);
+    s.cnt[tid] = off;
+    __syncthreads();
+    if (total > CAP) {
+        general_path(row, 0, n, k, out, s);
+        return;
+    }
+#pragma unroll
+    for (int i = 0; i < GITEMS; ++i) {
+        bool f = key[i] >= t;
+        unsigned b = __ballot_sync(FULL, f);
+        if (f) {
+            int slot = s.cnt[i * WARPS + warp] + __popc(b & lanemask_lt());
+            s.cand_key[slot] = key[i];
+            s.cand_idx[slot] = s.glist[i * GSLOTS + gl] * GROUP + e;
+        }
+    }
+    __syncthreads();
+    candidates_out(total, k, out, s);
 }
 
 // Row r's entries [*st, *st + n) (the contract's clamping of starts and ends to [0, width]); returns n.
@@ -336,6 +444,38 @@ extern "C" __global__ void __launch_bounds__(THREADS)
     needlescope_topk_sub8(const float* logits, int stride, const int* starts, int has_starts,
                           const int* ends, int width, int k, int* out, int force_general) {
     topk_rows<8>(logits, stride, starts, has_starts, ends, width, k, out, force_general);
+}
+
+// Group path kernels, one block a row, no starts (rows are [0, ends[r]), as in decode): rows of up
+// to 4 x 1024 groups (64K entries) and 16 x 1024 (256K: a 1M-token context at 4 tokens an entry).
+template <int MI>
+__device__ void group_rows(const float* logits, int stride, const int* gmax, int gstride, const int* ends,
+                           int width, int k, int* out) {
+    __shared__ Smem s;
+    const int r = blockIdx.x;
+    const float* row = logits + (long long)r * stride;
+    int* orow = out + (long long)r * k;
+    int st;
+    const int n = row_range(ends, 0, ends, width, r, &st);
+    if (n <= k) {
+        for (int c = threadIdx.x; c < k; c += THREADS) orow[c] = c < n ? c : -1;
+        return;
+    }
+    for (int b = threadIdx.x; b < 256; b += THREADS) s.hist[b] = 0;
+    __syncthreads();
+    group_path<MI>(row, n, gmax + (long long)r * gstride, k, orow, s);
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS)
+    needlescope_topk_groups4(const float* logits, int stride, const int* gmax, int gstride, const int* ends,
+                             int width, int k, int* out) {
+    group_rows<4>(logits, stride, gmax, gstride, ends, width, k, out);
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS)
+    needlescope_topk_groups16(const float* logits, int stride, const int* gmax, int gstride, const int* ends,
+                              int width, int k, int* out) {
+    group_rows<16>(logits, stride, gmax, gstride, ends, width, k, out);
 }
 
 // ---------------------------------------------------------------------------------------------

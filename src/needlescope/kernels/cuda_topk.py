@@ -34,6 +34,10 @@ __all__ = [
     "FAST_K",
     "CLUSTER_WIDTH",
     "PATHS",
+    "group_topk",
+    "group_loaded",
+    "GROUP",
+    "GROUP_WIDTH",
 ]
 
 FAST_WIDTH = 32768
@@ -50,6 +54,11 @@ _CLUSTER_NAMES = {  # rows of up to this many entries -> (kernel, threads a bloc
 CLUSTER_WIDTH = max(_CLUSTER_NAMES)
 """Rows of at most this many entries can take the cluster path (sm_90 and later)."""
 PATHS = ("auto", "block", "general", "cluster")
+GROUP = 16
+"""Entries a group maximum of ``group_topk`` covers (consecutive, aligned to column 0)."""
+_GROUP_NAMES = {4096: "needlescope_topk_groups4", 16384: "needlescope_topk_groups16"}  # groups -> kernel
+GROUP_WIDTH = GROUP * max(_GROUP_NAMES)
+"""Rows of at most this many entries run ``group_topk`` (262,144: a 1M-token context)."""
 _KERNELS: dict[tuple[int, str], object] = {}
 _BROKEN: list[str] = []  # why compiling failed once in this process (then ``available`` is False)
 
@@ -225,4 +234,54 @@ def cuda_topk(
         _launch(logits.device, name, (_CLUSTER, R), threads, args)
     else:
         _launch(logits.device, name, (R, 1), threads, [*args, int(path == "general")])
+    return out
+
+
+def _group_kernel(width: int) -> str:
+    return next(v for g, v in sorted(_GROUP_NAMES.items()) if -(-width // GROUP) <= g)
+
+
+def group_loaded(device: torch.device, width: int) -> bool:
+    """``group_topk``'s kernel for rows of ``width`` entries is compiled and loaded for ``device``
+    (a graph capture launches only loaded kernels)."""
+    return width <= GROUP_WIDTH and (_index(device), _group_kernel(width)) in _KERNELS
+
+
+def group_topk(
+    logits: torch.Tensor,
+    k: int,
+    ends: torch.Tensor,
+    gmax: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """logits fp32 [R, L] with L <= ``GROUP_WIDTH``, ends int32 [R] (rows are [0, ends[r]), clamped
+    to [0, L]), gmax int32 [R, >= ceil(L / 16)] -> int32 [R, k], the contract of ``cuda_topk``.
+
+    ``gmax[r, j]``: the largest ``ordered_key`` (uint32 stored as int32) of columns [16 j, 16 j + 16)
+    of row r, with -inf's key (or 0) standing for columns at or past ``ends[r]``, as the paged
+    logits kernel writes them (``triton_logits.paged_logits(gmax=...)``). The kernel reads the
+    maxima and only the groups whose maximum reaches the bound (the source's group path), so a
+    decode step that wrote the maxima with its logits skips reading most of each row. Maxima that
+    break that rule give a wrong answer, not an error: they are the caller's promise."""
+    _check(logits, k, None, ends)
+    R, L = logits.shape
+    if L > GROUP_WIDTH:
+        raise ValueError(f"group_topk takes rows of at most {GROUP_WIDTH} entries, got {L}")
+    groups = -(-L // GROUP)
+    if gmax.dtype != torch.int32 or gmax.dim() != 2 or gmax.shape[0] != R or gmax.shape[1] < groups:
+        raise ValueError(f"gmax must be int32 [{R}, >= {groups}], got {gmax.dtype} {tuple(gmax.shape)}")
+    if gmax.device != logits.device or (groups > 1 and gmax.stride(1) != 1) or gmax.stride(0) >= 2**31:
+        raise ValueError(f"gmax must be on {logits.device} with contiguous rows")
+    if out is None:
+        out = torch.empty(R, k, dtype=torch.int32, device=logits.device)
+    elif out.shape != (R, k) or out.dtype != torch.int32 or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous int32 [{R}, {k}] tensor")
+    if R == 0:
+        return out
+    name = _group_kernel(L)
+    if torch.cuda.is_current_stream_capturing() and not group_loaded(logits.device, L):
+        raise RuntimeError(f"{name} is not loaded: call group_topk once outside the graph capture first")
+    args = [logits, logits.stride(0), gmax, gmax.stride(0), ends.contiguous(), L, k, out]
+    _launch(logits.device, name, (R, 1), _THREADS, args)
     return out

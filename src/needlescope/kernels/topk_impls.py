@@ -55,17 +55,28 @@ def _keys(scores: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     return ordered_keys(masked, torch.full_like(lengths, scores.shape[1]))
 
 
+def given_maxima(scores: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """int32 [R, ceil(W / 16)]: each row's group maxima of 16 columns as the paged logits kernel
+    writes them (ordered keys stored as int32, -inf's key past the length)."""
+    R, W = scores.shape
+    key = torch.nn.functional.pad(_keys(scores, lengths), (0, -W % 16), value=0)
+    return _sign_fold(key.view(R, -1, 16).amax(2))
+
+
 def filter_given_maxima(scores: torch.Tensor, k: int, lengths: torch.Tensor) -> torch.Tensor:
     """The fused decode path's filter: group maxima of 16 columns supplied by the caller (as the
     paged logits kernel writes them, -inf past the length), so the filter skips its first launch."""
     from needlescope.kernels.triton_filter import filter_topk
 
-    R, W = scores.shape
-    key = _keys(scores, lengths)
-    pad = -W % 16
-    key = torch.nn.functional.pad(key, (0, pad), value=0)
-    gmax = _sign_fold(key.view(R, -1, 16).amax(2))
+    gmax = given_maxima(scores, lengths)
     return filter_topk(scores, k, None, lengths.to(torch.int32), gmax=gmax)
+
+
+def cuda_given_maxima(scores: torch.Tensor, k: int, lengths: torch.Tensor) -> torch.Tensor:
+    """The fused decode path's CUDA top-k (``cuda_topk.group_topk``) on the same supplied maxima."""
+    from needlescope.kernels.cuda_topk import group_topk
+
+    return group_topk(scores, k, lengths.to(torch.int32), given_maxima(scores, lengths))
 
 
 def radix_first_pass(scores: torch.Tensor, k: int, lengths: torch.Tensor) -> torch.Tensor:
@@ -100,12 +111,14 @@ OURS = {
     "cuda": _front("cuda"),
     "cuda-general": _front("cuda", path="general"),
     "cuda-cluster": _front("cuda", path="cluster"),
+    "cuda-given-maxima": cuda_given_maxima,
     "reference": reference,
 }
 """Every method and dispatch path of ours: ``default`` (``topk_method``'s choice), each method
 with its defaults and with the knobs that take its other code paths (the filter's chunked
 candidate search, the radix select over a launch per pass, with 11-bit digits, with pass 0 built
 by a producer; the bisection unsplit and by radix digits; the CUDA method's register path, its
-general path over the row in memory and its cluster path), and the torch reference."""
-GPU_ONLY = ("cuda", "cuda-general", "cuda-cluster")
+general path over the row in memory, its cluster path and its group path over supplied maxima),
+and the torch reference."""
+GPU_ONLY = ("cuda", "cuda-general", "cuda-cluster", "cuda-given-maxima")
 """Paths of ``OURS`` with no interpreter: they run on CUDA rows only."""

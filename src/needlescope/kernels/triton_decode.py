@@ -8,6 +8,10 @@ measured 4-41 us slower: its barriers sit in the pipelined loop.) The logits row
 written and read back by the remaining passes: a per-segment candidate list instead would need
 each program to finish a serial selection over its segment, which measured 8-40 us a stage
 (docs/perf/indexer-notes.md).
+
+Where the CUDA top-k is the method, the fused path's logits kernel writes each page's four group
+maxima (16 entries a group) and ``cuda_topk.group_topk`` reads them: its bound comes from the
+maxima, and only the groups that reach it (about k of them) are read back, not the whole row.
 """
 
 from __future__ import annotations
@@ -17,21 +21,37 @@ import torch
 from needlescope.kernels import topk, triton_logits, triton_radix
 from needlescope.kernels.layout import PagedKeys
 
-__all__ = ["decode_topk", "fuse_decode"]
+__all__ = ["decode_topk", "fuse_decode", "groups_fit"]
 
 
 def fuse_decode(batch: int, width: int, k: int) -> bool:
     """Whether the fused path is used for a [batch, width] decode top-k: at batch >= 32 wherever
-    the filter or the radix select is the top-k method (``topk.topk_method``). Measured on
-    an H100 (docs/perf/indexer.md, CUDA-graph replays): the fused filter path (group maxima from
-    the logits kernel) 73.3 / 130.7 us against logits + filter 75.9 / 134.7 at 32 / 64 x 128K
-    (run 17); fused radix 154.5 / 286.7 against logits + radix 157.1 / 295.1 at 32 / 64 x 256K (run
-    15). Below batch 32 the unfused path's persistent logits loop measured faster in five of six
-    cells (runs 10 and 12: 1 x 32K 14.3-14.5 us against 16.8-16.9; 8 x 256K 50.3 against 53.2).
-    Where the bisection is the method (8K tokens) logits + bisection is as fast or faster. Where
-    the CUDA top-k is the method (the four 128K/256K goal cells since run 29) the fused filter
-    path measured 1.7-7.1% slower than logits + top-k (run 33), so those stay unfused."""
-    return batch >= 32 and topk.topk_method(batch, width, k) in ("radix", "filter")
+    the filter or the radix select is the top-k method (``topk.topk_method``), or the CUDA method
+    is and its group path fits (``groups_fit``). Measured on an H100 (docs/perf/indexer.md,
+    CUDA-graph replays): the fused filter path (group maxima from the logits kernel) 73.3 / 130.7
+    us against logits + filter 75.9 / 134.7 at 32 / 64 x 128K (run 17); fused radix 154.5 / 286.7
+    against logits + radix 157.1 / 295.1 at 32 / 64 x 256K (run 15). Below batch 32 the unfused
+    path's persistent logits loop measured faster in five of six cells (runs 10 and 12: 1 x 32K
+    14.3-14.5 us against 16.8-16.9; 8 x 256K 50.3 against 53.2). Where the bisection is the
+    method (8K tokens) logits + bisection is as fast or faster. Where the CUDA top-k is the method
+    (the four 128K/256K goal cells since run 29) the fused filter path measured 1.7-7.1% slower
+    than logits + top-k (run 33); the fused CUDA group path (``select="cuda"``) is the fused path there."""
+    return batch >= 32 and (
+        topk.topk_method(batch, width, k) in ("radix", "filter") or groups_fit(batch, width, k)
+    )
+
+
+def groups_fit(batch: int, width: int, k: int) -> bool:
+    """The fused path's top-k can be the CUDA group path (``cuda_topk.group_topk``) for a [batch,
+    width] decode top-k: the CUDA method is the top-k (``topk_method``), rows fit
+    ``cuda_topk.GROUP_WIDTH``, k <= 512 (the bound then keeps about k of the >= 4k groups a 32K row
+    has), and a CUDA graph being captured finds the kernel loaded."""
+    from needlescope.kernels import cuda_topk
+
+    if k > 512 or width > cuda_topk.GROUP_WIDTH or topk.topk_method(batch, width, k) != "cuda":
+        return False
+    capturing = torch.cuda.is_current_stream_capturing()
+    return not capturing or cuda_topk.group_loaded(torch.device("cuda"), width)
 
 
 def decode_topk(
@@ -50,9 +70,11 @@ def decode_topk(
     """q [B, H, D] codes, w [B, H] fp32, context_lens int32 [B] -> int32 [B, k]: the exact top-k
     entries of each request (ties to the lower index, -1 padding). ``fused`` None: ``fuse_decode``.
     ``select``: the fused path's top-k: ``radix`` (pass 0's histogram in the logits kernel, ``bits``
-    its digit width) or ``filter`` (the logits kernel writes the group maxima ``triton_filter``
-    starts from, so its first launch is skipped); None: ``filter`` where ``topk_method`` picks the
-    filter, else ``radix``.
+    its digit width), ``filter`` (the logits kernel writes the group maxima ``triton_filter``
+    starts from, so its first launch is skipped) or ``cuda`` (the logits kernel writes the same
+    maxima, ``cuda_topk.group_topk`` reads them and only the groups that reach its bound; with a
+    ``fault`` variant, which writes no maxima, logits then the top-k); None: ``cuda`` where
+    ``groups_fit``, ``filter`` where ``topk_method`` picks the filter, else ``radix``.
     ``logits_args``: tuning keywords of ``triton_logits.paged_logits``."""
     B = q.shape[0]
     # No clamping kernel: every kernel here bounds entries by the width as well as by the length.
@@ -60,11 +82,20 @@ def decode_topk(
     if fused is None:
         fused = fuse_decode(B, paged.width, k)
     if select is None:
-        select = "filter" if topk.topk_method(B, paged.width, k) == "filter" else "radix"
+        method = topk.topk_method(B, paged.width, k)
+        select = "cuda" if groups_fit(B, paged.width, k) else "filter" if method == "filter" else "radix"
     kw = logits_args or {}
-    if not fused:
+    if not fused or (select == "cuda" and fault is not None):
         logits = triton_logits.paged_logits(q, w, paged, lens, fault=fault, **kw)
         return topk.topk(logits, k, None, lens)
+    if select == "cuda":
+        from needlescope.kernels import cuda_topk
+
+        gmax = torch.empty(
+            B, paged.block_table.shape[1] * triton_logits.GROUPS_PER_PAGE, dtype=torch.int32, device=q.device
+        )
+        logits = triton_logits.paged_logits(q, w, paged, lens, gmax=gmax, **kw)
+        return cuda_topk.group_topk(logits, k, lens, gmax)
     if select == "filter":
         from needlescope.kernels import triton_filter
 
@@ -76,7 +107,7 @@ def decode_topk(
         logits = triton_logits.paged_logits(q, w, paged, lens, fault=fault, gmax=gmax, **kw)
         return triton_filter.filter_topk(logits, k, None, lens, gmax=gmax)
     if select != "radix":
-        raise ValueError(f"select must be radix or filter, got {select!r}")
+        raise ValueError(f"select must be radix, filter or cuda, got {select!r}")
     hist = triton_radix.radix_workspace(B, q.device, bits)
     logits = triton_logits.paged_logits(q, w, paged, lens, fault=fault, hist=hist[0], hist_bits=bits, **kw)
     return triton_radix.radix_topk(logits, k, None, lens, bits=bits, hist=hist, first_pass=1)
