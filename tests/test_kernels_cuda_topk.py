@@ -124,15 +124,25 @@ def test_output_is_the_contract_order_on_every_path(rows: int, width: int, k: in
 
 
 @pytest.mark.skipif(not GPU, reason="CUDA C++ kernel: needs a GPU")
-def test_a_captured_graph_replays_the_same_selection() -> None:
-    x = torch.randn(8, 32768, device="cuda")
-    ends = torch.full((8,), 32768, dtype=torch.int32, device="cuda")
+@pytest.mark.parametrize(("launcher", "width"), [("cuda_topk", 32768), ("group_topk", 65536)])
+def test_a_captured_graph_replays_the_same_selection(launcher: str, width: int) -> None:
+    x = torch.randn(8, width, device="cuda")
+    ends = torch.full((8,), width, dtype=torch.int32, device="cuda")
+    gmax = given_maxima(x, ends)
     out = torch.full((8, 512), -7, dtype=torch.int32, device="cuda")
-    cuda_topk.cuda_topk(x, 512, None, ends, out=out)  # compiled before capture
+
+    def launch() -> None:
+        if launcher == "cuda_topk":
+            cuda_topk.cuda_topk(x, 512, None, ends, out=out)
+        else:
+            cuda_topk.group_topk(x, 512, ends, gmax, out=out)
+
+    launch()  # compiled before capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        cuda_topk.cuda_topk(x, 512, None, ends, out=out)
+        launch()
     x.copy_(torch.randn_like(x))
+    gmax.copy_(given_maxima(x, ends))
     out.fill_(-7)
     graph.replay()
     torch.cuda.synchronize()
@@ -199,20 +209,10 @@ def test_the_group_path_is_the_contract_order_and_falls_back_where_the_bound_doe
 
 
 @pytest.mark.skipif(not GPU, reason="CUDA C++ kernel: needs a GPU")
-def test_the_group_path_replays_in_a_graph_and_refuses_an_unloaded_capture() -> None:
+def test_the_group_path_says_what_is_wrong_with_its_maxima() -> None:
     x = torch.randn(8, 65536, device="cuda")
     ends = torch.full((8,), 65536, dtype=torch.int32, device="cuda")
-    gmax = given_maxima(x, ends)
-    out = torch.full((8, 512), -7, dtype=torch.int32, device="cuda")
-    cuda_topk.group_topk(x, 512, ends, gmax, out=out)  # compiled before capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        cuda_topk.group_topk(x, 512, ends, gmax, out=out)
-    x.copy_(torch.randn_like(x))
-    gmax.copy_(given_maxima(x, ends))
-    out.fill_(-7)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, _contract_order(x, 512, torch.zeros_like(ends), ends))
     with pytest.raises(ValueError, match="gmax must be int32"):
-        cuda_topk.group_topk(x, 512, ends, gmax[:, :10])
+        cuda_topk.group_topk(x, 512, ends, given_maxima(x, ends)[:, :10])
+    with pytest.raises(ValueError, match="at most 262144 entries"):
+        cuda_topk.group_topk(torch.zeros(1, 262145, device="cuda"), 512, ends[:1], given_maxima(x, ends)[:1])

@@ -198,6 +198,15 @@ def _check(logits: torch.Tensor, k: int, starts: torch.Tensor | None, ends: torc
             raise ValueError(f"{name} must be int32 [{logits.shape[0]}] on {logits.device}")
 
 
+def _output(out: torch.Tensor | None, R: int, k: int, device: torch.device) -> torch.Tensor:
+    """``out`` checked (a contiguous int32 [R, k]), or a new one."""
+    if out is None:
+        return torch.empty(R, k, dtype=torch.int32, device=device)
+    if out.shape != (R, k) or out.dtype != torch.int32 or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous int32 [{R}, {k}] tensor")
+    return out
+
+
 def cuda_topk(
     logits: torch.Tensor,
     k: int,
@@ -219,10 +228,7 @@ def cuda_topk(
     if path not in PATHS:
         raise ValueError(f"path must be one of {', '.join(PATHS)}, got {path!r}")
     path = _resolve(path, R, L, k, logits.device)
-    if out is None:
-        out = torch.empty(R, k, dtype=torch.int32, device=logits.device)
-    elif out.shape != (R, k) or out.dtype != torch.int32 or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous int32 [{R}, {k}] tensor")
+    out = _output(out, R, k, logits.device)
     if R == 0:
         return out
     has_starts = starts is not None
@@ -273,10 +279,7 @@ def group_topk(
         raise ValueError(f"gmax must be int32 [{R}, >= {groups}], got {gmax.dtype} {tuple(gmax.shape)}")
     if gmax.device != logits.device or (groups > 1 and gmax.stride(1) != 1) or gmax.stride(0) >= 2**31:
         raise ValueError(f"gmax must be on {logits.device} with contiguous rows")
-    if out is None:
-        out = torch.empty(R, k, dtype=torch.int32, device=logits.device)
-    elif out.shape != (R, k) or out.dtype != torch.int32 or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous int32 [{R}, {k}] tensor")
+    out = _output(out, R, k, logits.device)
     if R == 0:
         return out
     name = _group_kernel(L)
