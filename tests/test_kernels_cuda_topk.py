@@ -197,7 +197,8 @@ def test_the_group_path_is_the_contract_order_and_falls_back_where_the_bound_doe
     x = torch.randn(rows, width, generator=g, device="cuda")
     x[0, ::7] = x[0, 5]  # ties at many places, some at the cut-off
     x[1] = 0.25  # one value everywhere: every group reaches the bound (general path)
-    x[2, : width // 2] = float("-inf")  # half the groups' maxima at -inf's key
+    if rows > 2:
+        x[2, : width // 2] = float("-inf")  # half the groups' maxima at -inf's key
     if rows > 4:
         x[3, : width - 16 * (k // 2)] = float("-inf")  # fewer than k finite maxima: the bound is -inf's key
         x[4, : 16 * 1000] = 5.0  # 1,000 groups at the bound, 16,000 entries: more than the candidates' room

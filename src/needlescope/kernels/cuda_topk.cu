@@ -37,7 +37,7 @@ struct Smem {
     int wsum[WARPS + 1];
     unsigned wkey[WARPS];
     int glist[GITEMS * GSLOTS];  // group path: the groups above the bound, in index order
-    int bin, above;
+    int bin, above, in_bin;
 };
 
 __device__ __forceinline__ unsigned ordered_key(float x) {
@@ -107,8 +107,8 @@ __device__ __forceinline__ void hist_add(int* hist, unsigned bin, bool active) {
     }
 }
 
-// After hist holds the digit counts of a pass: the digit of the krem-th largest key counted and
-// how many counted keys lie in higher digits (into s.bin, s.above), then hist is cleared.
+// After hist holds the digit counts of a pass: the digit of the krem-th largest key counted, how
+// many counted keys lie in higher digits and in it (into s.bin, s.above, s.in_bin), then hist is cleared.
 __device__ void find_bin(Smem& s, int krem) {
     const int t = threadIdx.x;
     int h = 0, cum = 0;
@@ -128,36 +128,43 @@ __device__ void find_bin(Smem& s, int krem) {
         if (cum >= krem && cum - h < krem) {
             s.bin = 255 - t;
             s.above = cum - h;
+            s.in_bin = h;
         }
         s.hist[255 - t] = 0;
     }
     __syncthreads();
 }
 
-// Radix select, most significant digit first, starting below the bits every key shares. Keys
-// come from get(i, &key) -> valid, i < n_items, a thread's items. With passes left when it
-// stops (max_passes), *kth is the lower bound of the bin holding the k-th largest key; run to
-// the end (max_passes >= 4), *kth is that key and *take_eq how many keys equal to it to take.
-// Needs at least k valid keys.
+// Radix select, most significant digit first, starting below the bits every key shares (from the
+// keys' extremes, or from a range [lo, hi] the caller knows holds them all: known). Keys come
+// from get(i, &key) -> valid, i < n_items, a thread's items. It stops after max_passes, or early
+// at a digit that holds the k-th largest key alone. Then *kth is a lower bound of the k-th key
+// (its digits so far; so after max_passes < 4 a bound), and with max_passes >= 4 the k-th key is
+// the one whose bits from *shift up are *kth's: the keys above them lie above it, and *take_eq of
+// those equal to them are to be taken (one where it stopped early). Needs at least k valid keys.
 template <class Get>
 __device__ void radix_select(Get get, int n_items, int k, int max_passes, Smem& s, unsigned* kth,
-                             int* take_eq) {
-    unsigned lo = 0xffffffffu, hi = 0u;
-    for (int i = 0; i < n_items; ++i) {
-        unsigned key;
-        if (get(i, &key)) {
-            lo = min(lo, key);
-            hi = max(hi, key);
+                             int* take_eq, int* shift_out, bool known = false, unsigned lo = 0u,
+                             unsigned hi = 0u) {
+    if (!known) {
+        lo = 0xffffffffu;
+        hi = 0u;
+        for (int i = 0; i < n_items; ++i) {
+            unsigned key;
+            if (get(i, &key)) {
+                lo = min(lo, key);
+                hi = max(hi, key);
+            }
         }
+        lo = block_extreme(lo, false, s);
+        hi = block_extreme(hi, true, s);
     }
-    lo = block_extreme(lo, false, s);
-    hi = block_extreme(hi, true, s);
     unsigned diff = lo ^ hi;
     int hb = diff ? 31 - __clz(diff) : -1;  // highest bit in which keys differ
     unsigned prefix = hb >= 0 ? hi & ~((2u << hb) - 1u) : hi;
-    int krem = k;
+    int krem = k, shift = 0;
     for (int pass = 0; pass < max_passes && hb >= 0; ++pass) {
-        const int shift = max(hb - 7, 0);
+        shift = max(hb - 7, 0);
         const unsigned width_mask = (2u << (hb - shift)) - 1u;
         for (int i = 0; i < n_items; ++i) {
             unsigned key;
@@ -170,15 +177,18 @@ __device__ void radix_select(Get get, int n_items, int k, int max_passes, Smem& 
         prefix |= (unsigned)s.bin << shift;
         krem -= s.above;
         hb = shift - 1;
+        if (s.in_bin == 1) break;
     }
     *kth = prefix;
     *take_eq = krem;
+    *shift_out = shift;
 }
 
-// Writes out[0, k): the entries above kth in index order, then the first take_eq entries equal
-// to it. Entries come in index order from get(p, &key, &idx) -> valid, p < n, THREADS at a time.
+// Writes out[0, k): the entries above the cut in index order, then the first take_eq entries at
+// it (keys compared from bit shift up: radix_select's kth, shift, take_eq). Entries come in index
+// order from get(p, &key, &idx) -> valid, p < n, THREADS at a time.
 template <class Get>
-__device__ void emit(Get get, int n, unsigned kth, int take_eq, int k, int* out, Smem& s) {
+__device__ void emit(Get get, int n, unsigned kth, int shift, int take_eq, int k, int* out, Smem& s) {
     const int lane = threadIdx.x & 31;
     int base_gt = 0, base_eq = 0;
     const int first_eq = k - take_eq;
@@ -186,7 +196,7 @@ __device__ void emit(Get get, int n, unsigned kth, int take_eq, int k, int* out,
         unsigned key = 0u;
         int idx = -1;
         bool ok = get(p0 + (int)threadIdx.x, &key, &idx);
-        bool gt = ok && key > kth, eq = ok && key == kth;
+        bool gt = ok && (key >> shift) > (kth >> shift), eq = ok && (key >> shift) == (kth >> shift);
         unsigned bg = __ballot_sync(FULL, gt), be = __ballot_sync(FULL, eq);
         int packed = (__popc(bg) << 16) | __popc(be);  // at most 32 each
         int tot;
@@ -212,20 +222,21 @@ __device__ void general_path(const float* row, int st, int n, int k, int* out, S
         return true;
     };
     unsigned kth;
-    int take_eq;
-    radix_select(get, per, k, 4, s, &kth, &take_eq);
+    int take_eq, shift;
+    radix_select(get, per, k, 4, s, &kth, &take_eq, &shift);
     auto at = [&](int p, unsigned* key, int* idx) {
         if (p >= n) return false;
         *key = ordered_key(row[st + p]);
         *idx = st + p;
         return true;
     };
-    emit(at, n, kth, take_eq, k, out, s);
+    emit(at, n, kth, shift, take_eq, k, out, s);
 }
 
 // The candidates s.cand_key / s.cand_idx[0, total), in index order (at least k of them, at most
-// CAP): the exact k-th key among them by radix passes, then the output.
-__device__ void candidates_out(int total, int k, int* out, Smem& s) {
+// CAP; known: all in [lo, hi]): the exact k-th key among them by radix passes, then the output.
+__device__ void candidates_out(int total, int k, int* out, Smem& s, bool known = false, unsigned lo = 0u,
+                               unsigned hi = 0u) {
     const int tid = threadIdx.x;
     auto get_cand = [&](int i, unsigned* k_) {
         int c = i * THREADS + tid;
@@ -234,15 +245,15 @@ __device__ void candidates_out(int total, int k, int* out, Smem& s) {
         return true;
     };
     unsigned kth;
-    int take_eq;
-    radix_select(get_cand, CAP / THREADS, k, 4, s, &kth, &take_eq);
+    int take_eq, shift;
+    radix_select(get_cand, CAP / THREADS, k, 4, s, &kth, &take_eq, &shift, known, lo, hi);
     auto at = [&](int c, unsigned* k_, int* idx) {
         if (c >= total) return false;
         *k_ = s.cand_key[c];
         *idx = s.cand_idx[c];
         return true;
     };
-    emit(at, total, kth, take_eq, k, out, s);
+    emit(at, total, kth, shift, take_eq, k, out, s);
 }
 
 template <int SUB>
@@ -271,8 +282,8 @@ __device__ void fast_path(const float* row, int st, int n, int k, int* out, Smem
         return true;
     };
     unsigned t;
-    int unused;
-    radix_select(get_max, SUB, k, 2, s, &t, &unused);
+    int unused, unused_shift;
+    radix_select(get_max, SUB, k, 2, s, &t, &unused, &unused_shift);
 
     // Compaction of the entries >= t in index order: per (item, warp) counts, one scan.
     int mine = 0;
@@ -336,9 +347,19 @@ __device__ void group_path(const float* row, int n, const int* grow, int k, int*
         *k_ = v;
         return true;
     };
+    // The maxima's extremes here: the largest is also the candidates' (their range is [t, hi]).
+    unsigned lo = 0xffffffffu, hi = 0u;
+#pragma unroll
+    for (int j = 0; j < MI; ++j)
+        if (j * THREADS + tid < ng) {
+            lo = min(lo, gm[j]);
+            hi = max(hi, gm[j]);
+        }
+    lo = block_extreme(lo, false, s);
+    hi = block_extreme(hi, true, s);
     unsigned t;
-    int unused;
-    radix_select(get_max, MI, k, 2, s, &t, &unused);
+    int unused, unused_shift;
+    radix_select(get_max, MI, k, 2, s, &t, &unused, &unused_shift, true, lo, hi);
     // The groups >= t in index order: per (item, warp) counts, one scan (as fast_path's entries).
     int mine = 0;
 #pragma unroll
@@ -400,7 +421,7 @@ __device__ void group_path(const float* row, int n, const int* grow, int k, int*
         }
     }
     __syncthreads();
-    candidates_out(total, k, out, s);
+    candidates_out(total, k, out, s, true, t, hi);
 }
 
 // Row r's entries [*st, *st + n) (the contract's clamping of starts and ends to [0, width]); returns n.
