@@ -3,8 +3,8 @@
 //
 // Why CUDA and not Triton: the row's select is a chain of block-wide steps (a histogram, a scan,
 // a compaction), and Triton's one-program versions of it ran 41-76 us at 1 x 32K on an H100
-// (docs/perf/indexer-notes.md, runs 15 and 25) for want of warp ballots, warp-aggregated
-// shared atomics and register-resident keys; here each step is a few hundred cycles.
+// (docs/perf/indexer-notes.md, runs 15 and 25) for want of warp ballots, shared-memory
+// atomics and register-resident keys; here each step is a few hundred cycles.
 //
 // Fast path (row of at most 32,768 entries, k <= 2048): the row's keys stay in registers (32 a
 // thread); SUB group maxima a thread (groups of columns tid + 1024 i, i = j mod SUB); a bound t
@@ -13,7 +13,9 @@
 // and one block scan); the exact k-th key among them by radix passes; the output in index order
 // (entries above the k-th key, then its ties, lower index first). When more than CAP entries
 // pass t (a row where one value fills the top bins), or for longer rows and larger k, the
-// general path runs the same radix select over the whole row from global memory.
+// general path runs the same radix select over the whole row from global memory. The group path
+// (below) is the fast path's filter with the group maxima read from memory, as the fused decode
+// path's logits kernel writes them.
 //
 // Keys: fp32 bits mapped to an order-preserving uint32 (-0.0 onto +0.0; a NaN with the sign bit
 // clear above +inf, one with it set below -inf), as topk_parts.ordered_key does.
@@ -96,19 +98,15 @@ __device__ unsigned block_extreme(unsigned v, bool want_max, Smem& s) {
     return w;
 }
 
-// Add one to hist[bin] for every active lane. Where the warp's active lanes all hold one bin (a
-// row of equal keys: every pass of a select over it), one atomic adds them all; otherwise a plain
-// shared atomic a lane. (Aggregating per distinct bin with __match_any_sync, the form before,
-// measured 1.3-1.7 us slower a select at 1-64 rows of 32K on an H100: call 2 of session 11.)
-// Every lane of the warp calls it.
+// Add one to hist[bin] for every active lane: a plain shared atomic a lane. Measured on an H100
+// (docs/perf/indexer.md, session 11, graph-replayed, k = 512), against aggregating a warp's
+// lanes per distinct bin with __match_any_sync (the form before) and against one atomic where
+// all of a warp's lanes share a bin (else plain): the cluster path 7.0 against 8.1 / 7.8 us at
+// 1 x 32K and 31.3 against 41.8 / 42.8 at 64 x 64K; the block kernel 12.9 against 14.6 / 13.7 at
+// 1 x 32K; and no slower on rows of one value, where every lane hits one bin (8 x 32K: 29.0
+// against 29.8 / 29.6 on the block kernel, 8.5 against 9.8 / 9.7 on the cluster path).
 __device__ __forceinline__ void hist_add(int* hist, unsigned bin, bool active) {
-    const unsigned mask = __ballot_sync(FULL, active);
-    const unsigned first = __shfl_sync(FULL, bin, mask ? __ffs(mask) - 1 : 0);
-    if (__all_sync(FULL, !active || bin == first)) {
-        if (active && (threadIdx.x & 31) == __ffs(mask) - 1) atomicAdd(&hist[bin], __popc(mask));
-    } else if (active) {
-        atomicAdd(&hist[bin], 1);
-    }
+    if (active) atomicAdd(&hist[bin], 1);
 }
 
 // After hist holds the digit counts of a pass: the digit of the krem-th largest key counted, how

@@ -81,15 +81,16 @@ def _has_clusters(index: int) -> bool:
 
 def cluster_shape(rows: int, width: int, k: int) -> bool:
     """Whether ``rows`` rows of ``width`` entries take the cluster path (where clusters run).
-    Measured on an H100 (docs/perf/indexer.md, run 33, graph-replayed, k = 512): at 32K entries
-    the cluster path took 8.1 / 9.1 us at 1 / 8 rows against the block kernel's 15.5 / 15.6 and
-    the radix select's 12.3 / 17.9; at 16 rows 15.5 against the block kernel's 15.7 (eight blocks
-    a row: the clusters no longer all run at once; the block kernel stays at 15.7-15.8 up to 64
-    rows, the cluster path 22.9 / 38.8 at 32 / 64), so rows of 16K-32K take it up to 8 rows. At
-    64K entries it took 14.4 / 29.3 / 49.8 us at 8 / 32 / 64 rows against the filter's 21.7 /
-    40.1 / 66.5 and the radix select's 21.8 / 55.9 / 97.9 (the block kernel's general path:
-    121-129), and 13.2 at 1 row against the radix select's 12.9, which grows ~1.2 us a row: rows
-    of 32K-64K take it from 4 rows. Rows of 16K entries and fewer were not measured on it."""
+    Measured on an H100 (docs/perf/indexer.md, graph-replayed, k = 512): at 32K entries the
+    cluster path took 7.0 / 7.1 us at 1 / 8 rows against the block kernel's 12.9 and the radix
+    select's 11.9 at 1 row (run 36); at 16 rows 15.5 against the block kernel's 15.7 (run 33,
+    before plain histogram atomics sped both up; not measured since); at 32 / 64 rows 19.8 /
+    33.6 against the block kernel's 14.0 / 14.1 (run 36: eight blocks a row no longer all run at
+    once), so rows of 16K-32K take it up to 8 rows. At 64K entries it took 31.3 us at 64 rows
+    (run 36) and 14.4 / 29.3 at 8 / 32 (run 33) against the filter's 66.5 / 21.7 / 40.1 and the
+    radix select's 97.9 / 21.8 / 55.9 (the block kernel's general path: 121-129), and 13.2 at 1
+    row against the radix select's 12.9 (run 33), which grows ~1.2 us a row: rows of 32K-64K
+    take it from 4 rows. Rows of 16K entries and fewer were not measured on it."""
     if k > FAST_K:
         return False
     if FAST_WIDTH // 2 < width <= FAST_WIDTH:

@@ -39,14 +39,15 @@ def topk_method(rows: int, width: int, k: int, cuda: bool | None = None, cluster
     beforehand); ``clusters``: whether the device runs thread block clusters (None: the current
     CUDA device's capability, sm_90+). Its launch costs 18.5 us of host time a call eager through
     the driver (run 27; 270 us through PyTorch's NVRTC wrapper in run 26), against the filter's
-    70.8 us, so eager calls take it too. Measured on an H100 (runs 26 and 27,
-    docs/perf/indexer.md), k = 512 at 32K entries a row: the block kernel 15.5-15.9 us at 1-32
-    rows, 19.1 at 64 (one block a row), against the filter's 22.8 / 32.8 at 32 / 64 rows and the
-    radix select's one launch at 1 row, 12.3 us. So it takes 5+ rows of 4K-32K entries with
-    k <= 2048, and, where clusters run, the shapes of ``cuda_topk.cluster_shape`` (its cluster
-    path, a row over 8 blocks: 8.1-9.1 us at 1-8 rows of 32K; 14.4 / 29.3 / 49.8 us at 8 / 32 /
-    64 rows of 64K against the filter's 21.7 / 40.1 / 66.5; run 33). Without clusters rows 2-4 are left to
-    the radix select's single launch (12.3-14.7 us at 1-4 rows).
+    70.8 us, so eager calls take it too. Measured on an H100 (docs/perf/indexer.md), k = 512 at
+    32K entries a row: the block kernel 12.9 / 14.0 / 14.1 us at 1 / 32 / 64 rows (one block a
+    row; run 36) against the filter's 23.4 / 33.8 at 32 / 64 rows and the radix select's one
+    launch at 1 row, 11.9 us (run 36; 12.3-14.7 at 1-4 rows in run 27, when the block kernel took
+    15.5). So it takes 5+ rows of 4K-32K entries with k <= 2048, and, where clusters run, the
+    shapes of ``cuda_topk.cluster_shape`` (its cluster path, a row over 8 blocks: 7.0-7.1 us at
+    1-8 rows of 32K, 31.3 at 64 rows of 64K against the filter's 66.5; run 36). Without clusters
+    rows 2-4 are left to the radix select's single launch (not measured against the block kernel
+    since run 36 sped it up).
     Among the Triton methods, measured: one program per
     row wins at 2048 entries (8K-token decode rows: 10-12 us, launch-bound either way; H200, run
     7), so rows of up to 4096 entries take it. At 32-64 rows with k = 512 the filter wins (H100, docs/perf/indexer.md): 32 / 64 x 32K

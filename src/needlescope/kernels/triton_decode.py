@@ -35,7 +35,10 @@ def fuse_decode(batch: int, width: int, k: int) -> bool:
     14.3-14.5 us against 16.8-16.9; 8 x 256K 50.3 against 53.2). Where the bisection is the
     method (8K tokens) logits + bisection is as fast or faster. Where the CUDA top-k is the method
     (the four 128K/256K goal cells since run 29) the fused filter path measured 1.7-7.1% slower
-    than logits + top-k (run 33); the fused CUDA group path (``select="cuda"``) is the fused path there."""
+    than logits + top-k (run 33); there the fused CUDA group path (``select="cuda"``) measured
+    2.7 / 2.1 / 7.3 / 8.8% faster than logits + top-k at 32 / 64 x 128K and 32 / 64 x 256K (66.8 /
+    115.6 / 115.4 / 213.8 us against 68.7 / 118.1 / 124.5 / 234.4; run 36), so it is the fused path
+    there. Neither fused path was measured below batch 32 with the CUDA top-k."""
     return batch >= 32 and (
         topk.topk_method(batch, width, k) in ("radix", "filter") or groups_fit(batch, width, k)
     )
