@@ -270,7 +270,10 @@ def group_topk(
     logits kernel writes them (``triton_logits.paged_logits(gmax=...)``). The kernel reads the
     maxima and only the groups whose maximum reaches the bound (the source's group path), so a
     decode step that wrote the maxima with its logits skips reading most of each row. Maxima that
-    break that rule give a wrong answer, not an error: they are the caller's promise."""
+    break that rule (one above every entry of its group, e.g. from other logits) are not detected:
+    the selection is then undefined, and its writes are not bounded to the row's k slots (a
+    guard waits for a GPU run: docs/perf/indexer.md, eleventh session). Pass only maxima written
+    with these logits, as ``decode_topk`` does."""
     _check(logits, k, None, ends)
     R, L = logits.shape
     if L > GROUP_WIDTH:
