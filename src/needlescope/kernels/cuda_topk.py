@@ -244,14 +244,15 @@ def cuda_topk(
     return out
 
 
-def _group_kernel(width: int) -> str:
-    return next(v for g, v in sorted(_GROUP_NAMES.items()) if -(-width // GROUP) <= g)
+def _group_kernel(groups: int) -> str:
+    """The group path's kernel for rows of ``groups`` group maxima."""
+    return next(v for g, v in sorted(_GROUP_NAMES.items()) if groups <= g)
 
 
 def group_loaded(device: torch.device, width: int) -> bool:
     """``group_topk``'s kernel for rows of ``width`` entries is compiled and loaded for ``device``
     (a graph capture launches only loaded kernels)."""
-    return width <= GROUP_WIDTH and (_index(device), _group_kernel(width)) in _KERNELS
+    return width <= GROUP_WIDTH and (_index(device), _group_kernel(-(-width // GROUP))) in _KERNELS
 
 
 def group_topk(
@@ -286,8 +287,8 @@ def group_topk(
     out = _output(out, R, k, logits.device)
     if R == 0:
         return out
-    name = _group_kernel(L)
-    if torch.cuda.is_current_stream_capturing() and not group_loaded(logits.device, L):
+    name = _group_kernel(groups)
+    if torch.cuda.is_current_stream_capturing() and (_index(logits.device), name) not in _KERNELS:
         raise RuntimeError(f"{name} is not loaded: call group_topk once outside the graph capture first")
     args = [logits, logits.stride(0), gmax, gmax.stride(0), ends.contiguous(), L, k, out]
     _launch(logits.device, name, (R, 1), _THREADS, args)

@@ -39,9 +39,7 @@ def fuse_decode(batch: int, width: int, k: int) -> bool:
     2.7 / 2.1 / 7.3 / 8.8% faster than logits + top-k at 32 / 64 x 128K and 32 / 64 x 256K (66.8 /
     115.6 / 115.4 / 213.8 us against 68.7 / 118.1 / 124.5 / 234.4; run 36), so it is the fused path
     there. Neither fused path was measured below batch 32 with the CUDA top-k."""
-    return batch >= 32 and (
-        topk.topk_method(batch, width, k) in ("radix", "filter") or groups_fit(batch, width, k)
-    )
+    return _plan(batch, width, k)[0]
 
 
 def groups_fit(batch: int, width: int, k: int) -> bool:
@@ -49,12 +47,26 @@ def groups_fit(batch: int, width: int, k: int) -> bool:
     width] decode top-k: the CUDA method is the top-k (``topk_method``), rows fit
     ``cuda_topk.GROUP_WIDTH``, k <= 512 (the bound then keeps about k of the >= 4k groups a 32K row
     has), and a CUDA graph being captured finds the kernel loaded."""
+    return _groups_ok(topk.topk_method(batch, width, k), width, k)
+
+
+def _groups_ok(method: str, width: int, k: int) -> bool:
+    """``groups_fit`` given the top-k method ``topk_method`` chose."""
     from needlescope.kernels import cuda_topk
 
-    if k > 512 or width > cuda_topk.GROUP_WIDTH or topk.topk_method(batch, width, k) != "cuda":
+    if k > 512 or width > cuda_topk.GROUP_WIDTH or method != "cuda":
         return False
     capturing = torch.cuda.is_current_stream_capturing()
     return not capturing or cuda_topk.group_loaded(torch.device("cuda"), width)
+
+
+def _plan(batch: int, width: int, k: int) -> tuple[bool, str]:
+    """(``fuse_decode``'s answer, the fused path's default ``select``) from one ``topk_method`` call
+    (a decode call's host time: it may ask the CUDA top-k what is loaded)."""
+    method = topk.topk_method(batch, width, k)
+    groups = _groups_ok(method, width, k)
+    fused = batch >= 32 and (method in ("radix", "filter") or groups)
+    return fused, "cuda" if groups else "filter" if method == "filter" else "radix"
 
 
 def decode_topk(
@@ -82,11 +94,10 @@ def decode_topk(
     B = q.shape[0]
     # No clamping kernel: every kernel here bounds entries by the width as well as by the length.
     lens = context_lens.to(device=q.device, dtype=torch.int32).contiguous()
-    if fused is None:
-        fused = fuse_decode(B, paged.width, k)
-    if select is None:
-        method = topk.topk_method(B, paged.width, k)
-        select = "cuda" if groups_fit(B, paged.width, k) else "filter" if method == "filter" else "radix"
+    if fused is None or select is None:
+        plan = _plan(B, paged.width, k)
+        fused = plan[0] if fused is None else fused
+        select = plan[1] if select is None else select
     kw = logits_args or {}
     if not fused or (select == "cuda" and fault is not None):
         logits = triton_logits.paged_logits(q, w, paged, lens, fault=fault, **kw)
