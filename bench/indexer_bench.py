@@ -68,8 +68,16 @@ DEV = torch.device("cuda")
 
 
 def med(fn, graph: bool = False) -> float:
-    """Median time of fn() in microseconds."""
+    """Median time of fn() in microseconds.
+
+    ``graph``: ``do_bench_cudagraph``, after the device has finished all queued work. Triton's
+    function runs fn() eagerly on a new side stream that does not wait for the caller's stream, so
+    without the synchronize its first call races the caller's pending kernels; and memory those
+    kernels' temporaries just freed (the caching allocator hands it out again at once, in the
+    caller's stream order) can be fn's output, written while the pending kernels still use it.
+    That is what corrupted session 11's lab (docs/perf/indexer.md, twelfth session)."""
     if graph:
+        torch.cuda.synchronize()
         return do_bench_cudagraph(fn, rep=100, return_mode="median") * 1e3
     return do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
 

@@ -83,3 +83,22 @@ def test_the_documented_tables_are_what_the_committed_run_renders(run: str, verd
     for line in [*B._goal_lines(out), *B._decode_lines(out)[2:], *B._topk_lines(out)]:
         assert line in doc, line
     assert _verdicts(out) == verdicts
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="graph timing needs a GPU")
+def test_graph_timing_waits_for_work_the_caller_queued() -> None:
+    """``med(graph=True)``: Triton's ``do_bench_cudagraph`` calls fn() first on a side stream that
+    does not wait for the caller's stream; the timed fn must not see the caller's inputs before
+    the caller's queued kernels wrote them (twelfth session: that race corrupted a lab's inputs)."""
+    import torch
+
+    x = torch.zeros(1, device="cuda")
+    seen = torch.zeros(1, device="cuda")
+    torch.cuda._sleep(50_000_000)  # tens of milliseconds of GPU time queued before x is written
+    x.fill_(1.0)
+
+    def fn() -> None:
+        torch.maximum(seen, (x == 0).float(), out=seen)  # 1 once fn ran before the fill
+
+    B.med(fn, graph=True)
+    assert seen.item() == 0.0

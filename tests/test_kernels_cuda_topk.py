@@ -217,3 +217,27 @@ def test_the_group_path_says_what_is_wrong_with_its_maxima() -> None:
         cuda_topk.group_topk(x, 512, ends, given_maxima(x, ends)[:, :10])
     with pytest.raises(ValueError, match="at most 262144 entries"):
         cuda_topk.group_topk(torch.zeros(1, 262145, device="cuda"), 512, ends[:1], given_maxima(x, ends)[:1])
+
+
+@pytest.mark.skipif(not GPU, reason="CUDA C++ kernel: needs a GPU")
+@pytest.mark.parametrize("claim", ["inf", "ulp"])
+def test_maxima_that_claim_too_much_write_nothing_past_the_rows(claim: str) -> None:
+    """Maxima above every entry of their groups break ``group_topk``'s contract; the kernel still
+    writes only its rows' k slots, and where no entry reaches the bound (every claim +inf) it
+    takes the general path, whose answer is exact."""
+    R, L, k = 4, 32768, 512
+    g = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.randn(R, L, generator=g, device="cuda")
+    ends = torch.full((R,), L, dtype=torch.int32, device="cuda")
+    gmax = given_maxima(x, ends)
+    fake = torch.randperm(L // 16, generator=g, device="cuda")[: k + 100]
+    if claim == "inf":  # k + 100 groups claim +inf: the bound is +inf's bin, which no entry reaches
+        gmax[:, fake] = 0xFF800000 - 2**32  # ordered_key(+inf) stored as int32
+    else:  # k + 100 groups claim one ulp more than they hold
+        gmax[:, fake] += 1
+    buf = torch.full((R * k + 4096,), -7, dtype=torch.int32, device="cuda")
+    out = buf[: R * k].view(R, k)
+    cuda_topk.group_topk(x, k, ends, gmax, out=out)
+    assert (buf[R * k :] == -7).all(), "written past the rows"
+    if claim == "inf":
+        assert torch.equal(out, _contract_order(x, k, torch.zeros_like(ends), ends))

@@ -98,6 +98,36 @@ __device__ unsigned block_extreme(unsigned v, bool want_max, Smem& s) {
     return w;
 }
 
+// Compaction in index order of flagged items, where item i of a thread comes before item i + 1
+// and, within an item, thread order is index order: count_flags(flag) takes each (item, warp)'s
+// count by a ballot (thread (warp w, lane i) holds item i's, so slot i * WARPS + w is index
+// order), one block scan turns the counts into first slots in s.cnt, and it returns the flagged
+// total; then each flagged lane of item i writes at flag_slot(i, flag(i), s). N <= 32 items.
+// Ends with a barrier.
+template <int N, class Flag>
+__device__ int count_flags(Flag flag, Smem& s) {
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    int mine = 0;
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+        unsigned b = __ballot_sync(FULL, flag(i));
+        if (lane == i) mine = __popc(b);
+    }
+    s.cnt[lane * WARPS + warp] = mine;
+    __syncthreads();
+    int total;
+    int off = block_scan(s.cnt[tid], s, &total);
+    s.cnt[tid] = off;
+    __syncthreads();
+    return total;
+}
+
+// The slot of this lane's item i after count_flags (every lane of the warp calls it with its own flag).
+__device__ __forceinline__ int flag_slot(int i, bool f, const Smem& s) {
+    unsigned b = __ballot_sync(FULL, f);
+    return s.cnt[i * WARPS + (threadIdx.x >> 5)] + __popc(b & lanemask_lt());
+}
+
 // Add one to hist[bin] for every active lane: a plain shared atomic a lane. Measured on an H100
 // (docs/perf/indexer.md, session 11, graph-replayed, k = 512), against aggregating a warp's
 // lanes per distinct bin with __match_any_sync (the form before) and against one atomic where
@@ -204,7 +234,12 @@ __device__ void emit(Get get, int n, unsigned kth, int shift, int take_eq, int k
         int tot;
         int off = block_scan(lane == 0 ? packed : 0, s, &tot);
         off = __shfl_sync(FULL, off, 0);
-        if (gt) out[base_gt + (off >> 16) + __popc(bg & lanemask_lt())] = idx;
+        if (gt) {
+            // Always below first_eq on consistent input; the bound keeps inconsistent group
+            // maxima (group_topk's caller's promise broken) from writing past the row's slots.
+            const int q = base_gt + (off >> 16) + __popc(bg & lanemask_lt());
+            if (q < first_eq) out[q] = idx;
+        }
         if (eq) {
             int r = base_eq + (off & 0xffff) + __popc(be & lanemask_lt());
             if (r < take_eq) out[first_eq + r] = idx;
@@ -260,7 +295,7 @@ __device__ void candidates_out(int total, int k, int* out, Smem& s, bool known =
 
 template <int SUB>
 __device__ void fast_path(const float* row, int st, int n, int k, int* out, Smem& s) {
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int tid = threadIdx.x;
     unsigned key[ITEMS];
 #pragma unroll
     for (int i = 0; i < ITEMS; ++i) {
@@ -287,31 +322,18 @@ __device__ void fast_path(const float* row, int st, int n, int k, int* out, Smem
     int unused, unused_shift;
     radix_select(get_max, SUB, k, 2, s, &t, &unused, &unused_shift);
 
-    // Compaction of the entries >= t in index order: per (item, warp) counts, one scan.
-    int mine = 0;
-#pragma unroll
-    for (int i = 0; i < ITEMS; ++i) {
-        bool f = i * THREADS + tid < n && key[i] >= t;
-        unsigned b = __ballot_sync(FULL, f);
-        if (lane == i) mine = __popc(b);
-    }
-    // Thread (warp w, lane i) holds the count of item i in warp w; slot i * WARPS + w is index order.
-    s.cnt[lane * WARPS + warp] = mine;
-    __syncthreads();
-    int total;
-    int off = block_scan(s.cnt[tid], s, &total);
-    s.cnt[tid] = off;
-    __syncthreads();
+    // The entries >= t, compacted in index order.
+    auto passes = [&](int i) { return i * THREADS + tid < n && key[i] >= t; };
+    const int total = count_flags<ITEMS>(passes, s);
     if (total > CAP) {
         general_path(row, st, n, k, out, s);
         return;
     }
 #pragma unroll
     for (int i = 0; i < ITEMS; ++i) {
-        bool f = i * THREADS + tid < n && key[i] >= t;
-        unsigned b = __ballot_sync(FULL, f);
+        const bool f = passes(i);
+        const int slot = flag_slot(i, f, s);
         if (f) {
-            int slot = s.cnt[i * WARPS + warp] + __popc(b & lanemask_lt());
             s.cand_key[slot] = key[i];
             s.cand_idx[slot] = st + i * THREADS + tid;
         }
@@ -331,7 +353,7 @@ __device__ void fast_path(const float* row, int st, int n, int k, int* out, Smem
 // above it) take the general path. gmax: uint32 keys as int32, -inf's key (or 0) past the row.
 template <int MI>  // maxima a thread: rows of up to MI * THREADS groups
 __device__ void group_path(const float* row, int n, const int* grow, int k, int* out, Smem& s) {
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int tid = threadIdx.x;
     const int ng = (n + GROUP - 1) / GROUP;
     if (ng < k) {
         general_path(row, 0, n, k, out, s);
@@ -362,28 +384,18 @@ __device__ void group_path(const float* row, int n, const int* grow, int k, int*
     unsigned t;
     int unused, unused_shift;
     radix_select(get_max, MI, k, 2, s, &t, &unused, &unused_shift, true, lo, hi);
-    // The groups >= t in index order: per (item, warp) counts, one scan (as fast_path's entries).
-    int mine = 0;
-#pragma unroll
-    for (int j = 0; j < MI; ++j) {
-        unsigned b = __ballot_sync(FULL, j * THREADS + tid < ng && gm[j] >= t);
-        if (lane == j) mine = __popc(b);
-    }
-    s.cnt[lane * WARPS + warp] = mine;
-    __syncthreads();
-    int groups;
-    int off = block_scan(s.cnt[tid], s, &groups);
-    s.cnt[tid] = off;
-    __syncthreads();
+    // The groups >= t, compacted in index order.
+    auto reaches = [&](int j) { return j * THREADS + tid < ng && gm[j] >= t; };
+    const int groups = count_flags<MI>(reaches, s);
     if (t <= KNEG || groups > GITEMS * GSLOTS) {
         general_path(row, 0, n, k, out, s);
         return;
     }
 #pragma unroll
     for (int j = 0; j < MI; ++j) {
-        bool f = j * THREADS + tid < ng && gm[j] >= t;
-        unsigned b = __ballot_sync(FULL, f);
-        if (f) s.glist[s.cnt[j * WARPS + warp] + __popc(b & lanemask_lt())] = j * THREADS + tid;
+        const bool f = reaches(j);
+        const int slot = flag_slot(j, f, s);
+        if (f) s.glist[slot] = j * THREADS + tid;
     }
     __syncthreads();
     // Item i, thread tid: entry tid % GROUP of listed group i * GSLOTS + tid / GROUP; key 0 (< t)
@@ -396,28 +408,19 @@ __device__ void group_path(const float* row, int n, const int* grow, int k, int*
         const int p = q < groups ? s.glist[q] * GROUP + e : n;
         key[i] = p < n ? ordered_key(row[p]) : 0u;
     }
-    mine = 0;
-#pragma unroll
-    for (int i = 0; i < GITEMS; ++i) {
-        unsigned b = __ballot_sync(FULL, key[i] >= t);
-        if (lane == i) mine = __popc(b);
-    }
-    s.cnt[lane * WARPS + warp] = mine;
-    __syncthreads();
-    int total;
-    off = block_scan(s.cnt[tid], s, &total);
-    s.cnt[tid] = off;
-    __syncthreads();
-    if (total > CAP) {
+    auto above = [&](int i) { return key[i] >= t; };
+    const int total = count_flags<GITEMS>(above, s);
+    // Fewer than k: only maxima inconsistent with the row (one above every entry of its group)
+    // leave fewer than k entries >= t; the general path's answer is then exact all the same.
+    if (total > CAP || total < k) {
         general_path(row, 0, n, k, out, s);
         return;
     }
 #pragma unroll
     for (int i = 0; i < GITEMS; ++i) {
-        bool f = key[i] >= t;
-        unsigned b = __ballot_sync(FULL, f);
+        const bool f = above(i);
+        const int slot = flag_slot(i, f, s);
         if (f) {
-            int slot = s.cnt[i * WARPS + warp] + __popc(b & lanemask_lt());
             s.cand_key[slot] = key[i];
             s.cand_idx[slot] = s.glist[i * GSLOTS + gl] * GROUP + e;
         }
