@@ -73,6 +73,7 @@ DOC = RUNS / "indexer.md"
     [
         ("run-issue40-h100-cuda/indexer_bench.json", ["not met", "not met", "met"]),
         ("run-issue40-h100-groups/run36/indexer_bench.json", ["met", "not met", "met"]),
+        ("run-issue40-h100-race/run42/bench/indexer_bench.json", ["met", "not met", "met"]),
     ],
 )
 def test_the_documented_tables_are_what_the_committed_run_renders(run: str, verdicts: list[str]) -> None:
@@ -90,8 +91,8 @@ def test_graph_timing_waits_for_work_the_caller_queued() -> None:
     """``med(graph=True)``: Triton's ``do_bench_cudagraph`` calls fn() first on a side stream that
     does not wait for the caller's stream; the timed fn must not see the caller's inputs before
     the caller's queued kernels wrote them (twelfth session: that race corrupted a lab's inputs).
-    fn allocates nothing: an allocation that reaches cudaMalloc synchronizes the device and hides
-    the race (run 42: the raw Triton function raced in this form and not in an allocating one)."""
+    A warm-up timing comes first: the first of a process did not race (run 41's probe; its setup
+    waits for the device), every later one did, with fn allocating or not (run 42)."""
     import torch
 
     x = torch.zeros(1, device="cuda")

@@ -270,11 +270,13 @@ def group_topk(
     of row r, with -inf's key (or 0) standing for columns at or past ``ends[r]``, as the paged
     logits kernel writes them (``triton_logits.paged_logits(gmax=...)``). The kernel reads the
     maxima and only the groups whose maximum reaches the bound (the source's group path), so a
-    decode step that wrote the maxima with its logits skips reading most of each row. Maxima that
-    break that rule (one above every entry of its group, e.g. from other logits) are not detected:
-    the selection is then undefined, and its writes are not bounded to the row's k slots (a
-    guard waits for a GPU run: docs/perf/indexer.md, eleventh session). Pass only maxima written
-    with these logits, as ``decode_topk`` does."""
+    decode step that wrote the maxima with its logits skips reading most of each row. Maxima
+    that break that rule are not detected. One below an entry of its group (e.g. from other
+    logits) can make the selection inexact. Ones above every entry of their groups cost only
+    time: every entry at or above the bound is still read, and rows they leave with fewer than k
+    candidates take the general path (docs/perf/indexer.md, twelfth session). Either way the
+    kernel writes only the rows' k slots. Pass only maxima written with these logits, as
+    ``decode_topk`` does."""
     _check(logits, k, None, ends)
     R, L = logits.shape
     if L > GROUP_WIDTH:
