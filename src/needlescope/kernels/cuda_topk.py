@@ -275,8 +275,8 @@ def group_topk(
     logits) can make the selection inexact. Ones above every entry of their groups cost only
     time: every entry at or above the bound is still read, and rows they leave with fewer than k
     candidates take the general path (docs/perf/indexer.md, twelfth session; measured exact with
-    claims at +inf, the rest argued). Either way the kernel writes only the rows' k slots. Pass only maxima written with these logits, as
-    ``decode_topk`` does."""
+    claims at +inf, the rest argued). Either way the kernel writes only the rows' k slots. Pass
+    only maxima written with these logits, as ``decode_topk`` does."""
     _check(logits, k, None, ends)
     R, L = logits.shape
     if L > GROUP_WIDTH:
