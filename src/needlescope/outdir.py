@@ -36,7 +36,7 @@ from pathlib import Path
 
 from needlescope.errors import BadInput
 
-__all__ = ["MANIFEST_NAME", "OutputSpec", "check_outputs", "guarded_out", "record_outputs"]
+__all__ = ["MANIFEST_NAME", "OutputSpec", "check_outputs", "file_sha256", "guarded_out", "record_outputs"]
 
 MANIFEST_NAME = ".needlescope-out.json"
 KIND = "needlescope-out-manifest"
@@ -63,7 +63,8 @@ class OutputSpec:
         return any(fnmatch.fnmatchcase(rel, pattern) for pattern in self.state)
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
+    """The file's SHA-256, hex, read a MiB at a time."""
     h = hashlib.sha256()
     with path.open("rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -102,7 +103,11 @@ def _conflict(rel: str, path: Path, entry: dict | None, command: str) -> str | N
         return "was not written by needlescope"
     if entry.get("command") != command:
         return f"was written by needlescope {entry.get('command')}, not {command}"
-    if path.is_symlink() or path.stat().st_size != entry.get("bytes") or _sha256(path) != entry.get("sha256"):
+    if (
+        path.is_symlink()
+        or path.stat().st_size != entry.get("bytes")
+        or file_sha256(path) != entry.get("sha256")
+    ):
         return f"was changed after needlescope {command} wrote it"
     return None
 
@@ -134,7 +139,7 @@ def record_outputs(out: Path, spec: OutputSpec) -> None:
     for rel, path in _present(out, spec):
         if path.is_symlink():
             continue
-        files[rel] = {"command": spec.command, "bytes": path.stat().st_size, "sha256": _sha256(path)}
+        files[rel] = {"command": spec.command, "bytes": path.stat().st_size, "sha256": file_sha256(path)}
     body = {"kind": KIND, "version": 1, "files": dict(sorted(files.items()))}
     tmp = out / f"{MANIFEST_NAME}.{os.getpid()}.tmp"
     try:

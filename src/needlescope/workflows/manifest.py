@@ -21,25 +21,16 @@ Schema of the manifest file (JSON object): ``kind`` ("needlescope-output-manifes
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
 from needlescope.errors import BadInput
-from needlescope.outdir import OutputSpec
+from needlescope.outdir import OutputSpec, file_sha256
 
 __all__ = ["MANIFEST_NAME", "Manifest", "clear", "clear_forced"]
 
 MANIFEST_NAME = ".needlescope-demo"
 KIND = "needlescope-output-manifest"
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _files(out: Path) -> list[Path]:
@@ -58,7 +49,7 @@ class Manifest:
     def record(self) -> None:
         """Record every file under ``out`` now but ``keep`` (all written by this run)."""
         files = [
-            {"path": rel, "bytes": p.stat().st_size, "sha256": _sha256(p)}
+            {"path": rel, "bytes": p.stat().st_size, "sha256": file_sha256(p)}
             for p in _files(self.out)
             if not p.is_symlink() and (rel := p.relative_to(self.out).as_posix()) not in self.keep
         ]
@@ -106,7 +97,7 @@ def check_clearable(out: Path) -> list[Path]:
             entry is None
             or p.is_symlink()
             or p.stat().st_size != entry.get("bytes")
-            or _sha256(p) != entry.get("sha256")
+            or file_sha256(p) != entry.get("sha256")
         ):
             foreign.append(p.relative_to(out).as_posix())
     if foreign:
