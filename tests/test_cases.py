@@ -105,6 +105,18 @@ def test_user_haystack_text():
         assert "fox" in joined(c)
 
 
+def test_a_count_that_stops_growing_is_refused_not_searched_forever():
+    """A counter that grows with the first words and then stops (a template that keeps only the
+    start of a message, a server that truncates) never reaches the length: the filler search
+    gives up with one message instead of doubling the filler without end."""
+
+    def capped(msgs):
+        return min(wc(msgs), 150)
+
+    with pytest.raises(BadInput, match="does not grow with the text"):
+        build_cases(spec(lengths=(600,), depths=(50,), trials=1), capped)
+
+
 def test_closest_when_exact_impossible():
     # A counter with only even counts cannot hit an odd target; expect the closest instead.
     def even(msgs):

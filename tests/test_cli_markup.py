@@ -26,9 +26,11 @@ def test_console_prints_markup_like_text_as_written():
     console = SafeConsole(file=buf, width=200)
     console.print("answer: [/x] [bold]not bold[/bold] pip install 'needlescope[watch]'")
     console.say("root cause: [bold]{}[/] in {}", "[red]x[/red]", "/tmp/a[/b]")
+    console.say("--impl {}: unknown", "ours:zzz:fast")  # an emoji code (:zzz:) is text here
     assert buf.getvalue().splitlines() == [
         "answer: [/x] [bold]not bold[/bold] pip install 'needlescope[watch]'",
         "root cause: [red]x[/red] in /tmp/a[/b]",
+        "--impl ours:zzz:fast: unknown",
     ]
 
 

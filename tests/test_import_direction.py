@@ -21,6 +21,7 @@ LAYERS: dict[str, int] = {
     "paths": 0,
     "progress": 0,
     "outdir": 0,
+    "devices": 0,
     # 1: torch-free cores
     "cases": 1,
     "analysis": 1,

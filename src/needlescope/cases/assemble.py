@@ -242,6 +242,12 @@ def _closest(count: Callable[[Size], int], target: int, candidates: Iterable[Siz
     return best[1], best[2]
 
 
+_MAX_WORDS_PER_TOKEN = 8
+"""Filler words a token may take at most: a tokenizer counts every English word as a token or
+more, so a count that needs eight words a token is not counting the text (the search doubled
+the filler without end)."""
+
+
 def _fit(count: Callable[[Size], int], target: int, start: int = 0) -> tuple[Size, int]:
     """A filler size from ``start`` words up whose request counts ``target`` tokens (or the closest).
 
@@ -256,6 +262,12 @@ def _fit(count: Callable[[Size], int], target: int, start: int = 0) -> tuple[Siz
         return _closest(count, target, _around(start))
     lo, hi = start, start + max(1, target - words(start))
     while words(hi) < target:  # invariant: words(lo) < target
+        if hi - start > _MAX_WORDS_PER_TOKEN * target + 1024:
+            raise BadInput(
+                f"{hi - start} filler words count {words(hi)} tokens, short of {target}: the token "
+                "count does not grow with the text (a chat template that leaves out the messages, "
+                "or a tokenize endpoint that does not count them); pass the checkpoint's tokenizer"
+            )
         lo, hi = hi, start + 2 * (hi - start)
     while hi - lo > 1:
         mid = (lo + hi) // 2

@@ -10,7 +10,7 @@ import typer
 
 from needlescope.cli.interrupts import on_interrupt, store_saved
 from needlescope.cli.output import console, err_console
-from needlescope.cli.outputs import FORCE, OUTPUT_SPECS, guard
+from needlescope.cli.outputs import FORCE, OUTPUT_SPECS, guard, recording_runs
 from needlescope.cli.probe import probe_events
 from needlescope.cli.probe_options import PROBE_FLAGS, build, option_group
 from needlescope.cli.progress import ProgressView
@@ -90,7 +90,7 @@ def compare_command(
                     alpha=alpha,
                     power_drop=power_drop,
                     bucket_edges=edges,
-                    on_event=probe_events(view),
+                    on_event=recording_runs(probe_events(view), out, "compare"),
                 )
             )
     _render(result, out, oracle_result, resume_hint=not runs)

@@ -169,8 +169,24 @@ def _diff_input(path: Path, prompt, needle, input_ids) -> tuple[list[int], tuple
             raise BadInput(
                 f"--input-ids {str(input_ids)!r}: the needle span {span} lies outside its {len(ids)} ids"
             )
+        _check_vocab(path, ids, input_ids)
         return ids, (a, b)
     if prompt is None or needle is None:
         raise BadInput("give --prompt FILE and --needle TEXT (or --input-ids FILE)")
     rendered = render_prompt(load_tokenizer(path), read_prompt_file(prompt))
     return rendered.input_ids, needle_token_span(rendered, needle)
+
+
+def _check_vocab(path: Path, ids: list[int], input_ids) -> None:
+    """BadInput when a token id is outside the checkpoint's vocabulary (the embedding would raise)."""
+    from needlescope.dsa.checkpoint import read_config
+
+    vocab = read_config(path).get("vocab_size")
+    if not isinstance(vocab, int) or vocab <= 0:
+        return
+    bad = [i for i in ids if not 0 <= i < vocab]
+    if bad:
+        raise BadInput(
+            f"--input-ids {str(input_ids)!r}: {len(bad)} token id(s) outside the checkpoint's vocabulary "
+            f"0..{vocab - 1} (first: {bad[:5]}); write the ids with this checkpoint's tokenizer"
+        )

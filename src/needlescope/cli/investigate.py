@@ -117,3 +117,14 @@ def run_command(
         console.say("  tier {} {}: [bold]{}[/] - {}", s["tier"], s["id"], s["verdict"], s["reason"])
     console.say("root cause: [bold]{}[/]", findings.root_cause)
     console.print(f"wrote {out / 'verdicts.json'}, {md} and DIAGNOSIS.html")
+    symptom = findings.verdicts.get("symptom") or {}
+    if symptom.get("errors"):
+        # A target that failed is never a clean run: the verdicts rest on the answered cases only.
+        from needlescope.cli.output import err_console
+
+        err_console.print(
+            f"{symptom['errors']} of {symptom['cases']} live request(s) failed (recorded as errors, not "
+            f"scored); the verdicts rest on the answered cases: {again} once the endpoint answers",
+            soft_wrap=True,
+        )
+        raise typer.Exit(1)

@@ -16,6 +16,7 @@ import typer
 
 from needlescope.cli.output import console, typer_app
 from needlescope.cli.outputs import FORCE, file_spec
+from needlescope.devices import check_device
 from needlescope.outdir import check_outputs, record_outputs
 
 kernels_app = typer_app(no_args_is_help=True, help="Check GPU kernels: the top-k conformance suite.")
@@ -55,6 +56,7 @@ def conform_command(
 
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    check_device(device)
     if device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # read when triton is first imported
     from needlescope.kernels.conform import conform, load_impl

@@ -62,7 +62,7 @@ def train_command(
     workers: int = typer.Option(None, help="Data-loader worker processes."),
 ) -> None:
     """Reproduce the shipped organism (only --out given), or train one custom stage."""
-    from needlescope.dsa.checkpoint import check_device
+    from needlescope.devices import check_device
     from needlescope.errors import BadInput
     from needlescope.organism.train import TrainConfig, train
 

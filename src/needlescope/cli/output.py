@@ -27,12 +27,12 @@ __all__ = ["SafeConsole", "clip", "console", "err_console", "typer_app"]
 
 
 class SafeConsole(Console):
-    """A rich console that shows strings as written: markup and highlighting off for ``print``
-    and for every string it renders (table cells included); ``say`` fills our own markup
-    template with escaped values."""
+    """A rich console that shows strings as written: markup, highlighting and emoji codes off for
+    ``print`` and for every string it renders (table cells included; ``ours:zzz:`` in a message
+    is not a sleeping face); ``say`` fills our own markup template with escaped values."""
 
     def __init__(self, **kw: Any) -> None:
-        super().__init__(markup=False, highlight=False, **kw)
+        super().__init__(markup=False, highlight=False, emoji=False, **kw)
         if not self.is_terminal:
             # A log or a pipe has no width: a line is never broken (rich would cut at 80 columns,
             # splitting a `next:` command in two); tables keep their own layout.

@@ -7,14 +7,16 @@ line; afterwards, what it wrote is recorded in the folder's manifest. ``--force`
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, suppress
 from pathlib import Path
 
 import typer
 
-from needlescope.outdir import OutputSpec, guarded_out
+from needlescope.errors import BadInput
+from needlescope.outdir import OutputSpec, guarded_out, record_outputs
+from needlescope.progress import Event
 
-__all__ = ["FORCE", "OUTPUT_SPECS", "file_spec", "guard"]
+__all__ = ["FORCE", "OUTPUT_SPECS", "file_spec", "guard", "recording_runs"]
 
 FORCE = typer.Option(
     False, "--force", help="Overwrite files in --out that this command did not write (or that changed since)."
@@ -77,6 +79,27 @@ def guard(out: Path, command: str, force: bool) -> AbstractContextManager[None]:
 
 
 def file_spec(path: Path, command: str) -> tuple[Path, OutputSpec]:
-    """(folder, spec) of a command whose ``--out`` names one file (``audit --out FILE``)."""
+    """(folder, spec) of a command whose ``--out`` names one file (``audit --out FILE``); a
+    directory there is BadInput at once, before anything runs (the write would fail at the end)."""
     path = Path(path)
+    if path.is_dir():
+        raise BadInput(
+            f"--out {str(path)!r} is a directory; pass a file path such as {str(path / 'out.json')!r}"
+        )
     return path.parent, OutputSpec(command, (path.name,))
+
+
+def recording_runs(on_event: Event, out: Path, command: str) -> Event:
+    """``on_event``, and the folder's outputs recorded (``outdir.record_outputs``) each time a
+    run begins (``run_start``). A command of several runs (compare's sides, the levels of
+    ``--auto-difficulty``) writes each run's files long before it ends; recorded only at its end,
+    a SIGKILL in a later run left them unrecorded, and ``--resume`` refused them as foreign."""
+    spec = OUTPUT_SPECS[command]
+
+    def event(name: str, payload: dict) -> None:
+        if name == "run_start":
+            with suppress(OSError):  # a full disk: the command's own error is the one to show
+                record_outputs(Path(out), spec)
+        on_event(name, payload)
+
+    return event

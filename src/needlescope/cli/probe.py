@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import typer
 
 from needlescope.cli.interrupts import on_interrupt, store_saved
 from needlescope.cli.output import console, err_console
-from needlescope.cli.outputs import FORCE, guard
+from needlescope.cli.outputs import FORCE, guard, recording_runs
 from needlescope.cli.probe_options import PROBE_FLAGS, build, config_default, option_group
 from needlescope.cli.progress import ProgressView
+from needlescope.errors import ProbeError
 from needlescope.progress import Event
 from needlescope.report.bisect import residue_lines, step_line
 from needlescope.run.bisect import BisectConfig, run_bisect
@@ -66,11 +69,16 @@ def probe_command(
             ci_width=ci_width,
             boundaries=parse_int_list(boundaries, "--boundaries") if boundaries is not None else None,
         )
-        with _interrupts(cfg), guard(cfg.out, "probe", force), ProgressView(console) as view:
+        with (
+            _interrupts(cfg),
+            guard(cfg.out, "probe", force),
+            _target_failures(cfg),
+            ProgressView(console) as view,
+        ):
             res = run_bisect(cfg, bis, probe_events(view))
         render_bisect(res, cfg.out)
         return
-    with _interrupts(cfg), guard(cfg.out, "probe", force):
+    with _interrupts(cfg), guard(cfg.out, "probe", force), _target_failures(cfg):
         summary = run_with_progress(cfg)
     render_summary(summary, cfg.out)
     empty = summary["cells_without_data"]
@@ -93,11 +101,33 @@ def _interrupts(cfg: ProbeConfig):
     return on_interrupt(store_saved(cfg.out / STORE_NAME), "rerun the same command with --resume to continue")
 
 
+@contextmanager
+def _target_failures(cfg: ProbeConfig) -> Iterator[None]:
+    """A target that fails outside a case's request (a bisection counting the tokens of its next
+    lengths when the server dies) ends the run in one line, exit 1: every finished case is in
+    the store, and ``--resume`` goes on from there."""
+    from needlescope.run.probe import STORE_NAME
+
+    try:
+        yield
+    except ProbeError as exc:
+        saved = (cfg.out / STORE_NAME).is_file()
+        err_console.say(
+            "[bold red]target failed:[/] {}; {}",
+            exc,
+            "the finished cases are saved: rerun the same command with --resume to continue"
+            if saved
+            else "nothing was saved",
+            soft_wrap=True,
+        )
+        raise typer.Exit(1) from None
+
+
 def run_with_progress(cfg: ProbeConfig) -> dict:
     """Run the probe with progress shown (``cli.progress``); a bad input prints its one error line
     and nothing else, because nothing is shown before the target is checked."""
     with ProgressView(console) as view:
-        return probe_with_difficulty(cfg, probe_events(view))
+        return probe_with_difficulty(cfg, recording_runs(probe_events(view), cfg.out, "probe"))
 
 
 def probe_events(view: ProgressView) -> Event:

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import typer
 
 from needlescope.cli.output import console, err_console
+from needlescope.cli.probe_options import API_KEY_ENV
 from needlescope.errors import BadInput
 from needlescope.run.bundles import replay_bundle
 
@@ -16,6 +16,13 @@ def replay_command(
     bundle: Path = typer.Argument(..., help="A bundle directory (a probe's bundles/CASE_ID)."),
     base_url: str = typer.Option(..., "--base-url", help="Server to re-send the request to."),
     times: int = typer.Option(1, "--times", help="How many times to send it."),
+    api_key: str = typer.Option(
+        None,
+        "--api-key",
+        envvar=API_KEY_ENV,
+        show_default=False,
+        help="Bearer key for the server (else NEEDLESCOPE_API_KEY or OPENAI_API_KEY); never written anywhere.",
+    ),
 ) -> None:
     """Re-send a failing case exactly as it was sent and report how often the miss comes back.
 
@@ -26,7 +33,7 @@ def replay_command(
         bundle,
         base_url,
         times=times,
-        api_key=os.environ.get("NEEDLESCOPE_API_KEY") or os.environ.get("OPENAI_API_KEY"),
+        api_key=api_key or None,
     )
     for i, a in enumerate(res["answers"], 1):
         if a["status"] != "ok":

@@ -20,6 +20,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
 from needlescope.cases.needles import VALUE_DIGITS
+from needlescope.devices import check_device
 from needlescope.errors import BadInput
 from needlescope.paths import read_json_object
 
@@ -161,18 +162,6 @@ def load_tokenizer(path: Path):
             f"{str(path)!r} has a tokenizer without a chat template; add one to tokenizer_config.json"
         )
     return tokenizer
-
-
-def check_device(device: str, flag: str = "--device") -> None:
-    """BadInput (one line, exit 2) when ``device`` names a CUDA device this torch cannot use."""
-    if not str(device).startswith("cuda"):
-        return
-    if not torch.cuda.is_available():
-        build = "a CPU-only torch build" if torch.version.cuda is None else "no CUDA GPU visible"
-        raise BadInput(f"{flag} {device} was given but CUDA is not available ({build}); pass {flag} cpu")
-    index = str(device).partition(":")[2]
-    if index and (not index.isdigit() or int(index) >= torch.cuda.device_count()):
-        raise BadInput(f"{flag} {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
 
 
 def load_bundle(

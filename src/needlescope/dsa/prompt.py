@@ -39,9 +39,19 @@ class Prompt:
 def read_prompt_file(path: str | Path) -> list[dict]:
     """Chat messages from a prompt file (JSON messages list, or plain text as one user turn)."""
     path = Path(path)
+    if path.is_dir():
+        raise BadInput(f"prompt file {str(path)!r} is a directory; pass a text or JSON messages file")
     if not path.is_file():
         raise BadInput(f"prompt file {str(path)!r} does not exist")
-    raw = path.read_text(encoding="utf-8")
+    try:
+        raw = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise BadInput(
+            f"prompt file {str(path)!r} is not UTF-8 text ({exc.reason} at byte {exc.start}); "
+            "pass plain text or a JSON messages list"
+        ) from exc
+    except OSError as exc:
+        raise BadInput(f"prompt file {str(path)!r} cannot be read: {exc.strerror or exc}") from exc
     if not raw.strip():
         raise BadInput(f"prompt file {str(path)!r} is empty")
     if raw.lstrip().startswith("["):

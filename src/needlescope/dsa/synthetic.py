@@ -53,7 +53,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from needlescope.analysis.stats import wilson_interval
-from needlescope.dsa.checkpoint import check_device
+from needlescope.devices import check_device
 from needlescope.dsa.emulate import ACC_DTYPES, scoring_function
 from needlescope.dsa.quant import get_quantizer, hadamard_128
 from needlescope.dsa.reference import lightning_scores

@@ -72,9 +72,24 @@ def flatten_layers(
             f"logits {list(logits.shape)} and indices {list(selected.shape)} disagree on rows/layers"
         )
     R = logits.shape[0]
+    if R == 0 or logits.shape[-1] == 0:
+        raise BadInput(
+            f"the capture holds no rows to audit (logits {list(logits.shape)}); save the rows the top-k was given"
+        )
     for name, arr in (("lengths", lengths), ("positions", positions)):
         if arr is not None and arr.shape != (R,):
             raise BadInput(f"{name} must be [R] = [{R}], got {list(arr.shape)}")
+    if lengths is not None:
+        if not np.issubdtype(lengths.dtype, np.integer):
+            raise BadInput(f"lengths must be an integer tensor, got {lengths.dtype}")
+        L = logits.shape[-1]
+        bad = [(r, int(n)) for r, n in enumerate(lengths.tolist()) if not 0 <= n <= L]
+        if bad:
+            r, n = bad[0]
+            raise BadInput(
+                f"lengths must lie in 0..{L} (the logits' columns); row {r} has {n} "
+                f"({len(bad)} row(s) outside); save the lengths the top-k was called with"
+            )
     if logits.ndim == 2:
         if layer is not None:
             raise BadInput("--layer needs [R, layers, L] logits; these are [R, L]")

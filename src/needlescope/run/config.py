@@ -5,6 +5,7 @@ The library's defaults live on ``ProbeConfig``; the case kinds are ``cases.assem
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -78,9 +79,10 @@ class ProbeConfig:
             raise BadInput(
                 f"--max-tokens must be at least 1 (the answer needs tokens); got {self.max_tokens}"
             )
-        if not self.timeout_s > 0:
+        # Finite: an infinite (or NaN) deadline or budget would let one request hang or retry forever.
+        if not 0 < self.timeout_s < math.inf:
             raise BadInput(f"--timeout must be a positive number of seconds; got {self.timeout_s:g}")
-        if self.retry_budget_s < 0:
+        if not 0 <= self.retry_budget_s < math.inf:
             raise BadInput(f"--retry-budget must be zero or more seconds; got {self.retry_budget_s:g}")
         if self.distractors is not None and not 0 <= self.distractors <= MAX_DISTRACTORS:
             raise BadInput(f"--distractors must be in 0..{MAX_DISTRACTORS}; got {self.distractors}")

@@ -114,7 +114,7 @@ class OracleConfig:
     def target(self) -> CompletionsTarget:
         model = self.model
         if model is None:
-            listed = served_models(self.base_url, self.api_key)
+            listed = served_models(self.base_url, self.api_key, flag="--base-url")
             if not listed:
                 raise BadInput(f"{self.base_url} lists no model at /v1/models; pass --model")
             model = listed[0]

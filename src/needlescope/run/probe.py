@@ -18,7 +18,7 @@ from needlescope.analysis.margins import group_margins
 from needlescope.analysis.taxonomy import CaseIndex, classify, summarize_failures
 from needlescope.cases import CaseSpec, build_cases, order_for_prefix_cache, score_answer
 from needlescope.cases.needles import VALUE_DIGITS
-from needlescope.errors import BadInput
+from needlescope.errors import BadInput, ProbeError
 from needlescope.progress import Event, Progress
 from needlescope.report.probe import write_probe_outputs
 from needlescope.run.bundles import write_failure_bundles
@@ -137,7 +137,20 @@ def _new_store(
         value_digits=digits,
         n_distractors=cfg.distractors,
     )
-    cases = order_for_prefix_cache(build_cases(spec, _token_counter(cfg, root), progress_events(on_event)))
+    counter = _token_counter(cfg, root)
+    try:
+        built = build_cases(spec, counter, progress_events(on_event))
+    except ProbeError as e:
+        # The target failed (or died) while counting the prompts: before anything was written, so
+        # the run is not started, as when its preflight fails (one line, exit 2, no traceback).
+        raise BadInput(
+            f"the target failed while counting the cases' tokens, before any case was sent: {e}; "
+            "nothing was written: rerun when the server answers"
+        ) from None
+    finally:
+        if hasattr(counter, "close"):
+            counter.close()
+    cases = order_for_prefix_cache(built)
     on_event("value_digits", {"value_digits": digits, "source": source})
     cfg.out.mkdir(parents=True, exist_ok=True)
     path = cfg.out / STORE_NAME

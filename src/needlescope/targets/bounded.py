@@ -12,19 +12,25 @@ out. The transports here wrap the real one and hold each request to two limits:
 - **size**: at most ``max_bytes`` (``MAX_ANSWER_BYTES``, 8 MiB: a chat answer, a logprob table
   or a model list is far smaller) of body; past it ``OverLimit``, a ``too_large`` error.
 
+Given the API key (``secret``, at least ``SCRUB_MIN_CHARS`` long), a transport also takes it out
+of every body it reads: a server that echoes the request's ``Authorization`` header (in an
+error, an answer, its own launch command) must not put the key into results, bundles, logs or
+messages, which quote what the server said.
+
 The body is read inside the transport, so a caller always gets a complete, bounded response.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from contextvars import ContextVar
 
 import httpcore
 import httpx
 
-from needlescope.targets.endpoints import auth_headers, tls_context
+from needlescope.targets.endpoints import REDACTED, auth_headers, tls_context
 
 __all__ = [
     "MAX_ANSWER_BYTES",
@@ -69,10 +75,29 @@ def client_addr(resp: httpx.Response) -> tuple | None:
     return stream.get_extra_info("client_addr") if stream is not None else None
 
 
+SCRUB_MIN_CHARS = 8
+"""A shorter key (``EMPTY``, ``1``) is no secret, and taking it out of answers would change them
+(a needle's value holds digits); it is not scrubbed."""
+
+
+def _scrub(body: bytes, secret: str | None) -> bytes:
+    """``body`` without the key (as it is, and as JSON writes it when it holds ``"`` or ``\\``)."""
+    if not secret or len(secret) < SCRUB_MIN_CHARS:
+        return body
+    for form in {secret, json.dumps(secret)[1:-1]}:
+        body = body.replace(form.encode(), REDACTED.encode())
+    return body
+
+
 def _bounded_response(
-    resp: httpx.Response, body: bytes, request: httpx.Request, addr: tuple | None = None
+    resp: httpx.Response,
+    body: bytes,
+    request: httpx.Request,
+    addr: tuple | None = None,
+    secret: str | None = None,
 ) -> httpx.Response:
     # The body is already decoded (the cap counts decoded bytes, so a compressed bomb stops too).
+    body = _scrub(body, secret)
     drop = ("content-encoding", "content-length", "transfer-encoding")
     headers = [(k, v) for k, v in resp.headers.multi_items() if k.lower() not in drop]
     # The connection has gone back to the pool: keep which one it was (probe results record it).
@@ -92,9 +117,11 @@ class AsyncBoundedTransport(httpx.AsyncBaseTransport):
         *,
         max_bytes: int = MAX_ANSWER_BYTES,
         limits: httpx.Limits | None = None,
+        secret: str | None = None,
     ) -> None:
         self.deadline_s = deadline_s
         self.max_bytes = max_bytes
+        self._secret = secret
         self._inner = inner or httpx.AsyncHTTPTransport(verify=tls_context(), limits=limits or httpx.Limits())
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
@@ -113,7 +140,7 @@ class AsyncBoundedTransport(httpx.AsyncBaseTransport):
                     await resp.aclose()
         except TimeoutError:
             raise _deadline_error(request, deadline_s) from None
-        return _bounded_response(resp, bytes(body), request, addr)
+        return _bounded_response(resp, bytes(body), request, addr, self._secret)
 
     async def aclose(self) -> None:
         await self._inner.aclose()
@@ -179,9 +206,11 @@ class BoundedTransport(httpx.BaseTransport):
         inner: httpx.BaseTransport | None = None,
         *,
         max_bytes: int = MAX_ANSWER_BYTES,
+        secret: str | None = None,
     ) -> None:
         self.deadline_s = deadline_s
         self.max_bytes = max_bytes
+        self._secret = secret
         if inner is None:
             inner = httpx.HTTPTransport(verify=tls_context())
             # httpx builds its pool without a network-backend argument; the pool reads this
@@ -212,7 +241,7 @@ class BoundedTransport(httpx.BaseTransport):
             raise
         finally:
             _DEADLINE.reset(token)
-        return _bounded_response(resp, bytes(body), request)
+        return _bounded_response(resp, bytes(body), request, secret=self._secret)
 
     def close(self) -> None:
         self._inner.close()
@@ -224,7 +253,9 @@ def sync_client(
     """The plain (non-chat) client of every sync request to the target: its auth, and ``timeout``
     as the whole request's deadline."""
     return httpx.Client(
-        headers=auth_headers(api_key), timeout=timeout, transport=BoundedTransport(timeout, transport)
+        headers=auth_headers(api_key),
+        timeout=timeout,
+        transport=BoundedTransport(timeout, transport, secret=api_key),
     )
 
 
@@ -235,5 +266,5 @@ def async_client(
     return httpx.AsyncClient(
         headers=auth_headers(api_key),
         timeout=timeout,
-        transport=AsyncBoundedTransport(timeout, transport),
+        transport=AsyncBoundedTransport(timeout, transport, secret=api_key),
     )

@@ -112,7 +112,7 @@ def _parse(body: Any) -> tuple[str, str | None, str | None, int | None, int | No
     message = choices[0].get("message")
     if not isinstance(message, dict):
         raise ProtocolViolation(f"chat completion choice has no message: {json.dumps(choices[0])[:200]}")
-    text = message.get("content") or ""
+    text = _content(message.get("content"), choices[0])
     reasoning = message.get("reasoning_content")
     if reasoning is None:
         reasoning = message.get("reasoning")
@@ -126,8 +126,28 @@ def _parse(body: Any) -> tuple[str, str | None, str | None, int | None, int | No
         str(text),
         None if reasoning is None else str(reasoning),
         choices[0].get("finish_reason"),
-        prompt_tokens if isinstance(prompt_tokens, int) else None,
-        cached if isinstance(cached, int) else None,
+        prompt_tokens if _is_count(prompt_tokens) else None,
+        cached if _is_count(cached) else None,
+    )
+
+
+def _is_count(value: Any) -> bool:
+    # JSON true is an int to Python; a token count it is not.
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _content(content: Any, choice: dict) -> str:
+    """The answer text of a message's ``content``: a string; null (no text: an empty answer); or
+    a list of content parts (``{"type": "text", "text": ...}``), whose texts are joined. Anything
+    else (a number, an object) is not an answer: a protocol violation, never a miss to score."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list) and all(
+        isinstance(p, dict) and isinstance(p.get("text", ""), str) for p in content
+    ):
+        return "".join(p.get("text", "") for p in content if p.get("type", "text") == "text")
+    raise ProtocolViolation(
+        f"chat completion message content is a JSON {type(content).__name__}, not text: {json.dumps(choice)[:200]}"
     )
 
 
@@ -205,6 +225,7 @@ class ChatTarget:
                     timeout,
                     transport,
                     limits=httpx.Limits(max_connections=None, max_keepalive_connections=len(self._v1)),
+                    secret=api_key,
                 ),
             )
             for _ in range(self.gate.ceiling)
@@ -376,13 +397,19 @@ def _model_ids(resp: httpx.Response) -> list[str] | None:
         return None
 
 
-def served_models(base_url: str, api_key: str | None = None, timeout: float = 5) -> list[str] | None:
-    """The model ids ``/v1/models`` lists, or None when it lists none or cannot be read."""
+def served_models(
+    base_url: str, api_key: str | None = None, timeout: float = 5, *, flag: str | None = None
+) -> list[str] | None:
+    """The model ids ``/v1/models`` lists, or None when it lists none or cannot be read. Given
+    ``flag`` (the option that named the server), a server nothing answers at is BadInput instead,
+    as in ``preflight``: a caller that needs the list must not read "unreachable" as "none listed"."""
     _root, v1 = normalize_base_url(base_url)
     try:
         with sync_client(api_key, timeout) as client:
             return _model_ids(client.get(v1 + "/models")) or None
-    except httpx.TransportError:
+    except httpx.TransportError as e:
+        if flag is not None:
+            raise BadInput(f"cannot reach {v1}: {_reason(e)}; is the server running? check {flag}") from None
         return None
 
 

@@ -55,6 +55,11 @@ def auth_headers(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {check_api_key(api_key)}"} if api_key else {}
 
 
+REDACTED = "[api key redacted]"
+"""What stands for the API key where a server echoed it (``targets.bounded`` takes it out of every
+answer body it reads, so it never reaches results, logs or messages)."""
+
+
 @cache
 def tls_context() -> SSLContext:
     """One verifying TLS context for every client of the process.

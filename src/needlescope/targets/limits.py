@@ -97,6 +97,11 @@ def fit_lengths(
     if limits.context is None:
         return tuple(lengths), ()
     room = limits.context - answer_tokens
+    if room < 1:
+        raise BadInput(
+            f"--max-tokens {answer_tokens} leaves no room for a prompt: the target's context is "
+            f"{limits.context} tokens ({limits.context_from}); pass a --max-tokens well under it"
+        )
     kept = tuple(n for n in lengths if n <= room)
     dropped = tuple(n for n in lengths if n > room)
     if not dropped:

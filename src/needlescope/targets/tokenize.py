@@ -129,10 +129,20 @@ def detect_server_tokenizer(
             counter.close()
             continue
         except TransportFailure as e:
-            failures.append(str(e))
             counter.close()
+            if isinstance(e.__cause__, httpx.ConnectError):  # nothing answers: no form will
+                raise BadInput(
+                    f"cannot reach the server at {root} ({e}); is it running? check --base-url"
+                ) from None
+            failures.append(str(e))
             continue
         if n > 0:
+            _check_grows(
+                counter,
+                n,
+                f"the server's tokenize endpoint at {root} ({form} form)",
+                "pass --tokenizer PATH to the checkpoint's tokenizer directory",
+            )
             return counter
         counter.close()
     if failures:
@@ -141,6 +151,23 @@ def detect_server_tokenizer(
             "retry when the server answers, or pass --tokenizer PATH to a tokenizer.json"
         )
     return None
+
+
+def _check_grows(counter, short: int, what: str, hint: str) -> None:
+    """BadInput unless a chat of 100 more words counts more tokens than ``short`` (the count of
+    one word): cases are fitted to a length by growing their filler until the count reaches it,
+    and a count that does not grow with the text never does (the search doubled the filler
+    without end). A template that leaves out the messages' content counts like that, and so does
+    a tokenize endpoint that does not count what it is sent."""
+    longer = counter([{"role": "user", "content": "hello " + "word " * 100}])
+    if longer <= short:
+        close = getattr(counter, "close", None)
+        if close is not None:
+            close()
+        raise BadInput(
+            f"{what} counts {short} tokens for a one-word chat and {longer} for a 100-word one: it does "
+            f"not count the messages' text, so no prompt can be fitted to a length; {hint}"
+        )
 
 
 _TEMPLATE_FILE = "chat_template.jinja"
@@ -205,6 +232,12 @@ class LocalTokenCounter:
         self.template_path = template_file
         self._specials = {k: v for k in _SPECIAL_KEYS if (v := _special(config.get(k))) is not None}
         self._template = _compile(source, template_file)
+        _check_grows(
+            self,
+            self([{"role": "user", "content": "hello"}]),
+            f"the chat template {template_file}",
+            "pass the checkpoint's own template (--chat-template FILE)",
+        )
 
     def render(self, messages: list[dict]) -> str:
         """The prompt text the server's tokenizer sees (with the generation prompt)."""

@@ -193,6 +193,11 @@ class Canary:
             self._ensure_targets()
             cases = await self._fresh_cases(lengths, digits)
         except (BadInput, ProbeError) as e:
+            if isinstance(e, BadInput) and (self._counter is not None or self.cfg.tokenizer != "server"):
+                # Not the server (its /tokenize failing is a ProbeError, or a BadInput before a
+                # counter was found): --tokenizer PATH, or a length too short for the needle,
+                # fails every round alike. Bad usage ends the canary (exit 2).
+                raise
             self._warn_once("cases", f"cannot build probe cases: {e}")
             cases = None
         except (httpx.TransportError, OSError) as e:

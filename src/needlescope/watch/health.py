@@ -68,8 +68,9 @@ class Check:
 
 def run_health(cfg: HealthConfig) -> dict:
     """Run the checks; return the report (``HEALTH_SCHEMA``). Never raises for a failing server;
-    BadInput (exit 2) when ``--length`` is beyond the context the target advertises or ``--model``
-    names a model the target does not list."""
+    BadInput (exit 2) when ``--length`` is beyond the context the target advertises or too short
+    for the needle, ``--tokenizer PATH`` holds no usable tokenizer, or ``--model`` names a model
+    the target does not list."""
     return asyncio.run(_run(cfg))
 
 
@@ -131,6 +132,14 @@ async def _needle(
     target: ChatTarget, recorder: RecordingTransport, root: str, model: str, cfg: HealthConfig, digits: int
 ) -> Check:
     try:
+        counter = await asyncio.to_thread(probe.token_counter, cfg, root, model)
+    except BadInput as e:
+        if cfg.tokenizer != "server":
+            raise  # --tokenizer PATH holds no usable tokenizer: bad usage (exit 2), not the server
+        return Check("needle", "fail", None, f"cannot build the needle case: {e}")
+    except ProbeError as e:
+        return Check("needle", "fail", None, f"cannot build the needle case: {e}")
+    try:
         (case,) = await asyncio.to_thread(
             probe.build_probe_cases,
             cfg,
@@ -140,9 +149,13 @@ async def _needle(
             depths=(cfg.depth,),
             trials=1,
             value_digits=digits,
+            counter=counter,
         )
-    except (BadInput, ProbeError) as e:
+    except ProbeError as e:
         return Check("needle", "fail", None, f"cannot build the needle case: {e}")
+    # A BadInput here is the case itself (a --length too short for the needle): bad usage, exit 2.
+    finally:
+        probe.close_counter(counter)
     outcome = await probe.probe_case(
         target, recorder, case, max_tokens=cfg.max_tokens, extra_body=cfg.extra_body
     )

@@ -132,14 +132,22 @@ class RecordingTransport(httpx.AsyncBaseTransport):
                     return {"error": f"invalid SSE chunk: {data[:100]}"}
                 if not isinstance(chunk, dict) or "error" in chunk:
                     return {"error": f"the stream reported an error: {data[:200]}"}
-                seen = seen or bool(chunk.get("choices"))
+                choices = chunk.get("choices") or []
+                if not isinstance(choices, list) or not all(
+                    isinstance(c, dict) and isinstance(c.get("delta") or {}, dict) for c in choices
+                ):
+                    return {"error": f"the stream sent a chunk without choice deltas: {data[:200]}"}
+                seen = seen or bool(choices)
                 usage = chunk.get("usage") or usage
-                for choice in chunk.get("choices") or []:
+                for choice in choices:
                     delta = choice.get("delta") or {}
                     for part, sink in (
                         (delta.get("content"), text),
                         (delta.get("reasoning_content"), reasoning),
                     ):
+                        if part and not isinstance(part, str):
+                            # Not text (a number, an object): a protocol error, never a miss or a crash.
+                            return {"error": f"the stream sent content that is not text: {data[:200]}"}
                         if part:
                             if self.ttft_s is None:
                                 self.ttft_s = time.monotonic() - start

@@ -46,6 +46,13 @@ def _symptom(inv: dict) -> str:
     if not sy["recall_candidate"]:
         return f"no candidate recall was measured ({sy['cases']} cases planned)"
     line = recall_fall_line(sy["recall_reference"], sy["recall_candidate"])
+    errors = sy.get("errors") or 0
+    if errors:
+        # the candidate's recall rests on the answered cases only: say so in the box itself
+        return (
+            f"{line} ({sy['cases'] - errors} of {sy['cases']} {sy['kind']} cases answered; {errors} live "
+            "request(s) failed, recorded as errors, not scored: rerun to send them again)"
+        )
     return f"{line} ({sy['cases']} {sy['kind']} cases)"
 
 
