@@ -117,6 +117,8 @@ class ServeConfig:
     def __post_init__(self) -> None:
         if not self.model:
             raise BadInput("--model must be 'organism' or a checkpoint directory, got an empty string")
+        if self.served_model_name is not None and not self.served_model_name.strip():
+            raise BadInput("--served-model-name is empty; give a name or leave it unset")
         if self.setting is not None and not isinstance(self.setting, Setting):
             raise BadInput(f"setting must be a needlescope Setting, got {type(self.setting).__name__}")
         if not 0 <= self.port <= 65535:

@@ -66,7 +66,7 @@ from needlescope.serve.config import ServeConfig
 from needlescope.serve.errors import BadValue, GenerationFailed, ShuttingDown
 from needlescope.serve.metrics import ServeMetrics
 from needlescope.serve.prefix_cache import PrefixCache, cache_block
-from needlescope.serve.requests import Delta, Final, GenRequest, TokenOut, TopkRows
+from needlescope.serve.requests import Delta, Final, GenRequest, TokenOut, TopkRows, tokens_in_text
 from needlescope.serve.sampling import SamplingParams, make_sampling, pick
 from needlescope.serve.tokens import Tokens
 from needlescope.setting import REFERENCE, Setting
@@ -463,7 +463,12 @@ class Engine:
             else:
                 visible = len(text) - _held_back(text, p.stop)
         if req.stream and (visible > row.sent or row.finish_reason is not None):
-            req.emit(Delta(text=row.text[row.sent : visible], tokens=row.unsent_tokens))
+            tokens = row.unsent_tokens
+            if row.finish_reason == "stop" and isinstance(row.matched_stop, str):
+                # the matched stop string's tokens are cut like its text, as in the whole answer
+                first = len(row.tokens) - len(tokens)
+                tokens = row.tokens[first : max(first, tokens_in_text(row.tokens, len(row.text)))]
+            req.emit(Delta(text=row.text[row.sent : visible], tokens=tokens))
             row.sent = visible
             row.unsent_tokens = []
 

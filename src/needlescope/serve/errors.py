@@ -63,8 +63,14 @@ class ContextOverflow(EngineError):
                 f"{chars} characters, more than any {context_length}-token text of this tokenizer can hold. "
                 "Please reduce the length of the prompt."
             )
+        elif max_tokens is None:  # the prompt alone fills the context: no room for one token
+            msg = (
+                f"This model's maximum context length is {context_length} tokens. However, your prompt has "
+                f"{prompt_tokens} tokens, which leaves no room for the completion (at most "
+                f"{context_length - 1} prompt tokens). Please reduce the length of the prompt."
+            )
         else:
-            asked = "" if max_tokens is None else f" and {max_tokens} for the completion"
+            asked = f" and {max_tokens} for the completion"
             msg = (
                 f"This model's maximum context length is {context_length} tokens. However, you requested "
                 f"{prompt_tokens + (max_tokens or 0)} tokens ({prompt_tokens} in the prompt{asked}). "

@@ -16,6 +16,7 @@ from needlescope.serve.sampling import SamplingParams
 
 __all__ = [
     "TokenOut",
+    "tokens_in_text",
     "Delta",
     "Final",
     "TopkRows",
@@ -49,6 +50,19 @@ class TokenOut:
     logprob: float | None = None
     top: list[tuple[int, str, float]] | None = None
     rank: int | None = None
+
+
+def tokens_in_text(tokens: list[TokenOut], n_chars: int) -> int:
+    """How many of ``tokens`` (their texts joined: the answer so far) start before character
+    ``n_chars``: the tokens of an answer cut there (a matched stop string's tokens are cut like
+    its text, in the whole answer and in the stream alike)."""
+    count, start = 0, 0
+    for t in tokens:
+        if start >= n_chars:
+            break
+        count += 1
+        start += len(t.text)
+    return count
 
 
 @dataclass

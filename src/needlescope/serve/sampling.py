@@ -159,7 +159,11 @@ def _logit_bias(raw: dict[str, float], vocab_size: int) -> dict[int, float]:
         # Python's int() also takes " 5", "+5", "5_0" and other scripts' digits ("٣"): not token ids.
         if not (key.isascii() and key.isdigit()):
             raise BadValue("logit_bias", f"keys must be token ids written in ASCII digits; got {key!r}")
-        tok = int(key)
+        digits = key.lstrip("0") or "0"
+        if len(digits) > len(str(vocab_size)):  # int() of over 4,300 digits raises; no such id anyway
+            shown = digits if len(digits) <= 20 else f"{digits[:20]}... ({len(digits)} digits)"
+            raise BadValue("logit_bias", f"token id {shown} is outside 0..{vocab_size - 1}")
+        tok = int(digits)
         if not 0 <= tok < vocab_size:
             raise BadValue("logit_bias", f"token id {tok} is outside 0..{vocab_size - 1}")
         if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:

@@ -146,18 +146,41 @@ def _surrogate_path(obj: Any, path: tuple) -> tuple | None:
     return None
 
 
-class _SurrogateRefused(HTTPException):  # FastAPI re-raises its own HTTPException from body parsing
+class _BodyRefused(HTTPException):  # FastAPI re-raises its own HTTPException from body parsing
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(400, message)
+        self.param = param
+        self.code = code
+
+
+class _SurrogateRefused(_BodyRefused):
     def __init__(self, param: str) -> None:
         super().__init__(
-            400, f"{param} holds a lone UTF-16 surrogate, which is not valid Unicode; send valid text"
+            f"{param} holds a lone UTF-16 surrogate, which is not valid Unicode; send valid text", param
         )
-        self.param = param
+
+
+def _parse_json(raw: bytes) -> Any:
+    """``json.loads``, with a clear refusal for the bodies it fails on without a JSONDecodeError
+    (which FastAPI would answer only "There was an error parsing the body")."""
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError:
+        raise  # FastAPI answers it as invalid_json, with the position
+    except UnicodeDecodeError as exc:
+        raise _BodyRefused(
+            f"malformed JSON body: not valid UTF-8 (byte {exc.start})", code="invalid_json"
+        ) from None
+    except RecursionError:
+        raise _BodyRefused("malformed JSON body: nested too deeply", code="invalid_json") from None
+    except ValueError as exc:  # an integer of more than 4,300 digits
+        raise _BodyRefused(f"malformed JSON body: {exc}".split(";")[0], code="invalid_json") from None
 
 
 class _CheckedRequest(Request):
     async def json(self) -> Any:
         if not hasattr(self, "_json"):
-            body = json.loads(await self.body())
+            body = _parse_json(await self.body())
             where = _surrogate_path(body, ())
             if where is not None:
                 raise _SurrogateRefused(".".join(str(x) for x in where) or "body")
@@ -165,15 +188,30 @@ class _CheckedRequest(Request):
         return self._json
 
 
+_JSON_CONTENT_TYPE = (b"content-type", b"application/json")
+
+
+def _declared_json(scope: dict) -> dict:
+    """``scope``, its body declared JSON (in place: the connection marks this scope later, see
+    ``connections.HALF_CLOSED``). FastAPI reads a body as JSON only under a JSON content type,
+    and otherwise validates the raw bytes ("Input should be a valid dictionary"); but these
+    routes take nothing else, and plain clients send JSON under other types or none (``curl -d``
+    sends application/x-www-form-urlencoded, ``requests.post(data=...)`` none)."""
+    headers = [(k, v) for k, v in scope.get("headers", ()) if k.lower() != b"content-type"]
+    scope["headers"] = [*headers, _JSON_CONTENT_TYPE]
+    return scope
+
+
 class SafeJSONRoute(APIRoute):
-    """A route whose JSON body is refused (400 naming the field) when any string in it holds a
-    lone surrogate (``"\\ud800"``): valid JSON, but not text a tokenizer or encoder can take."""
+    """A route whose body is read as JSON whatever its declared content type, and refused (400
+    naming the field) when any string in it holds a lone surrogate (``"\\ud800"``): valid JSON,
+    but not text a tokenizer or encoder can take."""
 
     def get_route_handler(self):
         handler = super().get_route_handler()
 
         async def checked(request: Request):
-            return await handler(_CheckedRequest(request.scope, request.receive))
+            return await handler(_CheckedRequest(_declared_json(request.scope), request.receive))
 
         return checked
 
@@ -203,8 +241,8 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
-        if isinstance(exc, _SurrogateRefused):
-            return error_response(ApiError(400, exc.detail, param=exc.param))
+        if isinstance(exc, _BodyRefused):
+            return error_response(ApiError(400, exc.detail, param=exc.param, code=exc.code))
         code = "not_found" if exc.status_code == 404 else None
         msg = f"{request.method} {request.url.path}: {exc.detail}"
         return error_response(ApiError(exc.status_code, msg, code=code))

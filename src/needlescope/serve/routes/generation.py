@@ -21,7 +21,7 @@ from fastapi.responses import StreamingResponse
 from needlescope.serve.connections import HALF_CLOSED
 from needlescope.serve.engine import Engine
 from needlescope.serve.errors import EngineError
-from needlescope.serve.requests import Delta, Final, GenRequest, TokenOut
+from needlescope.serve.requests import Delta, Final, GenRequest, TokenOut, tokens_in_text
 from needlescope.serve.routes.errors import ApiError, Names, engine_errors, to_api_error
 
 __all__ = ["Serving", "Renderer", "ChatRenderer", "CompletionRenderer", "usage"]
@@ -46,13 +46,9 @@ def usage(final: Final) -> dict:
 
 def visible(tokens: list[TokenOut], final: Final) -> list[TokenOut]:
     """Tokens whose text is in the answer: a matched stop string's tokens are cut like its text."""
-    out, n = [], 0
-    for t in tokens:
-        if n >= len(final.text) and isinstance(final.matched_stop, str):
-            break
-        out.append(t)
-        n += len(t.text)
-    return out
+    if not isinstance(final.matched_stop, str):
+        return list(tokens)
+    return tokens[: tokens_in_text(tokens, len(final.text))]
 
 
 class Renderer:
@@ -147,12 +143,15 @@ class CompletionRenderer(Renderer):
         if self.logprobs is None:
             return None
         out: dict = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        for t, advance in [(t, len(t.shown)) for t in prompt] + [(t, len(t.text)) for t in tokens]:
+        offsets = _prompt_offsets(self.echo_text or "", [t.shown for t in prompt])
+        for t in tokens:
+            offsets.append(offset)
+            offset += len(t.text)
+        for t, at in zip([*prompt, *tokens], offsets):
             out["tokens"].append(t.shown)
             out["token_logprobs"].append(t.logprob)
             out["top_logprobs"].append(None if t.logprob is None else {s: v for _, s, v in (t.top or [])})
-            out["text_offset"].append(offset)
-            offset += advance
+            out["text_offset"].append(at)
         return out
 
     def choice(self, final: Final) -> dict:
@@ -160,7 +159,7 @@ class CompletionRenderer(Renderer):
         out = {
             "index": 0,
             "text": (self.echo_text or "") + final.text,
-            "logprobs": self._lp(visible(final.tokens, final), 0, prompt),
+            "logprobs": self._lp(visible(final.tokens, final), len(self.echo_text or ""), prompt),
             "finish_reason": final.finish_reason,
         }
         if self.prompt_logprobs:
@@ -171,6 +170,23 @@ class CompletionRenderer(Renderer):
 
     def delta(self, text, finish, tokens, offset) -> dict:
         return {"index": 0, "text": text, "logprobs": self._lp(tokens, offset), "finish_reason": finish}
+
+
+def _prompt_offsets(text: str, pieces: list[str]) -> list[int]:
+    """Where each prompt token's piece starts in the echoed prompt ``text``. The pieces show special
+    tokens (``<|bos|>``) and unknown words (``<unk>``), which the text may not hold: text decoded
+    from token ids leaves special tokens out, and a client's text holds the word, not ``<unk>``. A
+    piece not found at the running position is looked for further on (what came before it belonged
+    to the tokens not found); one not found at all starts at the running position and takes none."""
+    offsets, pos = [], 0
+    for piece in pieces:
+        at = pos if text.startswith(piece, pos) else (text.find(piece, pos) if piece else -1)
+        if at < 0:
+            offsets.append(pos)
+            continue
+        offsets.append(at)
+        pos = at + len(piece)
+    return offsets
 
 
 def _vllm_prompt_entry(t: TokenOut) -> dict:

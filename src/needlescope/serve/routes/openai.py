@@ -95,7 +95,11 @@ def _add_generation_routes(router: APIRouter, serving: Serving) -> None:
             raise ApiError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
         use_mct = body.max_completion_tokens is not None
         names = Names(
-            {"prompt": "messages", "max_tokens": "max_completion_tokens" if use_mct else "max_tokens"}
+            {
+                "prompt": "messages",
+                "max_tokens": "max_completion_tokens" if use_mct else "max_tokens",
+                "logprobs": "top_logprobs",  # chat's logprobs is a switch; the count is top_logprobs
+            }
         )
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         add_prompt = body.add_generation_prompt is not False
