@@ -293,6 +293,26 @@ __device__ void candidates_out(int total, int k, int* out, Smem& s, bool known =
     emit(at, total, kth, shift, take_eq, k, out, s);
 }
 
+// The items flag(i) holds of key[] (total of them, from count_flags, at most CAP) become
+// the candidates in index order, entry index(i) each (called only where flag(i) holds); then
+// candidates_out. The last step of fast_path and group_path.
+template <int N, class Flag, class Index>
+__device__ __forceinline__ void flagged_out(const unsigned (&key)[N], Flag flag, Index index, int total, int k,
+                                            int* out, Smem& s, bool known = false, unsigned lo = 0u,
+                                            unsigned hi = 0u) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+        const bool f = flag(i);
+        const int slot = flag_slot(i, f, s);
+        if (f) {
+            s.cand_key[slot] = key[i];
+            s.cand_idx[slot] = index(i);
+        }
+    }
+    __syncthreads();
+    candidates_out(total, k, out, s, known, lo, hi);
+}
+
 template <int SUB>
 __device__ void fast_path(const float* row, int st, int n, int k, int* out, Smem& s) {
     const int tid = threadIdx.x;
@@ -329,17 +349,8 @@ __device__ void fast_path(const float* row, int st, int n, int k, int* out, Smem
         general_path(row, st, n, k, out, s);
         return;
     }
-#pragma unroll
-    for (int i = 0; i < ITEMS; ++i) {
-        const bool f = passes(i);
-        const int slot = flag_slot(i, f, s);
-        if (f) {
-            s.cand_key[slot] = key[i];
-            s.cand_idx[slot] = st + i * THREADS + tid;
-        }
-    }
-    __syncthreads();
-    candidates_out(total, k, out, s);
+    auto index = [&](int i) { return st + i * THREADS + tid; };
+    flagged_out<ITEMS>(key, passes, index, total, k, out, s);
 }
 
 // Group path (the fused decode path: the logits kernel wrote the row's group maxima): the same
@@ -416,17 +427,8 @@ __device__ void group_path(const float* row, int n, const int* grow, int k, int*
         general_path(row, 0, n, k, out, s);
         return;
     }
-#pragma unroll
-    for (int i = 0; i < GITEMS; ++i) {
-        const bool f = above(i);
-        const int slot = flag_slot(i, f, s);
-        if (f) {
-            s.cand_key[slot] = key[i];
-            s.cand_idx[slot] = s.glist[i * GSLOTS + gl] * GROUP + e;
-        }
-    }
-    __syncthreads();
-    candidates_out(total, k, out, s, true, t, hi);
+    auto index = [&](int i) { return s.glist[i * GSLOTS + gl] * GROUP + e; };
+    flagged_out<GITEMS>(key, above, index, total, k, out, s, true, t, hi);
 }
 
 // Row r's entries [*st, *st + n) (the contract's clamping of starts and ends to [0, width]); returns n.
