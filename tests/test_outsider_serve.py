@@ -84,6 +84,29 @@ def test_chat_top_logprobs_out_of_range_is_refused_naming_top_logprobs(server):
         assert msg.startswith("top_logprobs must be in 0..20"), msg
 
 
+def test_min_tokens_above_max_tokens_is_refused(server):
+    """Before: accepted, and the answer stopped at max_tokens, short of min_tokens (vLLM refuses
+    it). Equal is allowed; the native route names the field as it was sent."""
+    r = httpx.post(
+        server.url + "/v1/chat/completions",
+        json={"messages": MSG, "max_tokens": 2, "min_tokens": 3},
+        timeout=60,
+    )
+    assert "must be at most max_tokens=2" in assert_error(r, 400, "min_tokens")
+    ok = httpx.post(
+        server.url + "/v1/chat/completions",
+        json={"messages": MSG, "max_tokens": 2, "min_tokens": 2},
+        timeout=60,
+    )
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2, ok.text
+    native = httpx.post(
+        server.url + "/generate",
+        json={"text": "hello", "sampling_params": {"max_new_tokens": 1, "min_new_tokens": 4}},
+        timeout=60,
+    )
+    assert_error(native, 400, "sampling_params.min_new_tokens")
+
+
 @pytest.mark.parametrize(
     "headers",
     [
@@ -232,6 +255,18 @@ def test_an_empty_served_model_name_is_refused_with_exit_2():
     assert res.stderr.strip().splitlines() == [
         "error: --served-model-name is empty; give a name or leave it unset"
     ]
+
+
+@pytest.mark.parametrize("host", ["999.1.1.1", "1.2.3", " "])
+def test_a_host_no_machine_has_is_one_line_before_any_warning(host):
+    """``--host 999.1.1.1`` printed the "listening ... without an API key" warning first, then
+    the bind's error: two lines for one bad flag."""
+    res = subprocess.run(
+        [*SERVE_ARGV, "--host", host, "--port", "0"], capture_output=True, text=True, timeout=120
+    )
+    assert res.returncode == 2, res.stderr
+    (line,) = res.stderr.strip().splitlines()
+    assert line.startswith("error: --host") and "WARNING" not in res.stderr
 
 
 def test_a_prompt_that_fills_the_context_says_it_leaves_no_room(server):

@@ -13,6 +13,7 @@ key is the one field JSON never carries: a command line is visible to every loca
 
 from __future__ import annotations
 
+import ipaddress
 import json
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -121,6 +122,7 @@ class ServeConfig:
             raise BadInput("--served-model-name is empty; give a name or leave it unset")
         if self.setting is not None and not isinstance(self.setting, Setting):
             raise BadInput(f"setting must be a needlescope Setting, got {type(self.setting).__name__}")
+        _check_host(self.host)
         if not 0 <= self.port <= 65535:
             raise BadInput(f"--port must be in 0..65535; got {self.port}")
         if self.max_running_requests < 1:
@@ -235,3 +237,15 @@ class ServeConfig:
         if obj.get("setting") is not None:
             obj["setting"] = Setting.from_json(obj["setting"])
         return cls(**obj)
+
+
+def _check_host(host: str) -> None:
+    """BadInput for a --host that no machine has: empty, or dotted digits that are no IPv4
+    address (``999.1.1.1``). A name is left to the bind, which names what failed."""
+    if not host.strip():
+        raise BadInput("--host is empty; give an address such as 127.0.0.1 or 0.0.0.0")
+    if all(part.isdigit() for part in host.split(".")):
+        try:
+            ipaddress.IPv4Address(host)
+        except ValueError:
+            raise BadInput(f"--host {host!r} is not an IPv4 address; give one such as 127.0.0.1") from None

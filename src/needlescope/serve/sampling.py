@@ -105,6 +105,8 @@ def make_sampling(
     min_tokens = min_tokens or 0
     if min_tokens < 0:
         raise BadValue("min_tokens", f"must be at least 0; got {min_tokens}")
+    if max_tokens is not None and min_tokens > max_tokens:  # as vLLM: an answer cannot meet both
+        raise BadValue("min_tokens", f"must be at most max_tokens={max_tokens}; got {min_tokens}")
     stops, stop_ids = _stops(stop, stop_token_ids, vocab_size)
     bias = _logit_bias(logit_bias or {}, vocab_size)
     for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
