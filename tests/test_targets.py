@@ -43,6 +43,10 @@ def test_normalize_base_url():
     assert normalize_base_url("http://h:1/v1/") == ("http://h:1", "http://h:1/v1")
     with pytest.raises(BadInput):
         normalize_base_url("h:1")
+    # an endpoint pasted as the base URL (health read it as "unhealthy: GET .../models 404")
+    for url in ("http://h:1/v1/chat/completions", "http://h:1/v1/completions/", "http://h:1/generate"):
+        with pytest.raises(BadInput, match=r"names an endpoint .*e\.g\. http://h:1/v1$"):
+            normalize_base_url(url)
 
 
 def test_retries_429_honouring_retry_after():

@@ -28,8 +28,17 @@ def normalize_base_url(url: str) -> tuple[str, str]:
     if parts.scheme not in ("http", "https") or not parts.netloc:
         raise BadInput(f"--base-url {raw!r} is not an http(s) URL; pass e.g. http://127.0.0.1:8000/v1")
     base = raw.rstrip("/")
+    endpoint = next((e for e in _ENDPOINTS if base.endswith(e)), None)
+    if endpoint is not None:  # every route would be appended to it: /v1/chat/completions/v1/models
+        raise BadInput(
+            f"--base-url {raw!r} names an endpoint ({endpoint}); pass the server's root or its /v1, "
+            f"e.g. {base[: -len(endpoint)]}/v1"
+        )
     root = base[: -len("/v1")] if base.endswith("/v1") else base
     return root, root + "/v1"
+
+
+_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/generate")
 
 
 def check_api_key(api_key: str | None) -> str | None:
