@@ -46,6 +46,7 @@ from needlescope.errors import BadInput, ProbeError
 from needlescope.progress import Progress, no_progress
 from needlescope.run.probe import STORE_NAME, check_out
 from needlescope.run.store import ResultStore
+from needlescope.targets.client import served_models
 from needlescope.targets.completions import CompletionsTarget
 from needlescope.targets.limits import choose_value_digits, fit_lengths, read_limits
 from needlescope.targets.provenance import collect_provenance
@@ -449,6 +450,8 @@ def run_engine_state(
     ``progress`` hears of each send (a task per factor), ``note`` of what was taken from the target."""
     out = Path(out)
     check_out(out, resume)
+    # A server nothing answers at is named first, before anything is read from it or noted.
+    served_models(cfg.base_url, cfg.api_key, min(cfg.timeout_s, 5.0), flag="--base-url")
     with CompletionsTarget(cfg.base_url, cfg.model, api_key=cfg.api_key, timeout=cfg.timeout_s) as target:
         cfg = fit_to_target(cfg, target, note)
         if resume:
