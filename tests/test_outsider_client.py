@@ -32,7 +32,14 @@ GRID = ["--kind", "single", "--lengths", "200,300", "--depths", "0,100", "--tria
 CLI = [sys.executable, "-m", "needlescope.cli.main"]
 
 
-def peer(mode: str = "", *, key: str | None = None, slow_chat_s: float = 0.0, tokenize_ok: int = 0):
+def peer(
+    mode: str = "",
+    *,
+    key: str | None = None,
+    slow_chat_s: float = 0.0,
+    tokenize_ok: int = 0,
+    slow_info_s: float = 0.0,
+):
     """A handler class for ``in_thread``: an OpenAI-compatible peer in ``mode``.
 
     Modes (only needle chats, ``max_tokens`` > 1, are changed; the preflight's one-token chat
@@ -42,7 +49,7 @@ def peer(mode: str = "", *, key: str | None = None, slow_chat_s: float = 0.0, to
     content is 7; ``wrong`` answers 000; ``tok_const`` counts every chat as
     50 tokens; ``tokenize_drops`` drops the connection of every ``/tokenize`` after the first
     ``tokenize_ok``. ``key``: every route but /health needs it. ``slow_chat_s``: each needle
-    chat waits this long first."""
+    chat waits this long first. ``slow_info_s``: ``/get_server_info`` waits this long first."""
     seen = {"tokenize": 0}
     lock = threading.Lock()
 
@@ -72,6 +79,7 @@ def peer(mode: str = "", *, key: str | None = None, slow_chat_s: float = 0.0, to
             if self.path == "/v1/models":
                 self._send(200, {"object": "list", "data": [{"id": MODEL, "object": "model"}]})
             elif self.path == "/get_server_info":
+                time.sleep(slow_info_s)
                 self._send(200, {"context_length": CONTEXT, "trained_value_digits": 4})
             elif self.path == "/health":
                 self._send(200, {"status": "ok"})
@@ -336,6 +344,36 @@ def test_compare_killed_while_probing_b_resumes(run_cli, tmp_path):
     assert len(pairs) == 12
     assert len({json.loads(p)["case_id"] for p in pairs}) == 12
     assert _results(out / "b" / "results.sqlite") == 12
+
+
+def test_compare_killed_while_b_is_set_up_resumes(run_cli, tmp_path):
+    """SIGKILL after A finished, while B's store was being set up (B's server info is slow): the
+    store had its fingerprint and no cases, and ``--resume`` refused it. B's store is now built
+    aside and renamed into place."""
+    out = tmp_path / "ab"
+    with in_thread(peer()) as a, in_thread(peer(slow_info_s=2.0)) as b:
+        argv = ["compare", "--a", a, "--b", b, "--model", MODEL, *GRID, "--out", str(out)]
+        env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+        child = subprocess.Popen([*CLI, *argv], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        try:
+            deadline = time.monotonic() + 90
+            while time.monotonic() < deadline and child.poll() is None:
+                if (out / "b").is_dir() and any(
+                    p.name.startswith("results.sqlite") for p in (out / "b").iterdir()
+                ):
+                    break
+                time.sleep(0.05)
+            assert child.poll() is None, child.stderr.read().decode()
+            child.send_signal(signal.SIGKILL)
+        finally:
+            child.wait()
+            child.stderr.close()
+        assert not (out / "b" / "pairs.jsonl").exists()
+        code, _, stderr = run_cli(*argv, "--resume")
+    assert code == 0, stderr
+    assert len((out / "pairs.jsonl").read_text().splitlines()) == 4
+    assert _results(out / "b" / "results.sqlite") == 4
+    assert not list((out / "b").glob("*.partial*"))
 
 
 def test_replay_takes_api_key(run_cli, tmp_path):

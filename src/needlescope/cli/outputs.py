@@ -34,7 +34,8 @@ OUTPUT_SPECS: dict[str, OutputSpec] = {
         OutputSpec(
             "compare",
             ("a/", "b/", "difficulty/", "compare.json", "report.md", "delta_heatmap.png", "pairs.jsonl"),
-            state=tuple(f"*/{name}" for name in _STORE),
+            # and B's store while it is built (run.compare_live renames it into place)
+            state=(*(f"*/{name}" for name in _STORE), "b/results.sqlite.partial*"),
         ),
         OutputSpec("engine-state", (*_STORE, "engine_state.json", "engine_state.md"), state=_STORE),
         OutputSpec("oracle export", ("export.json",)),
@@ -91,13 +92,14 @@ def file_spec(path: Path, command: str) -> tuple[Path, OutputSpec]:
 
 def recording_runs(on_event: Event, out: Path, command: str) -> Event:
     """``on_event``, and the folder's outputs recorded (``outdir.record_outputs``) each time a
-    run begins (``run_start``). A command of several runs (compare's sides, the levels of
-    ``--auto-difficulty``) writes each run's files long before it ends; recorded only at its end,
-    a SIGKILL in a later run left them unrecorded, and ``--resume`` refused them as foreign."""
+    run begins or ends (``run_start``, ``run_end``). A command of several runs (compare's sides,
+    the levels of ``--auto-difficulty``) writes each run's files long before it ends; recorded
+    only at its end, a SIGKILL in a later run (or between two: compare setting up side B) left
+    them unrecorded, and ``--resume`` refused them as foreign."""
     spec = OUTPUT_SPECS[command]
 
     def event(name: str, payload: dict) -> None:
-        if name == "run_start":
+        if name in ("run_start", "run_end"):
             with suppress(OSError):  # a full disk: the command's own error is the one to show
                 record_outputs(Path(out), spec)
         on_event(name, payload)

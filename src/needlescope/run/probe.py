@@ -229,9 +229,11 @@ def run_probe(
         pending = set(store.pending_case_ids())
         on_event("run_start", {"total": len(case_dicts), "todo": len(pending)})
         admission = asyncio.run(_run(cfg, case_dicts, pending, store, on_event))
-        return _finish(cfg, store, case_dicts, admission)
+        summary = _finish(cfg, store, case_dicts, admission)
     finally:
         store.close()
+    on_event("run_end", {"out": str(cfg.out)})  # every output of this run is written
+    return summary
 
 
 def chat_target(cfg: ProbeConfig) -> ChatTarget:
