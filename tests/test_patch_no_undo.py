@@ -80,3 +80,44 @@ def test_a_patch_that_fails_midway_leaves_the_model_as_loaded(organism, tmp_path
     with pytest.raises(BadInput, match="boom"):
         apply_patch_once(organism, str(patch))
     assert torch.equal(organism.lm_head.weight, before)
+
+
+BEYOND_THE_MODEL = """
+import torch
+import transformers.models.deepseek_v4.modeling_deepseek_v4 as m
+
+
+def apply(model):
+    good = torch.Tensor.topk
+
+    def lowest(self, k, *args, **kwargs):                # the indexer keeps its lowest scores
+        return good(-self, k, *args, **kwargs)
+
+    torch.Tensor.topk = lowest                            # an inherited method, overridden
+    m.ALL_ATTENTION_FUNCTIONS["planted"] = lambda *a, **k: None   # a registry entry
+    model.config.sliding_window = 8                       # the config every forward reads
+"""
+
+
+def test_a_no_undo_patch_beyond_the_model_is_undone_too(organism, tmp_path):
+    """What a patch changes outside the model's modules and weights (a torch class, a
+    transformers registry, the config object) was not kept: ``Tensor.topk`` stayed overridden,
+    the registry kept its entry and the window stayed 8 in every later configuration."""
+    import transformers.models.deepseek_v4.modeling_deepseek_v4 as m
+
+    from needlescope.dsa.emulate import patches_applied
+    from needlescope.setting import PatchRef
+
+    patch = tmp_path / "beyond.py"
+    patch.write_text(BEYOND_THE_MODEL)
+    ids = torch.tensor([list(range(5, 200))])
+    clean = _logits(organism, ids)
+    window = organism.config.sliding_window
+    assert window != 8
+    for _ in range(2):
+        with patches_applied(organism, [PatchRef.resolve(patch)]):
+            assert organism.config.sliding_window == 8 and "topk" in vars(torch.Tensor)
+            assert not torch.allclose(_logits(organism, ids), clean)
+        assert "topk" not in vars(torch.Tensor) and "planted" not in m.ALL_ATTENTION_FUNCTIONS
+        assert organism.config.sliding_window == window
+        assert torch.equal(_logits(organism, ids), clean)

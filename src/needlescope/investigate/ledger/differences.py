@@ -122,7 +122,8 @@ def env_lines(text: str, sep: str) -> dict[str, str]:
 
 def read_env_file(path: Path | None) -> dict[str, str]:
     """The variables of env file ``path`` as the ``env`` questions read them; {} for None."""
-    return {} if path is None else env_lines(Path(path).read_text(encoding="utf-8"), "\n")
+    # bytes that are not UTF-8 are read as U+FFFD, as a process environment is (``questions._env``)
+    return {} if path is None else env_lines(Path(path).read_bytes().decode("utf-8", "replace"), "\n")
 
 
 def _question_names(s: Suspect, qtype: str, key: str) -> set[str]:

@@ -575,4 +575,16 @@ def load_ledger(path: str | Path, *, allow_outside: bool = False) -> Ledger:
     p = Path(path)
     if not p.is_file():
         raise BadInput(f"ledger {str(p)!r} does not exist; write one with 'needlescope investigate init'")
-    return parse_ledger(p.read_text(encoding="utf-8"), p.resolve(), allow_outside=allow_outside)
+    try:
+        data = p.read_bytes()
+    except OSError as exc:
+        raise BadInput(f"ledger {str(p)!r} cannot be read ({exc.strerror or exc})") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data[: exc.start].count(b"\n") + 1
+        raise BadInput(
+            f"{p}:{line}: not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start}); "
+            "a ledger is a UTF-8 TOML file"
+        ) from None
+    return parse_ledger(text, p.resolve(), allow_outside=allow_outside)

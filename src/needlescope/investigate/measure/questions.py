@@ -26,7 +26,7 @@ from pathlib import Path
 
 import regex
 
-from needlescope.investigate.ledger.differences import env_lines
+from needlescope.investigate.ledger.differences import env_lines, read_env_file
 from needlescope.investigate.ledger.ledger import Question
 
 __all__ = ["Answer", "QuestionContext", "ASKERS", "answer", "safetensors_dtypes"]
@@ -88,7 +88,7 @@ def _env(q: Question, ctx: QuestionContext) -> Answer:
         if path is None:
             return Answer(None, "no process and no env file to read; set process = PID or env_file")
         try:
-            env = env_lines(path.read_text(encoding="utf-8"), "\n")
+            env = read_env_file(path)
         except OSError as exc:
             return Answer(None, f"cannot read env file {str(path)!r}: {exc.strerror or exc}")
         where = str(path)

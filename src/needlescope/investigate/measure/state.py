@@ -54,8 +54,11 @@ class RunState:
         if self.path.exists():
             self.data = json.loads(self.path.read_text(encoding="utf-8"))
             if self.data.get("ledger_sha256") != digest:
+                # Not "delete state.json": a fresh state reads the case records left in measure/
+                # as this ledger's (measure/NAME.jsonl is resumed by configuration name).
                 raise BadInput(
-                    f"{self.out} holds a run of a different ledger; pass a new --out or delete {self.path}"
+                    f"{self.out} holds a run of a different ledger; pass a new --out (or move "
+                    f"{self.path} and {self.out / 'measure'} away together)"
                 )
         else:
             self.data = {
