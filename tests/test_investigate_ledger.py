@@ -50,6 +50,22 @@ def test_unknown_check_type_is_refused(tmp_path):
     assert "unknown check type 'audit:nope'" in msg and "ablation" in msg
 
 
+def test_a_check_twice_an_unknown_kind_or_device_is_refused_with_its_line(tmp_path):
+    """They passed parsing: the duplicate check would record its evidence twice, and the kind and
+    the device were refused only when the run started, without FILE:LINE."""
+    msg = _bad(
+        tmp_path,
+        EXAMPLE_LEDGER.replace(
+            'checks = ["audit:routed_scale"]', 'checks = ["audit:routed_scale", "audit:routed_scale"]'
+        ),
+    )
+    assert "investigation.toml:" in msg and "checks name audit:routed_scale more than once" in msg
+    msg = _bad(tmp_path, EXAMPLE_LEDGER.replace('kind = "multiturn"', 'kind = "nope"', 1))
+    assert "investigation.toml:" in msg and "kind = 'nope'; expected one of" in msg
+    msg = _bad(tmp_path, EXAMPLE_LEDGER.replace('device = "cpu"', 'device = "tpu"', 1))
+    assert "investigation.toml:" in msg and "device = 'tpu'" in msg
+
+
 def test_missing_key_and_duplicate_id(tmp_path):
     msg = _bad(
         tmp_path, EXAMPLE_LEDGER.replace('hypothesis = "the rewritten MoE', 'hypo = "the rewritten MoE')

@@ -62,6 +62,7 @@ import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from needlescope.cases import KINDS
 from needlescope.errors import BadInput
 from needlescope.investigate.ledger.checks import Tracked, check_range, confine, suggestion
 from needlescope.setting import PatchRef, Setting, check_chunk
@@ -292,6 +293,17 @@ def _expect(where: _Where, line: int, table: dict, key: str, typ, what: str, def
     return value
 
 
+def _device(where: _Where, line: int, target: dict) -> str:
+    """``device``: cpu, cuda or cuda:N (whether this machine has it is checked when the run starts)."""
+    device = _expect(where, line, target, "device", str, "cpu | cuda | cuda:N", "cpu")
+    kind, _, index = device.partition(":")
+    if device != "cpu" and (kind != "cuda" or (index and not index.isdigit())):
+        raise where.error(
+            where.key_line("device", line), f"device = {device!r}; expected cpu | cuda | cuda:N"
+        )
+    return device
+
+
 def _patch(where: _Where, line: int, spec: str, base: Path) -> PatchRef:
     if not spec.startswith("fault:"):
         spec = str(where.path_inside(spec, base, line, "patch file"))
@@ -366,6 +378,9 @@ def _suspect(where: _Where, index: int, s: dict, base: Path) -> Suspect:
                 where.key_line("checks", line),
                 f"unknown check type {c!r}; expected one of {', '.join(CHECK_TYPES)}",
             )
+    if len(set(checks)) != len(checks):  # one check's evidence recorded twice would count twice
+        twice = sorted({c for c in checks if checks.count(c) > 1})
+        raise where.error(where.key_line("checks", line), f"checks name {', '.join(twice)} more than once")
     has_patch, has_setting = "patch" in s, "setting" in s
     if has_patch == has_setting:
         raise where.error(line, f'suspect {sid!r} needs exactly one of patch = "FILE" or setting = "k=..."')
@@ -433,7 +448,7 @@ def _target(where: _Where, t: dict, base: Path) -> Target:
         extra_patches=tuple(
             _patch(where, where.key_line("extra_patches", tl), p, base) for p in t.get("extra_patches", [])
         ),
-        device=_expect(where, tl, t, "device", str, "cpu | cuda | cuda:N", "cpu"),
+        device=_device(where, tl, t),
         threads=_expect(where, tl, t, "threads", int, "a positive integer", 2),
         prefill_chunk=_expect(
             where, tl, t, "prefill_chunk", int, "a positive number of tokens (leave it out for one pass)"
@@ -551,6 +566,10 @@ def parse_ledger(text: str, path: Path, *, allow_outside: bool = False) -> Ledge
         seed=_expect(where, sl, sy, "seed", int, "an integer", 0) if "seed" in sy else 0,
         max_new_tokens=_expect(where, sl, sy, "max_new_tokens", int, "a positive integer", 8),
     )
+    if symptom.kind not in KINDS:
+        raise where.error(
+            where.key_line("kind", sl), f"kind = {symptom.kind!r}; expected one of {', '.join(KINDS)}"
+        )
     for key in ("trials", "max_new_tokens", "seed"):
         where.in_range(key, getattr(symptom, key), sl)
     where.no_unknown_keys(sy, sl, "[symptom]")
