@@ -94,7 +94,9 @@ def make_sampling(
     if prompt_len >= context_length or (max_tokens is not None and prompt_len + max_tokens > context_length):
         raise ContextOverflow(context_length, prompt_len, max_tokens)
     if max_tokens is not None and max_tokens > cap:
-        raise BadValue("max_tokens", f"={max_tokens} exceeds this server's --max-new-tokens {cap}")
+        raise BadValue(
+            "max_tokens", f"must be at most this server's --max-new-tokens {cap}; got {max_tokens}"
+        )
     temperature = _in_range("temperature", temperature, 1.0, 0.0, 2.0)
     top_p = _in_range("top_p", top_p, 1.0, 0.0, 1.0, open_low=True)
     top_k = 0 if top_k is None or top_k == -1 else int(top_k)
