@@ -310,6 +310,22 @@ def _results(store: Path) -> int:
         return db.execute("select count(*) from results").fetchone()[0]
 
 
+def _kill_when(argv: list[str], ready) -> None:
+    """Run the CLI with ``argv`` in a child and SIGKILL it once ``ready()`` holds (within 90 s);
+    the child must still be running then."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    child = subprocess.Popen([*CLI, *argv], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and child.poll() is None and not ready():
+            time.sleep(0.05)
+        assert child.poll() is None, child.stderr.read().decode()
+        child.send_signal(signal.SIGKILL)
+    finally:
+        child.wait()
+        child.stderr.close()
+
+
 def test_compare_killed_while_probing_b_resumes(run_cli, tmp_path):
     """SIGKILL while side B runs: A's report files were written but recorded in the folder's
     manifest only when the command ended, so ``--resume`` refused them as not needlescope's
@@ -320,20 +336,8 @@ def test_compare_killed_while_probing_b_resumes(run_cli, tmp_path):
             "compare", "--a", a, "--b", b, "--model", MODEL, "--kind", "single", "--lengths", "200,300",
             "--depths", "0,50,100", "--trials", "2", "--concurrency", "1", "--out", str(out),
         ]  # fmt: skip
-        env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-        child = subprocess.Popen([*CLI, *argv], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        try:
-            deadline = time.monotonic() + 90
-            b_store = out / "b" / "results.sqlite"
-            while time.monotonic() < deadline and child.poll() is None:
-                if b_store.is_file() and _results(b_store) >= 2:
-                    break
-                time.sleep(0.1)
-            assert child.poll() is None, child.stderr.read().decode()
-            child.send_signal(signal.SIGKILL)
-        finally:
-            child.wait()
-            child.stderr.close()
+        b_store = out / "b" / "results.sqlite"
+        _kill_when(argv, lambda: b_store.is_file() and _results(b_store) >= 2)
         done_before = _results(b_store)
         assert 2 <= done_before < 12
         assert (out / "a" / "heatmap.png").is_file()  # A had finished and written its report
@@ -353,21 +357,8 @@ def test_compare_killed_while_b_is_set_up_resumes(run_cli, tmp_path):
     out = tmp_path / "ab"
     with in_thread(peer()) as a, in_thread(peer(slow_info_s=2.0)) as b:
         argv = ["compare", "--a", a, "--b", b, "--model", MODEL, *GRID, "--out", str(out)]
-        env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-        child = subprocess.Popen([*CLI, *argv], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        try:
-            deadline = time.monotonic() + 90
-            while time.monotonic() < deadline and child.poll() is None:
-                if (out / "b").is_dir() and any(
-                    p.name.startswith("results.sqlite") for p in (out / "b").iterdir()
-                ):
-                    break
-                time.sleep(0.05)
-            assert child.poll() is None, child.stderr.read().decode()
-            child.send_signal(signal.SIGKILL)
-        finally:
-            child.wait()
-            child.stderr.close()
+        b = out / "b"
+        _kill_when(argv, lambda: b.is_dir() and any(p.name.startswith("results.sqlite") for p in b.iterdir()))
         assert not (out / "b" / "pairs.jsonl").exists()
         code, _, stderr = run_cli(*argv, "--resume")
     assert code == 0, stderr
