@@ -16,7 +16,7 @@ from pathlib import Path
 
 from needlescope.errors import BadInput
 
-__all__ = ["LIMITS", "Tracked", "check_range", "confine", "suggestion"]
+__all__ = ["LIMITS", "Tracked", "check_range", "confine", "read_utf8", "suggestion"]
 
 LIMITS: dict[str, tuple[int, int]] = {
     "lengths": (1, 1_048_576),
@@ -77,3 +77,19 @@ class Tracked(dict):
 
     def unasked(self) -> list[str]:
         return [k for k in self if k not in self.asked]
+
+
+def read_utf8(path: Path, what: str, expected: str) -> str:
+    """The text of ``path``; BadInput naming the line of the first byte that is not UTF-8
+    (``FILE:LINE: not UTF-8 text ...; expected``), or that it cannot be read."""
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise BadInput(f"{what} {str(path)!r} cannot be read ({exc.strerror or exc})") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data[: exc.start].count(b"\n") + 1
+        raise BadInput(
+            f"{path}:{line}: not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start}); {expected}"
+        ) from None

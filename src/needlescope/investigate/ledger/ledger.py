@@ -64,7 +64,7 @@ from pathlib import Path
 
 from needlescope.cases import KINDS
 from needlescope.errors import BadInput
-from needlescope.investigate.ledger.checks import Tracked, check_range, confine, suggestion
+from needlescope.investigate.ledger.checks import Tracked, check_range, confine, read_utf8, suggestion
 from needlescope.setting import PatchRef, Setting, check_chunk
 
 if sys.version_info >= (3, 11):
@@ -594,16 +594,6 @@ def load_ledger(path: str | Path, *, allow_outside: bool = False) -> Ledger:
     p = Path(path)
     if not p.is_file():
         raise BadInput(f"ledger {str(p)!r} does not exist; write one with 'needlescope investigate init'")
-    try:
-        data = p.read_bytes()
-    except OSError as exc:
-        raise BadInput(f"ledger {str(p)!r} cannot be read ({exc.strerror or exc})") from None
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        line = data[: exc.start].count(b"\n") + 1
-        raise BadInput(
-            f"{p}:{line}: not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start}); "
-            "a ledger is a UTF-8 TOML file"
-        ) from None
-    return parse_ledger(text, p.resolve(), allow_outside=allow_outside)
+    return parse_ledger(
+        read_utf8(p, "ledger", "a ledger is a UTF-8 TOML file"), p.resolve(), allow_outside=allow_outside
+    )
