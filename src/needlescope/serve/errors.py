@@ -70,11 +70,10 @@ class ContextOverflow(EngineError):
                 f"{context_length - 1} prompt tokens). Please reduce the length of the prompt."
             )
         else:
-            asked = f" and {max_tokens} for the completion"
             msg = (
                 f"This model's maximum context length is {context_length} tokens. However, you requested "
-                f"{prompt_tokens + (max_tokens or 0)} tokens ({prompt_tokens} in the prompt{asked}). "
-                "Please reduce the length of the prompt or the completion."
+                f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the prompt and {max_tokens} for "
+                "the completion). Please reduce the length of the prompt or the completion."
             )
         super().__init__(msg)
 

@@ -376,6 +376,11 @@ def _result(resp: httpx.Response, url: str, v1: str, start: float, attempts: int
     )
 
 
+def _unreachable(v1: str, e: httpx.TransportError, flag: str) -> BadInput:
+    """The one line for a server nothing answers at (``flag``: the option that named it)."""
+    return BadInput(f"cannot reach {v1}: {_reason(e)}; is the server running? check {flag}")
+
+
 def _reason(e: httpx.TransportError) -> str:
     text = str(e).lower()
     if "refused" in text:
@@ -409,7 +414,7 @@ def served_models(
             return _model_ids(client.get(v1 + "/models")) or None
     except httpx.TransportError as e:
         if flag is not None:
-            raise BadInput(f"cannot reach {v1}: {_reason(e)}; is the server running? check {flag}") from None
+            raise _unreachable(v1, e, flag) from None
         return None
 
 
@@ -434,7 +439,7 @@ def preflight(
         try:
             resp = client.get(v1 + "/models")
         except httpx.TransportError as e:
-            raise BadInput(f"cannot reach {v1}: {_reason(e)}; is the server running? check {flag}") from None
+            raise _unreachable(v1, e, flag) from None
     if resp.status_code in (401, 403):
         raise BadInput(f"{v1}/models answered HTTP {resp.status_code}; check --api-key")
     ids = _model_ids(resp)
