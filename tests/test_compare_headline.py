@@ -56,6 +56,7 @@ def test_failed_requests_are_counted_and_exit_1_never_no_difference(scripted_ser
     res = compare(a, b, tmp_path / "ab", "--trials", "1", "--retry-budget", "1")
     assert res.returncode == 1, res.stdout + res.stderr
     assert "Traceback" not in res.stderr
+    assert (tmp_path / "ab" / "compare.json").exists(), res.stdout + "\n---\n" + res.stderr
     body = json.loads((tmp_path / "ab" / "compare.json").read_text())
     failed = body["errors"]["b"]["failed"]
     assert failed >= 4 and body["errors"]["cases"] == 6 and body["errors"]["a"]["failed"] == 0

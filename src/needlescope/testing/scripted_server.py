@@ -138,6 +138,7 @@ class State:
         self.opts = opts
         self.lock = threading.Lock()
         self.n_chat = 0
+        self.n_finished = 0
         self.in_flight = 0
         self.rejected = 0
         self.history: list[list[str]] = []
@@ -174,6 +175,23 @@ class State:
         with self.lock:
             self.n_chat += 1
             return self.n_chat
+
+    def finished_chat(self) -> None:
+        with self.lock:
+            self.n_finished += 1
+
+    def drain(self, n: int, timeout_s: float = 10.0) -> None:
+        """Wait until chats 1..``n`` have answered (or ``timeout_s`` passed).
+
+        Why: ``--die-after N`` promises N answers; a concurrent chat N+1 that crashed the
+        process at once would drop answers still being written, and a test of "2 answered,
+        then gone" would see 0 answered on a busy machine."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with self.lock:
+                if self.n_finished >= n:
+                    return
+            time.sleep(0.005)
 
     def cached(self, words: list[str]) -> int:
         with self.lock:
@@ -297,7 +315,15 @@ class Handler(BaseHTTPRequestHandler):
         o = self.state.opts
         n = self.state.next_chat()
         if o.die_after and n > o.die_after:
+            self.state.drain(o.die_after)
             os._exit(1)  # a crash: no answer, the connection drops, nothing listens any more
+        try:
+            self._answer(body, n)
+        finally:
+            self.state.finished_chat()
+
+    def _answer(self, body: dict, n: int) -> None:
+        o = self.state.opts
         if o.model != body.get("model"):
             self._send(404, {"error": {"message": f"model {body.get('model')!r} not found"}})
             return
