@@ -118,7 +118,11 @@ def _run(tmp_path, planted, organism, cache) -> dict:
     out = tmp_path / "out"
     _seed_reference(out, cache)
     run_investigation(ledger, out, loaded=organism)
-    shutil.copy(out / "measure" / "reference.jsonl", cache)
+    # the cache keeps every length measured so far: the run set aside the records of cases its
+    # ledger does not have (measure/reference.jsonl.superseded)
+    measured = out / "measure" / "reference.jsonl"
+    aside = measured.with_name(measured.name + ".superseded")
+    cache.write_text(measured.read_text() + (aside.read_text() if aside.exists() else ""))
     return json.loads((out / "verdicts.json").read_text())
 
 

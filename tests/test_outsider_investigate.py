@@ -121,3 +121,50 @@ def test_a_no_undo_patch_of_the_config_does_not_leak_into_later_configurations(t
     )
     assert model.config.sliding_window == window
     assert [r["answer"] for r in again] == [r["answer"] for r in before]
+
+
+def test_an_edited_patch_file_is_measured_again_never_read_back_from_its_old_records(tmp_path):
+    """A user who fixed a patch file and ran the same --out again got the old patch's records
+    back as the new one's (records were reused by configuration name): refused now while
+    state.json stands; with it moved aside, only what changed is measured again."""
+    pytest.importorskip("torch")
+    from needlescope.dsa.checkpoint import load_bundle
+    from needlescope.investigate.ledger.ledger import load_ledger
+    from needlescope.investigate.measure.session import Session
+    from needlescope.progress import no_progress
+
+    patch = tmp_path / "deploy.py"
+    patch.write_text("def apply(model):\n    pass\n")
+    path = _ledger(
+        tmp_path,
+        candidate="k=fp32 topk=16",
+        target_extra='extra_patches = ["deploy.py"]',
+        sid="deploy",
+        mapping='patch = "deploy.py"',
+    )
+    loaded = load_bundle("organism")[:2]
+    out = tmp_path / "out"
+
+    def session() -> Session:
+        s = Session(load_ledger(path), out, no_progress)
+        s.load(loaded)
+        return s
+
+    first = session()
+    ref = [r["answer"] for r in first.measure("reference", first.reference)]
+    assert [r["answer"] for r in first.measure("candidate", first.candidate)] == ref  # a no-op
+    stored = (out / "measure" / "reference.jsonl").read_text()
+
+    patch.write_text(WINDOW_PATCH)  # the deployment's patch, edited
+    with pytest.raises(BadInput, match="different patch files"):
+        session()
+    (out / "state.json").rename(tmp_path / "state.json.old")
+    second = session()
+    assert [r["answer"] for r in second.measure("reference", second.reference)] == ref
+    assert (out / "measure" / "reference.jsonl").read_text() == stored  # reused, nothing measured
+    cand = second.measure("candidate", second.candidate)
+    assert [r["answer"] for r in cand] != ref  # measured under the edited patch
+    aside = (out / "measure" / "candidate.jsonl.superseded").read_text().splitlines()
+    assert len(aside) == len(ref) and len(
+        (out / "measure" / "candidate.jsonl").read_text().splitlines()
+    ) == len(ref)

@@ -256,5 +256,5 @@ def _write(session: Session, investigation: dict) -> Findings:
     session.state.data = relativize(session.state.data, session.path_map())
     session.state.save()
     session.progress("verdicts", 1, 1, "")
-    cand = session.state.records("candidate")
+    cand = session.records("candidate")
     return Findings(session.out, investigation, cand, session.state.data["ledger_sha256"])

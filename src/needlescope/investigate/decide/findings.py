@@ -98,7 +98,9 @@ class Findings:
         inv = json.loads((out / "investigation.json").read_text(encoding="utf-8"))
         validate_findings(inv)
         cand, state = out / "measure" / "candidate.jsonl", out / "state.json"
-        records = [json.loads(x) for x in cand.read_text().splitlines() if x.strip()] if cand.exists() else []
+        lines = cand.read_text(encoding="utf-8").splitlines() if cand.exists() else []
+        # ``basis`` is the run's bookkeeping (``measure.basis``), not a finding
+        records = [{k: v for k, v in json.loads(x).items() if k != "basis"} for x in lines if x.strip()]
         digest = (
             json.loads(state.read_text(encoding="utf-8")).get("ledger_sha256") if state.exists() else None
         )

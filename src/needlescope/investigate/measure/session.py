@@ -23,6 +23,7 @@ from needlescope.investigate.decide.verdicts import evidence
 from needlescope.investigate.ledger.differences import AUTO_PREFIX, auto_suspects, differences
 from needlescope.investigate.ledger.ledger import Ledger, Suspect
 from needlescope.investigate.ledger.plan import Config, addition, removal
+from needlescope.investigate.measure import basis
 from needlescope.investigate.measure.questions import QuestionContext, answer
 from needlescope.investigate.measure.server_identity import resume_text
 from needlescope.investigate.measure.state import RunState
@@ -48,7 +49,9 @@ class Session:
         self.suspects: list[Suspect] = ledger.ordered_suspects() + auto_suspects(self.diffs, ledger)
         text = ledger.path.read_text(encoding="utf-8")
         live = ledger.target.candidate is None  # a live run resumes against the same server, any port
-        self.state = RunState(self.out, resume_text(text) if live else text, [s.id for s in ledger.suspects])
+        # the run's fingerprint: the ledger's text and the bytes of every patch file it names
+        text = (resume_text(text) if live else text) + basis.ledger_inputs(_ledger_patches(ledger))
+        self.state = RunState(self.out, text, [s.id for s in ledger.suspects])
         self.state.ensure_suspects([s.id for s in self.suspects])
         t = ledger.target
         self.reference = Config(t.reference)
@@ -60,6 +63,8 @@ class Session:
         self.configs.update(self.state.data.get("configs", {}))
         self._model = self.tokenizer = self.cases = None
         self.prompt_len: dict[str, int] = {}
+        self._case_digest: dict[str, str] = {}  # case id -> basis.case_digest of its messages
+        self._params: dict = {}  # what else a record's basis covers (``load``)
         self.model_dir: Path | None = None
         self.blocked_reason: str | None = None
 
@@ -105,6 +110,13 @@ class Session:
         self.prompt_len = {
             c.case_id: len(render_prompt(self.tokenizer, c.messages).input_ids) for c in self.cases
         }
+        self._case_digest = {c.case_id: basis.case_digest(c.messages) for c in self.cases}
+        self._params = {
+            "model": basis.model_identity(self.model_dir),
+            "max_new_tokens": sy.max_new_tokens,
+            "prefill_chunk": t.prefill_chunk,
+            "device": t.device,
+        }
 
     def path_map(self) -> dict[str, str]:
         """Absolute prefixes of this machine -> what artifacts say instead (``paths.relativize``)."""
@@ -131,15 +143,20 @@ class Session:
         from needlescope.investigate.measure.records import measuring
 
         self.note_config(name, config)
+        cases = self.cases if cases is None else cases
+        # the characterization's cases are not the ledger's: their messages are a basis too
+        self._case_digest.update((c.case_id, basis.case_digest(c.messages)) for c in cases)
+        mine, others = self._stored(name)
+        if others:  # measured for something else: set aside, so that the file holds this run's
+            self.state.supersede(name, mine, others)
         # A configuration already measured under another name (a removal that equals the
         # reference, say) is not measured twice: its records are copied.
         same = [n for n, c in self.configs.items() if n != name and c["label"] == config.label()]
-        done = {r["case_id"]: r for r in self.state.records(name)}
+        done = {r["case_id"]: r for r in self.records(name)}
         if same and not done:
-            for r in self.state.records(same[0]):
-                self.state.append_record(name, r)
-            done = {r["case_id"]: r for r in self.state.records(name)}
-        cases = self.cases if cases is None else cases
+            for r in self.records(same[0]):
+                self._append(name, r)
+            done = {r["case_id"]: r for r in self.records(name)}
         todo: dict[int, list] = {}
         for case in cases:
             if case.case_id not in done:
@@ -151,10 +168,35 @@ class Session:
                 for _, group in sorted(todo.items()):
                     for i in range(0, len(group), BATCH):
                         for rec in run(group[i : i + BATCH]):
-                            self.state.append_record(name, rec)
+                            self._append(name, rec)
                             done[rec["case_id"]] = rec
                         self.progress(f"measure {name}", len(done), len(cases), config.label())
         return [done[c.case_id] for c in cases]
+
+    def records(self, name: str) -> list[dict]:
+        """The records of ``measure/NAME.jsonl`` that this run would measure the same: of a case
+        of the ledger, with the ``basis`` of the configuration noted as ``name`` (``note_config``)
+        and of that case now. Others (a patch file edited since, a case built from another seed,
+        another checkpoint) are measured again; they stay in the file, never read as this run's.
+        Without the probe cases (no checkpoint), none."""
+        return [{k: v for k, v in r.items() if k != "basis"} for r in self._stored(name)[0]]
+
+    def _stored(self, name: str) -> tuple[list[dict], list[dict]]:
+        """(records of this run's basis, the others) in ``measure/NAME.jsonl``, as stored."""
+        if name not in self.configs or not self._case_digest:
+            return [], []
+        config = basis.config_basis(self.configs[name], self.ledger.path.parent)
+        mine, others = [], []
+        for r in self.state.records(name):
+            case = self._case_digest.get(r.get("case_id"))
+            ok = case is not None and r.get("basis") == basis.record_basis(config, case, self._params)
+            (mine if ok else others).append(r)
+        return mine, others
+
+    def _append(self, name: str, record: dict) -> None:
+        config = basis.config_basis(self.configs[name], self.ledger.path.parent)
+        b = basis.record_basis(config, self._case_digest[record["case_id"]], self._params)
+        self.state.append_record(name, {**record, "basis": b})
 
     def note_config(self, name: str, config: Config) -> None:
         """Record ``config`` under ``name`` (kept in ``state.json``: a resumed run lists it too)."""
@@ -272,7 +314,7 @@ def nonfinite_summary(session: Session) -> dict:
     counts: dict[str, dict] = {}
     findings = []
     for name in session.configs:
-        for r in session.state.records(name):
+        for r in session.records(name):
             for layer, c in (r.get("nonfinite") or {}).items():
                 agg = counts.setdefault(name, {}).setdefault(layer, dict.fromkeys(NONFINITE_KEYS, 0))
                 for k in NONFINITE_KEYS:
@@ -289,3 +331,14 @@ def nonfinite_summary(session: Session) -> dict:
                         }
                     )
     return {"counts": counts, "findings": findings}
+
+
+def _ledger_patches(ledger: Ledger) -> list:
+    """Every patch file the ledger names: the settings', the extra patches, the suspects'."""
+    t = ledger.target
+    settings = [t.reference] + ([t.candidate] if t.candidate is not None else [])
+    return [
+        *(st.patch for st in settings if st.patch is not None),
+        *t.extra_patches,
+        *(s.patch for s in ledger.suspects if s.patch is not None),
+    ]

@@ -9,7 +9,9 @@ with STATUS one of ``STATUSES``. ``DIR/measure/NAME.jsonl`` holds one measured c
 line (``needlescope.investigate.measure.records``), appended and fsynced as each case finishes, so a
 crash or Ctrl-C loses at most the case in flight and a resumed run measures only what is
 missing. A torn last line (a kill mid-write) is dropped on reading and the file rewritten.
-Resuming with a different ledger is refused.
+Resuming with a different ledger is refused. Each record carries its ``basis``
+(``measure.basis``): records another configuration, case or checkpoint would have measured are
+moved to ``measure/NAME.jsonl.superseded`` by ``Session.measure``, never reused.
 """
 
 from __future__ import annotations
@@ -57,8 +59,10 @@ class RunState:
                 # Not "delete state.json": a fresh state reads the case records left in measure/
                 # as this ledger's (measure/NAME.jsonl is resumed by configuration name).
                 raise BadInput(
-                    f"{self.out} holds a run of a different ledger; pass a new --out (or move "
-                    f"{self.path} and {self.out / 'measure'} away together)"
+                    f"{self.out} holds a run of a different ledger or different patch files; pass "
+                    f"a new --out, or move {self.path} aside to run here again (the records in "
+                    f"{self.out / 'measure'} are then reused only for the configurations and cases "
+                    "that did not change)"
                 )
         else:
             self.data = {
@@ -131,6 +135,22 @@ class RunState:
             with open(path, "w", encoding="utf-8") as f:
                 f.writelines(json.dumps(r) + "\n" for r in out)
         return out
+
+    def supersede(self, name: str, keep: list[dict], moved: list[dict]) -> None:
+        """Move ``moved`` out of ``measure/NAME.jsonl`` into ``measure/NAME.jsonl.superseded``
+        (kept, never read as measured), leaving ``keep``. Appended there first, then the file
+        replaced at once: a kill between the two leaves a record in both, never in neither."""
+        path = self._mpath(name)
+        with open(path.with_name(path.name + ".superseded"), "a", encoding="utf-8") as f:
+            f.writelines(json.dumps(r) + "\n" for r in moved)
+            f.flush()
+            os.fsync(f.fileno())
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.writelines(json.dumps(r) + "\n" for r in keep)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
 
     def append_record(self, name: str, record: dict) -> None:
         with open(self._mpath(name), "a", encoding="utf-8") as f:
