@@ -416,3 +416,33 @@ def test_a_server_nothing_answers_at_is_named_unreachable(run_cli, tmp_path, arg
     assert code == 2
     assert "cannot reach" in stderr and "Traceback" not in stderr, stderr
     assert "lists no model" not in stderr and "tokenize endpoint but it failed" not in stderr
+
+
+KILLED_IN_ADD_CASES = """\
+import os, signal, sys
+from needlescope.run import store
+def killed(self, cases):  # SIGKILL in the window between the store's identity and its cases
+    os.kill(os.getpid(), signal.SIGKILL)
+store.ResultStore.add_cases = killed
+from needlescope.cli.main import main
+sys.exit(main())
+"""
+
+
+def test_a_probe_killed_while_its_store_is_built_starts_again_cleanly(run_cli, tmp_path):
+    """SIGKILL after the fingerprint was written and before the cases were: the store had an
+    identity and no cases, so a fresh run said 'already holds a run; pass --resume' and
+    ``--resume`` said 'holds no cases; delete it'. The store is now built aside and renamed."""
+    out = tmp_path / "run"
+    with in_thread(peer()) as url:
+        argv = ["probe", "--base-url", url, "--model", MODEL, *GRID, "--out", str(out)]
+        env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+        child = subprocess.run(
+            [sys.executable, "-c", KILLED_IN_ADD_CASES, *argv], env=env, capture_output=True
+        )
+        assert child.returncode == -signal.SIGKILL, child.stderr.decode()
+        assert not (out / "results.sqlite").exists()
+        code, _, stderr = run_cli(*argv)
+    assert code == 0, stderr
+    assert _results(out / "results.sqlite") == 4
+    assert not list(out.glob("*.partial*"))

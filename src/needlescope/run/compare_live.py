@@ -7,7 +7,6 @@ a killed comparison resumes like any probe.
 
 from __future__ import annotations
 
-import os
 from dataclasses import replace
 from pathlib import Path
 
@@ -16,7 +15,7 @@ from needlescope.run.compare import compare_runs
 from needlescope.run.config import ProbeConfig
 from needlescope.run.difficulty import choose_difficulty
 from needlescope.run.probe import STORE_NAME, fit_to_target, run_probe
-from needlescope.run.store import ResultStore
+from needlescope.run.store import ResultStore, create_store
 from needlescope.targets import collect_provenance, normalize_base_url, preflight
 from needlescope.targets.limits import read_limits
 
@@ -61,17 +60,12 @@ def compare_live(
             cases_a = store_a.cases()
             digits = store_a.get_meta("fingerprint")["value_digits"]
         root, v1 = normalize_base_url(cfg_b.base_urls[0])
-        # Built aside and renamed into place: a kill while it is written leaves no store that
-        # has a fingerprint and no cases (which --resume refused), only a partial file to redo.
-        partial = b_store.with_name(b_store.name + ".partial")
-        for leftover in (partial, *partial.parent.glob(partial.name + "-*")):
-            leftover.unlink(missing_ok=True)
-        with ResultStore(partial) as store:
-            store.put_meta("fingerprint", cfg_b.fingerprint(digits))
-            store.put_meta("provenance", collect_provenance(root, v1, api_key=cfg_b.api_key))
-            store.put_meta("run_notes", {"value_digits_source": "side A's case set (compare)", "assumed": []})
-            store.add_cases(cases_a)
-        os.replace(partial, b_store)
+        meta = {
+            "fingerprint": cfg_b.fingerprint(digits),
+            "provenance": collect_provenance(root, v1, api_key=cfg_b.api_key),
+            "run_notes": {"value_digits_source": "side A's case set (compare)", "assumed": []},
+        }
+        create_store(b_store, meta, cases_a).close()
     on_event("side", {"side": "B", "base_urls": list(cfg_b.base_urls)})
     run_probe(replace(cfg_b, resume=True), on_event, flag="--b")
     return compare_runs(

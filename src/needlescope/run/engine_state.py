@@ -45,7 +45,7 @@ from needlescope.cases.needles import VALUE_DIGITS
 from needlescope.errors import BadInput, ProbeError
 from needlescope.progress import Progress, no_progress
 from needlescope.run.probe import STORE_NAME, check_out
-from needlescope.run.store import ResultStore
+from needlescope.run.store import ResultStore, create_store
 from needlescope.targets.client import served_models
 from needlescope.targets.completions import CompletionsTarget
 from needlescope.targets.limits import choose_value_digits, fit_lengths, read_limits
@@ -388,11 +388,8 @@ def _new_store(
     finally:
         counter.close()
     out.mkdir(parents=True, exist_ok=True)
-    store = ResultStore(out / STORE_NAME)
-    store.add_cases([c.to_dict() for c in cases])
-    store.put_meta("run_id", cfg.run_id)
-    store.put_meta("fingerprint", cfg.fingerprint())  # last: a store without it is no run
-    return store, cases
+    meta = {"run_id": cfg.run_id, "fingerprint": cfg.fingerprint()}
+    return create_store(out / STORE_NAME, meta, [c.to_dict() for c in cases]), cases
 
 
 def _resume_store(cfg: EngineStateConfig, out: Path) -> tuple[ResultStore, list[Case], EngineStateConfig]:

@@ -24,7 +24,7 @@ from needlescope.report.probe import write_probe_outputs
 from needlescope.run.bundles import write_failure_bundles
 from needlescope.run.config import ProbeConfig
 from needlescope.run.scheduler import Grade, run_cases
-from needlescope.run.store import ResultStore, peek
+from needlescope.run.store import ResultStore, create_store, peek
 from needlescope.targets import (
     ChatTarget,
     LocalTokenCounter,
@@ -154,23 +154,15 @@ def _new_store(
     on_event("value_digits", {"value_digits": digits, "source": source})
     cfg.out.mkdir(parents=True, exist_ok=True)
     path = cfg.out / STORE_NAME
-    store = ResultStore(path)
-    if store.get_meta("fingerprint") is not None:
+    if path.exists() and peek(path)["fingerprint"] is not None:
         # Another run made it between check_out and here (and has ended: it held the lock).
-        store.close()
         raise BadInput(f"{path} already holds a run; pass --resume to continue it or choose another --out")
-    try:
-        store.put_meta("fingerprint", cfg.fingerprint(digits))
-        store.put_meta("provenance", provenance)
-        store.put_meta("run_notes", {"value_digits_source": source, "assumed": assumed})
-        store.add_cases([c.to_dict() for c in cases])
-    except BaseException:
-        # A store without its cases is not a run; leave nothing that a rerun would trip over.
-        store.close()
-        for suffix in ("", "-wal", "-shm"):
-            Path(str(path) + suffix).unlink(missing_ok=True)
-        raise
-    return store
+    meta = {
+        "fingerprint": cfg.fingerprint(digits),
+        "provenance": provenance,
+        "run_notes": {"value_digits_source": source, "assumed": assumed},
+    }
+    return create_store(path, meta, [c.to_dict() for c in cases])
 
 
 def _resume_store(cfg: ProbeConfig, on_event: Event) -> ResultStore:

@@ -168,6 +168,26 @@ def _unlock(path: Path, fd: int) -> None:
     os.close(fd)
 
 
+def create_store(path: Path, meta: dict[str, Any], cases: list[dict]) -> ResultStore:
+    """A new store at ``path`` holding ``meta`` (in order) and ``cases``, opened.
+
+    Built beside it (``NAME.partial``) and renamed into place once complete: a kill while it is
+    written (SIGKILL, between the fingerprint and the cases) leaves no store with an identity
+    and no cases, which ``--resume`` refuses and a fresh run calls a run already there, only a
+    partial file the next start deletes. Closing the partial store checkpoints its WAL into the
+    file before the rename."""
+    path = Path(path)
+    partial = path.with_name(path.name + ".partial")
+    for leftover in (partial, *partial.parent.glob(partial.name + "-*")):
+        leftover.unlink(missing_ok=True)
+    with ResultStore(partial) as store:
+        for key, value in meta.items():
+            store.put_meta(key, value)
+        store.add_cases(cases)
+    os.replace(partial, path)
+    return ResultStore(path)
+
+
 class ResultStore:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
