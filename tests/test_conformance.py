@@ -199,3 +199,28 @@ def test_cli_bad_case_or_shapes_is_exit_2(run_cli) -> None:
     for args in (["--case", "nope"], ["--shapes", "huge"]):
         code, _, stderr = run_cli("kernels", "conform", "--impl", "torch", *args)
         assert code == 2 and "error:" in stderr and len(stderr.strip().splitlines()) == 1, stderr
+
+
+def test_an_implementation_that_fails_is_an_error_never_a_recall_of_zero(run_cli, tmp_path) -> None:
+    """A kernel that raised (or answered floats) was printed and written as 'INEXACT recall
+    0.0000 ... 0 missed, 0 wrong': a failure to answer scored as a miss of everything."""
+    (tmp_path / "bad.py").write_text(
+        "import torch\n"
+        "def raises(scores, k, lengths):\n    raise RuntimeError('kernel exploded')\n"
+        "def floats(scores, k, lengths):\n    return torch.topk(scores, k).indices.float()\n"
+    )
+    out = tmp_path / "r.json"
+    argv = ["kernels", "conform", "--case", "nan", "--case", "relu-zeros", "--out", str(out)]
+    impls = [f"{tmp_path / 'bad.py'}:raises", f"{tmp_path / 'bad.py'}:floats", "torch"]
+    code, stdout, _ = run_cli(*argv, *[a for i in impls for a in ("--impl", i)])
+    assert code == 1
+    report = json.loads(out.read_text())
+    check_schema(report, REPORT_SCHEMA, "report")
+    raises, floats, exact = report["impls"]
+    for case in raises["cases"] + floats["cases"]:
+        assert not case["exact"] and case["recall_min"] is None and case["missed"] is None, case
+    assert raises["cases"][0]["error"] == "RuntimeError: kernel exploded"
+    assert "got a float32 tensor of shape" in floats["cases"][0]["error"]
+    assert exact["exact"] and all(c["recall_min"] == 1.0 for c in exact["cases"])
+    assert "recall 0.0000" not in stdout and "ERROR" in stdout
+    assert "2 errors (no answer to score): relu-zeros, nan" in stdout

@@ -23,13 +23,16 @@ kernels_app = typer_app(no_args_is_help=True, help="Check GPU kernels: the top-k
 
 
 def _line(impl: str, res) -> None:
+    if res.error is not None:  # no answer to score: the error, never a recall of 0
+        console.print(f"{res.name:<27} {'ERROR':<8} {res.error}  [{impl}]", soft_wrap=True)
+        return
     verdict = "exact" if res.exact else "INEXACT"
-    text = (
+    console.print(
         f"{res.name:<27} {verdict:<8} recall {res.recall_min:.4f} min {res.recall_mean:.4f} mean"
         f"  rows wrong {res.rows_inexact:>2}/{res.rows:<2}  worst row {res.worst_row}:"
-        f" {res.worst_missed} missed, {res.worst_wrong} wrong  [{impl}]"
+        f" {res.worst_missed} missed, {res.worst_wrong} wrong  [{impl}]",
+        soft_wrap=True,
     )
-    console.print(text + (f"  error: {res.error}" if res.error else ""), soft_wrap=True)
 
 
 @kernels_app.command("conform")
@@ -77,8 +80,11 @@ def conform_command(
         record_outputs(*file_spec(out, "kernels conform"))
     failing = [r["impl"] for r in report["impls"] if not r["exact"]]
     for r in report["impls"]:
-        bad = [c["name"] for c in r["cases"] if not c["exact"]]
-        summary = "every case exact" if not bad else f"{len(bad)} inexact: {', '.join(bad)}"
+        bad = [c["name"] for c in r["cases"] if not c["exact"] and c["error"] is None]
+        errors = [c["name"] for c in r["cases"] if c["error"] is not None]
+        parts = [f"{len(bad)} inexact: {', '.join(bad)}"] if bad else []
+        parts += [f"{len(errors)} errors (no answer to score): {', '.join(errors)}"] if errors else []
+        summary = "; ".join(parts) or "every case exact"
         console.print(f"{r['impl']}: {len(r['cases'])} cases, {summary}", soft_wrap=True)
     if failing:
         raise typer.Exit(1)

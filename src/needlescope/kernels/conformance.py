@@ -81,22 +81,24 @@ class Expected:
 @dataclass(frozen=True)
 class CaseResult:
     """One case run through one implementation (module docstring for the counts). ``error``: the
-    implementation raised or returned a wrong shape (the case then counts as inexact)."""
+    implementation raised or returned no integer ``[R, k]`` tensor; the case then fails
+    (``exact`` false) and has no score: every count and recall is None, never a recall of 0
+    that would read as an implementation that answered and missed everything."""
 
     name: str
     rows: int
     width: int
     k: int
     exact: bool
-    rows_inexact: int
-    recall_mean: float
-    recall_min: float
-    worst_row: int
-    worst_missed: int
-    worst_wrong: int
-    missed: int
-    wrong: int
-    lower_index_ties: bool
+    rows_inexact: int | None
+    recall_mean: float | None
+    recall_min: float | None
+    worst_row: int | None
+    worst_missed: int | None
+    worst_wrong: int | None
+    missed: int | None
+    wrong: int | None
+    lower_index_ties: bool | None
     error: str | None = None
 
 
@@ -179,7 +181,12 @@ def score(case: Case, indices: torch.Tensor, exp: Expected | None = None) -> Cas
 def failed(case: Case, error: str) -> CaseResult:
     """The result of a case whose implementation raised or returned a malformed answer."""
     R, W = case.scores.shape
-    return CaseResult(case.name, R, W, case.k, False, R, 0.0, 0.0, 0, 0, 0, 0, 0, False, error)
+    return CaseResult(case.name, R, W, case.k, False, *[None] * 9, error)
+
+
+def _integer(t: torch.Tensor) -> bool:
+    """An integer dtype (bool and complex are not indices)."""
+    return not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)
 
 
 TopK = Callable[[torch.Tensor, int, torch.Tensor], torch.Tensor]
@@ -193,9 +200,13 @@ def run_case(impl: TopK, case: Case, exp: Expected | None = None) -> CaseResult:
     except Exception as e:  # the implementation under test is arbitrary code: report, never hide
         return failed(case, f"{type(e).__name__}: {e}")
     R = case.scores.shape[0]
-    if not isinstance(out, torch.Tensor) or out.shape != (R, case.k) or out.is_floating_point():
-        shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-        return failed(case, f"expected an integer tensor [{R}, {case.k}], got {shape}")
+    if not isinstance(out, torch.Tensor) or out.shape != (R, case.k) or not _integer(out):
+        got = (
+            f"a {str(out.dtype).removeprefix('torch.')} tensor of shape {list(out.shape)}"
+            if isinstance(out, torch.Tensor)
+            else f"a {type(out).__name__}"
+        )
+        return failed(case, f"expected an integer tensor [{R}, {case.k}], got {got}")
     return score(case, out, exp)
 
 
