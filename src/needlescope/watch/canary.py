@@ -109,6 +109,7 @@ class Canary:
     ) -> None:
         self.cfg = cfg
         self.metrics = metrics
+        metrics.interval.set(cfg.interval_s)
         self.clock = clock
         self.root, self.v1 = normalize_base_url(cfg.base_url)
         self.window = RollingWindow(cfg.lengths, cfg.window)
@@ -198,7 +199,14 @@ class Canary:
                 # counter was found): --tokenizer PATH, or a length too short for the needle,
                 # fails every round alike. Bad usage ends the canary (exit 2).
                 raise
-            self._warn_once("cases", f"cannot build probe cases: {e}")
+            if isinstance(e, ProbeError):
+                # The server's token counting failed (its /tokenize timed out, answered 5xx...): a
+                # failed request of the canary's, counted and logged as a probe's is. It was one
+                # warning for the whole run and no count: a canary that measured nothing for
+                # hours showed no error on the dashboard and, after its first episode, none in the log.
+                self._count_error(Outcome(None, "tokenize", f"cannot build probe cases: {e}", 0.0))
+            else:
+                self._warn_once("cases", f"cannot build probe cases: {e}")
             cases = None
         except (httpx.TransportError, OSError) as e:
             self._count_error(Outcome(None, "connection", f"{type(e).__name__}: {e}", 0.0))
@@ -278,6 +286,12 @@ class Canary:
             seen[1] += 1
             return
         more = f" ({int(seen[1])} more like it since the last such line)" if seen and seen[1] else ""
+        # Forget reasons not logged within the last minute (they would be logged anew anyway; a
+        # count of repeats not yet reported goes, needlescope_probe_errors_total keeps every one):
+        # a server whose messages vary ("Used 29182 of 30000 tokens", a request id) added one
+        # entry per error for as long as the canary ran, and memory is bounded by construction.
+        for old in [r for r, (at, _) in self._error_log.items() if now - at >= ERROR_LOG_EVERY_S]:
+            del self._error_log[old]
         self._error_log[reason] = [now, 0]
         log.warning("probe error (%s): %s%s", outcome.error, outcome.detail[:300], more)
 

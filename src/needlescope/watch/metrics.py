@@ -5,10 +5,11 @@
 | ``needlescope_recall`` | gauge | ``length_bucket`` | recall over the rolling window of that length's probes (NaN before any) |
 | ``needlescope_probes_total`` | counter | ``length_bucket``, ``result`` (hit, miss) | scored probes |
 | ``needlescope_effective_length_tokens`` | gauge | | longest length whose windowed recall, and every shorter one's, reaches the threshold; 0 when even the shortest fails |
-| ``needlescope_target_up`` | gauge | | 1 when the last round reached the server, else 0 |
-| ``needlescope_probe_errors_total`` | counter | ``kind`` (timeout, connection, admission, 5xx, protocol) | failed requests (never counted as misses) |
+| ``needlescope_target_up`` | gauge | | 1 when the last round reached the server, else 0 (NaN before the first round ends) |
+| ``needlescope_probe_errors_total`` | counter | ``kind`` (timeout, connection, admission, 5xx, protocol, too_large, tokenize) | failed requests (never counted as misses) |
 | ``needlescope_probe_latency_seconds`` | histogram | ``phase`` (ttft, e2e) | probe latency; ttft only from servers that stream |
 | ``needlescope_last_success_timestamp_seconds`` | gauge | | Unix time of the last scored probe |
+| ``needlescope_round_interval_seconds`` | gauge | | the canary's ``--interval``: how long a healthy canary may go between scored probes |
 | ``needlescope_engine_queue_depth`` | gauge | | requests waiting in the engine (its own /metrics, normalized) |
 | ``needlescope_engine_running_requests`` | gauge | | requests the engine is running |
 | ``needlescope_engine_kv_cache_usage_ratio`` | gauge | | fullest KV cache, 0..1 |
@@ -59,6 +60,11 @@ class CanaryMetrics:
         self.last_success = Gauge(
             "needlescope_last_success_timestamp_seconds", "Unix time of the last scored probe", registry=r
         )
+        # The no-scored-probe alert waits a few intervals: a canary that runs every 30 minutes
+        # goes 30 minutes between scored probes by design (a fixed 15 minutes fired every round).
+        self.interval = Gauge(
+            "needlescope_round_interval_seconds", "Seconds between the canary's rounds", registry=r
+        )
         self.engine_queue = Gauge("needlescope_engine_queue_depth", "Engine requests waiting", registry=r)
         self.engine_running = Gauge(
             "needlescope_engine_running_requests", "Engine requests running", registry=r
@@ -79,7 +85,11 @@ class CanaryMetrics:
                 self.probes.labels(str(length), result)
         for phase in ("ttft", "e2e"):
             self.latency.labels(phase)
+        # target_up too: 0 before the first round had ended read as "down" (a first round of long
+        # probes on a busy server paged NeedlescopeTargetDown while the server answered).
         for gauge in (
+            self.target_up,
+            self.interval,
             self.effective_length,
             self.engine_queue,
             self.engine_running,

@@ -45,7 +45,9 @@ __all__ = [
     "watch_client",
 ]
 
-ERROR_KINDS = ("timeout", "connection", "admission", "5xx", "protocol", "too_large")
+ERROR_KINDS = ("timeout", "connection", "admission", "5xx", "protocol", "too_large", "tokenize")
+"""What failed; ``tokenize`` (never from ``error_kind``): the canary could build no probe, since
+the server's token counting failed."""
 # What the canary merges into each chat request to see the first token arrive.
 STREAM_BODY = {"stream": True, "stream_options": {"include_usage": True}}
 
@@ -241,6 +243,9 @@ async def resolve_model(client: httpx.AsyncClient, v1: str, model: str | None) -
         ids = [m["id"] for m in resp.json()["data"]] if resp.status_code == 200 else []
     except (ValueError, KeyError, TypeError):
         ids = []
+    # Only a non-empty string names a model: an id of null or 123 was taken as the model, sent as
+    # "model": null, and broke health's report with a traceback (its schema wants a string).
+    ids = [i for i in ids if isinstance(i, str) and i]
     if model:
         if ids and model not in ids:
             raise BadInput(f"model {model!r} not served at {v1}; available: {', '.join(map(str, ids))}")
@@ -255,7 +260,9 @@ def token_counter(cfg: TargetConfig, root: str, model: str):
     a local ``tokenizer.json``; blocking. The caller closes it (``close()``, where it has one)."""
     if cfg.tokenizer != "server":
         return LocalTokenCounter(Path(cfg.tokenizer))
-    counter = detect_server_tokenizer(root, model, api_key=cfg.api_key)
+    # --timeout bounds these requests too (never above the counter's own 30 s): without it a hung
+    # /tokenize held `health --timeout 3`, a readiness probe, for a minute (30 s a form tried).
+    counter = detect_server_tokenizer(root, model, api_key=cfg.api_key, timeout=min(cfg.timeout_s, 30.0))
     if counter is None:
         raise BadInput(
             f"the server at {root} exposes no /tokenize endpoint; pass --tokenizer PATH to a tokenizer.json"
