@@ -446,3 +446,29 @@ def test_a_probe_killed_while_its_store_is_built_starts_again_cleanly(run_cli, t
     assert code == 0, stderr
     assert _results(out / "results.sqlite") == 4
     assert not list(out.glob("*.partial*"))
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["health", "--base-url", "http://bob:s3cret-pw@127.0.0.1:9/v1"],
+        ["probe", "--base-url", "http://bob:s3cret-pw@127.0.0.1:9/v1", "--model", MODEL],
+        [
+            "compare",
+            "--a",
+            "http://bob:s3cret-pw@127.0.0.1:9",
+            "--b",
+            "http://127.0.0.1:9/v1",
+            "--model",
+            MODEL,
+        ],
+    ],
+)
+def test_credentials_in_the_url_are_refused_without_being_printed(run_cli, tmp_path, argv):
+    """``http://user:pass@host`` was taken as given and printed in health's output, the canary's
+    log and the results' provenance: a credential in logs and artifacts."""
+    code, stdout, stderr = run_cli(*argv, *(["--out", str(tmp_path / "o")] if argv[0] != "health" else []))
+    assert code == 2, stdout + stderr
+    assert "carries credentials" in stderr and "--api-key" in stderr
+    assert "s3cret-pw" not in stdout + stderr
+    assert not (tmp_path / "o").exists()

@@ -25,6 +25,15 @@ def normalize_base_url(url: str) -> tuple[str, str]:
         raise BadInput(
             f"--base-url {raw!r} is not a valid URL ({exc}); pass e.g. http://127.0.0.1:8000/v1"
         ) from None
+    if "@" in parts.netloc:
+        # Credentials in the URL would travel into every log line, report and results store that
+        # names the target (an API key never may); the message shows the URL without them.
+        host = parts.netloc.rpartition("@")[2]
+        raise BadInput(
+            f"--base-url {parts._replace(netloc='***@' + host).geturl()!r} carries credentials "
+            "(user:password@); pass the key with --api-key (or NEEDLESCOPE_API_KEY) and the URL "
+            f"without them, e.g. {parts.scheme}://{host}/v1"
+        )
     if parts.scheme not in ("http", "https") or not parts.netloc:
         raise BadInput(f"--base-url {raw!r} is not an http(s) URL; pass e.g. http://127.0.0.1:8000/v1")
     base = raw.rstrip("/")
