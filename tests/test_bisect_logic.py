@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from needlescope.errors import BadInput
+from needlescope.errors import BadInput, ProbeError
 from needlescope.run.bisect import BisectConfig, _Bisector, _crossing, _no_bracket, _search
 
 
@@ -125,7 +125,7 @@ def test_no_bracket_messages_and_the_failed_length():
             t = super().tally()
             return {n: ((0, 0) if n == 600 else v) for n, v in t.items()}
 
-    with pytest.raises(BadInput, match="every request at 600 tokens failed"):
+    with pytest.raises(ProbeError, match="every request at 600 tokens failed"):
         _run(Dead(lambda n, i: n < 733, resolution=8))
 
 
@@ -286,6 +286,6 @@ def test_a_midpoint_with_no_scored_case_cannot_be_bisected():
             return {n: v for n, v in super().tally().items() if n != 700}
 
     with pytest.raises(
-        BadInput, match=r"^every request at 700 tokens failed; the server cannot be bisected, see results$"
+        ProbeError, match=r"^every request at 700 tokens failed; the server cannot be bisected$"
     ):
         _run(Missing(lambda n, i: n < 733, resolution=8))

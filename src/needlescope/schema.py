@@ -1,6 +1,7 @@
 """A minimal JSON-Schema checker for needlescope's artifacts (no dependency, no torch).
 
-Supports ``type`` (one name or a list), ``required``, ``properties`` and ``items``. A Python
+Supports ``type`` (one name or a list), ``required``, ``properties``, ``additionalProperties``
+(a schema for every other key's value), ``items``, ``minItems`` and ``minLength``. A Python
 bool is a JSON ``boolean`` only, never an ``integer`` or ``number``.
 """
 
@@ -38,6 +39,11 @@ def check_schema(obj: object, schema: dict, path: str) -> None:
         for key, sub in schema.get("properties", {}).items():
             if key in obj:
                 check_schema(obj[key], sub, f"{path}.{key}")
+        extra = schema.get("additionalProperties")
+        if isinstance(extra, dict):
+            for key, value in obj.items():
+                if key not in schema.get("properties", {}):
+                    check_schema(value, extra, f"{path}.{key}")
     if isinstance(obj, list) and len(obj) < schema.get("minItems", 0):
         raise ValueError(f"{path}: expected at least {schema['minItems']} item(s), got {len(obj)}")
     if isinstance(obj, str) and len(obj) < schema.get("minLength", 0):

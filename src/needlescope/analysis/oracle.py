@@ -17,6 +17,11 @@ Per compared position:
   renormalised token carries no shape);
 - the reference's margin, best minus second-best logprob: below ``flip_margin`` nats a flip of the
   greedy choice is expected from numerical noise alone, so a divergence there is *expected*.
+
+A logprob of ``-inf``, or at or below ``NO_PROB`` (vLLM writes -inf as -9999.0, since JSON has no
+infinity), is probability 0: two such logprobs agree (``|Δ|`` 0, and they add nothing to KL); one
+against a finite logprob differs without bound (``inf``). A missing logprob (``null``, read as NaN)
+is left out rather than compared.
 """
 
 from __future__ import annotations
@@ -37,12 +42,15 @@ __all__ = [
     "summarize",
     "FLIP_MARGIN",
     "ATOL",
+    "NO_PROB",
 ]
 
 FLIP_MARGIN = 0.1
 """Nats: a reference margin below this makes a greedy flip an expected outcome of noise."""
 ATOL = 1e-4
 """Nats: the largest ``|Δ logprob|`` still called identical (batching and kernel order move ~1e-6)."""
+NO_PROB = -9999.0
+"""A logprob at or below this is probability 0: vLLM's JSON stand-in for ``-inf``."""
 
 
 @dataclass(frozen=True)
@@ -99,15 +107,35 @@ def first_difference(a: Sequence, b: Sequence) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
+def _lp(x: float) -> float:
+    """``x`` with every spelling of probability 0 (``-inf``, vLLM's -9999.0) as ``-inf``."""
+    return -math.inf if x <= NO_PROB else x
+
+
+def _abs_delta(a: float, b: float) -> float | None:
+    """``|a - b|`` of two logprobs: 0 when both are probability 0 (``-inf - -inf`` is NaN, which
+    made a server compared with itself read as 'close' or 'identical' by set order), None when
+    either is missing (NaN)."""
+    a, b = _lp(a), _lp(b)
+    if math.isnan(a) or math.isnan(b):
+        return None
+    return 0.0 if a == b else abs(a - b)
+
+
 def _kl_common(p: Mapping[str, float], q: Mapping[str, float], shared: set[str]) -> float:
-    """KL(p || q) of two logprob maps restricted to ``shared`` and renormalised there."""
-    if len(shared) < 2:
+    """KL(p || q) of two logprob maps restricted to ``shared`` and renormalised there. Tokens of
+    probability 0 on both sides carry nothing and are left out; p > 0 where q = 0 is ``inf``.
+    Summed in token order, so the same maps always give the same float."""
+    pairs = [(_lp(p[t]), _lp(q[t])) for t in sorted(shared)]
+    pairs = [(a, b) for a, b in pairs if not (math.isnan(a) or math.isnan(b) or a == b == -math.inf)]
+    if len(pairs) < 2 or all(a == -math.inf for a, _b in pairs):
         return 0.0
-    lp = [p[t] for t in shared]
-    lq = [q[t] for t in shared]
-    zp = _logsumexp(lp)
-    zq = _logsumexp(lq)
-    return max(0.0, sum(math.exp(a - zp) * ((a - zp) - (b - zq)) for a, b in zip(lp, lq, strict=True)))
+    if any(b == -math.inf and a > -math.inf for a, b in pairs):
+        return math.inf
+    zp = _logsumexp([a for a, _b in pairs])
+    zq = _logsumexp([b for _a, b in pairs])
+    terms = [math.exp(a - zp) * ((a - zp) - (b - zq)) for a, b in pairs if a > -math.inf]
+    return max(0.0, math.fsum(terms))
 
 
 def _logsumexp(xs: Sequence[float]) -> float:
@@ -130,9 +158,10 @@ def compare_steps(
         shared = set(r.top) & set(c.top)
         if r.top and c.top:
             overlap += len(shared) / min(len(r.top), len(c.top))
-        deltas += [abs(r.top[t] - c.top[t]) for t in shared]
+        pairs = [(r.top[t], c.top[t]) for t in sorted(shared)]
         if r.token == c.token and r.token not in shared:
-            deltas.append(abs(r.logprob - c.logprob))
+            pairs.append((r.logprob, c.logprob))
+        deltas += [d for d in (_abs_delta(a, b) for a, b in pairs) if d is not None]
         kls.append(_kl_common(r.top, c.top, shared))
         margins.append(margin(r))
     low = [i for i, m in enumerate(margins) if m is not None and m < flip_margin]

@@ -80,9 +80,17 @@ def export_command(
             _target_failed(exc)
         path = write_export(body, out)
     n_steps = sum(len(p["steps"]) for p in body["prompts"])
+    asked = body["top_logprobs"]
+    # What came back, not what was asked: a server may send fewer alternatives, or none.
+    most = max((len(s["top"]) for p in body["prompts"] for s in p["steps"]), default=0)
+    tops = (
+        f"top-{asked} logprobs"
+        if most >= asked
+        else f"logprobs (top-{asked} asked; the server returned at most {most} alternatives a token)"
+    )
     console.print(
-        f"exported {len(body['prompts'])} prompts, {n_steps} generated tokens with top-{body['top_logprobs']} "
-        f"logprobs (prompt ids from {body['prompt_ids_source']}) to {path}",
+        f"exported {len(body['prompts'])} prompts, {n_steps} generated tokens with {tops} "
+        f"(prompt ids from {body['prompt_ids_source']}) to {path}",
         highlight=False,
     )
 

@@ -86,15 +86,27 @@ def read_bundle(path: Path) -> tuple[dict, dict]:
             out.append(json.loads(f.read_text(encoding="utf-8")))
         except json.JSONDecodeError as e:
             raise BadInput(f"{f} is not valid JSON ({e.msg} at char {e.pos})") from None
+        except UnicodeDecodeError as e:  # bytes that are not UTF-8 are no JSON either
+            raise BadInput(
+                f"{f} is not UTF-8 text ({e.reason} at byte {e.start}); it is not valid JSON"
+            ) from None
     request, manifest = out
     try:
         check_schema(manifest, MANIFEST_SCHEMA, "manifest")
     except ValueError as e:
         raise BadInput(f"{path}/manifest.json is malformed: {e}") from None
+    # Each message an object with a string role, the model a name: a body the server must refuse
+    # would be read as the target failing ("none of N requests was answered; check --base-url").
     if (
         not isinstance(request, dict)
         or not isinstance(request.get("messages"), list)
-        or "model" not in request
+        or not request["messages"]
+        or not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in request["messages"])
+        or not isinstance(request.get("model"), str)
+        or not request["model"]
     ):
-        raise BadInput(f"{path}/request.json is not a chat-completions body (needs model and messages)")
+        raise BadInput(
+            f"{path}/request.json is not a chat-completions body (needs a model name and messages, "
+            "each an object with a role); pass a bundle written under a probe's bundles/"
+        )
     return request, manifest

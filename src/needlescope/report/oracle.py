@@ -25,7 +25,9 @@ __all__ = [
 ]
 
 _NUM_OR_NULL = {"type": ["number", "null"]}
-_STEP = record({"token": {"type": "string"}, "logprob": {"type": "number"}, "top": {"type": "object"}})
+# Every alternative's logprob a number: a hand-edited export with a string there was a traceback.
+_TOP = {"type": "object", "additionalProperties": {"type": "number"}}
+_STEP = record({"token": {"type": "string"}, "logprob": {"type": "number"}, "top": _TOP})
 
 EXPORT_SCHEMA: dict = record(
     {

@@ -44,7 +44,7 @@ from needlescope.analysis.bisect import (
 )
 from needlescope.analysis.stats import wilson_interval
 from needlescope.cases import CaseSpec, build_cases, score_answer
-from needlescope.errors import BadInput
+from needlescope.errors import BadInput, ProbeError
 from needlescope.progress import Event, no_event
 from needlescope.report.bisect import write_bisect_outputs
 from needlescope.run.config import ProbeConfig
@@ -150,6 +150,17 @@ class _Bisector:
         )
         return self.tally()
 
+    def require_scored(self, tally: dict, lengths: list[int]) -> None:
+        """ProbeError (a target failure: exit 1, the finished cases kept for ``--resume``), as for
+        a midpoint with no scored case (``confirm``), when every request at one of ``lengths``
+        failed: the search must not conclude from errors."""
+        blind = sorted({n for n in lengths if tally.get(n, (0, 0))[1] == 0})
+        if blind:
+            raise ProbeError(
+                f"every request at {', '.join(map(str, blind))} tokens failed, so no recall was measured "
+                "there and the bisection cannot conclude"
+            )
+
     def asked(self, case: dict) -> bool:
         """Whether the search has asked for ``case`` yet: its length, up to its trials there."""
         return int(case["trial"]) < self.trials_at.get(case["length"], 0)
@@ -175,9 +186,7 @@ class _Bisector:
             else:
                 k, n = tally.get(mid, (0, 0))
                 if n == 0:
-                    raise BadInput(
-                        f"every request at {mid} tokens failed; the server cannot be bisected, see results"
-                    )
+                    raise ProbeError(f"every request at {mid} tokens failed; the server cannot be bisected")
                 cand = (mid, ends[1]) if k / n >= thr else (ends[0], mid)
             a, f = cand
             valid = _passes(tally, a, thr) and not _passes(tally, f, thr)
@@ -233,8 +242,12 @@ def _crossing(tally: dict, found: tuple[int, int], threshold: float) -> dict:
 
 async def _search(b: _Bisector, lo: int, hi: int, boundaries: list[int]) -> dict:
     threshold = b.cfg.threshold
-    tally = await b.evaluate(coarse_grid(lo, hi, b.bis.coarse_points), "coarse")
+    coarse = coarse_grid(lo, hi, b.bis.coarse_points)
+    tally = await b.evaluate(coarse, "coarse")
     found = bracket(tally, threshold)
+    # A length where every request failed has no recall: a bracket read past it, or "recall stays
+    # above the threshold at every tested length", would be concluded from errors.
+    b.require_scored(tally, [n for n in coarse if found is None or n < found[1]])
     crossing, confirmed = None, False
     if found is None:
         message = _no_bracket(tally, lo, hi, threshold)
@@ -270,6 +283,7 @@ async def _search(b: _Bisector, lo: int, hi: int, boundaries: list[int]) -> dict
     for m in (m for m in boundaries if 2 <= m <= RESIDUE_MAX_MOD):
         runs = residue_runs(m, lo, top, b.bis.residue_runs)
         tally = await b.evaluate(sorted({x for r in runs for x in r}), f"residue mod {m}")
+        b.require_scored(tally, [x for r in runs for x in r])
         residues.append(residue_test([tally_slice(tally, r) for r in runs], m))
     return {
         "bracket": found,
@@ -354,6 +368,10 @@ def run_bisect(cfg: ProbeConfig, bis: BisectConfig, on_event: Event = no_event) 
         used = len(store.cases())
         full = full_grid_points(lo, hi, bis.resolution) * b.per_point
         bracket_ = found["bracket"]
+        errors = sum(1 for r in store.results() if r["status"] != "ok")
+        if errors:
+            # The printed result says so too (bisect.md's Requests line did, the terminal did not).
+            found["message"] += f"; {errors} request(s) failed and are not counted as misses"
         summary = {
             "lo": lo,
             "hi": hi,
@@ -374,7 +392,7 @@ def run_bisect(cfg: ProbeConfig, bis: BisectConfig, on_event: Event = no_event) 
             "requests_used": used,
             "full_grid_requests": full,
             "request_ratio": used / full,
-            "errors": sum(1 for r in store.results() if r["status"] != "ok"),
+            "errors": errors,
             "provenance": provenance,
         }
         return write_bisect_outputs(Path(cfg.out), summary, store.results())

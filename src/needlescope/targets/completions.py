@@ -202,6 +202,12 @@ def _steps(lp: dict, url: str) -> list[GenStep]:
         )
     out = []
     for tok, val, top in zip(tokens, lps, tops, strict=True):
+        if isinstance(top, list):  # the chat shape, [{"token", "logprob"}], which some servers send here too
+            top = {t.get("token"): t.get("logprob") for t in top if isinstance(t, dict) and "token" in t}
+        if not isinstance(top, (dict, type(None))):
+            raise ProtocolViolation(
+                f"{url}: a top_logprobs entry is {type(top).__name__}, not an object of token logprobs"
+            )
         alts = {str(k): float(v) for k, v in (top or {}).items() if _num(v)}
         out.append(GenStep(token=str(tok), logprob=float(val) if _num(val) else float("nan"), top=alts))
     return out
