@@ -66,8 +66,10 @@ def test_shared_tokens_deltas_and_means():
 
 def test_a_chosen_token_outside_the_top_lists_is_compared_by_its_own_logprob():
     r = compare_steps([Step("a", -0.3, {})], [_step("a", {"a": -0.05})])
-    assert (r.topk_overlap, r.top1_agreement, r.shared_tokens, r.max_abs_dlogprob) == (0.0, 1.0, 1, 0.25)
-    assert r.verdict == "close" and r.mean_kl == 0.0
+    # The reference sent no alternatives: overlap and KL are unknown (None), not 0 (which read as
+    # "nothing in common" beside a verdict of identical) nor a KL of 0 (which reads as agreement).
+    assert (r.topk_overlap, r.top1_agreement, r.shared_tokens, r.max_abs_dlogprob) == (None, 1.0, 1, 0.25)
+    assert r.verdict == "close" and r.mean_kl is None and r.max_kl is None
 
 
 def test_thresholds_are_strict_for_margins_and_inclusive_for_atol():

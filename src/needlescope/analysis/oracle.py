@@ -122,14 +122,16 @@ def _abs_delta(a: float, b: float) -> float | None:
     return 0.0 if a == b else abs(a - b)
 
 
-def _kl_common(p: Mapping[str, float], q: Mapping[str, float], shared: set[str]) -> float:
+def _kl_common(p: Mapping[str, float], q: Mapping[str, float], shared: set[str]) -> float | None:
     """KL(p || q) of two logprob maps restricted to ``shared`` and renormalised there. Tokens of
     probability 0 on both sides carry nothing and are left out; p > 0 where q = 0 is ``inf``.
-    Summed in token order, so the same maps always give the same float."""
+    Summed in token order, so the same maps always give the same float. None when no token is
+    left (a side that sent no alternatives): unmeasured, never a KL of 0 that reads as agreement
+    (one shared token gives 0, as the common-support KL is: both renormalise to 1)."""
     pairs = [(_lp(p[t]), _lp(q[t])) for t in sorted(shared)]
     pairs = [(a, b) for a, b in pairs if not (math.isnan(a) or math.isnan(b) or a == b == -math.inf)]
-    if len(pairs) < 2 or all(a == -math.inf for a, _b in pairs):
-        return 0.0
+    if not pairs or all(a == -math.inf for a, _b in pairs):
+        return None
     if any(b == -math.inf and a > -math.inf for a, b in pairs):
         return math.inf
     zp = _logsumexp([a for a, _b in pairs])
@@ -149,7 +151,8 @@ def compare_steps(
     """Compare two greedy generations of the same prompt (``ref`` is the reference)."""
     div = first_difference([s.token for s in ref], [s.token for s in cand])
     n = min(len(ref), len(cand)) if div is None else min(div + 1, len(ref), len(cand))
-    agree = overlap = 0.0
+    agree = 0.0
+    overlaps: list[float] = []  # only where both sides sent alternatives: else unknown, not 0
     deltas: list[float] = []
     kls: list[float] = []
     margins: list[float | None] = []
@@ -157,12 +160,14 @@ def compare_steps(
         agree += r.best() == c.best()
         shared = set(r.top) & set(c.top)
         if r.top and c.top:
-            overlap += len(shared) / min(len(r.top), len(c.top))
+            overlaps.append(len(shared) / min(len(r.top), len(c.top)))
         pairs = [(r.top[t], c.top[t]) for t in sorted(shared)]
         if r.token == c.token and r.token not in shared:
             pairs.append((r.logprob, c.logprob))
         deltas += [d for d in (_abs_delta(a, b) for a, b in pairs) if d is not None]
-        kls.append(_kl_common(r.top, c.top, shared))
+        kl = _kl_common(r.top, c.top, shared)
+        if kl is not None:
+            kls.append(kl)
         margins.append(margin(r))
     low = [i for i, m in enumerate(margins) if m is not None and m < flip_margin]
     div_margin = margins[div] if div is not None and div < len(margins) else None
@@ -174,7 +179,7 @@ def compare_steps(
         compared=n,
         first_divergence=div,
         top1_agreement=agree / n if n else None,
-        topk_overlap=overlap / n if n else None,
+        topk_overlap=sum(overlaps) / len(overlaps) if overlaps else None,
         mean_abs_dlogprob=sum(deltas) / len(deltas) if deltas else None,
         max_abs_dlogprob=max(deltas) if deltas else None,
         shared_tokens=len(deltas),
