@@ -25,7 +25,8 @@ def oracle_peer(top: str):
     """A completions peer that answers every prompt greedily with the tokens a, b, c and, per
     position, three alternatives whose last is impossible; ``top`` is how it writes them:
     ``inf`` (a literal -Infinity, as Python's json writes it), ``vllm`` (-9999.0, vLLM's stand-in
-    for -inf) or ``chat_shape`` (a list of {"token", "logprob"}, as in chat completions)."""
+    for -inf) or ``chat_shape`` (a list of {"token", "logprob"}, as in chat completions);
+    ``finite`` gives the third alternative -3.0 (possible)."""
 
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, *args: object) -> None:
@@ -54,7 +55,7 @@ def oracle_peer(top: str):
                 self._send(404, {"error": {"message": f"no route {self.path}"}})
                 return
             toks = ["a", "b", "c"][: body["max_tokens"]]
-            never = {"inf": float("-inf"), "vllm": -9999.0, "chat_shape": float("-inf")}[top]
+            never = {"inf": float("-inf"), "vllm": -9999.0, "chat_shape": float("-inf"), "finite": -3.0}[top]
             tops: list = [{t: -0.1, "zz": -2.5, "yy": never} for t in toks]
             if top == "chat_shape":
                 tops = [[{"token": k, "logprob": v} for k, v in alts.items()] for alts in tops]
@@ -127,7 +128,7 @@ def test_top_logprobs_in_the_chat_shape_are_read_not_a_traceback(run_cli, tmp_pa
     with in_thread(oracle_peer("chat_shape")) as url:
         _export(run_cli, url, tmp_path / "ref", prompts)
         export = json.loads((tmp_path / "ref" / "export.json").read_text())
-    assert export["prompts"][0]["steps"][0]["top"] == {"a": -0.1, "zz": -2.5, "yy": float("-inf")}
+    assert export["prompts"][0]["steps"][0]["top"] == {"a": -0.1, "zz": -2.5, "yy": -9999.0}
 
 
 @pytest.mark.parametrize(
@@ -296,3 +297,30 @@ def test_a_bisection_that_lost_requests_says_so_in_its_printed_result(run_cli, t
     text = " ".join((stdout + err).split())
     assert code == 2 and failed == 5, text  # no bracket: recall 1/1 at every length, depth 100 failed
     assert f"; {failed} request(s) failed and are not counted as misses" in text
+
+
+def _strict(path: Path) -> dict:
+    """``path`` read as strict JSON: NaN and Infinity, which jq and JavaScript refuse, fail."""
+
+    def refuse(constant: str):
+        raise AssertionError(f"{path} holds {constant}, which is not JSON")
+
+    return json.loads(path.read_text(), parse_constant=refuse)
+
+
+def test_exports_and_oracle_results_are_strict_json_whatever_the_logprobs(run_cli, tmp_path, prompts):
+    """Before: a server's -inf went into export.json as -Infinity, and an unbounded |Δ| or KL
+    (probability 0 on one side only) into oracle.json as Infinity: files jq and browsers refuse."""
+    from needlescope.report.oracle import read_oracle
+
+    with in_thread(oracle_peer("inf")) as inf, in_thread(oracle_peer("finite")) as finite:
+        _export(run_cli, inf, tmp_path / "ref", prompts)
+        step = _strict(tmp_path / "ref" / "export.json")["prompts"][0]["steps"][0]
+        assert step["top"]["yy"] == -9999.0  # probability 0, as vLLM writes it
+        code, out, err = run_cli(
+            "oracle", "compare", str(tmp_path / "ref"), "--base-url", finite + "/v1", "--out", str(tmp_path / "c")
+        )  # fmt: skip
+    assert code == 0, err
+    summary = _strict(tmp_path / "c" / "oracle.json")["summary"]
+    assert summary["max_abs_dlogprob"] == "inf" and summary["verdict"] == "same_tokens"
+    assert read_oracle(tmp_path / "c" / "oracle.json")["summary"]["max_abs_dlogprob"] == float("inf")

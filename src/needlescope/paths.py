@@ -8,6 +8,7 @@ Torch-free and without side effects: ``check_out_dir`` only inspects the filesys
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -45,6 +46,24 @@ def read_json_object(path: str | Path, hint: str) -> dict:
     if not isinstance(data, dict):
         raise BadInput(f"{path} is not a JSON object; {hint}")
     return data
+
+
+def json_safe(obj):
+    """``obj`` with every non-finite float written as a string (``"nan"``, ``"inf"``, ``"-inf"``):
+    strict JSON, which jq and JavaScript read (Python's ``NaN``/``Infinity`` they refuse). A
+    reader maps the strings back where its schema says a number may be non-finite."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return "nan" if math.isnan(obj) else ("inf" if obj > 0 else "-inf")
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [json_safe(v) for v in obj]
+    return obj
+
+
+def from_json_safe(value):
+    """Inverse of ``json_safe`` for one value a schema says is a number: its strings as floats."""
+    return float(value) if value in ("nan", "inf", "-inf") else value
 
 
 def atomic_write_json(path: Path, obj) -> None:

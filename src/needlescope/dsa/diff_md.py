@@ -31,8 +31,8 @@ Non-finite numbers are written as JSON strings ``"inf"`` / ``"nan"`` by ``diff_t
 from __future__ import annotations
 
 import json
-import math
 
+from needlescope.paths import json_safe
 from needlescope.schema import check_schema
 
 __all__ = ["DIFF_SCHEMA", "diff_to_json", "render_diff_md", "trivial_selection_note", "validate_diff"]
@@ -121,19 +121,9 @@ def validate_diff(obj: dict) -> None:
     check_schema(obj, DIFF_SCHEMA, "diff")
 
 
-def _finite(x):
-    if isinstance(x, float) and not math.isfinite(x):
-        return "nan" if math.isnan(x) else ("inf" if x > 0 else "-inf")
-    if isinstance(x, dict):
-        return {k: _finite(v) for k, v in x.items()}
-    if isinstance(x, list):
-        return [_finite(v) for v in x]
-    return x
-
-
 def diff_to_json(obj: dict) -> str:
     """``diff.json`` text: strict JSON, non-finite floats written as strings."""
-    return json.dumps(_finite(obj), indent=2, allow_nan=False)
+    return json.dumps(json_safe(obj), indent=2, allow_nan=False)
 
 
 def _fmt(x) -> str:

@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 from ..errors import BadInput
-from ..paths import atomic_write_json
+from ..paths import atomic_write_json, from_json_safe, json_safe
 from ..schema import check_schema, record
 
 __all__ = [
@@ -27,7 +27,8 @@ __all__ = [
 _NUM_OR_NULL = {"type": ["number", "null"]}
 # Every alternative's logprob a number: a hand-edited export with a string there was a traceback.
 _TOP = {"type": "object", "additionalProperties": {"type": "number"}}
-_STEP = record({"token": {"type": "string"}, "logprob": {"type": "number"}, "top": _TOP})
+# A missing logprob is null; probability 0 is -9999.0 (run.oracle._json_lp).
+_STEP = record({"token": {"type": "string"}, "logprob": _NUM_OR_NULL, "top": _TOP})
 
 EXPORT_SCHEMA: dict = record(
     {
@@ -68,6 +69,9 @@ _ROW_NUMBERS = (
     "max_kl",
     "divergence_margin",
 )
+
+_SAFE_NUMBERS = frozenset(_ROW_NUMBERS) | {"mean_abs_dlogprob", "max_abs_dlogprob", "mean_kl", "max_kl"}
+"""The numbers of oracle.json that may be non-finite (written as strings, ``paths.json_safe``)."""
 
 ORACLE_SCHEMA: dict = record(
     {
@@ -121,6 +125,10 @@ def read_oracle(path: str | Path) -> dict:
     BadInput when it is missing or not one."""
     try:
         obj = json.loads(Path(path).read_text(encoding="utf-8"))
+        # written by json_safe: an unbounded |Δ| or KL (one side's probability 0) is "inf"
+        for row in [obj.get("summary"), *(obj.get("prompts") or [])]:
+            if isinstance(row, dict):
+                row.update({k: from_json_safe(v) for k, v in row.items() if k in _SAFE_NUMBERS})
         check_schema(obj, ORACLE_SCHEMA, "oracle")
     except (OSError, ValueError) as e:
         raise BadInput(
@@ -196,7 +204,7 @@ def write_oracle(result: dict, out: Path) -> tuple[Path, Path]:
     check_schema(result, ORACLE_SCHEMA, "oracle")
     js = Path(out) / "oracle.json"
     js.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(js, result)
+    atomic_write_json(js, json_safe(result))
     md = Path(out) / "oracle.md"
     md.write_text(oracle_markdown(result), encoding="utf-8")
     return js, md

@@ -15,12 +15,21 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
-from needlescope.analysis.oracle import ATOL, FLIP_MARGIN, Step, compare_steps, first_difference, summarize
+from needlescope.analysis.oracle import (
+    ATOL,
+    FLIP_MARGIN,
+    NO_PROB,
+    Step,
+    compare_steps,
+    first_difference,
+    summarize,
+)
 from needlescope.errors import BadInput
 from needlescope.paths import read_json_object
 from needlescope.progress import Progress, no_progress
@@ -146,8 +155,23 @@ def _record(target: CompletionsTarget, p: dict, source: str, toks: list | None, 
         "text": done.text,
         "finish_reason": done.finish_reason,
         "usage_prompt_tokens": done.prompt_tokens,
-        "steps": [{"token": s.token, "logprob": s.logprob, "top": s.top} for s in done.steps],
+        "steps": [
+            {
+                "token": s.token,
+                "logprob": _json_lp(s.logprob),
+                "top": {t: _json_lp(v) for t, v in s.top.items()},
+            }
+            for s in done.steps
+        ],
     }
+
+
+def _json_lp(x: float) -> float | None:
+    """A logprob as export.json holds it: probability 0 as ``NO_PROB`` (vLLM's -9999.0, which
+    ``analysis.oracle`` reads as -inf), a missing one (NaN) as null: strict JSON either way."""
+    if math.isnan(x):
+        return None
+    return max(x, NO_PROB)
 
 
 def _header(cfg: OracleConfig, target: CompletionsTarget, pset: PromptSet, source: str) -> dict:
@@ -234,7 +258,9 @@ def read_export(directory: str | Path) -> dict:
 
 
 def _steps(row: dict) -> list[Step]:
-    return [Step(s["token"], s["logprob"], s["top"]) for s in row["steps"]]
+    return [
+        Step(s["token"], math.nan if s["logprob"] is None else s["logprob"], s["top"]) for s in row["steps"]
+    ]
 
 
 def _ids_equal(ref: dict, source: str, toks: list | None) -> tuple[bool | None, int | None]:
