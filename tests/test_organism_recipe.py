@@ -114,18 +114,20 @@ def test_cli_recipe_flags_reach_the_stage_config_converted(tmp_path, monkeypatch
 
     import needlescope.organism.train as train_mod
     from needlescope.cli.main import app
+    from needlescope.dsa.checkpoint import shipped_dir
 
     calls = []
     monkeypatch.setattr(
         train_mod, "train", lambda cfg, out, **kw: calls.append(cfg) or {"steps": {}, "wall_s": 0}
     )
     args = ["organism", "train", "--out", str(tmp_path), "--device", "cpu", "--lr", "0.002"]
-    args += ["--init-from", str(tmp_path / "init"), "--config-override", "hidden_size=64"]
+    init = shipped_dir()  # --init-from must name a real DeepSeek-V4 checkpoint (checked before training)
+    args += ["--init-from", str(init), "--config-override", "hidden_size=64"]
     args += ["--config-override", "num_hidden_layers=3", "--kind-weights", "1,2,3,4,5"]
     res = CliRunner().invoke(app, args)
     assert res.exit_code == 0, res.output
     (cfg,) = calls
-    assert cfg.lr == 0.002 and cfg.init_from == str(tmp_path / "init")
+    assert cfg.lr == 0.002 and cfg.init_from == str(init)
     assert cfg.config_overrides == {"hidden_size": 64, "num_hidden_layers": 3}
     assert cfg.kind_weights == (1.0, 2.0, 3.0, 4.0, 5.0)
     assert cfg.steps_dense == TrainConfig().steps_dense  # a flag not given keeps its default

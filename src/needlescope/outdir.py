@@ -97,9 +97,28 @@ def _present(out: Path, spec: OutputSpec) -> list[tuple[str, Path]]:
     return sorted(found)
 
 
+def _recorded_above(path: Path) -> tuple[Path, dict] | None:
+    """(folder, entry) of the nearest enclosing folder whose manifest records ``path``: a
+    command records what it writes in subfolders in its own folder's manifest (``compare``'s
+    ``a/`` and ``b/``), so a file there was written by needlescope though ``path``'s own folder
+    has no record of it."""
+    path = path.absolute()
+    for folder in path.parents[1:]:
+        entry = _read_manifest(folder).get(path.relative_to(folder).as_posix())
+        if entry is not None:
+            return folder, entry
+    return None
+
+
 def _conflict(rel: str, path: Path, entry: dict | None, command: str) -> str | None:
     """Why the file at ``rel`` is not ``command``'s to overwrite, or None when it is."""
     if entry is None:
+        above = _recorded_above(path)
+        if above is not None:
+            # Not "was not written by needlescope": that sent users hunting for who had
+            # tampered with a compare's side folder.
+            folder, entry = above
+            return f"was written by needlescope {entry.get('command')} into {folder}, not {command} here"
         return "was not written by needlescope"
     if entry.get("command") != command:
         return f"was written by needlescope {entry.get('command')}, not {command}"
@@ -112,10 +131,28 @@ def _conflict(rel: str, path: Path, entry: dict | None, command: str) -> str | N
     return None
 
 
+def _check_folder(out: Path) -> None:
+    """BadInput when ``out``, or the nearest of its parents that exists, is not a folder: the
+    command would otherwise fail with a traceback when it first writes (``investigate init FILE``,
+    the first step of ``make demo`` with a file named demo-out), or, for a long command, only at
+    its end. ``--force`` does not make a file a folder, so this holds with it too."""
+    existing = out
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if existing == out and out.exists() and not out.is_dir():
+        raise BadInput(f"--out {out} is a file, not a folder; choose another --out")
+    if existing != out and existing.exists() and not existing.is_dir():
+        raise BadInput(
+            f"--out {out}: {existing} is a file, so the folder cannot be made; choose another --out"
+        )
+
+
 def check_outputs(out: Path, spec: OutputSpec, *, force: bool = False) -> None:
     """BadInput naming the first file under ``out`` that ``spec.command`` would overwrite but
-    did not write (or that changed since); nothing when ``force``. Creates nothing."""
+    did not write (or that changed since), the file itself when ``out`` is one (``_check_folder``);
+    only the latter when ``force``. Creates nothing."""
     out = Path(out)
+    _check_folder(out)
     if force or not out.is_dir():
         return
     recorded = _read_manifest(out)

@@ -50,6 +50,23 @@ OUTPUT_SPECS: dict[str, OutputSpec] = {
         OutputSpec("indexer capture", ("capture.json", "capture.md")),
         OutputSpec("indexer compare-dump", ("compare_dump.json", "compare_dump.md")),
         OutputSpec("indexer topk-audit", ("topk_audit.json", "topk_audit.md")),
+        # A checkpoint as save_pretrained writes it (model, tokenizer) and its training record.
+        # Each folder a run writes is guarded on its own (the shipped recipe's stage1/ too): the
+        # documented two-command recipe trains OUT/stage1, then OUT from it.
+        OutputSpec(
+            "organism train",
+            (
+                "config.json",
+                "generation_config.json",
+                "model.safetensors",
+                "model.safetensors.index.json",
+                "tokenizer.json",
+                "tokenizer_config.json",
+                "special_tokens_map.json",
+                "chat_template.jinja",
+                "training.json",
+            ),
+        ),
         OutputSpec(
             "investigate init",
             ("investigation.toml", "reference.env", "deployment.env", "patches/"),

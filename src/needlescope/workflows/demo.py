@@ -80,6 +80,10 @@ class DemoConfig:
             raise BadInput("the deployment setting needs an explicit index_topk")
         if not self.lengths:
             raise BadInput("give at least one probe length")
+        if len(set(self.lengths)) != len(self.lengths):  # else found by the first probe, once served
+            raise BadInput(
+                f"--lengths {','.join(map(str, self.lengths))} names a length twice; give each once"
+            )
         if self.trials < 1:
             raise BadInput(f"trials must be >= 1, got {self.trials}")
         if self.concurrency < 1:
