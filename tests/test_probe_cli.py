@@ -75,6 +75,13 @@ def test_faults_are_errors_not_misses(scripted_server, tmp_path, probe):
     # A window covering everything means every scored case is correct; failures must be errors.
     assert all(c["correct"] == c["n"] for c in cells)
     assert sum(c["n"] + c["errors"] for c in cells) == 40
+    # Why they failed, not only how many (the console says "see report.md"): by kind, with an example.
+    reasons = summary["error_reasons"]
+    assert sum(e["count"] for e in reasons) == summary["errors_total"] > 0
+    assert any("not valid JSON" in e["example"] or "JSON" in e["example"] for e in reasons), reasons
+    report = (tmp_path / "report.md").read_text()
+    for e in reasons:
+        assert f"- {e['count']} {e['kind']}: {e['example']}" in report
 
 
 def test_sigkill_then_resume_loses_and_duplicates_nothing(scripted_server, tmp_path, probe):

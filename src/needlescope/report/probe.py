@@ -200,6 +200,18 @@ SUMMARY_SCHEMA: dict = {
         "depth_profile": DEPTH_PROFILE_SCHEMA,
         "provenance": {"type": "object"},
         "errors_total": {"type": "integer"},
+        "error_reasons": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["kind", "count", "example"],
+                "properties": {
+                    "kind": {"type": "string"},
+                    "count": {"type": "integer"},
+                    "example": {"type": "string"},
+                },
+            },
+        },
         "cells_without_data": {"type": "integer"},
         "length_mismatches": {"type": "integer"},
         "unreachable_lengths": {"type": "integer"},
@@ -352,6 +364,8 @@ def _markdown(summary: dict, cells: list[Cell], notes: list[str]) -> str:
     lines.append(
         f"**Errors:** {summary['errors_total']} request(s) failed; they are excluded from recall, not counted as misses."
     )
+    # Why they failed, not only how many: the console sends the user here ("see report.md").
+    lines += [f"- {e['count']} {e['kind']}: {e['example']}" for e in summary.get("error_reasons", [])]
     lines.append(
         f"**Needle values:** {summary['value_digits']} digits, from {summary['value_digits_source']}."
     )
@@ -463,6 +477,21 @@ def graded_lines(graded: dict, pooled: dict[int, tuple[int, int]]) -> list[str]:
     return lines
 
 
+def error_reasons(results: list[dict]) -> list[dict]:
+    """Failed requests by kind, most first: ``{"kind", "count", "example"}``, the example the
+    first such request's error (300 characters at most; keys are scrubbed before results)."""
+    by_kind: dict[str, dict] = {}
+    for r in results:
+        if r.get("status") != "error":
+            continue
+        kind = r.get("error_kind") or "error"
+        entry = by_kind.setdefault(
+            kind, {"kind": kind, "count": 0, "example": str(r.get("error") or "")[:300]}
+        )
+        entry["count"] += 1
+    return sorted(by_kind.values(), key=lambda e: (-e["count"], e["kind"]))
+
+
 def write_probe_outputs(
     out_dir: Path,
     *,
@@ -505,6 +534,7 @@ def write_probe_outputs(
         "depth_profile": depth_profile(cells),
         "provenance": dict(provenance),
         "errors_total": sum(c.errors for c in cells),
+        "error_reasons": error_reasons(results),
         "cells_without_data": sum(1 for c in cells if c.recall is None),
         "length_mismatches": len(unreachable | server),
         "unreachable_lengths": len(unreachable),
