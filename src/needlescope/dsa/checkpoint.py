@@ -222,17 +222,65 @@ def load_bundle(
                 stream_if_needed=stream_if_needed and device == "auto",
             )
         return model, load_tokenizer(path), path
+    model = _from_pretrained(path, dtype)
+    tokenizer = load_tokenizer(path)
+    return model.to(device).eval(), tokenizer, path
+
+
+def _from_pretrained(path: Path, dtype: torch.dtype | None) -> torch.nn.Module:
+    """The whole checkpoint through transformers' ``from_pretrained`` (the organism's path), on the CPU."""
+    if not (path / "model.safetensors").is_file() and not (path / "model.safetensors.index.json").is_file():
+        raise BadInput(
+            f"{str(path)!r} has safetensors shards but neither model.safetensors nor "
+            "model.safetensors.index.json; restore the index that maps each tensor to its shard"
+        )
     config = AutoConfig.from_pretrained(path, local_files_only=True)
     # Eager attention: the V4 attention sinks and the compressor's block bias are only
     # implemented there, and it returns the attention probabilities the indexer distils from.
-    with quiet_transformers():
-        model = AutoModelForCausalLM.from_pretrained(
+    # The loading info is checked here: transformers only logs a checkpoint that lacks tensors
+    # (it initialises them at random) and raises a bare RuntimeError on a shape mismatch.
+    with quiet_transformers(), _load_report_silenced():
+        model, info = AutoModelForCausalLM.from_pretrained(
             path,
             config=config,
             dtype=dtype,
             use_safetensors=True,
             local_files_only=True,
             attn_implementation="eager",
+            output_loading_info=True,
+            ignore_mismatched_sizes=True,
         )
-    tokenizer = load_tokenizer(path)
-    return model.to(device).eval(), tokenizer, path
+    _check_loading_info(path, info)
+    return model
+
+
+@contextmanager
+def _load_report_silenced() -> Iterator[None]:
+    """transformers' load report (a warning) off: ``_check_loading_info`` says it in one line."""
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
+
+
+def _check_loading_info(path: Path, info: dict) -> None:
+    """BadInput when the checkpoint lacks model tensors, holds others, or holds one of another shape
+    (what the placed and streamed loaders refuse too)."""
+    missing, unexpected = info.get("missing_keys") or [], info.get("unexpected_keys") or []
+    mismatched = info.get("mismatched_keys") or []
+    if mismatched:
+        name, stored, wanted = next(iter(mismatched))
+        raise BadInput(
+            f"{path}: checkpoint tensor {name!r} has shape {tuple(stored)}, the model wants {tuple(wanted)} "
+            f"({len(mismatched)} such tensor(s)); the weights do not match config.json"
+        )
+    if missing:
+        raise BadInput(
+            f"{path}: the checkpoint lacks {len(missing)} model tensors, e.g. {sorted(missing)[:3]}"
+        )
+    if unexpected:
+        raise BadInput(
+            f"{path}: {len(unexpected)} checkpoint tensors the model does not have, e.g. {sorted(unexpected)[:3]}"
+        )

@@ -28,7 +28,8 @@ module's first callee returns).
   (``diff.swappable_fraction``), at least 0.
 
 ``verdict`` is ``"within budget"``, ``"beyond budget"`` or ``"incomparable"`` (its rows do not
-match the reference module's after merging: a wrong shard rule or mapping); ``first_beyond`` is
+match the reference module's after merging: a wrong shard rule or mapping; or a ``sum`` /
+``concat`` tensor lacks a rank's shard, or its shards do not join); ``first_beyond`` is
 the first tensor beyond its budget. The indexer section compares each dumped top-k with the
 reference's selection (overlap, positions changed) and, with a needle, whether its entries
 were kept at the query position on both sides. The schema is in ``compare_dump_md``.
@@ -45,9 +46,15 @@ from needlescope.dsa.compare_dump_md import NO_BEYOND
 from needlescope.dsa.compare_dump_steps import Incomparable, Stage, StageCall, reference_stages
 from needlescope.dsa.diff import DEFAULT_DRAWS, DEFAULT_MARGIN, swappable_fraction, unit_roundoff
 from needlescope.dsa.dump_mapping import DumpMapping
-from needlescope.dsa.dump_tokens import DumpEntry, group_dump, merged, token_layout
+from needlescope.dsa.dump_tokens import DumpEntry, group_dump, token_layout
 from needlescope.dsa.emulate import csa_indexers
-from needlescope.dsa.engine_dump import check_tensor_parallel, find_dump_dir, scan_dump
+from needlescope.dsa.engine_dump import (
+    check_tensor_parallel,
+    find_dump_dir,
+    load_value,
+    merge_shards,
+    scan_dump,
+)
 from needlescope.dsa.module_replay import rel_err, roundtrips, selection_error
 from needlescope.dsa.prompt import covering_entries
 from needlescope.dsa.rankdump import selected_in
@@ -65,6 +72,7 @@ PRECISION_U = {
     "fp8_e4m3": float(torch.finfo(torch.float8_e4m3fn).eps) / 2,
 }
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+_DUMPED_ONLY = {torch.float8_e4m3fn: "fp8_e4m3"}  # dumped dtypes named as such, never cast-tested
 
 
 def _precision(entry: DumpEntry, engine: torch.Tensor, allow: dict[str, str]) -> str:
@@ -73,20 +81,30 @@ def _precision(entry: DumpEntry, engine: torch.Tensor, allow: dict[str, str]) ->
     )
     if declared is not None:
         return declared
-    if engine.dtype in _DTYPE_NAMES:
-        return _DTYPE_NAMES[engine.dtype]
+    if engine.dtype in _DTYPE_NAMES or engine.dtype in _DUMPED_ONLY:
+        return {**_DTYPE_NAMES, **_DUMPED_ONLY}[engine.dtype]
     for name, dtype in ((n, d) for d, n in _DTYPE_NAMES.items()):
         if roundtrips(engine, dtype):
             return name
     return "fp32"
 
 
-def _rows(entry: DumpEntry, ref_call: StageCall, positions: dict[int, torch.Tensor]):
+def _rows(entry: DumpEntry, ref_call: StageCall, positions: dict[int, torch.Tensor], ranks: list[int]):
     """(engine rows [N, ...], reference rows [N, ...], query positions [N]) over the entry's passes;
-    the engine's rows on the reference's device."""
+    the engine's rows on the reference's device. ``ranks``: every rank of the dump."""
     engine, where = [], []
     for p in sorted(entry.files):
-        t = merged(entry.files[p], entry.rule.shard)
+        have = {f.rank for f in entry.files[p]}
+        if entry.rule.shard != "replicated" and have != set(ranks):
+            # A partial sum or slice short of a rank merges into a wrong tensor, which would be
+            # judged as the engine's error; the dump is incomplete instead.
+            lost = sorted(set(ranks) - have)
+            raise Incomparable(f"pass {p}: rank(s) {lost} dumped no shard of this {entry.rule.shard} tensor")
+        shards = [(f.rank, load_value(f.path)[0]) for f in entry.files[p]]  # unreadable: BadInput
+        try:
+            t = merge_shards(shards, entry.rule.shard)
+        except BadInput as exc:
+            raise Incomparable(f"pass {p}: {exc}") from None
         pos = positions.get(p)
         if pos is None:
             raise Incomparable(f"pass {p} has no positions")
@@ -164,20 +182,23 @@ def _index_topk(grouped, K: int | None) -> int | None:
     """The dump's top-k width (its widest top-k row), or ``K`` when given."""
     if K is not None:
         return K
-    widths = [
-        int(merged(fs, e.rule.shard).shape[-1])
-        for e in grouped.entries
-        if e.rule.kind == "topk"
-        for fs in list(e.files.values())[:1]
-    ]
+    widths = []
+    for e in (e for e in grouped.entries if e.rule.kind == "topk"):
+        shards = [(f.rank, load_value(f.path)[0]) for f in next(iter(e.files.values()))]
+        try:
+            t = merge_shards(shards, e.rule.shard)
+        except BadInput:  # shards that do not merge: the tensor is judged incomparable later
+            continue
+        if t.dim():
+            widths.append(int(t.shape[-1]))
     return max(widths, default=None)
 
 
 class _Walk:
     """The judged tensors so far, in the reference's forward order, and the error arriving."""
 
-    def __init__(self, judge: _Judge, positions, needle_entries: list[int], query_pos: int):
-        self.judge, self.positions = judge, positions
+    def __init__(self, judge: _Judge, positions, ranks: list[int], needle_entries: list[int], query_pos: int):
+        self.judge, self.positions, self.ranks = judge, positions, ranks
         self.needle_entries, self.query_pos = needle_entries, query_pos
         self.tensors: list[dict] = []
         self.indexer: list[dict] = []
@@ -198,7 +219,7 @@ class _Walk:
                "kind": entry.rule.kind, "take": entry.rule.take, "shard": entry.rule.shard,
                "ranks": entry.ranks, "passes": len(entry.files), "in_err": self.in_err}  # fmt: skip
         try:
-            engine, ref, at = _rows(entry, ref_call, self.positions)
+            engine, ref, at = _rows(entry, ref_call, self.positions, self.ranks)
         except Incomparable as exc:
             row.update(rows=0, precision=None, rel_err=None, budget=None, calibrated=False)
             row.update(verdict="incomparable", reason=str(exc))
@@ -316,7 +337,8 @@ def compare_dump(
     ratio = indexers[0][1].compress_rate if indexers else 4
     entries = covering_entries(needle_span, ratio) if needle_span is not None else []
     query_pos = len(prompt_ids) - 1 if prompt_ids is not None else T - 1
-    walk = _Walk(_Judge(model, margin, draws, growth, dict(allow or {})), positions, entries, query_pos)
+    judge = _Judge(model, margin, draws, growth, dict(allow or {}))
+    walk = _Walk(judge, positions, grouped.ranks, entries, query_pos)
     missing = _judge_stages(model, grouped, ids, K, chunk, walk, progress)
     tensors, indexer = walk.tensors, walk.indexer
     first = next((t for t in tensors if t["verdict"] == "beyond budget"), None)

@@ -142,6 +142,9 @@ def token_layout(
                     f"pass {p} has neither input_ids nor positions; the dump must carry one of them"
                 )
             pos = torch.arange(offset, offset + n)
+        if len(pos) and int(pos.min()) < 0:
+            # A negative position would index the reference's rows from the end: wrong rows compared.
+            raise BadInput(f"pass {p}: the dump's positions include {int(pos.min())}; positions count from 0")
         if ids is not None and len(ids) != len(pos):
             raise BadInput(f"pass {p}: {len(ids)} input_ids but {len(pos)} positions (one request per dump)")
         for j, t in enumerate(pos.tolist()):

@@ -144,10 +144,17 @@ def _load_object(path: Path):
     if path.suffix == ".safetensors":
         from safetensors import safe_open
 
-        with safe_open(str(path), framework="pt") as f:
-            if "value" not in f.keys():
-                raise BadInput(f"dump file {path.name!r} has no tensor named 'value'")
-            return f.get_tensor("value"), dict(f.metadata() or {})
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                if "value" not in f.keys():
+                    raise BadInput(f"dump file {path.name!r} has no tensor named 'value'")
+                return f.get_tensor("value"), dict(f.metadata() or {})
+        except BadInput:
+            raise
+        except Exception as exc:  # safetensors raises its own error types and OSError
+            raise BadInput(
+                f"dump file {path.name!r} is not a readable safetensors file ({type(exc).__name__}: {exc})"
+            ) from None
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError, OSError) as exc:
@@ -188,7 +195,13 @@ def check_tensor_parallel(files: list[DumpFile]) -> None:
     if not isinstance(info, dict):
         return
     for key, what in _NOT_TP_ALONE:
-        if int(info.get(key, 1) or 1) > 1:
+        try:
+            size = int(info.get(key, 1) or 1)
+        except (TypeError, ValueError):
+            raise BadInput(
+                f"dump file {files[0].path.name!r}: sglang_parallel_info {key}={info[key]!r} is not an integer"
+            ) from None
+        if size > 1:
             raise BadInput(
                 f"the dump was written with {what} parallelism ({key}={info[key]} in {files[0].path.name!r}); "
                 "compare-dump merges tensor-parallel ranks only: dump with tensor parallelism alone"
@@ -218,6 +231,9 @@ def merge_shards(shards: Iterable[tuple[int, torch.Tensor]], rule: str) -> torch
             raise BadInput(f"a replicated tensor has different shapes on its ranks: {sorted(shapes)}")
         return tensors[0]
     if rule == "sum":
+        shapes = {tuple(t.shape) for t in tensors}
+        if len(shapes) > 1:
+            raise BadInput(f"the partial sums have different shapes on their ranks: {sorted(shapes)}")
         # Summed in float32 and rounded once to the shards' dtype, as an all-reduce returns it.
         return torch.stack([t.float() for t in tensors]).sum(0).to(tensors[0].dtype)
     if rule.startswith("concat:"):
@@ -225,5 +241,11 @@ def merge_shards(shards: Iterable[tuple[int, torch.Tensor]], rule: str) -> torch
             dim = int(rule.split(":", 1)[1])
         except ValueError:
             raise BadInput(f"shard rule {rule!r}: DIM must be an integer") from None
-        return torch.cat(tensors, dim=dim)
+        try:
+            return torch.cat(tensors, dim=dim)
+        except (RuntimeError, IndexError):  # torch's words for shards that do not join
+            shapes = [tuple(t.shape) for t in tensors]
+            raise BadInput(
+                f"the shards (shapes {shapes} in rank order) do not join along dim {dim}"
+            ) from None
     raise BadInput(f"unknown shard rule {rule!r}; use one of {', '.join(SHARD_RULES)}")

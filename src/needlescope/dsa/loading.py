@@ -27,6 +27,7 @@ from needlescope.dsa.placement import (
 )
 from needlescope.dsa.release import SCALE_SUFFIX, expert_slot, hf_name
 from needlescope.errors import BadInput
+from needlescope.paths import read_json_object
 
 __all__ = [
     "TensorReader",
@@ -47,18 +48,65 @@ __all__ = [
 _PLACEMENT_ATTR = "needlescope_placement"
 
 
-def checkpoint_tensors(path: Path) -> dict[str, Path]:
-    """Tensor name -> the safetensors file holding it (the index when there is one, else the headers)."""
+def _shard_keys(f: Path) -> list[str]:
+    """The tensor names in one safetensors file's header; BadInput when it is unreadable."""
     from safetensors import safe_open
 
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
-        return {name: path / file for name, file in weight_map.items()}
-    out: dict[str, Path] = {}
-    for f in sorted(path.glob("*.safetensors")):
+    try:
         with safe_open(f, framework="pt") as handle:
-            out.update(dict.fromkeys(handle.keys(), f))
+            return list(handle.keys())
+    except Exception as exc:  # safetensors raises its own error types and OSError
+        raise BadInput(
+            f"{str(f)!r} is not a readable safetensors file ({type(exc).__name__}: {exc}); "
+            "re-copy or re-save the checkpoint"
+        ) from None
+
+
+def _index_map(path: Path, index: Path) -> dict[str, str]:
+    """The index's ``weight_map`` (tensor name -> shard file name), checked to be one."""
+    raw = read_json_object(index, "restore the checkpoint's model.safetensors.index.json").get("weight_map")
+    if not isinstance(raw, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in raw.items()
+    ):
+        raise BadInput(f"{index}: 'weight_map' is not an object of tensor name -> shard file name")
+    for file in sorted(set(raw.values())):
+        # A shard is a file of the checkpoint directory itself: an index naming one elsewhere
+        # ('../x', '/abs') would load weights nobody checked.
+        if Path(file).name != file or not (path / file).is_file():
+            raise BadInput(
+                f"{index} names the shard {file!r}, which is not a file in {str(path)!r}; "
+                "copy the missing shard or restore the index"
+            )
+    return raw
+
+
+def checkpoint_tensors(path: Path) -> dict[str, Path]:
+    """Tensor name -> the safetensors file holding it (the index when there is one, else the headers).
+
+    BadInput, before any tensor is read, when the index is not JSON, names a shard that is not in
+    the directory or a tensor its shard does not hold, or when two shards without an index hold
+    one name (which copy is meant cannot be told).
+    """
+    index = path / "model.safetensors.index.json"
+    out: dict[str, Path] = {}
+    if index.is_file():
+        weight_map = _index_map(path, index)
+        held = {file: set(_shard_keys(path / file)) for file in set(weight_map.values())}
+        absent = [n for n, file in weight_map.items() if n not in held[file]]
+        if absent:
+            raise BadInput(
+                f"{index} places {len(absent)} tensor(s) in shards that do not hold them, e.g. "
+                f"{absent[0]!r} in {weight_map[absent[0]]!r}; restore the index the shards were saved with"
+            )
+        return {name: path / file for name, file in weight_map.items()}
+    for f in sorted(path.glob("*.safetensors")):
+        for name in _shard_keys(f):
+            if name in out:
+                raise BadInput(
+                    f"{str(path)!r}: tensor {name!r} is in both {out[name].name!r} and {f.name!r} and there is "
+                    "no model.safetensors.index.json to say which is meant; remove the stray shard"
+                )
+            out[name] = f
     return out
 
 
