@@ -232,13 +232,17 @@ def test_a_partial_sum_short_of_a_rank_is_incomparable_never_the_engines_error(o
     assert result["first_beyond"] is None
 
 
-def test_an_fp8_dumped_tensor_is_judged_at_fp8(organism, dump, tmp_path):
+@pytest.mark.parametrize(
+    ("dtype", "name"), [(torch.float8_e4m3fn, "fp8_e4m3"), (torch.float8_e5m2, "fp8_e5m2")]
+)
+def test_an_fp8_dumped_tensor_is_judged_at_fp8(organism, dump, tmp_path, dtype, name):
+    """A tensor dumped in fp8 was a NotImplementedError traceback (e5m2 too, after e4m3 was fixed)."""
     d = _variant(dump, tmp_path)
     for p in _files(d, "self_attn.wq_a.output"):
-        _edit(p, lambda v: v.to(torch.float8_e4m3fn))
+        _edit(p, lambda v: v.to(dtype))
     result = compare_dump(organism, d, load_mapping())
     row = _row(result, "model.layers.0.self_attn.wq_a.output")
-    assert row["precision"] == "fp8_e4m3" and row["verdict"] == "within budget", row
+    assert row["precision"] == name and row["verdict"] == "within budget", row
 
 
 def test_an_unreadable_safetensors_dump_file_is_bad_input(organism, dump, tmp_path):
@@ -270,3 +274,10 @@ def test_negative_positions_are_bad_input_not_rows_from_the_end(organism, dump, 
         _edit(p, lambda v: v - 1)
     with pytest.raises(BadInput, match="positions include -1"):
         compare_dump(organism, d, load_mapping())
+
+
+def test_a_mapping_may_name_every_precision_the_comparison_has_a_budget_for():
+    from needlescope.dsa.compare_dump import PRECISION_U
+    from needlescope.dsa.dump_mapping import PRECISIONS
+
+    assert set(PRECISIONS) == set(PRECISION_U)

@@ -65,14 +65,21 @@ from needlescope.setting import check_chunk
 
 __all__ = ["compare_dump", "PRECISION_U"]
 
+# Every fp8 form an engine may dump (NVIDIA's e4m3fn and e5m2, AMD's fnuz pair), named as such and
+# never cast-tested; each one's budget is its unit roundoff, as for the wider types.
+_DUMPED_ONLY = {
+    torch.float8_e4m3fn: "fp8_e4m3",
+    torch.float8_e5m2: "fp8_e5m2",
+    torch.float8_e4m3fnuz: "fp8_e4m3fnuz",
+    torch.float8_e5m2fnuz: "fp8_e5m2fnuz",
+}
 PRECISION_U = {
     "fp32": unit_roundoff(torch.float32),
     "bf16": unit_roundoff(torch.bfloat16),
     "fp16": unit_roundoff(torch.float16),
-    "fp8_e4m3": float(torch.finfo(torch.float8_e4m3fn).eps) / 2,
+    **{name: float(torch.finfo(dtype).eps) / 2 for dtype, name in _DUMPED_ONLY.items()},
 }
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
-_DUMPED_ONLY = {torch.float8_e4m3fn: "fp8_e4m3"}  # dumped dtypes named as such, never cast-tested
 
 
 def _precision(entry: DumpEntry, engine: torch.Tensor, allow: dict[str, str]) -> str:

@@ -42,7 +42,7 @@ except ModuleNotFoundError:  # Python 3.10
 
 __all__ = ["TensorRule", "DumpMapping", "PRECISIONS", "load_mapping", "SGLANG_DEEPSEEK_V4"]
 
-PRECISIONS = ("bf16", "fp16", "fp8_e4m3", "fp32")
+PRECISIONS = ("bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "fp8_e4m3fnuz", "fp8_e5m2fnuz", "fp32")
 SGLANG_DEEPSEEK_V4 = "sglang_deepseek_v4"
 _LAYER = "{layer}"
 
