@@ -71,13 +71,21 @@ def test_force_is_the_way_past(run_cli, tmp_path):
 
 
 def test_demo_force_is_the_way_past_and_keeps_other_files(run_cli, tmp_path):
+    from needlescope.dsa.checkpoint import resolve_model_dir
+    from needlescope.workflows.demo import check_out, prepare_out
+
     out = tmp_path / "demo"
     out.mkdir()
     (out / "DIAGNOSIS.md").write_bytes(FOREIGN)
     (out / "notes.txt").write_bytes(FOREIGN)
-    # A device no machine has: the run gets past --out, then its first server refuses to start.
+    # A device no machine has is refused before --out is touched, --force or not (it was found
+    # only when the first server started, after the folder had been cleared).
     code, stdout, stderr = run_cli("demo", "--out", str(out), "--device", "cuda:99", "--force")
     assert code == 2 and "--device cuda:99" in stderr and "DIAGNOSIS.md" not in stderr, stdout + stderr
+    assert (out / "DIAGNOSIS.md").read_bytes() == FOREIGN
+    # --force is the way past: the demo's names are cleared, any other file kept.
+    check_out(out, resolve_model_dir("organism"), force=True)
+    prepare_out(out, force=True)
     assert not (out / "DIAGNOSIS.md").exists() and (out / "notes.txt").read_bytes() == FOREIGN
 
 

@@ -149,6 +149,7 @@ def prepare_out(out: Path, force: bool = False) -> Manifest:
 
 def run(cfg: DemoConfig, on_phase: Event, on_event: Event = no_event) -> Path:
     """Run every phase; returns the path of DIAGNOSIS.md. ``on_phase(name, info)`` marks progress."""
+    from needlescope.devices import check_device
     from needlescope.dsa.checkpoint import (
         check_weights,
         require_deepseek_v4,
@@ -157,6 +158,7 @@ def run(cfg: DemoConfig, on_phase: Event, on_event: Event = no_event) -> Path:
     )
     from needlescope.dsa.emulate import load_patch
 
+    check_device(cfg.device)  # before --out is touched: else found only when the first server starts
     path = resolve_model_dir(cfg.model)
     require_deepseek_v4(path)
     check_weights(path)
