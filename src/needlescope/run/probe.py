@@ -75,7 +75,11 @@ def check_out(out: Path, resume: bool) -> None:
             f"--resume: {out} holds no run to continue (no {STORE_NAME}); drop --resume to start one"
         )
     if not resume and store.exists():
-        raise BadInput(f"{store} already holds a run; pass --resume to continue it or choose another --out")
+        # --force never replaces it: a run's results are never deleted by a flag.
+        raise BadInput(
+            f"{store} already holds a run; pass --resume to continue it or choose another --out "
+            "(--force does not replace a run's results: move the folder away to start over)"
+        )
     existing = out
     while not existing.exists():
         existing = existing.parent
