@@ -421,3 +421,33 @@ def test_a_non_loopback_bind_without_a_key_warns(tmp_path):
     res = subprocess.run(argv, capture_output=True, text=True, timeout=120)
     assert res.returncode == 2
     assert "without an API key" in res.stderr
+
+
+def test_a_live_investigation_and_a_capture_reach_a_keyed_server(keyed, tmp_path, run_cli):
+    """A server started with --api-key answered every investigate/capture request 401: they had
+    no way to send a key ('investigate init --live' wrote a ledger from nothing it had read)."""
+    import asyncio
+
+    from needlescope.errors import ProtocolViolation
+    from needlescope.investigate.ledger.ledger import Question
+    from needlescope.investigate.measure.questions import QuestionContext, answer
+    from needlescope.targets.sglang import SGLangTarget
+
+    async def info(key):
+        async with SGLangTarget(keyed.url, timeout=60, api_key=key) as target:
+            return await target.server_info()
+
+    assert asyncio.run(info(KEY))["auth"] is True
+    with pytest.raises(ProtocolViolation, match="401"):
+        asyncio.run(info(None))
+    code, _, stderr = run_cli("investigate", "init", str(tmp_path / "no-key"), "--live", keyed.url)
+    assert code == 2 and "needs an API key; pass --api-key" in stderr, stderr
+    code, _, stderr = run_cli(
+        "investigate", "init", str(tmp_path / "inv"), "--live", keyed.url, "--api-key", KEY
+    )
+    assert code == 0, stderr
+    ledger = (tmp_path / "inv" / "investigation.toml").read_text()
+    assert KEY not in ledger and f'endpoint = "{keyed.url}"' in ledger
+    q = Question(type="server_info", params={"field": "auth"})
+    ctx = QuestionContext(base=tmp_path, checkpoint=None, endpoint=keyed.url, api_key=KEY)
+    assert answer(q, ctx).value == "true" and KEY not in repr(ctx)

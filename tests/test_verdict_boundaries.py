@@ -69,6 +69,14 @@ def _cmp(failures, reproduced, je, jb):
             "needle_baseline": 30}  # fmt: skip
 
 
+def test_a_live_endpoint_with_no_failing_case_is_said_so_without_nan():
+    """Before: 'the failure is not (mainly) in the indexer's selection ... mean Jaccard emulation
+    nan' for a healthy endpoint, which has no failure at all."""
+    verdict, reason = live_verdict({**_cmp(0, 0, float("nan"), float("nan")), "cases": 0})
+    assert verdict == "inconclusive" and "no case failed on the live endpoint" in reason
+    assert "nan" not in reason and "not (mainly)" not in reason
+
+
 def test_live_verdict_thresholds():
     # 3 failures are enough to decide; 2 are not
     assert live_verdict(_cmp(2, 2, 1.0, 0.0))[0] == "inconclusive"

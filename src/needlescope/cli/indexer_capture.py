@@ -11,7 +11,7 @@ import typer
 
 from needlescope.cli.indexer import indexer_app
 from needlescope.cli.output import console
-from needlescope.cli.outputs import FORCE, guard
+from needlescope.cli.outputs import API_KEY, FORCE, guard
 from needlescope.paths import check_out_dir
 from needlescope.run.config import parse_int_list
 from needlescope.workflows.capture import CaptureConfig
@@ -43,6 +43,7 @@ def capture_command(
     ),
     max_new_tokens: int = typer.Option(_CAPTURE.max_new_tokens, "--max-new-tokens"),
     timeout: float = typer.Option(_CAPTURE.timeout, "--timeout", help="Request timeout in seconds."),
+    api_key: str = API_KEY,
     force: bool = FORCE,
 ) -> None:
     """Ask a live SGLang server for its indexer top-k and report whether the needle was selected."""
@@ -58,6 +59,7 @@ def capture_command(
         layer_ids=tuple(parse_int_list(layer_ids, "--layer-ids")) if layer_ids is not None else None,
         max_new_tokens=max_new_tokens,
         timeout=timeout,
+        api_key=api_key,
     )
     check_out_dir(out)
     with guard(out, "indexer capture", force):

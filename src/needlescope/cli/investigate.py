@@ -17,7 +17,7 @@ import typer
 
 from needlescope.cli.interrupts import measured_saved, on_interrupt
 from needlescope.cli.output import clip, console, typer_app
-from needlescope.cli.outputs import FORCE, guard
+from needlescope.cli.outputs import API_KEY, FORCE, guard
 
 if TYPE_CHECKING:
     from needlescope.investigate.decide.findings import Findings
@@ -37,6 +37,7 @@ def init_command(
     from_probe: Path = typer.Option(
         None, "--from-probe", help="Write a live ledger whose symptom is this probe run's failing cells."
     ),
+    api_key: str = API_KEY,
 ) -> None:
     """Write a ledger: the example (the original investigation, on the organism), a live one."""
     from needlescope.errors import BadInput
@@ -52,7 +53,11 @@ def init_command(
             for name in EXAMPLE_FILES:
                 console.print(f"wrote {Path(directory) / name}")
         else:
-            text = live_ledger(live) if live is not None else from_probe_ledger(from_probe)
+            text = (
+                live_ledger(live, api_key=api_key)
+                if live is not None
+                else from_probe_ledger(from_probe, api_key=api_key)
+            )
             parse_ledger(text, Path(directory) / "investigation.toml")  # a ledger that would not run is a bug
             path = write_ledger(directory, text, force=force)
             console.print(f"wrote {path}")
@@ -61,7 +66,11 @@ def init_command(
 
 
 def run_investigation_cli(
-    ledger: Path, out: Path, allow_outside: bool = False, prefill_chunk: int | None = None
+    ledger: Path,
+    out: Path,
+    allow_outside: bool = False,
+    prefill_chunk: int | None = None,
+    api_key: str | None = None,
 ) -> tuple[Findings, Path]:
     """Run with progress per phase (``cli.progress``) and render the reports from the returned
     ``Findings``; returns them and DIAGNOSIS.md's path."""
@@ -76,6 +85,7 @@ def run_investigation_cli(
             lambda phase, done, total, what="": view(phase, done, total, clip(what, 60)),
             allow_outside=allow_outside,
             prefill_chunk=prefill_chunk,
+            api_key=api_key,
         )
     md, _ = write_reports(findings, command=shlex.join(["needlescope", *sys.argv[1:]]))
     return findings, md
@@ -106,13 +116,14 @@ def run_command(
         "--prefill-chunk",
         help="Run prompts through the KV cache in chunks of this many tokens (overrides [target] prefill_chunk; docs/scale.md).",
     ),
+    api_key: str = API_KEY,
     force: bool = FORCE,
 ) -> None:
     """Run the ledger: cheap questions, symptom, checks in tier order, fixes, verdicts, DIAGNOSIS."""
     again = "rerun the same command to continue (finished steps and cases are kept)"
     with on_interrupt(measured_saved(out), again), guard(out, "investigate run", force):
         _check_ledger_fits(ledger, allow_outside)
-        findings, md = run_investigation_cli(ledger, out, allow_outside, prefill_chunk)
+        findings, md = run_investigation_cli(ledger, out, allow_outside, prefill_chunk, api_key)
     for s in findings.verdicts["suspects"]:
         console.say("  tier {} {}: [bold]{}[/] - {}", s["tier"], s["id"], s["verdict"], s["reason"])
     console.say("root cause: [bold]{}[/]", findings.root_cause)

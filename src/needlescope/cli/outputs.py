@@ -91,6 +91,18 @@ OUTPUT_SPECS: dict[str, OutputSpec] = {
 }
 
 
+API_KEY = typer.Option(
+    None,
+    "--api-key",
+    envvar=["NEEDLESCOPE_API_KEY", "OPENAI_API_KEY"],
+    show_default=False,
+    help="Bearer key for the server (else NEEDLESCOPE_API_KEY or OPENAI_API_KEY); sent on every "
+    "request, never written anywhere.",
+)
+"""The ``--api-key`` option of the commands that talk to an SGLang-style server (capture, a live
+investigation); the probe family has its own (``probe_options``)."""
+
+
 def guard(out: Path, command: str, force: bool) -> AbstractContextManager[None]:
     """``outdir.guarded_out`` with the command's spec."""
     return guarded_out(Path(out), OUTPUT_SPECS[command], force=force)

@@ -64,6 +64,7 @@ def run_investigation(
     loaded=None,
     allow_outside: bool = False,
     prefill_chunk: int | None = None,
+    api_key: str | None = None,
 ) -> Findings:
     """Run (or resume) the investigation of ``ledger_path`` into ``out``; returns its ``Findings``.
 
@@ -71,10 +72,11 @@ def run_investigation(
     A ledger whose candidate is ``live`` takes the live-endpoint route (``measure.live``), one
     whose candidate is ``dump`` the dump route (``measure.dump``).
     ``allow_outside``: accept ledger paths outside its folder (``--allow-outside``).
-    ``prefill_chunk``: overrides the ledger's ``[target] prefill_chunk`` (``--prefill-chunk``)."""
+    ``prefill_chunk``: overrides the ledger's ``[target] prefill_chunk`` (``--prefill-chunk``).
+    ``api_key``: the live endpoint's bearer key (``--api-key``; never in the ledger or the run)."""
     ledger = with_chunk(load_ledger(ledger_path, allow_outside=allow_outside), prefill_chunk)
     with run_lock(Path(out)):  # one run at a time writes a run directory
-        session = Session(ledger, Path(out), progress)
+        session = Session(ledger, Path(out), progress, api_key=api_key)
         session.questions()
         session.load(loaded)
         if ledger.target.live:

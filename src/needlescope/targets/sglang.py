@@ -30,6 +30,7 @@ import httpx
 
 from needlescope.errors import BadInput, ProtocolViolation, TransportFailure
 from needlescope.targets.bounded import AsyncBoundedTransport
+from needlescope.targets.endpoints import auth_headers, check_api_key
 
 __all__ = ["GenerateResult", "SGLangTarget", "find_key", "MISSING_TOPK_HINT"]
 
@@ -80,13 +81,20 @@ class SGLangTarget:
     """One SGLang server (root URL, with or without a trailing ``/v1``)."""
 
     def __init__(
-        self, url: str, *, timeout: float = 600.0, transport: httpx.AsyncBaseTransport | None = None
+        self,
+        url: str,
+        *,
+        timeout: float = 600.0,
+        transport: httpx.AsyncBaseTransport | None = None,
+        api_key: str | None = None,
     ):
         self.root = _root(url)
         self.timeout = timeout
         # A capture answer holds top-k indices for every layer and token: far over the chat cap.
+        # ``api_key``: a server started with --api-key answers 401 to every route but /health.
         self._client = httpx.AsyncClient(
             timeout=httpx.Timeout(timeout),
+            headers=auth_headers(check_api_key(api_key)),
             transport=AsyncBoundedTransport(timeout, transport, max_bytes=CAPTURE_MAX_BYTES),
         )
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from needlescope.errors import BadInput, ProbeError
@@ -35,6 +35,7 @@ class CaptureConfig:
     layer_ids: tuple[int, ...] | None = None
     max_new_tokens: int = 16
     timeout: float = 600.0
+    api_key: str | None = field(default=None, repr=False)  # sent, never written
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -63,10 +64,10 @@ def load_capture_tokenizer(name: str):
     return load_tokenizer(path), str(path), layer_ids
 
 
-async def _generate(url: str, ids: list[int], max_new_tokens: int, timeout: float):
+async def _generate(url: str, ids: list[int], max_new_tokens: int, timeout: float, api_key: str | None):
     from needlescope.targets.sglang import SGLangTarget
 
-    async with SGLangTarget(url, timeout=timeout) as target:
+    async with SGLangTarget(url, timeout=timeout, api_key=api_key) as target:
         info = await target.server_info()
         gen = await target.generate(input_ids=ids, max_new_tokens=max_new_tokens)
     return info, gen
@@ -84,7 +85,9 @@ def run(cfg: CaptureConfig) -> dict:
     span = needle_token_span(rendered, cfg.needle)
     entries = covering_entries(span, _CSA_RATIO)
     try:
-        info, gen = asyncio.run(_generate(cfg.url, rendered.input_ids, cfg.max_new_tokens, cfg.timeout))
+        info, gen = asyncio.run(
+            _generate(cfg.url, rendered.input_ids, cfg.max_new_tokens, cfg.timeout, cfg.api_key)
+        )
         if gen.prompt_tokens != len(rendered.input_ids):
             raise BadInput(
                 f"the server counted {gen.prompt_tokens} prompt tokens for the {len(rendered.input_ids)} "

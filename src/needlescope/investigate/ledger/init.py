@@ -67,6 +67,13 @@ def live_ledger(url: str, *, symptom: dict | None = None, why: str = "", api_key
             f"nothing answers at {root} ({status.get('/get_server_info', next(iter(status.values())))}): "
             "start the server first; 'investigate init --live' reads its /get_server_info"
         )
+    if status.get("/get_server_info") in (401, 403):
+        # Else a ledger was written from nothing it had read ("EDIT: the local checkpoint"), and
+        # the run failed on the same refusal.
+        raise BadInput(
+            f"{root}/get_server_info answered HTTP {status['/get_server_info']}: the server needs an API "
+            "key; pass --api-key (or NEEDLESCOPE_API_KEY), which is sent, never written"
+        )
     info = prov.get("/get_server_info")
     model, model_why = _reference_model(info)
     lines = [

@@ -43,13 +43,13 @@ from needlescope.investigate.measure.session import Session, suspect_identity
 __all__ = ["LiveRoute", "live_localization"]
 
 
-async def _probe(url: str, todo: list, ids_of, max_new: int, on_record, on_info) -> None:
+async def _probe(url: str, api_key: str | None, todo: list, ids_of, max_new: int, on_record, on_info) -> None:
     """Send every case of ``todo`` to ``url``; ``on_info(server info)`` first (it may refuse the
     server), ``on_record(case, result | error text, server info)`` after each. An unreachable
     server raises (TransportFailure) before the first case."""
     from needlescope.targets.sglang import SGLangTarget
 
-    async with SGLangTarget(url, timeout=600.0) as target:
+    async with SGLangTarget(url, timeout=600.0, api_key=api_key) as target:
         info = await target.server_info()
         on_info(info)
         for case in todo:
@@ -143,7 +143,17 @@ class LiveRoute:
         if todo:
             url, mx = ss.ledger.target.endpoint, ss.ledger.symptom.max_new_tokens
             try:
-                asyncio.run(_probe(url, todo, lambda c: self._prompt(c).input_ids, mx, on_record, on_info))
+                asyncio.run(
+                    _probe(
+                        url,
+                        self.session.api_key,
+                        todo,
+                        lambda c: self._prompt(c).input_ids,
+                        mx,
+                        on_record,
+                        on_info,
+                    )
+                )
             except ProbeError as exc:  # the endpoint is unreachable: every emulation is blocked
                 ss.blocked_reason = f"live endpoint unavailable: {type(exc).__name__}: {exc}"
         return [done[c.case_id] for c in cases if c.case_id in done]

@@ -21,7 +21,7 @@ from __future__ import annotations
 import fnmatch
 import json
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import regex
@@ -43,6 +43,8 @@ class QuestionContext:
     checkpoint: Path | None
     endpoint: str | None = None
     env_file: Path | None = None
+    api_key: str | None = field(default=None, repr=False)
+    """Bearer key for ``endpoint`` (sent, never written)."""
 
 
 @dataclass(frozen=True)
@@ -103,7 +105,7 @@ def _server_info(q: Question, ctx: QuestionContext) -> Answer:
     if not ctx.endpoint:
         return Answer(None, 'no endpoint in [target]; set endpoint = "http://127.0.0.1:PORT"')
     root, v1 = normalize_base_url(ctx.endpoint)
-    info = collect_provenance(root, v1, timeout=5.0)
+    info = collect_provenance(root, v1, timeout=5.0, api_key=ctx.api_key)
     field = q.params["field"]
     for key in ("/get_server_info", "/v1/models"):
         body = info.get(key)

@@ -43,8 +43,9 @@ def outcomes(records: list[dict]) -> dict[str, bool]:
 class Session:
     """The shared state of one investigation run (module docstring)."""
 
-    def __init__(self, ledger: Ledger, out: Path, progress: Progress):
+    def __init__(self, ledger: Ledger, out: Path, progress: Progress, api_key: str | None = None):
         self.ledger, self.out, self.progress = ledger, Path(out), progress
+        self.api_key = api_key  # the live endpoint's bearer key: sent, never written
         self.diffs = differences(ledger)
         self.suspects: list[Suspect] = ledger.ordered_suspects() + auto_suspects(self.diffs, ledger)
         text = ledger.path.read_text(encoding="utf-8")
@@ -226,6 +227,7 @@ class Session:
             checkpoint=self._checkpoint_dir(),
             endpoint=t.endpoint,
             env_file=t.env_file,
+            api_key=self.api_key,
         )
         suspects = self.ledger.ordered_suspects()
         for s in suspects:  # a run killed while asking left some answers: ask them all again
