@@ -141,6 +141,6 @@ def test_compare_refuses_runs_with_different_case_sets(scripted_server, tmp_path
         "--out",
         str(tmp_path / "d"),
     )
-    assert bad.returncode == 2 and "holds no results.sqlite" in bad.stderr
+    assert bad.returncode == 2 and "is not a folder" in bad.stderr
     both = cli("compare", "--a", url, "--a-run", str(tmp_path / "x"), "--out", str(tmp_path / "e"))
     assert both.returncode == 2 and "either --a URL --b URL" in both.stderr

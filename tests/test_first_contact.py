@@ -334,7 +334,7 @@ def test_a_missing_extra_names_the_extra_to_install():
         (["investigate", "run", "{tmp}/bad.json", "--out", "{tmp}/inv"], "not valid TOML"),
         (["oracle", "export", "--base-url", "http://127.0.0.1:1", "--prompts", "{tmp}/bad.json", "--out", "{tmp}/o"],
          "is not readable JSON"),
-        (["compare", "--a-run", "{tmp}/none", "--b-run", "{tmp}/none", "--out", "{tmp}/c"], "holds no results.sqlite"),
+        (["compare", "--a-run", "{tmp}/none", "--b-run", "{tmp}/none", "--out", "{tmp}/c"], "is not a folder"),
     ],
 )  # fmt: skip
 def test_bad_files_are_one_line_and_exit_2(args, message, tmp_path, cli):

@@ -35,6 +35,8 @@ def load_run(run_dir: Path, flag: str) -> tuple[list[dict], dict[str, dict], dic
     its case's graded score under ``graded`` when the run scored one, and the provenance the
     run's auto-difficulty record under ``difficulty`` when it had one."""
     path = Path(run_dir) / STORE_NAME
+    if not Path(run_dir).is_dir():
+        raise BadInput(f"{flag} {run_dir} is not a folder; pass the --out directory of a probe run")
     if not path.is_file():
         raise BadInput(f"{flag} {run_dir} holds no {STORE_NAME}; pass the --out directory of a probe run")
     with ResultStore(path) as store:
