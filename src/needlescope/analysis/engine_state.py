@@ -12,6 +12,7 @@ margin differences get the Wilcoxon signed-rank test (``margins.paired_differenc
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -20,7 +21,7 @@ from .oracle import first_difference
 from .paired import Pair, paired_group
 from .stats import mean_present
 
-__all__ = ["ArmRow", "answer_margin", "factor_effect"]
+__all__ = ["ArmRow", "answer_difference", "answer_margin", "factor_effect"]
 
 
 @dataclass(frozen=True)
@@ -34,14 +35,30 @@ class ArmRow:
     margin: float | None
     cached_tokens: int | None
     tokens: tuple[str, ...]
+    text: str | None = None
+    """The answer's text (None in rows stored before it was kept: ``tokens`` are compared then)."""
+
+
+def answer_difference(x: ArmRow, y: ArmRow) -> int | None:
+    """The first token at which two answers differ; None when they are the same answer.
+
+    Answers of equal text are the same answer whatever their token lists say: a row's tokens are
+    the server's when it returned logprobs and the text's words when it did not, so a router whose
+    replicas differ in that (or a server that drops logprobs now and then) would otherwise show
+    ``["9", "8", "8"]`` against ``["988"]`` as a difference at token 0."""
+    if x.text is not None and x.text == y.text:
+        return None
+    return first_difference(x.tokens, y.tokens)
 
 
 def answer_margin(steps: Sequence[tuple[str, float, Mapping[str, float]]], correct: bool) -> float | None:
     """The smallest token margin of a right answer's ``(token, logprob, top)`` steps; None for a
-    wrong answer, or when the server returned no rivals."""
+    wrong answer, when the server returned no rivals, or when the margin is not a finite number
+    (a token sent without its logprob, ``"logprob": null``, is read as NaN: unknown, not a margin)."""
     if not correct or not steps:
         return None
-    return answer_score([token_score(tok, lp, top) for tok, lp, top in steps])["min_margin"]
+    margin = answer_score([token_score(tok, lp, top) for tok, lp, top in steps])["min_margin"]
+    return margin if margin is not None and math.isfinite(margin) else None
 
 
 def factor_effect(arm_a: Sequence[ArmRow], arm_b: Sequence[ArmRow], *, seed: int = 0) -> dict:
@@ -54,15 +71,16 @@ def factor_effect(arm_a: Sequence[ArmRow], arm_b: Sequence[ArmRow], *, seed: int
         [Pair(x.case_id, x.length, x.depth, bool(x.correct), bool(y.correct)) for x, y in ok], seed=seed
     )
     margins = [(x.margin, y.margin) for x, y in ok if x.margin is not None and y.margin is not None]
-    diffs = [first_difference(x.tokens, y.tokens) for x, y in ok]
+    diffs = [answer_difference(x, y) for x, y in ok]
+    scored = bool(ok)  # no pair scored: no recall, rather than a recall of 0.00 on neither side
     return {
         "pairs": len(ok),
         "errors": len(both) - len(ok),
-        "recall_a": g.recall_a,
-        "recall_b": g.recall_b,
-        "recall_delta": g.delta,
-        "recall_ci": [g.ci_low, g.ci_high],
-        "mcnemar_p": g.p_value,
+        "recall_a": g.recall_a if scored else None,
+        "recall_b": g.recall_b if scored else None,
+        "recall_delta": g.delta if scored else None,
+        "recall_ci": [g.ci_low, g.ci_high] if scored else None,
+        "mcnemar_p": g.p_value if scored else None,
         "a_only": g.a_only,
         "b_only": g.b_only,
         "margin": paired_differences([m[0] for m in margins], [m[1] for m in margins]),

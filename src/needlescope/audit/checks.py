@@ -169,7 +169,7 @@ def check_routed_scale(model, ids, ctx) -> dict:
     eff = float(torch.cat([s for calls in sums.values() for s in calls]).mean())
     rel = abs(eff / expected - 1.0)
     kind = "as configured"
-    if rel > 1e-3:
+    if not rel <= 1e-3:  # NaN included: not "as configured"
         if abs(eff) < 1e-6:
             kind = "zero"
         elif abs(eff - 1.0) < 1e-3 * expected:
@@ -185,7 +185,7 @@ def check_routed_scale(model, ids, ctx) -> dict:
     ]
     return {
         "metrics": metrics,
-        "flagged": rel > 1e-3,
+        "flagged": not rel <= 1e-3,
         "why": f"effective scale {eff:.4g} vs {expected:.4g}: {kind}",
     }
 
@@ -342,7 +342,8 @@ def run_check(name: str, model, ids: torch.Tensor, ctx: dict) -> dict:
     compounding run chunk by chunk; the metrics are the one-pass ones up to float rounding)."""
     with torch.no_grad():
         out = CHECKS[name](model, ids, ctx)
-    for m in out["metrics"]:
-        if not math.isfinite(m["value"]):
-            out["flagged"] = True
+    bad = [m["metric"] for m in out["metrics"] if not math.isfinite(m["value"])]
+    if bad:  # the reason says so: a threshold compared with NaN reads as passed
+        out["flagged"] = True
+        out["why"] += f"; not finite: {', '.join(bad)} (NaN or inf in the model's activations or logits)"
     return {"check": name, **out}

@@ -7,7 +7,10 @@ import torch
 from needlescope.audit.checks import run_check
 from needlescope.setting import Setting
 
-__all__ = ["audit_checkpoint", "audit_model"]
+__all__ = ["TOPK_CHECKS", "audit_checkpoint", "audit_model"]
+
+TOPK_CHECKS = ("indexer_scores_bf16", "index_keys_fp8")
+"""The checks that compare top-k selections over the query rows that see more than k entries."""
 
 
 def audit_checkpoint(
@@ -58,6 +61,7 @@ def audit_model(
     case = build_cases(spec, lambda m: len(render_prompt(tokenizer, m).input_ids))[0]
     ids = torch.tensor([render_prompt(tokenizer, case.messages).input_ids])
     topk = candidate.index_topk or int(model.config.index_topk)
+    _check_selects(model, [c for c in checks if c in TOPK_CHECKS], ids.shape[1], topk)
 
     def apply_candidate(m):
         cm = emulate(m, candidate)
@@ -71,3 +75,24 @@ def audit_model(
         "chunk": chunk,
     }
     return [run_check(name, model, ids, ctx) for name in checks]
+
+
+def _check_selects(model, checks: list[str], tokens: int, topk: int) -> None:
+    """BadInput when no query row of a ``tokens``-token prompt sees more than ``topk`` entries of
+    a CSA layer: the top-k checks would compare no row and report an overlap of 1.0 ("not
+    flagged") for nothing measured (``--length 256`` at the default ``topk=64``)."""
+    if not checks:
+        return
+    from needlescope.dsa.emulate import csa_indexers
+    from needlescope.dsa.reference import visible_entries
+    from needlescope.errors import BadInput
+
+    ratio = int(csa_indexers(model)[0][1].compress_rate)
+    seen = visible_entries(tokens - 1, ratio)
+    if seen <= topk:
+        raise BadInput(
+            f"the top-k check(s) {', '.join(checks)} compare the top-{topk} over query rows that see more than {topk} "
+            f"compressed entries, and the last row of this {tokens}-token prompt sees {seen} (one "
+            f"entry per {ratio} tokens): nothing would be compared; pass --length of at least "
+            f"{ratio * (topk + 1)} or a smaller topk in --candidate"
+        )

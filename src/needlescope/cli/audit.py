@@ -5,6 +5,11 @@ Runs each named check (``needlescope.audit.checks``) on a multiturn probe case o
 JSON (``[{"check", "metrics": [{"metric", "value", "threshold"}], "flagged", "why"}]``).
 ``--stream-layers``, or ``--device auto --max-memory`` below the weights, reads one decoder
 layer at a time per pass (``cli.loading_options``, docs/scale.md).
+
+Exit status: 0 when no check is flagged, 1 when any is (named on stderr, after the table and
+``--out`` are written), 2 on bad input. Bad input is exit 2 before the checkpoint loads (an unknown or empty ``--checks``, a
+``--length`` beyond the checkpoint's context) or, for the top-k checks, once it has loaded (a
+``--length`` too short for the candidate's top-k to select anything).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from needlescope.cli import loading_options as load
 from needlescope.cli.output import console
 from needlescope.cli.outputs import FORCE, file_spec
 from needlescope.outdir import check_outputs, record_outputs
+from needlescope.paths import json_safe
 
 
 def audit_command(
@@ -54,13 +60,18 @@ def audit_command(
 
     names = [c.strip() for c in checks.split(",") if c.strip()]
     unknown = [c for c in names if c not in CHECKS or c == "index_topk"]
+    offered = ", ".join(c for c in CHECKS if c != "index_topk")
     if unknown:
-        raise BadInput(
-            f"unknown check(s) {', '.join(unknown)}; choose from {', '.join(c for c in CHECKS if c != 'index_topk')}"
-        )
+        raise BadInput(f"unknown check(s) {', '.join(unknown)}; choose from {offered}")
+    if not names:  # an empty table and exit 0 read as a clean audit
+        raise BadInput(f"--checks {checks!r} names no check; choose from {offered}")
     from needlescope.audit.run import audit_checkpoint
+    from needlescope.cli.model_context import check_lengths
     from needlescope.setting import Setting
 
+    # A prompt beyond the context was built and run anyway: transformers warned, then the
+    # process was killed for memory (--length 100000 on the organism). The audit only prefills.
+    check_lengths(model, [length], 0, "--length")
     if out is not None:
         check_outputs(*file_spec(out, "audit"), force=force)  # before the checkpoint loads
     results = audit_checkpoint(
@@ -81,6 +92,13 @@ def audit_command(
         table.add_row(r["check"], r["why"], "", "", Text("yes", style="bold red") if r["flagged"] else "no")
     console.print(table)
     if out is not None:
-        out.write_text(json.dumps(results, indent=1), encoding="utf-8")
+        # strict JSON: a non-finite metric (a checkpoint that makes NaN) is the string "nan"
+        out.write_text(json.dumps(json_safe(results), indent=1), encoding="utf-8")
         record_outputs(*file_spec(out, "audit"))
         console.print(f"wrote {out}")
+    flagged = [r["check"] for r in results if r["flagged"]]
+    if flagged:  # a finding is exit 1, as with topk-audit and an inexact conform: scripts see it
+        from needlescope.cli.output import err_console
+
+        err_console.print(f"flagged: {', '.join(flagged)}", soft_wrap=True)
+        raise typer.Exit(1)

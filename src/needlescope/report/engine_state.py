@@ -29,10 +29,8 @@ _EFFECT = {
     "properties": {
         "pairs": {"type": "integer"},
         "errors": {"type": "integer"},
-        "recall_a": {"type": "number"},
-        "recall_b": {"type": "number"},
-        "recall_delta": {"type": "number"},
-        "mcnemar_p": {"type": "number"},
+        # null when the factor has no scored pair (every pair failed on the target)
+        **{k: _NUM for k in ("recall_a", "recall_b", "recall_delta", "mcnemar_p")},
         "margin": {
             "type": "object",
             "required": ["n", "n_nonzero", "a_median", "b_median", "delta_mean", "delta_median", "p_value"],
@@ -96,9 +94,9 @@ def engine_state_markdown(body: dict) -> str:
         e, m = f["effect"], f["effect"]["margin"]
         lines.append(
             f"| {name} | {' vs '.join(f['arms'])} | {e['pairs']} | {_f(e['recall_a'], '.2f')} | "
-            f"{_f(e['recall_b'], '.2f')} | {e['recall_delta']:+.2f} | {_f(e['mcnemar_p'], '.3g')} | "
+            f"{_f(e['recall_b'], '.2f')} | {_f(e['recall_delta'], '+.2f')} | {_f(e['mcnemar_p'], '.3g')} | "
             f"{_f(m['a_median'])} | {_f(m['b_median'])} | {_f(m['delta_mean'], '+.2g')} / "
-            f"{_f(m['delta_median'], '+.2g')} | {_f(m['p_value'], '.3g')} | {e['answers_differ']} | "
+            f"{_f(m['delta_median'], '+.2g')} | {_f(m['p_value'] if m['n'] else None, '.3g')} | {e['answers_differ']} | "
             f"{_f(e['cached_tokens_a'], '.0f')} / {_f(e['cached_tokens_b'], '.0f')} |"
         )
     rep = body["factors"].get("repeat")
@@ -111,7 +109,16 @@ def engine_state_markdown(body: dict) -> str:
             f"{_f(e['determinism_rate'], '.2f')} of cases answered token for token the same every time"
             + (f"; where not, the first differing token was at {firsts}." if firsts else "."),
         ]
-    resumed = (body["factors"].get("cache") or {}).get("resume") or {}
+    cache = body["factors"].get("cache") or {}
+    if cache.get("warm_not_reused"):
+        lines += [
+            "",
+            f"Cache: in {cache['warm_not_reused']} of {cache['effect']['pairs']} pair(s) the warm send reused no "
+            "more of the prompt than its cold one (`cached_tokens`), so they compare two cold sends: the "
+            "server has no prefix cache or does not report `cached_tokens`, evicted the prefix, or a router "
+            "sent the two sends to different replicas.",
+        ]
+    resumed = cache.get("resume") or {}
     if resumed.get("warm_kept") or resumed.get("pairs_resent"):
         lines += [
             "",

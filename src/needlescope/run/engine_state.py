@@ -38,10 +38,10 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from needlescope.analysis.engine_state import ArmRow, answer_margin, factor_effect
-from needlescope.analysis.oracle import first_difference
+from needlescope.analysis.engine_state import ArmRow, answer_difference, answer_margin, factor_effect
 from needlescope.cases import Case, CaseSpec, build_cases, score_answer
 from needlescope.cases.needles import VALUE_DIGITS
+from needlescope.cases.scoring import prompt_rivals
 from needlescope.errors import BadInput, ProbeError
 from needlescope.progress import Progress, no_progress
 from needlescope.run.probe import STORE_NAME, check_out
@@ -158,29 +158,33 @@ def _send(target: CompletionsTarget, cfg: EngineStateConfig, case: Case, nonce: 
             "margin": None,
             "cached_tokens": None,
             "tokens": [],
+            "text": None,
             "error": f"{e.kind}: {e}",
         }
     steps = [(s.token, s.logprob, s.top) for s in done.steps]
-    correct = score_answer(done.text, case.expected)
+    # a hedge over the distractors is a miss, as in the probe (cases.scoring)
+    correct = score_answer(done.text, case.expected, prompt_rivals(case.messages, case.expected))
     return {
         **row,
         "correct": correct,
         "margin": answer_margin(steps, correct),
         "cached_tokens": done.cached_tokens,
         "tokens": [s.token for s in done.steps] or done.text.split(),
+        "text": done.text,
         "error": None,
     }
 
 
 def _unsent(case: Case, why: str) -> dict:
     row = {"case_id": case.case_id, "length": case.length, "depth": case.depth, "nonce": None}
-    return {**row, "correct": None, "margin": None, "cached_tokens": None, "tokens": [], "error": why}
+    empty = {"correct": None, "margin": None, "cached_tokens": None, "tokens": [], "text": None}
+    return {**row, **empty, "error": why}
 
 
 def _arm_row(row: dict) -> ArmRow:
     return ArmRow(
         row["case_id"], row["length"], row["depth"], row["correct"], row["margin"], row["cached_tokens"],
-        tuple(row["tokens"]),
+        tuple(row["tokens"]), row.get("text"),
     )  # fmt: skip
 
 
@@ -288,12 +292,17 @@ def _concurrency(run: _Run) -> None:
     _warm_up(run, "concurrency")
     for c in todo[one]:
         run.send("concurrency", one, c, run.fixed_nonce("concurrency", c))
-    with ThreadPoolExecutor(run.cfg.concurrency) as pool:
+    pool = ThreadPoolExecutor(run.cfg.concurrency)
+    try:
         futures = [
             pool.submit(_send, run.target, run.cfg, c, run.fixed_nonce("concurrency", c)) for c in todo[many]
         ]
         for f in as_completed(futures):  # recorded here, on one thread, as each finishes
             run.record("concurrency", many, f.result())
+    finally:
+        # On Ctrl-C (or a failed commit) the sends not yet started are dropped: a plain `with`
+        # waited for every queued one, sending the rest of the arm unrecorded before it exited.
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _repeat_arms(cfg: EngineStateConfig) -> list[str]:
@@ -339,7 +348,22 @@ def _factor_body(run: _Run, name: str) -> dict:
         warm = _arm(run, "cache", "warm", "not sent: the cold send failed")
         effect = factor_effect([_arm_row(r) for r in cold], [_arm_row(r) for r in warm], seed=seed)
         resume = run.store.get_meta("cache_resume") or {"warm_kept": 0, "pairs_resent": 0}
-        return {"arms": ["cold", "warm"], "effect": effect, "rows": [cold, warm], "resume": resume}
+        # A scored pair whose warm send reused no more of the prompt than its cold one compares
+        # two cold sends (no prefix cache, or a router that sent them to different replicas): the
+        # factor did not change what it names, and the report must say so (resume's rule, counted).
+        not_reused = sum(
+            c["error"] is None
+            and w["error"] is None
+            and (w["cached_tokens"] or 0) <= (c["cached_tokens"] or 0)
+            for c, w in zip(cold, warm, strict=True)
+        )
+        return {
+            "arms": ["cold", "warm"],
+            "effect": effect,
+            "rows": [cold, warm],
+            "resume": resume,
+            "warm_not_reused": not_reused,
+        }
     if name == "concurrency":
         arms = _concurrency_arms(run.cfg)
         a, b = (_arm(run, name, arm, "not sent") for arm in arms)
@@ -355,7 +379,7 @@ def _factor_body(run: _Run, name: str) -> dict:
         if any(r.correct is None for r in rows):
             continue
         n += 1
-        diffs = [first_difference(rows[0].tokens, r.tokens) for r in rows[1:]]
+        diffs = [answer_difference(rows[0], r) for r in rows[1:]]
         diffs = [d for d in diffs if d is not None]
         deterministic += not diffs
         if diffs:
