@@ -29,6 +29,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from statistics import median
 
+from needlescope.cases.scoring import answer_tokens, strip_reasoning
+
 from .stats import binomial_tail
 
 __all__ = [
@@ -128,14 +130,16 @@ def classify(
     ``other_case(value)``: the evidence that ``value`` is another case's expected value (a
     :meth:`CaseIndex.source`), or None; without it no answer is classed ``cross_case``.
     """
-    text = (answer or "").strip()
+    # Read the answer as the scorer does (cases.scoring): after any reasoning block, with the
+    # digits of any script, so a miss's numbers are the ones that made it a miss.
+    text = strip_reasoning(answer or "").strip()
     if not text:
         if finish_reason == "length" and (reasoning or "").strip():
             return Failure("reasoning_exhausted", detail={"reasoning_chars": len(reasoning or "")})
         return Failure("empty_or_length", detail={"finish_reason": finish_reason})
     if finish_reason == "length":
         return Failure("empty_or_length", detail={"finish_reason": "length"})
-    numbers = _NUMBER.findall(text)
+    numbers = [t for t in answer_tokens(text) if t.isdigit()]
     expected = [e.strip() for e in expected]
     wrong = [x for x in numbers if x not in expected]
     stated = {}

@@ -6,11 +6,13 @@ import math
 import random
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
+from functools import cached_property
 
 from ..errors import BadInput
 from ..progress import Progress, no_progress
 from .haystack import FillerStream, render_words, sentence_boundaries
 from .needles import VALUE_DIGITS, NeedleSet, make_needles
+from .scoring import answer_tokens
 
 __all__ = [
     "KINDS",
@@ -77,14 +79,27 @@ class CaseSpec:
         if not 1 <= self.value_digits <= 12:
             raise BadInput(f"value_digits must be in 1..12, got {self.value_digits}")
         needed = self.distractors + max(1, self.n_values if self.kind == "multivalue" else 1)
-        if needed > 9 * 10 ** (self.value_digits - 1):
+        free = 9 * 10 ** (self.value_digits - 1) - len(self.haystack_values)
+        if needed > free:
+            stated = " not stated in the haystack file" if self.haystack_values else ""
             raise BadInput(
-                f"{self.value_digits}-digit values cannot give {needed} distinct values; use more digits"
+                f"{self.value_digits}-digit values{stated} cannot give {needed} distinct values; use more digits"
             )
         if self.max_answer_tokens < 1:
             raise BadInput(f"max_answer_tokens must be >= 1, got {self.max_answer_tokens}")
         if self.haystack_text is not None and not self.haystack_text.split():
             raise BadInput("the haystack file is empty; give a file with some text or omit it")
+
+    @cached_property
+    def haystack_values(self) -> frozenset[str]:
+        """The ``value_digits``-digit numbers the user's haystack states (no value may be one)."""
+        if self.haystack_text is None:
+            return frozenset()
+        return frozenset(
+            t
+            for t in answer_tokens(self.haystack_text)
+            if t.isdigit() and len(t) == self.value_digits and t[0] != "0"
+        )
 
     @property
     def distractors(self) -> int:
@@ -134,6 +149,7 @@ class _Group:
             n_distractors=spec.distractors,
             n_values=spec.n_values,
             value_digits=spec.value_digits,
+            avoid=spec.haystack_values,
         )
         pos_rng = random.Random(base + "|positions")
         self.distractor_fracs = [pos_rng.random() for _ in self.needles.distractors]

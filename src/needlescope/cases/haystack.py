@@ -233,12 +233,27 @@ class FillerStream:
         return out
 
 
+MAX_GAP = 16
+"""About the most words between two insertion points (at most 1.5 times it). A ``--haystack-file``
+without sentence ends (code, logs, a CSV, text ending its sentences in "。") once had only its
+start and end to insert at, so every depth landed at 0% or 100%. The generated filler's sentences
+are shorter (10 words, 19 where the fitter's join knob folds a truncated tail into the sentence
+before: under 1.5 times this), so its cases are unchanged."""
+
+
 def sentence_boundaries(words: list[str]) -> list[int]:
-    """Indices i such that a sentence may be inserted before words[i]; includes 0 and len(words)."""
-    bounds = [0]
-    bounds += [i + 1 for i, w in enumerate(words) if w.endswith(_ENDS) and i + 1 < len(words)]
+    """Indices i such that a sentence may be inserted before words[i]; includes 0 and len(words).
+
+    Sentence ends, and inside a longer run of words without one, every ``MAX_GAP``-th word, so a
+    needle lands near its depth in any text.
+    """
+    ends = [i + 1 for i, w in enumerate(words) if w.endswith(_ENDS) and i + 1 < len(words)]
     if words:
-        bounds.append(len(words))
+        ends.append(len(words))
+    bounds = [0]
+    for end in ends:
+        bounds += range(bounds[-1] + MAX_GAP, end - MAX_GAP // 2, MAX_GAP)
+        bounds.append(end)
     return bounds
 
 

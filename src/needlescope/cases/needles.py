@@ -63,20 +63,22 @@ def make_needles(
     n_distractors: int = 4,
     n_values: int = 3,
     value_digits: int = VALUE_DIGITS,
+    avoid: frozenset[str] = frozenset(),
 ) -> NeedleSet:
     """Draw a needle for ``kind`` from ``rng``, with ``n_distractors`` near-duplicate keys.
 
     Distractors share the key's noun with a different adjective, the hardest kind of near-miss;
     multikey is the kind that has them by default (``cases.assemble.default_distractors``), any
     kind may be given some (auto-difficulty does). multivalue states all values in one sentence so
-    the needle appears exactly once.
+    the needle appears exactly once. No value is one of ``avoid`` (the numbers a user's haystack
+    states: a value stated there too would be a second needle).
     """
     noun = rng.choice(KEY_NOUNS)
     adjs = list(KEY_ADJECTIVES)
     rng.shuffle(adjs)
     adj = adjs[0]
     key = f"the secret code of the {adj} {noun}"
-    taken: set[str] = set()
+    taken = {v for v in avoid if len(v) == value_digits}
     if n_distractors > len(adjs) - 1:
         raise ValueError(f"at most {len(adjs) - 1} distractors are supported")
     if kind == "multivalue":

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from needlescope.analysis.taxonomy import classify
 from needlescope.cases import score_answer
+from needlescope.cases.scoring import prompt_rivals
 from needlescope.errors import ProbeError
 from needlescope.report.bundle import read_bundle, write_bundle
 from needlescope.targets import ChatTarget, normalize_base_url, preflight
@@ -90,7 +91,7 @@ def replay_bundle(bundle: Path, base_url: str, *, times: int = 1, api_key: str |
     for a in answers:
         if a["status"] != "ok":
             continue
-        a["correct"] = score_answer(a["answer"], expected)
+        a["correct"] = score_answer(a["answer"], expected, prompt_rivals(request["messages"], expected))
         if not a["correct"]:
             fail = classify(
                 answer=a["answer"],

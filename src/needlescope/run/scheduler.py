@@ -6,6 +6,7 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable, Collection
 
+from needlescope.cases.scoring import names_any, prompt_rivals
 from needlescope.errors import ProbeError
 from needlescope.run.store import ResultStore
 from needlescope.targets.client import ChatTarget
@@ -26,7 +27,10 @@ async def _chat_row(
     res = None
     try:
         res = await target.chat(case["messages"], max_tokens=max_tokens, extra_body=extra_body)
-        correct = bool(score(res.text, list(case["expected"])))
+        # An answer that names another value of the prompt (a distractor's) beside the right one
+        # is a hedge, not a recall: a miss, whatever ``score`` says (cases.scoring).
+        rivals = prompt_rivals(case["messages"], case["expected"])
+        correct = bool(score(res.text, list(case["expected"]))) and not names_any(res.text, rivals)
         return {
             "status": "ok",
             "correct": correct,

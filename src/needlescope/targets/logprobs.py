@@ -20,6 +20,7 @@ The answer is scored as the whole reply at the answer position (what a model tha
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -163,7 +164,24 @@ async def score_gold(
         tokens = _PARSERS[method.method](reply, prompt, gold)
     except (AttributeError, KeyError, TypeError, ValueError) as e:
         raise ProtocolViolation(f"{method.method}: malformed logprobs ({type(e).__name__}: {e})") from None
+    _check_logprobs(method.method, tokens)
     return {"method": method.method, **answer_score(tokens)}
+
+
+# Rounding slack above 0 for a log-probability a server printed from a float32 softmax.
+_LOGPROB_SLACK = 1e-3
+
+
+def _check_logprobs(method: str, tokens: list[TokenScore]) -> None:
+    """ProtocolViolation unless every logprob read is a finite number <= 0: a NaN, an infinity
+    or a probability above 1 is a broken scorer, and once averaged it made every margin of its
+    cell NaN and summary.json invalid JSON (NaN, -Infinity)."""
+    for i, t in enumerate(tokens):
+        for value in (t.logprob, t.best_other):
+            if value is not None and not (math.isfinite(value) and value <= _LOGPROB_SLACK):
+                raise ProtocolViolation(
+                    f"{method}: gold token {i} has a logprob of {value} (a logprob is a finite number <= 0)"
+                )
 
 
 async def detect_method(target: ChatTarget, top: int, template_kwargs: dict | None = None) -> GradedMethod:

@@ -22,6 +22,7 @@ from pathlib import Path
 import httpx
 
 from needlescope.cases import Case, CaseSpec, build_cases, score_answer
+from needlescope.cases.scoring import prompt_rivals
 from needlescope.errors import BadInput, ProbeError
 from needlescope.targets import ChatTarget, LocalTokenCounter, collect_provenance, detect_server_tokenizer
 from needlescope.targets.bounded import MAX_ANSWER_BYTES, OverLimit, async_client
@@ -203,7 +204,8 @@ async def probe_case(
         # The client's own limits (deadline, size) are raised above the recorder: their kind wins.
         kind = e.kind if e.kind in ("timeout", "too_large") else error_kind(recorder.status, recorder.failure)
         return Outcome(None, kind, str(e), time.monotonic() - start, recorder.ttft_s)
-    correct = score_answer(result.text, case.expected)
+    # a hedge over the distractors is a miss, as in the probe (cases.scoring)
+    correct = score_answer(result.text, case.expected, prompt_rivals(case.messages, case.expected))
     return Outcome(
         correct, None, "hit" if correct else "miss", result.latency_s, recorder.ttft_s, result.text
     )

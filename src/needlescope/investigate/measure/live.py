@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 
 from needlescope.analysis.stats import jaccard
+from needlescope.cases.scoring import prompt_rivals
 from needlescope.errors import BadInput, ProbeError
 from needlescope.investigate.decide.live import compare_rows, summarise
 from needlescope.investigate.decide.verdicts import PATHS
@@ -90,7 +91,8 @@ class LiveRoute:
         }
         if isinstance(res, str):
             return {**base, "error": res}
-        a = analyse_answer(res.output_ids, self.session.tokenizer, case.expected)
+        rivals = prompt_rivals(case.messages, case.expected)
+        a = analyse_answer(res.output_ids, self.session.tokenizer, case.expected, rivals)
         rows = res.prompt_tokens + res.completion_tokens - 1
         layers = self.csa_layers
         try:

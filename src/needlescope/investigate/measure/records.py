@@ -36,7 +36,7 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 
-from needlescope.cases.scoring import score_answer
+from needlescope.cases.scoring import prompt_rivals, score_answer
 from needlescope.dsa.emulate import IndexerCapture, check_unpatched, csa_indexers, emulate, patches_applied
 from needlescope.dsa.nonfinite import rank_scores
 from needlescope.dsa.passes import prefill
@@ -147,8 +147,11 @@ def measuring(
         yield measure
 
 
-def analyse_answer(tokens: Sequence[int], tokenizer, expected: Sequence[str]) -> dict:
+def analyse_answer(
+    tokens: Sequence[int], tokenizer, expected: Sequence[str], rivals: Sequence[str] = ()
+) -> dict:
     """The answer of generated ``tokens`` (cut at EOS) and the answer token to analyse.
+    ``rivals``: values an answer must not name beside the right one (``cases.scoring``).
 
     Returns {"generated": [int], "answer": str, "correct": bool, "analysed_token": int,
     "analysed_source": str} (module docstring: the first wrong answer token, else the first)."""
@@ -159,7 +162,7 @@ def analyse_answer(tokens: Sequence[int], tokenizer, expected: Sequence[str]) ->
             break
         generated.append(int(t))
     answer = tokenizer.decode(generated, skip_special_tokens=True)
-    correct = bool(generated) and score_answer(answer, list(expected))
+    correct = bool(generated) and score_answer(answer, list(expected), rivals)
     if not generated:
         tok_i, source = 0, "first answer token (answer empty)"
     elif correct:
@@ -238,7 +241,7 @@ def case_record(
     """The record of ``case`` (module docstring) from its rendered ``prompt``, its generated
     ``tokens`` and ``capture``'s calls (batch row ``b``; CSA ``layers``, ``index_topk`` ``k``)."""
     P = len(prompt.input_ids)
-    a = analyse_answer(tokens, tokenizer, case.expected)
+    a = analyse_answer(tokens, tokenizer, case.expected, prompt_rivals(case.messages, case.expected))
     tok_i = a["analysed_token"]
     entries = covering_entries(needle_token_span(prompt, case.needle), ratio=ratio, overlap=True)
     recs = _layer_ranks(capture, layers, b, P - 1 + tok_i, entries, k, ratio)
