@@ -21,6 +21,8 @@ bug classes each one points at (``length_residue`` ranks before ``decode_only``:
 shows on whichever path's length hits the residue, and the teacher-forced pass runs the prompt
 plus the answer tokens while the decode pass prefills the prompt alone):
 
+``state_dependent``    every failing case rerun alone (same ids, greedy) predicts another token than
+                       it answered: state kept across requests (a cache slot, a buffer) or the batch
 ``outside_selection``  recall lost at a dense length (every entry selected: entries <= top-k),
                        exact one-sided McNemar p < 0.05; or every compared selection agrees with
                        the reference's (normalized overlap >= 0.8 on every path: up to the
@@ -38,10 +40,8 @@ plus the answer tokens while the decode pass prefills the prompt alone):
                        the needle entries the reference keeps while the rest of the selection
                        agrees (Jaccard without the needle >= 0.7: the rest loses under 18%)
 ``positional_bias``    >= 60% of the candidate's selection in one quarter of the context (of the
-                       most that quarter can hold; first
-                       or last), at least 30 points more than the reference's
-``ranking_uninformative``  overlap near chance: (J - J0) / (1 - J0) <= 0.15, J0 the exact
-                       expected Jaccard of a random k-subset (hypergeometric)
+                       most it can hold; first or last), at least 30 points more than the reference's
+``ranking_uninformative``  overlap near chance: (J - J0) / (1 - J0) <= 0.15 (J0: hypergeometric)
 ``graded``             partial overlap (0.15 < (J - J0) / (1 - J0) < 0.95) and a loss that grows
                        with length: the longest selective length loses (net of gains), the
                        shortest loses at most half its rate (net losses per case), so strictly less
@@ -60,7 +60,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from needlescope.investigate.decide.next_step import next_command
+from needlescope.investigate.decide.next_step import missing_experiments, next_command
 
 __all__ = [
     "FAMILIES",
@@ -77,6 +77,7 @@ __all__ = [
 ]
 
 VOCABULARY = (
+    "state_dependent",
     "outside_selection",
     "length_residue",
     "decode_only",
@@ -172,6 +173,10 @@ class Evidence:
     layers: tuple[LayerSelection, ...] = ()
     answers_differ: bool = False  # a failing case was analysed (wrong under the candidate only)
     localized: tuple[Localized, ...] = ()
+    # failing cases whose rerun alone predicted another token on both paths (a failure that
+    # depends on what ran before: their selections are not a failing run's, so not in ``layers``)
+    not_reproduced: int = 0
+    rerun: int = 0  # failing cases rerun alone (``not_reproduced`` of them answered otherwise)
 
 
 @dataclass(frozen=True)
@@ -447,7 +452,20 @@ def _net_lost(cell: LengthCell) -> int:
     return max(0, cell.lost - cell.gained)
 
 
+def _rule_state(ev: Evidence, ctx: Context) -> dict | None:
+    if not ev.rerun or ev.not_reproduced < ev.rerun:
+        return None
+    return {
+        "rule": "every failing case rerun alone (the same ids, greedy) predicts another token than it "
+        "answered: the failure depends on what ran before it or beside it",
+        "failing_cases_rerun": ev.rerun,
+        "not_reproduced": ev.not_reproduced,
+        "null": "a failure that reproduces when its case runs alone",
+    }
+
+
 _ORDERED = (
+    ("state_dependent", _rule_state),  # first: the other rules read the selections of a rerun
     ("outside_selection", _rule_outside),
     ("length_residue", _rule_residue),  # before decode_only: a boundary bug shows on whichever
     ("decode_only", _rule_decode_only),  # path's length hits the residue (decode: the prompt alone)
@@ -459,33 +477,8 @@ _ORDERED = (
 )
 
 
-def _missing(ev: Evidence, ctx: Context) -> list[tuple[str, str]]:
-    """(experiment, what it would decide) for each discriminating measurement the evidence lacks,
-    cheapest first."""
-    out = []
-    if not any(c.entries <= ctx.topk for c in ev.cells):
-        out.append(("dense", "dense lengths (entries <= top-k) tell outside_selection from a selection bug"))
-    if len({c.length % ctx.ratio for c in ev.cells if c.entries > ctx.topk}) < 2:
-        out.append(("residue", f"lengths in other residue classes mod {ctx.ratio} test length_residue"))
-    if not ev.layers:
-        out.append(
-            ("selection", "the failing cases' selections against the reference decide the selection classes")
-        )
-    elif len({s.path for s in ev.layers}) < 2:
-        out.append(("paths", "prefill rows beside decode rows test decode_only"))
-    if ctx.route == "in-process" and not ev.localized:
-        out.append(("localize", "the localizer names the module family"))
-    if not out:
-        out.append(
-            (
-                "localize" if ctx.route == "in-process" else "paths",
-                "no class's rule fires on these measurements; the selections of one failing case, module by module, may",
-            )
-        )
-    return out
-
-
 _CONFIRM = {
+    "state_dependent": "localize",
     "outside_selection": "localize",
     "decode_only": "paths",
     "length_residue": "residue",
@@ -540,7 +533,7 @@ def characterize(ev: Evidence, ctx: Context) -> dict:
         }
     fired = {name: found for name, rule in _ORDERED if (found := rule(ev, ctx)) is not None}
     classes = list(fired) or ["undecided"]
-    missing = _missing(ev, ctx)
+    missing = missing_experiments(ev, ctx)
     undecided = [why for _, why in missing] if not fired else []
     experiment = missing[0][0] if missing and not fired else _CONFIRM.get(classes[0], "localize")
     result = {
@@ -581,6 +574,7 @@ def _fmt(v) -> str:
 
 
 _HINT = {
+    "state_dependent": "state kept across requests (a cache slot or buffer never reset) or the batch",
     "outside_selection": "the bug is upstream or downstream of the indexer's selection (attention, MoE, norms)",
     "decode_only": "a decode-path bug (paged decode kernel, speculative decoding)",
     "length_residue": "a chunk or compressor-boundary arithmetic bug",

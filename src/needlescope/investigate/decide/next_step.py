@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import shlex
 
-__all__ = ["next_command"]
+__all__ = ["missing_experiments", "next_command"]
 
 
 def _lengths(ctx, which: str) -> list[int]:
@@ -53,3 +53,32 @@ def _length_command(ctx, experiment: str) -> str:
         ["needlescope", "indexer", "sweep", "--model", ctx.model, *(ctx.sweep_flags or ())]
         + ["--index-topk", str(ctx.topk), *grid, "--device", ctx.device, "--out", f"next-{experiment}"]
     )
+
+
+def missing_experiments(ev, ctx) -> list[tuple[str, str]]:
+    """(experiment, what it would decide) for each discriminating measurement the ``characterize.Evidence``
+    lacks, cheapest first (``undecided``'s list, and its first is ``next``)."""
+    out = []
+    if ev.not_reproduced:  # said first: what the selection classes would read is missing
+        why = "answered otherwise when rerun alone: the failure depends on what ran before it (state kept"
+        out.append(("localize", f"{ev.not_reproduced} failing case(s) {why} across requests, the batch)"))
+    if not any(c.entries <= ctx.topk for c in ev.cells):
+        out.append(("dense", "dense lengths (entries <= top-k) tell outside_selection from a selection bug"))
+    if len({c.length % ctx.ratio for c in ev.cells if c.entries > ctx.topk}) < 2:
+        out.append(("residue", f"lengths in other residue classes mod {ctx.ratio} test length_residue"))
+    if not ev.layers:
+        out.append(
+            ("selection", "the failing cases' selections against the reference decide the selection classes")
+        )
+    elif len({s.path for s in ev.layers}) < 2:
+        out.append(("paths", "prefill rows beside decode rows test decode_only"))
+    if ctx.route == "in-process" and not ev.localized:
+        out.append(("localize", "the localizer names the module family"))
+    if not out:
+        out.append(
+            (
+                "localize" if ctx.route == "in-process" else "paths",
+                "no class's rule fires on these measurements; the selections of one failing case, module by module, may",
+            )
+        )
+    return out

@@ -403,7 +403,10 @@ def live_verdict(cmp: dict) -> tuple[str, str]:
     in the module docstring, "Live endpoint"."""
     f, r = cmp["failures"], cmp["reproduced"]
     if cmp["cases"] == 0:  # not "the failure is not in the selection", nor Jaccards of no rows (nan)
-        return "inconclusive", "no case failed on the live endpoint: no failure for its emulation to reproduce"
+        return (
+            "inconclusive",
+            "no case failed on the live endpoint: no failure for its emulation to reproduce",
+        )
     je, jb = cmp["jaccard_emulation"], cmp["jaccard_baseline"]
     gap = gap_closed(cmp)
     counts = (

@@ -116,19 +116,30 @@ def _discriminating_cases(inv, dense: int, shortest: int, failing: int, ratio: i
     return cases + _extra_cases(inv, [failing + d for d in range(1, ratio)])
 
 
-def _selection_layers(inv, target, baseline, failing: list[dict]) -> list:
-    """``LayerSelection`` per (CSA layer, path) over the failing cases' analysed queries."""
+def _selection_layers(inv, target, baseline, failing: list[dict]) -> tuple[list, int]:
+    """(``LayerSelection`` per (CSA layer, path) over the failing cases' analysed queries, the
+    failing cases left out because their rerun alone did not reproduce the recorded token on
+    either path). A failure that depends on what ran before the case (a cache slot kept across
+    requests, the batch) answers right here: its selections equal the reference's while the
+    answers "differ", which read as outside_selection for a bug inside the selection."""
     from needlescope.dsa.prompt import covering_entries, needle_token_span, render_prompt
     from needlescope.dsa.reference import visible_entries
     from needlescope.investigate.measure.rank_paths import path_selections
 
     rows: dict[tuple[int, str], list[Row]] = {}
+    not_reproduced = 0
     for rec in failing:
         case = next(c for c in inv.cases if c.case_id == rec["case_id"])
         prompt = render_prompt(inv.tokenizer, case.messages)
         a, ratio = rec["analysed_token"], rec["compress_ratio"]
         answer, query = rec["output_ids"][:a], len(prompt.input_ids) - 1 + a
-        tgt = path_selections(inv.model, target, prompt.input_ids, answer, query, chunk=inv.chunk)
+        said: dict[str, int] = {}
+        tgt = path_selections(
+            inv.model, target, prompt.input_ids, answer, query, chunk=inv.chunk, tokens=said
+        )
+        if a < len(rec["output_ids"]) and rec["output_ids"][a] not in said.values():
+            not_reproduced += 1  # (past the recorded ids, the token is EOS or unknown: kept)
+            continue
         base = path_selections(inv.model, baseline, prompt.input_ids, answer, query, chunk=inv.chunk)
         visible = int(visible_entries(query, ratio))
         spans = covering_entries(needle_token_span(prompt, case.needle), ratio=ratio, overlap=True)
@@ -137,7 +148,7 @@ def _selection_layers(inv, target, baseline, failing: list[dict]) -> list:
             for layer, (selected, _) in layers.items():
                 ref_sel = frozenset(base[path][layer][0])
                 rows.setdefault((layer, path), []).append(Row(frozenset(selected), ref_sel, visible, needle))
-    return [layer_selection(layer, path, r) for (layer, path), r in sorted(rows.items())]
+    return [layer_selection(layer, path, r) for (layer, path), r in sorted(rows.items())], not_reproduced
 
 
 def _localized(localization: dict | None) -> tuple[Localized, ...]:
@@ -192,12 +203,15 @@ def characterize_inprocess(
         by_length,
     )
     inv.progress("characterize", 1, 2, "selections of the failing cases")
+    layers, not_reproduced = _selection_layers(inv, target, baseline, failing[:FAILING_CASES])
     ev = Evidence(
         recall_lost=True,
         cells=tuple(_cells(by_length, ratio)),
-        layers=tuple(_selection_layers(inv, target, baseline, failing[:FAILING_CASES])),
-        answers_differ=bool(failing),
+        layers=tuple(layers),
+        answers_differ=len(failing[:FAILING_CASES]) > not_reproduced,
         localized=_localized(localization),
+        not_reproduced=not_reproduced,
+        rerun=len(failing[:FAILING_CASES]),
     )
     ids_file, _, _ = _case_files(inv, failing)
     ctx = Context(
@@ -229,6 +243,8 @@ def _measured(ev: Evidence, baseline: str) -> dict:
     """The numbers the rules read, for the report: cells and per-layer selection comparisons."""
     return {
         "baseline": baseline,
+        "not_reproduced": ev.not_reproduced,
+        "rerun": ev.rerun,
         "cells": [c.__dict__ for c in ev.cells],
         "layers": [
             {

@@ -40,7 +40,14 @@ __all__ = ["failing_rank_paths", "path_selections", "rank_paths"]
 
 
 def path_selections(
-    model, config, prompt_ids: list[int], answer: list[int], query: int, *, chunk: int | None = None
+    model,
+    config,
+    prompt_ids: list[int],
+    answer: list[int],
+    query: int,
+    *,
+    chunk: int | None = None,
+    tokens: dict[str, int] | None = None,
 ) -> dict[str, dict[int, tuple]]:
     """path -> CSA layer -> (selected entries, visible scores [v] tensor) of query position
     ``query`` under ``config`` (``measure.Config``), the ids ``prompt_ids + answer`` run
@@ -50,7 +57,11 @@ def path_selections(
     The prompt is run once into the cache and both paths continue from a copy of it: the decode
     path token by token, the prefill path with the answer tokens as one more prefill chunk
     (equal to one pass: docs/scale.md). One answer token alone would be a one-token call, which
-    is what a decode step is, so then the prefill path runs all the ids from scratch."""
+    is what a decode step is, so then the prefill path runs all the ids from scratch.
+
+    ``tokens``, when given, receives path -> the greedy token each path predicts at ``query``:
+    whether this rerun reproduces the recorded answer (a failure that depends on what ran before
+    the case does not, and its selections here are not a failing run's)."""
     import copy
 
     import torch
@@ -76,20 +87,36 @@ def path_selections(
                 per[layer] = ([int(e) for e in rows[i].tolist() if e >= 0], scores[j][:v])
             return per
 
-        run = passes.prefill(model, torch.tensor([prompt_ids], device=dev), chunk=chunk, keep_cache=True)
+        want = (query,) if tokens is not None else ()
+
+        def token(run) -> int | None:
+            return None if not want else int(run.logits[0, -1].argmax())
+
+        first = want if not answer else ()  # the query lies in the prompt only without answer tokens
+        run = passes.prefill(
+            model, torch.tensor([prompt_ids], device=dev), chunk=chunk, keep_cache=True, logits_at=first
+        )
         if not answer:  # the analysed query is the prompt's last: both paths are this prefill
             same = at_query()
+            if tokens is not None:
+                tokens["prefill"] = tokens["decode"] = token(run)
             return {"prefill": same, "decode": same}
         prompt_calls, fork = list(capture.calls), copy.deepcopy(run.cache)
-        passes.decode(model, torch.tensor([answer], device=dev), run.cache, logits_at=())
+        dec = passes.decode(model, torch.tensor([answer], device=dev), run.cache, logits_at=want)
         out = {"decode": at_query()}
         capture.clear()
         if len(answer) > 1:
             capture.calls.extend(prompt_calls)
-            passes.prefill(model, torch.tensor([answer], device=dev), chunk=chunk, cache=fork)
+            pre = passes.prefill(
+                model, torch.tensor([answer], device=dev), chunk=chunk, cache=fork, logits_at=want
+            )
         else:
-            passes.prefill(model, torch.tensor([prompt_ids + answer], device=dev), chunk=chunk)
+            pre = passes.prefill(
+                model, torch.tensor([prompt_ids + answer], device=dev), chunk=chunk, logits_at=want
+            )
         out["prefill"] = at_query()
+        if tokens is not None:
+            tokens.update(decode=token(dec), prefill=token(pre))
     return out
 
 

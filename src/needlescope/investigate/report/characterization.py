@@ -7,6 +7,11 @@ __all__ = ["CATALOGUE", "characterization_blocks"]
 
 
 CATALOGUE = {
+    "state_dependent": (
+        "state kept across requests or batch-dependent numerics: a cache slot or buffer reused"
+        " without reset, prefix-cache reuse of stale entries, batch-variant kernels",
+        "the failing case alone and after the case that ran before it: alone it answers right",
+    ),
     "outside_selection": (
         "MoE routing, attention, norms or the compressed path itself (vllm-ascend-deepseekv4#76)",
         "top-k >= the sequence length (the 1bit-MONSTER fix); the localizer names the module family",
