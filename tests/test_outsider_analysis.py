@@ -10,13 +10,12 @@ through its real entry point (``run_cli``).
 from __future__ import annotations
 
 import json
-from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import pytest
 
 from needlescope.testing.scripted_server import answer, needle_depth, render_words
-from needlescope.testing.servers import in_thread
+from needlescope.testing.servers import JsonHandler, in_thread
 
 MODEL = "peer"
 
@@ -28,18 +27,7 @@ def oracle_peer(top: str):
     for -inf) or ``chat_shape`` (a list of {"token", "logprob"}, as in chat completions);
     ``finite`` gives the third alternative -3.0 (possible)."""
 
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, *args: object) -> None:
-            return
-
-        def _send(self, status: int, body: object) -> None:
-            data = json.dumps(body).encode()  # allow_nan: -inf goes out as -Infinity
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
+    class Handler(JsonHandler):
         def do_GET(self) -> None:
             if self.path == "/v1/models":
                 self._send(200, {"object": "list", "data": [{"id": MODEL, "object": "model"}]})
@@ -195,18 +183,7 @@ def bisect_peer(fail_from: int, fail_deep: bool = False):
     of at least ``fail_from`` words (a length where every request fails) and, with ``fail_deep``,
     to every needle chat whose fact lies past the middle of the prompt."""
 
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, *args: object) -> None:
-            return
-
-        def _send(self, status: int, body: object) -> None:
-            data = json.dumps(body).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
+    class Handler(JsonHandler):
         def do_GET(self) -> None:
             if self.path == "/v1/models":
                 self._send(200, {"object": "list", "data": [{"id": MODEL, "object": "model"}]})

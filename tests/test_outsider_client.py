@@ -17,13 +17,12 @@ import subprocess
 import sys
 import threading
 import time
-from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import pytest
 
 from needlescope.testing.scripted_server import answer, render_words
-from needlescope.testing.servers import in_thread
+from needlescope.testing.servers import JsonHandler, in_thread
 
 KEY = "sk-outsider-7f3a9c21e4"
 MODEL = "peer"
@@ -53,20 +52,7 @@ def peer(
     seen = {"tokenize": 0}
     lock = threading.Lock()
 
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
-        def log_message(self, *args: object) -> None:
-            return
-
-        def _send(self, status: int, body: object) -> None:
-            data = json.dumps(body).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
+    class Handler(JsonHandler):
         def _authorized(self) -> bool:
             if key is None or self.path == "/health" or self.headers.get("Authorization") == f"Bearer {key}":
                 return True

@@ -13,12 +13,11 @@ from __future__ import annotations
 import _thread
 import json
 import threading
-from http.server import BaseHTTPRequestHandler
 
 import pytest
 
 from needlescope.testing.scripted_server import answer, render_words
-from needlescope.testing.servers import in_thread
+from needlescope.testing.servers import JsonHandler, in_thread
 
 MODEL = "peer"
 GRID = ["--lengths", "200", "--depths", "0,100", "--trials", "1"]
@@ -37,20 +36,7 @@ def peer(mode: str = "", *, on_chat=None):
     seen: dict[tuple, int] = {}
     count = [0]
 
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
-        def log_message(self, *args: object) -> None:
-            return
-
-        def _send(self, status: int, body: dict) -> None:
-            data = json.dumps(body).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
+    class Handler(JsonHandler):
         def do_GET(self) -> None:
             if self.path == "/v1/models":
                 self._send(200, {"object": "list", "data": [{"id": MODEL, "object": "model"}]})

@@ -3,6 +3,7 @@ and any stdlib request handler served in this process (``in_thread``)."""
 
 from __future__ import annotations
 
+import json
 import sys
 import threading
 from collections.abc import Iterator
@@ -12,7 +13,29 @@ from http.server import BaseHTTPRequestHandler
 from needlescope.serve.launch import ChildServer
 from needlescope.testing.scripted_server import LoopbackServer
 
-__all__ = ["in_thread", "scripted"]
+__all__ = ["JsonHandler", "in_thread", "scripted"]
+
+
+class JsonHandler(BaseHTTPRequestHandler):
+    """A quiet HTTP/1.1 handler that answers JSON (``_send``): the base of the peers tests write
+    to play an engine with a quirk (``in_thread`` serves them)."""
+
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args: object) -> None:
+        return
+
+    def _send(self, status: int, body: object, headers: dict[str, str] | None = None) -> None:
+        """``body`` as JSON (Python's: a NaN or an infinity goes out as Python writes it, as some
+        servers do) with its Content-Length, so the connection stays usable."""
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
+        self.end_headers()
+        self.wfile.write(data)
 
 
 @contextmanager
