@@ -233,3 +233,11 @@ def test_a_number_of_another_length_in_the_prompt_is_no_rival():
     assert rivals == ["5551234"]
     assert score_answer("4817263, as section 3 of 2019 says", ["4817263"], rivals)
     assert not score_answer("4817263 or 5551234", ["4817263"], rivals)
+
+
+def test_a_haystack_file_that_is_a_device_is_not_called_missing(run_cli, tmp_path):
+    code, _, stderr = run_cli(
+        "probe", "--base-url", "http://127.0.0.1:9", "--model", "m", "--haystack-file", "/dev/null",
+        "--out", str(tmp_path / "o"),
+    )  # fmt: skip
+    assert code == 2 and "--haystack-file /dev/null is not a regular file" in stderr, stderr

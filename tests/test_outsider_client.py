@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import closing
 from pathlib import Path
 
 import pytest
@@ -49,7 +50,7 @@ def peer(
     50 tokens; ``tokenize_drops`` drops the connection of every ``/tokenize`` after the first
     ``tokenize_ok``. ``key``: every route but /health needs it. ``slow_chat_s``: each needle
     chat waits this long first. ``slow_info_s``: ``/get_server_info`` waits this long first."""
-    seen = {"tokenize": 0}
+    seen = {"tokenize": 0, "needle_chats": 0}
     lock = threading.Lock()
 
     class Handler(JsonHandler):
@@ -93,6 +94,9 @@ def peer(
 
         def _chat(self, body: dict) -> None:
             needle = (body.get("max_tokens") or 0) > 1
+            if needle:
+                with lock:
+                    seen["needle_chats"] += 1
             if needle and slow_chat_s:
                 time.sleep(slow_chat_s)
             if needle and mode == "echo_key":
@@ -137,6 +141,7 @@ def peer(
             self.end_headers()
             self.wfile.write(data)
 
+    Handler.seen = seen  # what it was asked: tests wait on it instead of reading a store being written
     return Handler
 
 
@@ -292,20 +297,29 @@ def test_health_and_canary_call_bad_usage_bad_usage_not_unhealthy(run_cli, tmp_p
 
 
 def _results(store: Path) -> int:
-    with sqlite3.connect(store) as db:
+    with closing(sqlite3.connect(f"file:{store}?mode=ro", uri=True)) as db:  # read only, and closed
         return db.execute("select count(*) from results").fetchone()[0]
 
 
-def _kill_when(argv: list[str], ready) -> None:
+def _store_state(store: Path, seen: dict) -> str:
+    """What a store holds, read only, once its writer has ended (a flake's evidence)."""
+    if not store.is_file():
+        return f"; no {store}; peer saw {seen}"
+    with closing(sqlite3.connect(f"file:{store}?mode=ro", uri=True)) as db:
+        cases, results = (db.execute(f"select count(*) from {t}").fetchone()[0] for t in ("cases", "results"))
+    return f"; {store}: {cases} cases, {results} results; peer saw {seen}"
+
+
+def _kill_when(argv: list[str], ready, explain=lambda: "") -> None:
     """Run the CLI with ``argv`` in a child and SIGKILL it once ``ready()`` holds (within 90 s);
-    the child must still be running then."""
+    the child must still be running then (else the failure adds ``explain()``)."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     child = subprocess.Popen([*CLI, *argv], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline and child.poll() is None and not ready():
             time.sleep(0.05)
-        assert child.poll() is None, child.stderr.read().decode()
+        assert child.poll() is None, child.stderr.read().decode() + explain()
         child.send_signal(signal.SIGKILL)
     finally:
         child.wait()
@@ -317,13 +331,16 @@ def test_compare_killed_while_probing_b_resumes(run_cli, tmp_path):
     manifest only when the command ended, so ``--resume`` refused them as not needlescope's
     ('a/heatmap.png was not written by needlescope')."""
     out = tmp_path / "ab"
-    with in_thread(peer()) as a, in_thread(peer(slow_chat_s=0.4)) as b:
+    slow = peer(slow_chat_s=0.4)
+    with in_thread(peer()) as a, in_thread(slow) as b:
         argv = [
             "compare", "--a", a, "--b", b, "--model", MODEL, "--kind", "single", "--lengths", "200,300",
             "--depths", "0,50,100", "--trials", "2", "--concurrency", "1", "--out", str(out),
         ]  # fmt: skip
         b_store = out / "b" / "results.sqlite"
-        _kill_when(argv, lambda: b_store.is_file() and _results(b_store) >= 2)
+        # Ready once B has been asked a third needle chat (two recorded), counted by the peer: the
+        # store is not opened while the child writes it.
+        _kill_when(argv, lambda: slow.seen["needle_chats"] >= 3, lambda: _store_state(b_store, slow.seen))
         done_before = _results(b_store)
         assert 2 <= done_before < 12
         assert (out / "a" / "heatmap.png").is_file()  # A had finished and written its report

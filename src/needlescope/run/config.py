@@ -97,7 +97,8 @@ class ProbeConfig:
         if self.tokenizer == "server" and self.chat_template is not None:
             raise BadInput("--chat-template goes with --tokenizer PATH; the server applies its own template")
         if self.haystack_file is not None and not Path(self.haystack_file).is_file():
-            raise BadInput(f"--haystack-file {self.haystack_file} does not exist; pass a UTF-8 text file")
+            what = "is not a regular file" if Path(self.haystack_file).exists() else "does not exist"
+            raise BadInput(f"--haystack-file {self.haystack_file} {what}; pass a UTF-8 text file")
 
     def fingerprint(self, value_digits: int) -> dict:
         """What must match for --resume to continue a run rather than mix two grids."""
