@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from needlescope.cli.outputs import OUTPUT_SPECS
 from needlescope.outdir import MANIFEST_NAME, record_outputs
 
@@ -120,3 +122,12 @@ def test_demo_refuses_a_length_given_twice_before_it_serves_or_writes(run_cli, t
     line = one_error_line(*run_cli("demo", "--out", str(out), "--lengths", "256,256", "--trials", "1"))
     assert "--lengths 256,256 names a length twice" in line
     assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "argv", [["-h"], ["probe", "-h"], ["investigate", "run", "-h"], ["indexer", "diff", "-h"]]
+)
+def test_dash_h_is_help_like_dash_dash_help(run_cli, argv):
+    """``needlescope -h`` was 'No such option: -h' (exit 2): the first thing many users type."""
+    code, stdout, stderr = run_cli(*argv)
+    assert code == 0 and stdout.startswith("Usage: ") and "Options:" in stdout, stdout + stderr

@@ -57,6 +57,11 @@ def clip(text: str, width: int) -> str:
     return (head[:cut] if cut > 0 else head).rstrip() + "…"
 
 
+HELP_OPTIONS = {"help_option_names": ["-h", "--help"]}
+"""``-h`` as well as ``--help``, on every command (no option of ours takes ``-h``)."""
+
+
 def typer_app(**kw: Any) -> typer.Typer:
-    """A Typer app whose help text is shown as written (no rich markup: ``[watch]`` stays)."""
-    return typer.Typer(rich_markup_mode=None, **kw)
+    """A Typer app whose help text is shown as written (no rich markup: ``[watch]`` stays); its
+    commands and sub-apps answer ``-h`` too (``HELP_OPTIONS``)."""
+    return typer.Typer(rich_markup_mode=None, context_settings=HELP_OPTIONS, **kw)
