@@ -10,6 +10,7 @@ import typer
 from needlescope.cli.interrupts import on_interrupt, store_saved
 from needlescope.cli.output import console, err_console
 from needlescope.cli.outputs import FORCE, guard
+from needlescope.cli.probe_options import API_KEY_ENV
 from needlescope.cli.progress import ProgressView
 from needlescope.errors import ProbeError
 from needlescope.run.config import parse_float_list, parse_int_list
@@ -46,9 +47,7 @@ def engine_state_command(
     repeats: int = typer.Option(3, "--repeats", help="Identical sends a case in the repeat factor."),
     top_logprobs: int = typer.Option(5, "--top-logprobs", help="Alternatives per token, for the margin."),
     timeout: float = typer.Option(300.0, "--timeout", help="Per request, seconds."),
-    api_key: str = typer.Option(
-        None, "--api-key", envvar=["NEEDLESCOPE_API_KEY", "OPENAI_API_KEY"], show_default=False
-    ),
+    api_key: str = typer.Option(None, "--api-key", envvar=API_KEY_ENV, show_default=False),
     force: bool = FORCE,
 ) -> None:
     """Vary one engine condition at a time (prefix cache, concurrency, repetition); paired recall and margin."""

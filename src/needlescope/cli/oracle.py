@@ -10,6 +10,7 @@ import typer
 from needlescope.analysis.oracle import ATOL, FLIP_MARGIN
 from needlescope.cli.output import console, err_console, typer_app
 from needlescope.cli.outputs import FORCE, guard
+from needlescope.cli.probe_options import API_KEY_ENV
 from needlescope.cli.progress import ProgressView
 from needlescope.errors import ProbeError
 from needlescope.paths import check_out_dir
@@ -19,13 +20,12 @@ oracle_app = typer_app(
     help="Logprob oracle: export a server's greedy top-k logprobs over a fixed prompt set, compare another to it.",
 )
 
-_API_KEY_ENV = ["NEEDLESCOPE_API_KEY", "OPENAI_API_KEY"]
 _BASE_URL = typer.Option(..., "--base-url", help="Server URL (root or ending in /v1).")
 _MODEL = typer.Option(None, "--model", help="Model name; default: the first in /v1/models.")
 _PROMPTS = typer.Option(None, "--prompts", help="Prompt-set JSON; default: the shipped set.")
 _TOP = typer.Option(20, "--top-logprobs", help="Alternatives per token (1..20).")
 _TIMEOUT = typer.Option(300.0, "--timeout", help="Per request, seconds.")
-_KEY = typer.Option(None, "--api-key", envvar=_API_KEY_ENV, show_default=False)
+_KEY = typer.Option(None, "--api-key", envvar=API_KEY_ENV, show_default=False)
 _SKIP = typer.Option(
     False,
     "--skip-long-prompts/--refuse-long-prompts",

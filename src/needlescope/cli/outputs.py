@@ -12,6 +12,7 @@ from pathlib import Path
 
 import typer
 
+from needlescope.cli.probe_options import API_KEY_ENV
 from needlescope.errors import BadInput
 from needlescope.outdir import OutputSpec, guarded_out, record_outputs
 from needlescope.progress import Event
@@ -94,7 +95,7 @@ OUTPUT_SPECS: dict[str, OutputSpec] = {
 API_KEY = typer.Option(
     None,
     "--api-key",
-    envvar=["NEEDLESCOPE_API_KEY", "OPENAI_API_KEY"],
+    envvar=API_KEY_ENV,
     show_default=False,
     help="Bearer key for the server (else NEEDLESCOPE_API_KEY or OPENAI_API_KEY); sent on every "
     "request, never written anywhere.",

@@ -16,6 +16,7 @@ fresh before the next configuration (never reused as if clean).
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from needlescope.errors import BadInput
@@ -66,6 +67,7 @@ class Session:
         self.prompt_len: dict[str, int] = {}
         self._case_digest: dict[str, str] = {}  # case id -> basis.case_digest of its messages
         self._params: dict = {}  # what else a record's basis covers (``load``)
+        self._config_bases: dict[str, str] = {}  # configuration JSON -> its basis (``_config_basis``)
         self.model_dir: Path | None = None
         self.blocked_reason: str | None = None
 
@@ -186,7 +188,7 @@ class Session:
         """(records of this run's basis, the others) in ``measure/NAME.jsonl``, as stored."""
         if name not in self.configs or not self._case_digest:
             return [], []
-        config = basis.config_basis(self.configs[name], self.ledger.path.parent)
+        config = self._config_basis(name)
         mine, others = [], []
         for r in self.state.records(name):
             case = self._case_digest.get(r.get("case_id"))
@@ -195,9 +197,18 @@ class Session:
         return mine, others
 
     def _append(self, name: str, record: dict) -> None:
-        config = basis.config_basis(self.configs[name], self.ledger.path.parent)
+        config = self._config_basis(name)
         b = basis.record_basis(config, self._case_digest[record["case_id"]], self._params)
         self.state.append_record(name, {**record, "basis": b})
+
+    def _config_basis(self, name: str) -> str:
+        """``basis.config_basis`` of the configuration noted as ``name``, read once a run: its
+        patch files' bytes are fixed for the run (the run's fingerprint covers them), and every
+        record appended or read would otherwise read them again."""
+        key = json.dumps(self.configs[name], sort_keys=True)
+        if key not in self._config_bases:
+            self._config_bases[key] = basis.config_basis(self.configs[name], self.ledger.path.parent)
+        return self._config_bases[key]
 
     def note_config(self, name: str, config: Config) -> None:
         """Record ``config`` under ``name`` (kept in ``state.json``: a resumed run lists it too)."""
