@@ -36,6 +36,9 @@ class Completion:
     finish_reason: str | None
     prompt_tokens: int | None
     cached_tokens: int | None
+    usage: dict = field(default_factory=dict)
+    """The answer's whole ``usage`` object (vendor extensions included; ``targets.serving_usage``
+    reads the serving ones), {} when it had none."""
 
 
 def _num(x: Any) -> bool:
@@ -128,11 +131,15 @@ class CompletionsTarget:
             str(choice.get("text") or ""), steps, choice.get("finish_reason"), prompt_tokens, cached
         )
 
-    def chat(self, messages: list[dict], max_tokens: int, *, top: int = 5) -> Completion:
+    def chat(
+        self, messages: list[dict], max_tokens: int, *, top: int = 5, extra: dict | None = None
+    ) -> Completion:
         """One greedy chat completion with ``top`` alternatives per token (the probe's request plus
-        ``logprobs``); a server that answers without logprobs gets steps ``[]``."""
+        ``logprobs``); a server that answers without logprobs gets steps ``[]``. ``extra``: vendor
+        request fields (a per-request serving knob such as a draft depth), sent as they are."""
         url = self.v1 + "/chat/completions"
         payload = {
+            **(extra or {}),
             "model": self.model,
             "messages": messages,
             "max_tokens": max_tokens,
@@ -164,7 +171,8 @@ class CompletionsTarget:
             if isinstance(c, dict)
         ]
         prompt_tokens, cached = _usage(body)
-        return Completion(str(text), steps, choice.get("finish_reason"), prompt_tokens, cached)
+        usage = body.get("usage") if isinstance(body.get("usage"), dict) else {}
+        return Completion(str(text), steps, choice.get("finish_reason"), prompt_tokens, cached, usage)
 
     def echoed_prompt_tokens(self, prompt: str) -> list[str] | None:
         """The prompt's token texts as the server echoes them (the fallback without /tokenize);

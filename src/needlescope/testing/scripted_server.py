@@ -18,6 +18,20 @@ ramp instead of a step: ``rate / (1 + exp(-(n - fault_from) / W))`` at every len
 falls smoothly through ``--fault-from`` (a noisy collapse, for the bisection's coverage bench). ``--truncate-middle N`` imitates a serving layer that fits
 long prompts by dropping their middle: a prompt of more than N words keeps its first N // 2 and
 last N - N // 2 words (the ``--window`` applies to what is left).
+Serving state (the live factor experiment's ground truth, ``needlescope serving-factors``):
+``--fault-when COND`` fires the fault only in a serving state, a ``+``-joined conjunction of
+``cache_hit`` (the prompt's cached prefix covers at least half its words), ``batch>K`` (the chat
+shares its batch with more than K requests), ``draft>D`` (speculative draft depth above D) and
+``chunked`` (the prompt is prefilled in more than one chunk and the needle's fact starts before
+the last chunk boundary: the state carried across a boundary is lost); ``always`` (the default)
+is no condition. ``--speculative-num-draft-tokens N`` and ``--prefill-chunk C`` are launch flags
+(0: off) that a request's ``speculative_num_draft_tokens`` / ``prefill_chunk`` fields override.
+``--batch-window-s S`` makes a static batch window: a chat opens a batch (or joins the open one),
+which closes S seconds after it opened; every member answers after the close, and the batch's size
+is its member count (0 s: the chats in flight when it arrived). Each answer's usage reports
+``batch`` ``{size, joined_mid_flight}`` and, with a draft depth, ``speculative``
+``{num_draft_tokens, acceptance_rate}`` (emulated: 1.0, or 0.5 where the fault fired). An echo task
+("Repeat these N numbers exactly, in order, separated by spaces: ...") is answered by copying.
 ``--replica-id`` adds an ``X-Replica-Id`` header, as a router in front of replicas might;
 ``--page-size`` is only reported in ``/get_server_info`` (a kernel boundary for bisection).
 
@@ -49,6 +63,10 @@ QUESTION = re.compile(r"what\s+(?:is|are)\s+(?:all\s+)?the\s+(.+?)\s*\?", re.IGN
 VALUES = r"(\d+(?:\s*(?:,|and|,\s*and)\s+\d+)*)"
 # Any stated fact: used to answer with another key's value (the distractor fault).
 ANY_FACT = re.compile(r"\bis\s+(\d+)\.", re.IGNORECASE)
+# The echo probe's exact-copy task (``cases.echo``): the numbers after the colon, copied.
+ECHO = re.compile(
+    r"repeat these \d+ numbers exactly, in order, separated by spaces:\s*([\d\s]+)", re.IGNORECASE
+)
 FAULTS = (
     "near_miss",
     "partial",
@@ -97,6 +115,13 @@ def answer(messages: list[dict], window: int, truncate_middle: int = 0) -> str:
     return ", ".join(values) if values else "I don't know"
 
 
+def echo_answer(messages: list[dict]) -> str | None:
+    """The copied numbers of an echo task in the last user message; None when it is no echo task."""
+    last = next((m.get("content") or "" for m in reversed(messages) if m.get("role") == "user"), "")
+    found = ECHO.search(last)
+    return " ".join(found.group(1).split()) if found else None
+
+
 def needle_depth(messages: list[dict]) -> float | None:
     """Where the asked key's fact starts, in percent of the rendered prompt's words (None: no fact)."""
     fact = _fact(messages)
@@ -105,6 +130,16 @@ def needle_depth(messages: list[dict]) -> float | None:
     if found is None:
         return None
     return 100.0 * len(text[: found.start()].split()) / max(1, len(text.split()))
+
+
+def _before_last_boundary(serving: dict, messages: list[dict]) -> bool:
+    """Prefilled in chunks of ``serving["chunk"]`` words, the needle's fact starts before the last
+    chunk boundary (the state it left behind was carried across a boundary)."""
+    chunk, words = serving["chunk"], serving["words"]
+    depth = needle_depth(messages)
+    if chunk <= 0 or chunk >= words or depth is None:
+        return False
+    return depth * words / 100.0 < (words - 1) // chunk * chunk
 
 
 def _shift(digits: str) -> str:
@@ -144,6 +179,36 @@ class State:
         self.history: list[list[str]] = []
         self.rng = random.Random(opts.fault_seed)
         self.last_right: str | None = None
+        self.batch: list = [0.0, 0]  # the open batch: [closes at (monotonic s), members]
+
+    def join_batch(self) -> int:
+        """Join the open batch (or open one), wait for it to close; its size. Without a window,
+        the chats in flight on arrival (this one included)."""
+        window = self.opts.batch_window_s
+        with self.lock:
+            if window <= 0:
+                return self.in_flight
+            now = time.monotonic()
+            if self.batch[0] <= now:
+                self.batch = [now + window, 0]
+            batch = self.batch
+            batch[1] += 1
+        time.sleep(max(0.0, batch[0] - time.monotonic()))
+        return batch[1]
+
+    def state_holds(self, serving: dict, messages: list[dict]) -> bool:
+        """Whether every condition of ``--fault-when`` holds in this chat's serving state
+        (``serving``: words, cached, batch, draft, chunk)."""
+        for cond in self.opts.fault_when:
+            if cond == "cache_hit" and 2 * serving["cached"] < serving["words"]:
+                return False
+            if cond.startswith("batch>") and serving["batch"] <= int(cond[6:]):
+                return False
+            if cond.startswith("draft>") and serving["draft"] <= int(cond[6:]):
+                return False
+            if cond == "chunked" and not _before_last_boundary(serving, messages):
+                return False
+        return True
 
     def stale(self, right: str) -> str:
         """The right answer of the chat served before this one (a stale cache slot); keeps ``right``."""
@@ -151,9 +216,11 @@ class State:
             previous, self.last_right = self.last_right, right
         return previous if previous is not None else right
 
-    def fault_fires(self, n_tokens: int, messages: list[dict]) -> bool:
+    def fault_fires(self, n_tokens: int, messages: list[dict], serving: dict) -> bool:
         o = self.opts
         if o.fault is None or (n_tokens < o.fault_from and o.fault_ramp <= 0):
+            return False
+        if not self.state_holds(serving, messages):
             return False
         if o.fault_residue is not None:
             mod, res = o.fault_residue
@@ -352,16 +419,31 @@ class Handler(BaseHTTPRequestHandler):
                 },
             )
             return
-        text = answer(messages, o.window, o.truncate_middle)
+        serving = self._serving(body, words)
+        echo = echo_answer(messages)
+        text = echo if echo is not None else answer(messages, o.window, o.truncate_middle)
         reasoning, finish = None, "stop"
         right = text
-        if text[:1].isdigit() and self.state.fault_fires(len(words), messages):
+        fired = text[:1].isdigit() and self.state.fault_fires(len(words), messages, serving)
+        if fired:
             if o.fault == "stale":
                 text = self.state.stale(right)
             else:
                 text, reasoning, finish = planted(o.fault, text, messages)
         elif text[:1].isdigit() and o.fault == "stale":
             self.state.stale(right)
+        usage = {
+            "prompt_tokens": len(words),
+            "completion_tokens": len(text.split()),
+            "total_tokens": len(words) + len(text.split()),
+            "prompt_tokens_details": {"cached_tokens": serving["cached"]},
+            "batch": {"size": serving["batch"], "joined_mid_flight": 0},
+        }
+        if serving["draft"] > 0:
+            usage["speculative"] = {
+                "num_draft_tokens": serving["draft"],
+                "acceptance_rate": 0.5 if fired else 1.0,
+            }
         self._send(
             200,
             {
@@ -375,15 +457,24 @@ class Handler(BaseHTTPRequestHandler):
                         "message": {"role": "assistant", "content": text, "reasoning_content": reasoning},
                     }
                 ],
-                "usage": {
-                    "prompt_tokens": len(words),
-                    "completion_tokens": len(text.split()),
-                    "total_tokens": len(words) + len(text.split()),
-                    "prompt_tokens_details": {"cached_tokens": self.state.cached(words)},
-                },
+                "usage": usage,
             },
             {"X-Replica-Id": o.replica_id} if o.replica_id else None,
         )
+
+    def _serving(self, body: dict, words: list[str]) -> dict:
+        """This chat's serving state: its cached prefix, batch, draft depth and prefill chunk
+        (a request's field overrides the launch flag)."""
+        o = self.state.opts
+        draft = body.get("speculative_num_draft_tokens", o.speculative_num_draft_tokens)
+        chunk = body.get("prefill_chunk", o.prefill_chunk)
+        return {
+            "words": len(words),
+            "cached": self.state.cached(words),
+            "batch": self.state.join_batch(),
+            "draft": draft if isinstance(draft, int) else 0,
+            "chunk": chunk if isinstance(chunk, int) else 0,
+        }
 
 
 def _residue(text: str) -> tuple[int, int]:
@@ -398,6 +489,20 @@ def _band(text: str) -> tuple[float, float]:
     if not 0 <= lo <= hi <= 100:
         raise argparse.ArgumentTypeError(f"--fault-depth LO:HI needs 0 <= LO <= HI <= 100; got {text!r}")
     return lo, hi
+
+
+def _conditions(text: str) -> tuple[str, ...]:
+    """``--fault-when``: ``always``, or conditions joined by ``+`` (module docstring)."""
+    if text == "always":
+        return ()
+    conds = tuple(c.strip() for c in text.split("+"))
+    for c in conds:
+        ok = c in ("cache_hit", "chunked") or (c.startswith(("batch>", "draft>")) and c[6:].isdigit())
+        if not ok:
+            raise argparse.ArgumentTypeError(
+                f"--fault-when takes always or cache_hit, batch>K, draft>D, chunked joined by +; got {c!r}"
+            )
+    return conds
 
 
 def parse_options(argv: list[str] | None = None) -> argparse.Namespace:
@@ -421,6 +526,10 @@ def parse_options(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fault-rate", type=float, default=1.0)
     p.add_argument("--fault-seed", type=int, default=0)
     p.add_argument("--fault-ramp", type=float, default=0.0, help="logistic width in tokens (0: a step)")
+    p.add_argument("--fault-when", type=_conditions, default=(), help="always, or e.g. cache_hit+batch>1")
+    p.add_argument("--speculative-num-draft-tokens", type=int, default=0)
+    p.add_argument("--prefill-chunk", type=int, default=0)
+    p.add_argument("--batch-window-s", type=float, default=0.0)
     p.add_argument("--replica-id", default=None)
     p.add_argument("--page-size", type=int, default=0, help="reported in /get_server_info only")
     p.add_argument("--api-key", default=None)

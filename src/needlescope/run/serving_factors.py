@@ -1,0 +1,467 @@
+"""The live factor experiment: which serving factor moves recall (docs/serving_factors.md).
+
+The probe's cases are sent in a **baseline** arm (alone, cold prefix cache, no per-request knob,
+the first endpoint) and in arms that each change one factor to one level, or two factors at their
+last levels (an interaction cell). ``analysis.factors`` tests every arm against the baseline on
+the same cases and names the factor.
+
+How each arm makes its one difference:
+
+- every arm sends each case under a nonce of its own (``run.engine_state``'s six digits before the
+  first message), so no send finds another's prefix in the cache: each is cold, except
+- ``cache=warm``: the baseline send's identical bytes again, right after it. A hit is verified
+  from ``usage.prompt_tokens_details.cached_tokens``: the warm send must report more cached tokens
+  than its cold one; a pair without a verified hit is left out of the test and counted
+  (``unverified_hits``). A cell with the cache primes its own nonce first (a cold send alone,
+  not scored, counted in ``primes``);
+- ``batch=besideK``: the cases in groups of K+1 sent at once (a barrier lines the threads up),
+  so each scored case has K batch mates; a short last group is filled with unscored mates
+  (``fillers``). The batch the server reports (``usage.batch.size``) is kept per send;
+- ``draft=D`` / ``chunk=C``: a request field (``--draft-field`` / ``--chunk-field``) set to the
+  level, for servers that take the knob per request; what the server reports it applied
+  (``usage.speculative.num_draft_tokens``) is kept;
+- the endpoint factor: the same sends at the second ``--base-url``, a server that differs from the
+  first in one launch flag (named by ``--endpoint-factor``, e.g. ``draft`` for
+  ``--speculative-num-draft-tokens 8`` against none);
+- ``repeat``: the baseline's own condition again (alone, cold, under another nonce): a server that
+  answers it differently carries state across requests that no other factor names.
+
+The **echo probe** (``--echo N``): N exact-copy tasks (``cases.echo``) at each draft level (the
+per-request depths, or each endpoint), each cold under its own nonce; corruption rate and its 95%
+Clopper-Pearson upper bound per level (``analysis.factors.echo_summary``).
+
+A request that fails is a row with ``error`` set and ``correct`` None, never a miss; its pair is
+left out. The run is bounded (``planned_requests``) and not resumable: a killed run is run again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import threading
+import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+
+from needlescope.analysis.factors import decide, echo_summary, paired_counts
+from needlescope.analysis.stats import mean_present
+from needlescope.cases import Case, CaseSpec, build_cases, score_answer
+from needlescope.cases.echo import EchoTask, echo_tasks, exact_copy
+from needlescope.cases.needles import VALUE_DIGITS
+from needlescope.cases.scoring import prompt_rivals
+from needlescope.errors import BadInput, ProbeError
+from needlescope.progress import Progress, no_progress
+from needlescope.run.engine_state import _nonce, _with_nonce, fit_to_target
+from needlescope.targets.client import served_models
+from needlescope.targets.completions import CompletionsTarget
+from needlescope.targets.serving_usage import read_serving_usage
+from needlescope.targets.tokenize import detect_server_tokenizer
+
+__all__ = ["FACTORS", "Arm", "FactorConfig", "plan_arms", "planned_requests", "run_serving_factors"]
+
+FACTORS = ("cache", "batch", "draft", "chunk", "endpoint", "repeat")
+ENDPOINT_FACTORS = ("cache", "batch", "draft", "chunk", "endpoint")
+"""What ``--endpoint-factor`` may call the launch flag two endpoints differ in."""
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One arm: the conditions its sends differ from the baseline's in."""
+
+    name: str
+    factors: tuple[str, ...]
+    """The factors it changes: () for the baseline, one for a level, two for a cell."""
+    endpoint: int = 0
+    warm: bool = False
+    mates: int = 0
+    fields: tuple[tuple[str, int], ...] = ()
+
+
+@dataclass(frozen=True)
+class FactorConfig:
+    base_urls: tuple[str, ...]
+    model: str
+    factors: tuple[str, ...] | None = None
+    """None: cache, batch and repeat, plus draft / chunk where levels are given and the endpoint
+    factor with two base URLs."""
+    endpoint_factor: str = "endpoint"
+    endpoint_labels: tuple[str, str] = ("A", "B")
+    kind: str = "single"
+    lengths: tuple[int, ...] = (512,)
+    depths: tuple[float, ...] = (0.0, 50.0, 100.0)
+    trials: int = 4
+    seed: int = 0
+    value_digits: int | None = None
+    batch_mates: tuple[int, ...] = (1, 7, 31)
+    draft_depths: tuple[int, ...] = ()
+    draft_field: str = "speculative_num_draft_tokens"
+    chunk_sizes: tuple[int, ...] = ()
+    chunk_field: str = "prefill_chunk"
+    interactions: bool = True
+    echo: int = 0
+    echo_items: int = 8
+    echo_digits: int = 4
+    alpha: float = 0.05
+    min_loss: float = 0.1
+    max_tokens: int = 16
+    timeout_s: float = 300.0
+    skip_long_lengths: bool = False
+    api_key: str | None = field(default=None, repr=False)
+    run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+
+    def __post_init__(self) -> None:
+        if not 1 <= len(self.base_urls) <= 2:
+            raise BadInput(
+                f"give one --base-url, or two that differ in one launch flag; got {len(self.base_urls)}"
+            )
+        if self.factors is None:
+            auto = ["cache", "batch"]
+            auto += ["draft"] * bool(self.draft_depths) + ["chunk"] * bool(self.chunk_sizes)
+            auto += ["endpoint"] * (len(self.base_urls) == 2)
+            object.__setattr__(self, "factors", (*auto, "repeat"))
+        bad = [f for f in self.factors if f not in FACTORS]
+        if bad or not self.factors:
+            raise BadInput(f"--factors must be among {', '.join(FACTORS)}; got {list(self.factors)}")
+        needs = {
+            "draft": (self.draft_depths, "--draft-depths"),
+            "chunk": (self.chunk_sizes, "--chunk-sizes"),
+            "batch": (self.batch_mates, "--batch-mates"),
+        }
+        for name, (levels, flag) in needs.items():
+            if name in self.factors and not levels:
+                raise BadInput(f"the {name} factor needs levels: pass {flag}")
+            if any(x < 1 for x in levels):
+                raise BadInput(f"{flag} must be positive integers; got {list(levels)}")
+        if ("endpoint" in self.factors) != (len(self.base_urls) == 2):
+            raise BadInput("the endpoint factor needs exactly two --base-url (and two --base-url need it)")
+        if self.endpoint_factor not in ENDPOINT_FACTORS:
+            raise BadInput(
+                f"--endpoint-factor must be one of {', '.join(ENDPOINT_FACTORS)}; got {self.endpoint_factor!r}"
+            )
+        if self.endpoint_factor != "endpoint" and self.endpoint_factor in self.factors:
+            raise BadInput(
+                f"--endpoint-factor {self.endpoint_factor}: that factor is varied per request too; "
+                "vary it one way (drop it from --factors, or its per-request levels)"
+            )
+        if len(self.endpoint_labels) != 2 or len(set(self.endpoint_labels)) != 2:
+            raise BadInput(f"--endpoint-labels takes two different names; got {list(self.endpoint_labels)}")
+        if self.echo < 0 or self.echo_items < 1 or not 2 <= self.echo_digits <= 12:
+            raise BadInput("--echo must be >= 0, --echo-items >= 1 and --echo-digits in 2..12")
+        if self.echo and not (self.draft_depths or len(self.base_urls) == 2):
+            raise BadInput("--echo compares draft depths: pass --draft-depths, or two --base-url")
+        if not 0 < self.alpha < 1 or not 0 < self.min_loss <= 1:
+            raise BadInput(
+                f"--alpha must be in (0, 1) and --min-loss in (0, 1]; got {self.alpha}, {self.min_loss}"
+            )
+        self.spec()
+
+    def spec(self) -> CaseSpec:
+        return CaseSpec(
+            kind=self.kind,
+            lengths=self.lengths,
+            depths=self.depths,
+            trials=self.trials,
+            seed=self.seed,
+            value_digits=self.value_digits or VALUE_DIGITS,
+            max_answer_tokens=self.max_tokens,
+        )
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.pop("api_key")
+        return d
+
+
+def _levels(cfg: FactorConfig, factor: str) -> list[Arm]:
+    """The single-factor arms of ``factor``, in the order its levels were given."""
+    if factor == "cache":
+        return [Arm("cache=warm", ("cache",), warm=True)]
+    if factor == "batch":
+        return [Arm(f"batch=beside{k}", ("batch",), mates=k) for k in cfg.batch_mates]
+    if factor == "draft":
+        return [Arm(f"draft={d}", ("draft",), fields=((cfg.draft_field, d),)) for d in cfg.draft_depths]
+    if factor == "chunk":
+        return [Arm(f"chunk={c}", ("chunk",), fields=((cfg.chunk_field, c),)) for c in cfg.chunk_sizes]
+    if factor == "endpoint":
+        return [Arm(f"{cfg.endpoint_factor}={cfg.endpoint_labels[1]}", (cfg.endpoint_factor,), endpoint=1)]
+    return [Arm("repeat", ("repeat",))]
+
+
+def _cell(a: Arm, b: Arm) -> Arm:
+    return Arm(
+        f"{a.name} + {b.name}",
+        (*a.factors, *b.factors),
+        endpoint=max(a.endpoint, b.endpoint),
+        warm=a.warm or b.warm,
+        mates=max(a.mates, b.mates),
+        fields=a.fields + b.fields,
+    )
+
+
+def plan_arms(cfg: FactorConfig) -> list[Arm]:
+    """The baseline, every single-factor level, then (``interactions``) a cell for every pair of
+    factors other than repeat, each at its last level."""
+    arms = [Arm("baseline", ())]
+    last = {}
+    for f in cfg.factors:
+        levels = _levels(cfg, f)
+        arms += levels
+        if f != "repeat":
+            last[f] = levels[-1]
+    if cfg.interactions:
+        arms += [_cell(last[a], last[b]) for a, b in itertools.combinations(last, 2)]
+    return arms
+
+
+def planned_requests(cfg: FactorConfig, cases: int) -> int:
+    """Every request the run sends over ``cases`` cases: scored sends, primes, fillers, echo."""
+    total = 0
+    for arm in plan_arms(cfg):
+        total += cases
+        if arm.warm and arm.name != "cache=warm":
+            total += cases  # its primes (cache=warm's prime is the baseline send)
+        if arm.mates and cases % (arm.mates + 1):
+            total += arm.mates + 1 - cases % (arm.mates + 1)
+    levels = 1 + (len(cfg.draft_depths) if cfg.draft_depths else 1)
+    return total + cfg.echo * levels
+
+
+@dataclass
+class _Run:
+    cfg: FactorConfig
+    targets: list[CompletionsTarget]
+    cases: list[Case]
+    progress: Progress = no_progress
+    sent: int = 0
+    primes: int = 0
+    fillers: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def send(self, arm: Arm, case: Case, nonce: str, label: str) -> dict:
+        row = _send(self.targets[arm.endpoint], self.cfg, case, nonce, dict(arm.fields))
+        with self.lock:
+            self.sent += 1
+            self.progress("serving factors", self.sent, None, label)
+        return row
+
+
+def _send(target: CompletionsTarget, cfg: FactorConfig, case: Case, nonce: str, fields: dict) -> dict:
+    """One scored send as its row (``error`` set and ``correct`` None when the request failed)."""
+    row: dict = {"case_id": case.case_id, "length": case.length, "depth": case.depth, "nonce": nonce}
+    try:
+        done = target.chat(_with_nonce(case, nonce), cfg.max_tokens, top=1, extra=fields)
+    except ProbeError as e:
+        empty = {"correct": None, "cached_tokens": None, "text": None, "hit": None}
+        return {**row, **empty, **read_serving_usage(None).to_dict(), "error": f"{e.kind}: {e}"}
+    correct = score_answer(done.text, case.expected, prompt_rivals(case.messages, case.expected))
+    return {
+        **row,
+        "correct": correct,
+        "cached_tokens": done.cached_tokens,
+        "text": done.text,
+        "hit": None,
+        **read_serving_usage(done.usage).to_dict(),
+        "error": None,
+    }
+
+
+def _verify_hit(cold: dict, warm: dict) -> None:
+    """Mark ``warm``'s cache hit: more cached tokens than its cold send (None: unknown)."""
+    if cold["cached_tokens"] is not None and warm["cached_tokens"] is not None:
+        warm["hit"] = warm["cached_tokens"] > cold["cached_tokens"]
+
+
+def _at_once(jobs: list[Callable[[], dict]]) -> list[dict]:
+    """Run ``jobs`` on as many threads, released together by a barrier (a broken barrier, after
+    30 s, releases them anyway: the send still counts, its reported batch says what it met)."""
+    barrier = threading.Barrier(len(jobs))
+
+    def go(job: Callable[[], dict]) -> dict:
+        try:
+            barrier.wait(timeout=30)
+        except threading.BrokenBarrierError:
+            pass
+        return job()
+
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        return list(pool.map(go, jobs))
+
+
+def _arm_rows(run: _Run, arm: Arm) -> list[dict]:
+    """Send every case in ``arm`` (primed first when warm, in groups of mates+1 when batched)."""
+    nonces = [_nonce(run.cfg.run_id, "factors", arm.name, c.case_id) for c in run.cases]
+    if arm.warm:
+        cold = Arm("prime", (), endpoint=arm.endpoint)
+        primes = [run.send(cold, c, n, f"{arm.name} (prime)") for c, n in zip(run.cases, nonces, strict=True)]
+        run.primes += len(primes)
+    width = arm.mates + 1
+    rows: list[dict] = []
+    for start in range(0, len(run.cases), width):
+        group = list(zip(run.cases, nonces, strict=True))[start : start + width]
+        jobs = [lambda c=c, n=n: run.send(arm, c, n, arm.name) for c, n in group]
+        fill = width - len(group) if width > 1 else 0
+        for i in range(fill):  # unscored batch mates: other cases under filler nonces
+            c = run.cases[i % len(run.cases)]
+            jobs.append(
+                lambda c=c, i=i: run.send(
+                    arm, c, _nonce(run.cfg.run_id, "filler", arm.name, f"{c.case_id}/{i}"), "filler"
+                )
+            )
+        run.fillers += fill
+        rows += (_at_once(jobs) if len(jobs) > 1 else [jobs[0]()])[: len(group)]
+    if arm.warm:
+        for p, w in zip(primes, rows, strict=True):
+            _verify_hit(p, w)
+    return rows
+
+
+def _baseline_and_cache(run: _Run, arms: list[Arm]) -> dict[str, list[dict]]:
+    """The baseline, and ``cache=warm`` (when planned) each case's identical bytes right after it."""
+    warm = next((a for a in arms if a.name == "cache=warm"), None)
+    base, hot = [], []
+    for c in run.cases:
+        nonce = _nonce(run.cfg.run_id, "factors", "baseline", c.case_id)
+        base.append(run.send(arms[0], c, nonce, "baseline"))
+        if warm is not None:
+            hot.append(run.send(warm, c, nonce, warm.name))
+            _verify_hit(base[-1], hot[-1])
+    return {"baseline": base, **({warm.name: hot} if warm is not None else {})}
+
+
+def _scored(arm: Arm, rows: list[dict]) -> list[bool | None]:
+    """What the test reads: a warm arm's pair without a verified hit is left out (None)."""
+    return [r["correct"] if not arm.warm or r["hit"] else None for r in rows]
+
+
+def _arm_body(arm: Arm, rows: list[dict]) -> dict:
+    drafts = sorted({r["draft_tokens"] for r in rows if r["draft_tokens"] is not None})
+    return {
+        "name": arm.name,
+        "factors": list(arm.factors),
+        "endpoint": arm.endpoint,
+        "warm": arm.warm,
+        "mates": arm.mates,
+        "fields": dict(arm.fields),
+        "recall": mean_present([r["correct"] for r in rows]),
+        "errors": sum(r["error"] is not None for r in rows),
+        "unverified_hits": sum(r["error"] is None and not r["hit"] for r in rows) if arm.warm else None,
+        "cached_tokens_mean": mean_present([r["cached_tokens"] for r in rows]),
+        "batch_size_mean": mean_present([r["batch_size"] for r in rows]),
+        "draft_tokens_reported": drafts,
+        "acceptance_rate_mean": mean_present([r["acceptance_rate"] for r in rows]),
+        "rows": rows,
+    }
+
+
+def _echo(run: _Run, tasks: list[EchoTask]) -> dict:
+    """Each echo task at each draft level, cold under its own nonce; exact-copy outcomes."""
+    cfg = run.cfg
+    if cfg.draft_depths:
+        levels = [("none", Arm("echo", ()))] + [
+            (str(d), Arm("echo", (), fields=((cfg.draft_field, d),))) for d in cfg.draft_depths
+        ]
+    else:
+        levels = [(label, Arm("echo", (), endpoint=i)) for i, label in enumerate(cfg.endpoint_labels)]
+    budget = cfg.echo_items * (cfg.echo_digits + 1) + 8  # a token a digit and a separator, at worst
+    outcomes: dict[str, list[bool | None]] = {}
+    rows: dict[str, list[dict]] = {}
+    for label, arm in levels:
+        outcomes[label], rows[label] = [], []
+        for t in tasks:
+            nonce = _nonce(cfg.run_id, "echo", label, t.task_id)
+            case = Case(t.task_id, "echo", 0, 0.0, 0, list(t.messages), list(t.items), "", "", "echo", 0)
+            tuned = dataclasses.replace(cfg, max_tokens=budget)
+            row = _send(run.targets[arm.endpoint], tuned, case, nonce, dict(arm.fields))
+            run.sent += 1
+            run.progress("serving factors", run.sent, None, f"echo {label}")
+            ok = None if row["error"] is not None else exact_copy(row["text"], t.items)
+            outcomes[label].append(ok)
+            rows[label].append(
+                {
+                    "task_id": t.task_id,
+                    "copied": ok,
+                    **{k: row[k] for k in ("text", "draft_tokens", "acceptance_rate", "error")},
+                }
+            )
+    baseline = levels[0][0]
+    return {"baseline": baseline, "levels": echo_summary(outcomes, baseline, alpha=cfg.alpha), "rows": rows}
+
+
+def _sentence(verdict: dict, tests: list[dict]) -> str:
+    """The verdict in one line, with its numbers."""
+    if verdict["named"] is not None:
+        t = next(t for t in tests if t["arm"] == verdict["arm"])
+        what = "moves recall" if verdict["kind"] == "factor" else "moves recall together (neither alone does)"
+        also = f"; also significant: {', '.join(verdict['also'])}" if verdict["also"] else ""
+        return (
+            f"{verdict['named']} {what}: {t['arm']} recall {t['recall_arm']:.2f} vs baseline "
+            f"{t['recall_base']:.2f} on {t['pairs']} paired cases ({t['lost']} lost, {t['gained']} gained), "
+            f"exact McNemar p = {t['p']:.2g}, Holm p = {t['p_holm']:.2g}{also}"
+        )
+    if not tests:
+        return "no factor: no arm was tested"
+    weakest = min(tests, key=lambda t: t["power"])
+    need = weakest["pairs_needed"]
+    return (
+        f"no factor: none of {len(tests)} arms moves recall (Holm, alpha {verdict['alpha']:g}); power to "
+        f"detect a loss of {verdict['min_loss']:.0%}: {weakest['power']:.2f} at the weakest arm "
+        f"({weakest['arm']}, {weakest['pairs']} pairs; {need if need is not None else 'over 1000'} pairs "
+        "give 0.80)"
+    )
+
+
+def run_serving_factors(
+    cfg: FactorConfig,
+    *,
+    progress: Progress = no_progress,
+    note: Callable[[str], None] = lambda _line: None,
+) -> dict:
+    """Run the experiment; return serving_factors.json's body (``report.serving_factors``)."""
+    for url in cfg.base_urls:
+        served_models(url, cfg.api_key, min(cfg.timeout_s, 5.0), flag="--base-url")
+    targets = [
+        CompletionsTarget(u, cfg.model, api_key=cfg.api_key, timeout=cfg.timeout_s) for u in cfg.base_urls
+    ]
+    try:
+        cfg = fit_to_target(cfg, targets[0], note)
+        counter = detect_server_tokenizer(targets[0].root, cfg.model, api_key=cfg.api_key)
+        if counter is None:
+            raise BadInput(
+                f"{targets[0].root} exposes no /tokenize endpoint; serving-factors sizes its cases with it"
+            )
+        try:
+            cases = build_cases(cfg.spec(), counter, progress)
+        finally:
+            counter.close()
+        arms = plan_arms(cfg)
+        note(f"{len(cases)} cases, {len(arms)} arms: {planned_requests(cfg, len(cases))} requests planned")
+        run = _Run(cfg, targets, cases, progress)
+        rows = _baseline_and_cache(run, arms)
+        for arm in arms:
+            if arm.name not in rows:
+                rows[arm.name] = _arm_rows(run, arm)
+        tasks = echo_tasks(cfg.echo, cfg.echo_items, cfg.echo_digits, cfg.seed) if cfg.echo else []
+        echo = _echo(run, tasks) if tasks else None
+    finally:
+        for t in targets:
+            t.close()
+    base = [r["correct"] for r in rows["baseline"]]
+    tests = [
+        {**paired_counts(base, _scored(a, rows[a.name])), "arm": a.name, "factors": list(a.factors)}
+        for a in arms[1:]
+    ]
+    decision = decide(tests, alpha=cfg.alpha, min_loss=cfg.min_loss)
+    verdict = {k: v for k, v in decision.items() if k != "tests"}
+    verdict["sentence"] = _sentence(verdict, decision["tests"])
+    return {
+        "kind": "needlescope-serving-factors",
+        "base_urls": [t.v1 for t in targets],
+        "config": cfg.to_dict(),
+        "cases": len(cases),
+        "requests": {"sent": run.sent, "primes": run.primes, "fillers": run.fillers},
+        "arms": [_arm_body(a, rows[a.name]) for a in arms],
+        "tests": decision["tests"],
+        "verdict": verdict,
+        "echo": echo,
+    }
