@@ -26,6 +26,7 @@ COMMANDS = [
     (["compare", "--a", DEAD, "--b", DEAD, "--model", "m", "--lengths", "256", "--out", "OUT"], "report.md"),
     (["compare", "--a-run", "OUT/x", "--b-run", "OUT/y", "--out", "OUT"], "compare.json"),
     (["engine-state", "--base-url", DEAD, "--model", "m", "--out", "OUT"], "engine_state.md"),
+    (["serving-factors", "--base-url", DEAD, "--model", "m", "--out", "OUT"], "serving_factors.md"),
     (["oracle", "export", "--base-url", DEAD, "--out", "OUT"], "export.json"),
     (["oracle", "compare", "OUT/ref", "--base-url", DEAD, "--out", "OUT"], "oracle.md"),
     (["indexer", "rank-dump", "--model", "organism", *PROMPT, "--out", "OUT"], "rankdump.md"),

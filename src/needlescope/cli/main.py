@@ -31,6 +31,7 @@ from needlescope.cli.output import console, err_console, typer_app
 from needlescope.cli.probe import probe_command
 from needlescope.cli.replay import replay_command
 from needlescope.cli.serve import serve_command
+from needlescope.cli.serving_factors import serving_factors_command
 from needlescope.cli.watch import canary_command, health_command
 from needlescope.errors import BadInput
 from needlescope.serve.parent_watch import exit_with_parent
@@ -65,6 +66,7 @@ app.command("replay")(replay_command)
 app.add_typer(organism_app, name="organism")
 app.add_typer(oracle_app, name="oracle")
 app.command("engine-state")(engine_state_command)
+app.command("serving-factors")(serving_factors_command)
 app.add_typer(indexer_app, name="indexer")
 app.add_typer(kernels_app, name="kernels")
 app.command("serve")(serve_command)

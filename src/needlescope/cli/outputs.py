@@ -39,6 +39,7 @@ OUTPUT_SPECS: dict[str, OutputSpec] = {
             state=(*(f"*/{name}" for name in _STORE), "b/results.sqlite.partial*"),
         ),
         OutputSpec("engine-state", (*_STORE, "engine_state.json", "engine_state.md"), state=_STORE),
+        OutputSpec("serving-factors", ("serving_factors.json", "serving_factors.md")),
         OutputSpec("oracle export", ("export.json",)),
         OutputSpec("oracle compare", ("candidate_export.json", "oracle.json", "oracle.md")),
         OutputSpec(
