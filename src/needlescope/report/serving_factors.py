@@ -209,6 +209,24 @@ def serving_factors_markdown(body: dict) -> str:
             + " warm send(s) reported no more `cached_tokens` than their cold send (or none at all): "
             "no verified prefix hit, left out of the test.",
         ]
+    silent = [
+        a["name"]
+        for a in body["arms"]
+        if cfg["draft_field"] in a["fields"] and not a["draft_tokens_reported"] and a["recall"] is not None
+    ]
+    if silent:
+        lines += [
+            "",
+            f"Draft: the server reported no draft depth for {', '.join(silent)} "
+            "(`usage.speculative.num_draft_tokens`): it may ignore the request field "
+            f"`{cfg['draft_field']}`, and then those arms repeat the baseline's condition.",
+        ]
+    if any(a["mates"] for a in body["arms"]) and all(a["batch_size_mean"] is None for a in body["arms"]):
+        lines += [
+            "",
+            "Batch: the server reports no batch size (`usage.batch.size`): the batch arms sent their "
+            "mates at once, but what the server batched is unknown.",
+        ]
     errors = sum(a["errors"] for a in body["arms"])
     if errors:
         lines += ["", f"{errors} request(s) failed (errors, not misses; their pairs are left out)."]
