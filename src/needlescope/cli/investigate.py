@@ -71,6 +71,7 @@ def run_investigation_cli(
     allow_outside: bool = False,
     prefill_chunk: int | None = None,
     api_key: str | None = None,
+    serving_factors: bool = False,
 ) -> tuple[Findings, Path]:
     """Run with progress per phase (``cli.progress``) and render the reports from the returned
     ``Findings``; returns them and DIAGNOSIS.md's path."""
@@ -86,6 +87,7 @@ def run_investigation_cli(
             allow_outside=allow_outside,
             prefill_chunk=prefill_chunk,
             api_key=api_key,
+            serving_factors=serving_factors,
         )
     md, _ = write_reports(findings, command=shlex.join(["needlescope", *sys.argv[1:]]))
     return findings, md
@@ -117,13 +119,21 @@ def run_command(
         help="Run prompts through the KV cache in chunks of this many tokens (overrides [target] prefill_chunk; docs/scale.md).",
     ),
     api_key: str = API_KEY,
+    serving_factors: bool = typer.Option(
+        False,
+        "--serving-factors",
+        help="Live route: when recall is lost, name the serving factor (prefix cache, batch, repeat) that "
+        "reproduces it (a bounded serving-factors experiment; docs/serving_factors.md).",
+    ),
     force: bool = FORCE,
 ) -> None:
     """Run the ledger: cheap questions, symptom, checks in tier order, fixes, verdicts, DIAGNOSIS."""
     again = "rerun the same command to continue (finished steps and cases are kept)"
     with on_interrupt(measured_saved(out), again), guard(out, "investigate run", force):
         _check_ledger_fits(ledger, allow_outside)
-        findings, md = run_investigation_cli(ledger, out, allow_outside, prefill_chunk, api_key)
+        findings, md = run_investigation_cli(
+            ledger, out, allow_outside, prefill_chunk, api_key, serving_factors
+        )
     for s in findings.verdicts["suspects"]:
         console.say("  tier {} {}: [bold]{}[/] - {}", s["tier"], s["id"], s["verdict"], s["reason"])
     console.say("root cause: [bold]{}[/]", findings.root_cause)

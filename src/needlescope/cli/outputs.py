@@ -79,6 +79,7 @@ OUTPUT_SPECS: dict[str, OutputSpec] = {
                 "state.json",
                 "measure/",
                 "localize/",
+                "serving_factors/",
                 "investigation.json",
                 "verdicts.json",
                 "DIAGNOSIS.md",

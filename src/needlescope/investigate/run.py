@@ -65,6 +65,7 @@ def run_investigation(
     allow_outside: bool = False,
     prefill_chunk: int | None = None,
     api_key: str | None = None,
+    serving_factors: bool = False,
 ) -> Findings:
     """Run (or resume) the investigation of ``ledger_path`` into ``out``; returns its ``Findings``.
 
@@ -73,10 +74,13 @@ def run_investigation(
     whose candidate is ``dump`` the dump route (``measure.dump``).
     ``allow_outside``: accept ledger paths outside its folder (``--allow-outside``).
     ``prefill_chunk``: overrides the ledger's ``[target] prefill_chunk`` (``--prefill-chunk``).
-    ``api_key``: the live endpoint's bearer key (``--api-key``; never in the ledger or the run)."""
+    ``api_key``: the live endpoint's bearer key (``--api-key``; never in the ledger or the run).
+    ``serving_factors``: a live run that loses recall names the serving factor that reproduces
+    it (``--serving-factors``; ``measure.serving_factors``)."""
     ledger = with_chunk(load_ledger(ledger_path, allow_outside=allow_outside), prefill_chunk)
     with run_lock(Path(out)):  # one run at a time writes a run directory
         session = Session(ledger, Path(out), progress, api_key=api_key)
+        session.serving_factors = serving_factors
         session.questions()
         session.load(loaded)
         if ledger.target.live:

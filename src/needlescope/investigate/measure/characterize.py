@@ -38,6 +38,7 @@ from needlescope.investigate.decide.characterize import (
 from needlescope.investigate.decide.selection_evidence import Row, layer_selection
 from needlescope.investigate.decide.verdicts import paired
 from needlescope.investigate.ledger.plan import Config, at_topk
+from needlescope.investigate.measure.serving_factors import with_live_serving_factor
 
 __all__ = ["FAILING_CASES", "characterize_inprocess", "nothing_to_explain"]
 
@@ -389,6 +390,7 @@ def characterize_live(
         device=inv.ledger.target.device,
     )
     out = {**characterize(ev, ctx), "measured": _measured(ev, f"reference at the live index_topk {k}")}
+    out = with_live_serving_factor(inv, out, ctx.served_model, lengths)  # --serving-factors
     if len(live_extra) == len(cases) and len(scored) == len(inv.cases):
         # complete: every case answered; otherwise the next run sends what failed again
         inv.state.mark_done("characterization", {"basis": basis, "value": out})

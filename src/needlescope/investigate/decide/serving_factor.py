@@ -1,0 +1,88 @@
+"""Which serving factor reproduces a live loss: a ``serving-factors`` experiment's verdict
+(``run.serving_factors``, docs/serving_factors.md) merged into the characterization. Pure.
+
+When the experiment names a factor (or two, an interaction), the loss depends on the serving
+state: the class is ``state_dependent`` (first), its evidence gives the factor in the
+investigation's words (``FACTOR_WORDS``: prefix cache, batch, speculative, chunking, repeat) with
+the experiment's numbers, the summary line says it, and ``next`` is the command that shows it.
+When it names none, the characterization is kept and the experiment (its power) is noted under
+``measured``; docs/signatures.md maps each factor to the public bug classes it points at.
+"""
+
+from __future__ import annotations
+
+__all__ = ["FACTOR_WORDS", "with_serving_factor"]
+
+FACTOR_WORDS = {
+    "cache": "prefix cache",
+    "batch": "batch",
+    "draft": "speculative",
+    "chunk": "chunking",
+    "repeat": "repeat",
+    "endpoint": "a launch flag",
+}
+
+_HINT = {
+    "cache": "state restored on a prefix hit (a stale sliding-window ring, a kept state that is not the cold one)",
+    "batch": "batch-variant numerics, or rows of one batch reaching another's",
+    "draft": "a speculative verify pass that keeps too little state for its draft",
+    "chunk": "state carried across a prefill-chunk boundary",
+    "repeat": "state kept across requests (a cache slot or buffer never reset)",
+    "endpoint": "the launch flag the two endpoints differ in",
+}
+
+
+def _words(named: str) -> str:
+    return " × ".join(FACTOR_WORDS.get(f, f) for f in named.split(" × "))
+
+
+def with_serving_factor(characterization: dict, factors: dict, command: str) -> dict:
+    """``characterization`` with the verdict of ``factors`` (a serving_factors.json body, the
+    experiment ``command`` ran) merged in (module docstring); a new dict."""
+    verdict = factors["verdict"]
+    noted = {
+        "named": verdict["named"],
+        "kind": verdict["kind"],
+        "arm": verdict["arm"],
+        "sentence": verdict["sentence"],
+        "min_loss": verdict["min_loss"],
+        "min_power": verdict["min_power"],
+        "requests": factors["requests"]["sent"],
+        "command": command,
+    }
+    measured = {**characterization.get("measured", {}), "serving_factors": noted}
+    if verdict["named"] is None:
+        return {**characterization, "measured": measured}
+    test = next(t for t in factors["tests"] if t["arm"] == verdict["arm"])
+    words = _words(verdict["named"])
+    evidence = {
+        "rule": f"the live endpoint loses recall in one serving state: {words} "
+        f"({verdict['kind']}, arm {verdict['arm']}) against the same cases alone and cold",
+        "factor": words,
+        "factors": verdict["named"].split(" × "),
+        "arm": verdict["arm"],
+        "pairs": test["pairs"],
+        "lost": test["lost"],
+        "gained": test["gained"],
+        "recall_baseline": test["recall_base"],
+        "recall_in_state": test["recall_arm"],
+        "p": test["p"],
+        "p_holm": test["p_holm"],
+        "requests": factors["requests"]["sent"],
+        "null": "recall that no serving factor moves (exact McNemar, Holm across the arms)",
+    }
+    hint = "; ".join(_HINT.get(f, f) for f in evidence["factors"])
+    others = [c for c in characterization["classes"] if c not in ("state_dependent", "undecided")]
+    return {
+        **characterization,
+        "classes": ["state_dependent", *others],
+        "evidence": {
+            "state_dependent": evidence,
+            **{k: v for k, v in characterization["evidence"].items() if k != "state_dependent"},
+        },
+        "undecided": [],
+        "next": command,
+        "text": f"not among the suspects: the loss depends on the serving state, {words}: "
+        f"{verdict['sentence']}; {hint}",
+        "measured": measured,
+    }

@@ -1,0 +1,61 @@
+"""The live route's serving-factor step (``investigate run --serving-factors``): when the live
+endpoint loses recall, a bounded ``serving-factors`` experiment on the first failing length
+names the serving state that reproduces the loss (``decide.serving_factor``).
+
+Bounded: the symptom's kind and depths at one length, at least ``MIN_CASES`` cases (more trials
+when the symptom has fewer), the cache, batch (1 and 7 mates) and repeat factors and their cell:
+6 arms, about 7 requests a case. Its files go to ``OUT/serving_factors/``.
+"""
+
+from __future__ import annotations
+
+import math
+import shlex
+
+from needlescope.investigate.decide.serving_factor import with_serving_factor
+
+__all__ = ["MIN_CASES", "with_live_serving_factor"]
+
+MIN_CASES = 12
+"""Cases of the experiment: 12 pairs make a full loss p = 0.00049, below 0.05 / 6 arms."""
+
+
+def _command(url: str, model: str, kind: str, length: int, depths, trials: int, seed: int) -> str:
+    return shlex.join(
+        ["needlescope", "serving-factors", "--base-url", url, "--model", model, "--kind", kind]
+        + ["--lengths", str(length), "--depths", ",".join(f"{d:g}" for d in depths)]
+        + ["--trials", str(trials), "--seed", str(seed), "--batch-mates", "1,7"]
+        + ["--out", "next-serving-factors"]
+    )
+
+
+def with_live_serving_factor(session, characterization: dict | None, model: str, lengths) -> dict | None:
+    """``characterization`` with the serving factor named (or the experiment noted), when the run
+    asked for it (``session.serving_factors``), the route is live and recall was lost; else as is."""
+    from needlescope.report.serving_factors import write_serving_factors
+    from needlescope.run.serving_factors import FactorConfig, run_serving_factors
+
+    t, sy = session.ledger.target, session.ledger.symptom
+    wanted = getattr(session, "serving_factors", False) and t.live and t.endpoint
+    if not wanted or characterization is None or characterization["classes"][0] == "none":
+        return characterization
+    trials = max(sy.trials, math.ceil(MIN_CASES / len(sy.depths)))
+    cfg = FactorConfig(
+        (t.endpoint,),
+        model,
+        factors=("cache", "batch", "repeat"),
+        kind=sy.kind,
+        lengths=(lengths[0],),
+        depths=sy.depths,
+        trials=trials,
+        seed=sy.seed,
+        batch_mates=(1, 7),
+        max_tokens=max(sy.max_new_tokens, 16),
+        api_key=session.api_key,
+    )
+    session.progress("serving factors", 0, 1, "the failing length in each serving state")
+    body = run_serving_factors(cfg)
+    write_serving_factors(body, session.out / "serving_factors")
+    session.progress("serving factors", 1, 1, body["verdict"]["sentence"][:60])
+    command = _command(t.endpoint, model, sy.kind, lengths[0], sy.depths, trials, sy.seed)
+    return with_serving_factor(characterization, body, command)

@@ -1,0 +1,93 @@
+"""Issue 52 part 4: the live route's ``--serving-factors`` step names the serving factor that
+reproduces a loss, in ``verdicts.json``'s characterization (``state_dependent``, its numbers, the
+command in ``next``) and in the DIAGNOSIS summary line; against a real scripted server whose
+wrong answers need a prefix-cache hit. The step runs on a session of the live route's shape (the
+rest of the live route needs the organism and is tested in test_investigate_live.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from needlescope.investigate.decide.schema import VERDICTS_SCHEMA
+from needlescope.investigate.measure.serving_factors import with_live_serving_factor
+from needlescope.investigate.report.summary import _root_cause
+from needlescope.schema import check_schema
+from needlescope.testing.servers import scripted
+
+UNDECIDED = {
+    "classes": ["undecided"],
+    "where": None,
+    "evidence": {},
+    "undecided": ["dense lengths (entries <= top-k) tell outside_selection from a selection bug"],
+    "next": "needlescope probe ...",
+    "text": "not among the suspects; the kind of bug is undecided: ...",
+    "measured": {"baseline": "reference", "not_reproduced": 0, "rerun": 0, "cells": [], "layers": []},
+}
+
+
+def _session(url: str, out: Path, *, wanted: bool = True):
+    """What the step reads of a live ``Session``: the ledger's target and symptom, the run
+    directory, the key, progress, and whether the run asked for it."""
+    ledger = SimpleNamespace(
+        target=SimpleNamespace(live=True, endpoint=url),
+        symptom=SimpleNamespace(kind="single", depths=(0.0, 50.0, 100.0), trials=2, seed=0, max_new_tokens=8),
+    )
+    return SimpleNamespace(
+        ledger=ledger, out=out, api_key=None, progress=lambda *a: None, serving_factors=wanted
+    )
+
+
+@pytest.fixture(scope="module")
+def cache_bug():
+    with scripted(model="scripted", fault="near_miss", fault_when="cache_hit") as srv:
+        yield srv.url
+
+
+def test_the_live_step_names_the_prefix_cache_and_the_summary_says_it(cache_bug, tmp_path):
+    ch = with_live_serving_factor(_session(cache_bug, tmp_path), dict(UNDECIDED), "scripted", [120])
+    check_schema(ch, VERDICTS_SCHEMA["properties"]["characterization"], "characterization")
+    assert ch["classes"] == ["state_dependent"] and ch["undecided"] == []
+    ev = ch["evidence"]["state_dependent"]
+    assert ev["factor"] == "prefix cache" and ev["arm"] == "cache=warm"
+    assert ev["pairs"] == 12 and ev["lost"] == 12 and ev["p_holm"] < 0.05  # 4 trials x 3 depths
+    assert ch["next"].startswith("needlescope serving-factors --base-url " + cache_bug)
+    assert "--lengths 120" in ch["next"] and "--trials 4" in ch["next"]
+    body = json.loads((tmp_path / "serving_factors" / "serving_factors.json").read_text())
+    assert (
+        body["verdict"]["named"] == "cache"
+        and ch["measured"]["serving_factors"]["requests"] == body["requests"]["sent"]
+    )
+    inv = {
+        "suspects": [],
+        "symptom": {"recall_reference": {"120": 1.0}, "recall_candidate": {"120": 0.0}},
+        "verdicts": {"root_cause": None, "suspects": [], "characterization": ch},
+    }
+    line = _root_cause(inv)
+    assert "depends on the serving state, prefix cache" in line and "cache=warm recall 0.00" in line
+    assert line.endswith(f"next, `{ch['next']}`")
+
+
+def test_a_healthy_endpoint_keeps_the_characterization_and_notes_the_power(tmp_path):
+    with scripted(model="scripted") as srv:
+        ch = with_live_serving_factor(_session(srv.url, tmp_path), dict(UNDECIDED), "scripted", [120])
+    assert ch["classes"] == ["undecided"] and ch["next"] == UNDECIDED["next"]
+    noted = ch["measured"]["serving_factors"]
+    assert (
+        noted["named"] is None
+        and noted["sentence"].startswith("no factor")
+        and noted["min_power"] is not None
+    )
+
+
+def test_the_step_runs_only_when_asked_and_recall_was_lost(cache_bug, tmp_path):
+    assert (
+        with_live_serving_factor(_session(cache_bug, tmp_path, wanted=False), UNDECIDED, "m", [120])
+        is UNDECIDED
+    )
+    none = {**UNDECIDED, "classes": ["none"]}
+    assert with_live_serving_factor(_session(cache_bug, tmp_path), none, "m", [120]) is none
+    assert not (tmp_path / "serving_factors").exists()
