@@ -406,6 +406,7 @@ def test_a_streamed_delta_that_is_not_text_is_a_protocol_error_not_a_crash(run_c
     [
         ["oracle", "export", "--out", "{out}"],  # no --model: the list is read first
         ["engine-state", "--model", MODEL, "--out", "{out}"],
+        ["serving-factors", "--model", MODEL, "--out", "{out}"],
     ],
 )
 def test_a_server_nothing_answers_at_is_named_unreachable(run_cli, tmp_path, argv):
