@@ -15,6 +15,17 @@ from needlescope.cli.progress import ProgressView
 from needlescope.errors import ProbeError
 from needlescope.run.config import parse_float_list, parse_int_list
 
+VALUE_DIGITS = typer.Option(
+    None,
+    "--value-digits",
+    help="Digits per needle value; default: the target's advertised trained_value_digits, else 7.",
+)
+SKIP_LONG_LENGTHS = typer.Option(
+    False,
+    "--skip-long-lengths/--refuse-long-lengths",
+    help="Drop, with a warning, lengths beyond the target's advertised context (default: refuse the run).",
+)
+
 
 def engine_state_command(
     base_url: str = typer.Option(..., "--base-url", help="Server URL (root or ending in /v1)."),
@@ -33,16 +44,8 @@ def engine_state_command(
     depths: str = typer.Option("0,50,100", "--depths", help="Comma-separated needle depths in percent."),
     trials: int = typer.Option(2, "--trials"),
     seed: int = typer.Option(0, "--seed"),
-    value_digits: int = typer.Option(
-        None,
-        "--value-digits",
-        help="Digits per needle value; default: the target's advertised trained_value_digits, else 7.",
-    ),
-    skip_long_lengths: bool = typer.Option(
-        False,
-        "--skip-long-lengths/--refuse-long-lengths",
-        help="Drop, with a warning, lengths beyond the target's advertised context (default: refuse the run).",
-    ),
+    value_digits: int = VALUE_DIGITS,
+    skip_long_lengths: bool = SKIP_LONG_LENGTHS,
     concurrency: int = typer.Option(4, "--concurrency", help="Requests in flight in the concurrent arm."),
     repeats: int = typer.Option(3, "--repeats", help="Identical sends a case in the repeat factor."),
     top_logprobs: int = typer.Option(5, "--top-logprobs", help="Alternatives per token, for the margin."),

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import typer
 
+from needlescope.cli.engine_state import SKIP_LONG_LENGTHS, VALUE_DIGITS
 from needlescope.cli.output import console, err_console
 from needlescope.cli.outputs import FORCE, guard
 from needlescope.cli.probe_options import API_KEY_ENV
@@ -74,16 +75,8 @@ def serving_factors_command(
     depths: str = typer.Option("0,50,100", "--depths", help="Comma-separated needle depths in percent."),
     trials: int = typer.Option(4, "--trials"),
     seed: int = typer.Option(0, "--seed"),
-    value_digits: int = typer.Option(
-        None,
-        "--value-digits",
-        help="Digits per needle value; default: the target's advertised trained_value_digits, else 7.",
-    ),
-    skip_long_lengths: bool = typer.Option(
-        False,
-        "--skip-long-lengths/--refuse-long-lengths",
-        help="Drop, with a warning, lengths beyond the target's advertised context (default: refuse the run).",
-    ),
+    value_digits: int = VALUE_DIGITS,
+    skip_long_lengths: bool = SKIP_LONG_LENGTHS,
     timeout: float = typer.Option(300.0, "--timeout", help="Per request, seconds."),
     api_key: str = typer.Option(None, "--api-key", envvar=API_KEY_ENV, show_default=False),
     force: bool = FORCE,

@@ -99,15 +99,7 @@ class EngineStateConfig:
         self.spec()  # the case grid is checked before any request
 
     def spec(self) -> CaseSpec:
-        return CaseSpec(
-            kind=self.kind,
-            lengths=self.lengths,
-            depths=self.depths,
-            trials=self.trials,
-            seed=self.seed,
-            value_digits=self.value_digits or VALUE_DIGITS,
-            max_answer_tokens=self.max_tokens,
-        )
+        return case_spec(self)
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -121,6 +113,20 @@ class EngineStateConfig:
         for key in ("base_url", "timeout_s", "run_id", "skip_long_lengths"):
             d.pop(key)
         return {"command": COMMAND, **{k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}}
+
+
+def case_spec(cfg) -> CaseSpec:
+    """The probe's case grid of a needle-sending config (its kind, lengths, depths, trials, seed,
+    value_digits and max_tokens: ``EngineStateConfig``, ``run.serving_factors.FactorConfig``)."""
+    return CaseSpec(
+        kind=cfg.kind,
+        lengths=cfg.lengths,
+        depths=cfg.depths,
+        trials=cfg.trials,
+        seed=cfg.seed,
+        value_digits=cfg.value_digits or VALUE_DIGITS,
+        max_answer_tokens=cfg.max_tokens,
+    )
 
 
 def planned_sends(fingerprint: dict, cases: int) -> int:

@@ -48,11 +48,10 @@ from needlescope.analysis.factors import decide, echo_summary, paired_counts
 from needlescope.analysis.stats import mean_present
 from needlescope.cases import Case, CaseSpec, build_cases, score_answer
 from needlescope.cases.echo import EchoTask, echo_tasks, exact_copy
-from needlescope.cases.needles import VALUE_DIGITS
 from needlescope.cases.scoring import prompt_rivals
 from needlescope.errors import BadInput, ProbeError
 from needlescope.progress import Progress, no_progress
-from needlescope.run.engine_state import _nonce, _with_nonce, fit_to_target
+from needlescope.run.engine_state import _nonce, _with_nonce, case_spec, fit_to_target
 from needlescope.targets.client import served_models
 from needlescope.targets.completions import CompletionsTarget
 from needlescope.targets.serving_usage import read_serving_usage
@@ -157,15 +156,7 @@ class FactorConfig:
         self.spec()
 
     def spec(self) -> CaseSpec:
-        return CaseSpec(
-            kind=self.kind,
-            lengths=self.lengths,
-            depths=self.depths,
-            trials=self.trials,
-            seed=self.seed,
-            value_digits=self.value_digits or VALUE_DIGITS,
-            max_answer_tokens=self.max_tokens,
-        )
+        return case_spec(self)
 
     def to_dict(self) -> dict:
         d = asdict(self)
