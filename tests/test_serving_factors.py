@@ -82,15 +82,40 @@ def test_two_endpoints_that_differ_in_one_launch_flag_and_the_echo_probe():
     assert deep["upper95"] == 1.0 and off_level["upper95"] == pytest.approx(1 - 0.05 ** (1 / 12))
 
 
-def test_a_healthy_noisy_server_names_no_factor_in_19_of_20_experiments():
-    """The false-positive count the docs record: 10% of answers wrong at random, whatever the
-    serving state; Holm holds the family-wise error of each experiment at 0.05."""
-    named = []
+def test_a_healthy_noisy_server_names_no_factor():
+    """10% of answers wrong at random, whatever the serving state: the noise reaches the pairs
+    (discordant pairs in both directions), and no factor is named."""
+    verdicts, discordant = [], 0
     with scripted(model="scripted", fault="near_miss", fault_rate=0.1, fault_seed=7) as srv:
-        for seed in range(20):
+        for seed in range(3):
             cfg = _cfg(srv.url, factors=("cache", "batch", "repeat"), batch_mates=(1,), seed=seed)
-            named.append(run_serving_factors(cfg)["verdict"]["named"])
-    assert sum(n is not None for n in named) <= 1, named
+            body = run_serving_factors(cfg)
+            verdicts.append(body["verdict"]["named"])
+            discordant += sum(t["lost"] + t["gained"] for t in body["tests"])
+    assert verdicts == [None, None, None] and discordant > 0
+
+
+def test_false_positives_stay_at_alpha_where_the_tests_have_power():
+    """20 null experiments of the decision itself (4 arms, 120 pairs, 30% of answers wrong at
+    random in every arm: the bench's setting, docs/serving_factors.md): Holm keeps the
+    family-wise error near 0.05, so at most 1 of 20 names a factor, while every arm had the power
+    to see a 30% loss. With these draws, 0 of 20 name one; uncorrected p < 0.05 would name one
+    in 4 of 20, so the test fails without Holm."""
+    import random
+
+    rng = random.Random(52)
+    named = 0
+    for _ in range(20):
+        draw = lambda: [rng.random() >= 0.3 for _ in range(120)]  # noqa: E731
+        base = draw()
+        tests = [
+            {**paired_counts(base, draw()), "arm": f, "factors": [f]}
+            for f in ("cache", "batch", "repeat", "draft")
+        ]
+        verdict = decide(tests, min_loss=0.3)
+        assert verdict["min_power"] > 0.99
+        named += verdict["named"] is not None
+    assert named <= 1, named
 
 
 class _Bare(ss.Handler):
