@@ -298,11 +298,33 @@ class PromptTokensDetails(_Out):
     cached_tokens: int
 
 
+class BatchUsage(_Out):
+    """``usage.needlescope_batch``: the batch the request ran in."""
+
+    mode: str
+    prefill_batch: int
+    max_running: int
+    joined_mid_flight: bool
+    joined_beside: int
+
+
+class SpeculativeUsage(_Out):
+    """``usage.needlescope_speculative``: the request's speculative decoding."""
+
+    draft_tokens: int
+    verify_steps: int
+    proposed: int
+    accepted: int
+    acceptance_rate: float | None
+
+
 class Usage(_Out):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
+    needlescope_batch: BatchUsage | None = None
+    needlescope_speculative: SpeculativeUsage | None = None
 
 
 class TopLogprob(_Out):
