@@ -202,8 +202,10 @@ class ServeConfig:
     def patch_shown(self) -> str | None:
         """The patch as the server shows it (``/get_server_info``, the startup line): a built-in
         ``fault:NAME`` as is, a patch file by its name unless ``expose_paths``; None without one or
-        when ``disclose_patch`` is off."""
+        when ``disclose_patch`` is off or it is a built-in serving fault."""
         patch = self.setting.patch if self.setting is not None and self.disclose_patch else None
+        if patch is not None and patch.is_serving_fault:
+            patch = None  # a planted serving bug is never announced
         if patch is None or patch.is_fault or self.expose_paths:
             return None if patch is None else patch.spec
         return patch.path.name

@@ -549,10 +549,14 @@ class Engine:
                 return False
             if not matched:
                 break
-        rollback(state, 1 + accepted)
-        cohort.step += 1 + accepted
-        cohort.logits = None  # the last sampled token is pending: the next step feeds it
+        self._commit(cohort, state, 1 + accepted)
         return True
+
+    def _commit(self, cohort: _Cohort, state: StateLog, kept: int) -> None:
+        """Keep the first ``kept`` tokens a verify pass fed: roll the state back to them."""
+        rollback(state, kept)
+        cohort.step += kept
+        cohort.logits = None  # the last sampled token is pending: the next step feeds it
 
     def _prefill_cached(self, rows: list[_Row], ids: torch.Tensor) -> tuple[DynamicCache, int]:
         """A cache holding the prompts' first tokens and where the rest starts: a kept prefix's
