@@ -236,6 +236,18 @@ def test_usage_and_metrics_over_http_with_the_openai_client(organism_server):
     batch, spec = usage["needlescope_batch"], usage["needlescope_speculative"]
     assert batch["mode"] == "continuous" and batch["prefill_batch"] == 1 and batch["max_running"] >= 1
     assert spec["draft_tokens"] == 4 and spec["proposed"] >= spec["accepted"]
+    own = client.completions.create(
+        model="organism",
+        prompt=list(range(40, 90)) * 3,
+        max_tokens=4,
+        temperature=0,
+        extra_body={"speculative_num_draft_tokens": 2},
+    )
+    assert own.usage.model_dump()["needlescope_speculative"]["draft_tokens"] == 2
+    with pytest.raises(openai.BadRequestError, match="speculative_num_draft_tokens"):
+        client.completions.create(
+            model="organism", prompt=[5, 6], max_tokens=2, extra_body={"speculative_num_draft_tokens": 17}
+        )
     native = _post(
         url + "/generate", {"input_ids": list(range(40, 90)) * 3, "sampling_params": {"max_new_tokens": 4}}
     )

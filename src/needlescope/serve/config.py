@@ -32,6 +32,7 @@ DEFAULT_MAX_NEW_TOKENS = 512
 DEFAULT_MAX_PREFILL_TOKENS = 8192
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20
 MAX_DRAFT_TOKENS = 16
+"""Largest speculative draft depth, per server (``--speculative-num-draft-tokens``) or request."""
 DEFAULT_MAX_CONNECTIONS = 1024
 DEFAULT_HEADER_TIMEOUT_S = 10.0
 DEFAULT_BODY_TIMEOUT_S = 30.0

@@ -370,11 +370,13 @@ class Engine:
         return _Row(req=req, gen=gen, batch=BatchInfo(mode), spec=SpecInfo(self._draft_tokens(req)))
 
     def _draft_tokens(self, req: GenRequest) -> int:
-        """The draft depth a request runs with: the server's, except that a capture (one record
-        per fed position) and a request for prompt logprobs decode without drafts."""
+        """The draft depth a request runs with: its own ``speculative_num_draft_tokens``, else the
+        server's; a capture (one record per fed position) and a request for prompt logprobs
+        decode without drafts."""
         if req.capture is not None or req.params.prompt_logprobs is not None:
             return 0
-        return self.cfg.speculative_num_draft_tokens
+        own = req.params.draft_tokens
+        return self.cfg.speculative_num_draft_tokens if own is None else own
 
     def _model_call(self, ids: torch.Tensor, start: int, cache: DynamicCache, keep: int = 1) -> torch.Tensor:
         """One forward of ``ids`` [B, S] at positions ``start..``: float32 CPU logits [B, keep or S, V]."""

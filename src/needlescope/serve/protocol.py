@@ -159,6 +159,8 @@ class _Sampling(_Wire):
     min_tokens: StrictInt | None = None
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: StrictBool | None = False
+    # needlescope's extension: this request's speculative draft depth (null: the server's)
+    speculative_num_draft_tokens: StrictInt | None = None
     # declared so the schema names them; refused unless neutral (REFUSED)
     presence_penalty: Number | None = None
     frequency_penalty: Number | None = None
@@ -225,6 +227,7 @@ class GenerateSamplingParams(_Wire):
     stop: StrictStr | list[StrictStr] | None = None
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: StrictBool | None = False
+    speculative_num_draft_tokens: StrictInt | None = None  # needlescope's: null is the server's
     seed: StrictInt | None = None  # SGLang calls it sampling_seed; both are read
     sampling_seed: StrictInt | None = None
     frequency_penalty: Number | None = None

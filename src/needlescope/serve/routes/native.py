@@ -146,6 +146,7 @@ def _add_generate(router: APIRouter, serving: Serving) -> None:
                 min_tokens=sp.min_new_tokens,
                 repetition_penalty=sp.repetition_penalty,
                 logprobs=0 if body.return_logprob else None,
+                draft_tokens=sp.speculative_num_draft_tokens,
             )
             if rows is not None:
                 engine.check_capture(rows, len(ids), params)
