@@ -24,11 +24,15 @@ import time
 from needlescope.serve.launch import ServerProcess
 
 DEPLOY = ["--index-k", "fp8_e4m3", "--index-topk", "64"]
+WARM = ["--prefix-cache-mib", "256"]
+# A prompt of 1,040 tokens ends 16 tokens past its 1,024-token cache boundary, inside the
+# sliding window of the boundary's ring (a 1,024-token one ends 128 past 896: the ring is gone).
+RING = ["--lengths", "1040"]
 # (fault, factor level shown in the table, server flags, probe flags, passes)
 ROWS = [
-    (None, "prefill chunk none", [], [], 1),
+    (None, "no chunking", [], [], 1),
     ("chunk_carry", "prefill chunk 1024", ["--prefill-chunk", "1024"], [], 1),
-    ("chunk_carry", "prefill chunk 1000", ["--prefill-chunk", "1000"], [], 1),
+    ("chunk_carry", "prefill chunk 512", ["--prefill-chunk", "512"], [], 1),
     ("chunk_carry", "prefill chunk 300", ["--prefill-chunk", "300"], [], 1),
     (None, "draft 8", ["--speculative-num-draft-tokens", "8"], [], 1),
     ("spec_verify_rows", "draft 2", ["--speculative-num-draft-tokens", "2"], [], 1),
@@ -37,9 +41,9 @@ ROWS = [
     (None, "fp8 top-64, concurrency 8", DEPLOY, ["--concurrency", "8"], 1),
     ("batch_variant_scores", "fp8 top-64, concurrency 1", DEPLOY, ["--concurrency", "1"], 1),
     ("batch_variant_scores", "fp8 top-64, concurrency 8", DEPLOY, ["--concurrency", "8"], 1),
-    (None, "prefix cache warm", ["--prefix-cache-mib", "256"], [], 2),
-    ("prefix_stale_ring", "prefix cache cold", ["--prefix-cache-mib", "256"], [], 1),
-    ("prefix_stale_ring", "prefix cache warm", ["--prefix-cache-mib", "256"], [], 2),
+    (None, "1,040 tokens, prefix cache warm", WARM, RING, 2),
+    ("prefix_stale_ring", "1,040 tokens, prefix cache cold", WARM, RING, 1),
+    ("prefix_stale_ring", "1,040 tokens, prefix cache warm", WARM, RING, 2),
 ]
 
 
@@ -66,13 +70,13 @@ def main() -> None:
     ap.add_argument("--depths", default="25,50,75")
     ap.add_argument("--trials", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--only", help="Comma-separated faults (and 'healthy') to run; default all.")
+    ap.add_argument("--only", help="Faults, levels or 'healthy' to run, separated by ;, default all rows.")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    only = set(args.only.split(",")) if args.only else None
+    only = set(args.only.split(";")) if args.only else None
     results = []
     for fault, level, flags, probe_flags, passes in ROWS:
-        if only is not None and (fault or "healthy") not in only:
+        if only is not None and not ({fault or "healthy", level} & only):
             continue
         serve = ["--model", "organism", "--port", "0", *flags]
         if fault:
