@@ -25,9 +25,9 @@ from needlescope.serve.launch import ServerProcess
 
 DEPLOY = ["--index-k", "fp8_e4m3", "--index-topk", "64"]
 WARM = ["--prefix-cache-mib", "256"]
-# A prompt of 1,040 tokens ends 16 tokens past its 1,024-token cache boundary, inside the
-# sliding window of the boundary's ring (a 1,024-token one ends 128 past 896: the ring is gone).
-RING = ["--lengths", "1040"]
+# A prompt of 1,027 tokens ends 3 tokens past its 1,024-token cache boundary: its last
+# positions read the boundary's ring (a 1,024-token one ends 128 past 896, the ring long gone).
+RING = ["--lengths", "1027"]
 # (fault, factor level shown in the table, server flags, probe flags, passes)
 ROWS = [
     (None, "no chunking", [], [], 1),
@@ -41,9 +41,9 @@ ROWS = [
     (None, "fp8 top-64, concurrency 8", DEPLOY, ["--concurrency", "8"], 1),
     ("batch_variant_scores", "fp8 top-64, concurrency 1", DEPLOY, ["--concurrency", "1"], 1),
     ("batch_variant_scores", "fp8 top-64, concurrency 8", DEPLOY, ["--concurrency", "8"], 1),
-    (None, "1,040 tokens, prefix cache warm", WARM, RING, 2),
-    ("prefix_stale_ring", "1,040 tokens, prefix cache cold", WARM, RING, 1),
-    ("prefix_stale_ring", "1,040 tokens, prefix cache warm", WARM, RING, 2),
+    (None, "1,027 tokens, prefix cache warm", WARM, RING, 2),
+    ("prefix_stale_ring", "1,027 tokens, prefix cache cold", WARM, RING, 1),
+    ("prefix_stale_ring", "1,027 tokens, prefix cache warm", WARM, RING, 2),
 ]
 
 

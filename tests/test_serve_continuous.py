@@ -260,3 +260,35 @@ def test_usage_and_metrics_over_http_with_the_openai_client(organism_server):
         info = json.load(r)
     assert info["speculative_num_draft_tokens"] == 4 and info["args"]["continuous_batching"] is True
     assert info["batching"].startswith("continuous")
+
+
+def test_prefix_stale_ring_fault_changes_a_warm_answer_and_nothing_cold():
+    """Two random 260-token prompts cold, then the first again warm: healthy, the warm answer
+    equals the cold one bit for bit; with the fault it ends 4 tokens past the 256-token cut on
+    the other prompt's ring, and its logprobs move."""
+    gen = torch.Generator().manual_seed(3)
+    a, b = (torch.randint(10, 3000, (260,), generator=gen).tolist() for _ in range(2))
+    params = SamplingParams(max_new_tokens=2, temperature=0.0, logprobs=0)
+    waves = [[a], [b], [a]]
+
+    def logprobs(cfg):
+        finals = _run(cfg, waves, params, wait=True)
+        assert [f.cached_tokens for f in finals] == [0, 0, 256]
+        return [[t.logprob for t in f.tokens] for f in finals]
+
+    healthy = logprobs(ServeConfig(prefix_cache_mib=16))
+    faulty = logprobs(_with_fault("prefix_stale_ring", prefix_cache_mib=16))
+    assert healthy[2] == healthy[0] and faulty[:2] == healthy[:2]
+    assert max(abs(x - y) for x, y in zip(faulty[2], healthy[2])) > 1e-4
+
+
+def test_batch_variant_fault_leaves_a_request_alone_untouched(short_prompts):
+    """At fp8 top-64 (the indexer drops entries at these lengths), requests sent one at a time
+    answer as on a healthy server: the fault needs batch mates."""
+    numerics = {"index_k": "fp8_e4m3", "index_topk": 64}
+    waves = [[p] for p in short_prompts]
+    healthy = _run(ServeConfig(setting=Setting(**numerics)), waves, wait=True)
+    patch = PatchRef.resolve("fault:batch_variant_scores")
+    alone = _run(ServeConfig(setting=Setting(**numerics, patch=patch)), waves, wait=True)
+    assert [f.output_ids for f in alone] == [f.output_ids for f in healthy]
+    assert all(f.batch.max_running == 1 for f in alone)
