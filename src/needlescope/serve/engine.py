@@ -2,19 +2,28 @@
 
 Scheduling (why it looks like this):
 
-- **Static batches of equal prompt length.** The engine takes the oldest waiting request and
-  every other waiting request with the same prompt length (up to ``max_running_requests``),
-  prefills them as one ``[B, P]`` batch and decodes them in lock-step, one token per step for
-  the whole batch. Rows that finish are dropped from the cache with ``reorder_cache``.
-  Equal lengths mean equal positions, so no padding and no attention mask are needed. That
-  matters for DeepSeek-V4: its compressors pool fixed windows of absolute positions
-  (``entry_count * compress_rate``) and keep per-layer running state (buffer, overlap,
-  compressed entries) that is shared by the whole batch, so left padding would shift every
-  window and ragged rows cannot share one cache. The probe sends token-exact prompts, so the
-  requests of one length cell batch together. New requests wait for the batch in flight
-  (no continuous batching: a late row would need its own compressor state). A batch also
-  stays within ``max_prefill_tokens`` (batch x prompt length), because eager attention's
-  prefill memory grows with batch x length^2.
+- **Cohorts of equal prompt length.** The engine takes the oldest waiting request and every
+  other waiting request with the same prompt length (up to the room left under
+  ``max_running_requests``), prefills them as one ``[B, P]`` batch and decodes them in
+  lock-step, one token per step for the whole cohort. Rows that finish are dropped from the
+  cache with ``reorder_cache`` at once. Equal lengths mean equal positions, so no padding and
+  no attention mask are needed. That matters for DeepSeek-V4: its compressors pool fixed
+  windows of absolute positions (``entry_count * compress_rate``) and keep per-layer running
+  state (buffer, overlap, compressed entries) that is shared by the cache's rows, so left
+  padding would shift every window and ragged rows cannot share one cache. The probe sends
+  token-exact prompts, so the requests of one length cell batch together. A cohort also stays
+  within ``max_prefill_tokens`` (batch x prompt length), because eager attention's prefill
+  memory grows with batch x length^2.
+- **Continuous batching (on unless ``continuous_batching`` is off).** Between two decode steps
+  the worker takes the next waiting batch while others decode: it becomes a cohort of its own
+  (its own KV, compressor and indexer state, so nothing is shared with a row at another
+  position), and every decode step runs each cohort once. Off: a batch runs to its end before
+  the next is taken. Each row's arithmetic is what a static batch of its prefill group runs,
+  so answers do not depend on the mode. ``BatchInfo`` records the batch a request ran in.
+- **Speculative decoding (``speculative_num_draft_tokens`` > 0, or a request's own).** A row
+  decodes in a cohort of one (rows accepting different numbers of drafts leave equal
+  positions); each step drafts by prompt lookup, verifies the pending token and the drafts in
+  one forward, and rolls the state back to the kept tokens (``serve.speculative``).
 - **Prefix cache (off unless ``prefix_cache_mib`` > 0).** A prompt is prefilled in two chunks,
   up to a block boundary and the rest, and the state at the boundary is kept (``serve.prefix_cache``
   has the boundary rule); a later prompt that starts with a kept prefix continues from a copy of
@@ -24,13 +33,14 @@ Scheduling (why it looks like this):
   for prompt logprobs or an indexer capture need every prompt position computed, so they never
   use it.
 - **Indexer capture** (``/generate`` with ``return_indexer_topk``) runs such a request alone
-  (batch key ``None``), with the ``IndexerCapture`` that is attached for the server's lifetime
-  recording prefill and every decode step.
+  (batch key ``None``; it waits for the running requests and none joins it), with the
+  ``IndexerCapture`` that is attached for the server's lifetime recording prefill and every
+  decode step; it decodes without drafts.
 
 - **Failures stay with their request.** Sampling, rendering and capture run per row inside
   their own ``try``: a row that fails gets its own ``GenerationFailed`` and leaves the batch,
   its neighbours carry on. Only a forward pass that raises (a fault of the model, not of any
-  request: every value was validated before admission) fails the rows of its batch.
+  request: every value was validated before admission) fails the rows of its cohort.
 - **Prompt logprobs** (``echo``, ``prompt_logprobs``) need the logits of every prompt position,
   so such requests batch only with each other and their prefill keeps all logits.
 
@@ -307,8 +317,9 @@ class Engine:
 
     def _loop(self) -> None:
         cohorts: list[_Cohort] = []
-        while not self._stopping:
-            self._admit(cohorts)
+        while cohorts or not self._stopping:  # the running requests go on to their end
+            if not self._stopping:
+                self._admit(cohorts)
             if not cohorts:
                 continue
             self._running = tuple(r.req for c in cohorts for r in c.rows)
