@@ -40,6 +40,7 @@ __all__ = [
     "check_precision",
     "check_score_dtype",
     "fault_names",
+    "serving_fault_names",
 ]
 
 PRECISIONS: dict[str, int] = {
@@ -57,11 +58,22 @@ SCORE_DTYPES: tuple[str, ...] = ("fp32", "bf16")
 
 FAULT_PREFIX = "fault:"
 _FAULT_DIR = Path(__file__).parent / "dsa" / "faults"
+_SERVING_FAULT_DIR = Path(__file__).parent / "serve" / "faults"
+"""Faults of the serving layer (``needlescope.serve.faults``): the server never names them."""
+
+
+def _faults_in(folder: Path) -> list[str]:
+    return sorted(p.stem for p in folder.glob("*.py") if p.stem != "__init__")
 
 
 def fault_names() -> list[str]:
-    """Names of the built-in faults (``needlescope.dsa.faults``), sorted."""
-    return sorted(p.stem for p in _FAULT_DIR.glob("*.py") if p.stem != "__init__")
+    """Names of the built-in faults (``needlescope.dsa.faults`` and ``needlescope.serve.faults``), sorted."""
+    return sorted(_faults_in(_FAULT_DIR) + _faults_in(_SERVING_FAULT_DIR))
+
+
+def serving_fault_names() -> list[str]:
+    """Names of the built-in serving faults (scheduling, caches, speculative decoding), sorted."""
+    return _faults_in(_SERVING_FAULT_DIR)
 
 
 def _suggest(value: str, allowed) -> str:
@@ -104,7 +116,8 @@ class PatchRef:
                     f"unknown fault {name!r}.{_suggest(name, fault_names())} "
                     f"Built-in faults: {', '.join(fault_names())}"
                 )
-            return cls(text, _FAULT_DIR / f"{name}.py")
+            folder = _SERVING_FAULT_DIR if name in serving_fault_names() else _FAULT_DIR
+            return cls(text, folder / f"{name}.py")
         path = Path(text).expanduser()
         if not path.is_file():
             raise BadInput(f"patch file {text!r} does not exist; pass a Python file or fault:NAME")
@@ -113,6 +126,11 @@ class PatchRef:
     @property
     def is_fault(self) -> bool:
         return self.spec.startswith(FAULT_PREFIX)
+
+    @property
+    def is_serving_fault(self) -> bool:
+        """A built-in serving fault: planted like a bug nobody announced, so never shown."""
+        return self.is_fault and self.spec[len(FAULT_PREFIX) :] in serving_fault_names()
 
     def __str__(self) -> str:
         return self.spec

@@ -129,6 +129,16 @@ def serve_command(
         "--prefix-cache-mib",
         help="Memory for the prefix cache, MiB; 0 (default) turns it off (docs/serve.md).",
     ),
+    continuous_batching: bool = typer.Option(
+        _DEFAULTS.continuous_batching,
+        "--continuous-batching/--no-continuous-batching",
+        help="New requests join the running batch at a decode step (default); off: static batches.",
+    ),
+    speculative_num_draft_tokens: int = typer.Option(
+        _DEFAULTS.speculative_num_draft_tokens,
+        "--speculative-num-draft-tokens",
+        help="Prompt-lookup draft tokens verified per step; 0 (default) turns speculative decoding off.",
+    ),
     config_json: str = typer.Option(
         None,
         "--config-json",

@@ -6,9 +6,10 @@
 - ``submit`` never blocks: when the waiting queue is full it raises ``Overloaded`` at once and
   the HTTP layer answers 503 (with ``Retry-After``). Nothing else is allocated for a refused
   request, so a burst beyond the bound costs only its HTTP parsing.
-- ``take_batch`` (engine thread) takes the oldest waiting request plus up to
-  ``max_running_requests - 1`` more waiting requests with the same batch key (same prompt
-  length: see ``engine``), in arrival order, within the prefill token budget.
+- ``take_batch`` (engine thread) takes the oldest waiting request plus more waiting requests
+  with the same batch key (same prompt length: see ``engine``), in arrival order, within the
+  prefill token budget and the room left beside the requests already running (continuous
+  batching takes a batch while others decode).
 - ``withdraw`` drops a waiting request whose client went away (a timed-out client that
   retries must not leave its first attempt in the queue).
 - ``retry_after_s`` is the measured queue wait (an exponential average of how long recent
@@ -99,21 +100,25 @@ class Admission(Generic[T]):
         key: Callable[[T], Hashable],
         limit: Callable[[T], int] | None = None,
         timeout: float | None = None,
+        ready: Callable[[T], bool] | None = None,
     ) -> list[T]:
         """Block until a request waits (or ``timeout``); return a batch and count it as running.
 
-        ``key(item) is None`` runs the item alone; ``limit(first)`` caps the batch below
-        ``max_running`` (the engine's prefill token budget).
+        ``key(item) is None`` runs the item alone; ``limit(first)`` caps the batch below the
+        room left (``max_running`` minus those running: the engine's prefill token budget);
+        ``ready(first)`` False leaves the oldest request waiting (one that must run alone waits
+        for the running ones to finish) and returns no batch.
         """
         with self._cond:
             if not self._cond.wait_for(lambda: self._waiting or self._closed, timeout=timeout):
                 return []
-            if not self._waiting:
+            room = self.max_running - self._running
+            if not self._waiting or room < 1 or (ready is not None and not ready(self._waiting[0])):
                 return []
             first = self._waiting.popleft()
             batch = [first]
             k = key(first)
-            cap = self.max_running if limit is None else max(1, min(self.max_running, limit(first)))
+            cap = room if limit is None else max(1, min(room, limit(first)))
             if k is not None:
                 for item in list(self._waiting):
                     if len(batch) >= cap:
@@ -121,7 +126,7 @@ class Admission(Generic[T]):
                     if key(item) == k:
                         self._waiting.remove(item)
                         batch.append(item)
-            self._running = len(batch)
+            self._running += len(batch)
             now = time.monotonic()
             for item in batch:
                 waited = now - self._since.pop(id(item), now)

@@ -31,6 +31,8 @@ DEFAULT_MAX_QUEUED = 64
 DEFAULT_MAX_NEW_TOKENS = 512
 DEFAULT_MAX_PREFILL_TOKENS = 8192
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20
+MAX_DRAFT_TOKENS = 16
+"""Largest speculative draft depth, per server (``--speculative-num-draft-tokens``) or request."""
 DEFAULT_MAX_CONNECTIONS = 1024
 DEFAULT_HEADER_TIMEOUT_S = 10.0
 DEFAULT_BODY_TIMEOUT_S = 30.0
@@ -114,6 +116,14 @@ class ServeConfig:
     prefix_cache_mib: int = 0
     """Memory for the prefix cache (``serve.prefix_cache``); 0, the default, turns it off, so a
     reference server answers exactly what one prefill pass answers."""
+    continuous_batching: bool = True
+    """New requests join the running batch at a decode step (``serve.engine``); off: a batch
+    runs to its end before the next starts. On by default: every row's arithmetic is the
+    one a static batch of its prefill group runs, so answers do not change, and a request no
+    longer waits for a whole batch in flight."""
+    speculative_num_draft_tokens: int = 0
+    """Draft tokens proposed by prompt lookup and verified in one forward per step
+    (``serve.speculative``); 0, the default, turns speculative decoding off."""
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -156,6 +166,11 @@ class ServeConfig:
             self.kernel != "triton" or self.kernel_fault not in KERNEL_FAULTS
         ):
             raise BadInput(f"--kernel-fault needs --kernel triton and one of {', '.join(KERNEL_FAULTS)}")
+        if not 0 <= self.speculative_num_draft_tokens <= MAX_DRAFT_TOKENS:
+            raise BadInput(
+                f"--speculative-num-draft-tokens must be in 0..{MAX_DRAFT_TOKENS} (0: off); "
+                f"got {self.speculative_num_draft_tokens}"
+            )
         if self.prefix_cache_mib < 0:
             raise BadInput(f"--prefix-cache-mib must be 0 (off) or more; got {self.prefix_cache_mib}")
         if self.max_body_bytes < 1024:
@@ -188,8 +203,10 @@ class ServeConfig:
     def patch_shown(self) -> str | None:
         """The patch as the server shows it (``/get_server_info``, the startup line): a built-in
         ``fault:NAME`` as is, a patch file by its name unless ``expose_paths``; None without one or
-        when ``disclose_patch`` is off."""
+        when ``disclose_patch`` is off or it is a built-in serving fault."""
         patch = self.setting.patch if self.setting is not None and self.disclose_patch else None
+        if patch is not None and patch.is_serving_fault:
+            patch = None  # a planted serving bug is never announced
         if patch is None or patch.is_fault or self.expose_paths:
             return None if patch is None else patch.spec
         return patch.path.name

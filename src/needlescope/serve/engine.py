@@ -2,19 +2,28 @@
 
 Scheduling (why it looks like this):
 
-- **Static batches of equal prompt length.** The engine takes the oldest waiting request and
-  every other waiting request with the same prompt length (up to ``max_running_requests``),
-  prefills them as one ``[B, P]`` batch and decodes them in lock-step, one token per step for
-  the whole batch. Rows that finish are dropped from the cache with ``reorder_cache``.
-  Equal lengths mean equal positions, so no padding and no attention mask are needed. That
-  matters for DeepSeek-V4: its compressors pool fixed windows of absolute positions
-  (``entry_count * compress_rate``) and keep per-layer running state (buffer, overlap,
-  compressed entries) that is shared by the whole batch, so left padding would shift every
-  window and ragged rows cannot share one cache. The probe sends token-exact prompts, so the
-  requests of one length cell batch together. New requests wait for the batch in flight
-  (no continuous batching: a late row would need its own compressor state). A batch also
-  stays within ``max_prefill_tokens`` (batch x prompt length), because eager attention's
-  prefill memory grows with batch x length^2.
+- **Cohorts of equal prompt length.** The engine takes the oldest waiting request and every
+  other waiting request with the same prompt length (up to the room left under
+  ``max_running_requests``), prefills them as one ``[B, P]`` batch and decodes them in
+  lock-step, one token per step for the whole cohort. Rows that finish are dropped from the
+  cache with ``reorder_cache`` at once. Equal lengths mean equal positions, so no padding and
+  no attention mask are needed. That matters for DeepSeek-V4: its compressors pool fixed
+  windows of absolute positions (``entry_count * compress_rate``) and keep per-layer running
+  state (buffer, overlap, compressed entries) that is shared by the cache's rows, so left
+  padding would shift every window and ragged rows cannot share one cache. The probe sends
+  token-exact prompts, so the requests of one length cell batch together. A cohort also stays
+  within ``max_prefill_tokens`` (batch x prompt length), because eager attention's prefill
+  memory grows with batch x length^2.
+- **Continuous batching (on unless ``continuous_batching`` is off).** Between two decode steps
+  the worker takes the next waiting batch while others decode: it becomes a cohort of its own
+  (its own KV, compressor and indexer state, so nothing is shared with a row at another
+  position), and every decode step runs each cohort once. Off: a batch runs to its end before
+  the next is taken. Each row's arithmetic is what a static batch of its prefill group runs,
+  so answers do not depend on the mode. ``BatchInfo`` records the batch a request ran in.
+- **Speculative decoding (``speculative_num_draft_tokens`` > 0, or a request's own).** A row
+  decodes in a cohort of one (rows accepting different numbers of drafts leave equal
+  positions); each step drafts by prompt lookup, verifies the pending token and the drafts in
+  one forward, and rolls the state back to the kept tokens (``serve.speculative``).
 - **Prefix cache (off unless ``prefix_cache_mib`` > 0).** A prompt is prefilled in two chunks,
   up to a block boundary and the rest, and the state at the boundary is kept (``serve.prefix_cache``
   has the boundary rule); a later prompt that starts with a kept prefix continues from a copy of
@@ -24,13 +33,14 @@ Scheduling (why it looks like this):
   for prompt logprobs or an indexer capture need every prompt position computed, so they never
   use it.
 - **Indexer capture** (``/generate`` with ``return_indexer_topk``) runs such a request alone
-  (batch key ``None``), with the ``IndexerCapture`` that is attached for the server's lifetime
-  recording prefill and every decode step.
+  (batch key ``None``; it waits for the running requests and none joins it), with the
+  ``IndexerCapture`` that is attached for the server's lifetime recording prefill and every
+  decode step; it decodes without drafts.
 
 - **Failures stay with their request.** Sampling, rendering and capture run per row inside
   their own ``try``: a row that fails gets its own ``GenerationFailed`` and leaves the batch,
   its neighbours carry on. Only a forward pass that raises (a fault of the model, not of any
-  request: every value was validated before admission) fails the rows of its batch.
+  request: every value was validated before admission) fails the rows of its cohort.
 - **Prompt logprobs** (``echo``, ``prompt_logprobs``) need the logits of every prompt position,
   so such requests batch only with each other and their prefill keeps all logits.
 
@@ -66,8 +76,18 @@ from needlescope.serve.config import ServeConfig
 from needlescope.serve.errors import BadValue, GenerationFailed, ShuttingDown
 from needlescope.serve.metrics import ServeMetrics
 from needlescope.serve.prefix_cache import PrefixCache, cache_block
-from needlescope.serve.requests import Delta, Final, GenRequest, TokenOut, TopkRows, tokens_in_text
+from needlescope.serve.requests import (
+    BatchInfo,
+    Delta,
+    Final,
+    GenRequest,
+    SpecInfo,
+    TokenOut,
+    TopkRows,
+    tokens_in_text,
+)
 from needlescope.serve.sampling import SamplingParams, make_sampling, pick
+from needlescope.serve.speculative import StateLog, propose, rollback
 from needlescope.serve.tokens import Tokens
 from needlescope.setting import REFERENCE, Setting
 
@@ -97,6 +117,31 @@ class _Row:
     matched_stop: str | int | None = None
     prompt_logprobs: list[TokenOut] | None = None
     cached_tokens: int = 0
+    batch: BatchInfo = field(default_factory=lambda: BatchInfo("static"))
+    spec: SpecInfo = field(default_factory=lambda: SpecInfo(0))
+    finished: bool = False  # answered (or failed) and counted out of the running requests
+
+
+@dataclass
+class _Cohort:
+    """Requests decoding in lock-step through one batched cache: the rows prefilled together
+    (equal prompt lengths, so equal positions), or one row when speculative decoding makes the
+    positions diverge."""
+
+    rows: list[_Row]
+    cache: DynamicCache
+    step: int  # the position the next fed token takes
+    logits: torch.Tensor | None  # [rows, V] next-token logits; None: the last sampled token is unfed
+    capture: TopkRows | None
+    speculative: bool = False
+
+
+def _row_state(cache: DynamicCache, row: int, rows: int) -> DynamicCache:
+    """A private copy of row ``row`` of a batched cache of ``rows`` rows."""
+    state = copy.deepcopy(cache)
+    if rows > 1:
+        state.reorder_cache(torch.tensor([row], dtype=torch.long))
+    return state
 
 
 class Engine:
@@ -213,7 +258,13 @@ class Engine:
             "context_length": self.context_length,
             "enable_return_indexer_topk": self.is_v4,
             "prefix_cache": self.prefix.info() if self.prefix is not None else False,
-            "batching": "static batches of equal prompt length",
+            "batching": (
+                "continuous: a batch of equal prompt lengths joins the running requests at a decode step"
+                if self.cfg.continuous_batching
+                else "static batches of equal prompt length"
+            ),
+            "speculative_num_draft_tokens": self.cfg.speculative_num_draft_tokens,
+            "speculative_method": "prompt lookup (n-gram)" if self.cfg.speculative_num_draft_tokens else None,
             "auth": self.cfg.api_key is not None,
             "needlescope_version": __version__,
             "torch_version": torch.__version__,
@@ -265,40 +316,94 @@ class Engine:
         return len(req.prompt_ids), req.params.prompt_logprobs is not None, hit
 
     def _loop(self) -> None:
-        while not self._stopping:
-            batch = self.admission.take_batch(
-                self._batch_key, limit=lambda r: self.cfg.max_prefill_tokens // len(r.prompt_ids), timeout=0.5
-            )
-            if not batch:
+        cohorts: list[_Cohort] = []
+        while cohorts or not self._stopping:  # the running requests go on to their end
+            if not self._stopping:
+                self._admit(cohorts)
+            if not cohorts:
                 continue
-            done: set[str] = set()
-            self._running = tuple(batch)
-            try:
-                self._run_batch(batch, done)
-            except Exception as exc:  # a failing forward pass must not take the server down
-                log.exception("batch of %d failed", len(batch))
-                for req in batch:
-                    if req.rid not in done:
-                        req.emit(GenerationFailed(f"generation failed: {type(exc).__name__}: {exc}"))
-            finally:
+            self._running = tuple(r.req for c in cohorts for r in c.rows)
+            running = len(self._running)
+            self.metrics.decode_batch.observe(running)
+            for cohort in list(cohorts):
+                for row in cohort.rows:
+                    row.batch.max_running = max(row.batch.max_running, running)
+                try:
+                    alive = self._spec_step(cohort) if cohort.speculative else self._step(cohort)
+                except Exception as exc:  # a failing forward pass must not take the server down
+                    log.exception("batch of %d failed", len(cohort.rows))
+                    for row in cohort.rows:
+                        self._finish(row, GenerationFailed(f"generation failed: {type(exc).__name__}: {exc}"))
+                    alive = False
+                if not alive:
+                    cohorts.remove(cohort)
+            if not cohorts:
                 self._running = ()
-                self.admission.finish(len(batch) - len(done))
                 if self.capture is not None:
                     self.capture.clear()
+
+    def _admit(self, cohorts: list[_Cohort]) -> None:
+        """Start the next batch of waiting requests: when nothing runs (waiting up to 0.5 s for
+        one), or, with continuous batching, beside the running ones (not beside a capture, and
+        a capture only once nothing runs: it records every forward)."""
+        if cohorts and (not self.cfg.continuous_batching or any(c.capture is not None for c in cohorts)):
+            return
+        batch = self.admission.take_batch(
+            self._batch_key,
+            limit=lambda r: self.cfg.max_prefill_tokens // len(r.prompt_ids),
+            timeout=0 if cohorts else 0.5,
+            ready=None if not cohorts else (lambda r: r.capture is None),
+        )
+        if not batch:
+            return
+        joined = sum(len(c.rows) for c in cohorts)
+        for c in cohorts:
+            for row in c.rows:
+                row.batch.joined_beside += len(batch)
+        rows = [self._new_row(req) for req in batch]
+        try:
+            started = self._start(rows, joined_mid_flight=joined > 0)
+        except Exception as exc:  # a failing prefill fails its own batch only
+            log.exception("prefill of a batch of %d failed", len(rows))
+            for row in rows:
+                self._finish(row, GenerationFailed(f"generation failed: {type(exc).__name__}: {exc}"))
+            return
+        if joined:
+            self.metrics.joined_mid_flight.inc(len(rows))
+        cohorts.extend(started)
 
     def _new_row(self, req: GenRequest) -> _Row:
         gen = None
         if not req.params.greedy:
             gen = torch.Generator(device="cpu")
             gen.manual_seed(req.params.seed if req.params.seed is not None else random.getrandbits(63))
-        return _Row(req=req, gen=gen)
+        mode = "continuous" if self.cfg.continuous_batching else "static"
+        return _Row(req=req, gen=gen, batch=BatchInfo(mode), spec=SpecInfo(self._draft_tokens(req)))
+
+    def _draft_tokens(self, req: GenRequest) -> int:
+        """The draft depth a request runs with: its own ``speculative_num_draft_tokens``, else the
+        server's; a capture (one record per fed position) and a request for prompt logprobs
+        decode without drafts."""
+        if req.capture is not None or req.params.prompt_logprobs is not None:
+            return 0
+        own = req.params.draft_tokens
+        return self.cfg.speculative_num_draft_tokens if own is None else own
+
+    def _model_call(self, ids: torch.Tensor, start: int, cache: DynamicCache, keep: int = 1) -> torch.Tensor:
+        """One forward of ``ids`` [B, S] at positions ``start..``: float32 CPU logits [B, keep or S, V]."""
+        B, S = ids.shape
+        pos = torch.arange(start, start + S, device=ids.device).unsqueeze(0).expand(B, -1)
+        out = self.model(
+            input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True, logits_to_keep=keep
+        )
+        return out.logits.float().cpu()
 
     def _forward(self, ids: torch.Tensor, start: int, cache: DynamicCache, keep: int = 1) -> torch.Tensor:
         """Logits [B, keep or S, V] (float32, on the CPU) of the last ``keep`` positions (0: all).
 
         With ``prefill_chunk`` set, a longer ``ids`` runs in chunks through ``cache`` (each chunk
         keeps what the caller asked for of its own positions)."""
-        B, S = ids.shape
+        S = ids.shape[1]
         chunk = self.cfg.prefill_chunk
         if chunk is not None and S > chunk:
             parts = []
@@ -310,41 +415,38 @@ class Engine:
                 else:
                     self._forward(ids[:, lo:hi], start + lo, cache, keep=1)
             return torch.cat(parts, dim=1)
-        pos = torch.arange(start, start + S, device=ids.device).unsqueeze(0).expand(B, -1)
-        out = self.model(
-            input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True, logits_to_keep=keep
-        )
-        return out.logits.float().cpu()
+        return self._model_call(ids, start, cache, keep)
 
-    def _finish(self, row: _Row, done: set[str], event: Final | GenerationFailed | None) -> None:
-        """Answer ``row`` (unless its client left) and count it out of the running batch."""
+    def _finish(self, row: _Row, event: Final | GenerationFailed | None) -> None:
+        """Answer ``row`` (unless its client left) and count it out of the running requests (once)."""
+        if row.finished:
+            return
+        row.finished = True
         if event is not None and not row.req.cancelled:
             row.req.emit(event)
-        done.add(row.req.rid)
         self.admission.finish(1)
         self.metrics.e2e.observe(time.monotonic() - row.req.admitted_at)
 
-    def _isolated(self, row: _Row, done: set[str], what: str, fn, *args) -> bool:
+    def _isolated(self, row: _Row, what: str, fn, *args) -> bool:
         """Run ``fn(*args)`` for one row; on an exception fail that row alone. True if it ran."""
         try:
             fn(*args)
             return True
         except Exception as exc:
             log.exception("request %s failed while %s", row.req.rid, what)
-            self._finish(row, done, GenerationFailed(f"{what} failed: {type(exc).__name__}: {exc}"))
+            self._finish(row, GenerationFailed(f"{what} failed: {type(exc).__name__}: {exc}"))
             return False
 
     @torch.inference_mode()
-    def _run_batch(self, batch: list[GenRequest], done: set[str]) -> None:
-        rows = []
-        for req in batch:
-            if req.cancelled:
-                done.add(req.rid)
-                self.admission.finish(1)
-            else:
-                rows.append(self._new_row(req))
+    def _start(self, rows: list[_Row], joined_mid_flight: bool) -> list[_Cohort]:
+        """Prefill a batch of new requests (equal prompt lengths, ``_batch_key``): the cohorts
+        that decode them (one, or one per row when drafts make their positions diverge)."""
+        for row in rows:
+            if row.req.cancelled:
+                self._finish(row, None)
+        rows = [r for r in rows if not r.finished]
         if not rows:
-            return
+            return []
         capture = rows[0].req.capture
         P = len(rows[0].req.prompt_ids)
         want_prompt = rows[0].req.params.prompt_logprobs is not None
@@ -353,46 +455,121 @@ class Engine:
             # Score rows are kept only for a capture that asked for its logits (it runs alone).
             self.capture.keep_scores = capture is not None and capture.logits
             self.capture.score_from = capture.first_row(P) if self.capture.keep_scores else 0
-        device = self.device
-        ids = torch.tensor([r.req.prompt_ids for r in rows], dtype=torch.long, device=device)
+        for row in rows:
+            row.batch.prefill_batch = len(rows)
+            row.batch.joined_mid_flight = joined_mid_flight
+        ids = torch.tensor([r.req.prompt_ids for r in rows], dtype=torch.long, device=self.device)
         self.metrics.batch_size.observe(len(rows))
         self.metrics.prompt_tokens.inc(len(rows) * P)
         cache, start = self._prefill_cached(rows, ids)
         logits = self._forward(ids[:, start:], start, cache, keep=0 if want_prompt else 1)
         if want_prompt:
-            rows = [
-                r
+            kept = [
+                i
                 for i, r in enumerate(rows)
-                if self._isolated(r, done, "scoring the prompt", self._score_prompt, r, logits[i])
+                if self._isolated(r, "scoring the prompt", self._score_prompt, r, logits[i])
             ]
-        step = P
-        logits = logits[:, -1]
-        while rows:
-            if self.capture is not None and capture is None:
-                self.capture.clear()
-            keep = []
-            for i, row in enumerate(rows):
-                if row.req.params.max_new_tokens > 0 and not self._isolated(
-                    row, done, "sampling", self._advance, row, logits[i]
-                ):
-                    continue
-                if row.req.params.max_new_tokens == 0:
-                    row.finish_reason = "length"
-                if row.finish_reason is None and not row.req.cancelled:
-                    keep.append(i)
-                    continue
-                if row.req.cancelled:
-                    self._finish(row, done, None)
-                else:
-                    self._isolated(row, done, "rendering the answer", self._answer, row, capture, done)
-            if not keep:
-                return
-            if len(keep) < len(rows):
-                cache.reorder_cache(torch.tensor(keep, dtype=torch.long, device=device))
-                rows = [rows[i] for i in keep]
-            nxt = torch.tensor([[r.output_ids[-1]] for r in rows], dtype=torch.long, device=device)
-            logits = self._forward(nxt, step, cache)[:, -1]
-            step += 1
+            if not kept:
+                return []
+            if len(kept) < len(rows):
+                cache.reorder_cache(torch.tensor(kept, dtype=torch.long, device=self.device))
+                rows, logits = [rows[i] for i in kept], logits[kept]
+        cohort = _Cohort(rows=rows, cache=cache, step=P, logits=logits[:, -1], capture=capture)
+        if not rows[0].spec.draft_tokens:
+            return [cohort]
+        return [
+            _Cohort(
+                rows=[row],
+                cache=_row_state(cache, i, len(rows)),
+                step=P,
+                logits=cohort.logits[i : i + 1],
+                capture=None,
+                speculative=True,
+            )
+            for i, row in enumerate(rows)
+        ]
+
+    def _sample(self, row: _Row, logits: torch.Tensor, capture: TopkRows | None) -> bool:
+        """Sample ``row``'s next token from ``logits`` [V]; answer it if that ended it. True if
+        it goes on."""
+        if row.req.params.max_new_tokens > 0 and not self._isolated(
+            row, "sampling", self._advance, row, logits
+        ):
+            return False
+        return self._settle(row, capture)
+
+    def _settle(self, row: _Row, capture: TopkRows | None) -> bool:
+        """Answer ``row`` if its last token ended it (or its client left). True if it goes on."""
+        if row.req.params.max_new_tokens == 0:
+            row.finish_reason = "length"
+        if row.finish_reason is None and not row.req.cancelled:
+            return True
+        if row.req.cancelled:
+            self._finish(row, None)
+        else:
+            self._isolated(row, "rendering the answer", self._answer, row, capture)
+        return False
+
+    @torch.inference_mode()
+    def _step(self, cohort: _Cohort) -> bool:
+        """One decode step of a cohort: sample each row, drop the finished ones, feed the rest.
+        False once none is left."""
+        if self.capture is not None and cohort.capture is None:
+            self.capture.clear()
+        keep = [i for i, row in enumerate(cohort.rows) if self._sample(row, cohort.logits[i], cohort.capture)]
+        if not keep:
+            return False
+        if len(keep) < len(cohort.rows):
+            cohort.cache.reorder_cache(torch.tensor(keep, dtype=torch.long, device=self.device))
+            cohort.rows = [cohort.rows[i] for i in keep]
+        nxt = torch.tensor([[r.output_ids[-1]] for r in cohort.rows], dtype=torch.long, device=self.device)
+        cohort.logits = self._forward(nxt, cohort.step, cohort.cache)[:, -1]
+        cohort.step += 1
+        return True
+
+    @torch.inference_mode()
+    def _spec_step(self, cohort: _Cohort) -> bool:
+        """One speculative step of a one-row cohort: sample the pending token if its logits are
+        new, draft by prompt lookup, verify ``[pending, drafts]`` in one forward, accept what
+        sampling reproduces and roll the state back to the kept tokens (``serve.speculative``).
+        False once the row is done."""
+        if self.capture is not None:
+            self.capture.clear()
+        row = cohort.rows[0]
+        if cohort.logits is not None and not self._sample(row, cohort.logits[0], None):
+            return False
+        left = row.req.params.max_new_tokens - len(row.output_ids)
+        drafts = propose(row.req.prompt_ids + row.output_ids, min(row.spec.draft_tokens, left - 1))
+        ids = torch.tensor([[row.output_ids[-1], *drafts]], dtype=torch.long, device=self.device)
+        if not drafts:
+            cohort.logits = self._model_call(ids, cohort.step, cohort.cache)[:, -1]
+            cohort.step += 1
+            return True
+        with StateLog(cohort.cache) as state:
+            logits = self._model_call(ids, cohort.step, cohort.cache, keep=0)[0]  # [1 + drafts, V]
+        row.spec.record(len(drafts))
+        self.metrics.draft_tokens.inc(len(drafts))
+        accepted = 0
+        while True:
+            if not self._isolated(row, "sampling", self._advance, row, logits[accepted]):
+                return False
+            matched = accepted < len(drafts) and row.output_ids[-1] == drafts[accepted]
+            if matched:
+                accepted += 1
+                row.spec.accepted += 1  # counted before the answer is rendered
+                self.metrics.accepted_tokens.inc()
+            if not self._settle(row, None):
+                return False
+            if not matched:
+                break
+        self._commit(cohort, state, 1 + accepted)
+        return True
+
+    def _commit(self, cohort: _Cohort, state: StateLog, kept: int) -> None:
+        """Keep the first ``kept`` tokens a verify pass fed: roll the state back to them."""
+        rollback(state, kept)
+        cohort.step += kept
+        cohort.logits = None  # the last sampled token is pending: the next step feeds it
 
     def _prefill_cached(self, rows: list[_Row], ids: torch.Tensor) -> tuple[DynamicCache, int]:
         """A cache holding the prompts' first tokens and where the rest starts: a kept prefix's
@@ -418,8 +595,8 @@ class Engine:
             start = cut
         return cache, start
 
-    def _answer(self, row: _Row, capture: TopkRows | None, done: set[str]) -> None:
-        self._finish(row, done, self._final(row, capture))
+    def _answer(self, row: _Row, capture: TopkRows | None) -> None:
+        self._finish(row, self._final(row, capture))
 
     def _advance(self, row: _Row, logits: torch.Tensor) -> None:
         """Sample one token for ``row``, update its text, check stops, stream a delta."""
@@ -515,6 +692,8 @@ class Engine:
             matched_stop=row.matched_stop,
             prompt_logprobs=row.prompt_logprobs,
             cached_tokens=row.cached_tokens,
+            batch=row.batch,
+            speculative=row.spec,
         )
         if capture is not None and self.capture is not None:
             positions = capture.pick(final.prompt_tokens + final.completion_tokens - 1)

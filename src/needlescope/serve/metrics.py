@@ -11,6 +11,11 @@ Names (all prefixed ``needlescope_serve_``):
 - ``prompt_tokens_cached_total``: prompt tokens continued from the prefix cache (counted in
   ``prompt_tokens_total`` too)
 - ``batch_size``: histogram of requests per prefill batch
+- ``decode_batch_size``: histogram of requests running at each decode step (every cohort of
+  the continuous batch counted)
+- ``joined_mid_flight_total``: requests that joined while others were decoding
+- ``speculative_draft_tokens_total`` / ``speculative_accepted_tokens_total``: draft tokens
+  proposed and accepted; ``speculative_acceptance_rate``: accepted / proposed so far
 - ``time_to_first_token_seconds`` / ``e2e_request_latency_seconds``: histograms, from admission
 """
 
@@ -49,6 +54,25 @@ class ServeMetrics:
         self.batch_size = Histogram(
             PREFIX + "batch_size", "Requests per prefill batch", buckets=(1, 2, 4, 8, 16, 32, 64), registry=r
         )
+        self.decode_batch = Histogram(
+            PREFIX + "decode_batch_size",
+            "Requests running at a decode step",
+            buckets=(1, 2, 4, 8, 16, 32, 64),
+            registry=r,
+        )
+        self.joined_mid_flight = Counter(
+            PREFIX + "joined_mid_flight", "Requests that joined a running batch", registry=r
+        )
+        self.draft_tokens = Counter(
+            PREFIX + "speculative_draft_tokens", "Speculative draft tokens proposed", registry=r
+        )
+        self.accepted_tokens = Counter(
+            PREFIX + "speculative_accepted_tokens", "Speculative draft tokens accepted", registry=r
+        )
+        acceptance = Gauge(
+            PREFIX + "speculative_acceptance_rate", "Draft tokens accepted / proposed so far", registry=r
+        )
+        acceptance.set_function(self._acceptance_rate)
         self.ttft = Histogram(
             PREFIX + "time_to_first_token_seconds",
             "Admission to first generated token",
@@ -61,6 +85,10 @@ class ServeMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+
+    def _acceptance_rate(self) -> float:
+        proposed = self.draft_tokens._value.get()
+        return self.accepted_tokens._value.get() / proposed if proposed else 0.0
 
     def set_load(self, waiting: int, running: int) -> None:
         self.queue_depth.set(waiting)

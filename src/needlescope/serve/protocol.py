@@ -159,6 +159,8 @@ class _Sampling(_Wire):
     min_tokens: StrictInt | None = None
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: StrictBool | None = False
+    # needlescope's extension: this request's speculative draft depth (null: the server's)
+    speculative_num_draft_tokens: StrictInt | None = None
     # declared so the schema names them; refused unless neutral (REFUSED)
     presence_penalty: Number | None = None
     frequency_penalty: Number | None = None
@@ -225,6 +227,7 @@ class GenerateSamplingParams(_Wire):
     stop: StrictStr | list[StrictStr] | None = None
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: StrictBool | None = False
+    speculative_num_draft_tokens: StrictInt | None = None  # needlescope's: null is the server's
     seed: StrictInt | None = None  # SGLang calls it sampling_seed; both are read
     sampling_seed: StrictInt | None = None
     frequency_penalty: Number | None = None
@@ -298,11 +301,33 @@ class PromptTokensDetails(_Out):
     cached_tokens: int
 
 
+class BatchUsage(_Out):
+    """``usage.needlescope_batch``: the batch the request ran in."""
+
+    mode: str
+    prefill_batch: int
+    max_running: int
+    joined_mid_flight: bool
+    joined_beside: int
+
+
+class SpeculativeUsage(_Out):
+    """``usage.needlescope_speculative``: the request's speculative decoding."""
+
+    draft_tokens: int
+    verify_steps: int
+    proposed: int
+    accepted: int
+    acceptance_rate: float | None
+
+
 class Usage(_Out):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
+    needlescope_batch: BatchUsage | None = None
+    needlescope_speculative: SpeculativeUsage | None = None
 
 
 class TopLogprob(_Out):

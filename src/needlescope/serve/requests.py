@@ -9,12 +9,14 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from needlescope.serve.errors import BadValue, EngineError
 from needlescope.serve.sampling import SamplingParams
 
 __all__ = [
+    "BatchInfo",
+    "SpecInfo",
     "TokenOut",
     "tokens_in_text",
     "Delta",
@@ -74,6 +76,48 @@ class Delta:
 
 
 @dataclass
+class BatchInfo:
+    """The batch a request ran in (``usage.needlescope_batch``)."""
+
+    mode: str
+    """``continuous`` (requests join and leave the running batch at any decode step) or ``static``."""
+    prefill_batch: int = 0
+    """Requests prefilled together with it (itself included)."""
+    max_running: int = 0
+    """The most requests decoding at one step while it ran (itself included)."""
+    joined_mid_flight: bool = False
+    """Whether it joined while others were decoding."""
+    joined_beside: int = 0
+    """Requests that joined mid-flight while it was decoding."""
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class SpecInfo:
+    """Speculative decoding of one request (``usage.needlescope_speculative``)."""
+
+    draft_tokens: int
+    """The draft depth it ran with (0: no speculative decoding)."""
+    verify_steps: int = 0
+    """Verify passes (each scored its drafts in one forward)."""
+    proposed: int = 0
+    """Draft tokens proposed."""
+    accepted: int = 0
+    """Draft tokens accepted."""
+
+    def record(self, proposed: int) -> None:
+        """A verify pass of ``proposed`` drafts (the engine counts ``accepted`` one by one)."""
+        self.verify_steps += 1
+        self.proposed += proposed
+
+    def to_json(self) -> dict:
+        rate = self.accepted / self.proposed if self.proposed else None
+        return {**asdict(self), "acceptance_rate": rate}
+
+
+@dataclass
 class Final:
     finish_reason: str
     text: str
@@ -90,6 +134,8 @@ class Final:
     indexer_logits_shape: tuple[int, int, int] | None = None
     cached_tokens: int = 0
     """Prompt tokens whose state came from the prefix cache."""
+    batch: BatchInfo | None = None
+    speculative: SpecInfo | None = None
 
     @property
     def completion_tokens(self) -> int:

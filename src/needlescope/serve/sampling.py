@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from needlescope.serve.config import MAX_DRAFT_TOKENS
 from needlescope.serve.errors import BadValue, ContextOverflow
 
 __all__ = ["SamplingParams", "make_sampling", "pick", "GREEDY_EPS", "MAX_STOP_STRINGS", "MAX_TOP_LOGPROBS"]
@@ -50,6 +51,9 @@ class SamplingParams:
     """None: no logprobs; 0: the chosen token's; n: also the n most likely tokens."""
     prompt_logprobs: int | None = None
     """None: none; 0: each prompt token's own logprob; n: also the n most likely tokens there."""
+    draft_tokens: int | None = None
+    """Speculative draft depth for this request (0: none); None: the server's
+    ``--speculative-num-draft-tokens``."""
 
     @property
     def greedy(self) -> bool:
@@ -78,6 +82,7 @@ def make_sampling(
     logit_bias: dict[str, float] | None = None,
     logprobs: int | None = None,
     prompt_logprobs: int | None = None,
+    draft_tokens: int | None = None,
 ) -> SamplingParams:
     """Validate one request's settings against the model (``context_length``, ``vocab_size``)
     and the server's per-request cap; ``BadValue`` names the first wrong field.
@@ -114,6 +119,10 @@ def make_sampling(
     for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
         if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:
             raise BadValue(name, f"must be in 0..{MAX_TOP_LOGPROBS}; got {value}")
+    if draft_tokens is not None and not 0 <= draft_tokens <= MAX_DRAFT_TOKENS:
+        raise BadValue(
+            "speculative_num_draft_tokens", f"must be in 0..{MAX_DRAFT_TOKENS}; got {draft_tokens}"
+        )
     room = context_length - prompt_len
     n_new = max_tokens if max_tokens is not None else min(default_max_tokens or cap, cap)
     return SamplingParams(
@@ -131,6 +140,7 @@ def make_sampling(
         logit_bias=bias,
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
+        draft_tokens=draft_tokens,
     )
 
 

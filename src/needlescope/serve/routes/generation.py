@@ -24,7 +24,7 @@ from needlescope.serve.errors import EngineError
 from needlescope.serve.requests import Delta, Final, GenRequest, TokenOut, tokens_in_text
 from needlescope.serve.routes.errors import ApiError, Names, engine_errors, to_api_error
 
-__all__ = ["Serving", "Renderer", "ChatRenderer", "CompletionRenderer", "usage"]
+__all__ = ["Serving", "Renderer", "ChatRenderer", "CompletionRenderer", "extensions", "usage"]
 
 log = logging.getLogger("needlescope.serve")
 
@@ -41,6 +41,16 @@ def usage(final: Final) -> dict:
         "completion_tokens": final.completion_tokens,
         "total_tokens": final.prompt_tokens + final.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": final.cached_tokens},
+        **extensions(final),
+    }
+
+
+def extensions(final: Final) -> dict:
+    """needlescope's extension objects of ``usage`` (and ``/generate``'s ``meta_info``): the batch
+    the request ran in and its speculative decoding (docs/serve.md)."""
+    return {
+        "needlescope_batch": final.batch.to_json() if final.batch else None,
+        "needlescope_speculative": final.speculative.to_json() if final.speculative else None,
     }
 
 

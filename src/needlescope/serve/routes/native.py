@@ -18,7 +18,7 @@ from needlescope.serve.protocol import (
 )
 from needlescope.serve.requests import GenRequest, TopkRows
 from needlescope.serve.routes.errors import ApiError, Names, SafeJSONRoute, engine_errors
-from needlescope.serve.routes.generation import Serving
+from needlescope.serve.routes.generation import Serving, extensions
 from needlescope.serve.routes.responses import GENERATION_RESPONSES, JSON_ERRORS
 
 __all__ = ["native_router"]
@@ -99,6 +99,7 @@ def _generate_meta(body: GenerateRequest, req: GenRequest, final) -> dict:
         "prompt_tokens": final.prompt_tokens,
         "completion_tokens": final.completion_tokens,
         "cached_tokens": final.cached_tokens,
+        **extensions(final),
         "finish_reason": reason,
         "e2e_latency": time.monotonic() - req.admitted_at,
     }
@@ -145,6 +146,7 @@ def _add_generate(router: APIRouter, serving: Serving) -> None:
                 min_tokens=sp.min_new_tokens,
                 repetition_penalty=sp.repetition_penalty,
                 logprobs=0 if body.return_logprob else None,
+                draft_tokens=sp.speculative_num_draft_tokens,
             )
             if rows is not None:
                 engine.check_capture(rows, len(ids), params)

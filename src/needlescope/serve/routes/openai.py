@@ -47,6 +47,7 @@ def _sampling_kwargs(body) -> dict:
         min_tokens=body.min_tokens,
         repetition_penalty=body.repetition_penalty,
         logit_bias=body.logit_bias,
+        draft_tokens=body.speculative_num_draft_tokens,
     )
 
 
