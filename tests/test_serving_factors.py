@@ -174,6 +174,25 @@ def test_usage_reader_is_tolerant():
     assert read_serving_usage({"spec_acceptance_rate": 0.25}).acceptance_rate == 0.25
 
 
+def test_usage_reader_reads_what_needlescope_serve_writes():
+    """The contract between serve.protocol.Usage (the writer) and the reader, through JSON."""
+    from needlescope.serve.requests import BatchInfo, SpecInfo
+
+    spec = SpecInfo(draft_tokens=6, verify_steps=3, proposed=18)
+    spec.accepted = 9
+    usage = {
+        "prompt_tokens": 10,
+        "completion_tokens": 4,
+        "total_tokens": 14,
+        "prompt_tokens_details": {"cached_tokens": 0},
+        "needlescope_batch": BatchInfo("continuous", 1, 8, True, 3).to_json(),
+        "needlescope_speculative": spec.to_json(),
+    }
+    read = read_serving_usage(json.loads(json.dumps(usage)))
+    assert (read.batch_size, read.joined_mid_flight, read.draft_tokens) == (8, 3, 6)
+    assert read.acceptance_rate == 0.5
+
+
 def test_decide_names_an_interaction_only_when_neither_factor_alone_moves():
     clean, lost = [True] * 12, [False] * 12
     tests = [

@@ -2,14 +2,17 @@
 
 No standard names these fields. The spellings read (first found wins):
 
-- batch size: ``usage.batch.size``, ``usage.batch_size``;
-- requests that joined the batch mid-flight: ``usage.batch.joined_mid_flight``;
-- speculative draft depth: ``usage.speculative.num_draft_tokens``, ``usage.num_draft_tokens``;
-- draft acceptance rate (0..1): ``usage.speculative.acceptance_rate``,
-  ``usage.spec_acceptance_rate``, ``usage.acceptance_rate``.
+- batch size: ``usage.needlescope_batch.max_running``, ``usage.batch.size``, ``usage.batch_size``;
+- requests that joined the batch mid-flight: ``usage.needlescope_batch.joined_beside``,
+  ``usage.batch.joined_mid_flight``;
+- speculative draft depth: ``usage.needlescope_speculative.draft_tokens``,
+  ``usage.speculative.num_draft_tokens``, ``usage.num_draft_tokens``;
+- draft acceptance rate (0..1): ``usage.needlescope_speculative.acceptance_rate``,
+  ``usage.speculative.acceptance_rate``, ``usage.spec_acceptance_rate``, ``usage.acceptance_rate``.
 
-``needlescope serve`` and the scripted server (``testing.scripted_server``) write the first
-spelling of each. Tolerant by contract: a missing field, a field of the wrong type, a
+``needlescope serve`` writes the ``needlescope_*`` spellings (``serve.protocol.Usage``); the
+scripted server (``testing.scripted_server``) writes the second spelling of each, so both are
+read by the same tests. Tolerant by contract: a missing field, a field of the wrong type, a
 negative count or a rate outside 0..1 is ``None`` (unknown), never an error.
 """
 
@@ -65,12 +68,23 @@ def read_serving_usage(usage: Any) -> ServingUsage:
     if not isinstance(usage, dict):
         return ServingUsage()
     return ServingUsage(
-        batch_size=_first(usage, _count, ("batch", "size"), ("batch_size",)),
-        joined_mid_flight=_first(usage, _count, ("batch", "joined_mid_flight")),
-        draft_tokens=_first(usage, _count, ("speculative", "num_draft_tokens"), ("num_draft_tokens",)),
+        batch_size=_first(
+            usage, _count, ("needlescope_batch", "max_running"), ("batch", "size"), ("batch_size",)
+        ),
+        joined_mid_flight=_first(
+            usage, _count, ("needlescope_batch", "joined_beside"), ("batch", "joined_mid_flight")
+        ),
+        draft_tokens=_first(
+            usage,
+            _count,
+            ("needlescope_speculative", "draft_tokens"),
+            ("speculative", "num_draft_tokens"),
+            ("num_draft_tokens",),
+        ),
         acceptance_rate=_first(
             usage,
             _rate,
+            ("needlescope_speculative", "acceptance_rate"),
             ("speculative", "acceptance_rate"),
             ("spec_acceptance_rate",),
             ("acceptance_rate",),
