@@ -80,8 +80,7 @@ def topk_audit_command(
             if report["rows_inexact"] == 0
             else f"; selected-value recall min {report['recall_min']:.4f}, mean {report['recall_mean']:.4f}"
         )
-        label = "inexact" if report["rows_inexact"] else "flagged"  # else: nothing was audited
-        console.say("[bold red]{}[/]: {}{}", label, verdict, recall, soft_wrap=True)
+        console.say("[bold red]flagged[/]: {}{}", verdict, recall, soft_wrap=True)
         for r in report["worst"]:
             where = f"row {r['row']}" + ("" if r["layer"] is None else f" layer {r['layer']}")
             where += "" if r["position"] is None else f" pos {r['position']}"
