@@ -3,6 +3,9 @@
 Torch-free and without side effects: ``check_out_dir`` only inspects the filesystem, and
 ``read_json_object`` is the one reader of a JSON config a user hands in (a checkpoint's
 ``config.json``, a tokenizer's ``tokenizer_config.json``), so each refuses a broken file the same way.
+State and lock files in an ``--out`` folder are opened with ``open_nofollow`` (or checked with
+``refuse_links`` before a library opens them) and deleted with ``unlink_own``: a symbolic link a
+user or another process put at their name is never written through or deleted.
 """
 
 from __future__ import annotations
