@@ -136,6 +136,10 @@ def test_force_replaces_a_link_at_an_output_name_and_never_follows_it(tmp_path):
     assert (out / "state.db").is_symlink()  # a state name: left to the state's code, which refuses it
     manifest = json.loads((out / ".needlescope-out.json").read_text())
     assert set(manifest["files"]) == {"report.md", "plots/a.png", "dangling.md"}
+    (out / f".needlescope-out.json.{os.getpid()}.tmp").symlink_to(victim)  # the manifest's temporary
+    with pytest.raises(BadInput, match="tmp is a symbolic link"), guarded_out(out, spec):
+        pass
+    assert victim.read_text() == VICTIM
 
 
 def test_a_second_store_started_while_the_first_builds_is_refused_in_one_line(tmp_path, monkeypatch):

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from needlescope.errors import BadInput
+from needlescope.paths import open_nofollow
 
 __all__ = ["MANIFEST_NAME", "OutputSpec", "check_outputs", "file_sha256", "guarded_out", "record_outputs"]
 
@@ -189,7 +190,9 @@ def record_outputs(out: Path, spec: OutputSpec) -> None:
     body = {"kind": KIND, "version": 1, "files": dict(sorted(files.items()))}
     tmp = out / f"{MANIFEST_NAME}.{os.getpid()}.tmp"
     try:
-        tmp.write_text(json.dumps(body, indent=1) + "\n", encoding="utf-8")
+        # never through a link planted at the temporary's name (paths.open_nofollow)
+        with os.fdopen(open_nofollow(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "w", encoding="utf-8") as f:
+            f.write(json.dumps(body, indent=1) + "\n")
         tmp.replace(out / MANIFEST_NAME)
     except OSError:
         tmp.unlink(missing_ok=True)
