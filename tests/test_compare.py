@@ -26,7 +26,7 @@ def test_compare_detects_a_planted_regression(scripted_server, tmp_path, cli):
     b = scripted_server(fault="near_miss", fault_from=400)
     grid = ["--lengths", "200,400,600", "--depths", "0,50,100", "--trials", "3"]
     res = cli("compare", "--a", a, "--b", b, "--model", "scripted", "--out", str(tmp_path), *grid)
-    assert res.returncode == 0, res.stderr
+    assert res.returncode == 1, res.stderr  # a regression is a finding (docs/exit_codes.md)
     compare = json.loads((tmp_path / "compare.json").read_text())
     validate_compare(compare)
     assert compare["cases_matched"] == 27
@@ -49,7 +49,7 @@ def test_compare_detects_a_planted_regression(scripted_server, tmp_path, cli):
         "--out",
         str(tmp_path / "re"),
     )
-    assert again.returncode == 0, again.stderr
+    assert again.returncode == 1, again.stderr
     assert json.loads((tmp_path / "re" / "compare.json").read_text()) == compare
 
 

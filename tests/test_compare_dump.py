@@ -222,7 +222,7 @@ def test_cli_writes_report_and_refuses_bad_input(dumps, tmp_path, run_cli):
     code, stdout, err = run_cli(
         "indexer", "compare-dump", str(dumps[1]), "--model", "organism", "--out", str(out)
     )
-    assert code == 0, err
+    assert code == 1, err  # a tensor beyond its budget is a finding (issue 54: it was exit 0)
     assert "layers.3.self_attn.wo_b.output" in stdout
     assert "First tensor beyond its precision budget" in (out / "compare_dump.md").read_text()
     assert (out / "compare_dump.json").is_file()

@@ -45,7 +45,7 @@ def test_too_few_pairs_shows_both_recalls_and_the_trials_that_would_test_it(
     trials = headline.rsplit("--trials ", 1)[1]
     # The suggestion is computed, and it is enough: at those trials the drop is significant.
     again = compare(a, b, tmp_path / "more", "--trials", trials)
-    assert again.returncode == 0, again.stderr
+    assert again.returncode == 1, again.stderr  # now significant: a finding
     assert "B regresses from 400 tokens" in again.stdout
     assert "B 0.50 vs A 1.00 on" in again.stdout
 

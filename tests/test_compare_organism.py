@@ -16,7 +16,7 @@ def test_compare_finds_the_page_table_fault_on_the_organism(tmp_path, organism_s
         "--lengths", "1024", "--depths", "0,25,50,75,100", "--trials", "2", "--value-digits", "3",
         "--concurrency", "4", "--out", str(tmp_path),
     )  # fmt: skip
-    assert res.returncode == 0, res.stderr
+    assert res.returncode == 1, res.stderr  # B regresses: a finding (docs/exit_codes.md)
     compare = json.loads((tmp_path / "compare.json").read_text())
     (bucket,) = compare["buckets"]
     assert bucket["n"] == 10 and bucket["recall_a"] >= 0.9 and bucket["recall_b"] <= 0.3

@@ -287,7 +287,7 @@ def test_cli_diff_streams_in_chunks_and_refuses_two_devices(flash_dir, tmp_path,
     args = ["indexer", "diff", "--model", str(flash_dir), "--prompt", str(prompt), "--needle",
             "The secret code is 4815927.", "--patch", str(_mlp_fault(tmp_path, 2))]  # fmt: skip
     code, stdout, err = run_cli(*args, "--chunk", "48", "--stream-layers", "--out", str(out))
-    assert code == 0, err
+    assert code == 1, err  # the planted fault is named: a finding
     assert json.loads((out / "diff.json").read_text())["first_divergent_module"] == "model.layers.2.mlp"
     assert "model.layers.2.mlp" in stdout
     code, _, err = run_cli(*args, "--stream-layers", "--device", "cpu,cpu", "--out", str(tmp_path / "o2"))

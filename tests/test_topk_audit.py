@@ -49,10 +49,11 @@ def test_minus_inf_padding_is_never_a_candidate_and_short_rows_need_every_candid
     assert (r["wrongly_kept"], r["wrongly_dropped"]) == (0, 1)
     assert r["recall"] == pytest.approx(1.0)  # the dropped entry sits at the floor: recall 1, not exact
     assert not r["exact"]
-    r = _one([NINF] * 4, [-1, -1])
-    assert r["exact"] and r["k_eff"] == 0 and r["recall"] == 1.0 and np.isnan(r["kth_value"])
+    r = _one([NINF] * 4, [-1, -1])  # nothing to select: never exact (issue 54), the counts stay 0
+    assert not r["exact"] and r["k_eff"] == 0 and r["recall"] == 1.0 and np.isnan(r["kth_value"])
+    assert (r["wrongly_kept"], r["wrongly_dropped"]) == (0, 0)
     none = audit_rows(np.zeros((2, 0), np.float32), np.array([[-1], [0]]))  # rows with no columns at all
-    assert none["exact"].tolist() == [True, False] and none["invalid_selected"].tolist() == [0, 1]
+    assert none["exact"].tolist() == [False, False] and none["invalid_selected"].tolist() == [0, 1]
 
 
 def test_lengths_out_of_range_repeats_and_nan_are_handled():
@@ -64,8 +65,10 @@ def test_lengths_out_of_range_repeats_and_nan_are_handled():
     assert (r["invalid_selected"], r["wrongly_kept"], r["wrongly_dropped"]) == (1, 1, 1)
     r = _one(x, [4, 7])
     assert r["invalid_selected"] == 1
-    r = _one([np.nan, 1, 2], [2, 1])
-    assert r["exact"] and r["candidates"] == 2
+    r = _one([np.nan, 1, 2], [2, 1])  # NaN is no candidate, and a row with NaN logits is never exact
+    assert not r["exact"] and r["candidates"] == 2 and r["nan_logits"] == 1
+    assert (r["wrongly_kept"], r["wrongly_dropped"]) == (0, 0)
+    assert _one([1, 2, np.nan], [1, 0], lengths=np.array([2]))["exact"]  # a NaN past the length is unused
 
 
 def test_recall_is_shifted_for_negative_logits_and_plus_inf_ranks_first():
@@ -120,7 +123,7 @@ def test_vectorized_audit_matches_the_definitions_on_random_tie_heavy_rows():
         kept, dropped, recall = _brute(x[i], sel[i])
         assert (out["wrongly_kept"][i], out["wrongly_dropped"][i]) == (kept, dropped), i
         assert out["recall"][i] == pytest.approx(recall, abs=1e-12), i
-        assert out["exact"][i] == (kept == 0 and dropped == 0)
+        assert out["exact"][i] == (kept == 0 and dropped == 0 and out["candidates"][i] > 0)
         k_eff = out["k_eff"][i]
         assert out["overlap"][i] == (1.0 if k_eff == 0 else (k_eff - dropped) / k_eff)
     assert out["exact"][::3].all() and not out["exact"].all()

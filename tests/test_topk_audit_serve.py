@@ -110,7 +110,9 @@ def test_audit_passes_the_exact_server_and_flags_the_planted_overflow(ckpt, tmp_
     assert (tmp_path / "planted-audit" / "topk_audit.md").read_text().count("| row ") >= 1
     logits = _decoded(planted["meta_info"], "indexer_logits", "<f4")
     topk = _decoded(planted["meta_info"], "indexer_topk", "<i4")
-    bad = [r for r in report["per_row"] if not r["exact"]]
+    bad = [r for r in report["per_row"] if not r["exact"] and r["candidates"] > 0]
+    # the rows before the first entry have nothing to select: not audited, never called exact
+    assert report["rows_empty"] == sum(r["candidates"] == 0 for r in report["per_row"]) > 0
     assert report["worst"] == sorted(bad, key=lambda r: (r["recall"], -r["wrongly_dropped"], r["row"]))[:10]
     for r in bad:
         assert r["wrongly_dropped"] == r["wrongly_kept"] > 0  # a full selection with the wrong entries

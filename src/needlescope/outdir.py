@@ -12,7 +12,10 @@ folder's manifest records that this same command wrote it and its content is unc
 - a file the user edited after we wrote it is the user's now.
 
 Files at other names (notes, a ledger the command only reads) are never touched and never
-block a run. ``force=True`` (the commands' ``--force``) is the only way past. After the command
+block a run. ``force=True`` (the commands' ``--force``) is the only way past; a symbolic link at
+an output name is then replaced (removed, so the command writes a new file there), never followed:
+it may point outside ``out``. A link at a state name is left to the state's own code, which
+refuses it (``paths.open_nofollow``). After the command
 ends, however it ends, ``record_outputs`` records what it wrote (``guarded_out`` does both); a
 SIGKILL between writing an output and recording it leaves that file unrecorded, and the rerun
 then names it and refuses (``--force`` takes over). State files are exempt from the record
@@ -35,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from needlescope.errors import BadInput
+from needlescope.paths import open_nofollow
 
 __all__ = ["MANIFEST_NAME", "OutputSpec", "check_outputs", "file_sha256", "guarded_out", "record_outputs"]
 
@@ -150,10 +154,16 @@ def _check_folder(out: Path) -> None:
 def check_outputs(out: Path, spec: OutputSpec, *, force: bool = False) -> None:
     """BadInput naming the first file under ``out`` that ``spec.command`` would overwrite but
     did not write (or that changed since), the file itself when ``out`` is one (``_check_folder``);
-    only the latter when ``force``. Creates nothing."""
+    only the latter when ``force``, which removes each symbolic link at an output name instead
+    (replaced by what the command writes, never written through). Creates nothing."""
     out = Path(out)
     _check_folder(out)
-    if force or not out.is_dir():
+    if not out.is_dir():
+        return
+    if force:
+        for rel, path in _present(out, spec):
+            if path.is_symlink() and not spec.is_state(rel):
+                path.unlink()
         return
     recorded = _read_manifest(out)
     for rel, path in _present(out, spec):
@@ -180,7 +190,9 @@ def record_outputs(out: Path, spec: OutputSpec) -> None:
     body = {"kind": KIND, "version": 1, "files": dict(sorted(files.items()))}
     tmp = out / f"{MANIFEST_NAME}.{os.getpid()}.tmp"
     try:
-        tmp.write_text(json.dumps(body, indent=1) + "\n", encoding="utf-8")
+        # never through a link planted at the temporary's name (paths.open_nofollow)
+        with os.fdopen(open_nofollow(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "w", encoding="utf-8") as f:
+            f.write(json.dumps(body, indent=1) + "\n")
         tmp.replace(out / MANIFEST_NAME)
     except OSError:
         tmp.unlink(missing_ok=True)

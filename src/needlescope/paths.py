@@ -3,10 +3,14 @@
 Torch-free and without side effects: ``check_out_dir`` only inspects the filesystem, and
 ``read_json_object`` is the one reader of a JSON config a user hands in (a checkpoint's
 ``config.json``, a tokenizer's ``tokenizer_config.json``), so each refuses a broken file the same way.
+State and lock files in an ``--out`` folder are opened with ``open_nofollow`` (or checked with
+``refuse_links`` before a library opens them) and deleted with ``unlink_own``: a symbolic link a
+user or another process put at their name is never written through or deleted.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -14,7 +18,15 @@ from pathlib import Path
 
 from needlescope.errors import BadInput
 
-__all__ = ["atomic_write_json", "check_out_dir", "read_json_object", "relativize"]
+__all__ = [
+    "atomic_write_json",
+    "check_out_dir",
+    "open_nofollow",
+    "read_json_object",
+    "refuse_links",
+    "relativize",
+    "unlink_own",
+]
 
 
 def check_out_dir(out: str | Path, flag: str = "--out") -> Path:
@@ -70,12 +82,51 @@ def atomic_write_json(path: Path, obj) -> None:
     """Write ``obj`` as JSON to ``path`` through a synced temporary file and a rename, so a crash
     leaves either the old file or the new one, never half of one."""
     tmp = path.with_suffix(path.suffix + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
+    with os.fdopen(open_nofollow(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "w", encoding="utf-8") as f:
         json.dump(obj, f, indent=1)
         f.write("\n")
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def _link_refused(path: Path) -> BadInput:
+    return BadInput(
+        f"{path} is a symbolic link; needlescope never writes its state through a link "
+        "(it could point outside the folder): remove the link or choose another --out"
+    )
+
+
+def open_nofollow(path: str | Path, flags: int, mode: int = 0o644) -> int:
+    """``os.open(path, flags | O_NOFOLLOW, mode)``: a state or lock file is never written through a
+    symbolic link planted at its name (it could point anywhere outside ``--out``); such a link is
+    refused, BadInput in one line, and left as it is."""
+    try:
+        return os.open(path, flags | os.O_NOFOLLOW, mode)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise _link_refused(Path(path)) from None
+        raise
+
+
+def refuse_links(*paths: str | Path) -> None:
+    """BadInput (one line) naming the first of ``paths`` that is a symbolic link, dangling or not:
+    for files a library opens itself (SQLite follows links), checked before it opens them."""
+    for path in paths:
+        if Path(path).is_symlink():
+            raise _link_refused(Path(path))
+
+
+def unlink_own(path: str | Path, fd: int) -> None:
+    """Delete ``path`` only while it still names the file open at ``fd``: never a link or another
+    file put there since (a lock's holder deletes its lock file, and nothing else, as it lets go)."""
+    try:
+        here = os.lstat(path)
+    except FileNotFoundError:
+        return
+    mine = os.fstat(fd)
+    if (here.st_dev, here.st_ino) == (mine.st_dev, mine.st_ino):
+        os.unlink(path)
 
 
 def relativize(obj, prefixes: dict[str, str]):

@@ -106,7 +106,8 @@ def _target_failures(compare: Callable[[], dict]) -> dict:
 
 
 def _render(result: dict, out: Path, oracle_result: dict | None, *, resume_hint: bool) -> None:
-    """The headline (both recalls), what failed, and the files; exit 1 when a request failed."""
+    """The headline (both recalls), what failed, and the files; exit 1 when a request failed or B
+    regresses (a finding, docs/exit_codes.md)."""
     console.print(result["headline"], style="bold", soft_wrap=True)
     if result["graded"] is not None:
         console.say("[bold]margins:[/] {}", result["graded"]["verdict"], soft_wrap=True)
@@ -127,3 +128,5 @@ def _render(result: dict, out: Path, oracle_result: dict | None, *, resume_hint:
             soft_wrap=True,
         )
         raise typer.Exit(1)
+    if result["regresses_from"] is not None:
+        raise typer.Exit(1)  # B regresses significantly: the finding a compare is run for

@@ -108,6 +108,8 @@ def diff_command(
         _write(out, "diff.json", diff_to_json(result))
         _write(out, "diff.md", render_diff_md(result))
     _render_diff(result, out)
+    if result["first_divergent_module"] is not None:
+        raise typer.Exit(1)  # a finding (docs/exit_codes.md): a module diverges beyond its precision
 
 
 def _check_candidate(setting, patch, extra_patch, growth) -> None:

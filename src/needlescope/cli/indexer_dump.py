@@ -1,7 +1,9 @@
 """``needlescope indexer compare-dump``: an engine's tensor dump against the reference model.
 
 Inputs are checked (the dump's layout and names, the mapping, the prompt and needle) before the
-checkpoint loads; every bad input is one line and exit code 2.
+checkpoint loads; every bad input is one line and exit code 2. A judge (docs/exit_codes.md): exit
+0 when every tensor is within its budget, 1 when one is beyond it or could not be compared (the
+verdict does not cover it), 2 on bad input.
 """
 
 from __future__ import annotations
@@ -116,6 +118,8 @@ def compare_dump_command(
         _write(out, "compare_dump.json", compare_dump_to_json(result))
         _write(out, "compare_dump.md", render_compare_dump_md(result))
     _print_result(result, out)
+    if result["first_beyond"] is not None or any(t["verdict"] == "incomparable" for t in result["tensors"]):
+        raise typer.Exit(1)  # a finding, as topk-audit's inexact row and conform's inexact case
 
 
 def _print_result(result: dict, out: Path) -> None:

@@ -1,7 +1,8 @@
 """``needlescope indexer topk-audit CAPTURE``: replay captured indexer logits through the exact top-k.
 
-Exit status: 0 when every row's selection is exact, 1 when any row is inexact, 2 on bad input
-(one line). Formats and definitions: docs/topk_audit.md.
+Exit status (docs/exit_codes.md): 0 when every row's selection is exact, 1 when any row is
+inexact (a row with nothing to audit or NaN logits never is), 2 on bad input (one line). Formats
+and definitions: docs/topk_audit.md.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def topk_audit_command(
     """Replay the logits through the exact top-k and report each row's recall, wrong keeps and drops."""
     from needlescope.dsa.topk_audit import audit_rows
     from needlescope.dsa.topk_audit_input import load_capture
-    from needlescope.dsa.topk_audit_report import audit_report, render_audit_md, validate_audit
+    from needlescope.dsa.topk_audit_report import audit_report, render_audit_md, validate_audit, verdict_line
 
     if not 1 <= bin_bits <= 32:
         raise BadInput(f"--bin-bits must be in 1..32, got {bin_bits}")
@@ -63,19 +64,29 @@ def topk_audit_command(
         out.mkdir(parents=True, exist_ok=True)
         (out / "topk_audit.json").write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
         (out / "topk_audit.md").write_text(render_audit_md(report), encoding="utf-8")
+    verdict = verdict_line(report)
     if report["exact"]:
+        empty = report["rows_empty"]
         console.say(
-            "[bold green]exact[/]: {} rows, every selection is the exact top-{}", report["rows"], report["k"]
+            "[bold green]exact[/]: {} rows{}, every selection is the exact top-{}{}",
+            report["rows"] - empty,
+            " audited" if empty else "",
+            report["k"],
+            f"; {empty} rows had no candidate (nothing to audit, not called exact)" if empty else "",
         )
     else:
-        console.say(
-            "[bold red]inexact[/]: {}",
-            f"{report['rows_inexact']} of {report['rows']} rows; selected-value recall min "
-            f"{report['recall_min']:.4f}, mean {report['recall_mean']:.4f}",
+        recall = (
+            ""
+            if report["rows_inexact"] == 0
+            else f"; selected-value recall min {report['recall_min']:.4f}, mean {report['recall_mean']:.4f}"
         )
+        console.say("[bold red]flagged[/]: {}{}", verdict, recall, soft_wrap=True)
         for r in report["worst"]:
             where = f"row {r['row']}" + ("" if r["layer"] is None else f" layer {r['layer']}")
             where += "" if r["position"] is None else f" pos {r['position']}"
+            if r["problem"] is not None:
+                console.say("  {}: {}", where, r["problem"], soft_wrap=True)
+                continue
             console.print(
                 f"  {where}: recall {r['recall']:.4f}, overlap {r['overlap']:.4f}, {r['wrongly_kept']} kept "
                 f"wrong, {r['wrongly_dropped']} dropped; {r['cutoff_bin_count']} candidates in the cut-off bin, "

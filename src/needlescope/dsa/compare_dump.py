@@ -96,10 +96,36 @@ def _precision(entry: DumpEntry, engine: torch.Tensor, allow: dict[str, str]) ->
     return "fp32"
 
 
+def _shards(entry: DumpEntry, p: int, most: int, what: str) -> list[tuple[int, torch.Tensor]]:
+    """(rank, tensor) of each file of pass ``p``, read without copying; BadInput when one holds
+    more than ``most`` values (``what`` says whose size that is), before any is merged: merging
+    copies, and a file of a few hundred bytes may hold a zero-stride tensor of gigabytes."""
+    shards = []
+    for f in entry.files[p]:
+        t = load_value(f.path)[0]  # unreadable: BadInput
+        if t.numel() > most:
+            raise BadInput(
+                f"dump file {f.path.name!r}: {entry.name} has shape {list(t.shape)} ({t.numel()} values), more than "
+                f"{what} ({most} values): a dump of another model or mapping, or a corrupt file; nothing was merged"
+            )
+        shards.append((f.rank, t))
+    return shards
+
+
 def _rows(entry: DumpEntry, ref_call: StageCall, positions: dict[int, torch.Tensor], ranks: list[int]):
     """(engine rows [N, ...], reference rows [N, ...], query positions [N]) over the entry's passes;
-    the engine's rows on the reference's device. ``ranks``: every rank of the dump."""
-    engine, where = [], []
+    the engine's rows on the reference's device. ``ranks``: every rank of the dump. Each shard's
+    size is checked against the reference's rows before the shards are merged (``_shards``)."""
+    where = {}
+    for p in sorted(entry.files):
+        pos = positions.get(p)
+        if pos is None:
+            raise Incomparable(f"pass {p} has no positions")
+        where[p] = pos[-1:] if entry.rule.rows == "last" else pos
+    at = torch.cat(list(where.values()))
+    ref = ref_call.rows(entry.rule.take, at)
+    width = ref[0].numel() if len(ref) else 0
+    engine = []
     for p in sorted(entry.files):
         have = {f.rank for f in entry.files[p]}
         if entry.rule.shard != "replicated" and have != set(ranks):
@@ -107,22 +133,16 @@ def _rows(entry: DumpEntry, ref_call: StageCall, positions: dict[int, torch.Tens
             # judged as the engine's error; the dump is incomplete instead.
             lost = sorted(set(ranks) - have)
             raise Incomparable(f"pass {p}: rank(s) {lost} dumped no shard of this {entry.rule.shard} tensor")
-        shards = [(f.rank, load_value(f.path)[0]) for f in entry.files[p]]  # unreadable: BadInput
+        want = len(where[p])
+        whole = f"the reference's {entry.reference} at these {want} rows"
+        shards = _shards(entry, p, want * max(width, 1), whole)
         try:
             t = merge_shards(shards, entry.rule.shard)
         except BadInput as exc:
             raise Incomparable(f"pass {p}: {exc}") from None
-        pos = positions.get(p)
-        if pos is None:
-            raise Incomparable(f"pass {p} has no positions")
-        want = 1 if entry.rule.rows == "last" else len(pos)
         if t.dim() == 0 or t.shape[0] != want:
             raise Incomparable(f"pass {p}: {t.shape[0] if t.dim() else 0} rows, expected {want}")
         engine.append(t)
-        where.append(pos[-1:] if entry.rule.rows == "last" else pos)
-    at = torch.cat(where)
-    ref = ref_call.rows(entry.rule.take, at)
-    width = ref[0].numel() if len(ref) else 0
     for e in engine:
         if e[0].numel() != width:
             raise Incomparable(
@@ -185,13 +205,16 @@ def _needle_row(engine, ref, at, entries: list[int], query_pos: int) -> dict:
     }
 
 
-def _index_topk(grouped, K: int | None) -> int | None:
-    """The dump's top-k width (its widest top-k row), or ``K`` when given."""
+def _index_topk(grouped, K: int | None, positions: dict[int, torch.Tensor], tokens: int) -> int | None:
+    """The dump's top-k width (its widest top-k row), or ``K`` when given. A row selects among at
+    most ``tokens`` entries, so a shard of more than rows x ``tokens`` values is refused unmerged."""
     if K is not None:
         return K
     widths = []
     for e in (e for e in grouped.entries if e.rule.kind == "topk"):
-        shards = [(f.rank, load_value(f.path)[0]) for f in next(iter(e.files.values()))]
+        p = next(iter(e.files))
+        rows = 1 if e.rule.rows == "last" else len(positions.get(p, ()))
+        shards = _shards(e, p, max(rows, 1) * tokens, f"{rows} rows of at most {tokens} entries")
         try:
             t = merge_shards(shards, e.rule.shard)
         except BadInput:  # shards that do not merge: the tensor is judged incomparable later
@@ -337,9 +360,12 @@ def compare_dump(
             f"no dumped name in {str(d)!r} is in the mapping {mapping.source!r} "
             f"(names: {', '.join(grouped.unknown[:5]) or 'none'}); give a mapping that names them (--mapping)"
         )
-    ids, positions = token_layout(grouped, prompt_ids)
+    config = model.config
+    ids, positions = token_layout(
+        grouped, prompt_ids, context=getattr(config, "max_position_embeddings", None), vocab=config.vocab_size
+    )
     T = len(ids)
-    K = _index_topk(grouped, index_topk)
+    K = _index_topk(grouped, index_topk, positions, T)
     indexers = csa_indexers(model)
     ratio = indexers[0][1].compress_rate if indexers else 4
     entries = covering_entries(needle_span, ratio) if needle_span is not None else []

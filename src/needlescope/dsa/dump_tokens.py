@@ -107,24 +107,42 @@ def merged(files: list[DumpFile], rule: str) -> torch.Tensor:
     return merge_shards([(f.rank, load_value(f.path)[0]) for f in files], rule)
 
 
-def _field(files: dict[int, list[DumpFile]], p: int, what: str) -> torch.Tensor | None:
+def _field(files: dict[int, list[DumpFile]], p: int, what: str, context: int | None) -> torch.Tensor | None:
+    """One pass's ``input_ids`` or ``positions``, the same on every rank; BadInput for more values
+    than the model's ``context`` (checked before they are read out: a file of a few hundred bytes
+    may hold a zero-stride tensor of a billion values)."""
     if p not in files:
         return None
-    values = [load_value(f.path)[0].reshape(-1).long() for f in sorted(files[p], key=lambda f: f.rank)]
+    values = []
+    for f in sorted(files[p], key=lambda f: f.rank):
+        t = load_value(f.path)[0]
+        if context is not None and t.numel() > context:
+            raise BadInput(
+                f"dump file {f.path.name!r}: {t.numel()} {what} in pass {p}, more than the model's context of "
+                f"{context} tokens: a dump of another request or a corrupt file"
+            )
+        values.append(t.reshape(-1).long())
     if any(not torch.equal(v, values[0]) for v in values[1:]):
         raise BadInput(f"the ranks dumped different {what} in pass {p}")
     return values[0]
 
 
 def token_layout(
-    grouped: GroupedDump, prompt_ids: list[int] | None
+    grouped: GroupedDump,
+    prompt_ids: list[int] | None,
+    *,
+    context: int | None = None,
+    vocab: int | None = None,
 ) -> tuple[list[int], dict[int, torch.Tensor]]:
     """(the sequence's token ids, per pass the absolute positions of its rows).
 
     Ids come from the dump's ``input_ids`` (checked against ``prompt_ids`` where both exist) or
     from ``prompt_ids``. Positions come from the dump's ``positions``; without them passes are
     taken to follow one another (the first starting at 0). One request per dump: a position
-    given two different ids, or a gap, is refused.
+    given two different ids, or a gap, is refused. ``context`` (the model's positions) bounds
+    every position and ``vocab`` (its vocabulary size) every id: a position past the context
+    (one shifted by 2e8 would build a sequence of 2e8 tokens) or an id outside the vocabulary is
+    BadInput, before anything is built from it.
     """
     ids_of, pos_of = grouped.tokens["input_ids"], grouped.tokens["positions"]
     if not ids_of and prompt_ids is None:
@@ -134,7 +152,7 @@ def token_layout(
     by_pos: dict[int, int] = {}
     offset = 0
     for p in passes:
-        ids, pos = _field(ids_of, p, "input_ids"), _field(pos_of, p, "positions")
+        ids, pos = _field(ids_of, p, "input_ids", context), _field(pos_of, p, "positions", context)
         if pos is None:
             n = len(ids) if ids is not None else (len(prompt_ids) if len(passes) == 1 else None)
             if n is None:
@@ -145,6 +163,22 @@ def token_layout(
         if len(pos) and int(pos.min()) < 0:
             # A negative position would index the reference's rows from the end: wrong rows compared.
             raise BadInput(f"pass {p}: the dump's positions include {int(pos.min())}; positions count from 0")
+        if context is not None and len(pos) and int(pos.max()) >= context:
+            raise BadInput(
+                f"pass {p}: the dump's positions reach {int(pos.max())}, beyond the model's context of {context} "
+                "tokens (max_position_embeddings); positions count from 0 within one request"
+            )
+        if (
+            vocab is not None
+            and ids is not None
+            and len(ids)
+            and not (0 <= int(ids.min()) and int(ids.max()) < vocab)
+        ):
+            bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
+            raise BadInput(
+                f"pass {p}: the dump's input_ids include {bad}, outside the model's vocabulary 0..{vocab - 1}: "
+                "a dump of another model's tokenizer, or a corrupt file"
+            )
         if ids is not None and len(ids) != len(pos):
             raise BadInput(f"pass {p}: {len(ids)} input_ids but {len(pos)} positions (one request per dump)")
         for j, t in enumerate(pos.tolist()):

@@ -36,6 +36,12 @@ Definitions (``docs/topk_audit.md`` states them for users):
   share its radix bin: the top ``bin_bits`` bits of the order-preserving uint32 key of the
   float32 value (the first histogram pass of a radix top-k). A crowded bin is where dropping
   kernels fail (a candidate buffer that overflows).
+* **Nothing to audit is never exact.** A row with no candidate (every column in use ``-inf`` or
+  NaN, or a length of 0), a selection of width k = 0, and a row with NaN logits among its
+  columns in use (``nan_logits``: the indexer computed garbage, whatever was selected) are not
+  exact, whatever the counts say: an empty comparison proves nothing about the kernel. (The
+  report counts a row with no candidate that selected nothing as *empty*: not audited, since an
+  early query row of a real capture sees no entry yet; a capture of empty rows only is flagged.)
 """
 
 from __future__ import annotations
@@ -62,6 +68,7 @@ AUDIT_COLUMNS = (
     "ties_at_cutoff",
     "tie_slots",
     "cutoff_bin_count",
+    "nan_logits",
     "exact",
 )
 """Keys of ``audit_rows``' result, each an array [R]."""
@@ -182,6 +189,10 @@ def _audit_chunk(logits: np.ndarray, sel: np.ndarray, lengths, bin_bits: int) ->
     # Non-candidates get key 0.0: they never count, whatever their bin.
     bins = float32_key(np.where(cand, x, 0.0)) >> np.uint32(32 - bin_bits)
     kth_bin = bins[np.arange(R), kth_col]
+    in_use = (
+        np.ones_like(cand) if lengths is None else np.arange(L)[None, :] < np.asarray(lengths).reshape(-1, 1)
+    )
+    nan_logits = (np.isnan(x) & in_use).sum(axis=1)
     return {
         "candidates": n_cand.astype(np.int64),
         "k_eff": k_eff.astype(np.int64),
@@ -197,7 +208,9 @@ def _audit_chunk(logits: np.ndarray, sel: np.ndarray, lengths, bin_bits: int) ->
         "cutoff_bin_count": np.where(has, (cand & (bins == kth_bin[:, None])).sum(axis=1), 0).astype(
             np.int64
         ),
-        "exact": (kept == 0) & (dropped == 0),
+        "nan_logits": nan_logits.astype(np.int64),
+        # Nothing to select (no candidate, k = 0) or NaN logits: never exact (module docstring).
+        "exact": (kept == 0) & (dropped == 0) & (n_cand > 0) & (k > 0) & (nan_logits == 0),
     }
 
 

@@ -79,6 +79,8 @@ def flatten_layers(
     for name, arr in (("lengths", lengths), ("positions", positions)):
         if arr is not None and arr.shape != (R,):
             raise BadInput(f"{name} must be [R] = [{R}], got {list(arr.shape)}")
+    if positions is not None:
+        _check_positions(positions, "positions")
     if lengths is not None:
         if not np.issubdtype(lengths.dtype, np.integer):
             raise BadInput(f"lengths must be an integer tensor, got {lengths.dtype}")
@@ -110,6 +112,30 @@ def flatten_layers(
     )
 
 
+MAX_POSITION = 2**31 - 1
+"""The largest query position read (an engine's int32 positions): a larger one is no position."""
+
+
+def _check_positions(positions: np.ndarray, what: str) -> None:
+    """BadInput unless ``positions`` are integers in 0..MAX_POSITION."""
+    if not np.issubdtype(positions.dtype, np.integer):
+        raise BadInput(f"{what} must be integers, got {positions.dtype}; save the query positions as int")
+    if positions.size and (positions.min() < 0 or positions.max() > MAX_POSITION):
+        bad = positions.min() if positions.min() < 0 else positions.max()
+        raise BadInput(f"{what} holds {int(bad)}, outside 0..{MAX_POSITION}: not a query position")
+
+
+def _position_list(value: object, what: str) -> np.ndarray:
+    """int64 [N] from a JSON list of integer positions; BadInput for anything else (a float such as
+    1e30, a bool, a nested list), never an OverflowError."""
+    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        raise BadInput(f"{what} must be a list of integer positions; save the positions the rows stand for")
+    if any(not 0 <= v <= MAX_POSITION for v in value):
+        bad = next(v for v in value if not 0 <= v <= MAX_POSITION)
+        raise BadInput(f"{what} holds {bad}, outside 0..{MAX_POSITION}: not a query position")
+    return np.asarray(value, dtype=np.int64)
+
+
 def _b64(meta: dict, key: str, dtype: str, shape_key: str) -> np.ndarray:
     payload, shape = meta.get(key), meta.get(shape_key)
     if not isinstance(payload, str) or not isinstance(shape, list):
@@ -135,10 +161,8 @@ def from_serve_response(obj: dict, *, layer: int | None = None) -> AuditInput:
     topk = _b64(meta, "indexer_topk", "<i4", "indexer_topk_shape")
     logits = _b64(meta, "indexer_logits", "<f4", "indexer_logits_shape")
     positions = meta.get("indexer_topk_positions")
-    try:
-        pos = np.arange(topk.shape[0]) if positions is None else np.asarray(positions, dtype=np.int64)
-    except (TypeError, ValueError) as exc:
-        raise BadInput(f"meta_info['indexer_topk_positions'] is not a list of positions: {exc}") from None
+    what = "meta_info['indexer_topk_positions']"
+    pos = np.arange(topk.shape[0]) if positions is None else _position_list(positions, what)
     return flatten_layers(logits, topk, positions=pos, layer=layer, fmt="needlescope-serve")
 
 
@@ -189,7 +213,15 @@ def _response_indices(path: Path, logits: np.ndarray, positions: np.ndarray | No
     choices = obj.get("choices") if isinstance(obj, dict) else None
     try:
         if isinstance(meta, dict) and "indexer_topk" in meta:
-            rows = int(meta["prompt_tokens"]) + int(meta["completion_tokens"]) - 1
+            counts = [meta.get("prompt_tokens"), meta.get("completion_tokens")]
+            if not all(
+                isinstance(n, int) and not isinstance(n, bool) and 0 <= n <= MAX_POSITION for n in counts
+            ):
+                raise BadInput(
+                    f"--indices {str(path)!r}: meta_info's prompt_tokens and completion_tokens must be token "
+                    f"counts in 0..{MAX_POSITION}, got {counts[0]!r} and {counts[1]!r}"
+                )
+            rows = counts[0] + counts[1] - 1
             topk, fmt = decode_capture(meta["indexer_topk"], rows, num_layers=logits.shape[1]), "sglang"
         elif (
             isinstance(choices, list)
@@ -222,6 +254,8 @@ def _read_json(path: Path) -> dict:
         return json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError) as exc:
         raise BadInput(f"{str(path)!r} is not readable JSON: {exc}") from None
+    except RecursionError:  # arrays or objects nested thousands deep: no response is
+        raise BadInput(f"{str(path)!r} is nested too deeply to be an engine's JSON response") from None
 
 
 def load_capture(path: Path, *, indices_json: Path | None = None, layer: int | None = None) -> AuditInput:

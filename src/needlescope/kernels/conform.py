@@ -26,7 +26,8 @@ __all__ = ["REPORT_SCHEMA", "load_impl", "conform"]
 _CASE = {
     "type": "object",
     "required": ["name", "rows", "width", "k", "exact", "rows_inexact", "recall_mean", "recall_min"]
-    + ["worst_row", "worst_missed", "worst_wrong", "missed", "wrong", "lower_index_ties", "error"],
+    + ["worst_row", "worst_missed", "worst_wrong", "missed", "wrong", "lower_index_ties", "error"]
+    + ["inputs_written"],
     "properties": {
         "name": {"type": "string", "minLength": 1},
         "rows": {"type": "integer"},
@@ -43,6 +44,7 @@ _CASE = {
         "wrong": {"type": ["integer", "null"]},
         "lower_index_ties": {"type": ["boolean", "null"]},
         "error": {"type": ["string", "null"]},
+        "inputs_written": {"type": "array", "items": {"type": "string", "enum": ["scores", "lengths"]}},
     },
 }
 
@@ -60,10 +62,11 @@ REPORT_SCHEMA = {
             "minItems": 1,
             "items": {
                 "type": "object",
-                "required": ["impl", "exact", "cases"],
+                "required": ["impl", "exact", "wrote_inputs", "cases"],
                 "properties": {
                     "impl": {"type": "string"},
                     "exact": {"type": "boolean"},
+                    "wrote_inputs": {"type": "array", "items": {"type": "string"}},
                     "cases": {"type": "array", "items": _CASE},
                 },
             },
@@ -71,7 +74,8 @@ REPORT_SCHEMA = {
     },
 }
 """The report ``conform`` returns (and the CLI writes as JSON): per implementation, whether every
-case was exact and each case's ``CaseResult`` (``kernels.conformance``)."""
+case was exact, the cases in which it wrote into its inputs (``wrote_inputs``, a finding of its
+own) and each case's ``CaseResult`` (``kernels.conformance``)."""
 
 
 def _import_function(spec: str) -> TopK:
@@ -100,11 +104,30 @@ def _import_function(spec: str) -> TopK:
     return fn
 
 
+def _need_triton(spec: str, ours: dict, gpu_only: tuple[str, ...]) -> None:
+    """BadInput, once, when ``spec`` names a Triton path of ours and Triton is not installed: the
+    GPU extra is missing (an install to make, not a kernel that is wrong)."""
+    if spec != "ours" and not spec.startswith("ours:"):
+        return
+    name = spec.removeprefix("ours").removeprefix(":")
+    if name in ("reference", *gpu_only) or (name and name not in ours):
+        return  # Triton-free, or an unknown name load_impl refuses itself
+    try:
+        import triton  # noqa: F401  (TRITON_INTERPRET is set before this, as the kernels need)
+    except ImportError:
+        raise BadInput(
+            f"--impl {spec} runs needlescope's Triton kernels, and Triton is not installed: the GPU extra "
+            "is missing; install it with pip install 'needlescope[gpu]' (--impl ours:reference and "
+            "--impl torch run without it)"
+        ) from None
+
+
 def load_impl(spec: str, device: str = "cpu") -> list[tuple[str, TopK]]:
     """(name, callable) pairs for one ``--impl`` value (module docstring), for rows on ``device``."""
     from needlescope.kernels.topk_impls import GPU_ONLY, OURS, torch_topk
 
     gpu = torch.device(device).type == "cuda"
+    _need_triton(spec, OURS, GPU_ONLY)
     if spec == "ours":
         return [(f"ours:{name}", fn) for name, fn in OURS.items() if gpu or name not in GPU_ONLY]
     if spec.startswith("ours:"):
@@ -157,6 +180,12 @@ def conform(
         "torch": torch.__version__,
         "triton": importlib.import_module("triton").__version__ if triton_spec else None,
         "impls": [
-            {"impl": name, "exact": all(c["exact"] for c in rs), "cases": rs} for name, rs in results.items()
+            {
+                "impl": name,
+                "exact": all(c["exact"] for c in rs),
+                "wrote_inputs": [c["name"] for c in rs if c["inputs_written"]],
+                "cases": rs,
+            }
+            for name, rs in results.items()
         ],
     }

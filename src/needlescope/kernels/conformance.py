@@ -28,7 +28,7 @@ selected-value recall = matched / need (1 when need is 0).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -81,9 +81,13 @@ class Expected:
 @dataclass(frozen=True)
 class CaseResult:
     """One case run through one implementation (module docstring for the counts). ``error``: the
-    implementation raised or returned no integer ``[R, k]`` tensor; the case then fails
-    (``exact`` false) and has no score: every count and recall is None, never a recall of 0
-    that would read as an implementation that answered and missed everything."""
+    implementation raised (any exception, ``SystemExit`` included: only ``KeyboardInterrupt``
+    stops the run) or returned no integer ``[R, k]`` tensor; the case then fails (``exact``
+    false) and has no score: every count and recall is None, never a recall of 0 that would read
+    as an implementation that answered and missed everything. ``inputs_written``: the inputs
+    (``scores``, ``lengths``) the implementation changed, a finding of its own (a kernel that
+    writes into its inputs corrupts the caller's logits); the selection is scored against the
+    inputs as they were, kept aside, never against what the implementation left in them."""
 
     name: str
     rows: int
@@ -100,6 +104,7 @@ class CaseResult:
     wrong: int | None
     lower_index_ties: bool | None
     error: str | None = None
+    inputs_written: list[str] = field(default_factory=list)
 
 
 def ordered_keys(scores: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -178,10 +183,23 @@ def score(case: Case, indices: torch.Tensor, exp: Expected | None = None) -> Cas
     )
 
 
-def failed(case: Case, error: str) -> CaseResult:
+def failed(case: Case, error: str, inputs_written: list[str] | None = None) -> CaseResult:
     """The result of a case whose implementation raised or returned a malformed answer."""
     R, W = case.scores.shape
-    return CaseResult(case.name, R, W, case.k, False, *[None] * 9, error)
+    return CaseResult(case.name, R, W, case.k, False, *[None] * 9, error, inputs_written or [])
+
+
+def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same shape, dtype and bits (NaN payloads and -0.0 included)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def _written(case: Case, scores: torch.Tensor, lengths: torch.Tensor) -> list[str]:
+    """The inputs whose copies handed to the implementation differ from the case's own."""
+    given = {"scores": (case.scores, scores), "lengths": (case.lengths, lengths)}
+    return [name for name, (kept, handed) in given.items() if not _bits_equal(kept, handed)]
 
 
 def _integer(t: torch.Tensor) -> bool:
@@ -193,12 +211,20 @@ TopK = Callable[[torch.Tensor, int, torch.Tensor], torch.Tensor]
 
 
 def run_case(impl: TopK, case: Case, exp: Expected | None = None) -> CaseResult:
-    """``impl(scores, k, lengths)`` on one case, scored; a raised exception or an answer that is
-    not an integer [R, k] tensor becomes the case's ``error`` (the case fails; nothing is hidden)."""
+    """``impl(scores, k, lengths)`` on copies of one case's inputs, scored against the case's own
+    (kept aside, so an implementation that writes into its inputs can neither change its own score
+    nor hand a changed case to the next implementation; the inputs it wrote are named in
+    ``inputs_written``). A raised exception (any ``BaseException`` but ``KeyboardInterrupt``, the
+    user's Ctrl-C, which stops the run) or an answer that is not an integer [R, k] tensor becomes
+    the case's ``error`` (the case fails; nothing is hidden)."""
+    scores, lengths = case.scores.clone(), case.lengths.clone()
     try:
-        out = impl(case.scores, case.k, case.lengths)
-    except Exception as e:  # the implementation under test is arbitrary code: report, never hide
-        return failed(case, f"{type(e).__name__}: {e}")
+        out = impl(scores, case.k, lengths)
+    except KeyboardInterrupt:
+        raise
+    except BaseException as e:  # arbitrary code under test (sys.exit included): report, never hide
+        return failed(case, f"{type(e).__name__}: {e}", _written(case, scores, lengths))
+    wrote = _written(case, scores, lengths)
     R = case.scores.shape[0]
     if not isinstance(out, torch.Tensor) or out.shape != (R, case.k) or not _integer(out):
         got = (
@@ -206,8 +232,9 @@ def run_case(impl: TopK, case: Case, exp: Expected | None = None) -> CaseResult:
             if isinstance(out, torch.Tensor)
             else f"a {type(out).__name__}"
         )
-        return failed(case, f"expected an integer tensor [{R}, {case.k}], got {got}")
-    return score(case, out, exp)
+        return failed(case, f"expected an integer tensor [{R}, {case.k}], got {got}", wrote)
+    result = score(case, out, exp)
+    return replace(result, inputs_written=wrote)
 
 
 # --- the cases --------------------------------------------------------------------------------

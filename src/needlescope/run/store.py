@@ -7,7 +7,10 @@ each case in several arms (engine-state) keeps one row per (factor, arm, case) i
 
 One writer at a time: a store holds an exclusive ``flock`` on ``<file>.lock`` beside it for as
 long as it is open (and deletes it when it closes), so a second run with the same ``--out`` is refused with one line instead of
-mixing two grids into one file. ``peek`` reads a store without writing anything, so ``--resume``
+mixing two grids into one file; ``create_store`` holds it from before the file is built, so two
+runs started at once into one fresh folder end in that line too. No state file is written
+through a symbolic link: the lock is opened with ``O_NOFOLLOW`` and a link at the store's name,
+its ``-wal``/``-shm`` journals or the partial file is refused (one line), never followed or deleted. ``peek`` reads a store without writing anything, so ``--resume``
 checks a file (is it a needlescope store, which run made it) before opening it for writing and
 leaves a foreign ``results.sqlite`` untouched.
 """
@@ -23,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from needlescope.errors import BadInput
+from needlescope.paths import open_nofollow, refuse_links, unlink_own
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta(key TEXT PRIMARY KEY, value JSON);
@@ -141,7 +145,7 @@ def _lock(path: Path) -> int:
     names any more; it sees that (the path's inode is not its own) and opens the new one."""
     lock_path = _lock_path(path)
     while True:
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = open_nofollow(lock_path, os.O_RDWR | os.O_CREAT)  # a link there: BadInput
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -151,7 +155,7 @@ def _lock(path: Path) -> int:
                 f"another needlescope run (pid {holder}) is writing {path.parent}; wait for it to end or use another --out"
             ) from None
         try:
-            current = os.stat(lock_path).st_ino
+            current = os.lstat(lock_path).st_ino
         except FileNotFoundError:
             current = None
         if current == os.fstat(fd).st_ino:
@@ -163,9 +167,17 @@ def _lock(path: Path) -> int:
 
 
 def _unlock(path: Path, fd: int) -> None:
-    """Delete the lock file, then let go of it (deleted first, so no one locks it after us)."""
-    _lock_path(path).unlink(missing_ok=True)
-    os.close(fd)
+    """Delete the lock file, then let go of it (deleted first, so no one locks it after us); only
+    the file this descriptor holds is deleted, never a link or another file at its name."""
+    try:
+        unlink_own(_lock_path(path), fd)
+    finally:
+        os.close(fd)
+
+
+def _journals(path: Path) -> tuple[Path, ...]:
+    """The store and the files SQLite opens beside it (following links, so none may be one)."""
+    return (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm"))
 
 
 def create_store(path: Path, meta: dict[str, Any], cases: list[dict]) -> ResultStore:
@@ -178,20 +190,40 @@ def create_store(path: Path, meta: dict[str, Any], cases: list[dict]) -> ResultS
     file before the rename."""
     path = Path(path)
     partial = path.with_name(path.name + ".partial")
-    for leftover in (partial, *partial.parent.glob(partial.name + "-*")):
-        leftover.unlink(missing_ok=True)
-    with ResultStore(partial) as store:
-        for key, value in meta.items():
-            store.put_meta(key, value)
-        store.add_cases(cases)
-    os.replace(partial, path)
-    return ResultStore(path)
+    lock_fd = _lock(path)  # held from here to the store's close: a second run is one line
+    try:
+        refuse_links(*_journals(path))
+        if path.exists():
+            # Another run made it since the caller looked (and has ended: it held the lock).
+            raise BadInput(
+                f"{path} already holds a run; pass --resume to continue it or choose another --out"
+            )
+        leftovers = (*_journals(partial), *partial.parent.glob(partial.name + "-*"))
+        refuse_links(*leftovers, _lock_path(partial))
+        for leftover in leftovers:
+            leftover.unlink(missing_ok=True)
+        with ResultStore(partial) as store:
+            for key, value in meta.items():
+                store.put_meta(key, value)
+            store.add_cases(cases)
+        os.replace(partial, path)
+    except BaseException:
+        _unlock(path, lock_fd)
+        raise
+    return ResultStore(path, lock_fd=lock_fd)  # it lets go of the lock itself if it fails
 
 
 class ResultStore:
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, *, lock_fd: int | None = None) -> None:
+        """Open (creating) the store at ``path`` under its lock; ``lock_fd``: the lock already held
+        (``create_store`` takes it before it builds the file)."""
         self.path = Path(path)
-        self._lock_fd = _lock(self.path)
+        self._lock_fd = _lock(self.path) if lock_fd is None else lock_fd
+        try:
+            refuse_links(*_journals(self.path))
+        except BadInput:
+            _unlock(self.path, self._lock_fd)
+            raise
         try:
             # isolation_level=None: autocommit; we open explicit transactions where several rows go together.
             self._db = sqlite3.connect(str(self.path), isolation_level=None, check_same_thread=False)

@@ -9,7 +9,8 @@ with STATUS one of ``STATUSES``. ``DIR/measure/NAME.jsonl`` holds one measured c
 line (``needlescope.investigate.measure.records``), appended and fsynced as each case finishes, so a
 crash or Ctrl-C loses at most the case in flight and a resumed run measures only what is
 missing. A torn last line (a kill mid-write) is dropped on reading and the file rewritten.
-Resuming with a different ledger is refused. Each record carries its ``basis``
+Resuming with a different ledger is refused. No state file is written through a symbolic link
+at its name (``paths.open_nofollow``): a link there, or at ``measure/``, is refused in one line. Each record carries its ``basis``
 (``measure.basis``): records another configuration, case or checkpoint would have measured are
 moved to ``measure/NAME.jsonl.superseded`` by ``Session.measure``, never reused.
 """
@@ -25,7 +26,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from needlescope.errors import BadInput
-from needlescope.paths import atomic_write_json
+from needlescope.paths import atomic_write_json, open_nofollow, refuse_links
 
 __all__ = ["STATUSES", "RunState", "run_lock", "LOCK_NAME"]
 
@@ -50,6 +51,7 @@ class RunState:
     def __init__(self, out: Path, ledger_text: str, suspect_ids: list[str]):
         self.out = Path(out)
         self.out.mkdir(parents=True, exist_ok=True)
+        refuse_links(self.out / "measure")  # its records would be written wherever it points
         (self.out / "measure").mkdir(exist_ok=True)
         self.path = self.out / "state.json"
         digest = hashlib.sha256(ledger_text.encode()).hexdigest()
@@ -132,7 +134,7 @@ class RunState:
             except ValueError:
                 torn = True
         if torn:
-            with open(path, "w", encoding="utf-8") as f:
+            with _text(path, "w") as f:
                 f.writelines(json.dumps(r) + "\n" for r in out)
         return out
 
@@ -141,22 +143,28 @@ class RunState:
         (kept, never read as measured), leaving ``keep``. Appended there first, then the file
         replaced at once: a kill between the two leaves a record in both, never in neither."""
         path = self._mpath(name)
-        with open(path.with_name(path.name + ".superseded"), "a", encoding="utf-8") as f:
+        with _text(path.with_name(path.name + ".superseded"), "a") as f:
             f.writelines(json.dumps(r) + "\n" for r in moved)
             f.flush()
             os.fsync(f.fileno())
         tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "w", encoding="utf-8") as f:
+        with _text(tmp, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in keep)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
 
     def append_record(self, name: str, record: dict) -> None:
-        with open(self._mpath(name), "a", encoding="utf-8") as f:
+        with _text(self._mpath(name), "a") as f:
             f.write(json.dumps(record) + "\n")
             f.flush()
             os.fsync(f.fileno())
+
+
+def _text(path: Path, mode: str):
+    """``open(path, mode)`` for ``mode`` "w" or "a", never through a link at ``path``."""
+    flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if mode == "w" else os.O_APPEND)
+    return os.fdopen(open_nofollow(path, flags), mode, encoding="utf-8")
 
 
 @contextmanager
@@ -167,7 +175,7 @@ def run_lock(out: Path) -> Iterator[None]:
     out = Path(out)
     try:
         out.mkdir(parents=True, exist_ok=True)
-        fd = os.open(out / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = open_nofollow(out / LOCK_NAME, os.O_RDWR | os.O_CREAT)  # a link there: BadInput
     except OSError as exc:
         raise BadInput(
             f"--out {str(out)!r} cannot be written ({exc.strerror}); pass a writable directory"
