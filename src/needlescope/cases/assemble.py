@@ -170,10 +170,30 @@ class _Group:
         return [{"role": "user", "content": f"{_INTRO}{body}\n\n{self.needles.question}"}]
 
     def _turn(self, frac: float) -> tuple[int, float]:
-        """(user turn, fraction inside it) of a position ``frac`` (0..1) over the user turns."""
+        """(user turn, fraction inside it) of a position ``frac`` (0..1) over the user turns
+        (where distractors go)."""
         scaled = frac * self.pairs
         turn = min(self.pairs - 1, math.floor(scaled))
         return turn, scaled - turn
+
+    @staticmethod
+    def _at_depth(frac: float, cuts: list[int]) -> tuple[list[int], int, float]:
+        """(turn starts, the user turn holding the needle, fraction inside it) for depth ``frac`` (0..1).
+
+        Depth is a position in the whole prompt, as in NIAH and RULER: every turn counts, the
+        assistant's too (depth over the user turns alone put depth 100 at 46% of a 512-token
+        prompt). The needle stays in a user turn: where its position falls in an assistant turn,
+        the user turn before it runs on to that position (the assistant's turn keeps its last word).
+        ``cuts``: each turn's first word index (even turns the user's), then the word count.
+        """
+        cuts = list(cuts)
+        word = frac * cuts[-1]
+        turn = next((i for i in range(len(cuts) - 1) if word < cuts[i + 1]), len(cuts) - 2)
+        if turn % 2:
+            cuts[turn] = max(cuts[turn], min(math.ceil(word), cuts[turn + 1] - 1))
+            turn -= 1
+        size = cuts[turn + 1] - cuts[turn]
+        return cuts, turn // 2, (min(max(word - cuts[turn], 0.0), size) / size) if size else 0.0
 
     def _multiturn(self, words: list[str], depth: float) -> list[dict]:
         slots = 2 * self.pairs
@@ -182,13 +202,12 @@ class _Group:
             cuts = [*self.cuts, n]
         else:
             cuts = [i * n // slots for i in range(slots + 1)]
+        cuts, turn, frac = self._at_depth(depth / 100.0, cuts)
         chunks = [list(words[cuts[i] : cuts[i + 1]]) for i in range(slots)]
         for c in chunks:
             if c and not c[-1].endswith((".", "!", "?")):
                 c[-1] += "."
-        # Depth runs over the user turns: which turn, then where inside it.
-        turn, frac = self._turn(depth / 100.0)
-        # Distractors go into user turns by their own fractions, as the needle does by depth.
+        # Distractors go into user turns by their own fractions of the user turns.
         inserts: dict[int, list[tuple[float, str]]] = {}
         for f, d in zip(self.distractor_fracs, self.needles.distractors, strict=True):
             t, within = self._turn(f)

@@ -42,7 +42,10 @@ def diff_command(
     needle: str = typer.Option(None, "--needle", help="The needle's text, as it appears in the prompt."),
     input_ids: Path = typer.Option(None, "--input-ids", help=_INPUT_IDS_HELP),
     extra_patch: list[str] = typer.Option(
-        None, "--extra-patch", help="A model-level patch file the candidate also carries (repeatable)."
+        None,
+        "--extra-patch",
+        metavar="<path>",
+        help="A model-level patch file the candidate also carries (repeatable).",
     ),
     out: Path = typer.Option(Path("diff-out"), "--out", help="Output directory (diff.json, diff.md)."),
     index_k: opt.IndexK = None,
@@ -58,6 +61,7 @@ def diff_command(
     allow: list[str] = typer.Option(
         None,
         "--allow",
+        metavar="<pattern=dtype>",
         help="PATTERN=bf16|fp16: modules (fnmatch on the name) declared to run at a reduced precision; repeatable.",
     ),
     chunk: int = typer.Option(

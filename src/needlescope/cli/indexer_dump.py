@@ -65,6 +65,7 @@ def compare_dump_command(
     allow: list[str] = typer.Option(
         None,
         "--allow",
+        metavar="<pattern=dtype>",
         help="NAME_PATTERN=bf16|fp16|fp8_e4m3|fp32: the precision engine tensors were computed in.",
     ),
     chunk: int = typer.Option(

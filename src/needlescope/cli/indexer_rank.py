@@ -43,7 +43,10 @@ def _parse_span(text: str | None) -> tuple[int, int] | None:
 def rank_dump_command(
     model: str = typer.Option(..., "--model", help="DeepSeek-V4 checkpoint directory, or 'organism'."),
     prompt: list[Path] = typer.Option(
-        ..., "--prompt", help="Prompt file (text, or JSON chat messages); repeat for several prompts."
+        ...,
+        "--prompt",
+        metavar="<path>",
+        help="Prompt file (text, or JSON chat messages); repeat for several prompts.",
     ),
     needle: str = typer.Option(None, "--needle", help="The needle's text as it appears in the prompt."),
     needle_span: str = typer.Option(

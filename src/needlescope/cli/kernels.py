@@ -43,6 +43,7 @@ def conform_command(
     impl: list[str] = typer.Option(
         ...,
         "--impl",
+        metavar="<module:function>",
         help="MODULE:FUNCTION or PATH.py:FUNCTION of a callable (scores fp32 [R, W], k, lengths int32 [R]) "
         "-> int [R, k]; 'ours' (every method and dispatch path of needlescope's), 'ours:NAME', 'torch'. Repeatable.",
     ),
@@ -50,7 +51,9 @@ def conform_command(
     device: str = typer.Option(
         None, "--device", help="Where the rows live (default: cuda when available, else cpu)."
     ),
-    case: list[str] = typer.Option(None, "--case", help="Run only this case (repeatable; default: all)."),
+    case: list[str] = typer.Option(
+        None, "--case", metavar="<name>", help="Run only this case (repeatable; default: all)."
+    ),
     seed: int = typer.Option(0, "--seed", help="Seed of the generated rows."),
     out: Path = typer.Option(None, "--out", help="Write the JSON report here (docs/conformance.md)."),
     force: bool = FORCE,

@@ -43,7 +43,9 @@ def train_command(
         None, help="Continue training from this checkpoint directory ('organism': the shipped one)."
     ),
     config_override: list[str] = typer.Option(
-        None, help="KEY=INT override of the organism config (repeatable), e.g. hidden_size=64."
+        None,
+        metavar="<key=int>",
+        help="KEY=INT override of the organism config (repeatable), e.g. hidden_size=64.",
     ),
     wide_window: int = typer.Option(
         None, help="Curriculum: sliding window (tokens) for the first --wide-window-frac of dense steps."

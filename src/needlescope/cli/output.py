@@ -22,6 +22,7 @@ from typing import Any
 import typer
 from rich.console import Console
 from rich.markup import escape
+from typer.core import TyperGroup
 
 __all__ = ["SafeConsole", "clip", "console", "err_console", "typer_app"]
 
@@ -61,7 +62,25 @@ HELP_OPTIONS = {"help_option_names": ["-h", "--help"]}
 """``-h`` as well as ``--help``, on every command (no option of ours takes ``-h``)."""
 
 
+class WholeSentenceGroup(TyperGroup):
+    """A command group whose command list gives each command's first sentence whole, wrapped
+    under its name: click cuts it to the terminal's width with "...", so a new user read
+    "Measure needle recall across lengths and depths and find..." for every command."""
+
+    def format_commands(self, ctx, formatter) -> None:
+        rows = []
+        for name in self.list_commands(ctx):
+            cmd = self.get_command(ctx, name)
+            if cmd is not None and not cmd.hidden:
+                rows.append((name, cmd.get_short_help_str(limit=1 << 16)))
+        if rows:
+            with formatter.section("Commands"):
+                formatter.write_dl(rows)
+
+
 def typer_app(**kw: Any) -> typer.Typer:
-    """A Typer app whose help text is shown as written (no rich markup: ``[watch]`` stays); its
-    commands and sub-apps answer ``-h`` too (``HELP_OPTIONS``)."""
-    return typer.Typer(rich_markup_mode=None, context_settings=HELP_OPTIONS, **kw)
+    """A Typer app whose help text is shown as written (no rich markup: ``[watch]`` stays), whose
+    command list is never cut (``WholeSentenceGroup``); its commands and sub-apps answer ``-h``
+    too (``HELP_OPTIONS``). A repeatable option names its value with ``metavar`` (``<path>``):
+    Typer would print the Python type, ``<list[str]>``."""
+    return typer.Typer(rich_markup_mode=None, context_settings=HELP_OPTIONS, cls=WholeSentenceGroup, **kw)

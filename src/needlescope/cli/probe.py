@@ -25,7 +25,7 @@ from needlescope.run.difficulty import probe_with_difficulty
 def probe_command(
     flags: dict,
     base_url: list[str] = typer.Option(
-        ..., "--base-url", help="Server URL (root or ending in /v1); repeat to spread load."
+        ..., "--base-url", metavar="<url>", help="Server URL (root or ending in /v1); repeat to spread load."
     ),
     model: str = typer.Option(..., "--model", help="Model name as served in /v1/models."),
     out: Path = typer.Option(config_default(ProbeConfig, "out"), "--out", help="Output directory."),

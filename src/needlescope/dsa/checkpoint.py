@@ -234,6 +234,11 @@ def _from_pretrained(path: Path, dtype: torch.dtype | None) -> torch.nn.Module:
             f"{str(path)!r} has safetensors shards but neither model.safetensors nor "
             "model.safetensors.index.json; restore the index that maps each tensor to its shard"
         )
+    from needlescope.dsa.consistency import check_checkpoint
+    from needlescope.dsa.loading import checkpoint_tensors
+
+    # the placed and streamed loaders run the same check (dsa.loading.planned)
+    check_checkpoint(path, checkpoint_tensors(path))
     config = AutoConfig.from_pretrained(path, local_files_only=True)
     # Eager attention: the V4 attention sinks and the compressor's block bias are only
     # implemented there, and it returns the attention probabilities the indexer distils from.

@@ -73,6 +73,7 @@ import torch
 from needlescope.dsa.diff_layers import layer_rows
 from needlescope.dsa.diff_md import DIFF_SCHEMA, diff_to_json, render_diff_md, validate_diff
 from needlescope.dsa.diff_rope import rope_tables
+from needlescope.dsa.diff_rounding import PRECISION_DTYPES, reduced_precision, unit_roundoff
 from needlescope.dsa.diff_steps import judged_in_steps
 from needlescope.dsa.emulate import (
     ACC_DTYPES,
@@ -90,9 +91,7 @@ from needlescope.dsa.module_replay import (
     membership,
     rel_err,
     replay_own,
-    roundtrips,
     selection_error,
-    tensors,
 )
 from needlescope.dsa.passes import check_chunk
 from needlescope.dsa.prompt import covering_entries
@@ -126,20 +125,6 @@ DEFAULT_DRAWS = 2
 FLOOR_FACTOR = 4.0
 NO_DIVERGENCE = "no module diverges beyond what its precision explains"
 _SCORER = "DeepseekV4IndexerScorer"
-PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-"""Reduced precisions a module may be detected at or declared with (``allow``), coarsest first."""
-
-_UNIT_ROUNDOFF = {
-    torch.float64: 2.0**-53,
-    torch.float32: 2.0**-24,
-    torch.bfloat16: 2.0**-8,
-    torch.float16: 2.0**-11,
-}
-
-
-def unit_roundoff(dtype: torch.dtype) -> float:
-    """Unit roundoff (half the machine epsilon) of a floating dtype; 0 for others."""
-    return _UNIT_ROUNDOFF.get(dtype, 0.0)
 
 
 def selection_recall(cand: torch.Tensor, ref: torch.Tensor) -> tuple[float, int, int]:
@@ -216,28 +201,6 @@ def _base(key: str) -> str:
     return key.rsplit("[call ", 1)[0] if key.endswith("]") else key
 
 
-def _reduced_precision(cand: Call, replayed, declared: str | None) -> tuple[str | None, bool]:
-    """(coarsest reduced precision the candidate's output or forward inputs show, inputs rounded?)."""
-    found, inputs = [], False
-    if declared is not None:
-        found.append(declared)
-        inputs = True
-    outs = [t for t in tensors(cand.output) if t.is_floating_point()]
-    reps = [t for t in tensors(replayed) if t.is_floating_point()]
-    for name, dt in PRECISION_DTYPES.items():
-        if any(roundtrips(c, dt) and not roundtrips(r, dt) for c, r in zip(outs, reps)):
-            found.append(name)
-        if any(
-            s.shape == c.shape and not torch.equal(s, c) and roundtrips(s, dt)
-            for s, c in zip(cand.seen, cand.inputs)
-        ):
-            found.append(name)
-            inputs = True
-    if not found:
-        return None, False
-    return max(found, key=lambda n: unit_roundoff(PRECISION_DTYPES[n])), inputs
-
-
 class _Judge:
     """Budgets and verdicts for the calls of one reference/candidate pair."""
 
@@ -253,14 +216,19 @@ class _Judge:
     def own(self, ref: Call, cand: Call, callees: list[Call], floor: float) -> dict:
         """own_err, own_budget, precision and the own part of the verdict of one module call."""
         is_indexer = ref.type == INDEXER
-        out_err, in_err, replayed = replay_own(self.reference, cand, callees, selection=is_indexer)
+        handed: list = []
+        out_err, in_err, replayed = replay_own(
+            self.reference, cand, callees, selection=is_indexer, handed=handed
+        )
         own_err = max(out_err, in_err)
         declared = next(
             (p for pat, p in self.allow.items() if fnmatch.fnmatchcase(_base(ref.key), pat)), None
         )
         precision, inputs_rounded = declared, declared is not None
-        if own_err > floor:  # only then can a reduced precision matter
-            precision, inputs_rounded = _reduced_precision(cand, replayed, declared)
+        if own_err > floor:  # only then can a reduced precision matter (dsa.diff_rounding)
+            precision, inputs_rounded = reduced_precision(
+                self.reference, cand, callees, (out_err, replayed, handed), declared, floor, is_indexer
+            )
         budget, label = floor, None
         n = self.numerics
         emulated = (n.index_k, n.index_q, n.score_dtype) != ("fp32", "fp32", "fp32")

@@ -17,6 +17,7 @@ import torch
 
 from needlescope.dsa.blockfp4 import dequantize_block_fp4, is_packed_fp4
 from needlescope.dsa.blockfp8 import dequantize_block_fp8
+from needlescope.dsa.consistency import check_checkpoint
 from needlescope.dsa.placement import (
     DEFAULT_RESERVE,
     Placement,
@@ -311,7 +312,9 @@ def planned(
     """(model on the meta device, weight budget per device, dtype): what placing or streaming starts from.
 
     ``dtype``: None takes the checkpoint's own (``config.json`` ``dtype`` / ``torch_dtype``).
+    ``config.json`` is checked against the weights first (``check_checkpoint``), as for ``from_pretrained``.
     """
+    check_checkpoint(path, checkpoint_tensors(path))
     config = model_config(path, torch.float32)
     if dtype is None:
         dtype = _config_dtype(path)

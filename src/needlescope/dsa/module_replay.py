@@ -47,6 +47,8 @@ __all__ = [
     "selection_error",
     "output_err",
     "roundtrips",
+    "scalars",
+    "handed_err",
     "replay_own",
     "calibrate",
 ]
@@ -313,8 +315,36 @@ def _clone(obj):
     return obj
 
 
+def scalars(obj, depth: int = 0) -> Iterator[object]:
+    """Every plain value (str, int, float, bool, None) in ``obj``, in ``tensors``' order: the
+    arguments that pick a code path (a RoPE table's ``layer_type``, a layer index)."""
+    if obj is None or isinstance(obj, (str, int, float, bool)):
+        yield obj
+    elif depth < 3 and isinstance(obj, (tuple, list)):
+        for x in obj:
+            yield from scalars(x, depth + 1)
+    elif depth < 3 and isinstance(obj, Mapping):
+        for key in sorted(obj, key=str):
+            yield key
+            yield from scalars(obj[key], depth + 1)
+
+
+def handed_err(cand, ref) -> float:
+    """``output_err`` of what two codes handed a callee, inf when a plain argument differs: a
+    callee asked for another RoPE table (``layer_type="main"``) computes faithfully what it was
+    asked, so only the caller's code can answer for the change."""
+    if list(scalars(cand)) != list(scalars(ref)):
+        return math.inf
+    return output_err(cand, ref)
+
+
 def replay_own(
-    reference: torch.nn.Module, call: Call, callees: list[Call], *, selection: bool = False
+    reference: torch.nn.Module,
+    call: Call,
+    callees: list[Call],
+    *,
+    selection: bool = False,
+    handed: list | None = None,
 ) -> tuple[float, float, object]:
     """Replay ``call`` on the reference module with the candidate's inputs and callee outputs.
 
@@ -323,7 +353,9 @@ def replay_own(
     returns the candidate's n-th recorded output of that module (a call with no recorded
     counterpart runs the reference callee for real). Returns (output error, callee-input
     error, replayed output): the candidate's output against the replay's, and the largest
-    error between what the candidate's code and the reference code handed to a callee.
+    error between what the candidate's code and the reference code handed to a callee
+    (``handed_err``: tensors and plain arguments). ``handed``, when given, receives one
+    ((candidate args, kwargs), (replay args, kwargs)) pair per stubbed callee call.
     """
     module = reference.get_submodule(call.name)
     queues: dict[str, list[Call]] = {}
@@ -337,7 +369,9 @@ def replay_own(
             if not queue:
                 return real(*args, **kwargs)
             rec = queue.pop(0)
-            in_errs.append(output_err((rec.args, rec.kwargs), (args, kwargs)))
+            in_errs.append(handed_err((rec.args, rec.kwargs), (args, kwargs)))
+            if handed is not None:
+                handed.append(((rec.args, rec.kwargs), (args, kwargs)))
             return _clone(rec.output)
 
         return forward

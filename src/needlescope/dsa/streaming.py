@@ -105,9 +105,9 @@ class LayerStream:
         for name in stored_names(self.files):
             target = _target(name, intermediate)
             layer = None if target is None else _layer_of(target)
-            if layer is None:
+            if layer is None or layer >= n_layers:  # a layer the model lacks: _fill refuses it
                 self.resident_names.append(name)
-            elif layer < n_layers:
+            else:
                 self.layer_names[layer].append(name)
                 self._layer_targets[layer].add(target)
         self.passes: list[list[dict]] = []
