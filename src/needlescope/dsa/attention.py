@@ -1,0 +1,91 @@
+"""Eager attention that reads, per block of queries, only the keys the mask lets it read.
+
+transformers' DeepSeek-V4 eager attention multiplies every query by every key and then adds the
+mask: a one-pass prefill of T tokens builds ``[B, H, T, T + T/4]`` fp32 scores (and as many
+again for the masked copy, the sinks and the softmax) although each query reads its sliding
+window (the organism: 32 tokens) and its compressed entries. ``blocked_attention`` computes the
+same attention block by block of ``BLOCK`` queries: for each block it gathers the key columns
+that any of the block's rows may read (mask above the dtype's minimum: transformers masks with
+``finfo.min``, the compressor's block bias with ``-inf``) and runs the eager math on those
+alone. A column left out would have had softmax weight exactly 0 (``exp(min - max)`` underflows),
+so the result is the eager one up to the order of the sums (tests/test_dsa_attention.py).
+
+Peak memory of the scores is ``BLOCK x (BLOCK + window + compressed entries)`` per head instead of
+``T x (T + T/4)``, and the work drops with it: for the sliding part, ``BLOCK + window`` keys per
+query instead of T. A call of at most ``BLOCK`` queries (a chunk of a chunked prefill, a decode
+step) and a call without a mask tensor run the eager function itself, as does training.
+
+``use_blocked_attention(model)`` switches a loaded model to it (``dsa.checkpoint.load_bundle``
+does, for every transformers-layout checkpoint); the mask the model builds is the eager one.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.deepseek_v4 import modeling_deepseek_v4 as modeling
+from transformers.models.deepseek_v4.modeling_deepseek_v4 import eager_attention_forward
+
+__all__ = ["BLOCK", "NAME", "blocked_attention", "use_blocked_attention"]
+
+NAME = "needlescope_blocked"
+BLOCK = 64
+"""Queries per block: the scores of one block are ``BLOCK x keys read`` per head."""
+
+
+def blocked_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """Attention output [B, S, H, D] (transposed as eager's) of ``query`` [B, H, S, D] over
+    ``key``/``value`` [B, 1, K, D] (V4's single shared KV head) with the additive
+    ``attention_mask`` [B, 1, S, K] and the module's per-head ``sinks``; no probabilities."""
+    S = query.shape[2]
+    eager = _eager_in_force()
+    if attention_mask is None or module.training or S <= BLOCK or eager is not eager_attention_forward:
+        return eager(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
+    B, H, _, D = query.shape
+    floor = torch.finfo(attention_mask.dtype).min
+    out = query.new_empty(B, H, S, value.shape[-1])
+    sinks = module.sinks.reshape(1, -1, 1, 1)
+    for lo in range(0, S, BLOCK):
+        hi = min(lo + BLOCK, S)
+        mask = attention_mask[:, :, lo:hi]  # [B, 1, s, K]
+        cols = (mask > floor).flatten(0, 2).any(0).nonzero().flatten()  # keys any row may read
+        k, v = key[:, :, cols], value[:, :, cols]  # [B, 1, k, D]
+        scores = torch.matmul(query[:, :, lo:hi], k.transpose(2, 3)) * scaling + mask[..., cols]
+        logits = torch.cat([scores, sinks.expand(B, -1, hi - lo, -1).to(scores.dtype)], dim=-1)
+        probs = F.softmax(logits - logits.max(dim=-1, keepdim=True).values, dim=-1, dtype=logits.dtype)
+        out[:, :, lo:hi] = torch.matmul(probs[..., :-1].to(v.dtype), v)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _eager_in_force():
+    """The eager function a forward would call now: a patch that replaced transformers'
+    (``modeling_deepseek_v4.eager_attention_forward``, or an ``"eager"`` registry entry) keeps
+    its effect, every block included, so a planted bug in the attention is never bypassed."""
+    registered = ALL_ATTENTION_FUNCTIONS._global_mapping.get("eager")
+    return registered if registered is not None else modeling.eager_attention_forward
+
+
+AttentionInterface.register(NAME, blocked_attention)
+AttentionMaskInterface.register(NAME, ALL_MASK_ATTENTION_FUNCTIONS["eager"])
+
+
+def use_blocked_attention(model: torch.nn.Module) -> torch.nn.Module:
+    """Switch ``model`` (a transformers DeepSeek-V4 model using eager attention) to
+    ``blocked_attention``; returns it. Any other model is returned unchanged."""
+    config = getattr(model, "config", None)
+    if getattr(config, "model_type", None) != "deepseek_v4" or config._attn_implementation != "eager":
+        return model
+    model.set_attn_implementation(NAME)
+    return model
