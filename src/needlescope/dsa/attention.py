@@ -8,7 +8,9 @@ same attention block by block of ``BLOCK`` queries: for each block it gathers th
 that any of the block's rows may read (mask above the dtype's minimum: transformers masks with
 ``finfo.min``, the compressor's block bias with ``-inf``) and runs the eager math on those
 alone. A column left out would have had softmax weight exactly 0 (``exp(min - max)`` underflows),
-so the result is the eager one up to the order of the sums (tests/test_dsa_attention.py).
+so the result is the eager one up to the order of the sums (tests/test_dsa_attention.py). The
+sink joins the softmax's denominator only (eager concatenates it as one more column and drops it
+after), and the rows are normalised after the product with the values, in place where it can.
 
 Peak memory of the scores is ``BLOCK x (BLOCK + window + compressed entries)`` per head instead of
 ``T x (T + T/4)``, and the work drops with it: for the sliding part, ``BLOCK + window`` keys per
@@ -22,7 +24,6 @@ does, for every transformers-layout checkpoint); the mask the model builds is th
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -56,16 +57,18 @@ def blocked_attention(
     B, H, _, D = query.shape
     floor = torch.finfo(attention_mask.dtype).min
     out = query.new_empty(B, H, S, value.shape[-1])
-    sinks = module.sinks.reshape(1, -1, 1, 1)
+    sinks = module.sinks.reshape(1, -1, 1, 1).to(query.dtype)  # [1, H, 1, 1]
     for lo in range(0, S, BLOCK):
         hi = min(lo + BLOCK, S)
         mask = attention_mask[:, :, lo:hi]  # [B, 1, s, K]
-        cols = (mask > floor).flatten(0, 2).any(0).nonzero().flatten()  # keys any row may read
+        cols = (mask.amax(dim=(0, 1, 2)) > floor).nonzero().flatten()  # keys any row may read
         k, v = key[:, :, cols], value[:, :, cols]  # [B, 1, k, D]
-        scores = torch.matmul(query[:, :, lo:hi], k.transpose(2, 3)) * scaling + mask[..., cols]
-        logits = torch.cat([scores, sinks.expand(B, -1, hi - lo, -1).to(scores.dtype)], dim=-1)
-        probs = F.softmax(logits - logits.max(dim=-1, keepdim=True).values, dim=-1, dtype=logits.dtype)
-        out[:, :, lo:hi] = torch.matmul(probs[..., :-1].to(v.dtype), v)
+        scores = torch.matmul(query[:, :, lo:hi], k.transpose(2, 3)).mul_(scaling).add_(mask[..., cols])
+        # softmax over [scores, sink] without concatenating: the sink only adds to the denominator
+        top = torch.maximum(scores.amax(dim=-1, keepdim=True), sinks)  # [B, H, s, 1]
+        weights = scores.sub_(top).exp_()
+        denom = weights.sum(dim=-1, keepdim=True) + (sinks - top).exp()
+        out[:, :, lo:hi] = torch.matmul(weights.to(v.dtype), v) / denom.to(v.dtype)
     return out.transpose(1, 2).contiguous(), None
 
 

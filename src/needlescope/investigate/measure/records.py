@@ -267,7 +267,9 @@ def final_logits(
     model, tokenizer, messages: list[dict], config: Config | None, *, chunk: int | None = None
 ) -> torch.Tensor:
     """Logits [V] (fp32) at the last prompt position under ``config`` (None: the model as loaded);
-    ``chunk``: the prompt runs through the KV cache in chunks of that many tokens (``dsa.passes``)."""
+    the prompt runs through the KV cache in chunks of ``chunk`` tokens (``dsa.passes``; None:
+    ``dsa.budget.DEFAULT_CHUNK``, as the case measurements)."""
     _, ids = _ids(model, tokenizer, messages)
+    chunk = measurement_chunk(chunk, ids.shape[1])
     with nullcontext() if config is None else applied(model, config):
         return prefill(model, ids, chunk=chunk, logits_at=[ids.shape[1] - 1]).logits[0, 0].cpu()
