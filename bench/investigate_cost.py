@@ -548,7 +548,7 @@ def main(argv: list[str]) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path)
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--lengths", type=_ints, default=[1024, 2048, 4096, 8192])
+    ap.add_argument("--lengths", type=_ints, default=[1024, 2048, 4096, 8186])
     ap.add_argument("--routes", type=lambda s: s.split(","), default=["inprocess", "live"])
     ap.add_argument("--trials", type=int, default=2)
     ap.add_argument("--depths", type=_ints, default=[0, 50, 100])

@@ -4,10 +4,10 @@ transformers' DeepSeek-V4 eager attention multiplies every query by every key an
 mask: a one-pass prefill of T tokens builds ``[B, H, T, T + T/4]`` fp32 scores (and as many
 again for the masked copy, the sinks and the softmax) although each query reads its sliding
 window (the organism: 32 tokens) and its compressed entries. ``blocked_attention`` computes the
-same attention block by block of ``BLOCK`` queries: for each block it gathers the key columns
-that any of the block's rows may read (mask above the dtype's minimum: transformers masks with
-``finfo.min``, the compressor's block bias with ``-inf``) and runs the eager math on those
-alone. A column left out would have had softmax weight exactly 0 (``exp(min - max)`` underflows),
+same attention block by block of ``BLOCK`` queries (``DEVICE_BLOCK`` on a GPU): for each block
+it gathers the key columns that any of the block's rows may read (mask above the dtype's
+minimum: transformers masks with ``finfo.min``, the compressor's block bias with ``-inf``) and
+runs the eager math on those alone. A column left out would have had softmax weight exactly 0 (``exp(min - max)`` underflows),
 so the result is the eager one up to the order of the sums (tests/test_dsa_attention.py). The
 sink joins the softmax's denominator only (eager concatenates it as one more column and drops it
 after), and the rows are normalised after the product with the values, in place where it can.
@@ -30,11 +30,15 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.deepseek_v4 import modeling_deepseek_v4 as modeling
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import eager_attention_forward
 
-__all__ = ["BLOCK", "NAME", "blocked_attention", "use_blocked_attention"]
+__all__ = ["BLOCK", "DEVICE_BLOCK", "NAME", "blocked_attention", "use_blocked_attention"]
 
 NAME = "needlescope_blocked"
 BLOCK = 64
-"""Queries per block: the scores of one block are ``BLOCK x keys read`` per head."""
+"""Queries per block on the CPU: the scores of one block are ``BLOCK x keys read`` per head; small,
+so that a block's sliding part (``BLOCK + window`` keys) stays near the window's work."""
+DEVICE_BLOCK = 1024
+"""Queries per block on an accelerator, where a small block costs launches and a sync each: a
+measurement chunk (512 tokens) runs the eager function in one piece there."""
 
 
 def blocked_attention(
@@ -52,14 +56,15 @@ def blocked_attention(
     ``attention_mask`` [B, 1, S, K] and the module's per-head ``sinks``; no probabilities."""
     S = query.shape[2]
     eager = _eager_in_force()
-    if attention_mask is None or module.training or S <= BLOCK or eager is not eager_attention_forward:
+    block = BLOCK if query.device.type == "cpu" else DEVICE_BLOCK
+    if attention_mask is None or module.training or S <= block or eager is not eager_attention_forward:
         return eager(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
     B, H, _, D = query.shape
     floor = torch.finfo(attention_mask.dtype).min
     out = query.new_empty(B, H, S, value.shape[-1])
     sinks = module.sinks.reshape(1, -1, 1, 1).to(query.dtype)  # [1, H, 1, 1]
-    for lo in range(0, S, BLOCK):
-        hi = min(lo + BLOCK, S)
+    for lo in range(0, S, block):
+        hi = min(lo + block, S)
         mask = attention_mask[:, :, lo:hi]  # [B, 1, s, K]
         cols = (mask.amax(dim=(0, 1, 2)) > floor).nonzero().flatten()  # keys any row may read
         k, v = key[:, :, cols], value[:, :, cols]  # [B, 1, k, D]
