@@ -72,14 +72,18 @@ def run_investigation_cli(
     prefill_chunk: int | None = None,
     api_key: str | None = None,
     serving_factors: bool = False,
+    max_memory: str | None = None,
+    device: str = "cpu",
 ) -> tuple[Findings, Path]:
     """Run with progress per phase (``cli.progress``) and render the reports from the returned
-    ``Findings``; returns them and DIAGNOSIS.md's path."""
+    ``Findings``; returns them and DIAGNOSIS.md's path. ``max_memory`` bounds the run on
+    ``device`` (``dsa.budget.bounded_memory``)."""
     from needlescope.cli.progress import ProgressView
+    from needlescope.dsa.budget import bounded_memory
     from needlescope.investigate.report.diagnosis import write_reports
     from needlescope.investigate.run import run_investigation
 
-    with ProgressView(console) as view:
+    with bounded_memory(max_memory, device), ProgressView(console) as view:
         findings = run_investigation(
             ledger,
             out,
@@ -93,9 +97,9 @@ def run_investigation_cli(
     return findings, md
 
 
-def _check_ledger_fits(ledger: Path, allow_outside: bool) -> None:
+def _check_ledger_fits(ledger: Path, allow_outside: bool) -> str:
     """BadInput, before any model loads, for symptom lengths beyond the checkpoint's context or an
-    index_topk no context holds (``cli.model_context``)."""
+    index_topk no context holds (``cli.model_context``); returns the ledger's device."""
     from needlescope.cli.model_context import check_lengths, check_topk
     from needlescope.investigate.ledger.ledger import load_ledger
 
@@ -104,6 +108,7 @@ def _check_ledger_fits(ledger: Path, allow_outside: bool) -> None:
     check_lengths(target.model, symptom.lengths, symptom.max_new_tokens, f"{ledger}: [symptom] lengths")
     settings = (target.reference, target.candidate)
     check_topk(target.model, [s.index_topk for s in settings if s is not None], f"{ledger}: index_topk")
+    return target.device
 
 
 @investigate_app.command("run")
@@ -118,6 +123,12 @@ def run_command(
         "--prefill-chunk",
         help="Run prompts through the KV cache in chunks of this many tokens (overrides [target] prefill_chunk; docs/scale.md).",
     ),
+    max_memory: str = typer.Option(
+        None,
+        "--max-memory",
+        help="Bound the run's memory (e.g. 4GiB): batches sized to it; on a GPU the process is capped "
+        "at it, so several runs share one device (docs/perf.md).",
+    ),
     api_key: str = API_KEY,
     serving_factors: bool = typer.Option(
         False,
@@ -128,11 +139,21 @@ def run_command(
     force: bool = FORCE,
 ) -> None:
     """Run the ledger: cheap questions, symptom, checks in tier order, fixes, verdicts, DIAGNOSIS."""
+    from needlescope.dsa.placement import parse_max_memory
+
     again = "rerun the same command to continue (finished steps and cases are kept)"
+    parse_max_memory(max_memory, 1)  # a bad size is one line, exit 2, before anything runs
     with on_interrupt(measured_saved(out), again), guard(out, "investigate run", force):
-        _check_ledger_fits(ledger, allow_outside)
+        device = _check_ledger_fits(ledger, allow_outside)
         findings, md = run_investigation_cli(
-            ledger, out, allow_outside, prefill_chunk, api_key, serving_factors
+            ledger,
+            out,
+            allow_outside,
+            prefill_chunk,
+            api_key,
+            serving_factors=serving_factors,
+            max_memory=max_memory,
+            device=device,
         )
     for s in findings.verdicts["suspects"]:
         console.say("  tier {} {}: [bold]{}[/] - {}", s["tier"], s["id"], s["verdict"], s["reason"])

@@ -117,7 +117,14 @@ class IndexerCapture:
     score_from: int = 0
     """Keep score rows only for query positions >= this (a 128K-token prompt's full score rows
     are T x T/4 floats per layer; a rank dump needs the answer positions only)."""
+    topk_from: int = 0
+    """Keep top-k rows (and their ``positions``) only for query positions >= this: a prompt's
+    rows are T x index_topk indices per layer, a measurement reads the answer positions'."""
     calls: list[IndexerCall] = field(default_factory=list)
+    nonfinite: dict[tuple[int, int], list] = field(default_factory=dict)
+    """(layer, batch row) -> [neg_inf, nan, pos_inf, first position with a NaN or +inf (None)]:
+    non-finite scores over the visible entries of every query row, counted as each call's scores
+    pass (``keep_scores`` only), so that no score row needs keeping to count them."""
     # Scores of the scorer call in flight, per layer, until its indexer returns the top-k.
     _pending: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
     # The topk-watching mode of the indexer call in flight, per layer.
@@ -130,6 +137,7 @@ class IndexerCapture:
     def clear(self) -> None:
         self.calls.clear()
         self._pending.clear()
+        self.nonfinite.clear()
 
     def forget_after(self, n: int) -> None:
         """Drop the calls recorded after the first ``n`` and any pending scores: what replays of
@@ -464,11 +472,12 @@ def _capture_hook(layer: int, capture: IndexerCapture) -> Callable:
         if output is None:  # the forward raised; always_call only closes the mode
             return
         position_ids = args[2] if len(args) > 2 else kwargs["position_ids"]
+        kept = position_ids[0] >= capture.topk_from  # positions are batch-shared
         capture.calls.append(
             IndexerCall(
                 layer=layer,
-                positions=position_ids.detach().cpu(),
-                topk=output.detach().cpu(),
+                positions=position_ids[:, kept].detach().cpu(),
+                topk=output[:, kept.to(output.device)].detach().cpu(),
                 k=None if mode is None else mode.k,
             )
         )
@@ -483,9 +492,32 @@ def _capture_hook(layer: int, capture: IndexerCapture) -> Callable:
             future = torch.arange(L, device=pending.device).view(1, 1, L) >= vis.unsqueeze(-1)
             scores = pending.masked_fill(future, float("-inf"))
         if scores is not None:
+            _count_nonfinite(capture, layer, position_ids, scores, module.compress_rate)
             _keep_scores(capture, position_ids, scores)
 
     return hook
+
+
+def _count_nonfinite(
+    capture: IndexerCapture, layer: int, position_ids, scores: torch.Tensor, ratio: int
+) -> None:
+    """Add the call's non-finite scores over visible entries to ``capture.nonfinite`` (per batch row)."""
+    pos = position_ids.to(scores.device)
+    seen = torch.arange(scores.shape[-1], device=scores.device).view(1, 1, -1) < visible_entries(
+        pos, ratio
+    ).unsqueeze(-1)
+    neg = (seen & (scores == float("-inf"))).sum(dim=(1, 2)).tolist()
+    nan_mask = seen & torch.isnan(scores)
+    pos_mask = seen & (scores == float("inf"))
+    nan, inf = nan_mask.sum(dim=(1, 2)).tolist(), pos_mask.sum(dim=(1, 2)).tolist()
+    for b in range(scores.shape[0]):
+        if neg[b] == nan[b] == inf[b] == 0:
+            continue
+        c = capture.nonfinite.setdefault((layer, b), [0, 0, 0, None])
+        c[0], c[1], c[2] = c[0] + neg[b], c[1] + nan[b], c[2] + inf[b]
+        rows = (nan_mask[b] | pos_mask[b]).any(-1).nonzero()
+        if c[3] is None and len(rows):
+            c[3] = int(position_ids[b][int(rows[0])])
 
 
 def _keep_scores(capture: IndexerCapture, position_ids: torch.Tensor, scores: torch.Tensor) -> None:
@@ -493,6 +525,8 @@ def _keep_scores(capture: IndexerCapture, position_ids: torch.Tensor, scores: to
     call = capture.calls[-1]
     if capture.score_from <= 0:
         call.scores = scores.cpu()
+        if capture.topk_from > 0:  # the call's positions lost the rows below topk_from
+            call.score_positions = position_ids.detach().cpu()
         return
     rows = (position_ids[0] >= capture.score_from).nonzero().flatten()  # positions are batch-shared
     call.scores = scores[:, rows.to(scores.device)].cpu()

@@ -53,7 +53,7 @@ from needlescope.dsa.streaming import is_streamed, streamed_forward
 from needlescope.errors import BadInput
 from needlescope.setting import check_chunk
 
-__all__ = ["Pass", "new_cache", "prefill", "decode", "greedy"]
+__all__ = ["Pass", "new_cache", "prefill", "decode", "greedy", "greedy_batch"]
 
 
 @dataclass
@@ -194,15 +194,33 @@ def greedy(
     """
     if ids.shape[0] != 1:
         raise BadInput(f"greedy decodes one prompt at a time, got a batch of {ids.shape[0]}")
+    out = greedy_batch(model, ids, max_new_tokens, eos_token_id=eos_token_id, chunk=chunk)[0].tolist()
+    return out[: out.index(eos_token_id) + 1] if eos_token_id in out else out
+
+
+def greedy_batch(
+    model, ids: torch.Tensor, max_new_tokens: int, *, eos_token_id: int | None, chunk: int | None = None
+) -> torch.Tensor:
+    """Greedy continuation of the unpadded batch ``ids`` [B, P]: the new tokens [B, n] (CPU).
+
+    Every row is decoded until it emits ``eos_token_id`` or ``max_new_tokens`` are out; a row
+    that is done repeats ``eos_token_id`` while the others go on (``model.generate`` pads it the
+    same way), so ``n`` is the longest row's count. Rows never mix: each row's tokens are those
+    it gets alone. The prompt runs in chunks of ``chunk`` tokens through the KV cache
+    (``prefill``), the answer one token per forward (``decode``), logits at the last position
+    only. Call under ``torch.no_grad()``.
+    """
     if max_new_tokens < 1:
         raise BadInput(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    P = ids.shape[1]
-    run = prefill(model, ids, chunk=chunk, logits_at=[P - 1], keep_cache=True)
-    out: list[int] = []
+    run = prefill(model, ids, chunk=chunk, logits_at=[ids.shape[1] - 1], keep_cache=True)
+    done = torch.zeros(ids.shape[0], dtype=torch.bool)
+    out: list[torch.Tensor] = []
     while True:
-        token = int(run.logits[0, -1].argmax())
+        token = run.logits[:, -1].argmax(-1).cpu()  # [B]
+        if eos_token_id is not None:
+            token = torch.where(done, torch.full_like(token, eos_token_id), token)
+            done |= token == eos_token_id
         out.append(token)
-        if len(out) >= max_new_tokens or token == eos_token_id:
-            return out
-        step = torch.tensor([[token]], dtype=ids.dtype)
-        run = decode(model, step, run.cache)
+        if len(out) >= max_new_tokens or bool(done.all()):
+            return torch.stack(out, dim=1)
+        run = decode(model, token.view(-1, 1).to(ids.dtype), run.cache)

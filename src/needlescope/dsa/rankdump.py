@@ -58,7 +58,7 @@ import torch
 from needlescope.cases.scoring import score_answer
 from needlescope.dsa.emulate import IndexerCapture, csa_indexers, emulate
 from needlescope.dsa.nonfinite import nonfinite_in, rank_scores
-from needlescope.dsa.passes import greedy, prefill
+from needlescope.dsa.passes import greedy, greedy_batch, prefill
 from needlescope.dsa.prompt import covering_entries, render_prompt, resolve_needle_span
 from needlescope.dsa.rankdump_schema import RANKDUMP_SCHEMA
 from needlescope.dsa.reference import visible_entries
@@ -179,25 +179,17 @@ def greedy_new_tokens(
 ) -> torch.Tensor:
     """Greedy decoding of the unpadded batch ``ids`` [B, P]: the new tokens [B, <= max_new_tokens].
 
-    ``chunk=None``: ``model.generate`` (one-pass prefill); a token count, or a streamed model
-    (``dsa.streaming``): chunked prefill and token-by-token decode through the KV cache
-    (``dsa.passes.greedy``, one prompt at a time).
+    The prompts are prefilled through the KV cache in chunks of ``chunk`` tokens (None: one
+    forward) and the answers decoded one token per forward, logits at the last position only
+    (``dsa.passes.greedy_batch``); a streamed model (``dsa.streaming``) runs one prompt at a
+    time (``dsa.passes.greedy``).
     """
     eos = tokenizer.eos_token_id
-    if chunk is not None or is_streamed(model):
+    if is_streamed(model):
         return torch.tensor(
             [greedy(model, ids, max_new_tokens, eos_token_id=eos, chunk=chunk)], dtype=torch.long
         )
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
-    out = model.generate(
-        ids,
-        attention_mask=torch.ones_like(ids),
-        max_new_tokens=max_new_tokens,
-        do_sample=False,
-        eos_token_id=eos,
-        pad_token_id=pad,
-    )
-    return out[:, ids.shape[1] :]
+    return greedy_batch(model, ids, max_new_tokens, eos_token_id=eos, chunk=chunk)
 
 
 def _run_prompt(

@@ -121,6 +121,7 @@ def localize_residual(
     says what ``cfg`` is (the residual candidate, or the candidate itself)."""
     import torch
 
+    from needlescope.dsa.budget import measurement_chunk
     from needlescope.dsa.checkpoint import load_bundle
     from needlescope.dsa.diff import localize
     from needlescope.dsa.prompt import needle_token_span, render_prompt
@@ -149,7 +150,9 @@ def localize_residual(
         reference_setting=ref_setting,
         needle_span=needle_token_span(prompt, case.needle),
         extra_patches=cfg.extra,
-        chunk=session.chunk,
+        # in steps of the measurement chunk: one step's module records at a time, never every
+        # module's output over the whole prompt (issue 55)
+        chunk=measurement_chunk(session.chunk, len(ids)),
     )
     from needlescope.investigate.measure.decode_path import decode_path
 

@@ -37,6 +37,7 @@ from contextlib import contextmanager, nullcontext
 import torch
 
 from needlescope.cases.scoring import prompt_rivals, score_answer
+from needlescope.dsa.budget import measurement_chunk, rows_within
 from needlescope.dsa.emulate import IndexerCapture, check_unpatched, csa_indexers, emulate, patches_applied
 from needlescope.dsa.nonfinite import rank_scores
 from needlescope.dsa.passes import prefill
@@ -114,12 +115,15 @@ def measuring(
 ) -> Iterator[Callable[[Sequence], list[dict]]]:
     """Apply ``config`` once and yield ``measure(cases) -> records`` for any number of batches.
 
-    ``chunk=None``: a batch is decoded together by ``model.generate``: every case's prompt must
-    have the same token count (V4's compressors would pool padding into entries, so batches are
-    never padded). Greedy decoding is per row, so a batch gives the same answers as one case at a
-    time. ``chunk=C``: each case runs alone, its prompt prefilled through the KV cache in chunks
-    of C tokens and its answer decoded token by token (``dsa.passes.greedy``), so peak memory is
-    bounded by the chunk; the records are the one-pass ones (tests/test_dsa_passes.py)."""
+    The cases of a call are decoded in batches: every case's prompt must have the same token
+    count (V4's compressors would pool padding into entries, so batches are never padded).
+    Greedy decoding is per row, so a batch gives the same answers as one case at a time. Each
+    batch's prompts are prefilled through the KV cache in chunks (``chunk``, else
+    ``dsa.budget.DEFAULT_CHUNK``) and decoded token by token (``dsa.passes.greedy_batch``); a
+    batch holds as many cases as ``dsa.budget.rows_within`` lets fit the memory budget
+    (``--max-memory``). The capture keeps selections and scores only from the last prompt
+    position on (the rows a record reads) and counts non-finite scores as they pass, so what a
+    batch keeps does not grow with the prompt's square."""
     chunk = check_chunk(chunk)
     capture = IndexerCapture(keep_scores=True)
     with applied(model, config, capture) as layers, torch.no_grad():
@@ -131,13 +135,15 @@ def measuring(
             P = len(prompts[0].input_ids)
             if any(len(p.input_ids) != P for p in prompts):
                 raise ValueError("a batch needs prompts of one token length")
-            step = len(cases) if chunk is None else 1  # passes.greedy decodes one prompt at a time
+            step_chunk = measurement_chunk(chunk, P)
+            step = rows_within(model.config, P, step_chunk)
+            capture.score_from = capture.topk_from = P - 1  # the first answer position on
             out = []
             for lo in range(0, len(cases), step):
                 batch = prompts[lo : lo + step]
                 ids = torch.tensor([p.input_ids for p in batch], device=next(model.parameters()).device)
                 capture.clear()
-                new = greedy_new_tokens(model, tokenizer, ids, max_new_tokens, chunk=chunk)
+                new = greedy_new_tokens(model, tokenizer, ids, max_new_tokens, chunk=step_chunk)
                 out += [
                     case_record(case, prompt, new[b].tolist(), tokenizer, capture, layers, b, k, ratio)
                     for b, (case, prompt) in enumerate(zip(cases[lo : lo + step], batch, strict=True))
@@ -184,27 +190,14 @@ def analyse_answer(
     }
 
 
-def nonfinite_counts(capture: IndexerCapture, layer: int, b: int, ratio: int) -> dict | None:
+def nonfinite_counts(capture: IndexerCapture, layer: int, b: int) -> dict | None:
     """Non-finite scores of ``layer`` over the visible entries of every query row of batch item
-    ``b`` (module docstring, ``nonfinite``); None when every visible score is finite."""
-    neg = nan = pos = 0
-    first = None
-    for c in capture.calls:
-        if c.layer != layer or c.scores is None:
-            continue
-        sc = c.scores[b]  # [S, L]
-        vis = visible_entries(c.positions[b].to(sc.device), ratio)  # [S]
-        seen = torch.arange(sc.shape[-1]).view(1, -1) < vis.view(-1, 1)  # [S, L]
-        neg += int((seen & (sc == float("-inf"))).sum())
-        bad = seen & (torch.isnan(sc) | (sc == float("inf")))
-        nan += int((seen & torch.isnan(sc)).sum())
-        pos += int((seen & (sc == float("inf"))).sum())
-        rows = bad.any(-1).nonzero()
-        if first is None and len(rows):
-            first = int(c.positions[b][int(rows[0])])
-    if neg == nan == pos == 0:
+    ``b`` (module docstring, ``nonfinite``; counted by the capture as the scores passed); None
+    when every visible score is finite."""
+    c = capture.nonfinite.get((layer, b))
+    if c is None:
         return None
-    return {"neg_inf": neg, "nan": nan, "pos_inf": pos, "first_position": first}
+    return {"neg_inf": c[0], "nan": c[1], "pos_inf": c[2], "first_position": c[3]}
 
 
 def _layer_ranks(capture, layers, b: int, t: int, entries, k: int, ratio: int) -> list[dict]:
@@ -212,14 +205,15 @@ def _layer_ranks(capture, layers, b: int, t: int, entries, k: int, ratio: int) -
     recs = []
     for layer in layers:
         score_pos, score_rows = capture.score_rows(layer, b)
-        _, topk_rows = capture.rows(layer, width=k, batch_index=b)
+        topk_pos, topk_rows = capture.rows(layer, width=k, batch_index=b)
         row = {int(p): i for i, p in enumerate(score_pos.tolist())}[t]
+        top = {int(p): i for i, p in enumerate(topk_pos.tolist())}[t]
         visible = visible_entries(t, ratio)
         ne = [e for e in entries if e < visible]
         if not ne:
             continue
         st = needle_rank_stats(rank_scores(score_rows[row][:visible]), visible, ne, k)
-        chosen = {int(x) for x in topk_rows[row].tolist() if x >= 0}
+        chosen = {int(x) for x in topk_rows[top].tolist() if x >= 0}
         n_sel = sum(1 for e in ne if e in chosen)
         recs.append(
             {
@@ -263,7 +257,7 @@ def case_record(
         "first_token_layers": first,
         "output_ids": a["generated"],
         "nonfinite": {
-            str(layer): c for layer in layers if (c := nonfinite_counts(capture, layer, b, ratio)) is not None
+            str(layer): c for layer in layers if (c := nonfinite_counts(capture, layer, b)) is not None
         },
     }
 
@@ -273,7 +267,9 @@ def final_logits(
     model, tokenizer, messages: list[dict], config: Config | None, *, chunk: int | None = None
 ) -> torch.Tensor:
     """Logits [V] (fp32) at the last prompt position under ``config`` (None: the model as loaded);
-    ``chunk``: the prompt runs through the KV cache in chunks of that many tokens (``dsa.passes``)."""
+    the prompt runs through the KV cache in chunks of ``chunk`` tokens (``dsa.passes``; None:
+    ``dsa.budget.DEFAULT_CHUNK``, as the case measurements)."""
     _, ids = _ids(model, tokenizer, messages)
+    chunk = measurement_chunk(chunk, ids.shape[1])
     with nullcontext() if config is None else applied(model, config):
         return prefill(model, ids, chunk=chunk, logits_at=[ids.shape[1] - 1]).logits[0, 0].cpu()

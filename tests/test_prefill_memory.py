@@ -1,0 +1,60 @@
+"""Peak memory of one investigation step on the CPU, against a bound from the model's sizes.
+
+The step: ``measure_cases`` (the symptom's and every ablation's unit of work) on two cases of
+one 2,048-token prompt length, answers decoded. The peak is what torch's CPU allocator held
+above the level before the step (``needlescope.testing.memory.peak_allocated``: the profiler's
+allocation events, summed in time order). The bound is ``dsa.budget.prefill_bytes`` for the
+batch at the measurement chunk: the attention scores over the keys a chunk reads, the indexer's
+per-head scores, the hidden streams. Before issue 55 the same step held 662 MiB (a one-pass
+prefill's ``T x T`` scores, every score row of the prompt kept per CSA layer) against a bound of
+122 MiB; after it, 57 MiB.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from needlescope.cases.assemble import CaseSpec, build_cases  # noqa: E402
+from needlescope.dsa.budget import DEFAULT_CHUNK, prefill_bytes, rows_within  # noqa: E402
+from needlescope.dsa.checkpoint import load_bundle, trained_value_digits  # noqa: E402
+from needlescope.dsa.prompt import render_prompt  # noqa: E402
+from needlescope.investigate.ledger.plan import Config  # noqa: E402
+from needlescope.investigate.measure.records import measure_cases  # noqa: E402
+from needlescope.setting import Setting  # noqa: E402
+from needlescope.testing.memory import peak_allocated  # noqa: E402
+
+
+def test_peak_allocated_counts_what_is_live_at_once():
+    def step():
+        a = torch.empty(1000, 1000)  # 4 MB
+        b = torch.empty(2000, 1000)  # 8 MB: 12 live
+        del a
+        c = torch.empty(500, 1000)  # 2 MB: 10 live
+        return b, c
+
+    (_b, _c), peak = peak_allocated(step)
+    assert peak == 12_000_000
+
+
+def test_one_measurement_step_stays_within_the_bound_of_the_model_sizes():
+    model, tok, path = load_bundle("organism")
+
+    def count(msgs):
+        return len(render_prompt(tok, msgs).input_ids)
+
+    spec = CaseSpec("multiturn", (2048,), (50.0,), 2, 0, value_digits=trained_value_digits(path))
+    cases = build_cases(spec, count)
+    P = count(cases[0].messages)
+    assert len(cases) == 2 and all(count(c.messages) == P for c in cases)
+    assert rows_within(model.config, P, DEFAULT_CHUNK) >= len(cases)  # one batch of both
+    with torch.no_grad():
+        records, peak = peak_allocated(
+            lambda: measure_cases(model, tok, cases, Config(Setting(index_topk=64)), max_new_tokens=3)
+        )
+    bound = prefill_bytes(model.config, len(cases), P, DEFAULT_CHUNK)
+    one_pass = prefill_bytes(model.config, len(cases), P, None)
+    assert len(records) == 2 and all(r["layers"] for r in records)
+    assert peak <= bound, f"peak {peak / 2**20:.0f} MiB over the bound {bound / 2**20:.0f} MiB"
+    assert bound < one_pass / 4  # the bound is the chunked prefill's, far under one pass's T x T
