@@ -116,6 +116,8 @@ def _rows(entry: DumpEntry, ref_call: StageCall, positions: dict[int, torch.Tens
         if pos is None:
             raise Incomparable(f"pass {p} has no positions")
         want = 1 if entry.rule.rows == "last" else len(pos)
+        if t.dim() > 2 and t.shape[0] == 1 and t.shape[1] == want:
+            t = t[0]  # a batch of one ([1, tokens, ...]): a transformers model's layout, not SGLang's
         if t.dim() == 0 or t.shape[0] != want:
             raise Incomparable(f"pass {p}: {t.shape[0] if t.dim() else 0} rows, expected {want}")
         engine.append(t)
