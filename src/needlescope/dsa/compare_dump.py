@@ -140,6 +140,8 @@ def _rows(entry: DumpEntry, ref_call: StageCall, positions: dict[int, torch.Tens
             t = merge_shards(shards, entry.rule.shard)
         except BadInput as exc:
             raise Incomparable(f"pass {p}: {exc}") from None
+        if t.dim() > 2 and t.shape[0] == 1 and t.shape[1] == want:
+            t = t[0]  # a batch of one ([1, tokens, ...]): a transformers model's layout, not SGLang's
         if t.dim() == 0 or t.shape[0] != want:
             raise Incomparable(f"pass {p}: {t.shape[0] if t.dim() else 0} rows, expected {want}")
         engine.append(t)
