@@ -119,11 +119,10 @@ def compare_dump_command(
         _write(out, "compare_dump.json", compare_dump_to_json(result))
         _write(out, "compare_dump.md", render_compare_dump_md(result))
     _print_result(result, out)
-    if result["first_beyond"] is not None or any(t["verdict"] == "incomparable" for t in result["tensors"]):
-        raise typer.Exit(1)  # a finding, as topk-audit's inexact row and conform's inexact case
 
 
 def _print_result(result: dict, out: Path) -> None:
+    """The summary, each layer and indexer, the files; exit 1 on a finding (docs/exit_codes.md)."""
     console.say("{}", result["summary"], soft_wrap=True)
     for d in result["layers"]:
         console.print(
@@ -137,3 +136,5 @@ def _print_result(result: dict, out: Path) -> None:
         console.say("{} dumped name(s) not in the mapping, not compared: {}", len(result["unknown_names"]),
                     ", ".join(result["unknown_names"][:8]), soft_wrap=True)  # fmt: skip
     console.print(f"wrote {out}/compare_dump.json, compare_dump.md")
+    if result["first_beyond"] is not None or any(t["verdict"] == "incomparable" for t in result["tensors"]):
+        raise typer.Exit(1)  # a finding, as topk-audit's inexact row and conform's inexact case

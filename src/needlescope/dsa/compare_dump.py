@@ -308,6 +308,14 @@ def _positions_of(entry: DumpEntry, positions: dict[int, torch.Tensor]) -> list[
     return out
 
 
+def _token_bounds(model) -> dict:
+    """``token_layout``'s bounds from the reference's config: its context and vocabulary size."""
+    return {
+        "context": getattr(model.config, "max_position_embeddings", None),
+        "vocab": model.config.vocab_size,
+    }
+
+
 def _per_layer(tensors: list[dict]) -> list[dict]:
     layers: dict = {}
     for t in tensors:
@@ -362,10 +370,7 @@ def compare_dump(
             f"no dumped name in {str(d)!r} is in the mapping {mapping.source!r} "
             f"(names: {', '.join(grouped.unknown[:5]) or 'none'}); give a mapping that names them (--mapping)"
         )
-    config = model.config
-    ids, positions = token_layout(
-        grouped, prompt_ids, context=getattr(config, "max_position_embeddings", None), vocab=config.vocab_size
-    )
+    ids, positions = token_layout(grouped, prompt_ids, **_token_bounds(model))
     T = len(ids)
     K = _index_topk(grouped, index_topk, positions, T)
     indexers = csa_indexers(model)
