@@ -36,11 +36,12 @@ $(STAMP): $(DEMO_STAMP)
 
 # The [sglang] test extra: SGLang's own dumper, comparator and io_struct (tests/test_sglang_own.py),
 # pinned in constraints.txt. --no-deps: sglang's own requirements pull a CUDA torch and GBs of
-# serving stack; these are exactly what `import sglang.srt.debug_utils.dumper`, its comparator and
-# its detokenizer need on our torch (about 340 MB installed; docs/peers.md). No torchvision: PyPI's
-# is a CUDA build that cannot load on the CPU torch (tests/sglang_own.py stands in for it).
+# serving stack; these are exactly what `import sglang.srt.debug_utils.dumper`, its comparators and
+# io_struct need on our torch (about 330 MB installed; docs/peers.md). No torchvision: PyPI's is a
+# CUDA build that cannot load on the CPU torch (tests/sglang_own.py stands in for it). No uvloop
+# (SGLang's tokenizer manager wants it): uvicorn would run our own server on it once installed.
 SGLANG_TEST := sglang orjson pyzmq pybase64 msgspec ipython traitlets apache-tvm-ffi sentencepiece \
-	compressed-tensors loguru gguf partial-json-parser polars polars-runtime-32 einops uvloop
+	compressed-tensors loguru gguf partial-json-parser polars polars-runtime-32 einops
 
 install: $(STAMP)
 

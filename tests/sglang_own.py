@@ -230,9 +230,12 @@ def _contract(payload_file: str, out_file: str) -> None:
     Writes JSON: ``request``: the payload parsed as the HTTP server parses it
     (``GenerateReqInput(**payload)``, ``normalize_batch_and_arguments()``, then
     ``SamplingParams(**sampling_params)``), the fields it ended with, or the error;
-    ``response``: an int32 [rows, layers, k] capture encoded by the detokenizer's
-    ``_b64_encode_per_request`` and decoded by ``extract_indexer_topk_from_meta_info``.
+    ``response``: an int32 [rows, layers, k] capture as its tokenizer manager writes it into
+    ``meta_info`` (``pybase64.b64encode(tensor.numpy().tobytes())``, read in its source: importing
+    that module needs uvloop, which the extra leaves out because uvicorn would then run our own
+    server on it) and SGLang's ``extract_indexer_topk_from_meta_info`` decoding it.
     """
+    import base64
     import dataclasses
     import json
 
@@ -241,7 +244,6 @@ def _contract(payload_file: str, out_file: str) -> None:
 
     io = import_sglang("sglang.srt.managers.io_struct")
     sampling = import_sglang("sglang.srt.sampling.sampling_params")
-    detok = import_sglang("sglang.srt.managers.detokenizer_manager")
     capturer = import_sglang("sglang.srt.state_capturer.indexer_topk")
     payload = json.loads(open(payload_file).read())
     request: dict = {"fields": sorted(f.name for f in dataclasses.fields(io.GenerateReqInput))}
@@ -255,7 +257,7 @@ def _contract(payload_file: str, out_file: str) -> None:
     except Exception as exc:  # what SGLang refuses is the finding
         request["error"] = f"{type(exc).__name__}: {exc}"
     topk = torch.randint(-1, 40, (7, 2, 8), generator=torch.Generator().manual_seed(SEED), dtype=torch.int32)
-    encoded = detok.DetokenizerManager._b64_encode_per_request([topk])[0]
+    encoded = base64.b64encode(topk.numpy().tobytes()).decode("utf-8")
     decoded = capturer.extract_indexer_topk_from_meta_info({"meta_info": {"indexer_topk": encoded}})
     response = {"indexer_topk": encoded, "shape": list(topk.shape), "values": topk.flatten().tolist(),
                 "decoded": np.asarray(decoded).tolist()}  # fmt: skip

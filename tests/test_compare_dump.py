@@ -273,3 +273,17 @@ def test_reads_what_sglangs_dumper_writes(organism, dumps, tmp_path):
     pipelined = _as_sglang_writes(dumps[1], tmp_path / "pp", {"pp_size": 2})
     with pytest.raises(BadInput, match="pipeline parallelism"):
         compare_dump(organism, pipelined, mapping)
+
+
+def test_batch_of_one_dump_reads_as_its_tokens(organism, dumps, tmp_path):
+    """A transformers model under SGLang's dumper dumps [1, tokens, ...] (tests/test_sglang_own.py);
+    the same values with that leading 1 give the same comparison."""
+    dst = tmp_path / "batched"
+    dst.mkdir()
+    for f in dumps[1].iterdir():
+        value, meta = load_value(f)
+        name = parse_stem(f.stem)["name"]
+        batched = value if name in ("input_ids", "positions") or value.dim() < 2 else value[None]
+        torch.save({"value": batched, "meta": meta}, dst / f.name)
+    got, want = compare_dump(organism, dst, load_mapping()), compare_dump(organism, dumps[1], load_mapping())
+    assert got["tensors"] == want["tensors"] and got["first_beyond"] == want["first_beyond"]

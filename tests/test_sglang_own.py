@@ -191,3 +191,5 @@ def test_response_keys_we_read_are_the_keys_sglang_writes():
     for key in ("prompt_tokens", "completion_tokens", "indexer_topk"):
         assert re.search(rf'"{key}"', source), key
     assert re.search(r'meta_info\["indexer_topk"\]\s*=', source)
+    # The encoding the contract test's sample uses: the tensor's raw bytes, base64.
+    assert re.search(r"b64encode\(val\.numpy\(\)\.tobytes\(\)\)", source)

@@ -1,10 +1,17 @@
-"""``needlescope probe`` against ``transformers serve`` (transformers' own OpenAI-compatible server,
-a peer nobody here wrote) on the shipped organism, offline, on CPU.
+"""needlescope against ``transformers serve`` (transformers' own OpenAI-compatible server, a peer
+nobody here wrote) on the shipped organism, offline, on CPU: probe, health, canary and compare.
 
 transformers serve has no /tokenize, and its /v1/models fails offline (it scans the hub cache, which
 does not exist: HTTP 500 CacheNotFound), so this exercises the /v1/models fallback and counting with
-the checkpoint's own tokenizer.json + chat_template.jinja. The check: every case's counted length is
-exactly its target and exactly the server's usage.prompt_tokens.
+the checkpoint's own tokenizer.json + chat_template.jinja. Its ``--continuous-batching`` path does
+not take DeepseekV4 in this version (docs/peers.md: ``ValueError: Invalid layer type:
+compressed_sparse_attention`` on the first request), so both servers run its default path.
+
+Two servers serve one copy of the organism whose ``index_topk`` is 64 (a deployment top-k: at
+1,024 tokens the indexer picks 64 of 256 entries; the shipped 2,048 keeps every entry below 8K).
+The second runs with a bug planted in transformers' own DeepseekV4 indexer before it starts
+(``PLANTED``: a ``sitecustomize.py`` on its PYTHONPATH negates the indexer scorer's output, so the
+indexer keeps the lowest-scoring entries), with no undo and nothing in what the server reports.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import socket
 import subprocess
 import sys
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 import httpx
@@ -28,6 +36,19 @@ import needlescope  # noqa: E402
 
 WEIGHTS = Path(needlescope.__file__).parent / "organism" / "weights"
 CLI = [sys.executable, "-m", "needlescope.cli.main"]
+PLANTED = """\
+import transformers.models.deepseek_v4.modeling_deepseek_v4 as _modeling
+
+_score = _modeling.DeepseekV4IndexerScorer.forward
+
+
+def _forward(self, q, compressed_kv, hidden_states):
+    return -_score(self, q, compressed_kv, hidden_states)  # sign slip: top-k keeps the worst entries
+
+
+_modeling.DeepseekV4IndexerScorer.forward = _forward
+"""
+LONG = "1024"  # 256 entries: the top-64 selection decides what the answer sees
 
 
 def _free_port() -> int:
@@ -36,44 +57,66 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _start(exe: str, weights: Path, log: Path, pythonpath: str | None) -> tuple[subprocess.Popen, str]:
+    port = _free_port()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    if pythonpath is not None:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (pythonpath, env.get("PYTHONPATH")) if p)
+    cmd = [exe, "serve", str(weights), "--host", "127.0.0.1", "--port", str(port), "--device", "cpu"]
+    # A file, not a pipe: its log would fill an unread pipe and stall the server.
+    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def _wait(proc: subprocess.Popen, url: str, log: Path, deadline: float) -> None:
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"transformers serve exited: {log.read_text()[-2000:]}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(1)
+    pytest.fail(f"transformers serve did not answer /health within 240 s: {log.read_text()[-2000:]}")
+
+
 @pytest.fixture(scope="module")
-def transformers_serve(tmp_path_factory):
+def servers(tmp_path_factory):
+    """{"weights": the top-64 copy (also the model id), "healthy": URL, "planted": URL}."""
     exe = shutil.which("transformers", path=str(Path(sys.executable).parent))
     if exe is None:
         pytest.skip("the transformers CLI is not installed")
-    port = _free_port()
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    cmd = [exe, "serve", str(WEIGHTS), "--host", "127.0.0.1", "--port", str(port), "--device", "cpu"]
-    log = tmp_path_factory.mktemp("transformers_serve") / "server.log"
-    # A file, not a pipe: its log would fill an unread pipe and stall the server.
-    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 240
-    try:
-        while time.time() < deadline:
-            if proc.poll() is not None:
-                pytest.fail(f"transformers serve exited: {log.read_text()[-2000:]}")
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(1)
-        else:
-            pytest.fail("transformers serve did not answer /health within 240 s")
-        yield url
-    finally:
-        proc.kill()
-        proc.wait(timeout=30)
+    root = tmp_path_factory.mktemp("transformers_serve")
+    weights = root / "organism_top64"
+    shutil.copytree(WEIGHTS, weights)
+    config = json.loads((weights / "config.json").read_text())
+    (weights / "config.json").write_text(json.dumps({**config, "index_topk": 64}, indent=2))
+    (root / "planted").mkdir()
+    (root / "planted" / "sitecustomize.py").write_text(PLANTED)
+    with ExitStack() as stack:
+        started = {}
+        for name, path in (("healthy", None), ("planted", str(root / "planted"))):
+            proc, url = _start(exe, weights, root / f"{name}.log", path)
+            stack.callback(lambda p=proc: (p.kill(), p.wait(timeout=30)))
+            started[name] = (proc, url)
+        deadline = time.time() + 240
+        for name, (proc, url) in started.items():
+            _wait(proc, url, root / f"{name}.log", deadline)
+        yield {"weights": str(weights), **{name: url for name, (_, url) in started.items()}}
+
+
+def _cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})  # fmt: skip
 
 
 @pytest.mark.parametrize("kind", ["single", "multiturn"])
-def test_counted_lengths_equal_transformers_serve_prompt_tokens(transformers_serve, tmp_path, kind):
-    res = subprocess.run(
-        [*CLI, "probe", "--base-url", transformers_serve + "/v1", "--model", str(WEIGHTS),
-         "--tokenizer", str(WEIGHTS), "--value-digits", "3", "--kind", kind, "--lengths", "200,333",
-         "--depths", "0,100", "--trials", "1", "--concurrency", "2", "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"},
-    )  # fmt: skip
+def test_counted_lengths_equal_transformers_serve_prompt_tokens(servers, tmp_path, kind):
+    w = servers["weights"]
+    res = _cli("probe", "--base-url", servers["healthy"] + "/v1", "--model", w, "--tokenizer", w,
+               "--value-digits", "3", "--kind", kind, "--lengths", "200,333", "--depths", "0,100",
+               "--trials", "1", "--concurrency", "2", "--out", str(tmp_path))  # fmt: skip
     assert res.returncode == 0, res.stderr
     rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
     assert len(rows) == 4 and all(r["status"] == "ok" for r in rows), rows
@@ -81,3 +124,42 @@ def test_counted_lengths_equal_transformers_serve_prompt_tokens(transformers_ser
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["length_mismatches"] == 0
     assert "assumed to be served" in (tmp_path / "report.md").read_text()
+
+
+def test_health_passes_the_healthy_server_and_fails_the_planted_one(servers):
+    w = servers["weights"]
+    verdicts = {}
+    for name in ("healthy", "planted"):
+        res = _cli("health", "--base-url", servers[name] + "/v1", "--model", w, "--tokenizer", w,
+                   "--length", LONG, "--depth", "10", "--value-digits", "3", "--json")  # fmt: skip
+        assert res.returncode in (0, 1), res.stderr
+        out = json.loads(res.stdout)
+        verdicts[name] = {c["name"]: c["status"] for c in out["checks"]}
+        assert out["model"] == w and verdicts[name]["server"] == "ok"
+    assert verdicts["healthy"]["needle"] == "ok" and verdicts["planted"]["needle"] == "fail", verdicts
+    # /v1/models answers HTTP 500 offline: without --model the checks that need one say so.
+    res = _cli("health", "--base-url", servers["healthy"] + "/v1", "--tokenizer", w, "--length", "300")
+    assert "pass --model" in res.stdout + res.stderr and "Traceback" not in res.stderr
+
+
+def test_canary_round_hits_on_healthy_and_misses_on_planted(servers):
+    w = servers["weights"]
+    rounds = {}
+    for name in ("healthy", "planted"):
+        res = _cli("canary", "--base-url", servers[name] + "/v1", "--model", w, "--tokenizer", w,
+                   "--value-digits", "3", "--lengths", LONG, "--depths", "10", "--rounds", "1",
+                   "--interval", "1", "--window", "1", "--listen", "127.0.0.1:0")  # fmt: skip
+        assert res.returncode == 0, res.stderr
+        rounds[name] = next(line for line in res.stderr.splitlines() if "round 1:" in line)
+    assert f"{LONG} tokens hit" in rounds["healthy"] and f"{LONG} tokens miss" in rounds["planted"], rounds
+
+
+def test_compare_finds_the_bug_planted_in_transformers_indexer(servers, tmp_path):
+    w = servers["weights"]
+    res = _cli("compare", "--a", servers["healthy"] + "/v1", "--b", servers["planted"] + "/v1", "--model", w,
+               "--tokenizer", w, "--value-digits", "3", "--lengths", LONG, "--depths", "10,50", "--trials", "3",
+               "--concurrency", "2", "--out", str(tmp_path))  # fmt: skip
+    assert res.returncode == 1, res.stdout + res.stderr  # a significant regression is a finding: exit 1 (docs/exit_codes.md)
+    result = json.loads((tmp_path / "compare.json").read_text())
+    assert result["cases_matched"] == 6 and result["recall_b"] < result["recall_a"]
+    assert result["regresses_from"] == int(LONG), result["headline"]
