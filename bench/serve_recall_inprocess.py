@@ -22,7 +22,7 @@ from needlescope.cases.scoring import score_answer
 from needlescope.dsa.checkpoint import load_bundle, trained_value_digits
 from needlescope.serve.config import ServeConfig
 from needlescope.serve.engine import Engine
-from needlescope.serve.requests import Delta, GenRequest
+from needlescope.serve.requests import GenRequest
 from needlescope.serve.sampling import SamplingParams
 from needlescope.setting import PatchRef, Setting
 
@@ -48,10 +48,7 @@ def main() -> None:
             async with gate:
                 req = GenRequest(p, SamplingParams(max_new_tokens=16, temperature=0.0))
                 engine.submit(req)
-                event = await req.events.get()
-                while isinstance(event, Delta):
-                    event = await req.events.get()
-                return event
+                return await req.last_event()
 
         async def go():
             engine.start()
