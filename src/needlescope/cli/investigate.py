@@ -124,11 +124,11 @@ def run_command(
     with on_interrupt(measured_saved(out), again), guard(out, "investigate run", force):
         _check_ledger_fits(ledger, allow_outside)
         findings, md = run_investigation_cli(ledger, out, allow_outside, prefill_chunk, api_key)
-    for s in findings.verdicts["suspects"]:
-        console.say("  tier {} {}: [bold]{}[/] - {}", s["tier"], s["id"], s["verdict"], s["reason"])
+    for s in findings.suspects:
+        console.say("  tier {} {}: [bold]{}[/] - {}", s.tier, s.id, s.verdict, s.reason)
     console.say("root cause: [bold]{}[/]", findings.root_cause)
     console.print(f"wrote {out / 'verdicts.json'}, {md} and DIAGNOSIS.html")
-    symptom = findings.verdicts.get("symptom") or {}
+    symptom = findings.symptom
     if symptom.get("errors"):
         # A target that failed is never a clean run: the verdicts rest on the answered cases only.
         from needlescope.cli.output import err_console

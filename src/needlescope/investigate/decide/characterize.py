@@ -58,9 +58,16 @@ not). "The shortest loses at most half the longest's rate" holds in both tables 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 
+from needlescope.investigate.decide.characterize_inputs import (
+    Context,
+    Evidence,
+    LayerSelection,
+    LengthCell,
+    Localized,
+)
 from needlescope.investigate.decide.next_step import missing_experiments, next_command
+from needlescope.investigate.decide.verdicts import paired
 
 __all__ = [
     "FAMILIES",
@@ -72,6 +79,7 @@ __all__ = [
     "LengthCell",
     "Localized",
     "characterize",
+    "nothing_to_explain",
     "family_of",
     "jaccard_chance",
 ]
@@ -114,89 +122,6 @@ FAMILIES = (
     "MoE router",
     "norm/other",
 )
-
-
-@dataclass(frozen=True)
-class LayerSelection:
-    """One CSA layer's selection compared with the reference's on one path, over the analysed
-    query rows of the failing cases (means over rows; needle counts summed)."""
-
-    layer: int
-    path: str  # "prefill" | "decode"
-    rows: int
-    overlap: float  # mean Jaccard of the candidate's and the reference's selected sets
-    chance: float  # J0: the same for a uniformly random selection of as many entries (exact)
-    needle_visible: int = 0
-    needle_reference: int = 0
-    needle_candidate: int = 0
-    overlap_without_needle: float | None = None  # Jaccard over the non-needle entries
-    shift: int | None = None  # the constant shift whose shifted selection agrees best
-    shift_overlap: float | None = None
-    permutation_overlap: float | None = None  # best Jaccard under a page permutation
-    head_share: tuple[float, float] | None = None  # (candidate, reference) share in the first quarter
-    tail_share: tuple[float, float] | None = None  # ... and in the last quarter
-
-
-@dataclass(frozen=True)
-class LengthCell:
-    """Paired outcomes at one prompt length: ``lost`` cases wrong under the candidate and right
-    under the reference, ``gained`` the reverse, of ``n``; ``entries`` the compressed entries a
-    query there sees (dense when <= ``Context.topk``)."""
-
-    length: int
-    n: int
-    lost: int
-    gained: int
-    entries: int
-
-
-@dataclass(frozen=True)
-class Localized:
-    """The localizer's first divergent module on one path (in-process)."""
-
-    path: str
-    module: str | None
-    module_type: str | None
-    layer: int | None
-    finding: str | None = None  # what the localizer names there (a query/key RoPE-table mismatch)
-
-
-@dataclass(frozen=True)
-class Evidence:
-    """Everything ``characterize`` reads. ``recall_lost``: the symptom's paired loss is
-    significant (or any case is lost when the run has no test for it)."""
-
-    recall_lost: bool
-    recall_reference: float | None = None
-    recall_candidate: float | None = None
-    cells: tuple[LengthCell, ...] = ()
-    layers: tuple[LayerSelection, ...] = ()
-    answers_differ: bool = False  # a failing case was analysed (wrong under the candidate only)
-    localized: tuple[Localized, ...] = ()
-    # failing cases whose rerun alone predicted another token on both paths (a failure that
-    # depends on what ran before: their selections are not a failing run's, so not in ``layers``)
-    not_reproduced: int = 0
-    rerun: int = 0  # failing cases rerun alone (``not_reproduced`` of them answered otherwise)
-
-
-@dataclass(frozen=True)
-class Context:
-    """How the user reaches the candidate: a live ``base_url``, or in-process the checkpoint and
-    the candidate's setting flags (opaque text, quoted into commands, never read)."""
-
-    route: str  # "live" | "in-process"
-    ratio: int
-    topk: int
-    model: str = "organism"
-    base_url: str | None = None
-    candidate_flags: tuple[str, ...] = ()
-    input_ids: str | None = None  # a failing case's ids file the run wrote (in-process: ``indexer diff``)
-    prompt: str | None = None  # a failing case's messages file the run wrote (live: ``indexer capture``)
-    needle: str | None = None
-    served_model: str = "organism"  # the live server's model name (``probe --model``)
-    sweep_flags: tuple[str, ...] | None = ()  # ``indexer sweep`` flags; None: not expressible (patches > 1)
-    device: str = "cpu"
-    lengths: tuple[int, ...] = field(default_factory=tuple)
 
 
 def jaccard_chance(visible: int, k_cand: int, k_ref: int) -> float:
@@ -545,6 +470,19 @@ def characterize(ev: Evidence, ctx: Context) -> dict:
     }
     result["text"] = summary_line(result)
     return result
+
+
+def nothing_to_explain(ref_records: list[dict], cand_records: list[dict]) -> dict | None:
+    """The characterization when the candidate loses no recall (``classes == ["none"]``): it
+    loses no more paired cases than it gains; else None."""
+    ok = lambda rs: {r["case_id"]: r["correct"] for r in rs if not r.get("error")}  # noqa: E731
+    p = paired(ok(cand_records), ok(ref_records))
+    if p["b"] > p["c"]:
+        return None
+    return characterize(
+        Evidence(recall_lost=False, recall_reference=p["recall_without"], recall_candidate=p["recall_with"]),
+        Context(route="in-process", ratio=4, topk=1),
+    )
 
 
 def summary_line(ch: dict) -> str:

@@ -62,7 +62,7 @@ class Session:
         self.configs: dict[str, dict] = {"reference": self.reference.to_json()}
         if self.candidate is not None:
             self.configs["candidate"] = self.candidate.to_json()
-        self.configs.update(self.state.data.get("configs", {}))
+        self.configs.update(self.state.configs())
         self._model = self.tokenizer = self.cases = None
         self.prompt_len: dict[str, int] = {}
         self._case_digest: dict[str, str] = {}  # case id -> basis.case_digest of its messages
@@ -213,9 +213,7 @@ class Session:
     def note_config(self, name: str, config: Config) -> None:
         """Record ``config`` under ``name`` (kept in ``state.json``: a resumed run lists it too)."""
         self.configs[name] = config.to_json()
-        if self.state.data.setdefault("configs", {}).get(name) != self.configs[name]:
-            self.state.data["configs"][name] = self.configs[name]
-            self.state.save()
+        self.state.note_config(name, self.configs[name])
 
     # -- the plan ----------------------------------------------------------------------
     def removal(self, s: Suspect, base: Config | None = None) -> Config:
@@ -252,7 +250,7 @@ class Session:
                     if q.expect is not None:
                         ev["metric"] += f"; expected {q.expect}: {'yes' if a.value == q.expect else 'no'}"
                     if q.means_absent is not None and a.value == q.means_absent:
-                        self.state.data.setdefault("absent", {})[s.id] = f"{what} answered {a.value!r}"
+                        self.state.mark_absent(s.id, f"{what} answered {a.value!r}")
                 else:
                     ev = evidence(f"question:{q.type}", what, f"blocked: {a.blocked}")
                 self.state.add_evidence(s.id, [ev])
@@ -261,7 +259,7 @@ class Session:
 
     def absent_by_question(self, sid: str) -> str | None:
         """What a cheap question answered that means ``sid`` is not deployed (None: nothing)."""
-        return self.state.data.get("absent", {}).get(sid)
+        return self.state.absent(sid)
 
     def question_summary(self, sid: str) -> str:
         """The cheap questions' answers for ``sid``, in one line ("" when it has none)."""

@@ -1,11 +1,19 @@
 """Resumable state of one investigation run directory.
 
-``DIR/state.json`` (rewritten atomically: temp file, fsync, rename)::
+``DIR/state.json`` (rewritten atomically: temp file, fsync, rename) caches measurements, never a
+decision (``decide`` decides anew on every run, so a resumed run after a rule change decides by
+the new rule). Its keys, each read and written only through ``RunState``'s accessors:
 
-    {"ledger_sha256": str, "suspects": {ID: {"status": STATUS, "reason": str}},
-     "evidence": {ID: [evidence]}, "done": {STEP: true}}
-
-with STATUS one of ``STATUSES``. ``DIR/measure/NAME.jsonl`` holds one measured case record a
+- ``ledger_sha256``: the run's fingerprint (the ledger's text and its patch files' bytes);
+- ``suspects``: ID -> {"status": STATUS, "reason": str}, STATUS one of ``STATUSES`` (how far the
+  measurement got: never a verdict);
+- ``evidence``: ID -> [evidence record] (``decide.verdicts.evidence``);
+- ``done``: STEP -> true, or the step's measured value (``measured:ID``, ``measured:localization``,
+  ``measured:characterization``, ``questions``);
+- ``configs``: name -> ``Config.to_json()`` of every configuration measured (``configs``);
+- ``absent``: ID -> what a cheap question answered that means it is not deployed (``absent``);
+- ``server_info``: the live server's ``/get_server_info`` (``server_info``), its identity on resume.
+ ``DIR/measure/NAME.jsonl`` holds one measured case record a
 line (``needlescope.investigate.measure.records``), appended and fsynced as each case finishes, so a
 crash or Ctrl-C loses at most the case in flight and a resumed run measures only what is
 missing. A torn last line (a kill mid-write) is dropped on reading and the file rewritten.
@@ -32,16 +40,8 @@ __all__ = ["STATUSES", "RunState", "run_lock", "LOCK_NAME"]
 LOCK_NAME = ".lock"
 """The run directory's lock file: one ``investigate run`` at a time writes a directory."""
 
-STATUSES = (
-    "pending",
-    "running",
-    "measured",
-    "exonerated",
-    "implicated",
-    "inconclusive",
-    "blocked",
-    "diverges_no_effect",
-)
+STATUSES = ("pending", "running", "measured")
+"""How far a suspect's measurement got (a verdict is ``decide``'s, never kept here)."""
 
 
 class RunState:
@@ -73,6 +73,47 @@ class RunState:
             }
             self.save()
 
+    @property
+    def ledger_sha256(self) -> str:
+        """The fingerprint of the ledger (and its patch files) this directory's run measured."""
+        return self.data["ledger_sha256"]
+
+    def configs(self) -> dict[str, dict]:
+        """name -> ``Config.to_json()`` of every configuration measured in this directory."""
+        return dict(self.data.get("configs", {}))
+
+    def note_config(self, name: str, config: dict) -> None:
+        """Keep ``config`` (``Config.to_json()``) under ``name`` (saved only when it changed)."""
+        if self.data.setdefault("configs", {}).get(name) != config:
+            self.data["configs"][name] = config
+            self.save()
+
+    def absent(self, sid: str) -> str | None:
+        """What a cheap question answered that means ``sid`` is not deployed (None: nothing)."""
+        return self.data.get("absent", {}).get(sid)
+
+    def mark_absent(self, sid: str, why: str) -> None:
+        """Keep ``why`` (a cheap question's answer) as the reason ``sid`` is not deployed."""
+        self.data.setdefault("absent", {})[sid] = why
+
+    @property
+    def server_info(self) -> dict:
+        """The live server's ``/get_server_info`` this run recorded first ({} when none)."""
+        return self.data.get("server_info") or {}
+
+    def set_server_info(self, info: dict) -> None:
+        """Record the live server's ``/get_server_info`` once (the first answer stays)."""
+        if "server_info" not in self.data:
+            self.data["server_info"] = info
+            self.save()
+
+    def relativize(self, prefixes: dict[str, str]) -> None:
+        """Rewrite this machine's absolute paths in the state (``paths.relativize``) and save."""
+        from needlescope.paths import relativize
+
+        self.data = relativize(self.data, prefixes)
+        self.save()
+
     def ensure_suspects(self, ids: list[str]) -> None:
         """Add suspects found after the ledger (the automatic ones) as ``pending``."""
         new = [i for i in ids if i not in self.data["suspects"]]
@@ -83,18 +124,22 @@ class RunState:
             self.save()
 
     def save(self) -> None:
+        """Write ``state.json`` atomically."""
         atomic_write_json(self.path, self.data)
 
     def set_status(self, sid: str, status: str, reason: str = "") -> None:
+        """Set how far ``sid``'s measurement got (``STATUSES``)."""
         if status not in STATUSES:
             raise ValueError(f"unknown status {status!r}")
         self.data["suspects"][sid] = {"status": status, "reason": reason}
         self.save()
 
     def status(self, sid: str) -> str:
+        """How far ``sid``'s measurement got (``STATUSES``)."""
         return self.data["suspects"][sid]["status"]
 
     def add_evidence(self, sid: str, records: list[dict]) -> None:
+        """Append evidence records of ``sid`` (saved)."""
         self.data["evidence"][sid].extend(records)
         self.save()
 
@@ -104,16 +149,20 @@ class RunState:
         self.save()
 
     def evidence(self, sid: str) -> list[dict]:
+        """``sid``'s evidence records, in the order they were measured."""
         return self.data["evidence"][sid]
 
     def is_done(self, step: str) -> bool:
+        """Whether ``step`` finished (its value is kept under ``done``)."""
         return bool(self.data["done"].get(step))
 
     def mark_done(self, step: str, value=True) -> None:
+        """Mark ``step`` finished, keeping ``value`` (a measurement, never a decision)."""
         self.data["done"][step] = value
         self.save()
 
     def step_value(self, step: str):
+        """The value ``mark_done`` kept for ``step`` (None: not finished)."""
         return self.data["done"].get(step)
 
     # -- measured cases -------------------------------------------------------------------
