@@ -61,8 +61,9 @@ def init_command(
             parse_ledger(text, Path(directory) / "investigation.toml")  # a ledger that would not run is a bug
             path = write_ledger(directory, text, force=force)
             console.print(f"wrote {path}")
-    # The run's folder beside the ledger, as the README does it (live-inv/out).
-    console.print(f"next: needlescope investigate run {path} --out {Path(directory) / 'out'}", soft_wrap=True)
+    # The run writes beside its ledger, as `make demo` runs it (tests/test_cli_piped_output.py
+    # holds the two to the same command).
+    console.print(f"next: needlescope investigate run {path} --out {directory}", soft_wrap=True)
 
 
 def run_investigation_cli(
