@@ -100,6 +100,7 @@ __all__ = [
     "Role",
     "ROLES",
     "classify_fix",
+    "fix_label",
     "live_verdict",
     "gap_closed",
     "live_verdict_paths",
@@ -415,6 +416,18 @@ def classify_fix(pair: dict, *, removes: str | None, root_cause, keeps_topk: boo
     if removes is not None and removes in roots and keeps_topk:
         return "root-cause fix"
     return "workaround"
+
+
+def fix_label(fix: dict) -> str:
+    """A replayed fix's label as the report shows it: its ``label_kind`` when the fix restores
+    recall; else what the paired test says in words with its numbers: "not significant (p=0.062,
+    n=18)" (a lift the cases cannot confirm is not "no effect"), or "worse (p=..., n=...)" when
+    the fix significantly loses cases."""
+    if fix["label_kind"] != "no effect":
+        return fix["label_kind"]
+    p = fix["pair"]
+    word = "worse" if p["p"] < ALPHA and p["c"] > p["b"] else "not significant"
+    return f"{word} (p={p['p']:.2g}, n={p['n']})"
 
 
 def gap_closed(cmp: dict) -> float:

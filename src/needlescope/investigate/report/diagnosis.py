@@ -14,7 +14,7 @@ from pathlib import Path
 import needlescope
 from needlescope.investigate.decide.findings import Findings, Suspect
 from needlescope.investigate.decide.signature import NEAR_CHANCE, layer_percentiles
-from needlescope.investigate.decide.verdicts import ALPHA
+from needlescope.investigate.decide.verdicts import ALPHA, fix_label
 from needlescope.investigate.report import causal as dc
 from needlescope.investigate.report.characterization import characterization_blocks
 from needlescope.investigate.report.summary import COST_ORDER, shown_verdict, summary_box
@@ -40,17 +40,22 @@ def _layers_cell(rec: dict | None) -> str:
 _FIX_COLOURS = ("#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#bcbd22", "#17becf", "#7f7f7f")
 
 
+FIX_OFFSET = 0.035
+"""The n-th fix curve is drawn ``n x FIX_OFFSET`` below its values (said in its legend entry): a
+fix that equals the reference (or another fix) would otherwise hide under its line."""
+
+
 def _recall_curves(ax, findings: Findings) -> None:
-    """Reference and candidate drawn thick and pale, each fix dashed and solid-coloured over them
-    (a fix that matches the reference at 1.0 stays visible on it), on a linear length axis ticked
-    at the tested lengths."""
+    """Reference and candidate drawn thick and pale, each fix dashed and solid-coloured over them,
+    offset downwards by ``FIX_OFFSET`` a fix so that a fix equal to the reference at 1.0 (or to
+    another fix) stays visible beside it, on a linear length axis ticked at the tested lengths."""
     sy = findings.symptom
-    for f, colour in zip(findings.fixes, itertools.cycle(_FIX_COLOURS)):
-        rec = f["recall_by_length"]
+    for i, (f, colour) in enumerate(zip(findings.fixes, itertools.cycle(_FIX_COLOURS))):
+        rec, dy = f["recall_by_length"], -FIX_OFFSET * (i + 1)
         xs = [int(n) for n in rec]
         ax.plot(
-            xs, [rec[str(n)] for n in xs], lw=2.4, ls=(0, (4, 2)), marker="D", ms=5,
-            label=f"{f['name']} ({f.get('label_kind', 'fix')})", zorder=6, color=colour,
+            xs, [rec[str(n)] + dy for n in xs], lw=2.4, ls=(0, (4, 2)), marker="D", ms=5,
+            label=f"{f['name']}: {fix_label(f)} (drawn {dy:+.3f})", zorder=6, color=colour,
         )  # fmt: skip
     for name, rec, colour in (
         ("reference", sy["recall_reference"], "#1f5fbf"),
@@ -73,10 +78,10 @@ def _recall_curves(ax, findings: Findings) -> None:
     ax.set_xlim(0, max(lengths) * 1.05 if lengths else 1)
     ax.set_xlabel("context length (tokens)")
     ax.set_ylabel("recall")
-    ax.set_ylim(-0.05, 1.05)
+    ax.set_ylim(-0.05 - FIX_OFFSET * len(findings.fixes), 1.05)
     ax.set_title(f"Recall by length: candidate vs reference ({sy['cases']} {sy['kind']} cases)")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="lower left")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the curves, never on them
 
 
 def _plots(findings: Findings, out: Path) -> list[tuple[str, str]]:
@@ -86,12 +91,16 @@ def _plots(findings: Findings, out: Path) -> list[tuple[str, str]]:
     import matplotlib.pyplot as plt
 
     made = []
-    fig, ax = plt.subplots(figsize=(7, 3.8))
+    fig, ax = plt.subplots(figsize=(10, 3.8))
     _recall_curves(ax, findings)
     fig.tight_layout()
     fig.savefig(out / "recall.png", dpi=100)
     plt.close(fig)
-    fixes = ", each replayed fix (dashed)" if findings.fixes else ""  # a live run replays none
+    fixes = (  # a live run replays none
+        f", each replayed fix (dashed, the n-th drawn n x {FIX_OFFSET} below its values)"
+        if findings.fixes
+        else ""
+    )
     made.append(("recall.png", f"Recall by length: reference and candidate (thick){fixes}"))
     layers = findings.signature["layers"]
     if layers and findings.candidate_records:
@@ -412,7 +421,7 @@ def _fix_blocks(findings: Findings) -> list[tuple]:
             if f["keeps_topk"]
             else f"index_topk {k0} -> {f['index_topk']}: {f['index_topk'] / k0:g}x the entries each query attends"
         )
-        label = f"**{f['label_kind']}**" if f["label_kind"] != "no effect" else f["label_kind"]
+        label = f"**{f['label_kind']}**" if f["label_kind"] != "no effect" else fix_label(f)
         frows.append(
             [
                 label,
@@ -439,12 +448,12 @@ def _fix_blocks(findings: Findings) -> list[tuple]:
         (
             "h",
             2,
-            "Fixes: root-cause fix first, then workarounds, then no effect (cheapest kind first within each)",
+            "Fixes: root-cause fix first, then workarounds, then those that restore nothing significantly (cheapest kind first within each)",
         ),
         ("table", head, frows),
         (
             "p",
-            f"Labels: root-cause fix = removes the root cause and restores recall at the deployment index_topk; workaround = restores recall while the cause stays (its cost given); no effect = no significant paired change (exact McNemar, p < {ALPHA}). No harness-level fix was replayed.",
+            f"Labels: root-cause fix = removes the root cause and restores recall at the deployment index_topk; workaround = restores recall while the cause stays (its cost given); not significant = no significant paired change (exact McNemar, p < {ALPHA}; its p and paired n given), worse = significantly fewer cases right. No harness-level fix was replayed.",
         ),
     ]
 
