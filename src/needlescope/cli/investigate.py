@@ -37,6 +37,12 @@ def init_command(
     from_probe: Path = typer.Option(
         None, "--from-probe", help="Write a live ledger whose symptom is this probe run's failing cells."
     ),
+    config: Path = typer.Option(
+        None,
+        "--config",
+        help="With --live and an endpoint without a capture: the served checkpoint's config.json "
+        "(compression ratio, index_topk), copied beside the ledger.",
+    ),
     api_key: str = API_KEY,
 ) -> None:
     """Write a ledger: the example (the original investigation, on the organism), a live one."""
@@ -47,19 +53,27 @@ def init_command(
 
     if live is not None and from_probe is not None:
         raise BadInput("give --live URL or --from-probe RUN_DIR, not both")
+    if config is not None and not config.is_file():
+        raise BadInput(f"--config {config} is no file; pass the served checkpoint's config.json")
     with guard(directory, "investigate init", force):
         if live is None and from_probe is None:
             path = write_example(directory, force=force)
             for name in EXAMPLE_FILES:
                 console.print(f"wrote {Path(directory) / name}")
         else:
+            named = None if config is None else "config.json"
             text = (
-                live_ledger(live, api_key=api_key)
+                live_ledger(live, api_key=api_key, config=named)
                 if live is not None
                 else from_probe_ledger(from_probe, api_key=api_key)
             )
             parse_ledger(text, Path(directory) / "investigation.toml")  # a ledger that would not run is a bug
             path = write_ledger(directory, text, force=force)
+            if config is not None and 'candidate = "blackbox"' in text:
+                copied = Path(directory) / "config.json"
+                if config.resolve() != copied.resolve():
+                    copied.write_bytes(config.read_bytes())
+                console.print(f"wrote {copied}")
             console.print(f"wrote {path}")
     # The run writes beside its ledger, as `make demo` runs it (tests/test_cli_piped_output.py
     # holds the two to the same command).

@@ -25,7 +25,8 @@ Steps (each recorded in ``state.json`` as it finishes; see ``state.RunState``):
 A route is a module of ``investigate/measure/`` with ``measure(session) -> Measured``
 (``ROUTES``; the protocol is ``decide.measured``). A ledger with ``candidate = "live"`` takes the
 live-endpoint route (``measure.live``): no ablation is possible, each suspect's emulation in the
-reference is compared with the live indexer capture. One with ``candidate = "dump"`` takes the
+reference is compared with the live indexer capture. One with ``candidate = "blackbox"`` takes the black-box route (``measure.blackbox``): an endpoint
+without a capture, characterized from its answers alone. One with ``candidate = "dump"`` takes the
 dump route (``measure.dump``): the localization comes from the engine's tensor dump compared
 with the reference. Every other ledger takes the in-process route (``measure.inprocess``).
 """
@@ -37,7 +38,7 @@ from pathlib import Path
 from needlescope.investigate.decide.decision import decide
 from needlescope.investigate.decide.findings import Findings
 from needlescope.investigate.ledger.ledger import Ledger, load_ledger, with_chunk
-from needlescope.investigate.measure import dump, inprocess, live
+from needlescope.investigate.measure import blackbox, dump, inprocess, live
 from needlescope.investigate.measure.session import Session
 from needlescope.investigate.measure.state import run_lock
 from needlescope.paths import atomic_write_json, relativize
@@ -45,7 +46,12 @@ from needlescope.progress import Progress, no_progress
 
 __all__ = ["run_investigation", "ROUTES", "route_of"]
 
-ROUTES = {"in-process": inprocess.measure, "live": live.measure, "dump": dump.measure}
+ROUTES = {
+    "in-process": inprocess.measure,
+    "live": live.measure,
+    "dump": dump.measure,
+    "blackbox": blackbox.measure,
+}
 """route name -> its ``measure(session) -> Measured`` (a new route adds itself here and to
 ``route_of``, and its decision to ``decide.decision.SUSPECT_RULES``)."""
 
@@ -53,6 +59,8 @@ ROUTES = {"in-process": inprocess.measure, "live": live.measure, "dump": dump.me
 def route_of(ledger: Ledger) -> str:
     """The route a ledger takes: "live" for ``candidate = "live"``, "dump" for
     ``candidate = "dump"``, else "in-process"."""
+    if ledger.target.blackbox:
+        return "blackbox"
     if ledger.target.live:
         return "live"
     return "dump" if ledger.target.dump is not None else "in-process"
@@ -78,8 +86,10 @@ def run_investigation(
     with run_lock(Path(out)):  # one run at a time writes a run directory
         session = Session(ledger, Path(out), progress, api_key=api_key)
         session.questions()
-        session.load(loaded)
-        measured = ROUTES[route_of(ledger)](session)
+        route = route_of(ledger)
+        if route != "blackbox":  # the black box loads no model: it reads the endpoint's answers
+            session.load(loaded)
+        measured = ROUTES[route](session)
         return _write(session, decide(measured, ledger))
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from needlescope.investigate.decide.blackbox import BlackboxContext, BlackboxEvidence, characterize_blackbox
 from needlescope.investigate.decide.causal import decide_suspects, label_fixes, recall_by_length, symptom_loss
 from needlescope.investigate.decide.characterize import Localized, characterize, nothing_to_explain
 from needlescope.investigate.decide.dump import decide_dump
@@ -107,6 +108,14 @@ def characterization_needed(
 def decide_characterization(m: Measured, suspects: list[dict], root) -> dict | None:
     """``verdicts.json`` ``characterization``: None when nothing ran or a named suspect explains
     the loss; "none" when no recall is lost; else the classes from the measured evidence."""
+    if m.route == "blackbox":
+        if m.blackbox is None:
+            return None
+        ev = BlackboxEvidence.from_json(m.blackbox["evidence"])
+        return {
+            **characterize_blackbox(ev, BlackboxContext.from_json(m.blackbox["context"])),
+            "measured": m.blackbox,
+        }
     scored = [r for r in m.candidate_records if not r.get("error")]
     if (
         m.route == "dump"
@@ -194,7 +203,13 @@ def _dump(m: Measured, ledger: Ledger):
     )
 
 
-SUSPECT_RULES = {"in-process": _inprocess, "live": _live, "dump": _dump}
+def _blackbox(m: Measured, ledger: Ledger):
+    """No suspect is tested from outside (nothing can be emulated against answers alone): the
+    characterization is the finding."""
+    return [], None, NO_SIGNATURE, {"localization": None}
+
+
+SUSPECT_RULES = {"in-process": _inprocess, "live": _live, "dump": _dump, "blackbox": _blackbox}
 """route -> its decision: (decided suspect records, root cause, signature, route-specific keys).
 A new route adds its function here (and ``Measured.route`` names it)."""
 

@@ -86,3 +86,4 @@ class Measured:
     characterization: CharacterizationInput | None = None
     rank_paths: dict | None = None
     nonfinite_scores: dict = field(default_factory=lambda: {"counts": {}, "findings": []})
+    blackbox: dict | None = None
