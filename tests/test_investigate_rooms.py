@@ -19,6 +19,8 @@ SIZES = {
     "BATCH": "cases decoded together",
     "FAILING_CASES": "failing cases whose selections the characterization reads",
     "DENSE_CASES": "cases at the dense length",
+    "SCAN_DEPTHS": "depths of the black box's residue scan",
+    "TOP_LOGPROBS": "alternatives the teacher-forced scoring asks for",
     "SOURCE_TIMEOUT_S": "a cheap question's deadline for a source",
 }
 """Module-level numbers measure/ may define: how much to measure, never what it means."""

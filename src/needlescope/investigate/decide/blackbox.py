@@ -51,6 +51,7 @@ __all__ = [
     "BlackboxEvidence",
     "GridCell",
     "characterize_blackbox",
+    "gold_first",
     "residue_offsets",
 ]
 
@@ -126,7 +127,7 @@ class BlackboxEvidence:
     scan: dict = field(default_factory=dict)
     rerun: int = 0
     not_reproduced: int = 0
-    teacher: tuple[bool, ...] = ()
+    teacher: tuple[dict, ...] = ()
     method: str | None = None
     method_note: str = ""
 
@@ -259,13 +260,23 @@ def _rule_residue(ev: BlackboxEvidence) -> dict | None:
     return None
 
 
+def gold_first(scored: dict) -> bool:
+    """The gold answer teacher-forced ranks first at every token: rank 1 where the server gives
+    ranks, else a positive margin over every rival it returned."""
+    ranks, margins = scored.get("ranks") or [], scored.get("margins") or []
+    if ranks and all(r is not None for r in ranks):
+        return all(r == 1 for r in ranks)
+    return bool(margins) and all(m is not None and m > 0 for m in margins)
+
+
 def _rule_decode_only(ev: BlackboxEvidence) -> dict | None:
-    if len(ev.teacher) < BLACKBOX_RULES["teacher_forced_cases"] or not all(ev.teacher):
+    right = [gold_first(t) for t in ev.teacher]
+    if len(right) < BLACKBOX_RULES["teacher_forced_cases"] or not all(right):
         return None
     return {
         "rule": "the answer teacher-forced ranks first at every token while the decoded answer is wrong",
         "experiment": f"the answer teacher-forced ({ev.method}) against the answer decoded",
-        "teacher_forced_right": sum(ev.teacher),
+        "teacher_forced_right": sum(right),
         "scored": len(ev.teacher),
         "null": "a prefill that loses the answer as the decode does",
     }

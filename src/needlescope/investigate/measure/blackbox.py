@@ -225,8 +225,8 @@ class Blackbox:
             asyncio.run(go())
         return [done[c.case_id] for c in cases if c.case_id in done]
 
-    def teacher_forced(self, cases: list) -> tuple[list[bool], str | None, str]:
-        """Per case, whether its gold answer ranks first at every token teacher-forced (the
+    def teacher_forced(self, cases: list) -> tuple[list[dict], str | None, str]:
+        """Per case scored, its gold answer's ranks and margins per token teacher-forced (the
         server's prompt logprobs), the method and its note; [] when the server offers none."""
         from needlescope.targets import ChatTarget
         from needlescope.targets.logprobs import detect_method, score_gold
@@ -255,19 +255,11 @@ class Blackbox:
 
         method, note = asyncio.run(go())
         firsts = [
-            _gold_first(done[c.case_id])
+            {"ranks": done[c.case_id]["ranks"], "margins": done[c.case_id]["margins"]}
             for c in cases
             if c.case_id in done and not done[c.case_id].get("error")
         ]
         return (firsts if method else []), method, note
-
-
-def _gold_first(rec: dict) -> bool:
-    """The gold answer ranked first at every token: rank 1, or beat every rival returned."""
-    ranks, margins = rec.get("ranks") or [], rec.get("margins") or []
-    if ranks and all(r is not None for r in ranks):
-        return all(r == 1 for r in ranks)
-    return bool(margins) and all(m is not None and m > 0 for m in margins)
 
 
 def _cells(records: list[dict]) -> tuple[GridCell, ...]:
