@@ -58,6 +58,7 @@ not). "The shortest loses at most half the longest's rate" holds in both tables 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from needlescope.investigate.decide.characterize_inputs import (
     Context,
@@ -177,7 +178,14 @@ def _kappa(sel: LayerSelection) -> float:
     return _normalized(sel.overlap, sel.chance)
 
 
+def _agrees(sel: LayerSelection) -> bool:
+    """The selection is the reference's, up to the candidate's own rounding."""
+    return sel.overlap >= RULES["same_selection"] or _kappa(sel) >= RULES["agree"]
+
+
 def _departing(ev: Evidence) -> list[LayerSelection]:
+    """The (layer, path) selections that are not the reference's: mixed evidence (one path or
+    layer departing, another agreeing) is decided from these, never averaged with the rest."""
     return [s for s in ev.layers if s.overlap < RULES["same_selection"]]
 
 
@@ -214,23 +222,38 @@ def _rule_outside(ev: Evidence, ctx: Context) -> dict | None:
     return None
 
 
-def _rule_decode_only(ev: Evidence, ctx: Context) -> dict | None:
+def _decode_only_layers(ev: Evidence) -> list[LayerSelection]:
+    """The decode selections that depart (Jaccard ``decode_drop`` below their prefill's) in a
+    layer whose prefill selection agrees with the reference's, by layer."""
     pre = {s.layer: s for s in ev.layers if s.path == "prefill"}
-    dec = {s.layer: s for s in ev.layers if s.path == "decode"}
-    if not pre or not dec or any(_kappa(s) < RULES["agree"] for s in pre.values()):
-        return None
-    gone = [
-        s for n, s in sorted(dec.items()) if n in pre and s.overlap <= pre[n].overlap - RULES["decode_drop"]
+    return [
+        s
+        for s in sorted(ev.layers, key=lambda s: s.layer)
+        if s.path == "decode"
+        and s.layer in pre
+        and _agrees(pre[s.layer])
+        and not _agrees(s)
+        and s.overlap <= pre[s.layer].overlap - RULES["decode_drop"]
     ]
-    if not gone:
+
+
+def _rule_decode_only(ev: Evidence, ctx: Context) -> dict | None:
+    # The first departing layer decides (mixed evidence, issue 53): when its prefill agrees and its
+    # decode departs, the bug is on the decode path there, whatever a later layer's prefill does.
+    first = _first_departing(ev)
+    gone = _decode_only_layers(ev)
+    if first is None or not gone or gone[0].layer != first.layer:
         return None
-    first = gone[0]
+    g = gone[0]
+    pre = next(s for s in ev.layers if s.layer == g.layer and s.path == "prefill")
     return {
         "rule": "prefill selections agree with the reference's, decode selections depart",
-        "prefill_overlap": pre[first.layer].overlap,
-        "decode_layer": first.layer,
-        "decode_overlap": first.overlap,
-        "chance": first.chance,
+        "prefill_overlap": pre.overlap,
+        "decode_layer": g.layer,
+        "decode_overlap": g.overlap,
+        "chance": g.chance,
+        "layer": g.layer,
+        "path": "decode",
         "null": f"the decode path selects as the prefill does (within {RULES['decode_drop']} Jaccard)",
     }
 
@@ -328,7 +351,12 @@ def _rule_positional(ev: Evidence, ctx: Context) -> dict | None:
 
 def _rule_uninformative(ev: Evidence, ctx: Context) -> dict | None:
     first = _first_departing(ev)
-    if first is None or _kappa(first) > RULES["near_chance"]:
+    if first is None:
+        return None
+    # the first departing layer's path nearest chance: one path just above the bar, the other
+    # below it, is a ranking at chance on the path below (issue 53's mixed evidence)
+    first = min((s for s in _departing(ev) if s.layer == first.layer), key=_kappa)
+    if _kappa(first) > RULES["near_chance"]:
         return None
     return {
         "rule": "the selection's overlap with the reference is near chance",
@@ -438,6 +466,48 @@ def _where(ev: Evidence, ctx: Context, classes: list[str]) -> dict:
     return where
 
 
+def _agreement(ev: Evidence, found: dict) -> dict:
+    """Which (layer, path) selections agree with the reference's and which depart, beside a class
+    decided from the ones that depart (mixed evidence: the report says which agree)."""
+    if not ev.layers or "layer" not in found:
+        return {}
+    name = lambda s: f"layer {s.layer} {s.path}"  # noqa: E731
+    return {
+        "decided_by": f"layer {found['layer']} {found.get('path') or 'prefill'}",
+        "agree": [name(s) for s in ev.layers if _agrees(s)],
+        "depart": [name(s) for s in ev.layers if not _agrees(s)],
+    }
+
+
+_SELECTION_RULES = ("misaddressed", "needle_excluded", "positional_bias", "ranking_uninformative", "graded")
+
+
+def _two_sites(ev: Evidence, ctx: Context) -> dict | None:
+    """{class: evidence} of two independent bugs, or None: a layer whose decode departs while its
+    prefill agrees (a decode-path bug there) and another layer whose prefill departs while its
+    decode agrees (a bug the decode path does not share), each classed from its own layer's
+    selections; its evidence names its ``layer`` and ``path``."""
+    dec = _decode_only_layers(ev)
+    twin = {(s.layer, s.path): s for s in ev.layers}
+    pre = [
+        s
+        for s in ev.layers
+        if s.path == "prefill"
+        and not _agrees(s)
+        and (s.layer, "decode") in twin
+        and _agrees(twin[(s.layer, "decode")])
+    ]
+    if not dec or not pre or dec[0].layer == pre[0].layer:
+        return None
+    one = _rule_decode_only(replace(ev, layers=(twin[(dec[0].layer, "prefill")], dec[0])), ctx)
+    only = replace(ev, layers=(pre[0],), answers_differ=False)
+    rules = dict(_ORDERED)
+    other = next(((c, f) for c in _SELECTION_RULES if (f := rules[c](only, ctx)) is not None), None)
+    if one is None or other is None:
+        return None
+    return {"decode_only": one, other[0]: {**other[1], "layer": pre[0].layer, "path": "prefill"}}
+
+
 def characterize(ev: Evidence, ctx: Context) -> dict:
     """The characterization of a divergence (module docstring): classes, where, evidence, next."""
     if not ev.recall_lost:
@@ -457,17 +527,33 @@ def characterize(ev: Evidence, ctx: Context) -> dict:
             "text": "nothing to explain: no recall lost",
         }
     fired = {name: found for name, rule in _ORDERED if (found := rule(ev, ctx)) is not None}
+    two = _two_sites(ev, ctx)
+    if two is not None:  # two independent bugs: each site's class first, with its own where
+        fired = {**two, **{k: v for k, v in fired.items() if k not in two}}
     classes = list(fired) or ["undecided"]
     missing = missing_experiments(ev, ctx)
     undecided = [why for _, why in missing] if not fired else []
     experiment = missing[0][0] if missing and not fired else _CONFIRM.get(classes[0], "localize")
     result = {
         "classes": classes,
-        "where": _where(ev, ctx, classes),
+        "where": {**_where(ev, ctx, classes), **_agreement(ev, fired.get(classes[0], {}))},
         "evidence": fired,
         "undecided": undecided,
         "next": next_command(ctx, experiment),
     }
+    if two is not None:
+        result["sites"] = [
+            {
+                "class": c,
+                "where": {
+                    **_where(ev, ctx, [c]),
+                    **_agreement(ev, e),
+                    "layer": e["layer"],
+                    "path": e["path"],
+                },
+            }
+            for c, e in two.items()
+        ]
     result["text"] = summary_line(result)
     return result
 
@@ -504,7 +590,19 @@ def summary_line(ch: dict) -> str:
         f"{k} {_fmt(v)}" for k, v in e.items() if k not in ("rule", "null") and isinstance(v, (int, float))
     )
     found = f" ({where['finding']})" if where.get("finding") else ""
-    return f"not among the suspects: {e['rule']} ({numbers}); {_HINT[first]}; at {place}{found}"
+    agree = (
+        f"; decided by {where['decided_by']}, agree: {', '.join(where['agree'])}"
+        if where.get("agree")
+        else ""
+    )
+    line = f"not among the suspects: {e['rule']} ({numbers}); {_HINT[first]}; at {place}{found}{agree}"
+    for site in ch.get("sites", [])[1:]:
+        other = ch["evidence"][site["class"]]
+        line += (
+            f"; and, independently, {site['class']} at layer {site['where']['layer']} "
+            f"{site['where']['path']}: {other['rule']} ({_HINT[site['class']]})"
+        )
+    return line
 
 
 def _fmt(v) -> str:
