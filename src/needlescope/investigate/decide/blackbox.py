@@ -200,16 +200,16 @@ def _rule_state(ev: BlackboxEvidence) -> dict | None:
 
 
 def _rule_outside(ev: BlackboxEvidence) -> dict | None:
-    for c in ev.dense:
-        p = _lost_p(c.lost, c.n)
+    for length, lost, n in _rates_by_length(list(ev.dense)):
+        p = _lost_p(lost, n)
         if p < BLACKBOX_RULES["alpha"]:
             return {
-                "rule": f"recall lost where every entry is selected (entries {c.length // ev.arch.ratio} <= "
+                "rule": f"recall lost where every entry is selected (entries {length // ev.arch.ratio} <= "
                 f"top-k {ev.arch.topk})",
-                "experiment": f"recall at the dense length {c.length}",
-                "length": c.length,
-                "lost": c.lost,
-                "n": c.n,
+                "experiment": f"recall at the dense length {length}",
+                "length": length,
+                "lost": lost,
+                "n": n,
                 "p": p,
                 "null": "no loss where the selection is dense (exact, one-sided)",
             }
@@ -236,28 +236,35 @@ def residue_scan(ev: BlackboxEvidence) -> list[dict]:
 
 
 def _rule_residue(ev: BlackboxEvidence) -> dict | None:
-    for t in residue_scan(ev):
+    """The modulus whose failing class is Holm-significant with the other lengths clean; of
+    several, the one whose class loses the largest share (0 mod 16 is also 0 mod 4, but mod 4's
+    class then holds lengths that do not lose), then the smallest."""
+    tests = residue_scan(ev)
+    found = []
+    for t in tests:
         m, r = t["modulus"], ev.failing_length % t["modulus"]
         if r not in t["flagged"]:
             continue
         cls = next(c for c in t["classes"] if c["residue"] == r)
         rest = [v for k, v in ev.scan.items() if int(k) % m != r]
         rest_n, rest_lost = sum(v[1] for v in rest), sum(v[1] - v[0] for v in rest)
-        if rest_lost > BLACKBOX_RULES["other_lengths_lose_at_most"] * rest_n:
-            continue
-        return {
-            "rule": f"losses concentrate on length = {r} mod {m}",
-            "experiment": "the residue scan of the prompt length mod "
-            + ", ".join(str(x) for x in moduli(ev.arch)),
-            "modulus": m,
-            "residue": r,
-            "lost_in_class": [cls["n"] - cls["correct"], cls["n"]],
-            "lost_elsewhere": [rest_lost, rest_n],
-            "p_holm": cls["p_holm"],
-            "tests": sum(len(x["classes"]) for x in residue_scan(ev)),
-            "null": "every residue class loses alike (exact per modulus, Holm across them)",
-        }
-    return None
+        if rest_lost <= BLACKBOX_RULES["other_lengths_lose_at_most"] * rest_n:
+            found.append((-(cls["n"] - cls["correct"]) / cls["n"], m, r, cls, rest_lost, rest_n))
+    if not found:
+        return None
+    _, m, r, cls, rest_lost, rest_n = min(found, key=lambda f: (f[0], f[1]))
+    return {
+        "rule": f"losses concentrate on length = {r} mod {m}",
+        "experiment": "the residue scan of the prompt length mod "
+        + ", ".join(str(x) for x in moduli(ev.arch)),
+        "modulus": m,
+        "residue": r,
+        "lost_in_class": [cls["n"] - cls["correct"], cls["n"]],
+        "lost_elsewhere": [rest_lost, rest_n],
+        "p_holm": cls["p_holm"],
+        "tests": sum(len(x["classes"]) for x in tests),
+        "null": "every residue class loses alike (exact per modulus, Holm across them)",
+    }
 
 
 def gold_first(scored: dict) -> bool:
