@@ -142,6 +142,11 @@ def run_command(
     for s in findings.suspects:
         console.say("  tier {} {}: [bold]{}[/] - {}", s.tier, s.id, s.verdict, s.reason)
     console.say("root cause: [bold]{}[/]", findings.root_cause)
+    ch = findings.characterization
+    if findings.route == "blackbox" and ch:  # no suspect is tested from outside: the class is the finding
+        console.say("what kind of bug: [bold]{}[/] - {}", ", ".join(ch["classes"]), ch["text"])
+        if ch.get("next"):
+            console.print(f"next: {ch['next']}", soft_wrap=True)
     console.print(f"wrote {out / 'verdicts.json'}, {md} and DIAGNOSIS.html")
     symptom = findings.symptom
     if symptom.get("errors"):

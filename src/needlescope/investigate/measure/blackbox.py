@@ -314,7 +314,10 @@ def measure(session) -> Measured:
         route="blackbox",
         target={"model": t.model, "device": t.device, "endpoint": t.endpoint},
         candidate_label=f"black-box endpoint {t.endpoint}",
-        reference_records=[],
+        # the reference is the expected answer: every case the endpoint answered, scored right
+        reference_records=[
+            {**{k: r[k] for k in ("case_id", "length", "depth", "trial")}, "correct": True} for r in scored
+        ],
         candidate_records=grid,
         configs={},
         suspects=[],

@@ -136,7 +136,10 @@ def diagnosis_blocks(findings: Findings, images: list[tuple[str, str]]) -> list[
     b += dc.nonfinite_blocks(v)
     if live:
         b += _live_blocks(f)
-    elif f.route != "dump":  # a dump has no signature, rank dump or fixes: nothing ran the candidate
+    elif f.route not in (
+        "dump",
+        "blackbox",
+    ):  # nothing ran the candidate here: no signature, rank dump or fixes
         b += _signature_blocks(f.signature, images)
         b += _rankdump_blocks(f.explained)
         b += rank_paths_blocks(f.rank_paths)
@@ -162,6 +165,8 @@ def _intro(findings: Findings, live: bool) -> str:
     )
     if findings.route == "dump":
         where += "; the candidate is the engine's tensor dump of one request, compared with the reference on its token ids"
+    if findings.route == "blackbox":
+        where = "the endpoint read from outside (its answers and prompt logprobs; it has no indexer capture), no model run here"
     return (
         f"Model `{findings.target['model']}`. Reference `{sy['reference']}`; candidate (the deployment under "
         f"suspicion) `{sy['candidate']}`. {sy['kind']} needles, {sy['cases']} cases ({len(sy['lengths'])} lengths x "

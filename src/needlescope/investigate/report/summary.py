@@ -142,6 +142,8 @@ def _recommended(findings: Findings) -> str:
         return "none measured: a live endpoint cannot be ablated; remove the root cause in the deployment and probe again"
     if findings.route == "dump":
         return "none measured: a tensor dump cannot be ablated; fix the module the localization names, dump again and compare"
+    if findings.route == "blackbox":
+        return "none measured: an endpoint read from outside cannot be ablated; the class says where to look"
     roots = _roots(findings)
     if roots:
         return f"remove {', '.join(roots)} (no fix without it was replayed)"
