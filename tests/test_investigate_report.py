@@ -6,6 +6,8 @@ and test_investigate_dump.py."""
 from __future__ import annotations
 
 import dataclasses
+import shutil
+import subprocess
 
 import pytest
 
@@ -75,3 +77,81 @@ def test_the_report_reads_the_role_never_the_reason():
     f2 = dataclasses.replace(f, suspects=tuple(plain if s.id == plain.id else s for s in f.suspects))
     rows = {r[1]: r for b in diagnosis_blocks(f2, []) if b[0] == "table" and b[1][0] == "tier" for r in b[2]}
     assert rows[workaround.id][3] == workaround.verdict
+
+
+def _screenshot(page, shot, height: int) -> None:
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    assert chromium, "Debian's chromium is missing: run 'make deps'"
+    subprocess.run(
+        [
+            chromium,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--hide-scrollbars",
+            f"--screenshot={shot}",
+            f"--window-size=1200,{height}",
+            page.as_uri(),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
+
+
+def test_diagnosis_html_renders_in_headless_chromium(tmp_path):
+    """DIAGNOSIS.html (plots embedded) of the demo's golden findings screenshotted by Debian's
+    chromium: not blank, plots drawn, and the summary box, root cause inside, whole within the
+    first 1000 px. (It rendered a fresh organism investigation before the golden findings.)"""
+    import numpy as np
+    from matplotlib.image import imread
+
+    from needlescope.report.blocks import SUMMARY_BACKGROUND, SUMMARY_BORDER
+
+    findings = golden("in-process-root-cause", tmp_path)
+    md, page = write_reports(findings, command="needlescope investigate run L --out O")
+    text = md.read_text()
+    assert (
+        "**triton_paged_indexer**" in text and "root-cause fix" in text and "needle entries selected" in text
+    )
+    assert text.startswith("# DIAGNOSIS\n\n> **Summary**")
+    html = page.read_text()
+    assert "data:image/png;base64," in html
+    box = html[html.index('<section class="summary">') : html.index("</section>")]
+    assert "Root cause</dt><dd><strong>triton_paged_indexer</strong>" in box and "Recommended fix" in box
+    assert html.index('<section class="summary">') < html.index("<h2>Symptom</h2>")
+    assert "<details><summary>Evidence: " in html  # folded
+    sha = findings.ledger_sha256
+    footer = html[html.index('<footer class="footer">') :]
+    assert (
+        sha in footer
+        and "needlescope 0." in footer
+        and " UTC " in footer
+        and "investigate run L --out O" in footer
+    )
+    shot = tmp_path / "shot.png"
+    _screenshot(page, shot, 1600)
+    img = imread(shot)[..., :3]  # [H, W, 3] floats in 0..1
+    assert img.shape[0] >= 1000 and img.shape[1] >= 1000
+    ink = (img.min(axis=-1) < 0.8).mean()  # text, table borders, plot lines
+    colour = ((img.max(axis=-1) - img.min(axis=-1)) > 0.3).mean()  # the plots' coloured lines
+    assert ink > 0.01, f"screenshot is (nearly) blank: {ink:.4f} of pixels inked"
+    assert colour > 0.0005, f"no coloured pixels: the embedded plots did not render ({colour:.5f})"
+    assert len(np.unique((img * 255).astype(int).reshape(-1, 3), axis=0)) > 50
+    # The first screen: the box's fill and both of its horizontal borders lie in the top 1000 px.
+    first = tmp_path / "first.png"
+    _screenshot(page, first, 1000)
+    px = np.rint(imread(first)[..., :3] * 255).astype(int)
+    assert px.shape[0] == 1000
+
+    def rgb(h: str) -> np.ndarray:
+        return np.array([int(h[i : i + 2], 16) for i in (1, 3, 5)])
+
+    fill = np.where((np.abs(px - rgb(SUMMARY_BACKGROUND)).max(-1) <= 2).mean(1) > 0.3)[0]
+    edge = np.where((np.abs(px - rgb(SUMMARY_BORDER)).max(-1) <= 2).mean(1) > 0.5)[0]
+    assert fill.size > 100, "no summary box in the first screen"
+    assert edge.size and edge.min() < fill.min() and fill.max() < edge.max() < 1000, (
+        edge,
+        fill.min(),
+        fill.max(),
+    )

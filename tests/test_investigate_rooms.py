@@ -95,3 +95,24 @@ def test_the_checks_can_fail():
     assert _numeric(tree.body[0].value)
     assert tree.body[1].names[0].name.isupper() and tree.body[1].names[0].name not in ALLOWED_UPPER
     assert isinstance(tree.body[2].value.comparators[0].value, float)
+
+
+def test_records_are_read_once_a_run_and_appended_through(tmp_path, monkeypatch):
+    """Issue 51: measure/NAME.jsonl was read up to four times per Session.measure."""
+    from needlescope.investigate.measure import state as state_mod
+
+    st = state_mod.RunState(tmp_path, "ledger", ["a"])
+    st.append_record("candidate", {"case_id": "c0", "correct": True})
+    reads: list[str] = []
+    real = state_mod.RunState._read
+    monkeypatch.setattr(
+        state_mod.RunState, "_read", lambda self, name: reads.append(name) or real(self, name)
+    )
+    fresh = state_mod.RunState(tmp_path, "ledger", ["a"])  # a resumed run
+    assert fresh.records("candidate") == [{"case_id": "c0", "correct": True}]
+    fresh.append_record("candidate", {"case_id": "c1", "correct": False})
+    assert [r["case_id"] for r in fresh.records("candidate")] == ["c0", "c1"]
+    fresh.supersede("candidate", fresh.records("candidate")[1:], fresh.records("candidate")[:1])
+    assert [r["case_id"] for r in fresh.records("candidate")] == ["c1"]
+    assert reads == ["candidate"]  # once, however often it is asked
+    assert [r["case_id"] for r in real(fresh, "candidate")] == ["c1"]  # the file says the same

@@ -81,14 +81,15 @@ def init_command(
 
 
 def run_investigation_cli(
-    ledger: Path,
+    ledger,
     out: Path,
     allow_outside: bool = False,
     prefill_chunk: int | None = None,
     api_key: str | None = None,
 ) -> tuple[Findings, Path]:
-    """Run with progress per phase (``cli.progress``) and render the reports from the returned
-    ``Findings``; returns them and DIAGNOSIS.md's path."""
+    """Run ``ledger`` (its path, or the ``Ledger`` parsed from it) with progress per phase
+    (``cli.progress``) and render the reports from the returned ``Findings``; returns them and
+    DIAGNOSIS.md's path."""
     from needlescope.cli.progress import ProgressView
     from needlescope.investigate.report.diagnosis import write_reports
     from needlescope.investigate.run import run_investigation
@@ -106,9 +107,9 @@ def run_investigation_cli(
     return findings, md
 
 
-def _check_ledger_fits(ledger: Path, allow_outside: bool) -> None:
-    """BadInput, before any model loads, for symptom lengths beyond the checkpoint's context or an
-    index_topk no context holds (``cli.model_context``)."""
+def _check_ledger_fits(ledger: Path, allow_outside: bool):
+    """The parsed ledger; BadInput, before any model loads, for symptom lengths beyond the
+    checkpoint's context or an index_topk no context holds (``cli.model_context``)."""
     from needlescope.cli.model_context import check_lengths, check_topk
     from needlescope.investigate.ledger.ledger import load_ledger
 
@@ -117,6 +118,7 @@ def _check_ledger_fits(ledger: Path, allow_outside: bool) -> None:
     check_lengths(target.model, symptom.lengths, symptom.max_new_tokens, f"{ledger}: [symptom] lengths")
     settings = (target.reference, target.candidate)
     check_topk(target.model, [s.index_topk for s in settings if s is not None], f"{ledger}: index_topk")
+    return parsed
 
 
 @investigate_app.command("run")
@@ -137,8 +139,8 @@ def run_command(
     """Run the ledger: cheap questions, symptom, checks in tier order, fixes, verdicts, DIAGNOSIS."""
     again = "rerun the same command to continue (finished steps and cases are kept)"
     with on_interrupt(measured_saved(out), again), guard(out, "investigate run", force):
-        _check_ledger_fits(ledger, allow_outside)
-        findings, md = run_investigation_cli(ledger, out, allow_outside, prefill_chunk, api_key)
+        parsed = _check_ledger_fits(ledger, allow_outside)  # the ledger is parsed once
+        findings, md = run_investigation_cli(parsed, out, allow_outside, prefill_chunk, api_key)
     for s in findings.suspects:
         console.say("  tier {} {}: [bold]{}[/] - {}", s.tier, s.id, s.verdict, s.reason)
     console.say("root cause: [bold]{}[/]", findings.root_cause)

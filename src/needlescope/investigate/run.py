@@ -67,7 +67,7 @@ def route_of(ledger: Ledger) -> str:
 
 
 def run_investigation(
-    ledger_path: str | Path,
+    ledger_path: str | Path | Ledger,
     out: str | Path,
     progress: Progress = no_progress,
     *,
@@ -78,11 +78,18 @@ def run_investigation(
 ) -> Findings:
     """Run (or resume) the investigation of ``ledger_path`` into ``out``; returns its ``Findings``.
 
+    ``ledger_path``: the ledger's file, or the ``Ledger`` already parsed from it (parsed once).
+
     ``loaded``: an already loaded (model, tokenizer) of the ledger's checkpoint, to reuse it.
     ``allow_outside``: accept ledger paths outside its folder (``--allow-outside``).
     ``prefill_chunk``: overrides the ledger's ``[target] prefill_chunk`` (``--prefill-chunk``).
     ``api_key``: the live endpoint's bearer key (``--api-key``; never in the ledger or the run)."""
-    ledger = with_chunk(load_ledger(ledger_path, allow_outside=allow_outside), prefill_chunk)
+    parsed = (
+        ledger_path
+        if isinstance(ledger_path, Ledger)
+        else load_ledger(ledger_path, allow_outside=allow_outside)
+    )
+    ledger = with_chunk(parsed, prefill_chunk)
     with run_lock(Path(out)):  # one run at a time writes a run directory
         session = Session(ledger, Path(out), progress, api_key=api_key)
         session.questions()

@@ -67,6 +67,7 @@ from needlescope.investigate.decide.characterize_inputs import (
     LengthCell,
     Localized,
 )
+from needlescope.investigate.decide.localization import DEPARTS
 from needlescope.investigate.decide.next_step import missing_experiments, next_command
 from needlescope.investigate.decide.verdicts import paired
 
@@ -101,7 +102,7 @@ VOCABULARY = (
 
 RULES = {
     "alpha": 0.05,
-    "same_selection": 0.99,  # Jaccard at or above: the selection is the reference's
+    "same_selection": DEPARTS,  # Jaccard at or above: the selection is the reference's (one threshold)
     "agree": 0.8,  # normalized overlap at or above: agrees up to rounding (the candidate's fp8 keys)
     "decode_drop": 0.2,  # decode_only: the decode overlap this far below the prefill's
     "moved_gain": 0.1,  # ... and beats the plain Jaccard by at least this

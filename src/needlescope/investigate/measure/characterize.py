@@ -30,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from needlescope.errors import BadInput
 from needlescope.investigate.decide.characterize import Context, Evidence, LengthCell
@@ -38,6 +39,10 @@ from needlescope.investigate.decide.selection_evidence import Row, layer_selecti
 from needlescope.investigate.decide.verdicts import paired
 from needlescope.investigate.ledger.differences import AUTO_PREFIX
 from needlescope.investigate.ledger.plan import Config, at_topk
+
+if TYPE_CHECKING:
+    from needlescope.investigate.measure.live import LiveRoute
+    from needlescope.investigate.measure.session import Session
 
 __all__ = ["FAILING_CASES", "STEP", "measure_characterization_inprocess", "measure_characterization_live"]
 
@@ -69,7 +74,7 @@ def _by_length(ref: list[dict], tgt: list[dict], into: dict) -> None:
         into.setdefault(r["length"], ([], []))[1].append(r)
 
 
-def _extra_cases(session, lengths: list[int], trials: int = 1) -> list:
+def _extra_cases(session: Session, lengths: list[int], trials: int = 1) -> list:
     from needlescope.cases.assemble import CaseSpec, build_cases
     from needlescope.dsa.checkpoint import trained_value_digits
     from needlescope.dsa.prompt import render_prompt
@@ -95,7 +100,7 @@ def _extra_cases(session, lengths: list[int], trials: int = 1) -> list:
     return cases
 
 
-def _discriminating_cases(session, dense: int, shortest: int, failing: int, ratio: int) -> list:
+def _discriminating_cases(session: Session, dense: int, shortest: int, failing: int, ratio: int) -> list:
     """The dense length's cases (``DENSE_CASES`` at least; none when the symptom already has a
     dense length) and one per depth at each residue length around the shortest failing one.
     The dense length is moved one token down (still dense) when it shares the failing length's
@@ -107,7 +112,7 @@ def _discriminating_cases(session, dense: int, shortest: int, failing: int, rati
     return cases + _extra_cases(session, [failing + d for d in range(1, ratio)])
 
 
-def _selection_layers(session, target, baseline, failing: list[dict]) -> tuple[list, int]:
+def _selection_layers(session: Session, target, baseline, failing: list[dict]) -> tuple[list, int]:
     """(``LayerSelection`` per (CSA layer, path) over the failing cases' analysed queries, the
     failing cases left out because their rerun alone did not reproduce the recorded token on
     either path). A failure that depends on what ran before the case (a cache slot kept across
@@ -143,7 +148,7 @@ def _selection_layers(session, target, baseline, failing: list[dict]) -> tuple[l
 
 
 def measure_characterization_inprocess(
-    session, suspects: list[dict], ref_records, cand_records
+    session: Session, suspects: list[dict], ref_records, cand_records
 ) -> CharacterizationInput:
     """The in-process characterization's measurements (module docstring), resumed from
     ``state.json``; ``decide`` asked for them (``decision.characterization_needed``) and
@@ -204,7 +209,7 @@ def measure_characterization_inprocess(
     return out
 
 
-def _same_numerics(session, target):
+def _same_numerics(session: Session, target):
     """The target's numerics and top-k without its patches (what its configured precision
     explains), or the reference at its top-k when the target carries no patch."""
     plain = Config(target.setting.with_(patch=None), ())
@@ -259,7 +264,7 @@ def _live_layers(route, ratio: int, failing: list[dict], baseline: dict) -> list
     return [layer_selection(layer, path, r) for (layer, path), r in sorted(rows.items())]
 
 
-def _case_files(session, failing: list[dict]) -> tuple[str | None, str | None, str | None]:
+def _case_files(session: Session, failing: list[dict]) -> tuple[str | None, str | None, str | None]:
     """(ids file, messages file, needle) of the first failing case, written under the run
     directory for the ``next`` command (absolute paths: it runs as printed from anywhere): the
     ids are the prompt and the answer tokens before the analysed one, as ``indexer diff
@@ -288,7 +293,7 @@ def _csa(model):
 
 
 def measure_characterization_live(
-    session, route, ref_records, live_records, failing, baseline
+    session: Session, route: LiveRoute, ref_records, live_records, failing, baseline
 ) -> CharacterizationInput:
     """The live characterization's measurements: the dense and residue lengths probed live and
     on the reference (``route.probe_live(name, cases)``), and the live selections of the failing

@@ -28,6 +28,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -35,6 +36,9 @@ from needlescope.dsa.emulate import IndexerCapture, emulate, patches_applied
 from needlescope.dsa.module_replay import rel_err, selection_error
 from needlescope.dsa.reference import visible_entries
 from needlescope.investigate.decide.localization import module_limit
+
+if TYPE_CHECKING:
+    from needlescope.investigate.measure.session import Session
 
 __all__ = ["decode_path", "departures"]
 
@@ -139,7 +143,9 @@ def _layer(name: str | None) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def decode_path(session, twin, cfg, ref_setting, prompt_ids: list[int], answer: list[int], rec: dict) -> dict:
+def decode_path(
+    session: Session, twin, cfg, ref_setting, prompt_ids: list[int], answer: list[int], rec: dict
+) -> dict:
     """The ``localization.paths`` entry of the decode path (module docstring)."""
     from needlescope.dsa.emulate import csa_indexers
     from needlescope.dsa.prompt import covering_entries, needle_token_span, render_prompt

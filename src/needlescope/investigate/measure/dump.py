@@ -145,16 +145,13 @@ def measure(session: Session) -> Measured:
     ref_records = session.measure("reference", session.reference) if session.loaded else []
     measured = measure_suspects(session, route.measure_suspect)
     t = session.ledger.target
-    return Measured(
+    return session.measured(
+        measured,
         route="dump",
         target={"model": t.model, "device": t.device, "dump": str(t.dump)},
         candidate_label="engine tensor dump",
         reference_records=ref_records,
         candidate_records=[],
-        configs=session.configs,
-        suspects=measured,
-        evidence={m["id"]: session.state.evidence(m["id"]) for m in measured},
-        differences=session.diffs,
         symptom_extra={"cases": len(ref_records)},
         localization=route.localize(),
     )

@@ -287,16 +287,13 @@ def measure(session: Session) -> Measured:
         if characterization_needed("in-process", sy.reference, sy.candidate, suspects, decided["root_cause"]):
             char = measure_characterization_inprocess(session, suspects, sy.reference, sy.candidate)
     nonfinite = nonfinite_summary(session)  # before the rank paths, as a run always counted them
-    return Measured(
+    return session.measured(
+        measured,
         route="in-process",
         target={"model": session.ledger.target.model, "device": session.ledger.target.device},
         candidate_label=session.candidate.label(),
         reference_records=sy.reference,
         candidate_records=sy.candidate,
-        configs=session.configs,
-        suspects=measured,
-        evidence={s["id"]: session.state.evidence(s["id"]) for s in measured},
-        differences=session.diffs,
         candidate_topk=sy.candidate[0]["index_topk"] if sy.candidate else None,
         fixes=fixes,
         topk_runs=topk_runs,

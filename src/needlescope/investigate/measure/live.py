@@ -376,16 +376,13 @@ def measure(session: Session) -> Measured:
         char = measure_characterization_live(session, route, sy.reference, sy.live, sy.failing, sy.baseline)
     t = session.ledger.target
     command = f"needlescope investigate run {session.ledger.path.name} --out {session.out.name}"
-    return Measured(
+    return session.measured(
+        measured,
         route="live",
         target={"model": t.model, "device": t.device, "endpoint": t.endpoint},
         candidate_label=f"live endpoint {t.endpoint}",
         reference_records=sy.reference,
         candidate_records=sy.live,
-        configs=session.configs,
-        suspects=measured,
-        evidence={m["id"]: session.state.evidence(m["id"]) for m in measured},
-        differences=session.diffs,
         candidate_topk=route.live_k,
         symptom_extra={
             "errors": sum(1 for r in sy.live if r.get("error")),

@@ -26,6 +26,10 @@ from __future__ import annotations
 
 import re
 import shlex
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from needlescope.investigate.measure.session import Session
 
 __all__ = ["localize_residual", "failing_case", "prefill_path", "STEP"]
 
@@ -40,7 +44,7 @@ def failing_case(res_recs: list[dict], ref_records: list[dict]) -> dict | None:
     return min(failing, key=lambda r: (r["length"], r["depth"], r["trial"])) if failing else None
 
 
-def _answer_ids(session, cfg, case, rec: dict) -> list[int]:
+def _answer_ids(session: Session, cfg, case, rec: dict) -> list[int]:
     """The residual candidate's generated tokens for ``case`` (measured again when the record
     predates ``output_ids``)."""
     if "output_ids" in rec:
@@ -94,7 +98,7 @@ def _num(x):
     return x if x is None or (isinstance(x, float) and x == x and abs(x) != float("inf")) else str(x)
 
 
-def _command(session, cfg, prompt_file: str) -> str:
+def _command(session: Session, cfg, prompt_file: str) -> str:
     """The ``needlescope indexer diff`` command that repeats the prefill step."""
     s = cfg.setting
     parts = [
@@ -117,7 +121,11 @@ def _command(session, cfg, prompt_file: str) -> str:
 
 
 def localize_residual(
-    session, cfg, res_recs: list[dict], ref_records: list[dict], target: str = "the residual candidate"
+    session: Session,
+    cfg,
+    res_recs: list[dict],
+    ref_records: list[dict],
+    target: str = "the residual candidate",
 ) -> dict | None:
     """The measured localization (module docstring), or None when no case fails. ``target``
     says what ``cfg`` is (the residual candidate, or the candidate itself)."""

@@ -20,6 +20,7 @@ import json
 from pathlib import Path
 
 from needlescope.errors import BadInput
+from needlescope.investigate.decide.measured import Measured
 from needlescope.investigate.decide.verdicts import evidence
 from needlescope.investigate.ledger.differences import AUTO_PREFIX, auto_suspects, differences
 from needlescope.investigate.ledger.ledger import Ledger, Suspect
@@ -267,6 +268,14 @@ class Session:
             f"{e['metric'].split(' (')[0]} -> {e['value']}"
             for e in self.state.evidence(sid)
             if e["check"].startswith("question:")
+        )
+
+    def measured(self, suspects: list[dict], **fields) -> Measured:
+        """A route's ``Measured`` (``fields``: its own) with what every route takes from the
+        session: the configurations measured, each suspect's evidence, the differences."""
+        evidence = {s["id"]: self.state.evidence(s["id"]) for s in suspects}
+        return Measured(
+            configs=self.configs, suspects=suspects, evidence=evidence, differences=self.diffs, **fields
         )
 
     def _checkpoint_dir(self) -> Path | None:

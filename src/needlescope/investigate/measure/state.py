@@ -52,6 +52,7 @@ class RunState:
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / "measure").mkdir(exist_ok=True)
         self.path = self.out / "state.json"
+        self._records: dict[str, list[dict]] = {}  # measure/NAME.jsonl, read once (``records``)
         digest = hashlib.sha256(ledger_text.encode()).hexdigest()
         if self.path.exists():
             self.data = json.loads(self.path.read_text(encoding="utf-8"))
@@ -170,7 +171,14 @@ class RunState:
         return self.out / "measure" / f"{name}.jsonl"
 
     def records(self, name: str) -> list[dict]:
-        """The measured case records of configuration ``name`` (a torn last line is dropped)."""
+        """The measured case records of configuration ``name`` (a torn last line is dropped): the
+        file is read once a run, then kept in memory and appended through (``append_record``,
+        ``supersede``)."""
+        if name not in self._records:
+            self._records[name] = self._read(name)
+        return list(self._records[name])
+
+    def _read(self, name: str) -> list[dict]:
         path = self._mpath(name)
         if not path.exists():
             return []
@@ -200,12 +208,18 @@ class RunState:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+        self._records[name] = list(keep)
 
     def append_record(self, name: str, record: dict) -> None:
+        """Append ``record`` to ``measure/NAME.jsonl`` (fsynced) and to the records in memory."""
+        records = self._records.setdefault(name, None)
+        if records is None:
+            self._records[name] = records = self._read(name)
         with open(self._mpath(name), "a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
             f.flush()
             os.fsync(f.fileno())
+        records.append(json.loads(json.dumps(record)))  # as a reader of the file would see it
 
 
 @contextmanager
