@@ -57,8 +57,8 @@ ROUTES = {
 
 
 def route_of(ledger: Ledger) -> str:
-    """The route a ledger takes: "live" for ``candidate = "live"``, "dump" for
-    ``candidate = "dump"``, else "in-process"."""
+    """The route a ledger takes: "blackbox" for ``candidate = "blackbox"``, "live" for
+    ``candidate = "live"``, "dump" for ``candidate = "dump"``, else "in-process"."""
     if ledger.target.blackbox:
         return "blackbox"
     if ledger.target.live:
