@@ -4,6 +4,7 @@ indexer capture off, characterized from outside (the black-box route).
     python bench/investigate_planted_blackbox.py OUT [--lengths 1024,2048] [--depths 0,25,50,75,100]
         [--trials 2] [--threads 1] [--device cpu] [--bugs NAME,...]
     python bench/investigate_planted_blackbox.py --render OUT/rows.jsonl   # the docs/investigate.md table
+    python bench/investigate_planted_blackbox.py --redecide OUT [OUT ...] > rows.jsonl  # today's rules, same measurements
 
 Per bug of ``tests/planted_bugs/`` (``CLASSES``: the planted class): ``needlescope serve`` with
 ``--index-k fp8_e4m3 --index-topk 64 --patch BUG --undisclosed-patch --no-indexer-capture``,
@@ -88,6 +89,35 @@ def run_bug(out: Path, bug: str, args) -> dict:
     }
 
 
+def redecide(outs: list[Path]) -> None:
+    """Print each finished run's row again, its classes decided by today's ``decide.blackbox``
+    from the measurements its run kept (``state.json``'s black-box step; the teacher-forced
+    ranks from ``measure/bb-teacher.jsonl``): a rule change is judged on the same answers."""
+    from needlescope.investigate.decide.blackbox import (
+        BlackboxContext,
+        BlackboxEvidence,
+        characterize_blackbox,
+    )
+
+    for out in outs:
+        for line in (out / "rows.jsonl").read_text().splitlines():
+            row = json.loads(line)
+            run = out / row["bug"].removesuffix(".py") / "out"
+            step = json.loads((run / "state.json").read_text())["done"].get("measured:blackbox")
+            if isinstance(step, dict):
+                teacher = [
+                    json.loads(x) for x in (run / "measure" / "bb-teacher.jsonl").read_text().splitlines()
+                ]
+                ev = {**step["evidence"], "teacher": [t for t in teacher if not t.get("error")]}
+                ch = characterize_blackbox(
+                    BlackboxEvidence.from_json(ev), BlackboxContext.from_json(step["context"])
+                )
+                row.update(
+                    classes=ch["classes"], where=ch["where"], undecided=ch["undecided"], next=ch["next"]
+                )
+            print(json.dumps(row))
+
+
 def render(rows_path: Path) -> str:
     rows = [json.loads(x) for x in rows_path.read_text().splitlines() if x.strip()]
     out = [
@@ -115,6 +145,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out", type=Path, nargs="?")
     ap.add_argument("--render", type=Path)
+    ap.add_argument("--redecide", type=Path, nargs="+")
     ap.add_argument("--lengths", default="1024,2048")
     ap.add_argument("--depths", default="0,25,50,75,100")
     ap.add_argument("--trials", type=int, default=2)
@@ -124,6 +155,9 @@ def main() -> None:
     args = ap.parse_args()
     if args.render:
         print(render(args.render))
+        return
+    if args.redecide:
+        redecide(args.redecide)
         return
     args.lengths = [int(x) for x in args.lengths.split(",")]
     args.depths = [int(x) for x in args.depths.split(",")]

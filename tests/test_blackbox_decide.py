@@ -96,6 +96,15 @@ def test_positional_bias_keeps_the_near_end_at_every_length_graded_grows_with_le
     assert ch["classes"][0] == "positional_bias", ch
     assert ch["evidence"]["positional_bias"]["kept_depths"] == [75.0, 100.0]
     assert "graded" not in ch["classes"]
+    # measured (recency_bias.py, 1K/2K, CPU): depths 0-50 lost at 1K, 0-75 at 2K; only 100 kept at
+    # both: the kept end is depth 100, and the loss (6 of 10, 8 of 10) does not double with length
+    recency = _grid({**{(1024, d): 2 for d in (0.0, 25.0, 50.0)}, **{(2048, d): 2 for d in DEPTHS[:4]}})
+    ch = _ch(grid=recency)
+    assert ch["classes"] == ["positional_bias"], ch
+    assert ch["evidence"]["positional_bias"]["kept_depths"] == [100.0]
+    # a loss at every depth but one middle one is no end kept: not positional
+    middle = _grid({(length, d): 2 for length in (1024, 2048) for d in DEPTHS if d != 50.0})
+    assert "positional_bias" not in _ch(grid=middle)["classes"]
     # a window: depth 0 lost at 1K, depths 0-50 at 2K: the loss grows with length, graded
     window = _grid({(1024, 0.0): 2, **{(2048, d): 2 for d in (0.0, 25.0, 50.0)}})
     ch = _ch(grid=window)

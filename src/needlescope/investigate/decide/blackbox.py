@@ -22,9 +22,9 @@ The rules, in the capture route's order (``decide.characterize``), each from its
 ``decode_only``        the answer teacher-forced through the server's prompt logprobs ranks first
                        at every answer token for every failing case scored, while the decoded
                        answer was wrong (a bug only the decode path runs)
-``positional_bias``    the length x depth grid: losses concentrate at one end of the depths
-                       (Fisher exact, one-sided, the other end loses at most 10%) at the same
-                       rate at every selective length (not growing with length)
+``positional_bias``    the length x depth grid: the depths at one end of the context lose no case
+                       at any length, the others lose (Fisher exact, one-sided), at a rate that
+                       does not grow with length (else ``graded``)
 ``graded``             the grid: the longest selective length loses and the shortest at most half
                        its rate (the capture route's length rule without the selections)
 
@@ -58,7 +58,6 @@ __all__ = [
 BLACKBOX_RULES = {
     "alpha": 0.05,
     "other_lengths_lose_at_most": 0.1,  # length_residue: the lengths outside the class
-    "favoured_end_loses_at_most": 0.1,  # positional_bias: the depths at the other end
     "graded_shortest_share": 0.5,  # the shortest selective length's net loss rate, of the longest's
     "teacher_forced_cases": 2,  # decode_only: at least this many failing cases scored
 }
@@ -315,35 +314,47 @@ def _grows_with_length(cells: list[GridCell]) -> tuple[bool, tuple, tuple] | Non
     return grows, short, long
 
 
+def _kept_end(cells: list[GridCell], depths: list[float]) -> list[float]:
+    """The depths at one end of the context that lose no case at any length (the longest such
+    run from the last depth, else from the first); [] when neither end is clean."""
+    clean = {d for d in depths if not any(c.lost for c in cells if c.depth == d)}
+    for order in (depths[::-1], depths):
+        run = []
+        for d in order:
+            if d not in clean:
+                break
+            run.append(d)
+        if run:
+            return sorted(run)
+    return []
+
+
 def _rule_positional(ev: BlackboxEvidence) -> dict | None:
     cells = _selective(ev)
     depths = sorted({c.depth for c in cells})
     trend = _grows_with_length(cells)
-    if len(depths) < 3 or trend is None or trend[0]:
+    kept = _kept_end(cells, depths)
+    if len(depths) < 3 or trend is None or trend[0] or not kept or len(kept) == len(depths):
         return None
-    half = len(depths) // 2
-    for end, favoured, far in (
-        ("last", depths[-half:], depths[:half]),
-        ("first", depths[:half], depths[-half:]),
-    ):
-        fl = sum(c.lost for c in cells if c.depth in favoured)
-        fn = sum(c.n for c in cells if c.depth in favoured)
-        ol = sum(c.lost for c in cells if c.depth in far)
-        on = sum(c.n for c in cells if c.depth in far)
-        if fl > BLACKBOX_RULES["favoured_end_loses_at_most"] * fn or not ol:
-            continue
-        p = _fisher_greater(ol, on, fl, fn)
-        if p < BLACKBOX_RULES["alpha"]:
-            return {
-                "rule": f"the needles near the {end} end of the context are kept, the others lost, at every length",
-                "experiment": "the length x depth grid",
-                "kept_depths": favoured,
-                "lost_far": [ol, on],
-                "lost_near": [fl, fn],
-                "p": p,
-                "null": "a loss spread over the depths alike (Fisher exact, one-sided)",
-            }
-    return None
+    end = "last" if kept[-1] == depths[-1] else "first"
+    far = [d for d in depths if d not in kept]
+    fl = sum(c.lost for c in cells if c.depth in kept)
+    fn = sum(c.n for c in cells if c.depth in kept)
+    ol = sum(c.lost for c in cells if c.depth in far)
+    on = sum(c.n for c in cells if c.depth in far)
+    p = _fisher_greater(ol, on, fl, fn)
+    if p >= BLACKBOX_RULES["alpha"]:
+        return None
+    return {
+        "rule": f"the needles near the {end} end of the context are kept at every length, the others lost, "
+        "at a rate that does not grow with length",
+        "experiment": "the length x depth grid",
+        "kept_depths": kept,
+        "lost_far": [ol, on],
+        "lost_near": [fl, fn],
+        "p": p,
+        "null": "a loss spread over the depths alike (Fisher exact, one-sided)",
+    }
 
 
 def _fisher_greater(a: int, n1: int, c: int, n2: int) -> float:
