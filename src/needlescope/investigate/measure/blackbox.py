@@ -26,6 +26,7 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
+from needlescope.analysis.bisect import RATIO_KEYS, ints_in
 from needlescope.cases.scoring import prompt_rivals, score_answer
 from needlescope.errors import BadInput, ProbeError
 from needlescope.investigate.decide.blackbox import (
@@ -47,20 +48,7 @@ FAILING_CASES = 3
 SCAN_DEPTHS = 3
 TOP_LOGPROBS = 5
 
-_RATIO_KEYS = ("compress_ratio", "compress_ratios", "compress_rates", "compression_ratio")
 _CHUNK_KEYS = ("chunked_prefill_size", "prefill_chunk", "max_num_batched_tokens")
-
-
-def _ints(value) -> list[int]:
-    if isinstance(value, bool):
-        return []
-    if isinstance(value, int):
-        return [value]
-    if isinstance(value, dict):
-        return [x for v in value.values() for x in _ints(v)]
-    if isinstance(value, list):
-        return [x for v in value for x in _ints(v)]
-    return []
 
 
 def _scopes(obj: dict) -> list[dict]:
@@ -70,7 +58,7 @@ def _scopes(obj: dict) -> list[dict]:
 def _first(obj: dict, keys: tuple[str, ...], pick=min) -> int | None:
     for scope in _scopes(obj):
         for k in keys:
-            found = [x for x in _ints(scope.get(k)) if x > 1]
+            found = [x for x in ints_in(scope.get(k)) if x > 1]
             if found:
                 return pick(found)
     return None
@@ -91,7 +79,7 @@ def arch_from(info: dict | None, config: dict | None, config_name: str = "config
                 return v
         return None
 
-    ratio, topk = pick("ratio", _RATIO_KEYS), pick("index_topk", ("index_topk",))
+    ratio, topk = pick("ratio", RATIO_KEYS), pick("index_topk", ("index_topk",))
     page, chunk = pick("page_size", ("page_size",)), pick("chunk_size", _CHUNK_KEYS)
     source = ", ".join(f"{k} from {v}" for k, v in said.items()) or "none said"
     return Arch(ratio=ratio, topk=topk, page_size=page, chunk_size=chunk, source=source)
