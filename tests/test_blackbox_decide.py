@@ -89,27 +89,28 @@ def test_decode_only_when_the_teacher_forced_answer_ranks_first():
     assert "decode_only" not in _ch(grid=_all_lost(), teacher=(right,), method="x")["classes"]
 
 
-def test_positional_bias_keeps_the_near_end_at_every_length_graded_grows_with_length():
-    # needles at depths 0-50 lost at both lengths, 75 and 100 kept: a bias towards the last quarter
-    bias = _grid({(length, d): 2 for length in (1024, 2048) for d in (0.0, 25.0, 50.0)})
-    ch = _ch(grid=bias)
-    assert ch["classes"][0] == "positional_bias", ch
-    assert ch["evidence"]["positional_bias"]["kept_depths"] == [75.0, 100.0]
-    assert "graded" not in ch["classes"]
-    # measured (recency_bias.py, 1K/2K, CPU): depths 0-50 lost at 1K, 0-75 at 2K; only 100 kept at
-    # both: the kept end is depth 100, and the loss (6 of 10, 8 of 10) does not double with length
+def test_positional_bias_keeps_the_top_ks_reach_graded_a_wider_window():
+    # measured (recency_bias.py, 1K/2K, top-64, ratio 4, CPU): depths 0-50 lost at 1K, 0-75 at 2K:
+    # kept within 256 tokens of the end (ratio x top-k), lost from 512: the selection piled up there
     recency = _grid({**{(1024, d): 2 for d in (0.0, 25.0, 50.0)}, **{(2048, d): 2 for d in DEPTHS[:4]}})
     ch = _ch(grid=recency)
     assert ch["classes"] == ["positional_bias"], ch
-    assert ch["evidence"]["positional_bias"]["kept_depths"] == [100.0]
-    # a loss at every depth but one middle one is no end kept: not positional
-    middle = _grid({(length, d): 2 for length in (1024, 2048) for d in DEPTHS if d != 50.0})
-    assert "positional_bias" not in _ch(grid=middle)["classes"]
-    # a window: depth 0 lost at 1K, depths 0-50 at 2K: the loss grows with length, graded
-    window = _grid({(1024, 0.0): 2, **{(2048, d): 2 for d in (0.0, 25.0, 50.0)}})
-    ch = _ch(grid=window)
+    e = ch["evidence"]["positional_bias"]
+    assert (e["end"], e["kept_within"], e["lost_from"], e["reach"]) == ("last", 256, 512, 256)
+    assert ch["where"]["kept_within"] == 256
+    # measured (stale_far_keys.py, the same grid): depths 0-25 lost at 1K, 0-50 at 2K: kept within
+    # 512 tokens, lost from 768: a window wider than the top-k's reach, graded
+    stale = _grid({**{(1024, d): 2 for d in (0.0, 25.0)}, **{(2048, d): 2 for d in (0.0, 25.0, 50.0)}})
+    ch = _ch(grid=stale)
     assert ch["classes"] == ["graded"], ch
-    assert ch["evidence"]["graded"]["shortest"] == [1024, 2, 10]
+    assert (ch["evidence"]["graded"]["kept_within"], ch["evidence"]["graded"]["lost_from"]) == (512, 768)
+    # the same depths lost at every length is no distance from the end: neither
+    fraction = _grid({(length, d): 2 for length in (1024, 2048) for d in (0.0, 25.0, 50.0)})
+    assert _ch(grid=fraction)["classes"] == ["undecided"]
+    # no window, but the loss grows with length: the shortest at most half the longest's rate
+    growing = _grid({(1024, 50.0): 1, **{(2048, d): 2 for d in (0.0, 50.0, 100.0)}})
+    ch = _ch(grid=growing)
+    assert ch["classes"] == ["graded"] and ch["evidence"]["graded"]["shortest"] == [1024, 1, 10]
 
 
 def test_state_dependent_when_every_failing_case_answers_otherwise_alone():

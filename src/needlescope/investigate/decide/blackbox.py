@@ -22,11 +22,13 @@ The rules, in the capture route's order (``decide.characterize``), each from its
 ``decode_only``        the answer teacher-forced through the server's prompt logprobs ranks first
                        at every answer token for every failing case scored, while the decoded
                        answer was wrong (a bug only the decode path runs)
-``positional_bias``    the length x depth grid: the depths at one end of the context lose no case
-                       at any length, the others lose (Fisher exact, one-sided), at a rate that
-                       does not grow with length (else ``graded``)
-``graded``             the grid: the longest selective length loses and the shortest at most half
-                       its rate (the capture route's length rule without the selections)
+``positional_bias``    the length x depth grid: a distance from one end of the context separates
+                       the kept needles from the lost ones at every length (Fisher exact,
+                       one-sided), and it is the top-k's reach, ratio x top-k tokens: a selection
+                       piled up at that end holds the top-k entries nearest it and nothing else
+``graded``             the grid: such a window wider than the top-k's reach (entries past a window
+                       scored wrong: the loss grows with length), or the longest selective length
+                       loses and the shortest at most half its rate
 
 ``misaddressed``, ``needle_excluded`` and ``ranking_uninformative`` read the selection, which an
 endpoint without a capture does not show: when no rule above fires the class is ``undecided``,
@@ -60,6 +62,7 @@ BLACKBOX_RULES = {
     "other_lengths_lose_at_most": 0.1,  # length_residue: the lengths outside the class
     "graded_shortest_share": 0.5,  # the shortest selective length's net loss rate, of the longest's
     "teacher_forced_cases": 2,  # decode_only: at least this many failing cases scored
+    "reach_slack": 1.25,  # positional_bias: the kept window within 1.25 x ratio x top-k (the needle's span)
 }
 
 MODULI = (4, 16, 64, 128)
@@ -314,46 +317,70 @@ def _grows_with_length(cells: list[GridCell]) -> tuple[bool, tuple, tuple] | Non
     return grows, short, long
 
 
-def _kept_end(cells: list[GridCell], depths: list[float]) -> list[float]:
-    """The depths at one end of the context that lose no case at any length (the longest such
-    run from the last depth, else from the first); [] when neither end is clean."""
-    clean = {d for d in depths if not any(c.lost for c in cells if c.depth == d)}
-    for order in (depths[::-1], depths):
-        run = []
-        for d in order:
-            if d not in clean:
-                break
-            run.append(d)
-        if run:
-            return sorted(run)
-    return []
+def _distance(c: GridCell, end: str) -> float:
+    """Tokens between the cell's needle and one end of its context (the needle sits ``depth``%
+    into it)."""
+    return (1 - c.depth / 100) * c.length if end == "last" else c.depth / 100 * c.length
+
+
+def window(cells: list[GridCell]) -> dict | None:
+    """The distance from one end of the context that separates the kept needles from the lost
+    ones at every length, or None: each cell's needle sits ``depth``% into the context, so
+    ``(1 - depth / 100) x length`` tokens from its end (``depth / 100 x length`` from its start);
+    a window is (the farthest cell with no loss, the nearest cell with one), the first below the
+    second, over every length. {"end", "kept_within", "lost_from", kept/lost cases}."""
+    for end in ("last", "first"):
+        kept = [c for c in cells if not c.lost]
+        lost = [c for c in cells if c.lost]
+        if not kept or not lost:
+            return None
+        lo, hi = max(_distance(c, end) for c in kept), min(_distance(c, end) for c in lost)
+        if lo < hi:
+            return {
+                "end": end,
+                "kept_within": round(lo),
+                "lost_from": round(hi),
+                "kept": [sum(c.lost for c in kept), sum(c.n for c in kept)],
+                "lost": [sum(c.lost for c in lost), sum(c.n for c in lost)],
+            }
+    return None
+
+
+def _reach(arch: Arch) -> int | None:
+    """Tokens the top-k entries nearest one end cover: ``ratio x top-k``."""
+    return arch.ratio * arch.topk if arch.ratio and arch.topk else None
+
+
+def _window_rule(ev: BlackboxEvidence) -> tuple[dict, float] | None:
+    """(the window, its Fisher p) when one separates kept from lost needles over at least two
+    selective lengths and the separation is significant."""
+    cells = _selective(ev)
+    if len({c.length for c in cells}) < 2:
+        return None
+    w = window(cells)
+    if w is None:
+        return None
+    p = _fisher_greater(w["lost"][0], w["lost"][1], w["kept"][0], w["kept"][1])
+    return (w, p) if p < BLACKBOX_RULES["alpha"] else None
 
 
 def _rule_positional(ev: BlackboxEvidence) -> dict | None:
-    cells = _selective(ev)
-    depths = sorted({c.depth for c in cells})
-    trend = _grows_with_length(cells)
-    kept = _kept_end(cells, depths)
-    if len(depths) < 3 or trend is None or trend[0] or not kept or len(kept) == len(depths):
+    found, reach = _window_rule(ev), _reach(ev.arch)
+    if found is None or reach is None:
         return None
-    end = "last" if kept[-1] == depths[-1] else "first"
-    far = [d for d in depths if d not in kept]
-    fl = sum(c.lost for c in cells if c.depth in kept)
-    fn = sum(c.n for c in cells if c.depth in kept)
-    ol = sum(c.lost for c in cells if c.depth in far)
-    on = sum(c.n for c in cells if c.depth in far)
-    p = _fisher_greater(ol, on, fl, fn)
-    if p >= BLACKBOX_RULES["alpha"]:
+    w, p = found
+    # the selection piled up at one end holds exactly the top-k entries there: needles kept
+    # within ratio x top-k tokens of that end (slack for the needle's own span), lost beyond
+    if not (w["kept_within"] <= BLACKBOX_RULES["reach_slack"] * reach and reach < w["lost_from"]):
         return None
     return {
-        "rule": f"the needles near the {end} end of the context are kept at every length, the others lost, "
-        "at a rate that does not grow with length",
+        "rule": f"needles are kept only within the top-k's reach of the {w['end']} end of the context "
+        f"(ratio x top-k = {reach} tokens), at every length",
         "experiment": "the length x depth grid",
-        "kept_depths": kept,
-        "lost_far": [ol, on],
-        "lost_near": [fl, fn],
+        **w,
+        "reach": reach,
         "p": p,
-        "null": "a loss spread over the depths alike (Fisher exact, one-sided)",
+        "null": "a loss that does not follow the distance from one end (Fisher exact, one-sided)",
     }
 
 
@@ -365,6 +392,22 @@ def _fisher_greater(a: int, n1: int, c: int, n2: int) -> float:
 
 
 def _rule_graded(ev: BlackboxEvidence) -> dict | None:
+    found, reach = _window_rule(ev), _reach(ev.arch)
+    if (
+        found is not None
+        and reach is not None
+        and found[0]["kept_within"] > BLACKBOX_RULES["reach_slack"] * reach
+    ):
+        w, p = found
+        return {
+            "rule": f"needles farther than a window from the {w['end']} end are lost at every length, a window "
+            f"wider than the top-k's reach ({reach} tokens): the loss grows with length",
+            "experiment": "the length x depth grid",
+            **w,
+            "reach": reach,
+            "p": p,
+            "null": "a loss that does not follow the distance from one end (Fisher exact, one-sided)",
+        }
     trend = _grows_with_length(_selective(ev))
     if trend is None or not trend[0]:
         return None
@@ -483,10 +526,10 @@ def _site(cls: str, e: dict) -> dict:
     keys = {
         "outside_selection": ("length",),
         "length_residue": ("modulus", "residue"),
-        "positional_bias": ("kept_depths",),
-        "graded": ("shortest", "longest"),
+        "positional_bias": ("end", "kept_within", "lost_from"),
+        "graded": ("end", "kept_within", "lost_from", "shortest", "longest"),
     }.get(cls, ())
-    site = {k: e[k] for k in keys}
+    site = {k: e[k] for k in keys if k in e}
     if cls == "decode_only":
         site["path"] = "decode"
     return site
