@@ -131,8 +131,7 @@ def diagnosis_blocks(findings: Findings, images: list[tuple[str, str]]) -> list[
     b += _symptom_blocks(f, images)
     b += _root_blocks(f)
     b += dc.residual_blocks(v) + dc.localization_blocks(v) + characterization_blocks(v)
-    if f.route != "blackbox":  # a black-box ledger names no suspect: nothing was tested
-        b += _verdict_blocks(f)
+    b += _verdict_blocks(f)
     b += [("p", t) for t in [dc.multiplicity_text(v)] if t]
     b += dc.nonfinite_blocks(v)
     if live:
