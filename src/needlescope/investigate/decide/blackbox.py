@@ -38,11 +38,11 @@ only in top-k) and ``next`` is the capture command.
 
 from __future__ import annotations
 
-import math
 import shlex
 from dataclasses import asdict, dataclass, field
 
 from needlescope.analysis.bisect import correct_residues, residue_test
+from needlescope.investigate.decide.characterize import fisher_greater
 
 __all__ = [
     "BLACKBOX_RULES",
@@ -360,7 +360,7 @@ def _window_rule(ev: BlackboxEvidence) -> tuple[dict, float] | None:
     w = window(cells)
     if w is None:
         return None
-    p = _fisher_greater(w["lost"][0], w["lost"][1], w["kept"][0], w["kept"][1])
+    p = fisher_greater(w["lost"][0], w["lost"][1], w["kept"][0], w["kept"][1])
     return (w, p) if p < BLACKBOX_RULES["alpha"] else None
 
 
@@ -382,13 +382,6 @@ def _rule_positional(ev: BlackboxEvidence) -> dict | None:
         "p": p,
         "null": "a loss that does not follow the distance from one end (Fisher exact, one-sided)",
     }
-
-
-def _fisher_greater(a: int, n1: int, c: int, n2: int) -> float:
-    """One-sided Fisher exact p that group 1 (a lost of n1) loses more often than group 2."""
-    m, total = a + c, n1 + n2
-    denom = math.comb(total, m)
-    return sum(math.comb(n1, x) * math.comb(n2, m - x) for x in range(a, min(n1, m) + 1)) / denom
 
 
 def _rule_graded(ev: BlackboxEvidence) -> dict | None:

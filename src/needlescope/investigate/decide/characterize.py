@@ -84,6 +84,7 @@ __all__ = [
     "nothing_to_explain",
     "family_of",
     "jaccard_chance",
+    "fisher_greater",
 ]
 
 VOCABULARY = (
@@ -163,7 +164,7 @@ def _mcnemar_lower(lost: int, gained: int) -> float:
     return sum(math.comb(n, i) for i in range(lost, n + 1)) / 2**n if n else 1.0
 
 
-def _fisher_greater(a: int, n1: int, c: int, n2: int) -> float:
+def fisher_greater(a: int, n1: int, c: int, n2: int) -> float:
     """One-sided Fisher exact p that group 1 (a of n1) loses more often than group 2 (c of n2)."""
     m, total = a + c, n1 + n2
     denom = math.comb(total, m)
@@ -271,7 +272,7 @@ def _rule_residue(ev: Evidence, ctx: Context) -> dict | None:
     r, (n1, a) = max(by.items(), key=lambda kv: kv[1][1] / max(kv[1][0], 1))
     n2 = sum(v[0] for k, v in by.items() if k != r)
     c2 = sum(v[1] for k, v in by.items() if k != r)
-    p = _fisher_greater(a, n1, c2, n2)
+    p = fisher_greater(a, n1, c2, n2)
     if p >= RULES["alpha"] or c2 > RULES["other_residues_lose_at_most"] * n2:
         return None
     return {
