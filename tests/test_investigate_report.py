@@ -172,3 +172,13 @@ def test_a_dump_run_shows_where_the_divergence_starts_and_no_fix(tmp_path):
     assert f.route == "dump" and f.localization["diverges_first"] == "dump"
     assert "the candidate is an engine tensor dump of one request" in text
     assert "a tensor dump cannot be ablated" in text and "## Fixes" not in text
+
+
+def test_a_live_run_shows_each_emulation_against_the_live_capture(tmp_path):
+    f = golden("live-root-cause", tmp_path)
+    text = write_reports(f)[0].read_text()
+    section = text[text.index("## Live selection vs each suspect's emulation") :]
+    for s in f.suspects:
+        if s.live:
+            assert f"| {s.id} | {s.verdict} | {s.live['reproduced']} of {s.live['failures']} |" in section
+    assert "none measured: a live endpoint cannot be ablated" in text and "## Fixes" not in text
