@@ -155,3 +155,30 @@ def test_diagnosis_html_renders_in_headless_chromium(tmp_path):
         fill.min(),
         fill.max(),
     )
+
+
+def test_a_blocked_run_says_what_blocked_each_check(tmp_path):
+    f = golden("in-process-blocked", tmp_path)
+    text = write_reports(f)[0].read_text()
+    assert "no candidate recall was measured" in text
+    blocked = text[text.index("## Blocked or unrun diagnostics") :]
+    assert all(f"{s.id}: " in blocked for s in f.suspects if s.verdict == "blocked")
+    assert "reference checkpoint unavailable" in blocked
+
+
+def test_a_dump_run_shows_where_the_divergence_starts_and_no_fix(tmp_path):
+    f = golden("dump-localized", tmp_path)
+    text = write_reports(f)[0].read_text()
+    assert f.route == "dump" and f.localization["diverges_first"] == "dump"
+    assert "the candidate is an engine tensor dump of one request" in text
+    assert "a tensor dump cannot be ablated" in text and "## Fixes" not in text
+
+
+def test_a_live_run_shows_each_emulation_against_the_live_capture(tmp_path):
+    f = golden("live-root-cause", tmp_path)
+    text = write_reports(f)[0].read_text()
+    section = text[text.index("## Live selection vs each suspect's emulation") :]
+    for s in f.suspects:
+        if s.live:
+            assert f"| {s.id} | {s.verdict} | {s.live['reproduced']} of {s.live['failures']} |" in section
+    assert "none measured: a live endpoint cannot be ablated" in text and "## Fixes" not in text
