@@ -1,6 +1,10 @@
-"""docs/architecture.md names real code: every dotted name in its capability and package tables
-that starts at a top-level package of needlescope resolves to a module or an attribute of one
-(``a.{b,c}`` names both; a ``*`` glob is skipped)."""
+"""docs/architecture.md names real code, and its relations are true:
+
+- every dotted name in its capability and package tables that starts at a top-level package of
+  needlescope resolves to a module or an attribute of one (``a.{b,c}`` names both; a ``*`` glob
+  is skipped);
+- every "`A` (from `B`, `C`)" of the tables is a relation the source shows: A's name appears in
+  the module that defines B or C (B calls, imports or registers A)."""
 
 from __future__ import annotations
 
@@ -78,3 +82,49 @@ def test_the_tables_name_code():
 @pytest.mark.parametrize("name", ["investigate.runner.run_investigation", "investigate.{diagnosis,ledger}"])
 def test_a_stale_name_is_caught(name):
     assert not all(_resolves(n) for n in _expand(name))
+
+
+_FROM = re.compile(r"`([^`]+)` \(from ((?:`[^`]+`(?:, )?)+)")
+SRC = ROOT / "src" / "needlescope"
+
+
+def relations() -> list[tuple[str, list[str]]]:
+    """(A, [B, ...]) of every "`A` (from `B`, ...)" in the tables."""
+    return [(m.group(1), _TICKED.findall(m.group(2))) for row in _table_rows() for m in _FROM.finditer(row)]
+
+
+def _module_source(name: str) -> str:
+    """The source of the module that defines ``name``: a dotted name resolved as above, or a bare
+    function or class name found by its ``def``/``class`` line."""
+    if "." in name:
+        parts = name.removeprefix("needlescope.").split(".")
+        for cut in range(len(parts), 0, -1):
+            path = SRC.joinpath(*parts[:cut])
+            for f in (path.with_suffix(".py"), path / "__init__.py"):
+                if f.is_file():
+                    return f.read_text(encoding="utf-8")
+        return ""
+    found = [
+        f.read_text(encoding="utf-8")
+        for f in SRC.rglob("*.py")
+        if re.search(rf"^(?:def|class) {re.escape(name)}\b", f.read_text(encoding="utf-8"), re.M)
+    ]
+    return "\n".join(found)
+
+
+def _holds(callee: str, callers: list[str]) -> bool:
+    leaves = [n.split(".")[-1] for n in _expand(callee)]
+    return all(
+        any(re.search(rf"\b{re.escape(leaf)}\b", _module_source(c)) for c in callers) for leaf in leaves
+    )
+
+
+def test_every_from_relation_holds():
+    rels = relations()
+    assert len(rels) >= 4, rels  # the tables were read
+    assert [r for r in rels if not _holds(*r)] == []
+
+
+def test_a_false_relation_is_caught():
+    assert not _holds("dsa.loading.load_placed", ["cases.assemble"])
+    assert not _holds("investigate.measure.live.LiveRoute", ["investigate.run.run_investigation"])

@@ -14,9 +14,9 @@ PLANTED = Path(__file__).parent / "planted_bugs"
 
 
 def test_a_decode_only_bug_is_characterized_decode_only(tmp_path, monkeypatch):
+    from characterized import characterized
     from needlescope.investigate.ledger.ledger import load_ledger
     from needlescope.investigate.measure import characterize as measure
-    from needlescope.investigate.measure.characterize import characterize_inprocess
 
     monkeypatch.setattr(measure, "FAILING_CASES", 1)  # one failing case's selections decide it (cheap)
     from needlescope.investigate.measure.session import Session
@@ -50,7 +50,8 @@ def test_a_decode_only_bug_is_characterized_decode_only(tmp_path, monkeypatch):
     ref = inv.measure("reference", inv.reference)
     cand = inv.measure("candidate", inv.candidate)
     assert sum(r["correct"] for r in ref) > sum(r["correct"] for r in cand)  # the bug costs recall
-    ch = characterize_inprocess(inv, [], ref, cand, None)
+
+    ch = characterized(inv, ref, cand)
     assert ch["classes"][0] == "decode_only", ch
     e = ch["evidence"]["decode_only"]
     assert e["prefill_overlap"] == 1.0 and e["decode_overlap"] < e["chance"] + 0.2, e
@@ -65,4 +66,4 @@ def test_a_decode_only_bug_is_characterized_decode_only(tmp_path, monkeypatch):
     lengths = {c["length"] for c in ch["measured"]["cells"]}
     assert {257, 258, 259} <= lengths  # the residue lengths around the failing one
     # nothing read the patch: the same records with no loss say "nothing to explain"
-    assert characterize_inprocess(inv, [], ref, ref, None)["classes"] == ["none"]
+    assert characterized(inv, ref, ref)["classes"] == ["none"]

@@ -7,6 +7,8 @@ differences no suspect covers, the roles a verdict may carry.
 
 from __future__ import annotations
 
+from needlescope.investigate.decide.findings import Findings, Suspect
+from needlescope.investigate.decide.signature import NO_SIGNATURE
 from needlescope.investigate.report.summary import shown_verdict, summary_box
 from needlescope.report.blocks import render_html, render_md
 
@@ -15,46 +17,47 @@ def _pair(with_, without, b, c, p, n=18):
     return {"n": n, "b": b, "c": c, "p": p, "recall_with": with_, "recall_without": without}
 
 
-def _suspect(sid, verdict, reason, **kw):
-    return {"id": sid, "tier": 2, "verdict": verdict, "reason": reason, "evidence": [], **kw}
+_IDENT = {
+    "paged": ("fault:indexer_page_table", "the paged kernel"),
+    "index_topk": ("topk=64", "top-k too small"),
+}
 
 
-def _inv(root="paged", fixes=None, suspects=None, **verdicts):
-    return {
-        "route": "in-process",
-        "candidate_topk": 64,
-        "symptom": {
+def _suspect(sid, verdict, reason, **kw) -> Suspect:
+    maps_to, hypothesis = _IDENT.get(sid, ("", ""))
+    pair = _pair(0.44, 1.0, 10, 0, 0.001953125) if sid in _IDENT else None
+    return Suspect(sid, 2, hypothesis, maps_to, False, False, verdict, reason, pair=pair, **kw)
+
+
+def _inv(root="paged", fixes=None, suspects=None, **verdicts) -> Findings:
+    default = [
+        _suspect("paged", "implicated", "removing it ..."),
+        _suspect("index_topk", "exonerated", "workaround, not the cause: removing it ...", role="workaround"),
+        _suspect("hc_mix", "diverges_no_effect", "moves the logits ..."),
+    ]
+    return Findings(
+        route="in-process",
+        ledger="investigation.toml",
+        target={"model": "organism", "device": "cpu"},
+        symptom={
             "kind": "multiturn",
             "cases": 18,
             "recall_reference": {"256": 1.0, "512": 1.0, "1024": 1.0},
             "recall_candidate": {"256": 1.0, "512": 0.33, "1024": 0.0},
         },
-        "suspects": [
-            {
-                "id": "paged",
-                "maps_to": "fault:indexer_page_table",
-                "hypothesis": "the paged kernel",
-                "pair": _pair(0.44, 1.0, 10, 0, 0.001953125),
-            },
-            {
-                "id": "index_topk",
-                "maps_to": "topk=64",
-                "hypothesis": "top-k too small",
-                "pair": _pair(0.44, 1.0, 10, 0, 0.001953125),
-            },
-        ],  # fmt: skip
-        "fixes": fixes or [],
-        "verdicts": {
-            "root_cause": root,
-            "suspects": suspects
-            or [
-                _suspect("paged", "implicated", "removing it ..."),
-                _suspect("index_topk", "exonerated", "workaround, not the cause: removing it ..."),
-                _suspect("hc_mix", "diverges_no_effect", "moves the logits ..."),
-            ],
-            **verdicts,
-        },
-    }
+        configs={},
+        candidate_topk=64,
+        suspects=tuple(suspects or default),
+        fixes=tuple(fixes or []),
+        explained=None,
+        root_cause=root,
+        root_causes=tuple(verdicts.pop("root_causes", [root] if root else [])),
+        signature=NO_SIGNATURE,
+        differences=(),
+        unaccounted_differences=tuple(verdicts.pop("unaccounted_differences", ())),
+        multiplicity={"method": "holm", "tests": 2, "alpha": 0.05},
+        **verdicts,
+    )
 
 
 FIXES = [
@@ -99,11 +102,11 @@ def test_no_implicated_suspect_reads_unexplained():
     assert rows(_inv(root=None, suspects=open_))["Root cause"] == "**unexplained**: inconclusive: paged"
     # Without a loss there is nothing to explain.
     healthy = _inv(root=None, suspects=[_suspect("paged", "exonerated", "no effect")])
-    healthy["symptom"]["recall_candidate"] = dict(healthy["symptom"]["recall_reference"])
+    healthy.symptom["recall_candidate"] = dict(healthy.symptom["recall_reference"])
     assert rows(healthy)["Root cause"].startswith("nothing to explain: the candidate loses no recall")
     # ... also with suspects left inconclusive (a benign bug: 1.00 vs 1.00)
     benign = _inv(root=None, suspects=open_)
-    benign["symptom"]["recall_candidate"] = dict(benign["symptom"]["recall_reference"])
+    benign.symptom["recall_candidate"] = dict(benign.symptom["recall_reference"])
     assert (
         rows(benign)["Root cause"].startswith("nothing to explain")
         and "unexplained" not in rows(benign)["Root cause"]
@@ -132,7 +135,9 @@ def test_a_residual_loss_and_uncovered_differences_say_unexplained():
 
 
 def test_roles_are_shown_and_a_workaround_is_never_shown_as_exonerated():
-    assert shown_verdict(_suspect("k", "exonerated", "workaround, not the cause: ...")) == "workaround"
+    assert shown_verdict(_suspect("k", "exonerated", "x", role="workaround")) == "workaround"
+    # the role says it, never the reason's words
+    assert shown_verdict(_suspect("k", "exonerated", "workaround, not the cause: ...")) == "exonerated"
     assert shown_verdict(_suspect("k", "inconclusive", "x", role="workaround")) == "workaround"
     assert shown_verdict(_suspect("a", "implicated", "x", role="co-factor")) == "implicated (co-factor)"
     assert shown_verdict(_suspect("a", "implicated", "x")) == "implicated"

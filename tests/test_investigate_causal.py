@@ -3,6 +3,8 @@ verdict, Holm, absent suspects, c > b, the SMALL_EFFECT boundary, two root cause
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 
 from needlescope.investigate.decide.verdicts import (
@@ -26,6 +28,19 @@ def _pair(b: int, c: int, n: int = 20) -> dict:
     return paired(with_s, without)
 
 
+def resolve(suspects: list[dict], signature_fires: bool) -> str | None:
+    """``resolve_root_cause``, which returns the roles as a new value and changes nothing it was
+    given (checked), with each role joined into its suspect record as ``decide_suspects`` does."""
+    before = copy.deepcopy(suspects)
+    root, roles = resolve_root_cause(suspects, signature_fires=signature_fires)
+    assert suspects == before  # never overwritten in place
+    for s in suspects:
+        if s["id"] in roles:
+            r = roles[s["id"]]
+            s.update(verdict=r.verdict, reason=r.reason, role=r.role)
+    return root
+
+
 def _s(sid, b, c=0, *, topk=False, sufficient=None, present=True):
     return {
         "id": sid,
@@ -41,7 +56,7 @@ def _s(sid, b, c=0, *, topk=False, sufficient=None, present=True):
 
 def test_a_necessary_but_not_sufficient_suspect_is_a_co_factor_naming_its_partner():
     bug, keys = _s("graded_bug", 12, sufficient=False), _s("fp8_keys", 10, sufficient=False)
-    root = resolve_root_cause([bug, keys], signature_fires=False)
+    root = resolve([bug, keys], signature_fires=False)
     assert root is None and bug["role"] == keys["role"] == "co-factor"
     assert bug["verdict"] == "implicated" and "interacts with fp8_keys" in bug["reason"]
     assert "interacts with graded_bug" in keys["reason"]
@@ -50,22 +65,22 @@ def test_a_necessary_but_not_sufficient_suspect_is_a_co_factor_naming_its_partne
 def test_capacity_is_a_root_cause_only_when_sufficient_on_its_own():
     # the issue's case: top-k necessary only together with an unnamed bug -> the bug is the root
     topk, bug = _s("index_topk", 19, topk=True, sufficient=False), _s("auto:extra.py", 19, sufficient=True)
-    assert resolve_root_cause([topk, bug], signature_fires=False) == "auto:extra.py"
+    assert resolve([topk, bug], signature_fires=False) == "auto:extra.py"
     assert topk["verdict"] == "exonerated" and topk["role"] == "workaround"
     # top-k alone necessary and not sufficient, nothing else implicated: a co-factor, no root cause
     alone = _s("index_topk", 19, topk=True, sufficient=False)
-    assert resolve_root_cause([alone], signature_fires=False) is None
+    assert resolve([alone], signature_fires=False) is None
     assert (
         alone["role"] == "co-factor" and alone["verdict"] == "implicated" and "workaround" in alone["reason"]
     )
     # top-k that costs recall on its own is a root cause
     real = _s("index_topk", 7, topk=True, sufficient=True)
-    assert resolve_root_cause([real], signature_fires=False) == "index_topk"
+    assert resolve([real], signature_fires=False) == "index_topk"
 
 
 def test_two_implicated_root_causes_are_both_named_largest_effect_first():
     a, b = _s("a", 8, sufficient=True), _s("b", 12, sufficient=True)
-    assert resolve_root_cause([a, b], signature_fires=False) == "b"
+    assert resolve([a, b], signature_fires=False) == "b"
     assert root_causes([a, b]) == ["a", "b"] and a["role"] == b["role"] == "root cause"
     fix = _pair(10, 0)
     assert classify_fix(fix, removes="a", root_cause=root_causes([a, b]), keeps_topk=True) == "root-cause fix"
@@ -87,7 +102,7 @@ def test_a_suspect_absent_from_the_deployment_is_never_implicated():
     )
     assert verdict == "exonerated" and "cannot cause" in reason and "would cost recall if deployed" in reason
     s = {**_s("absent", 10), "present": False}
-    assert resolve_root_cause([s], signature_fires=False) is None
+    assert resolve([s], signature_fires=False) is None
 
 
 def test_small_effect_boundary():
@@ -226,10 +241,10 @@ def test_power_check_level_bound_and_the_inclusive_edge():
 
 def test_co_factor_reasons_name_every_partner_or_the_residual():
     a, b, c = (_s(x, 10, sufficient=False) for x in "abc")
-    resolve_root_cause([a, b, c], signature_fires=False)
+    resolve([a, b, c], signature_fires=False)
     assert a["reason"].endswith("so it interacts with b, c")
     lone = _s("a", 10, sufficient=False)
-    resolve_root_cause([lone], signature_fires=False)
+    resolve([lone], signature_fires=False)
     assert lone["reason"].endswith(
         "so it interacts with a difference no suspect reproduces on its own (see the residual)"
     )
@@ -237,7 +252,7 @@ def test_co_factor_reasons_name_every_partner_or_the_residual():
 
 def test_a_root_cause_keeps_its_reason_and_a_co_factor_beside_it_stays_implicated():
     root, co = _s("root", 12, sufficient=True), _s("co", 10, sufficient=False)
-    assert resolve_root_cause([root, co], signature_fires=False) == "root"
+    assert resolve([root, co], signature_fires=False) == "root"
     assert root["reason"] == "r" and (co["verdict"], co["role"]) == ("implicated", "co-factor")
     assert root_causes([root, co]) == ["root"]
 
@@ -245,13 +260,13 @@ def test_a_root_cause_keeps_its_reason_and_a_co_factor_beside_it_stays_implicate
 def test_the_largest_net_effect_comes_first():
     # 12 lost and 4 gained (net 8) against 10 lost (net 10)
     a, b = _s("a", 12, 4, sufficient=True), _s("b", 10, sufficient=True)
-    assert resolve_root_cause([a, b], signature_fires=False) == "b"
+    assert resolve([a, b], signature_fires=False) == "b"
 
 
 def test_a_sufficient_capacity_change_beside_a_functional_root_stays_a_root_cause():
     bug = _s("bug", 12, sufficient=True)
     real, helper = _s("topk_a", 10, topk=True, sufficient=True), _s("topk_b", 10, topk=True, sufficient=False)
-    assert resolve_root_cause([bug, real, helper], signature_fires=False) == "bug"
+    assert resolve([bug, real, helper], signature_fires=False) == "bug"
     assert (real["verdict"], real["role"]) == ("implicated", "root cause")
     assert (helper["verdict"], helper["role"]) == ("exonerated", "workaround")
     assert root_causes([bug, real, helper]) == ["bug", "topk_a"]
@@ -259,21 +274,19 @@ def test_a_sufficient_capacity_change_beside_a_functional_root_stays_a_root_caus
 
 def test_capacity_measured_without_a_sufficiency_verdict_is_a_co_factor():
     s = {**_s("index_topk", 10, topk=True), "sufficiency": _pair(1, 0)}  # measured, sufficient unset
-    assert resolve_root_cause([s], signature_fires=False) is None and s["role"] == "co-factor"
+    assert resolve([s], signature_fires=False) is None and s["role"] == "co-factor"
 
 
 def test_with_the_signature_an_insufficient_capacity_change_is_a_workaround_and_a_sufficient_one_a_root():
     s = _s("index_topk", 10, topk=True, sufficient=False)
-    assert resolve_root_cause([s], signature_fires=True) is None
+    assert resolve([s], signature_fires=True) is None
     assert (s["verdict"], s["role"]) == ("inconclusive", "workaround")
     assert s["reason"] == (
         "r; but the needle's ranking is uninformative and the collapse tracks compress_ratio x index_topk: a "
         "larger index_topk is a workaround for a functional indexer bug that no suspect in the ledger reproduces"
     )
     real = _s("index_topk", 10, topk=True, sufficient=True)
-    assert (
-        resolve_root_cause([real], signature_fires=True) == "index_topk" and real["verdict"] == "implicated"
-    )
+    assert resolve([real], signature_fires=True) == "index_topk" and real["verdict"] == "implicated"
 
 
 def test_fix_labels_need_both_the_root_cause_and_the_deployment_topk():

@@ -5,12 +5,13 @@ and follow their schemas."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 
 import pytest
 
 import needlescope.investigate.run as run_module
-from needlescope.investigate.decide.causal import decide
+from needlescope.investigate.decide.causal import decide_suspects
 from needlescope.investigate.decide.findings import Findings, validate_findings
 from needlescope.investigate.decide.verdicts import paired
 from needlescope.investigate.ledger.example import EXAMPLE_LEDGER, write_example
@@ -55,10 +56,10 @@ MEASURED = [
 
 def test_decide_is_pure_and_decides_every_verdict_once():
     before = copy.deepcopy(MEASURED)
-    suspects, meta = decide(MEASURED, loss=0.5, signature_fires=False)
+    suspects, meta = decide_suspects(MEASURED, loss=0.5, signature_fires=False)
     assert MEASURED == before  # nothing measured is changed: no provisional verdict to revise
     assert all("verdict" not in m and "reason" not in m for m in MEASURED)
-    assert decide(MEASURED, 0.5, False) == (suspects, meta)  # a second call decides nothing new
+    assert decide_suspects(MEASURED, 0.5, False) == (suspects, meta)  # a second call decides nothing new
     by = {s["id"]: s for s in suspects}
     assert by["cause"]["verdict"] == "implicated" and meta["root_cause"] == "cause"
     assert by["cause"]["role"] == "root cause" and by["cause"]["sufficient"] is True
@@ -92,10 +93,11 @@ def test_run_returns_findings_and_writes_each_artifact_once(blocked_run):
     findings, writes, out = blocked_run
     assert sorted(writes) == ["investigation.json", "verdicts.json"]
     assert json.loads((out / "verdicts.json").read_text()) == findings.verdicts
-    assert json.loads((out / "investigation.json").read_text()) == findings.investigation
+    assert json.loads((out / "investigation.json").read_text()) == findings.to_json()
     assert Findings.read(out) == findings
-    assert {s["verdict"] for s in findings.verdicts["suspects"]} <= {"blocked", "exonerated"}
-    assert any("reference checkpoint unavailable" in s["reason"] for s in findings.verdicts["suspects"])
+    assert Findings.from_json(findings.to_json(), out=out, ledger_sha256=findings.ledger_sha256) == findings
+    assert {s.verdict for s in findings.suspects} <= {"blocked", "exonerated"}
+    assert any("reference checkpoint unavailable" in s.reason for s in findings.suspects)
     # what the measuring step kept per suspect is evidence, never a verdict
     state = json.loads((out / "state.json").read_text())
     measured = [v for k, v in state["done"].items() if k.startswith("measured:")]
@@ -104,12 +106,16 @@ def test_run_returns_findings_and_writes_each_artifact_once(blocked_run):
 
 def test_findings_schema_refuses_a_broken_investigation(blocked_run):
     findings, _, _ = blocked_run
-    validate_findings(findings.investigation)
-    broken = copy.deepcopy(findings.investigation)
+    validate_findings(findings.to_json())
+    broken = copy.deepcopy(findings.to_json())
     del broken["configs"]
     with pytest.raises(ValueError, match="missing key 'configs'"):
-        validate_findings(broken)
-    broken = copy.deepcopy(findings.investigation)
+        Findings.from_json(broken)  # checked when read
+    broken = copy.deepcopy(findings.to_json())
     broken["verdicts"]["suspects"][0]["verdict"] = "guilty"
     with pytest.raises(ValueError, match="guilty"):
-        validate_findings(broken)
+        Findings.from_json(broken)
+    with pytest.raises(ValueError, match="guilty"):  # and when written
+        dataclasses.replace(
+            findings, suspects=(dataclasses.replace(findings.suspects[0], verdict="guilty"),)
+        ).to_json()

@@ -74,12 +74,14 @@ def test_root_cause_and_workaround():
             "reason": "r",
         },
     ]
-    assert resolve_root_cause(sus, signature_fires=True) == "page_table"
-    assert sus[1]["verdict"] == "exonerated" and "workaround" in sus[1]["reason"]
+    root, roles = resolve_root_cause(sus, signature_fires=True)
+    assert root == "page_table" and sus[1]["verdict"] == "implicated"  # the role is a new value
+    assert roles["index_topk"].verdict == "exonerated" and roles["index_topk"].role == "workaround"
+    assert "workaround" in roles["index_topk"].reason
     alone = [dict(sus[1], verdict="implicated", reason="r")]
-    assert resolve_root_cause(alone, signature_fires=False) == "index_topk"
-    alone = [dict(sus[1], verdict="implicated", reason="r")]
-    assert resolve_root_cause(alone, signature_fires=True) is None and alone[0]["verdict"] == "inconclusive"
+    assert resolve_root_cause(alone, signature_fires=False)[0] == "index_topk"
+    root, roles = resolve_root_cause(alone, signature_fires=True)
+    assert root is None and roles["index_topk"].verdict == "inconclusive"
     assert (
         classify_fix(strong, removes="page_table", root_cause="page_table", keeps_topk=True)
         == "root-cause fix"

@@ -1,19 +1,23 @@
 """Issue 52 part 4: the live route's ``--serving-factors`` step names the serving factor that
 reproduces a loss, in ``verdicts.json``'s characterization (``state_dependent``, its numbers, the
 command in ``next``) and in the DIAGNOSIS summary line; against a real scripted server whose
-wrong answers need a prefix-cache hit. The step runs on a session of the live route's shape (the
-rest of the live route needs the organism and is tested in test_investigate_live.py)."""
+wrong answers need a prefix-cache hit. The measurement (``measure.serving_factors``) runs on a
+session of the live route's shape (the rest of the live route needs the organism and is tested in
+test_investigate_live.py); the decision (``decide.serving_factor``) merges it."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
+from golden_findings import golden
 from needlescope.investigate.decide.schema import VERDICTS_SCHEMA
-from needlescope.investigate.measure.serving_factors import with_live_serving_factor
+from needlescope.investigate.decide.serving_factor import with_serving_factor
+from needlescope.investigate.measure.serving_factors import measure_live_serving_factor
 from needlescope.investigate.report.summary import _root_cause
 from needlescope.schema import check_schema
 from needlescope.testing.servers import scripted
@@ -47,8 +51,15 @@ def cache_bug():
         yield srv.url
 
 
+def _decided(session, characterization: dict) -> dict:
+    """The characterization ``decide`` returns once the step measured (``with_serving_factor``)."""
+    measured = measure_live_serving_factor(session, "scripted", [120])
+    json.dumps(measured)  # a measurement state.json caches
+    return with_serving_factor(characterization, measured)
+
+
 def test_the_live_step_names_the_prefix_cache_and_the_summary_says_it(cache_bug, tmp_path):
-    ch = with_live_serving_factor(_session(cache_bug, tmp_path), dict(UNDECIDED), "scripted", [120])
+    ch = _decided(_session(cache_bug, tmp_path), dict(UNDECIDED))
     check_schema(ch, VERDICTS_SCHEMA["properties"]["characterization"], "characterization")
     assert ch["classes"] == ["state_dependent"] and ch["undecided"] == []
     ev = ch["evidence"]["state_dependent"]
@@ -61,19 +72,24 @@ def test_the_live_step_names_the_prefix_cache_and_the_summary_says_it(cache_bug,
         body["verdict"]["named"] == "cache"
         and ch["measured"]["serving_factors"]["requests"] == body["requests"]["sent"]
     )
-    inv = {
-        "suspects": [],
-        "symptom": {"recall_reference": {"120": 1.0}, "recall_candidate": {"120": 0.0}},
-        "verdicts": {"root_cause": None, "suspects": [], "characterization": ch},
-    }
-    line = _root_cause(inv)
+    findings = replace(
+        golden("live-root-cause"),
+        suspects=(),
+        root_cause=None,
+        root_causes=(),
+        residual=None,
+        unaccounted_differences=(),
+        symptom={"recall_reference": {"120": 1.0}, "recall_candidate": {"120": 0.0}},
+        characterization=ch,
+    )
+    line = _root_cause(findings)
     assert "depends on the serving state, prefix cache" in line and "cache=warm recall 0.00" in line
     assert line.endswith(f"next, `{ch['next']}`")
 
 
 def test_a_healthy_endpoint_keeps_the_characterization_and_notes_the_power(tmp_path):
     with scripted(model="scripted") as srv:
-        ch = with_live_serving_factor(_session(srv.url, tmp_path), dict(UNDECIDED), "scripted", [120])
+        ch = _decided(_session(srv.url, tmp_path), dict(UNDECIDED))
     assert ch["classes"] == ["undecided"] and ch["next"] == UNDECIDED["next"]
     noted = ch["measured"]["serving_factors"]
     assert (
@@ -83,11 +99,8 @@ def test_a_healthy_endpoint_keeps_the_characterization_and_notes_the_power(tmp_p
     )
 
 
-def test_the_step_runs_only_when_asked_and_recall_was_lost(cache_bug, tmp_path):
-    assert (
-        with_live_serving_factor(_session(cache_bug, tmp_path, wanted=False), UNDECIDED, "m", [120])
-        is UNDECIDED
-    )
-    none = {**UNDECIDED, "classes": ["none"]}
-    assert with_live_serving_factor(_session(cache_bug, tmp_path), none, "m", [120]) is none
+def test_the_step_runs_only_when_asked_and_a_class_none_is_kept(cache_bug, tmp_path):
+    assert measure_live_serving_factor(_session(cache_bug, tmp_path, wanted=False), "m", [120]) is None
     assert not (tmp_path / "serving_factors").exists()
+    none = {**UNDECIDED, "classes": ["none"]}
+    assert with_serving_factor(none, {"verdict": {"named": "cache"}, "command": "x"}) is none

@@ -140,3 +140,31 @@ def test_the_same_bug_named_in_the_ledger_is_implicated_by_name(tmp_path, unname
     v = _run(tmp_path, True, organism, seed=d0 / "out" / "measure" / "reference.jsonl")
     assert v["unaccounted_differences"] == [] and v["root_cause"] == "buffer"
     assert next(s for s in v["suspects"] if s["id"] == "buffer")["role"] == "root cause"
+
+
+def test_a_resumed_run_after_a_rule_change_decides_anew(tmp_path, unnamed, organism, monkeypatch):
+    """Issue 51: state.json caches measurements, never a decision. The same run directory resumed
+    after a rule changes (here the departure threshold of the localization, and the
+    characterization's rules) measures nothing again and shows the new rule's decisions."""
+    from needlescope.investigate.decide import decision, localization
+    from needlescope.investigate.run import run_investigation
+
+    d0, v0 = unnamed
+    shutil.copytree(d0, tmp_path / "d")
+    out = tmp_path / "d" / "out"
+    measured = {p.name: p.read_bytes() for p in (out / "measure").iterdir()}
+    departing = [p["first_departing_layer"] for p in v0["localization"]["paths"]]
+    assert any(x is not None for x in departing), departing
+    assert (
+        v0["characterization"] is not None
+        and "measured:characterization" in json.loads((out / "state.json").read_text())["done"]
+    )
+    monkeypatch.setattr(localization, "DEPARTS", 0.0)  # the new rule: no selection departs
+    real = decision.characterize
+    monkeypatch.setattr(
+        decision, "characterize", lambda ev, ctx: {**real(ev, ctx), "text": "by the new rules"}
+    )
+    findings = run_investigation(tmp_path / "d" / "investigation.toml", out, loaded=organism)
+    assert [p["first_departing_layer"] for p in findings.localization["paths"]] == [None] * len(departing)
+    assert findings.characterization["text"] == "by the new rules"
+    assert {p.name: p.read_bytes() for p in (out / "measure").iterdir()} == measured  # nothing measured again

@@ -98,8 +98,8 @@ def _session(tmp_path, patch: str, lengths: str, depths: str):
 
 def test_a_failure_that_does_not_reproduce_alone_is_not_called_outside_selection(tmp_path, monkeypatch):
     pytest.importorskip("torch")
+    from characterized import characterized
     from needlescope.investigate.measure import characterize as measure
-    from needlescope.investigate.measure.characterize import characterize_inprocess
 
     monkeypatch.setattr(measure, "FAILING_CASES", 1)
     # depth 10 at 256 tokens puts the needle in the first page; batched after depth 50, its
@@ -108,7 +108,7 @@ def test_a_failure_that_does_not_reproduce_alone_is_not_called_outside_selection
     ref = inv.measure("reference", inv.reference)
     cand = inv.measure("candidate", inv.candidate)
     assert sum(r["correct"] for r in ref) > sum(r["correct"] for r in cand)  # the bug costs recall
-    ch = characterize_inprocess(inv, [], ref, cand, None)
+    ch = characterized(inv, ref, cand)
     # before: ["outside_selection"] "every selection equals the reference's while the answers
     # differ ... upstream or downstream of the indexer's selection (attention, MoE, norms)"
     assert "outside_selection" not in ch["classes"], ch
@@ -120,15 +120,15 @@ def test_a_failure_that_does_not_reproduce_alone_is_not_called_outside_selection
 
 def test_topk_by_index_past_a_length_is_positional_in_layer_1_prefill(tmp_path, monkeypatch):
     pytest.importorskip("torch")
+    from characterized import characterized
     from needlescope.investigate.measure import characterize as measure
-    from needlescope.investigate.measure.characterize import characterize_inprocess
 
     monkeypatch.setattr(measure, "FAILING_CASES", 1)
     inv = _session(tmp_path, FIRST_K, "512", "30, 70")
     ref = inv.measure("reference", inv.reference)
     cand = inv.measure("candidate", inv.candidate)
     assert sum(r["correct"] for r in ref) > sum(r["correct"] for r in cand)
-    ch = characterize_inprocess(inv, [], ref, cand, None)
+    ch = characterized(inv, ref, cand)
     assert ch["classes"][0] == "positional_bias", ch
     assert "first quarter" in ch["evidence"]["positional_bias"]["rule"]
     assert ch["where"]["first_departing_layer"] == 1 and ch["where"]["path"] == "prefill", ch["where"]

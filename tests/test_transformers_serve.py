@@ -159,7 +159,9 @@ def test_compare_finds_the_bug_planted_in_transformers_indexer(servers, tmp_path
     res = _cli("compare", "--a", servers["healthy"] + "/v1", "--b", servers["planted"] + "/v1", "--model", w,
                "--tokenizer", w, "--value-digits", "3", "--lengths", LONG, "--depths", "10,50", "--trials", "3",
                "--concurrency", "2", "--out", str(tmp_path))  # fmt: skip
-    assert res.returncode == 1, res.stdout + res.stderr  # a significant regression is a finding: exit 1 (docs/exit_codes.md)
+    assert res.returncode == 1, (
+        res.stdout + res.stderr
+    )  # a significant regression is a finding: exit 1 (docs/exit_codes.md)
     result = json.loads((tmp_path / "compare.json").read_text())
     assert result["cases_matched"] == 6 and result["recall_b"] < result["recall_a"]
     assert result["regresses_from"] == int(LONG), result["headline"]

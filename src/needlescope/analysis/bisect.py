@@ -46,6 +46,8 @@ __all__ = [
     "crossing_confidence",
     "boundaries_from_server_info",
     "full_grid_points",
+    "ints_in",
+    "RATIO_KEYS",
 ]
 
 RESIDUE_MAX_MOD = 16
@@ -213,20 +215,21 @@ def crossing_confidence(tally: Tally, last_pass: int, first_fail: int, threshold
     return max(0.0, 1.0 - hold - fall)
 
 
-def _ints(value: object) -> list[int]:
+def ints_in(value: object) -> list[int]:
+    """Every int in ``value`` (an int, or nested lists and dict values; bools are not ints)."""
     if isinstance(value, bool):
         return []
     if isinstance(value, int):
         return [value]
     if isinstance(value, dict):
-        return [x for v in value.values() for x in _ints(v)]
+        return [x for v in value.values() for x in ints_in(v)]
     if isinstance(value, list):
-        return [x for v in value for x in _ints(v)]
+        return [x for v in value for x in ints_in(v)]
     return []
 
 
 _BOUNDARY_KEYS = ("page_size", "sliding_window", "window", "window_size", "sliding_window_size")
-_RATIO_KEYS = ("compress_ratio", "compress_ratios", "compress_rates", "compression_ratio")
+RATIO_KEYS = ("compress_ratio", "compress_ratios", "compress_rates", "compression_ratio")
 
 
 def boundaries_from_server_info(info: Mapping) -> list[int]:
@@ -238,10 +241,10 @@ def boundaries_from_server_info(info: Mapping) -> list[int]:
     topk: set[int] = set()
     for s in scopes:
         for k in _BOUNDARY_KEYS:
-            found.update(_ints(s.get(k)))
-        for k in _RATIO_KEYS:
-            ratios.update(_ints(s.get(k)))
-        topk.update(_ints(s.get("index_topk")))
+            found.update(ints_in(s.get(k)))
+        for k in RATIO_KEYS:
+            ratios.update(ints_in(s.get(k)))
+        topk.update(ints_in(s.get("index_topk")))
     found |= ratios
     found |= {r * t for r in ratios for t in topk}
     return sorted(x for x in found if x >= 2)

@@ -37,6 +37,12 @@ def init_command(
     from_probe: Path = typer.Option(
         None, "--from-probe", help="Write a live ledger whose symptom is this probe run's failing cells."
     ),
+    config: Path = typer.Option(
+        None,
+        "--config",
+        help="With --live and an endpoint without a capture: the served checkpoint's config.json "
+        "(compression ratio, index_topk), copied beside the ledger.",
+    ),
     api_key: str = API_KEY,
 ) -> None:
     """Write a ledger: the example (the original investigation, on the organism), a live one."""
@@ -47,26 +53,35 @@ def init_command(
 
     if live is not None and from_probe is not None:
         raise BadInput("give --live URL or --from-probe RUN_DIR, not both")
+    if config is not None and not config.is_file():
+        raise BadInput(f"--config {config} is no file; pass the served checkpoint's config.json")
     with guard(directory, "investigate init", force):
         if live is None and from_probe is None:
             path = write_example(directory, force=force)
             for name in EXAMPLE_FILES:
                 console.print(f"wrote {Path(directory) / name}")
         else:
+            named = None if config is None else "config.json"
             text = (
-                live_ledger(live, api_key=api_key)
+                live_ledger(live, api_key=api_key, config=named)
                 if live is not None
                 else from_probe_ledger(from_probe, api_key=api_key)
             )
             parse_ledger(text, Path(directory) / "investigation.toml")  # a ledger that would not run is a bug
             path = write_ledger(directory, text, force=force)
+            if config is not None and 'candidate = "blackbox"' in text:
+                copied = Path(directory) / "config.json"
+                if config.resolve() != copied.resolve():
+                    copied.write_bytes(config.read_bytes())
+                console.print(f"wrote {copied}")
             console.print(f"wrote {path}")
-    # The run's folder beside the ledger, as the README does it (live-inv/out).
-    console.print(f"next: needlescope investigate run {path} --out {Path(directory) / 'out'}", soft_wrap=True)
+    # The run writes beside its ledger, as `make demo` runs it (tests/test_cli_piped_output.py
+    # holds the two to the same command).
+    console.print(f"next: needlescope investigate run {path} --out {directory}", soft_wrap=True)
 
 
 def run_investigation_cli(
-    ledger: Path,
+    ledger,
     out: Path,
     allow_outside: bool = False,
     prefill_chunk: int | None = None,
@@ -75,9 +90,9 @@ def run_investigation_cli(
     max_memory: str | None = None,
     device: str = "cpu",
 ) -> tuple[Findings, Path]:
-    """Run with progress per phase (``cli.progress``) and render the reports from the returned
-    ``Findings``; returns them and DIAGNOSIS.md's path. ``max_memory`` bounds the run on
-    ``device`` (``dsa.budget.bounded_memory``)."""
+    """Run ``ledger`` (its path, or the ``Ledger`` parsed from it) with progress per phase
+    (``cli.progress``) and render the reports from the returned ``Findings``; returns them and
+    DIAGNOSIS.md's path. ``max_memory`` bounds the run on ``device`` (``dsa.budget.bounded_memory``)."""
     from needlescope.cli.progress import ProgressView
     from needlescope.dsa.budget import bounded_memory
     from needlescope.investigate.report.diagnosis import write_reports
@@ -97,9 +112,9 @@ def run_investigation_cli(
     return findings, md
 
 
-def _check_ledger_fits(ledger: Path, allow_outside: bool) -> str:
-    """BadInput, before any model loads, for symptom lengths beyond the checkpoint's context or an
-    index_topk no context holds (``cli.model_context``); returns the ledger's device."""
+def _check_ledger_fits(ledger: Path, allow_outside: bool):
+    """The parsed ledger; BadInput, before any model loads, for symptom lengths beyond the
+    checkpoint's context or an index_topk no context holds (``cli.model_context``)."""
     from needlescope.cli.model_context import check_lengths, check_topk
     from needlescope.investigate.ledger.ledger import load_ledger
 
@@ -108,7 +123,7 @@ def _check_ledger_fits(ledger: Path, allow_outside: bool) -> str:
     check_lengths(target.model, symptom.lengths, symptom.max_new_tokens, f"{ledger}: [symptom] lengths")
     settings = (target.reference, target.candidate)
     check_topk(target.model, [s.index_topk for s in settings if s is not None], f"{ledger}: index_topk")
-    return target.device
+    return parsed
 
 
 @investigate_app.command("run")
@@ -144,22 +159,27 @@ def run_command(
     again = "rerun the same command to continue (finished steps and cases are kept)"
     parse_max_memory(max_memory, 1)  # a bad size is one line, exit 2, before anything runs
     with on_interrupt(measured_saved(out), again), guard(out, "investigate run", force):
-        device = _check_ledger_fits(ledger, allow_outside)
+        parsed = _check_ledger_fits(ledger, allow_outside)  # the ledger is parsed once
         findings, md = run_investigation_cli(
-            ledger,
+            parsed,
             out,
             allow_outside,
             prefill_chunk,
             api_key,
             serving_factors=serving_factors,
             max_memory=max_memory,
-            device=device,
+            device=parsed.target.device,
         )
-    for s in findings.verdicts["suspects"]:
-        console.say("  tier {} {}: [bold]{}[/] - {}", s["tier"], s["id"], s["verdict"], s["reason"])
+    for s in findings.suspects:
+        console.say("  tier {} {}: [bold]{}[/] - {}", s.tier, s.id, s.verdict, s.reason)
     console.say("root cause: [bold]{}[/]", findings.root_cause)
+    ch = findings.characterization
+    if findings.route == "blackbox" and ch:  # no suspect is tested from outside: the class is the finding
+        console.say("what kind of bug: [bold]{}[/] - {}", ", ".join(ch["classes"]), ch["text"])
+        if ch.get("next"):
+            console.print(f"next: {ch['next']}", soft_wrap=True)
     console.print(f"wrote {out / 'verdicts.json'}, {md} and DIAGNOSIS.html")
-    symptom = findings.verdicts.get("symptom") or {}
+    symptom = findings.symptom
     if symptom.get("errors"):
         # A target that failed is never a clean run: the verdicts rest on the answered cases only.
         from needlescope.cli.output import err_console

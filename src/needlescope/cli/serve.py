@@ -116,6 +116,11 @@ def serve_command(
         hidden=True,
         help="Test: run --patch without naming it in /get_server_info (an unannounced kernel bug).",
     ),
+    indexer_capture: bool = typer.Option(
+        True,
+        "--indexer-capture/--no-indexer-capture",
+        help="Answer return_indexer_topk on /generate; off plays an engine without a capture (vLLM).",
+    ),
     expose_paths: bool = typer.Option(
         False, "--expose-paths", help="Show absolute paths in /get_server_info and /v1/models."
     ),

@@ -19,12 +19,9 @@ from needlescope.dsa.blockfp4 import dequantize_block_fp4, is_packed_fp4
 from needlescope.dsa.blockfp8 import dequantize_block_fp8
 from needlescope.dsa.consistency import check_checkpoint
 from needlescope.dsa.placement import (
-    DEFAULT_RESERVE,
     Placement,
     default_budget,
     parse_max_memory,
-    plan_placement,
-    unit_bytes,
 )
 from needlescope.dsa.release import SCALE_SUFFIX, expert_slot, hf_name
 from needlescope.errors import BadInput
@@ -36,7 +33,6 @@ __all__ = [
     "empty_model",
     "fill",
     "load_placed",
-    "load_sharded",
     "model_config",
     "model_tensors",
     "placement_of",
@@ -323,24 +319,6 @@ def planned(
     budgets = parse_max_memory(max_memory, len(devices))
     budgets = [b if b is not None else default_budget(d, reserve) for d, b in zip(devices, budgets)]
     return model, budgets, dtype
-
-
-def load_sharded(
-    path: Path,
-    *,
-    devices: list[str],
-    max_memory: str | None,
-    reserve: int = DEFAULT_RESERVE,
-    dtype: torch.dtype | None = None,
-) -> torch.nn.Module:
-    """Plan (refusing before any tensor is read when the weights do not fit) and load onto ``devices``.
-
-    ``dtype``: None takes the checkpoint's own (``config.json`` ``dtype`` / ``torch_dtype``);
-    block-fp8 weights dequantize to it.
-    """
-    model, budgets, dtype = planned(path, devices, max_memory, reserve, dtype)
-    placement = plan_placement(unit_bytes(model), devices, budgets)
-    return load_placed(path, placement, model, dtype)
 
 
 def _config_dtype(path: Path) -> torch.dtype:

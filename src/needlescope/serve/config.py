@@ -111,6 +111,11 @@ class ServeConfig:
     disclose_patch: bool = True
     """Whether /get_server_info names the setting's patch. False plays a deployment whose kernel
     bug is not announced (issue 37's planted runs): the patch runs, every endpoint says none."""
+    indexer_capture: bool = True
+    """Whether ``/generate`` answers ``return_indexer_topk`` (the indexer capture). False plays an
+    engine without one (vLLM): ``/get_server_info`` says ``enable_return_indexer_topk`` false and
+    a capture request is refused, so the black-box investigation runs against the planted bugs
+    the capture route is tested on (``--no-indexer-capture``)."""
     expose_paths: bool = False
     """Show absolute filesystem paths (the model directory) in /get_server_info and /v1/models."""
     prefix_cache_mib: int = 0

@@ -256,7 +256,7 @@ class Engine:
             "max_prefill_tokens": self.cfg.max_prefill_tokens,
             "max_body_bytes": self.cfg.max_body_bytes,
             "context_length": self.context_length,
-            "enable_return_indexer_topk": self.is_v4,
+            "enable_return_indexer_topk": self.is_v4 and self.cfg.indexer_capture,
             "prefix_cache": self.prefix.info() if self.prefix is not None else False,
             "batching": (
                 "continuous: a batch of equal prompt lengths joins the running requests at a decode step"
@@ -290,6 +290,10 @@ class Engine:
         if not self.is_v4:
             raise BadValue(
                 "return_indexer_topk", f"needs a DeepSeek-V4 model; this server runs a {self.architecture}"
+            )
+        if not self.cfg.indexer_capture:
+            raise BadValue(
+                "return_indexer_topk", "the indexer capture is off on this server (--no-indexer-capture)"
             )
         max_rows = prompt_len + params.max_new_tokens - 1
         # A row's logits span the entries complete at its position: at most those of the last row.

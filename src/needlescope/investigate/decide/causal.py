@@ -1,6 +1,6 @@
 """Necessity, sufficiency and multiplicity of an in-process investigation: the decisions.
 
-* **Decisions** (``decide``): Holm-adjusted p-values across the run's ablations (one test per
+* **Decisions** (``decide_suspects``): Holm-adjusted p-values across the run's ablations (one test per
   suspect with a paired ablation), and separately across the sufficiency tests; each verdict
   decided on its adjusted p with the power of its ablation (``verdicts.power_check``: a
   negative verdict states the cost it could detect, and is ``inconclusive`` when that exceeds
@@ -24,7 +24,7 @@ from needlescope.investigate.decide.verdicts import (
     suspect_verdict,
 )
 
-__all__ = ["decide", "label_fixes", "symptom_loss", "recall_by_length"]
+__all__ = ["decide_suspects", "label_fixes", "symptom_loss", "recall_by_length"]
 
 
 def symptom_loss(ref_records: list[dict], cand_records: list[dict]) -> float:
@@ -75,20 +75,25 @@ def _decided(m: dict, p_adj, sp, tests: int, loss: float) -> dict:
     }
 
 
-def decide(measured: list[dict], loss: float, signature_fires: bool) -> tuple[list[dict], dict]:
+def decide_suspects(measured: list[dict], loss: float, signature_fires: bool) -> tuple[list[dict], dict]:
     """Every in-process suspect's verdict, decided once from its measured record
     (``inprocess.measure_suspect``: present, pair, divergence, sufficiency, what blocked it, the
     cheap questions' answers): Holm-adjusted p-values across the run's ablations and, separately,
     across the sufficiency tests; each verdict on its adjusted p with its ablation's power; then
-    the roles and the root cause (``resolve_root_cause``). ``measured`` is not changed.
+    the roles and the root cause (``resolve_root_cause``, a new value joined in once).
+    ``measured`` is not changed.
 
     Returns (decided suspect records, {"root_cause", "multiplicity"})."""
     pairs = [m["pair"] for m in measured]
     adj = holm_adjust(pairs)
     suff_adj = holm_adjust([m["sufficiency"] for m in measured])
     tests = sum(p is not None for p in pairs)
-    suspects = [_decided(m, p, sp, tests, loss) for m, p, sp in zip(measured, adj, suff_adj)]
-    root = resolve_root_cause(suspects, signature_fires)
+    causal = [_decided(m, p, sp, tests, loss) for m, p, sp in zip(measured, adj, suff_adj)]
+    root, roles = resolve_root_cause(causal, signature_fires)
+    suspects = [
+        {**s, "verdict": r.verdict, "reason": r.reason, "role": r.role} if (r := roles.get(s["id"])) else s
+        for s in causal
+    ]
     return suspects, {"root_cause": root, "multiplicity": {"method": "holm", "tests": tests, "alpha": ALPHA}}
 
 

@@ -58,9 +58,18 @@ not). "The shortest loses at most half the longest's rate" holds in both tables 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import replace
 
+from needlescope.investigate.decide.characterize_inputs import (
+    Context,
+    Evidence,
+    LayerSelection,
+    LengthCell,
+    Localized,
+)
+from needlescope.investigate.decide.localization import DEPARTS
 from needlescope.investigate.decide.next_step import missing_experiments, next_command
+from needlescope.investigate.decide.verdicts import paired
 
 __all__ = [
     "FAMILIES",
@@ -72,8 +81,10 @@ __all__ = [
     "LengthCell",
     "Localized",
     "characterize",
+    "nothing_to_explain",
     "family_of",
     "jaccard_chance",
+    "fisher_greater",
 ]
 
 VOCABULARY = (
@@ -92,7 +103,7 @@ VOCABULARY = (
 
 RULES = {
     "alpha": 0.05,
-    "same_selection": 0.99,  # Jaccard at or above: the selection is the reference's
+    "same_selection": DEPARTS,  # Jaccard at or above: the selection is the reference's (one threshold)
     "agree": 0.8,  # normalized overlap at or above: agrees up to rounding (the candidate's fp8 keys)
     "decode_drop": 0.2,  # decode_only: the decode overlap this far below the prefill's
     "moved_gain": 0.1,  # ... and beats the plain Jaccard by at least this
@@ -114,89 +125,6 @@ FAMILIES = (
     "MoE router",
     "norm/other",
 )
-
-
-@dataclass(frozen=True)
-class LayerSelection:
-    """One CSA layer's selection compared with the reference's on one path, over the analysed
-    query rows of the failing cases (means over rows; needle counts summed)."""
-
-    layer: int
-    path: str  # "prefill" | "decode"
-    rows: int
-    overlap: float  # mean Jaccard of the candidate's and the reference's selected sets
-    chance: float  # J0: the same for a uniformly random selection of as many entries (exact)
-    needle_visible: int = 0
-    needle_reference: int = 0
-    needle_candidate: int = 0
-    overlap_without_needle: float | None = None  # Jaccard over the non-needle entries
-    shift: int | None = None  # the constant shift whose shifted selection agrees best
-    shift_overlap: float | None = None
-    permutation_overlap: float | None = None  # best Jaccard under a page permutation
-    head_share: tuple[float, float] | None = None  # (candidate, reference) share in the first quarter
-    tail_share: tuple[float, float] | None = None  # ... and in the last quarter
-
-
-@dataclass(frozen=True)
-class LengthCell:
-    """Paired outcomes at one prompt length: ``lost`` cases wrong under the candidate and right
-    under the reference, ``gained`` the reverse, of ``n``; ``entries`` the compressed entries a
-    query there sees (dense when <= ``Context.topk``)."""
-
-    length: int
-    n: int
-    lost: int
-    gained: int
-    entries: int
-
-
-@dataclass(frozen=True)
-class Localized:
-    """The localizer's first divergent module on one path (in-process)."""
-
-    path: str
-    module: str | None
-    module_type: str | None
-    layer: int | None
-    finding: str | None = None  # what the localizer names there (a query/key RoPE-table mismatch)
-
-
-@dataclass(frozen=True)
-class Evidence:
-    """Everything ``characterize`` reads. ``recall_lost``: the symptom's paired loss is
-    significant (or any case is lost when the run has no test for it)."""
-
-    recall_lost: bool
-    recall_reference: float | None = None
-    recall_candidate: float | None = None
-    cells: tuple[LengthCell, ...] = ()
-    layers: tuple[LayerSelection, ...] = ()
-    answers_differ: bool = False  # a failing case was analysed (wrong under the candidate only)
-    localized: tuple[Localized, ...] = ()
-    # failing cases whose rerun alone predicted another token on both paths (a failure that
-    # depends on what ran before: their selections are not a failing run's, so not in ``layers``)
-    not_reproduced: int = 0
-    rerun: int = 0  # failing cases rerun alone (``not_reproduced`` of them answered otherwise)
-
-
-@dataclass(frozen=True)
-class Context:
-    """How the user reaches the candidate: a live ``base_url``, or in-process the checkpoint and
-    the candidate's setting flags (opaque text, quoted into commands, never read)."""
-
-    route: str  # "live" | "in-process"
-    ratio: int
-    topk: int
-    model: str = "organism"
-    base_url: str | None = None
-    candidate_flags: tuple[str, ...] = ()
-    input_ids: str | None = None  # a failing case's ids file the run wrote (in-process: ``indexer diff``)
-    prompt: str | None = None  # a failing case's messages file the run wrote (live: ``indexer capture``)
-    needle: str | None = None
-    served_model: str = "organism"  # the live server's model name (``probe --model``)
-    sweep_flags: tuple[str, ...] | None = ()  # ``indexer sweep`` flags; None: not expressible (patches > 1)
-    device: str = "cpu"
-    lengths: tuple[int, ...] = field(default_factory=tuple)
 
 
 def jaccard_chance(visible: int, k_cand: int, k_ref: int) -> float:
@@ -236,7 +164,7 @@ def _mcnemar_lower(lost: int, gained: int) -> float:
     return sum(math.comb(n, i) for i in range(lost, n + 1)) / 2**n if n else 1.0
 
 
-def _fisher_greater(a: int, n1: int, c: int, n2: int) -> float:
+def fisher_greater(a: int, n1: int, c: int, n2: int) -> float:
     """One-sided Fisher exact p that group 1 (a of n1) loses more often than group 2 (c of n2)."""
     m, total = a + c, n1 + n2
     denom = math.comb(total, m)
@@ -252,7 +180,14 @@ def _kappa(sel: LayerSelection) -> float:
     return _normalized(sel.overlap, sel.chance)
 
 
+def _agrees(sel: LayerSelection) -> bool:
+    """The selection is the reference's, up to the candidate's own rounding."""
+    return sel.overlap >= RULES["same_selection"] or _kappa(sel) >= RULES["agree"]
+
+
 def _departing(ev: Evidence) -> list[LayerSelection]:
+    """The (layer, path) selections that are not the reference's: mixed evidence (one path or
+    layer departing, another agreeing) is decided from these, never averaged with the rest."""
     return [s for s in ev.layers if s.overlap < RULES["same_selection"]]
 
 
@@ -289,23 +224,38 @@ def _rule_outside(ev: Evidence, ctx: Context) -> dict | None:
     return None
 
 
-def _rule_decode_only(ev: Evidence, ctx: Context) -> dict | None:
+def _decode_only_layers(ev: Evidence) -> list[LayerSelection]:
+    """The decode selections that depart (Jaccard ``decode_drop`` below their prefill's) in a
+    layer whose prefill selection agrees with the reference's, by layer."""
     pre = {s.layer: s for s in ev.layers if s.path == "prefill"}
-    dec = {s.layer: s for s in ev.layers if s.path == "decode"}
-    if not pre or not dec or any(_kappa(s) < RULES["agree"] for s in pre.values()):
-        return None
-    gone = [
-        s for n, s in sorted(dec.items()) if n in pre and s.overlap <= pre[n].overlap - RULES["decode_drop"]
+    return [
+        s
+        for s in sorted(ev.layers, key=lambda s: s.layer)
+        if s.path == "decode"
+        and s.layer in pre
+        and _agrees(pre[s.layer])
+        and not _agrees(s)
+        and s.overlap <= pre[s.layer].overlap - RULES["decode_drop"]
     ]
-    if not gone:
+
+
+def _rule_decode_only(ev: Evidence, ctx: Context) -> dict | None:
+    # The first departing layer decides (mixed evidence, issue 53): when its prefill agrees and its
+    # decode departs, the bug is on the decode path there, whatever a later layer's prefill does.
+    first = _first_departing(ev)
+    gone = _decode_only_layers(ev)
+    if first is None or not gone or gone[0].layer != first.layer:
         return None
-    first = gone[0]
+    g = gone[0]
+    pre = next(s for s in ev.layers if s.layer == g.layer and s.path == "prefill")
     return {
         "rule": "prefill selections agree with the reference's, decode selections depart",
-        "prefill_overlap": pre[first.layer].overlap,
-        "decode_layer": first.layer,
-        "decode_overlap": first.overlap,
-        "chance": first.chance,
+        "prefill_overlap": pre.overlap,
+        "decode_layer": g.layer,
+        "decode_overlap": g.overlap,
+        "chance": g.chance,
+        "layer": g.layer,
+        "path": "decode",
         "null": f"the decode path selects as the prefill does (within {RULES['decode_drop']} Jaccard)",
     }
 
@@ -322,7 +272,7 @@ def _rule_residue(ev: Evidence, ctx: Context) -> dict | None:
     r, (n1, a) = max(by.items(), key=lambda kv: kv[1][1] / max(kv[1][0], 1))
     n2 = sum(v[0] for k, v in by.items() if k != r)
     c2 = sum(v[1] for k, v in by.items() if k != r)
-    p = _fisher_greater(a, n1, c2, n2)
+    p = fisher_greater(a, n1, c2, n2)
     if p >= RULES["alpha"] or c2 > RULES["other_residues_lose_at_most"] * n2:
         return None
     return {
@@ -403,7 +353,12 @@ def _rule_positional(ev: Evidence, ctx: Context) -> dict | None:
 
 def _rule_uninformative(ev: Evidence, ctx: Context) -> dict | None:
     first = _first_departing(ev)
-    if first is None or _kappa(first) > RULES["near_chance"]:
+    if first is None:
+        return None
+    # the first departing layer's path nearest chance: one path just above the bar, the other
+    # below it, is a ranking at chance on the path below (issue 53's mixed evidence)
+    first = min((s for s in _departing(ev) if s.layer == first.layer), key=_kappa)
+    if _kappa(first) > RULES["near_chance"]:
         return None
     return {
         "rule": "the selection's overlap with the reference is near chance",
@@ -513,6 +468,48 @@ def _where(ev: Evidence, ctx: Context, classes: list[str]) -> dict:
     return where
 
 
+def _agreement(ev: Evidence, found: dict) -> dict:
+    """Which (layer, path) selections agree with the reference's and which depart, beside a class
+    decided from the ones that depart (mixed evidence: the report says which agree)."""
+    if not ev.layers or "layer" not in found:
+        return {}
+    name = lambda s: f"layer {s.layer} {s.path}"  # noqa: E731
+    return {
+        "decided_by": f"layer {found['layer']} {found.get('path') or 'prefill'}",
+        "agree": [name(s) for s in ev.layers if _agrees(s)],
+        "depart": [name(s) for s in ev.layers if not _agrees(s)],
+    }
+
+
+_SELECTION_RULES = ("misaddressed", "needle_excluded", "positional_bias", "ranking_uninformative", "graded")
+
+
+def _two_sites(ev: Evidence, ctx: Context) -> dict | None:
+    """{class: evidence} of two independent bugs, or None: a layer whose decode departs while its
+    prefill agrees (a decode-path bug there) and another layer whose prefill departs while its
+    decode agrees (a bug the decode path does not share), each classed from its own layer's
+    selections; its evidence names its ``layer`` and ``path``."""
+    dec = _decode_only_layers(ev)
+    twin = {(s.layer, s.path): s for s in ev.layers}
+    pre = [
+        s
+        for s in ev.layers
+        if s.path == "prefill"
+        and not _agrees(s)
+        and (s.layer, "decode") in twin
+        and _agrees(twin[(s.layer, "decode")])
+    ]
+    if not dec or not pre or dec[0].layer == pre[0].layer:
+        return None
+    one = _rule_decode_only(replace(ev, layers=(twin[(dec[0].layer, "prefill")], dec[0])), ctx)
+    only = replace(ev, layers=(pre[0],), answers_differ=False)
+    rules = dict(_ORDERED)
+    other = next(((c, f) for c in _SELECTION_RULES if (f := rules[c](only, ctx)) is not None), None)
+    if one is None or other is None:
+        return None
+    return {"decode_only": one, other[0]: {**other[1], "layer": pre[0].layer, "path": "prefill"}}
+
+
 def characterize(ev: Evidence, ctx: Context) -> dict:
     """The characterization of a divergence (module docstring): classes, where, evidence, next."""
     if not ev.recall_lost:
@@ -532,19 +529,48 @@ def characterize(ev: Evidence, ctx: Context) -> dict:
             "text": "nothing to explain: no recall lost",
         }
     fired = {name: found for name, rule in _ORDERED if (found := rule(ev, ctx)) is not None}
+    two = _two_sites(ev, ctx)
+    if two is not None:  # two independent bugs: each site's class first, with its own where
+        fired = {**two, **{k: v for k, v in fired.items() if k not in two}}
     classes = list(fired) or ["undecided"]
     missing = missing_experiments(ev, ctx)
     undecided = [why for _, why in missing] if not fired else []
     experiment = missing[0][0] if missing and not fired else _CONFIRM.get(classes[0], "localize")
     result = {
         "classes": classes,
-        "where": _where(ev, ctx, classes),
+        "where": {**_where(ev, ctx, classes), **_agreement(ev, fired.get(classes[0], {}))},
         "evidence": fired,
         "undecided": undecided,
         "next": next_command(ctx, experiment),
     }
+    if two is not None:
+        result["sites"] = [
+            {
+                "class": c,
+                "where": {
+                    **_where(ev, ctx, [c]),
+                    **_agreement(ev, e),
+                    "layer": e["layer"],
+                    "path": e["path"],
+                },
+            }
+            for c, e in two.items()
+        ]
     result["text"] = summary_line(result)
     return result
+
+
+def nothing_to_explain(ref_records: list[dict], cand_records: list[dict]) -> dict | None:
+    """The characterization when the candidate loses no recall (``classes == ["none"]``): it
+    loses no more paired cases than it gains; else None."""
+    ok = lambda rs: {r["case_id"]: r["correct"] for r in rs if not r.get("error")}  # noqa: E731
+    p = paired(ok(cand_records), ok(ref_records))
+    if p["b"] > p["c"]:
+        return None
+    return characterize(
+        Evidence(recall_lost=False, recall_reference=p["recall_without"], recall_candidate=p["recall_with"]),
+        Context(route="in-process", ratio=4, topk=1),
+    )
 
 
 def summary_line(ch: dict) -> str:
@@ -566,7 +592,19 @@ def summary_line(ch: dict) -> str:
         f"{k} {_fmt(v)}" for k, v in e.items() if k not in ("rule", "null") and isinstance(v, (int, float))
     )
     found = f" ({where['finding']})" if where.get("finding") else ""
-    return f"not among the suspects: {e['rule']} ({numbers}); {_HINT[first]}; at {place}{found}"
+    agree = (
+        f"; decided by {where['decided_by']}, agree: {', '.join(where['agree'])}"
+        if where.get("agree")
+        else ""
+    )
+    line = f"not among the suspects: {e['rule']} ({numbers}); {_HINT[first]}; at {place}{found}{agree}"
+    for site in ch.get("sites", [])[1:]:
+        other = ch["evidence"][site["class"]]
+        line += (
+            f"; and, independently, {site['class']} at layer {site['where']['layer']} "
+            f"{site['where']['path']}: {other['rule']} ({_HINT[site['class']]})"
+        )
+    return line
 
 
 def _fmt(v) -> str:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from needlescope.analysis.stats import jaccard
 from needlescope.investigate.decide.characterize import LayerSelection, jaccard_chance
 
 __all__ = ["MAX_SHIFT", "PAGE", "Row", "layer_selection"]
@@ -34,16 +35,12 @@ class Row:
     needle: frozenset[int] = frozenset()
 
 
-def _jaccard(a: frozenset[int] | set[int], b: frozenset[int] | set[int]) -> float:
-    return len(a & b) / len(a | b) if a or b else 1.0
-
-
 def _best_shift(rows: list[Row]) -> tuple[int | None, float | None]:
     best: tuple[int | None, float | None] = (None, None)
     for d in range(-MAX_SHIFT, MAX_SHIFT + 1):
         if d == 0:
             continue
-        j = sum(_jaccard({e - d for e in r.candidate}, r.reference) for r in rows) / len(rows)
+        j = sum(jaccard({e - d for e in r.candidate}, r.reference) for r in rows) / len(rows)
         if best[1] is None or j > best[1]:
             best = (d, j)
     return best
@@ -87,13 +84,13 @@ def layer_selection(layer: int, path: str, rows: list[Row]) -> LayerSelection:
     """The comparison of one layer's selections on one path (``rows`` not empty)."""
     if not rows:
         raise ValueError("layer_selection needs at least one row")
-    rest = [_jaccard(r.candidate - r.needle, r.reference - r.needle) for r in rows]
+    rest = [jaccard(r.candidate - r.needle, r.reference - r.needle) for r in rows]
     shift, shift_overlap = _best_shift(rows)
     return LayerSelection(
         layer=layer,
         path=path,
         rows=len(rows),
-        overlap=_mean([_jaccard(r.candidate, r.reference) for r in rows]),
+        overlap=_mean([jaccard(r.candidate, r.reference) for r in rows]),
         chance=_mean([jaccard_chance(r.visible, len(r.candidate), len(r.reference)) for r in rows]),
         needle_visible=sum(len(r.needle) for r in rows),
         needle_reference=sum(len(r.reference & r.needle) for r in rows),

@@ -11,7 +11,7 @@ When it names none, the characterization is kept and the experiment (its power) 
 
 from __future__ import annotations
 
-__all__ = ["FACTOR_WORDS", "with_serving_factor"]
+__all__ = ["FACTOR_WORDS", "measured_factor", "with_serving_factor"]
 
 FACTOR_WORDS = {
     "cache": "prefix cache",
@@ -36,10 +36,23 @@ def _words(named: str) -> str:
     return " × ".join(FACTOR_WORDS.get(f, f) for f in named.split(" × "))
 
 
-def with_serving_factor(characterization: dict, factors: dict, command: str) -> dict:
-    """``characterization`` with the verdict of ``factors`` (a serving_factors.json body, the
-    experiment ``command`` ran) merged in (module docstring); a new dict."""
-    verdict = factors["verdict"]
+def measured_factor(body: dict, command: str) -> dict:
+    """What the investigation keeps of a serving_factors.json ``body`` (its verdict, tests and
+    requests sent) and the ``command`` that ran it: a measurement, cached in ``state.json``."""
+    return {
+        "verdict": body["verdict"],
+        "tests": body["tests"],
+        "requests": {"sent": body["requests"]["sent"]},
+        "command": command,
+    }
+
+
+def with_serving_factor(characterization: dict, factors: dict) -> dict:
+    """``characterization`` with the verdict of ``factors`` (``measured_factor``'s value) merged
+    in (module docstring); a new dict. A characterization of class ``none`` is returned as is."""
+    if characterization["classes"][0] == "none":
+        return characterization
+    verdict, command = factors["verdict"], factors["command"]
     noted = {
         "named": verdict["named"],
         "kind": verdict["kind"],

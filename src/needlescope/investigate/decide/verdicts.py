@@ -73,6 +73,8 @@ where the emulation selects no more than the live; ``gap_closed`` = (J_emulation
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from needlescope.analysis.significance import holm, mcnemar_power
 from needlescope.analysis.stats import mcnemar_exact
 from needlescope.investigate.decide.schema import VERDICTS_SCHEMA
@@ -95,7 +97,10 @@ __all__ = [
     "residual_verdict",
     "suspect_verdict",
     "resolve_root_cause",
+    "Role",
+    "ROLES",
     "classify_fix",
+    "fix_label",
     "live_verdict",
     "gap_closed",
     "live_verdict_paths",
@@ -296,63 +301,85 @@ def _partners(s: dict, implicated: list[dict]) -> str:
     return ", ".join(others) if others else "a difference no suspect reproduces on its own (see the residual)"
 
 
-def _roles(implicated: list[dict]) -> None:
-    """Mark each implicated suspect's ``role``: a co-factor is necessary but, measured, not
-    sufficient (``sufficient`` False); a capacity change is a root cause only when sufficient."""
-    for s in implicated:
-        suff = s.get("sufficient")
-        if suff is False or (s["changes_topk"] and suff is not True and s.get("sufficiency") is not None):
-            s["role"] = "co-factor"
-        else:
-            s["role"] = "root cause"
+ROLES = ("root cause", "co-factor", "workaround")
+"""What an implicated (or capacity) suspect is to the loss; None for every other suspect."""
 
 
-def resolve_root_cause(suspects: list[dict], signature_fires: bool) -> str | None:
-    """Apply the root-cause rule in place on ``suspects`` (each with ``verdict``, ``present``,
-    ``changes_topk``, ``pair`` and optionally ``sufficient``); returns the root cause's id or
-    None. Every root cause gets ``role`` "root cause" (the first, largest b - c, non-capacity
-    first, is returned); a co-factor keeps ``implicated`` with ``role`` "co-factor" and a reason
-    naming what it interacts with; a capacity co-factor beside a root cause is a workaround."""
+@dataclass(frozen=True)
+class Role:
+    """A suspect's role (``ROLES``) and the verdict and reason it ends with: the causal verdict
+    and reason of ``suspect_verdict`` extended by what the role adds (a co-factor's partners, a
+    workaround's cause). A new value: the causal verdict it was decided from is never changed."""
+
+    role: str
+    verdict: str
+    reason: str
+
+
+def _role(s: dict) -> str:
+    """A co-factor is necessary but, measured, not sufficient (``sufficient`` False); a capacity
+    change is a root cause only when sufficient."""
+    suff = s.get("sufficient")
+    if suff is False or (s["changes_topk"] and suff is not True and s.get("sufficiency") is not None):
+        return "co-factor"
+    return "root cause"
+
+
+def resolve_root_cause(suspects: list[dict], signature_fires: bool) -> tuple[str | None, dict[str, Role]]:
+    """The root-cause rule over decided ``suspects`` (each with ``verdict``, ``reason``,
+    ``present``, ``changes_topk``, ``pair`` and optionally ``sufficient``; none is changed):
+    (the root cause's id or None, suspect id -> its ``Role``). Every root cause has role "root
+    cause" (the first, largest b - c, non-capacity first, is returned); a co-factor stays
+    ``implicated`` with a reason naming what it interacts with; a capacity co-factor beside a
+    root cause is a workaround (``exonerated``), and one beside the uninformative-ranking
+    signature a workaround left ``inconclusive``."""
     implicated = [s for s in suspects if s["verdict"] == "implicated" and s["present"]]
-    _roles(implicated)
+    role = {s["id"]: _role(s) for s in implicated}
+    roles = {s["id"]: Role(role[s["id"]], s["verdict"], s["reason"]) for s in implicated}
     gain = lambda s: -(s["pair"]["b"] - s["pair"]["c"])  # noqa: E731
     roots = sorted(
-        (s for s in implicated if s["role"] == "root cause"), key=lambda s: (s["changes_topk"], gain(s))
+        (s for s in implicated if role[s["id"]] == "root cause"), key=lambda s: (s["changes_topk"], gain(s))
     )
     functional = [s for s in roots if not s["changes_topk"]]
     capacity = [s for s in implicated if s["changes_topk"] and s not in functional]
     for s in implicated:
-        if s["role"] == "co-factor" and not s["changes_topk"]:
-            s["reason"] = (
+        if role[s["id"]] == "co-factor" and not s["changes_topk"]:
+            roles[s["id"]] = Role(
+                "co-factor",
+                "implicated",
                 f"co-factor: {s['reason']}; necessary but not sufficient: it restores recall when removed and "
-                f"costs nothing added alone to the reference, so it interacts with {_partners(s, implicated)}"
+                f"costs nothing added alone to the reference, so it interacts with {_partners(s, implicated)}",
             )
     if functional:
         for s in capacity:
             if s.get("sufficient") is True:
                 continue  # a capacity change that costs recall on its own is a root cause too
-            s["verdict"], s["role"] = "exonerated", "workaround"
-            s["reason"] = (
+            roles[s["id"]] = Role(
+                "workaround",
+                "exonerated",
                 f"workaround, not the cause: {s['reason']}; the larger index_topk restores recall only while "
-                f"{functional[0]['id']} stays (removing {functional[0]['id']} restores it at the deployment index_topk)"
+                f"{functional[0]['id']} stays (removing {functional[0]['id']} restores it at the deployment index_topk)",
             )
-        return functional[0]["id"]
+        return functional[0]["id"], roles
     if capacity and signature_fires and all(s.get("sufficient") is not True for s in capacity):
         for s in capacity:
-            s["verdict"], s["role"] = "inconclusive", "workaround"
-            s["reason"] = (
+            roles[s["id"]] = Role(
+                "workaround",
+                "inconclusive",
                 f"{s['reason']}; but the needle's ranking is uninformative and the collapse tracks "
                 "compress_ratio x index_topk: a larger index_topk is a workaround for a functional indexer "
-                "bug that no suspect in the ledger reproduces"
+                "bug that no suspect in the ledger reproduces",
             )
-        return None
+        return None, roles
     for s in capacity:
-        if s["role"] == "co-factor":
-            s["reason"] = (
+        if role[s["id"]] == "co-factor":
+            roles[s["id"]] = Role(
+                "co-factor",
+                "implicated",
                 f"co-factor: {s['reason']}; necessary but not sufficient: the deployment index_topk alone costs "
-                f"nothing at the lengths tested, so it is a workaround for {_partners(s, implicated)}"
+                f"nothing at the lengths tested, so it is a workaround for {_partners(s, implicated)}",
             )
-    return roots[0]["id"] if roots else None
+    return (roots[0]["id"] if roots else None), roles
 
 
 def root_causes(suspects: list[dict]) -> list[str]:
@@ -389,6 +416,18 @@ def classify_fix(pair: dict, *, removes: str | None, root_cause, keeps_topk: boo
     if removes is not None and removes in roots and keeps_topk:
         return "root-cause fix"
     return "workaround"
+
+
+def fix_label(fix: dict) -> str:
+    """A replayed fix's label as the report shows it: its ``label_kind`` when the fix restores
+    recall; else what the paired test says in words with its numbers: "not significant (p=0.062,
+    n=18)" (a lift the cases cannot confirm is not "no effect"), or "worse (p=..., n=...)" when
+    the fix significantly loses cases."""
+    if fix["label_kind"] != "no effect":
+        return fix["label_kind"]
+    p = fix["pair"]
+    word = "worse" if p["p"] < ALPHA and p["c"] > p["b"] else "not significant"
+    return f"{word} (p={p['p']:.2g}, n={p['n']})"
 
 
 def gap_closed(cmp: dict) -> float:

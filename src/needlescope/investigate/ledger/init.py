@@ -20,10 +20,25 @@ from needlescope.errors import BadInput
 from needlescope.run.store import ResultStore
 from needlescope.targets import collect_provenance, normalize_base_url
 
-__all__ = ["LIVE_SYMPTOM", "from_probe_ledger", "live_ledger", "write_ledger"]
+__all__ = [
+    "BLACKBOX_SYMPTOM",
+    "LIVE_SYMPTOM",
+    "blackbox_ledger",
+    "from_probe_ledger",
+    "live_ledger",
+    "write_ledger",
+]
 
 # A symptom small enough to run on CPU in about a minute (the live route's tested size).
 LIVE_SYMPTOM = {"kind": "multiturn", "lengths": [512], "depths": [0, 25, 50, 75, 100], "trials": 2, "seed": 0}
+# The black box reads a length x depth grid (positional_bias, graded): two lengths, five depths.
+BLACKBOX_SYMPTOM = {
+    "kind": "multiturn",
+    "lengths": [1024, 2048],
+    "depths": [0, 25, 50, 75, 100],
+    "trials": 2,
+    "seed": 0,
+}
 
 _SUSPECTS = (
     ("page_table", "the paged indexer reads the key cache by logical page", 'patch = "fault:indexer_page_table"'),
@@ -57,8 +72,18 @@ def _symptom_toml(symptom: dict, why: str) -> list[str]:
     ]
 
 
-def live_ledger(url: str, *, symptom: dict | None = None, why: str = "", api_key: str | None = None) -> str:
-    """The text of a live ledger for the endpoint at ``url`` (its info endpoints are read once)."""
+def live_ledger(
+    url: str,
+    *,
+    symptom: dict | None = None,
+    why: str = "",
+    api_key: str | None = None,
+    config: str | None = None,
+) -> str:
+    """The text of a live ledger for the endpoint at ``url`` (its info endpoints are read once):
+    a black-box one (``blackbox_ledger``) when the endpoint has no indexer capture
+    (``/get_server_info`` missing, or ``enable_return_indexer_topk`` not true). ``config``: the
+    served checkpoint's ``config.json`` as the black-box ledger names it."""
     root, v1 = normalize_base_url(url)
     prov = collect_provenance(root, v1, api_key=api_key)
     status = prov.get("status", {})
@@ -76,6 +101,13 @@ def live_ledger(url: str, *, symptom: dict | None = None, why: str = "", api_key
         )
     info = prov.get("/get_server_info")
     model, model_why = _reference_model(info)
+    if not (isinstance(info, dict) and info.get("enable_return_indexer_topk") is True):
+        return blackbox_ledger(root, model, symptom or BLACKBOX_SYMPTOM, why, config=config)
+    if config is not None:
+        raise BadInput(
+            f"--config is for an endpoint without a capture; {root} captures its indexer top-k "
+            "(its ledger is a live one): drop --config"
+        )
     lines = [
         "# needlescope investigation ledger for a live endpoint (needlescope investigate run THIS --out DIR).",
         "# Each suspect is emulated in the reference checkpoint and compared with the selection the",
@@ -112,6 +144,32 @@ def live_ledger(url: str, *, symptom: dict | None = None, why: str = "", api_key
             mapping,
         ]
         lines += ['checks = ["live_emulation"]', ""]
+    return "\n".join(lines)
+
+
+def blackbox_ledger(root: str, model: str, symptom: dict, why: str, *, config: str | None = None) -> str:
+    """A black-box ledger (``candidate = "blackbox"``) for an endpoint without a capture: no
+    suspects (nothing can be emulated against answers alone); ``config`` names the checkpoint's
+    ``config.json`` for the architecture numbers ``/get_server_info`` does not give."""
+    cfg = (
+        f'config = "{config}"   # the served checkpoint\'s config.json: its compression ratio and index_topk'
+        if config is not None
+        else '# config = "config.json"   # the served checkpoint\'s, when /get_server_info does not say its index_topk'
+    )
+    lines = [
+        "# needlescope investigation ledger for an endpoint without an indexer capture (a black box):",
+        "# needlescope investigate run THIS --out DIR decides every class decidable from outside",
+        "# (answers, prompt logprobs where offered); docs/investigate.md.",
+        "",
+        "[target]",
+        f'model = "{model}"   # its tokenizer sizes the prompts when the endpoint has no /tokenize',
+        'reference = "k=fp32 q=fp32 acc=fp32 topk=cfg"',
+        'candidate = "blackbox"',
+        f'endpoint = "{root}"',
+        cfg,
+        "",
+        *_symptom_toml(symptom, why or "a length x depth grid at 1K and 2K tokens"),
+    ]
     return "\n".join(lines)
 
 

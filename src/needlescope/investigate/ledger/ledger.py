@@ -115,6 +115,9 @@ emulation (``candidate = "live"``: the suspect emulated in the reference, compar
 endpoint's indexer capture) and each audit check."""
 
 LIVE = "live"
+BLACKBOX = "blackbox"
+"""``candidate = "blackbox"``: the candidate is an endpoint without an indexer capture (vLLM): only
+its answers and, where it offers them, its prompt logprobs are read (``measure.blackbox``)."""
 DUMP = "dump"
 """``candidate = "dump"``: the candidate is an engine's tensor dump (``dump = "DIR"``)."""
 """``candidate = "live"``: the candidate is the live endpoint itself (nothing to ablate)."""
@@ -178,10 +181,15 @@ class Target:
     """The engine dump that is the candidate (``candidate = "dump"``); None otherwise."""
     dump_mapping: Path | None = None
     """Its mapping file (``dsa.dump_mapping``); None: the shipped SGLang DeepSeek-V4 one."""
+    blackbox: bool = False
+    """``candidate = "blackbox"``: the endpoint answers without an indexer capture."""
+    config: Path | None = None
+    """The served checkpoint's ``config.json`` (black box: its compression ratio and
+    ``index_topk`` when ``/get_server_info`` does not say them)."""
 
     @property
     def live(self) -> bool:
-        return self.candidate is None and self.dump is None
+        return self.candidate is None and self.dump is None and not self.blackbox
 
 
 @dataclass(frozen=True)
@@ -427,11 +435,14 @@ def _target(where: _Where, t: dict, base: Path) -> Target:
     cand_text = _expect(where, tl, t, "candidate", str, "a Setting such as 'k=fp8_e4m3 topk=64', or 'live'")
     endpoint = t.get("endpoint") or None
     dump = _dump_paths(where, t, tl, base, cand_text.strip() == DUMP)
-    if cand_text.strip() == LIVE and not endpoint:
+    if cand_text.strip() in (LIVE, BLACKBOX) and not endpoint:
         raise where.error(
             where.key_line("candidate", tl),
-            'candidate = "live" needs endpoint = "http://HOST:PORT" (the live server to capture from)',
+            f'candidate = "{cand_text.strip()}" needs endpoint = "http://HOST:PORT" (the live server)',
         )
+    config = t.get("config") or None
+    if config is not None and cand_text.strip() != BLACKBOX:
+        raise where.error(where.key_line("config", tl), 'config is used only with candidate = "blackbox"')
     target = Target(
         model=_expect(where, tl, t, "model", str, "'organism' or a checkpoint directory"),
         reference=_setting(
@@ -441,8 +452,12 @@ def _target(where: _Where, t: dict, base: Path) -> Target:
             base,
         ),
         candidate=None
-        if cand_text.strip() in (LIVE, DUMP)
+        if cand_text.strip() in (LIVE, DUMP, BLACKBOX)
         else _setting(where, where.key_line("candidate", tl), cand_text, base),
+        blackbox=cand_text.strip() == BLACKBOX,
+        config=None
+        if config is None
+        else where.path_inside(config, base, where.key_line("config", tl), "config"),
         dump=dump[0],
         dump_mapping=dump[1],
         extra_patches=tuple(
@@ -509,6 +524,12 @@ def _check_routes(where: _Where, target: Target, suspects: tuple[Suspect, ...]) 
     live_emulation a live one."""
     wrong = "ablation" if target.live else "live_emulation"
     for s in suspects:
+        if target.blackbox and s.checks:
+            raise where.error(
+                where.key_line("checks", s.line),
+                f"suspect {s.id!r}: an endpoint without a capture cannot be ablated or emulated against; "
+                'with candidate = "blackbox" leave checks out (the characterization reads its answers)',
+            )
         if target.dump is not None and s.checks:
             raise where.error(
                 where.key_line("checks", s.line),
@@ -575,7 +596,7 @@ def parse_ledger(text: str, path: Path, *, allow_outside: bool = False) -> Ledge
     where.no_unknown_keys(sy, sl, "[symptom]")
     where.no_unknown_keys(raw["target"], where.table_line("target"), "[target]")
     suspects_raw = raw.get("suspects", [])
-    if not isinstance(suspects_raw, list) or not suspects_raw:
+    if not isinstance(suspects_raw, list) or (not suspects_raw and not target.blackbox):
         raise where.error(1, "no suspects; add at least one [[suspects]] table")
     suspects = tuple(_suspect(where, i, s, base) for i, s in enumerate(suspects_raw))
     ids = [s.id for s in suspects]

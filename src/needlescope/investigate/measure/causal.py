@@ -13,7 +13,7 @@
 
 from __future__ import annotations
 
-from needlescope.investigate.decide.verdicts import ALPHA, evidence, paired
+from needlescope.investigate.decide.verdicts import evidence, paired
 from needlescope.investigate.ledger.differences import file_slug
 from needlescope.investigate.ledger.ledger import Suspect
 from needlescope.investigate.ledger.plan import Config, at_topk
@@ -50,7 +50,7 @@ def sufficiency(session: Session, s: Suspect, ref_records: list[dict]) -> dict:
                 "sufficiency", "sufficiency: discordant b (wrong with it alone, right without)", pair["b"]
             ),
             evidence("sufficiency", "sufficiency: discordant c", pair["c"]),
-            evidence("sufficiency", "sufficiency: exact McNemar p", pair["p"], ALPHA),
+            evidence("sufficiency", "sufficiency: exact McNemar p", pair["p"]),
         ],
     )
     return pair

@@ -1,7 +1,10 @@
-"""The in-process route's evidence for ``decide.characterize``, with its discriminating experiments.
+"""The measurements ``decide.characterize`` reads, with their discriminating experiments (both
+routes); the classes are decided in ``decide.decision``, never here, and ``state.json`` caches
+these measurements (``STEP``), never a result.
 
-``characterize_inprocess(session, ...)`` runs when recall is lost and no ledger suspect explains it
-(no root cause, or only automatic ones: differences the ledger did not name). The **target** is
+``measure_characterization_inprocess(session, ...)`` runs when ``decide`` says recall is lost and
+no ledger suspect explains it (no root cause, or only automatic ones: differences the ledger did
+not name). The **target** is
 what is left to explain (the candidate when an automatic suspect is the root cause, else the
 residual candidate), the **baseline** what it is compared with (the candidate without those
 automatic suspects; else the reference at the target's ``index_topk``). It measures:
@@ -14,7 +17,8 @@ automatic suspects; else the reference at the target's ``index_topk``). It measu
 * **selections**: for up to ``FAILING_CASES`` failing cases (wrong under the target, right under
   the reference; shortest first), every CSA layer's selection of the target and of the baseline
   at the analysed query, teacher-forced and decoded (``rank_paths.path_selections``);
-* **where**: the localizer's first divergent module on each path (``localization``).
+* **where**: ``decide`` adds the localizer's first divergent module on each path (the measured
+  ``localization``).
 
 Budget: ``2 x (1 + ratio - 1)`` short batches plus two prompt passes per failing case, about
 what the fixes step costs; the example ledger (a named root cause) runs none of it, so
@@ -26,38 +30,30 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from needlescope.errors import BadInput
-from needlescope.investigate.decide.characterize import (
-    Context,
-    Evidence,
-    LengthCell,
-    Localized,
-    characterize,
-)
+from needlescope.investigate.decide.characterize import Context, Evidence, LengthCell
+from needlescope.investigate.decide.measured import CharacterizationInput
 from needlescope.investigate.decide.selection_evidence import Row, layer_selection
 from needlescope.investigate.decide.verdicts import paired
+from needlescope.investigate.ledger.differences import AUTO_PREFIX
 from needlescope.investigate.ledger.plan import Config, at_topk
-from needlescope.investigate.measure.serving_factors import with_live_serving_factor
+from needlescope.investigate.measure.serving_factors import measure_live_serving_factor
 
-__all__ = ["FAILING_CASES", "characterize_inprocess", "nothing_to_explain"]
+if TYPE_CHECKING:
+    from needlescope.investigate.measure.live import LiveRoute
+    from needlescope.investigate.measure.session import Session
+
+__all__ = ["FAILING_CASES", "STEP", "measure_characterization_inprocess", "measure_characterization_live"]
+
+STEP = "measured:characterization"
+"""The ``state.json`` step that caches the characterization's measurements (never its result)."""
 
 FAILING_CASES = 2
 DENSE_CASES = 6
 """Cases at the dense length: enough for an exact McNemar p < 0.05 when every one is lost
 (6 losses, none gained: p = 1/64); the short prompts make them cheap."""
-AUTO_PREFIX = "auto:"
-
-
-def nothing_to_explain(ref_records: list[dict], cand_records: list[dict]) -> dict | None:
-    """The characterization when the candidate loses no recall (``classes == ["none"]``), else None."""
-    p = paired(_ok(cand_records), _ok(ref_records))
-    if p["b"] > p["c"]:
-        return None
-    return characterize(
-        Evidence(recall_lost=False, recall_reference=p["recall_without"], recall_candidate=p["recall_with"]),
-        Context(route="in-process", ratio=4, topk=1),
-    )
 
 
 def _ok(records: list[dict]) -> dict[str, bool]:
@@ -79,21 +75,21 @@ def _by_length(ref: list[dict], tgt: list[dict], into: dict) -> None:
         into.setdefault(r["length"], ([], []))[1].append(r)
 
 
-def _extra_cases(inv, lengths: list[int], trials: int = 1) -> list:
+def _extra_cases(session: Session, lengths: list[int], trials: int = 1) -> list:
     from needlescope.cases.assemble import CaseSpec, build_cases
     from needlescope.dsa.checkpoint import trained_value_digits
     from needlescope.dsa.prompt import render_prompt
 
-    sy = inv.ledger.symptom
+    sy = session.ledger.symptom
     spec = CaseSpec(
         kind=sy.kind,
         lengths=lengths[:1],
         depths=sy.depths,
         trials=trials,
         seed=sy.seed,
-        value_digits=trained_value_digits(inv.model_dir),
+        value_digits=trained_value_digits(session.model_dir),
     )
-    count = lambda m: len(render_prompt(inv.tokenizer, m).input_ids)  # noqa: E731
+    count = lambda m: len(render_prompt(session.tokenizer, m).input_ids)  # noqa: E731
     cases = []
     for length in lengths:  # a dense length too short for the needle and question is left out
         try:
@@ -101,23 +97,23 @@ def _extra_cases(inv, lengths: list[int], trials: int = 1) -> list:
         except BadInput:
             continue
     for c in cases:
-        inv.prompt_len[c.case_id] = len(render_prompt(inv.tokenizer, c.messages).input_ids)
+        session.prompt_len[c.case_id] = len(render_prompt(session.tokenizer, c.messages).input_ids)
     return cases
 
 
-def _discriminating_cases(inv, dense: int, shortest: int, failing: int, ratio: int) -> list:
+def _discriminating_cases(session: Session, dense: int, shortest: int, failing: int, ratio: int) -> list:
     """The dense length's cases (``DENSE_CASES`` at least; none when the symptom already has a
     dense length) and one per depth at each residue length around the shortest failing one.
     The dense length is moved one token down (still dense) when it shares the failing length's
     residue mod ``ratio``: a loss there must not be a boundary bug's, read as outside_selection."""
-    depths = len(inv.ledger.symptom.depths)
+    depths = len(session.ledger.symptom.depths)
     if dense % ratio == failing % ratio:
         dense -= 1
-    cases = _extra_cases(inv, [dense], -(-DENSE_CASES // depths)) if dense < shortest else []
-    return cases + _extra_cases(inv, [failing + d for d in range(1, ratio)])
+    cases = _extra_cases(session, [dense], -(-DENSE_CASES // depths)) if dense < shortest else []
+    return cases + _extra_cases(session, [failing + d for d in range(1, ratio)])
 
 
-def _selection_layers(inv, target, baseline, failing: list[dict]) -> tuple[list, int]:
+def _selection_layers(session: Session, target, baseline, failing: list[dict]) -> tuple[list, int]:
     """(``LayerSelection`` per (CSA layer, path) over the failing cases' analysed queries, the
     failing cases left out because their rerun alone did not reproduce the recorded token on
     either path). A failure that depends on what ran before the case (a cache slot kept across
@@ -130,18 +126,18 @@ def _selection_layers(inv, target, baseline, failing: list[dict]) -> tuple[list,
     rows: dict[tuple[int, str], list[Row]] = {}
     not_reproduced = 0
     for rec in failing:
-        case = next(c for c in inv.cases if c.case_id == rec["case_id"])
-        prompt = render_prompt(inv.tokenizer, case.messages)
+        case = next(c for c in session.cases if c.case_id == rec["case_id"])
+        prompt = render_prompt(session.tokenizer, case.messages)
         a, ratio = rec["analysed_token"], rec["compress_ratio"]
         answer, query = rec["output_ids"][:a], len(prompt.input_ids) - 1 + a
         said: dict[str, int] = {}
         tgt = path_selections(
-            inv.model, target, prompt.input_ids, answer, query, chunk=inv.chunk, tokens=said
+            session.model, target, prompt.input_ids, answer, query, chunk=session.chunk, tokens=said
         )
         if a < len(rec["output_ids"]) and rec["output_ids"][a] not in said.values():
             not_reproduced += 1  # (past the recorded ids, the token is EOS or unknown: kept)
             continue
-        base = path_selections(inv.model, baseline, prompt.input_ids, answer, query, chunk=inv.chunk)
+        base = path_selections(session.model, baseline, prompt.input_ids, answer, query, chunk=session.chunk)
         visible = int(visible_entries(query, ratio))
         spans = covering_entries(needle_token_span(prompt, case.needle), ratio=ratio, overlap=True)
         needle = frozenset(e for e in spans if e < visible)
@@ -152,40 +148,23 @@ def _selection_layers(inv, target, baseline, failing: list[dict]) -> tuple[list,
     return [layer_selection(layer, path, r) for (layer, path), r in sorted(rows.items())], not_reproduced
 
 
-def _localized(localization: dict | None) -> tuple[Localized, ...]:
-    if not localization:
-        return ()
-    return tuple(
-        Localized(
-            p["path"], p.get("first_divergent_module"), p.get("module_type"), p.get("layer"), p.get("finding")
-        )
-        for p in localization.get("paths", [])
-    )
-
-
-def characterize_inprocess(
-    inv, suspects_out: list[dict], ref_records, cand_records, localization: dict | None
-) -> dict | None:
-    """``verdicts.json`` ``characterization`` of an in-process run (module docstring); None when
-    nothing was measured or a suspect the ledger names is the root cause (it explains the loss)."""
+def measure_characterization_inprocess(
+    session: Session, suspects: list[dict], ref_records, cand_records
+) -> CharacterizationInput:
+    """The in-process characterization's measurements (module docstring), resumed from
+    ``state.json``; ``decide`` asked for them (``decision.characterization_needed``) and
+    decides the classes from them."""
     from needlescope.investigate.measure.causal import residual_config
 
-    if inv.model is None or not cand_records:
-        return None
-    none = nothing_to_explain(ref_records, cand_records)
-    if none is not None:
-        return none
-    implicated = [s for s in suspects_out if s["verdict"] == "implicated" and s["present"]]
-    if any(not s["id"].startswith(AUTO_PREFIX) and s.get("role") == "root cause" for s in implicated):
-        return None
-    done = inv.state.step_value("characterization")
+    done = session.state.step_value(STEP)
     if done is not None:
-        return done
-    by_id = {s.id: s for s in inv.suspects}
+        return CharacterizationInput.from_json(done)
+    implicated = [s for s in suspects if s["verdict"] == "implicated" and s["present"]]
+    by_id = {s.id: s for s in session.suspects}
     autos = [by_id[s["id"]] for s in implicated if s["id"].startswith(AUTO_PREFIX)]
-    target = inv.candidate if autos else residual_config(inv, [by_id[s["id"]] for s in implicated])
-    baseline = residual_config(inv, autos) if autos else _same_numerics(inv, target)
-    tgt_records = cand_records if autos or not implicated else inv.measure("residual", target)
+    target = session.candidate if autos else residual_config(session, [by_id[s["id"]] for s in implicated])
+    baseline = residual_config(session, autos) if autos else _same_numerics(session, target)
+    tgt_records = cand_records if autos or not implicated else session.measure("residual", target)
     k = cand_records[0]["index_topk"]
     ratio = cand_records[0]["compress_ratio"]
     failing_ok = _ok(ref_records)
@@ -196,74 +175,47 @@ def characterize_inprocess(
     by_length: dict = {}
     _by_length(ref_records, tgt_records, by_length)
     lengths = sorted({r["length"] for r in failing}) or sorted(by_length)
-    cases = _discriminating_cases(inv, ratio * k, min(by_length), lengths[0], ratio)
-    inv.progress("characterize", 0, 2, "dense and residue lengths")
+    cases = _discriminating_cases(session, ratio * k, min(by_length), lengths[0], ratio)
+    session.progress("characterize", 0, 2, "dense and residue lengths")
     _by_length(
-        inv.measure("char-reference", inv.reference, cases),
-        inv.measure("char-target", target, cases),
+        session.measure("char-reference", session.reference, cases),
+        session.measure("char-target", target, cases),
         by_length,
     )
-    inv.progress("characterize", 1, 2, "selections of the failing cases")
-    layers, not_reproduced = _selection_layers(inv, target, baseline, failing[:FAILING_CASES])
+    session.progress("characterize", 1, 2, "selections of the failing cases")
+    layers, not_reproduced = _selection_layers(session, target, baseline, failing[:FAILING_CASES])
     ev = Evidence(
         recall_lost=True,
         cells=tuple(_cells(by_length, ratio)),
         layers=tuple(layers),
         answers_differ=len(failing[:FAILING_CASES]) > not_reproduced,
-        localized=_localized(localization),
         not_reproduced=not_reproduced,
         rerun=len(failing[:FAILING_CASES]),
     )
-    ids_file, _, _ = _case_files(inv, failing)
+    ids_file, _, _ = _case_files(session, failing)
     ctx = Context(
         route="in-process",
         ratio=ratio,
         topk=k,
-        model=inv.ledger.target.model,
+        model=session.ledger.target.model,
         candidate_flags=_flags(target),
         sweep_flags=_sweep_flags(target),
         input_ids=ids_file,
         lengths=tuple(lengths),
-        device=inv.ledger.target.device,
+        device=session.ledger.target.device,
     )
-    out = {**characterize(ev, ctx), "measured": _measured(ev, baseline.label())}
-    inv.state.mark_done("characterization", out)
-    inv.progress("characterize", 2, 2, "")
+    out = CharacterizationInput(ev, ctx, baseline.label())
+    session.state.mark_done(STEP, out.to_json())
+    session.progress("characterize", 2, 2, "")
     return out
 
 
-def _same_numerics(inv, target):
+def _same_numerics(session: Session, target):
     """The target's numerics and top-k without its patches (what its configured precision
     explains), or the reference at its top-k when the target carries no patch."""
     plain = Config(target.setting.with_(patch=None), ())
     k = target.setting.index_topk
-    return plain if plain.label() != target.label() else at_topk(inv.reference, k)
-
-
-def _measured(ev: Evidence, baseline: str) -> dict:
-    """The numbers the rules read, for the report: cells and per-layer selection comparisons."""
-    return {
-        "baseline": baseline,
-        "not_reproduced": ev.not_reproduced,
-        "rerun": ev.rerun,
-        "cells": [c.__dict__ for c in ev.cells],
-        "layers": [
-            {
-                k: getattr(s, k)
-                for k in (
-                    "layer",
-                    "path",
-                    "rows",
-                    "overlap",
-                    "chance",
-                    "needle_reference",
-                    "needle_candidate",
-                )
-            }
-            | {"shift_overlap": s.shift_overlap, "tail_share": s.tail_share}
-            for s in ev.layers
-        ],
-    }
+    return plain if plain.label() != target.label() else at_topk(session.reference, k)
 
 
 def _sweep_flags(cfg) -> tuple[str, ...] | None:
@@ -313,7 +265,7 @@ def _live_layers(route, ratio: int, failing: list[dict], baseline: dict) -> list
     return [layer_selection(layer, path, r) for (layer, path), r in sorted(rows.items())]
 
 
-def _case_files(inv, failing: list[dict]) -> tuple[str | None, str | None, str | None]:
+def _case_files(session: Session, failing: list[dict]) -> tuple[str | None, str | None, str | None]:
     """(ids file, messages file, needle) of the first failing case, written under the run
     directory for the ``next`` command (absolute paths: it runs as printed from anywhere): the
     ids are the prompt and the answer tokens before the analysed one, as ``indexer diff
@@ -324,10 +276,10 @@ def _case_files(inv, failing: list[dict]) -> tuple[str | None, str | None, str |
     if not failing:
         return None, None, None
     rec = failing[0]
-    case = next(c for c in inv.cases if c.case_id == rec["case_id"])
-    prompt = render_prompt(inv.tokenizer, case.messages)
+    case = next(c for c in session.cases if c.case_id == rec["case_id"])
+    prompt = render_prompt(session.tokenizer, case.messages)
     ids = prompt.input_ids + list(rec.get("output_ids", []))[: rec.get("analysed_token", 0)]
-    folder = (inv.out / "characterize").resolve()
+    folder = (session.out / "characterize").resolve()
     folder.mkdir(parents=True, exist_ok=True)
     span = needle_token_span(prompt, case.needle)
     atomic_write_json(folder / "input_ids.json", {"input_ids": ids, "needle_token_span": list(span)})
@@ -341,60 +293,53 @@ def _csa(model):
     return csa_indexers(model)
 
 
-def characterize_live(
-    inv, route, root: str | None, ref_records, live_records, failing, baseline
-) -> dict | None:
-    """``characterization`` of a live run: None when a suspect is the root cause or nothing ran;
-    "none" when the live loses no recall; else the dense and residue lengths are probed live
-    and on the reference (``route.probe_live(name, cases)``), and the live selections of the
-    failing cases compared with the reference's on both the server's prefill and decode rows."""
+def measure_characterization_live(
+    session: Session, route: LiveRoute, ref_records, live_records, failing, baseline
+) -> CharacterizationInput:
+    """The live characterization's measurements: the dense and residue lengths probed live and
+    on the reference (``route.probe_live(name, cases)``), and the live selections of the failing
+    cases compared with the reference's on both the server's prefill and decode rows. Resumed
+    from ``state.json`` only when every case answered (a rerun that gets more answers measures
+    again, so it decides as an uninterrupted run would)."""
     scored = [r for r in live_records if not r.get("error")]
-    if root is not None or not scored or route.live_k is None:
-        return None
-    none = nothing_to_explain(ref_records, scored)
-    if none is not None:
-        return none
-    # What the live side answered decides the result: a rerun that got more answers (the
-    # endpoint failed for some cases, or went down during the characterization) measures again,
-    # so it decides as an uninterrupted run would.
     basis = _live_basis(route.live_k, scored, failing)
-    done = inv.state.step_value("characterization")
+    done = session.state.step_value(STEP)
     if isinstance(done, dict) and done.get("basis") == basis and "value" in done:
-        return done["value"]
-    k, ratio = route.live_k, int(_csa(inv.model)[0][1].compress_rate)
+        return CharacterizationInput.from_json(done["value"])
+    k, ratio = route.live_k, int(_csa(session.model)[0][1].compress_rate)
     by_length: dict = {}
     _by_length(ref_records, scored, by_length)
     lengths = sorted({r["length"] for r in failing}) or sorted(by_length)
-    cases = _discriminating_cases(inv, ratio * k, min(by_length), lengths[0], ratio)
-    inv.progress("characterize", 0, 2, "dense and residue lengths, live and reference")
+    cases = _discriminating_cases(session, ratio * k, min(by_length), lengths[0], ratio)
+    session.progress("characterize", 0, 2, "dense and residue lengths, live and reference")
     live_extra = [r for r in route.probe_live("char-live", cases) if not r.get("error")]
-    _by_length(inv.measure("char-reference", inv.reference, cases), live_extra, by_length)
-    inv.progress("characterize", 1, 2, "the failing cases' live selections")
+    _by_length(session.measure("char-reference", session.reference, cases), live_extra, by_length)
+    session.progress("characterize", 1, 2, "the failing cases' live selections")
     ev = Evidence(
         recall_lost=True,
         cells=tuple(_cells(by_length, ratio)),
         layers=tuple(_live_layers(route, ratio, failing, baseline.get("decode", {}))),
         answers_differ=bool(failing),
     )
-    _, prompt_file, needle = _case_files(inv, failing)
+    _, prompt_file, needle = _case_files(session, failing)
     ctx = Context(
         route="live",
         ratio=ratio,
         topk=k,
-        model=inv.ledger.target.model,
-        base_url=inv.ledger.target.endpoint,
+        model=session.ledger.target.model,
+        base_url=session.ledger.target.endpoint,
         prompt=prompt_file,
         needle=needle,
-        served_model=str((inv.state.data.get("server_info") or {}).get("model") or "organism"),
+        served_model=str(session.state.server_info.get("model") or "organism"),
         lengths=tuple(lengths),
-        device=inv.ledger.target.device,
+        device=session.ledger.target.device,
     )
-    out = {**characterize(ev, ctx), "measured": _measured(ev, f"reference at the live index_topk {k}")}
-    out = with_live_serving_factor(inv, out, ctx.served_model, lengths)  # --serving-factors
-    if len(live_extra) == len(cases) and len(scored) == len(inv.cases):
+    factor = measure_live_serving_factor(session, ctx.served_model, lengths)  # --serving-factors
+    out = CharacterizationInput(ev, ctx, f"reference at the live index_topk {k}", factor)
+    if len(live_extra) == len(cases) and len(scored) == len(session.cases):
         # complete: every case answered; otherwise the next run sends what failed again
-        inv.state.mark_done("characterization", {"basis": basis, "value": out})
-    inv.progress("characterize", 2, 2, "")
+        session.state.mark_done(STEP, {"basis": basis, "value": out.to_json()})
+    session.progress("characterize", 2, 2, "")
     return out
 
 

@@ -10,10 +10,9 @@ the first wrong one) both ways, for the residual candidate and for the reference
 teacher-forced forward, recording every module's output at each decoded position:
 
 * a module **departs** on the decode path when its decode output differs from its own
-  teacher-forced output at that position by more than ``FACTOR`` times the reference's
-  difference for the same module, and by more than ``FLOOR`` (the two paths reduce in different
-  orders, so small float differences are expected on both); an indexer's selection is compared as
-  sets (any change the reference does not show departs), a scorer over the visible entries;
+  teacher-forced output at that position by more than the limit ``decide.localization.module_limit``
+  sets from the reference's difference for the same module (the rule and its constants live
+  there); an indexer's selection is compared as sets, a scorer over the visible entries;
 * the first departing module, in the order calls return, at the first decode step where any
   departs, is where the decode path diverges (``own_err``: the candidate's difference, ``own_budget``
   the threshold it exceeded);
@@ -29,17 +28,20 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import torch
 
 from needlescope.dsa.emulate import IndexerCapture, emulate, patches_applied
 from needlescope.dsa.module_replay import rel_err, selection_error
 from needlescope.dsa.reference import visible_entries
+from needlescope.investigate.decide.localization import module_limit
 
-__all__ = ["FACTOR", "FLOOR", "decode_path", "departures"]
+if TYPE_CHECKING:
+    from needlescope.investigate.measure.session import Session
 
-FACTOR = 4.0
-FLOOR = 1e-3
+__all__ = ["decode_path", "departures"]
+
 _INDEXER = "DeepseekV4Indexer"
 _SCORER = "DeepseekV4IndexerScorer"
 
@@ -100,7 +102,7 @@ def departures(cand: dict, ref: dict, pos: int, ratio: int) -> list[dict]:
             continue
         (_, _, rdec), (_, _, rtf) = ref[key]
         r = _difference(typ, rdec, rtf, pos, ratio) or 0.0
-        limit = FACTOR * r if typ == _INDEXER else max(FACTOR * r, FLOOR)
+        limit = module_limit(typ == _INDEXER, r)
         if d > limit:
             out.append({"module": name, "type": typ, "err": d, "limit": limit})
     return out
@@ -141,7 +143,9 @@ def _layer(name: str | None) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def decode_path(session, twin, cfg, ref_setting, prompt_ids: list[int], answer: list[int], rec: dict) -> dict:
+def decode_path(
+    session: Session, twin, cfg, ref_setting, prompt_ids: list[int], answer: list[int], rec: dict
+) -> dict:
     """The ``localization.paths`` entry of the decode path (module docstring)."""
     from needlescope.dsa.emulate import csa_indexers
     from needlescope.dsa.prompt import covering_entries, needle_token_span, render_prompt
@@ -158,7 +162,6 @@ def decode_path(session, twin, cfg, ref_setting, prompt_ids: list[int], answer: 
             "first_divergent_module": None,
             "module_type": None,
             "layer": None,
-            "first_departing_layer": None,
             "summary": "the first answer token is wrong: nothing is decoded before it, the decode path is the prefill",
         }
     ref_cap, cand_cap = IndexerCapture(), IndexerCapture()
@@ -176,7 +179,7 @@ def decode_path(session, twin, cfg, ref_setting, prompt_ids: list[int], answer: 
     entries = covering_entries(
         needle_token_span(render_prompt(session.tokenizer, case.messages), case.needle), ratio
     )
-    layers, departing = [], None
+    layers = []
     for layer in ref_cap.layers():
         width = int(ref_setting.index_topk or 2048)
         rp, rr = ref_cap.rows(layer, width)
@@ -193,8 +196,6 @@ def decode_path(session, twin, cfg, ref_setting, prompt_ids: list[int], answer: 
                 "needle_kept_candidate": bool(ne & set(cr[ci].tolist())) if ne else None,
             }
         )
-        if departing is None and err > 0:
-            departing = layer
     summary = (
         f"decode step at position {P + i}: {first['module']} ({first['type']}) departs from its teacher-forced "
         f"output by {first['err']:.3g} (limit {first['limit']:.3g})"
@@ -209,7 +210,6 @@ def decode_path(session, twin, cfg, ref_setting, prompt_ids: list[int], answer: 
         "layer": _layer(first and first["module"]),
         "own_err": first and first["err"],
         "own_budget": first and first["limit"],
-        "first_departing_layer": departing,
         "layers": layers,
         "summary": summary,
     }

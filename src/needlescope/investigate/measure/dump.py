@@ -23,18 +23,18 @@ from __future__ import annotations
 
 import shlex
 
+from needlescope.investigate.decide.measured import Measured
 from needlescope.investigate.ledger.ledger import Suspect
-from needlescope.investigate.measure.session import Session, suspect_identity
+from needlescope.investigate.measure.localize import STEP
+from needlescope.investigate.measure.session import Session, measure_suspects, suspect_identity
 from needlescope.paths import relativize
 
-__all__ = ["DumpRoute", "dump_localization"]
-
-DEPARTS = 0.99
-"""A CSA layer's dumped selection departs from the reference's below this mean overlap (as live)."""
+__all__ = ["measure", "DumpRoute", "dump_localization"]
 
 
 def dump_localization(result: dict, module_type: str | None, command: str) -> dict:
-    """``verdicts.json`` ``localization`` from a ``compare_dump`` result (module docstring)."""
+    """The measured localization of a ``compare_dump`` result (module docstring); its first
+    departing CSA layer is ``decide.localization``'s."""
     first = result["first_beyond"]
     row = None if first is None else next(t for t in result["tensors"] if t["engine_name"] == first["engine_name"]
                                           and t["layer"] == first["layer"])  # fmt: skip
@@ -49,7 +49,6 @@ def dump_localization(result: dict, module_type: str | None, command: str) -> di
         for r in result["indexer"]
         if r["layer"] is not None
     ]
-    departing = next((ly["layer"] for ly in layers if ly["topk_overlap"] < DEPARTS), None)
     where = (
         f"first tensor beyond its budget: `{first['engine_name']}` = {first['reference']} ({module_type}, "
         f"layer {first['layer']}), rel_err {row['rel_err']:.3g} vs budget {row['budget']:.3g}"
@@ -64,18 +63,17 @@ def dump_localization(result: dict, module_type: str | None, command: str) -> di
         "layer": None if first is None else first["layer"],
         "own_err": None if row is None else row["rel_err"],
         "own_budget": None if row is None else row["budget"],
-        "first_departing_layer": departing,
         "layers": layers,
         "summary": where,
     }
     return {
+        "route": "dump",
         "case_id": "dump",
         "target": "the engine's tensor dump",
         "config": f"dump of {result['prompt_tokens']} tokens, passes {result['passes']}, ranks {result['ranks']}",
         "analysed_token": 0,
         "query_pos": result["prompt_tokens"] - 1,
-        "paths": [path],
-        "diverges_first": "dump" if first is not None else "neither",
+        "path": path,
         "summary": where
         + f" ({len(result['tensors'])} dumped tensors compared, mapping {result['mapping']})",
         "command": command,
@@ -108,7 +106,7 @@ class DumpRoute:
         from needlescope.dsa.dump_mapping import load_mapping
 
         ss = self.session
-        done = ss.state.step_value("localization")
+        done = ss.state.step_value(STEP)
         if done is not None or not ss.loaded:
             return done
         t = ss.ledger.target
@@ -135,6 +133,25 @@ class DumpRoute:
             parts += ["--mapping", str(t.dump_mapping)]
         command = relativize(" ".join(shlex.quote(p) for p in parts), ss.path_map())
         loc = dump_localization(result, module_type, command)
-        ss.state.mark_done("localization", loc)
+        ss.state.mark_done(STEP, loc)
         ss.progress("localize", 1, 1, "dump")
         return loc
+
+
+def measure(session: Session) -> Measured:
+    """Every dump-route measurement: the reference's recall, the cheap questions, the dump's
+    localization (module docstring), resumable."""
+    route = DumpRoute(session)
+    ref_records = session.measure("reference", session.reference) if session.loaded else []
+    measured = measure_suspects(session, route.measure_suspect)
+    t = session.ledger.target
+    return session.measured(
+        measured,
+        route="dump",
+        target={"model": t.model, "device": t.device, "dump": str(t.dump)},
+        candidate_label="engine tensor dump",
+        reference_records=ref_records,
+        candidate_records=[],
+        symptom_extra={"cases": len(ref_records)},
+        localization=route.localize(),
+    )

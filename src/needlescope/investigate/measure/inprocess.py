@@ -1,9 +1,10 @@
-"""The in-process route's measurements: the candidate and every ablation run in this process on
-the reference checkpoint (``run.run_investigation`` orders the steps and decides; the steps are in
-``investigate.run``'s docstring).
+"""The in-process route: ``measure(session) -> Measured``, the candidate and every ablation run
+in this process on the reference checkpoint (the steps are in ``investigate.run``'s docstring).
 
 Each function takes a ``session.Session`` and records evidence and pairs; none decides a verdict
-(``decide.causal.decide`` does, from the measured records). Suspects absent from the candidate
+(``decide.decision.decide`` does, from the returned ``Measured``). What to measure after the
+ablations (the residual, the localizer, the characterization) is asked of ``decide.decision``,
+whose rules say it. Suspects absent from the candidate
 with no causal check are left to the configuration check (``presence_check``) and the cheap
 questions, and the measured record says so.
 """
@@ -13,7 +14,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from needlescope.investigate.decide.causal import recall_by_length
-from needlescope.investigate.decide.verdicts import ALPHA, DIVERGE_REL, evidence, paired
+from needlescope.investigate.decide.decision import (
+    characterization_needed,
+    decide_inprocess_suspects,
+    localization_target,
+)
+from needlescope.investigate.decide.measured import Measured
+from needlescope.investigate.decide.verdicts import evidence, paired
 from needlescope.investigate.ledger.differences import AUTO_PREFIX, file_slug, presence_check, present_in
 from needlescope.investigate.ledger.ledger import Suspect
 from needlescope.investigate.ledger.plan import Config
@@ -21,12 +28,12 @@ from needlescope.investigate.measure.causal import sufficiency
 from needlescope.investigate.measure.session import Session, outcomes, suspect_identity
 
 __all__ = [
+    "measure",
     "CANDIDATE_ONLY",
     "Symptom",
     "measure_symptom",
     "measure_suspect",
     "replay_fixes",
-    "symptom_record",
     "explained_record",
 ]
 
@@ -126,12 +133,11 @@ def _ablation(session: Session, s: Suspect, present: bool, sy: Symptom) -> tuple
             evidence("ablation", f"recall without {s.id}", pair["recall_without"]),
             evidence("ablation", "discordant b (wrong with, right without)", pair["b"]),
             evidence("ablation", "discordant c (right with, wrong without)", pair["c"]),
-            evidence("ablation", "exact McNemar p", pair["p"], ALPHA),
+            evidence("ablation", "exact McNemar p", pair["p"]),
             evidence(
                 "divergence",
                 f"final-logit relative error, {s.id} added alone to the reference ({sy.probe_case.case_id})",
                 divergence,
-                DIVERGE_REL,
             ),
         ],
     )
@@ -234,18 +240,6 @@ def _topk_run(recs: list[dict]) -> dict:
     }
 
 
-def symptom_record(session: Session, sy: Symptom) -> dict:
-    """``verdicts.json`` ``symptom`` of an in-process run."""
-    return {
-        **session.ledger.symptom.to_json(),
-        "reference": session.reference.label(),
-        "candidate": session.candidate.label(),
-        "recall_reference": recall_by_length(sy.reference),
-        "recall_candidate": recall_by_length(sy.candidate),
-        "cases": len(sy.candidate),
-    }
-
-
 def explained_record(sy: Symptom) -> dict | None:
     """``investigation.json`` ``explained``: the explained case with both records (None if none)."""
     if not sy.explained or not sy.explained["case_id"]:
@@ -256,3 +250,57 @@ def explained_record(sy: Symptom) -> dict | None:
         "candidate": next(r for r in sy.candidate if r["case_id"] == cid),
         "reference": next(r for r in sy.reference if r["case_id"] == cid),
     }
+
+
+def measure(session: Session) -> Measured:
+    """Every in-process measurement of the run (module docstring), resumable."""
+    from needlescope.investigate.measure.causal import residual
+    from needlescope.investigate.measure.characterize import measure_characterization_inprocess
+    from needlescope.investigate.measure.localize import localize_residual
+    from needlescope.investigate.measure.rank_paths import failing_rank_paths
+    from needlescope.investigate.measure.session import measure_suspects, nonfinite_summary
+
+    sy = measure_symptom(session)
+    measured = measure_suspects(session, lambda s: measure_suspect(session, s, sy))
+    fixes, topk_runs = replay_fixes(session, measured, sy)
+    # what to measure next follows from the decisions so far: ``decide`` states the rules
+    suspects, decided, _ = decide_inprocess_suspects(measured, sy.reference, sy.candidate, topk_runs)
+    res = loc = char = None
+    if session.loaded:
+        removed, res_cfg, res_recs = residual(session, suspects, sy.candidate)
+        res = {
+            "removed": removed,
+            "config": res_cfg.label(),
+            "pair": paired(outcomes(res_recs), outcomes(sy.reference)),
+        }
+        where = localization_target(res["pair"], suspects)
+        if where == "residual":
+            loc = localize_residual(session, res_cfg, res_recs, sy.reference)
+        elif where == "candidate":
+            loc = localize_residual(
+                session,
+                session.candidate,
+                sy.candidate,
+                sy.reference,
+                "the candidate (its root cause is not named by the ledger)",
+            )
+        if characterization_needed("in-process", sy.reference, sy.candidate, suspects, decided["root_cause"]):
+            char = measure_characterization_inprocess(session, suspects, sy.reference, sy.candidate)
+    nonfinite = nonfinite_summary(session)  # before the rank paths, as a run always counted them
+    return session.measured(
+        measured,
+        route="in-process",
+        target={"model": session.ledger.target.model, "device": session.ledger.target.device},
+        candidate_label=session.candidate.label(),
+        reference_records=sy.reference,
+        candidate_records=sy.candidate,
+        candidate_topk=sy.candidate[0]["index_topk"] if sy.candidate else None,
+        fixes=fixes,
+        topk_runs=topk_runs,
+        explained=explained_record(sy),
+        residual=res,
+        localization=loc,
+        characterization=char,
+        rank_paths=failing_rank_paths(session, sy.explained, CANDIDATE_ONLY, sy.candidate),
+        nonfinite_scores=nonfinite,
+    )

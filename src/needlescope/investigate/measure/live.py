@@ -29,19 +29,24 @@ holds a ``session.Session``, as the in-process route does).
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
+from dataclasses import dataclass
 
 from needlescope.analysis.stats import jaccard
 from needlescope.cases.scoring import prompt_rivals
 from needlescope.errors import BadInput, ProbeError
-from needlescope.investigate.decide.live import compare_rows, summarise
+from needlescope.investigate.decide.decision import characterization_needed
+from needlescope.investigate.decide.live import compare_rows, decide_live, live_root_cause, summarise
+from needlescope.investigate.decide.measured import Measured
 from needlescope.investigate.decide.verdicts import PATHS
 from needlescope.investigate.ledger.differences import AUTO_PREFIX, auto_suspects, server_info_differences
 from needlescope.investigate.ledger.ledger import Suspect
 from needlescope.investigate.ledger.plan import Config, at_topk
 from needlescope.investigate.measure.server_identity import check_same_server
-from needlescope.investigate.measure.session import Session, suspect_identity
+from needlescope.investigate.measure.session import Session, measure_suspects, suspect_identity
 
-__all__ = ["LiveRoute", "live_localization"]
+__all__ = ["measure", "LiveRoute", "LiveSymptom", "live_localization"]
 
 
 async def _probe(url: str, api_key: str | None, todo: list, ids_of, max_new: int, on_record, on_info) -> None:
@@ -63,6 +68,19 @@ async def _probe(url: str, api_key: str | None, todo: list, ids_of, max_new: int
             except ProbeError as exc:
                 res = f"{type(exc).__name__}: {exc}"
             on_record(case, res, info)
+
+
+@dataclass(frozen=True)
+class LiveSymptom:
+    """The live route's symptom: ``reference`` (the reference's case records, in-process),
+    ``live`` (the endpoint's, errors included), ``failing`` (wrong live, right under the
+    reference) and ``baseline``: path -> case id -> CSA layer -> the rows of the reference at the
+    live ``index_topk`` on the failing cases' live token ids."""
+
+    reference: list[dict]
+    live: list[dict]
+    failing: list[dict]
+    baseline: dict
 
 
 class LiveRoute:
@@ -131,12 +149,11 @@ class LiveRoute:
 
         def on_info(info) -> None:  # a resumed run: the same server, whatever its port
             if info:
-                check_same_server(ss.state.data.get("server_info"), info, ss.ledger.target.endpoint)
+                check_same_server(ss.state.server_info or None, info, ss.ledger.target.endpoint)
 
         def on_record(case, res, info) -> None:
-            if info and "server_info" not in ss.state.data:
-                ss.state.data["server_info"] = info
-                ss.state.save()
+            if info:
+                ss.state.set_server_info(info)
             rec = self.live_record(case, res, info)
             ss.state.append_record(name, rec)
             done[case.case_id] = rec
@@ -226,7 +243,7 @@ class LiveRoute:
         """Add the live server's ``/get_server_info`` differences from the reference (and an
         automatic suspect for each one no ledger suspect covers)."""
         ss = self.session
-        info = ss.state.data.get("server_info")
+        info = ss.state.server_info
         if not info or not ss.loaded:
             return
         topk = int(ss.model.config.index_topk)
@@ -236,10 +253,9 @@ class LiveRoute:
         ss.suspects += autos
         ss.state.ensure_suspects([s.id for s in autos])
 
-    def measure_symptom(self) -> tuple[list[dict], list[dict], list[dict], dict]:
-        """(reference records, live records, failing live records, baseline rows per path): the
-        reference in-process and the live endpoint on every case; the failing cases (wrong live,
-        right under the reference); the reference at the live ``index_topk`` on them."""
+    def measure_symptom(self) -> LiveSymptom:
+        """The reference in-process and the live endpoint on every case; the failing cases (wrong
+        live, right under the reference); the reference at the live ``index_topk`` on them."""
         ss = self.session
         ref_records, live_records, failing, baseline = [], [], [], {}
         if ss.loaded:
@@ -255,7 +271,7 @@ class LiveRoute:
             ss.note_config("baseline", base)
             baseline = {path: self.emulate_rows(base, failing, path) for path in PATHS}
         self.server_differences()
-        return ref_records, live_records, failing, baseline
+        return LiveSymptom(ref_records, live_records, failing, baseline)
 
     def _nothing_answered(self, live_records: list[dict]) -> str:
         """What stops a run whose endpoint scored no case: why, and what to do."""
@@ -303,15 +319,11 @@ class LiveRoute:
         return {**m, "emulated": config.label(), "cmps": cmps}
 
 
-DEPARTS = 0.99
-"""A CSA layer's selection departs from the reference's when their mean Jaccard is below this."""
-
-
-def live_localization(failing: list[dict], baseline: dict, needle_of) -> dict | None:
-    """``localization`` of a live run: the live and the reference (at the live ``index_topk``)
-    selections compared CSA layer by CSA layer over the failing cases; the first layer whose mean
-    Jaccard falls below ``DEPARTS`` is where the selection departs. ``needle_of(record)`` gives
-    the needle entries per layer at the analysed row."""
+def live_localization(failing: list[dict], baseline: dict, needle_of, command: str) -> dict | None:
+    """The measured localization of a live run: the live and the reference (at the live
+    ``index_topk``) selections compared CSA layer by CSA layer over the failing cases (mean
+    Jaccard, needle entries kept); ``decide.localization`` says where the selection departs.
+    ``needle_of(record)`` gives the needle entries per layer at the analysed row."""
     if not failing:
         return None
     per: dict[int, dict] = {}
@@ -335,36 +347,50 @@ def live_localization(failing: list[dict], baseline: dict, needle_of) -> dict | 
         }
         for layer, a in sorted(per.items())
     ]
-    first = next(
-        (ly["layer"] for ly in layers if ly["topk_overlap"] is not None and ly["topk_overlap"] < DEPARTS),
-        None,
-    )
-    summary = (
-        f"the live selection departs from the reference's first in CSA layer {first}"
-        if first is not None
-        else "the live selections match the reference's in every CSA layer"
-    )
-    path = {
-        "path": "decode",
-        "diverges": first is not None,
-        "first_divergent_module": None,
-        "module_type": "DeepseekV4Indexer" if first is not None else None,
-        "layer": first,
-        "own_err": None,
-        "own_budget": None,
-        "first_departing_layer": first,
-        "layers": layers,
-        "summary": summary,
-    }
     r0 = failing[0]
     return {
+        "route": "live",
         "case_id": r0["case_id"],
-        "target": "the live endpoint",
-        "config": "live endpoint",
         "analysed_token": r0["analysed_token"],
         "query_pos": r0["prompt_tokens"] - 1 + r0["analysed_token"],
-        "paths": [path],
-        "diverges_first": "decode" if first is not None else "neither",
-        "summary": summary + f" (over {len(failing)} failing case(s), the server's own decode path)",
-        "command": "",
+        "failing_cases": len(failing),
+        "layers": layers,
+        "command": command,
     }
+
+
+def measure(session: Session) -> Measured:
+    """Every live-route measurement of the run (module docstring), resumable."""
+    from needlescope.investigate.measure.characterize import measure_characterization_live
+
+    route = LiveRoute(session)
+    sy = route.measure_symptom()
+    # the failing cases' answers and captures: a rerun that got more answers measures again
+    basis = hashlib.sha256(json.dumps([route.live_k, sy.failing], sort_keys=True).encode()).hexdigest()
+    measured = measure_suspects(session, lambda s: route.measure_suspect(s, sy.failing, sy.baseline), basis)
+    # whether to characterize follows from the decisions: ``decide`` states the rule
+    decided = [decide_live(m) for m in measured]
+    root = live_root_cause(decided)
+    char = None
+    if route.live_k is not None and characterization_needed("live", sy.reference, sy.live, decided, root):
+        char = measure_characterization_live(session, route, sy.reference, sy.live, sy.failing, sy.baseline)
+    t = session.ledger.target
+    command = f"needlescope investigate run {session.ledger.path.name} --out {session.out.name}"
+    return session.measured(
+        measured,
+        route="live",
+        target={"model": t.model, "device": t.device, "endpoint": t.endpoint},
+        candidate_label=f"live endpoint {t.endpoint}",
+        reference_records=sy.reference,
+        candidate_records=sy.live,
+        candidate_topk=route.live_k,
+        symptom_extra={
+            "errors": sum(1 for r in sy.live if r.get("error")),
+            "failing_cases": len(sy.failing),
+            "live_index_topk": route.live_k,
+        },
+        localization=live_localization(
+            sy.failing, sy.baseline.get("prefill", {}), route.needle_entries, command
+        ),
+        characterization=char,
+    )

@@ -16,17 +16,25 @@ tokens before that one):
 * **decode** (``investigate.measure.decode_path``): the same ids the way a server runs them, the prompt
   prefilled into the cache and the answer tokens decoded one at a time.
 
-``verdicts.json`` ``localization`` (schema ``verdicts_schema._LOCALIZATION``) names the path that
-diverges first ("decode only" when the teacher-forced prefill finds nothing and the decode path
-departs) and the command that reproduces the prefill step.
+The measured localization (the paths' numbers and the command that reproduces the prefill
+step; cached in ``state.json`` as ``measured:localization``) becomes ``verdicts.json``
+``localization`` in ``decide.localization.decide_localization``, which applies the one
+departure rule of every route and names the path that diverges first.
 """
 
 from __future__ import annotations
 
 import re
 import shlex
+from typing import TYPE_CHECKING
 
-__all__ = ["localize_residual", "failing_case", "prefill_path"]
+if TYPE_CHECKING:
+    from needlescope.investigate.measure.session import Session
+
+__all__ = ["localize_residual", "failing_case", "prefill_path", "STEP"]
+
+STEP = "measured:localization"
+"""The ``state.json`` step that caches the measured localization (numbers, never a decision)."""
 
 
 def failing_case(res_recs: list[dict], ref_records: list[dict]) -> dict | None:
@@ -36,7 +44,7 @@ def failing_case(res_recs: list[dict], ref_records: list[dict]) -> dict | None:
     return min(failing, key=lambda r: (r["length"], r["depth"], r["trial"])) if failing else None
 
 
-def _answer_ids(session, cfg, case, rec: dict) -> list[int]:
+def _answer_ids(session: Session, cfg, case, rec: dict) -> list[int]:
     """The residual candidate's generated tokens for ``case`` (measured again when the record
     predates ``output_ids``)."""
     if "output_ids" in rec:
@@ -72,7 +80,6 @@ def prefill_path(diff: dict) -> dict:
         }
         for ly in diff["layers"]
     ]
-    departing = next((ly["layer"] for ly in diff["layers"] if ly["positions_changed"]), None)
     return {
         "path": "prefill",
         "diverges": first is not None,
@@ -81,7 +88,6 @@ def prefill_path(diff: dict) -> dict:
         "layer": _layer_of(first),
         "own_err": None if row is None else _num(row["own_err"]),
         "own_budget": None if row is None else _num(row["own_budget"]),
-        "first_departing_layer": departing,
         "layers": layers,
         "summary": diff["summary"],
         "finding": diff["rope"][0]["finding"] if diff.get("rope") else None,
@@ -92,7 +98,7 @@ def _num(x):
     return x if x is None or (isinstance(x, float) and x == x and abs(x) != float("inf")) else str(x)
 
 
-def _command(session, cfg, prompt_file: str) -> str:
+def _command(session: Session, cfg, prompt_file: str) -> str:
     """The ``needlescope indexer diff`` command that repeats the prefill step."""
     s = cfg.setting
     parts = [
@@ -115,9 +121,13 @@ def _command(session, cfg, prompt_file: str) -> str:
 
 
 def localize_residual(
-    session, cfg, res_recs: list[dict], ref_records: list[dict], target: str = "the residual candidate"
+    session: Session,
+    cfg,
+    res_recs: list[dict],
+    ref_records: list[dict],
+    target: str = "the residual candidate",
 ) -> dict | None:
-    """The ``localization`` record (module docstring), or None when no case fails. ``target``
+    """The measured localization (module docstring), or None when no case fails. ``target``
     says what ``cfg`` is (the residual candidate, or the candidate itself)."""
     import torch
 
@@ -130,7 +140,7 @@ def localize_residual(
     rec = failing_case(res_recs, ref_records)
     if rec is None:
         return None
-    done = session.state.step_value("localization")
+    done = session.state.step_value(STEP)
     if done is not None:
         return done
     case = next(c for c in session.cases if c.case_id == rec["case_id"])
@@ -164,40 +174,15 @@ def localize_residual(
         session.out / "localize" / "input_ids.json", {"input_ids": ids, "needle_token_span": list(span)}
     )
     out = {
+        "route": "in-process",
         "case_id": rec["case_id"],
         "target": target,
         "config": cfg.label(),
         "analysed_token": rec["analysed_token"],
         "query_pos": len(ids) - 1,
         "paths": paths,
-        **_first(paths),
         "command": _command(session, cfg, "localize/input_ids.json"),
     }
-    session.state.mark_done("localization", out)
+    session.state.mark_done(STEP, out)
     session.progress("localize", 2, 2, rec["case_id"])
     return out
-
-
-def _first(paths: list[dict]) -> dict:
-    pre = next(p for p in paths if p["path"] == "prefill")
-    dec = next((p for p in paths if p["path"] == "decode"), None)
-    if pre["diverges"]:
-        where, p = "prefill", pre
-    elif dec is not None and dec["diverges"]:
-        where, p = "decode only", dec
-    else:
-        return {"diverges_first": "neither", "summary": "no module diverges beyond its budget on either path"}
-    summary = f"{p['first_divergent_module']} ({p['module_type']}, layer {p['layer']})"
-    if where == "decode only":
-        same = all(ly["topk_overlap"] == 1.0 for ly in pre["layers"])
-        before = (
-            "prefill selections identical"
-            if same
-            else "the teacher-forced prefill has no module beyond its budget (its selections differ only within the candidate's numerics)"
-        )
-        summary = f"decode-path only: {before}; first departing module {summary}"
-    else:
-        summary = (
-            f"first module beyond its budget: {summary}, own error {p['own_err']} vs budget {p['own_budget']}"
-        )
-    return {"diverges_first": where, "summary": summary}

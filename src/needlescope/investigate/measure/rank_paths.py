@@ -32,9 +32,14 @@ before it and both paths are the prefill, which the result says.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from needlescope.analysis.stats import jaccard
 from needlescope.investigate.decide.signature import rank_percentile
 from needlescope.investigate.decide.verdicts import PATHS
+
+if TYPE_CHECKING:
+    from needlescope.investigate.measure.session import Session
 
 __all__ = ["failing_rank_paths", "path_selections", "rank_paths"]
 
@@ -132,7 +137,7 @@ def _stats(selected: list[int], scores, needle: list[int], k: int) -> dict:
     }
 
 
-def rank_paths(session, config, rec: dict) -> dict:
+def rank_paths(session: Session, config, rec: dict) -> dict:
     """The ``rank_paths`` record of ``verdicts.json`` (module docstring) for the measure record
     ``rec`` of the candidate ``config`` (``measure.Config``) on one of ``session.cases``."""
     from needlescope.dsa.prompt import covering_entries, needle_token_span, render_prompt
@@ -210,7 +215,7 @@ def _first(layers: list[dict], analysed_token: int) -> dict:
 
 
 def failing_rank_paths(
-    session, explained: dict | None, candidate_only: str, cand_records: list[dict]
+    session: Session, explained: dict | None, candidate_only: str, cand_records: list[dict]
 ) -> dict | None:
     """``verdicts.json`` ``rank_paths`` of an in-process run: ``rank_paths`` of the explained case
     under the candidate; None unless that case fails under the candidate only (``explained["why"]

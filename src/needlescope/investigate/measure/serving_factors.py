@@ -1,6 +1,6 @@
 """The live route's serving-factor step (``investigate run --serving-factors``): when the live
 endpoint loses recall, a bounded ``serving-factors`` experiment on the first failing length
-names the serving state that reproduces the loss (``decide.serving_factor``).
+measures which serving state reproduces the loss; ``decide.serving_factor`` decides from it.
 
 Bounded: the symptom's kind and depths at one length, at least ``MIN_CASES`` cases (more trials
 when the symptom has fewer), the cache, batch (1 and 7 mates) and repeat factors and their cell:
@@ -12,9 +12,7 @@ from __future__ import annotations
 import math
 import shlex
 
-from needlescope.investigate.decide.serving_factor import with_serving_factor
-
-__all__ = ["MIN_CASES", "with_live_serving_factor"]
+__all__ = ["MIN_CASES", "measure_live_serving_factor"]
 
 MIN_CASES = 12
 """Cases of the experiment: 12 pairs make a full loss p = 0.00049, below 0.05 / 6 arms."""
@@ -29,16 +27,17 @@ def _command(url: str, model: str, kind: str, length: int, depths, trials: int, 
     )
 
 
-def with_live_serving_factor(session, characterization: dict | None, model: str, lengths) -> dict | None:
-    """``characterization`` with the serving factor named (or the experiment noted), when the run
-    asked for it (``session.serving_factors``), the route is live and recall was lost; else as is."""
+def measure_live_serving_factor(session, model: str, lengths) -> dict | None:
+    """The experiment's measurements (``decide.serving_factor.measured_factor``: its verdict,
+    tests and requests, and the ``command`` that repeats it) when the run asked for it
+    (``session.serving_factors``) and the route is live; else None. Called once recall is lost."""
+    from needlescope.investigate.decide.serving_factor import measured_factor
     from needlescope.report.serving_factors import write_serving_factors
     from needlescope.run.serving_factors import FactorConfig, run_serving_factors
 
     t, sy = session.ledger.target, session.ledger.symptom
-    wanted = getattr(session, "serving_factors", False) and t.live and t.endpoint
-    if not wanted or characterization is None or characterization["classes"][0] == "none":
-        return characterization
+    if not (session.serving_factors and t.live and t.endpoint):
+        return None
     trials = max(sy.trials, math.ceil(MIN_CASES / len(sy.depths)))
     cfg = FactorConfig(
         (t.endpoint,),
@@ -58,4 +57,4 @@ def with_live_serving_factor(session, characterization: dict | None, model: str,
     write_serving_factors(body, session.out / "serving_factors")
     session.progress("serving factors", 1, 1, body["verdict"]["sentence"][:60])
     command = _command(t.endpoint, model, sy.kind, lengths[0], sy.depths, trials, sy.seed)
-    return with_serving_factor(characterization, body, command)
+    return measured_factor(body, command)

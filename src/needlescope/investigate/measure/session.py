@@ -20,6 +20,7 @@ import json
 from pathlib import Path
 
 from needlescope.errors import BadInput
+from needlescope.investigate.decide.measured import Measured
 from needlescope.investigate.decide.verdicts import evidence
 from needlescope.investigate.ledger.differences import AUTO_PREFIX, auto_suspects, differences
 from needlescope.investigate.ledger.ledger import Ledger, Suspect
@@ -44,9 +45,17 @@ def outcomes(records: list[dict]) -> dict[str, bool]:
 class Session:
     """The shared state of one investigation run (module docstring)."""
 
-    def __init__(self, ledger: Ledger, out: Path, progress: Progress, api_key: str | None = None):
+    def __init__(
+        self,
+        ledger: Ledger,
+        out: Path,
+        progress: Progress,
+        api_key: str | None = None,
+        serving_factors: bool = False,
+    ):
         self.ledger, self.out, self.progress = ledger, Path(out), progress
         self.api_key = api_key  # the live endpoint's bearer key: sent, never written
+        self.serving_factors = serving_factors  # --serving-factors: measure the serving factor of a live loss
         self.diffs = differences(ledger)
         self.suspects: list[Suspect] = ledger.ordered_suspects() + auto_suspects(self.diffs, ledger)
         text = ledger.path.read_text(encoding="utf-8")
@@ -62,7 +71,7 @@ class Session:
         self.configs: dict[str, dict] = {"reference": self.reference.to_json()}
         if self.candidate is not None:
             self.configs["candidate"] = self.candidate.to_json()
-        self.configs.update(self.state.data.get("configs", {}))
+        self.configs.update(self.state.configs())
         self._model = self.tokenizer = self.cases = None
         self.prompt_len: dict[str, int] = {}
         self._case_digest: dict[str, str] = {}  # case id -> basis.case_digest of its messages
@@ -213,9 +222,7 @@ class Session:
     def note_config(self, name: str, config: Config) -> None:
         """Record ``config`` under ``name`` (kept in ``state.json``: a resumed run lists it too)."""
         self.configs[name] = config.to_json()
-        if self.state.data.setdefault("configs", {}).get(name) != self.configs[name]:
-            self.state.data["configs"][name] = self.configs[name]
-            self.state.save()
+        self.state.note_config(name, self.configs[name])
 
     # -- the plan ----------------------------------------------------------------------
     def removal(self, s: Suspect, base: Config | None = None) -> Config:
@@ -252,7 +259,7 @@ class Session:
                     if q.expect is not None:
                         ev["metric"] += f"; expected {q.expect}: {'yes' if a.value == q.expect else 'no'}"
                     if q.means_absent is not None and a.value == q.means_absent:
-                        self.state.data.setdefault("absent", {})[s.id] = f"{what} answered {a.value!r}"
+                        self.state.mark_absent(s.id, f"{what} answered {a.value!r}")
                 else:
                     ev = evidence(f"question:{q.type}", what, f"blocked: {a.blocked}")
                 self.state.add_evidence(s.id, [ev])
@@ -261,7 +268,7 @@ class Session:
 
     def absent_by_question(self, sid: str) -> str | None:
         """What a cheap question answered that means ``sid`` is not deployed (None: nothing)."""
-        return self.state.data.get("absent", {}).get(sid)
+        return self.state.absent(sid)
 
     def question_summary(self, sid: str) -> str:
         """The cheap questions' answers for ``sid``, in one line ("" when it has none)."""
@@ -269,6 +276,14 @@ class Session:
             f"{e['metric'].split(' (')[0]} -> {e['value']}"
             for e in self.state.evidence(sid)
             if e["check"].startswith("question:")
+        )
+
+    def measured(self, suspects: list[dict], **fields) -> Measured:
+        """A route's ``Measured`` (``fields``: its own) with what every route takes from the
+        session: the configurations measured, each suspect's evidence, the differences."""
+        evidence = {s["id"]: self.state.evidence(s["id"]) for s in suspects}
+        return Measured(
+            configs=self.configs, suspects=suspects, evidence=evidence, differences=self.diffs, **fields
         )
 
     def _checkpoint_dir(self) -> Path | None:

@@ -1,11 +1,19 @@
 """Resumable state of one investigation run directory.
 
-``DIR/state.json`` (rewritten atomically: temp file, fsync, rename)::
+``DIR/state.json`` (rewritten atomically: temp file, fsync, rename) caches measurements, never a
+decision (``decide`` decides anew on every run, so a resumed run after a rule change decides by
+the new rule). Its keys, each read and written only through ``RunState``'s accessors:
 
-    {"ledger_sha256": str, "suspects": {ID: {"status": STATUS, "reason": str}},
-     "evidence": {ID: [evidence]}, "done": {STEP: true}}
-
-with STATUS one of ``STATUSES``. ``DIR/measure/NAME.jsonl`` holds one measured case record a
+- ``ledger_sha256``: the run's fingerprint (the ledger's text and its patch files' bytes);
+- ``suspects``: ID -> {"status": STATUS, "reason": str}, STATUS one of ``STATUSES`` (how far the
+  measurement got: never a verdict);
+- ``evidence``: ID -> [evidence record] (``decide.verdicts.evidence``);
+- ``done``: STEP -> true, or the step's measured value (``measured:ID``, ``measured:localization``,
+  ``measured:characterization``, ``questions``);
+- ``configs``: name -> ``Config.to_json()`` of every configuration measured (``configs``);
+- ``absent``: ID -> what a cheap question answered that means it is not deployed (``absent``);
+- ``server_info``: the live server's ``/get_server_info`` (``server_info``), its identity on resume.
+ ``DIR/measure/NAME.jsonl`` holds one measured case record a
 line (``needlescope.investigate.measure.records``), appended and fsynced as each case finishes, so a
 crash or Ctrl-C loses at most the case in flight and a resumed run measures only what is
 missing. A torn last line (a kill mid-write) is dropped on reading and the file rewritten.
@@ -33,16 +41,8 @@ __all__ = ["STATUSES", "RunState", "run_lock", "LOCK_NAME"]
 LOCK_NAME = ".lock"
 """The run directory's lock file: one ``investigate run`` at a time writes a directory."""
 
-STATUSES = (
-    "pending",
-    "running",
-    "measured",
-    "exonerated",
-    "implicated",
-    "inconclusive",
-    "blocked",
-    "diverges_no_effect",
-)
+STATUSES = ("pending", "running", "measured")
+"""How far a suspect's measurement got (a verdict is ``decide``'s, never kept here)."""
 
 
 class RunState:
@@ -54,6 +54,7 @@ class RunState:
         refuse_links(self.out / "measure")  # its records would be written wherever it points
         (self.out / "measure").mkdir(exist_ok=True)
         self.path = self.out / "state.json"
+        self._records: dict[str, list[dict]] = {}  # measure/NAME.jsonl, read once (``records``)
         digest = hashlib.sha256(ledger_text.encode()).hexdigest()
         if self.path.exists():
             self.data = json.loads(self.path.read_text(encoding="utf-8"))
@@ -75,6 +76,47 @@ class RunState:
             }
             self.save()
 
+    @property
+    def ledger_sha256(self) -> str:
+        """The fingerprint of the ledger (and its patch files) this directory's run measured."""
+        return self.data["ledger_sha256"]
+
+    def configs(self) -> dict[str, dict]:
+        """name -> ``Config.to_json()`` of every configuration measured in this directory."""
+        return dict(self.data.get("configs", {}))
+
+    def note_config(self, name: str, config: dict) -> None:
+        """Keep ``config`` (``Config.to_json()``) under ``name`` (saved only when it changed)."""
+        if self.data.setdefault("configs", {}).get(name) != config:
+            self.data["configs"][name] = config
+            self.save()
+
+    def absent(self, sid: str) -> str | None:
+        """What a cheap question answered that means ``sid`` is not deployed (None: nothing)."""
+        return self.data.get("absent", {}).get(sid)
+
+    def mark_absent(self, sid: str, why: str) -> None:
+        """Keep ``why`` (a cheap question's answer) as the reason ``sid`` is not deployed."""
+        self.data.setdefault("absent", {})[sid] = why
+
+    @property
+    def server_info(self) -> dict:
+        """The live server's ``/get_server_info`` this run recorded first ({} when none)."""
+        return self.data.get("server_info") or {}
+
+    def set_server_info(self, info: dict) -> None:
+        """Record the live server's ``/get_server_info`` once (the first answer stays)."""
+        if "server_info" not in self.data:
+            self.data["server_info"] = info
+            self.save()
+
+    def relativize(self, prefixes: dict[str, str]) -> None:
+        """Rewrite this machine's absolute paths in the state (``paths.relativize``) and save."""
+        from needlescope.paths import relativize
+
+        self.data = relativize(self.data, prefixes)
+        self.save()
+
     def ensure_suspects(self, ids: list[str]) -> None:
         """Add suspects found after the ledger (the automatic ones) as ``pending``."""
         new = [i for i in ids if i not in self.data["suspects"]]
@@ -85,18 +127,22 @@ class RunState:
             self.save()
 
     def save(self) -> None:
+        """Write ``state.json`` atomically."""
         atomic_write_json(self.path, self.data)
 
     def set_status(self, sid: str, status: str, reason: str = "") -> None:
+        """Set how far ``sid``'s measurement got (``STATUSES``)."""
         if status not in STATUSES:
             raise ValueError(f"unknown status {status!r}")
         self.data["suspects"][sid] = {"status": status, "reason": reason}
         self.save()
 
     def status(self, sid: str) -> str:
+        """How far ``sid``'s measurement got (``STATUSES``)."""
         return self.data["suspects"][sid]["status"]
 
     def add_evidence(self, sid: str, records: list[dict]) -> None:
+        """Append evidence records of ``sid`` (saved)."""
         self.data["evidence"][sid].extend(records)
         self.save()
 
@@ -106,16 +152,20 @@ class RunState:
         self.save()
 
     def evidence(self, sid: str) -> list[dict]:
+        """``sid``'s evidence records, in the order they were measured."""
         return self.data["evidence"][sid]
 
     def is_done(self, step: str) -> bool:
+        """Whether ``step`` finished (its value is kept under ``done``)."""
         return bool(self.data["done"].get(step))
 
     def mark_done(self, step: str, value=True) -> None:
+        """Mark ``step`` finished, keeping ``value`` (a measurement, never a decision)."""
         self.data["done"][step] = value
         self.save()
 
     def step_value(self, step: str):
+        """The value ``mark_done`` kept for ``step`` (None: not finished)."""
         return self.data["done"].get(step)
 
     # -- measured cases -------------------------------------------------------------------
@@ -123,7 +173,14 @@ class RunState:
         return self.out / "measure" / f"{name}.jsonl"
 
     def records(self, name: str) -> list[dict]:
-        """The measured case records of configuration ``name`` (a torn last line is dropped)."""
+        """The measured case records of configuration ``name`` (a torn last line is dropped): the
+        file is read once a run, then kept in memory and appended through (``append_record``,
+        ``supersede``)."""
+        if name not in self._records:
+            self._records[name] = self._read(name)
+        return list(self._records[name])
+
+    def _read(self, name: str) -> list[dict]:
         path = self._mpath(name)
         if not path.exists():
             return []
@@ -153,12 +210,18 @@ class RunState:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+        self._records[name] = list(keep)
 
     def append_record(self, name: str, record: dict) -> None:
+        """Append ``record`` to ``measure/NAME.jsonl`` (fsynced) and to the records in memory."""
+        records = self._records.setdefault(name, None)
+        if records is None:
+            self._records[name] = records = self._read(name)
         with _text(self._mpath(name), "a") as f:
             f.write(json.dumps(record) + "\n")
             f.flush()
             os.fsync(f.fileno())
+        records.append(json.loads(json.dumps(record)))  # as a reader of the file would see it
 
 
 def _text(path: Path, mode: str):

@@ -12,9 +12,9 @@ import itertools
 from pathlib import Path
 
 import needlescope
-from needlescope.investigate.decide.findings import Findings
+from needlescope.investigate.decide.findings import Findings, Suspect
 from needlescope.investigate.decide.signature import NEAR_CHANCE, layer_percentiles
-from needlescope.investigate.decide.verdicts import ALPHA
+from needlescope.investigate.decide.verdicts import ALPHA, fix_label
 from needlescope.investigate.report import causal as dc
 from needlescope.investigate.report.characterization import characterization_blocks
 from needlescope.investigate.report.summary import COST_ORDER, shown_verdict, summary_box
@@ -40,17 +40,22 @@ def _layers_cell(rec: dict | None) -> str:
 _FIX_COLOURS = ("#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#bcbd22", "#17becf", "#7f7f7f")
 
 
-def _recall_curves(ax, inv: dict) -> None:
-    """Reference and candidate drawn thick and pale, each fix dashed and solid-coloured over them
-    (a fix that matches the reference at 1.0 stays visible on it), on a linear length axis ticked
-    at the tested lengths."""
-    sy = inv["symptom"]
-    for f, colour in zip(inv["fixes"], itertools.cycle(_FIX_COLOURS)):
-        rec = f["recall_by_length"]
+FIX_OFFSET = 0.035
+"""The n-th fix curve is drawn ``n x FIX_OFFSET`` below its values (said in its legend entry): a
+fix that equals the reference (or another fix) would otherwise hide under its line."""
+
+
+def _recall_curves(ax, findings: Findings) -> None:
+    """Reference and candidate drawn thick and pale, each fix dashed and solid-coloured over them,
+    offset downwards by ``FIX_OFFSET`` a fix so that a fix equal to the reference at 1.0 (or to
+    another fix) stays visible beside it, on a linear length axis ticked at the tested lengths."""
+    sy = findings.symptom
+    for i, (f, colour) in enumerate(zip(findings.fixes, itertools.cycle(_FIX_COLOURS))):
+        rec, dy = f["recall_by_length"], -FIX_OFFSET * (i + 1)
         xs = [int(n) for n in rec]
         ax.plot(
-            xs, [rec[str(n)] for n in xs], lw=2.4, ls=(0, (4, 2)), marker="D", ms=5,
-            label=f"{f['name']} ({f.get('label_kind', 'fix')})", zorder=6, color=colour,
+            xs, [rec[str(n)] + dy for n in xs], lw=2.4, ls=(0, (4, 2)), marker="D", ms=5,
+            label=f"{f['name']}: {fix_label(f)} (drawn {dy:+.3f})", zorder=6, color=colour,
         )  # fmt: skip
     for name, rec, colour in (
         ("reference", sy["recall_reference"], "#1f5fbf"),
@@ -73,30 +78,34 @@ def _recall_curves(ax, inv: dict) -> None:
     ax.set_xlim(0, max(lengths) * 1.05 if lengths else 1)
     ax.set_xlabel("context length (tokens)")
     ax.set_ylabel("recall")
-    ax.set_ylim(-0.05, 1.05)
+    ax.set_ylim(-0.05 - FIX_OFFSET * len(findings.fixes), 1.05)
     ax.set_title(f"Recall by length: candidate vs reference ({sy['cases']} {sy['kind']} cases)")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="lower left")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the curves, never on them
 
 
-def _plots(inv: dict, out: Path) -> list[tuple[str, str]]:
+def _plots(findings: Findings, out: Path) -> list[tuple[str, str]]:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     made = []
-    fig, ax = plt.subplots(figsize=(7, 3.8))
-    _recall_curves(ax, inv)
+    fig, ax = plt.subplots(figsize=(10, 3.8))
+    _recall_curves(ax, findings)
     fig.tight_layout()
     fig.savefig(out / "recall.png", dpi=100)
     plt.close(fig)
-    fixes = ", each replayed fix (dashed)" if inv["fixes"] else ""  # a live run replays none
+    fixes = (  # a live run replays none
+        f", each replayed fix (dashed, the n-th drawn n x {FIX_OFFSET} below its values)"
+        if findings.fixes
+        else ""
+    )
     made.append(("recall.png", f"Recall by length: reference and candidate (thick){fixes}"))
-    layers = inv["verdicts"]["signature"]["layers"]
-    if layers and inv.get("candidate_records"):
+    layers = findings.signature["layers"]
+    if layers and findings.candidate_records:
         fig, ax = plt.subplots(figsize=(6, 3.4))
-        for layer, us in sorted(layer_percentiles(inv["candidate_records"]).items()):
+        for layer, us in sorted(layer_percentiles(list(findings.candidate_records)).items()):
             us = sorted(us)
             ax.step(us, [(i + 1) / len(us) for i in range(len(us))], where="post", label=f"layer {layer}")
         ax.plot([0, 1], [0, 1], "k--", lw=1, label="uniform (uninformative)")
@@ -112,56 +121,61 @@ def _plots(inv: dict, out: Path) -> list[tuple[str, str]]:
     return made
 
 
-def diagnosis_blocks(inv: dict, images: list[tuple[str, str]]) -> list[tuple]:
+def diagnosis_blocks(findings: Findings, images: list[tuple[str, str]]) -> list[tuple]:
     """The report as blocks: ("h", level, text) | ("p", text) | ("table", header, rows) | ("img", file, caption)."""
-    route = inv.get("route")
-    live = route == "live"
-    v = inv["verdicts"]
-    b: list[tuple] = [("h", 1, "DIAGNOSIS"), summary_box(inv), ("p", _intro(inv, live))]
+    f = findings
+    live = f.route == "live"
+    v = f.verdicts
+    b: list[tuple] = [("h", 1, "DIAGNOSIS"), summary_box(f), ("p", _intro(f, live))]
     b += dc.differences_blocks(v)
-    b += _symptom_blocks(inv, images)
-    b += _root_blocks(inv)
+    b += _symptom_blocks(f, images)
+    b += _root_blocks(f)
     b += dc.residual_blocks(v) + dc.localization_blocks(v) + characterization_blocks(v)
-    b += _verdict_blocks(inv, live)
+    b += _verdict_blocks(f)
     b += [("p", t) for t in [dc.multiplicity_text(v)] if t]
     b += dc.nonfinite_blocks(v)
     if live:
-        b += _live_blocks(inv)
-    elif route != "dump":  # a dump has no signature, rank dump or fixes: nothing ran the candidate
-        b += _signature_blocks(inv["verdicts"]["signature"], images)
-        b += _rankdump_blocks(inv.get("explained"))
-        b += rank_paths_blocks(inv["verdicts"].get("rank_paths"))
-        b += _fix_blocks(inv)
-    b += _blocked_blocks(inv)
-    b.append(_evidence_block(inv))
+        b += _live_blocks(f)
+    elif f.route not in (
+        "dump",
+        "blackbox",
+    ):  # nothing ran the candidate here: no signature, rank dump or fixes
+        b += _signature_blocks(f.signature, images)
+        b += _rankdump_blocks(f.explained)
+        b += rank_paths_blocks(f.rank_paths)
+        b += _fix_blocks(f)
+    b += _blocked_blocks(f)
+    b.append(_evidence_block(f))
     b.append(("h", 2, "Provenance and reproduction"))
     b.append(
         (
             "p",
-            f"Ledger `{inv['ledger']}`. Reproduce: `needlescope investigate run {inv['ledger']} --out DIR` (resumable). Artifacts: `verdicts.json`, `investigation.json`, `measure/*.jsonl` (one record per case and configuration), `state.json`.",
+            f"Ledger `{f.ledger}`. Reproduce: `needlescope investigate run {f.ledger} --out DIR` (resumable). Artifacts: `verdicts.json`, `investigation.json`, `measure/*.jsonl` (one record per case and configuration), `state.json`.",
         )
     )
     return b
 
 
-def _intro(inv: dict, live: bool) -> str:
-    sy = inv["symptom"]
+def _intro(findings: Findings, live: bool) -> str:
+    sy = findings.symptom
     where = (
         "the live endpoint probed over HTTP with its indexer capture, the reference in-process on the same token ids"
         if live
         else "measured in-process on the reference checkpoint"
     )
-    if inv.get("route") == "dump":
+    if findings.route == "dump":
         where += "; the candidate is the engine's tensor dump of one request, compared with the reference on its token ids"
+    if findings.route == "blackbox":
+        where = "the endpoint read from outside (its answers and prompt logprobs; it has no indexer capture), no model run here"
     return (
-        f"Model `{inv['target']['model']}`. Reference `{sy['reference']}`; candidate (the deployment under "
+        f"Model `{findings.target['model']}`. Reference `{sy['reference']}`; candidate (the deployment under "
         f"suspicion) `{sy['candidate']}`. {sy['kind']} needles, {sy['cases']} cases ({len(sy['lengths'])} lengths x "
         f"{len(sy['depths'])} depths x {sy['trials']} trials, seed {sy['seed']}), {where}."
     )
 
 
-def _symptom_blocks(inv: dict, images) -> list[tuple]:
-    sy = inv["symptom"]
+def _symptom_blocks(findings: Findings, images) -> list[tuple]:
+    sy = findings.symptom
     rows = [
         [n, _pct(sy["recall_reference"].get(n)), _pct(sy["recall_candidate"].get(n))]
         for n in sy["recall_reference"]
@@ -172,10 +186,10 @@ def _symptom_blocks(inv: dict, images) -> list[tuple]:
     return b + [("img", name, caption) for name, caption in images[:1]]
 
 
-def _root_blocks(inv: dict) -> list[tuple]:
-    root = inv["verdicts"]["root_cause"]
-    co = [s for s in inv["suspects"] if s["verdict"] == "implicated" and s.get("role") == "co-factor"]
-    extra = [("p", f"Co-factor **{s['id']}** (`{s['maps_to']}`): {s['reason']}.") for s in co]
+def _root_blocks(findings: Findings) -> list[tuple]:
+    root = findings.root_cause
+    co = [s for s in findings.suspects if s.verdict == "implicated" and s.role == "co-factor"]
+    extra = [("p", f"Co-factor **{s.id}** (`{s.maps_to}`): {s.reason}.") for s in co]
     if not root:
         return [
             ("h", 2, "Root cause"),
@@ -183,44 +197,39 @@ def _root_blocks(inv: dict) -> list[tuple]:
             *extra,
         ]
     b = [("h", 2, "Root cause")]
-    for rid in inv["verdicts"].get("root_causes") or [root]:
-        s = next(x for x in inv["suspects"] if x["id"] == rid)
+    for rid in findings.root_causes or [root]:
+        s = findings.suspect(rid)
         b.append(
             (
                 "p",
-                f"**{rid}** (`{s['maps_to']}`; tier {s['tier']}: {s['hypothesis']}). Decisive measurement: {s['reason']}.",
+                f"**{rid}** (`{s.maps_to}`; tier {s.tier}: {s.hypothesis}). Decisive measurement: {s.reason}.",
             )
         )
     return b + extra
 
 
-def _verdict_blocks(inv: dict, live: bool) -> list[tuple]:
-    v = inv["verdicts"]
-    by_id = {s["id"]: s for s in inv["suspects"]}
-    present = {True: "yes", False: "no", None: f"unknown ({inv.get('route') or 'live'})"}
-    rows = [
-        [s["tier"], s["id"], present[by_id[s["id"]]["present"]], shown_verdict(s), s["reason"]]
-        for s in v["suspects"]
-    ]
+def _verdict_blocks(findings: Findings) -> list[tuple]:
+    present = {True: "yes", False: "no", None: f"unknown ({findings.route})"}
+    rows = [[s.tier, s.id, present[s.present], shown_verdict(s), s.reason] for s in findings.suspects]
     return [
         ("h", 2, "Verdicts"),
         ("table", ["tier", "suspect", "in candidate", "verdict", "reason"], rows),
     ]
 
 
-def _evidence_block(inv: dict) -> tuple:
+def _evidence_block(findings: Findings) -> tuple:
     """Every measurement behind the verdicts, folded: it is long (one row per audit metric and
     question answer) and the verdicts above already quote the decisive ones."""
     rows = [
         [
-            s["id"],
+            s.id,
             e["check"],
             e["metric"],
             e["value"] if isinstance(e["value"], str) else f"{e['value']:.4g}",
             "-" if e["threshold"] is None else f"{e['threshold']:g}",
         ]
-        for s in inv["verdicts"]["suspects"]
-        for e in s["evidence"]
+        for s in findings.suspects
+        for e in s.evidence
     ]
     table = ("table", ["suspect", "check", "metric", "value", "threshold"], rows)
     return ("details", f"Evidence: {len(rows)} measurements behind the verdicts (click to open)", [table])
@@ -406,18 +415,18 @@ def _fix_change(f: dict, k0: int) -> str:
     return f"index_topk {k0} -> {f['index_topk']}" if not f["keeps_topk"] else "-"
 
 
-def _fix_blocks(inv: dict) -> list[tuple]:
-    k0 = inv["candidate_topk"]
+def _fix_blocks(findings: Findings) -> list[tuple]:
+    k0 = findings.candidate_topk
     frows = []
     order = lambda f: (_LABEL_ORDER.get(f["label_kind"], 3), COST_ORDER[f["changes"]], f["name"])  # noqa: E731
-    for f in sorted(inv["fixes"], key=order):
+    for f in sorted(findings.fixes, key=order):
         p = f["pair"]
         cost = (
             "none (same index_topk)"
             if f["keeps_topk"]
             else f"index_topk {k0} -> {f['index_topk']}: {f['index_topk'] / k0:g}x the entries each query attends"
         )
-        label = f"**{f['label_kind']}**" if f["label_kind"] != "no effect" else f["label_kind"]
+        label = f"**{f['label_kind']}**" if f["label_kind"] != "no effect" else fix_label(f)
         frows.append(
             [
                 label,
@@ -444,40 +453,40 @@ def _fix_blocks(inv: dict) -> list[tuple]:
         (
             "h",
             2,
-            "Fixes: root-cause fix first, then workarounds, then no effect (cheapest kind first within each)",
+            "Fixes: root-cause fix first, then workarounds, then those that restore nothing significantly (cheapest kind first within each)",
         ),
         ("table", head, frows),
         (
             "p",
-            f"Labels: root-cause fix = removes the root cause and restores recall at the deployment index_topk; workaround = restores recall while the cause stays (its cost given); no effect = no significant paired change (exact McNemar, p < {ALPHA}). No harness-level fix was replayed.",
+            f"Labels: root-cause fix = removes the root cause and restores recall at the deployment index_topk; workaround = restores recall while the cause stays (its cost given); not significant = no significant paired change (exact McNemar, p < {ALPHA}; its p and paired n given), worse = significantly fewer cases right. No harness-level fix was replayed.",
         ),
     ]
 
 
-def _decode_cell(s: dict) -> str:
+def _decode_cell(s: Suspect) -> str:
     """The decode-path emulation's numbers of a live suspect ("-" for runs before both paths)."""
-    lp = s.get("live_paths")
+    lp = s.live_paths
     if not lp:
         return "-"
     d = lp["decode"]
     return f"{d['reproduced']} of {d['failures']}, Jaccard {d['jaccard_emulation']:.3f} (baseline {d['jaccard_baseline']:.3f})"
 
 
-def _live_blocks(inv: dict) -> list[tuple]:
-    sy = inv["symptom"]
+def _live_blocks(findings: Findings) -> list[tuple]:
+    sy = findings.symptom
     rows = [
         [
-            s["id"],
-            s["verdict"],
-            f"{s['live']['reproduced']} of {s['live']['failures']}",
-            f"{s['live']['jaccard_emulation']:.3f}",
-            f"{s['live']['jaccard_baseline']:.3f}",
-            f"{s['live']['needle_emulation']} / {s['live']['needle_live']} / {s['live']['needle_baseline']} of {s['live']['needle_visible']}",
+            s.id,
+            s.verdict,
+            f"{s.live['reproduced']} of {s.live['failures']}",
+            f"{s.live['jaccard_emulation']:.3f}",
+            f"{s.live['jaccard_baseline']:.3f}",
+            f"{s.live['needle_emulation']} / {s.live['needle_live']} / {s.live['needle_baseline']} of {s.live['needle_visible']}",
             _decode_cell(s),
-            (s.get("live_paths") or {}).get("decided_by", "prefill"),
+            (s.live_paths or {}).get("decided_by", "prefill"),
         ]
-        for s in inv["suspects"]
-        if s.get("live")
+        for s in findings.suspects
+        if s.live
     ]
     head = [
         "suspect",
@@ -499,23 +508,15 @@ def _live_blocks(inv: dict) -> list[tuple]:
     ]
 
 
-def _blocked_blocks(inv: dict) -> list[tuple]:
-    v = inv["verdicts"]
-    by_id = {s["id"]: s for s in inv["suspects"]}
+def _blocked_blocks(findings: Findings) -> list[tuple]:
     lines = [
-        f"{s['id']} {e['check']}: {e['value']}"
-        for s in v["suspects"]
-        for e in s["evidence"]
+        f"{s.id} {e['check']}: {e['value']}"
+        for s in findings.suspects
+        for e in s.evidence
         if isinstance(e["value"], str) and e["value"].startswith("blocked")
     ]
-    lines += [f"{s['id']}: {s['reason']}" for s in v["suspects"] if s["verdict"] == "blocked"]
-    unrun = [
-        s["id"]
-        for s in v["suspects"]
-        if by_id[s["id"]]["present"] is False
-        and by_id[s["id"]]["pair"] is None
-        and not by_id[s["id"]].get("live")
-    ]
+    lines += [f"{s.id}: {s.reason}" for s in findings.suspects if s.verdict == "blocked"]
+    unrun = [s.id for s in findings.suspects if s.present is False and s.pair is None and not s.live]
     if unrun:
         lines.append(
             "no causal check for suspects absent from the candidate (the ledger asks none; their exoneration rests on the configuration check and cheap questions): "
@@ -525,14 +526,14 @@ def _blocked_blocks(inv: dict) -> list[tuple]:
 
 
 def _footer(findings: Findings, command: str | None) -> tuple:
-    inv, digest = findings.investigation, findings.ledger_sha256
+    digest = findings.ledger_sha256
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     # no absolute path of this machine in an artifact: the run directory by its name
-    cmd = command or f"needlescope investigate run {inv['ledger']} --out {Path(findings.out).name}"
+    cmd = command or f"needlescope investigate run {findings.ledger} --out {Path(findings.out).name}"
     return (
         "footer",
         f"Rendered {when} by needlescope {needlescope.__version__}. Command: `{cmd}`. Ledger "
-        f"`{inv['ledger']}`, sha256 `{digest or 'unknown (no state.json)'}`.",
+        f"`{findings.ledger}`, sha256 `{digest or 'unknown (no state.json)'}`.",
     )
 
 
@@ -543,9 +544,8 @@ def write_reports(findings: Findings, command: str | None = None) -> tuple[Path,
     ``command``: the command line that ran the investigation, for the footer (default: the
     command that reproduces it)."""
     out = Path(findings.out)
-    inv = {**findings.investigation, "candidate_records": findings.candidate_records}
-    images = _plots(inv, out) if inv["symptom"]["recall_candidate"] else []
-    blocks = diagnosis_blocks(inv, images) + [_footer(findings, command)]
+    images = _plots(findings, out) if findings.symptom["recall_candidate"] else []
+    blocks = diagnosis_blocks(findings, images) + [_footer(findings, command)]
     md = out / "DIAGNOSIS.md"
     md.write_text(render_md(blocks), encoding="utf-8")
     page = out / "DIAGNOSIS.html"

@@ -5,13 +5,12 @@ Four lines: the symptom in one line; the root cause with its decisive measuremen
 or, with a ``characterization``, what kind of bug it is and the command to run next ("nothing to
 explain" when no recall is lost);
 the recommended fix with its measured effect; what not to do (workarounds, and suspects that
-move the logits but not recall). Reads ``investigation.json``'s content only (``inv``); keys a
-run may not have (``root_causes``, ``residual``, ``unaccounted_differences``, a suspect's
-``role``) are read when present.
+move the logits but not recall). Reads the run's ``Findings`` only.
 """
 
 from __future__ import annotations
 
+from needlescope.investigate.decide.findings import Findings, Suspect
 from needlescope.report.diagnosis import recall_fall_line
 
 __all__ = ["summary_box", "shown_verdict", "COST_ORDER"]
@@ -20,16 +19,15 @@ COST_ORDER = {"config": 0, "kernel": 1, "harness": 2}
 """Cheapest kind of fix first: a setting, then a kernel, then the harness."""
 
 
-def shown_verdict(s: dict) -> str:
+def shown_verdict(s: Suspect) -> str:
     """A suspect's verdict as the report shows it: a workaround is named one, whatever its
     verdict (a larger top-k that restores recall while the cause stays is not exonerated, nor
     the cause); an implicated suspect shows its role (root cause, co-factor) when it has one."""
-    role = s.get("role")
-    if role == "workaround" or (s["verdict"] != "implicated" and s["reason"].startswith("workaround")):
+    if s.role == "workaround":
         return "workaround"
-    if s["verdict"] == "implicated" and role:
-        return f"implicated ({role})"
-    return s["verdict"]
+    if s.verdict == "implicated" and s.role:
+        return f"implicated ({s.role})"
+    return s.verdict
 
 
 def _pair_text(p: dict) -> str:
@@ -39,9 +37,9 @@ def _pair_text(p: dict) -> str:
     )
 
 
-def _symptom(inv: dict) -> str:
-    sy = inv["symptom"]
-    if inv.get("route") == "dump":
+def _symptom(findings: Findings) -> str:
+    sy = findings.symptom
+    if findings.route == "dump":
         return "the candidate is an engine tensor dump of one request: no candidate recall; see where the divergence starts"
     if not sy["recall_candidate"]:
         return f"no candidate recall was measured ({sy['cases']} cases planned)"
@@ -56,26 +54,21 @@ def _symptom(inv: dict) -> str:
     return f"{line} ({sy['cases']} {sy['kind']} cases)"
 
 
-def _roots(inv: dict) -> list[str]:
-    v = inv["verdicts"]
-    roots = v.get("root_causes")
-    if roots is None:
-        roots = [v["root_cause"]] if v.get("root_cause") else []
-    return list(roots)
+def _roots(findings: Findings) -> list[str]:
+    return list(findings.root_causes)
 
 
 _SETTLED = ("implicated", "exonerated", "diverges_no_effect")
 
 
-def _unexplained(inv: dict) -> list[str]:
+def _unexplained(findings: Findings) -> list[str]:
     """Why (part of) the loss is unexplained: a residual that still loses, differences no ledger
     suspect names whose automatic suspect was not settled, suspects left inconclusive."""
-    v = inv["verdicts"]
     out = []
-    residual = v.get("residual")
+    residual = findings.residual
     if residual and residual.get("loses"):
         out.append(residual.get("text") or "the candidate without its implicated suspects still loses recall")
-    diffs = [d for d in v.get("unaccounted_differences") or [] if d.get("verdict") not in _SETTLED]
+    diffs = [d for d in findings.unaccounted_differences if d.get("verdict") not in _SETTLED]
     if diffs:
         names = ", ".join(f"`{d['name']}` ({d.get('verdict') or 'not tested'})" for d in diffs[:5])
         more = " ..." if len(diffs) > 5 else ""
@@ -83,34 +76,33 @@ def _unexplained(inv: dict) -> list[str]:
             f"{len(diffs)} difference(s) from the reference that no ledger suspect names: {names}{more}"
         )
     open_ = [
-        s["id"] for s in v["suspects"] if s["verdict"] == "inconclusive" and shown_verdict(s) != "workaround"
+        s.id for s in findings.suspects if s.verdict == "inconclusive" and shown_verdict(s) != "workaround"
     ]
     if open_:
         out.append(f"inconclusive: {', '.join(open_)}")
     return out
 
 
-def _lost(inv: dict) -> bool:
-    sy = inv["symptom"]
+def _lost(findings: Findings) -> bool:
+    sy = findings.symptom
     ref, cand = sy["recall_reference"], sy["recall_candidate"]
     return any(n in cand and cand[n] < ref[n] for n in ref)
 
 
-def _root_cause(inv: dict) -> str:
-    by_id = {s["id"]: s for s in inv["suspects"]}
+def _root_cause(findings: Findings) -> str:
     parts = []
-    for rid in _roots(inv):
-        s = by_id.get(rid, {})
-        measured = f": removing it, {_pair_text(s['pair'])}" if s.get("pair") else ""
-        where = f"`{s['maps_to']}`; " if s.get("maps_to") else ""
-        parts.append(f"**{rid}** ({where}{s.get('hypothesis', 'see Verdicts')}){measured}")
-    co = [x["id"] for x in inv["verdicts"]["suspects"] if x.get("role") == "co-factor"]
+    for rid in _roots(findings):
+        s = findings.suspect(rid)
+        measured = f": removing it, {_pair_text(s.pair)}" if s.pair else ""
+        where = f"`{s.maps_to}`; " if s.maps_to else ""
+        parts.append(f"**{rid}** ({where}{s.hypothesis}){measured}")
+    co = [x.id for x in findings.suspects if x.role == "co-factor"]
     if co:
         parts.append(f"co-factor(s) {', '.join(co)}: necessary, not sufficient on their own")
-    ch = inv["verdicts"].get("characterization")
-    if not parts and (not _lost(inv) or (ch and ch["classes"] == ["none"])):
+    ch = findings.characterization
+    if not parts and (not _lost(findings) or (ch and ch["classes"] == ["none"])):
         return "nothing to explain: the candidate loses no recall against the reference at the tested lengths"
-    unexplained = _unexplained(inv)
+    unexplained = _unexplained(findings)
     if not parts and ch:
         return f"{ch['text']}: next, `{ch['next']}`" if ch.get("next") else ch["text"]
     if not parts:
@@ -135,22 +127,24 @@ def _fix_text(f: dict, k0: int | None) -> str:
     return f"{what} (setting `{f['label']}`): {_pair_text(f['pair'])}, {cost}"
 
 
-def _fixes(inv: dict, kind: str) -> list[dict]:
+def _fixes(findings: Findings, kind: str) -> list[dict]:
     return sorted(
-        (f for f in inv.get("fixes") or [] if f.get("label_kind") == kind),
+        (f for f in findings.fixes if f.get("label_kind") == kind),
         key=lambda f: (COST_ORDER.get(f.get("changes"), 9), f["name"]),
     )
 
 
-def _recommended(inv: dict) -> str:
-    root = _fixes(inv, "root-cause fix")
+def _recommended(findings: Findings) -> str:
+    root = _fixes(findings, "root-cause fix")
     if root:
-        return _fix_text(root[0], inv.get("candidate_topk"))
-    if inv.get("route") == "live":
+        return _fix_text(root[0], findings.candidate_topk)
+    if findings.route == "live":
         return "none measured: a live endpoint cannot be ablated; remove the root cause in the deployment and probe again"
-    if inv.get("route") == "dump":
+    if findings.route == "dump":
         return "none measured: a tensor dump cannot be ablated; fix the module the localization names, dump again and compare"
-    roots = _roots(inv)
+    if findings.route == "blackbox":
+        return "none measured: an endpoint read from outside cannot be ablated; the class says where to look"
+    roots = _roots(findings)
     if roots:
         return f"remove {', '.join(roots)} (no fix without it was replayed)"
     return "none found: no replayed fix removes a cause"
@@ -167,30 +161,28 @@ def _workaround_text(f: dict, k0: int | None, roots: list[str]) -> str:
     return f"{what} is a workaround: {_pair_text(f['pair'])} {cause}{cost}"
 
 
-def _do_not(inv: dict) -> str:
-    roots = _roots(inv)
-    k0 = inv.get("candidate_topk")
-    items = [_workaround_text(f, k0, roots) for f in _fixes(inv, "workaround")]
-    named = {f.get("removes") for f in _fixes(inv, "workaround")}
-    shown = [
-        s for s in inv["verdicts"]["suspects"] if shown_verdict(s) == "workaround" and s["id"] not in named
-    ]
-    items += [f"{s['id']} is a workaround, not the cause" for s in shown]
-    chase = [s["id"] for s in inv["verdicts"]["suspects"] if s["verdict"] == "diverges_no_effect"]
+def _do_not(findings: Findings) -> str:
+    roots = _roots(findings)
+    k0 = findings.candidate_topk
+    items = [_workaround_text(f, k0, roots) for f in _fixes(findings, "workaround")]
+    named = {f.get("removes") for f in _fixes(findings, "workaround")}
+    shown = [s for s in findings.suspects if shown_verdict(s) == "workaround" and s.id not in named]
+    items += [f"{s.id} is a workaround, not the cause" for s in shown]
+    chase = [s.id for s in findings.suspects if s.verdict == "diverges_no_effect"]
     if chase:
         items.append(f"do not chase {', '.join(chase)}: each moves the logits but costs no recall")
     return "; ".join(items) if items else "-"
 
 
-def summary_box(inv: dict) -> tuple:
+def summary_box(findings: Findings) -> tuple:
     """The ``("box", ...)`` block of DIAGNOSIS's summary (``report.blocks``)."""
     return (
         "box",
         "Summary",
         [
-            ("Symptom", _symptom(inv)),
-            ("Root cause", _root_cause(inv)),
-            ("Recommended fix", _recommended(inv)),
-            ("Not a fix", _do_not(inv)),
+            ("Symptom", _symptom(findings)),
+            ("Root cause", _root_cause(findings)),
+            ("Recommended fix", _recommended(findings)),
+            ("Not a fix", _do_not(findings)),
         ],
     )
