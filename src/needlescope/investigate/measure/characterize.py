@@ -42,7 +42,6 @@ from needlescope.investigate.ledger.plan import Config, at_topk
 from needlescope.investigate.measure.serving_factors import measure_live_serving_factor
 
 if TYPE_CHECKING:
-    from needlescope.investigate.measure.live import LiveRoute
     from needlescope.investigate.measure.session import Session
 
 __all__ = ["FAILING_CASES", "STEP", "measure_characterization_inprocess", "measure_characterization_live"]
@@ -294,9 +293,10 @@ def _csa(model):
 
 
 def measure_characterization_live(
-    session: Session, route: LiveRoute, ref_records, live_records, failing, baseline
+    session: Session, route, ref_records, live_records, failing, baseline
 ) -> CharacterizationInput:
-    """The live characterization's measurements: the dense and residue lengths probed live and
+    """The live characterization's measurements (``route``: the ``measure.live.LiveRoute`` that
+    calls it, left unannotated: live imports this module): the dense and residue lengths probed live and
     on the reference (``route.probe_live(name, cases)``), and the live selections of the failing
     cases compared with the reference's on both the server's prefill and decode rows. Resumed
     from ``state.json`` only when every case answered (a rerun that gets more answers measures
