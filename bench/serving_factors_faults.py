@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -42,9 +43,12 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--case", type=_case, action="append", required=True)
     p.add_argument("--budget", type=int, default=3000)
+    p.add_argument(
+        "--keep", type=Path, help="copy each case's serving_factors.md/.json to KEEP/<n>-<expected>/"
+    )
     a = p.parse_args()
     wrong = 0
-    for expected, serve_a, serve_b, args in a.case:
+    for n, (expected, serve_a, serve_b, args) in enumerate(a.case):
         t0 = time.monotonic()
         with ExitStack() as stack, tempfile.TemporaryDirectory() as tmp:
             urls = [
@@ -56,6 +60,8 @@ def main() -> int:
             cmd = [sys.executable, "-m", "needlescope.cli.main", "serving-factors", "--model", "organism"]
             cmd += [x for u in urls for x in ("--base-url", u + "/v1")] + ["--out", tmp, *args]
             done = subprocess.run(cmd, capture_output=True, text=True)
+            if a.keep is not None:
+                shutil.copytree(tmp, a.keep / f"{n}-{expected}", dirs_exist_ok=True)
             body = (
                 json.loads((Path(tmp) / "serving_factors.json").read_text()) if done.returncode < 2 else None
             )
