@@ -1,6 +1,6 @@
 """Recall of the organism under each planted serving fault, by the level of the factor it needs.
 
-For each row: ``needlescope serve --model organism FLAGS`` (a child process), then
+For each row: ``needlescope serve --model organism --continuous-batching FLAGS`` (a child process), then
 ``needlescope probe`` against it (the same seeded cases every row), once or twice (``warm``: a
 second pass of the same cases, each continuing the prefix the first one kept); the recall of
 the last pass is reported with n. The healthy rows are the same flags without the fault.
@@ -78,7 +78,7 @@ def main() -> None:
     for fault, level, flags, probe_flags, passes in ROWS:
         if only is not None and not ({fault or "healthy", level} & only):
             continue
-        serve = ["--model", "organism", "--port", "0", *flags]
+        serve = ["--model", "organism", "--port", "0", "--continuous-batching", *flags]
         if fault:
             serve += ["--patch", f"fault:{fault}"]
         start = time.time()

@@ -138,12 +138,13 @@ def short_prompts(organism):
 
 @pytest.fixture(scope="module")
 def static_answers(short_prompts):
-    return _run(ServeConfig(continuous_batching=False), [short_prompts[:2], short_prompts[2:]])
+    return _run(ServeConfig(), [short_prompts[:2], short_prompts[2:]])
 
 
 @pytest.mark.parametrize("draft", range(1, 9))
 def test_speculative_greedy_is_token_identical_at_every_draft_depth(short_prompts, static_answers, draft):
-    got = _run(ServeConfig(speculative_num_draft_tokens=draft), [short_prompts[:2], short_prompts[2:]])
+    cfg = ServeConfig(continuous_batching=True, speculative_num_draft_tokens=draft)
+    got = _run(cfg, [short_prompts[:2], short_prompts[2:]])
     assert [f.output_ids for f in got] == [f.output_ids for f in static_answers]
     spec = [f.speculative for f in got]
     assert all(s.draft_tokens == draft for s in spec)
@@ -153,7 +154,7 @@ def test_speculative_greedy_is_token_identical_at_every_draft_depth(short_prompt
 
 def test_continuous_batching_joins_mid_flight_and_answers_the_same(short_prompts, static_answers):
     """The second wave joins while the first decodes; same tokens as static batches."""
-    got = _run(ServeConfig(), [short_prompts[:2], short_prompts[2:]])
+    got = _run(ServeConfig(continuous_batching=True), [short_prompts[:2], short_prompts[2:]])
     assert [f.output_ids for f in got] == [f.output_ids for f in static_answers]
     first, late = got[0].batch, got[-1].batch
     assert first.mode == "continuous" and not first.joined_mid_flight and first.joined_beside >= 1
@@ -167,8 +168,10 @@ def test_every_feature_together_is_token_identical_up_to_4k(organism, short_prom
     once against static one-pass batches: one 4K case and the short ones, each sent twice
     (the second time it continues the kept prefix)."""
     prompts = _prompts(organism, (4096,), depths=(50.0,), seed=9) + short_prompts[:2]
-    plain = _run(ServeConfig(continuous_batching=False), [prompts])
-    cfg = ServeConfig(speculative_num_draft_tokens=5, prefix_cache_mib=64, prefill_chunk=1000)
+    plain = _run(ServeConfig(), [prompts])
+    cfg = ServeConfig(
+        continuous_batching=True, speculative_num_draft_tokens=5, prefix_cache_mib=64, prefill_chunk=1000
+    )
     every = _run(cfg, [prompts, prompts], wait=True)
     assert [f.output_ids for f in every] == [f.output_ids for f in plain + plain]
     assert len(prompts[0]) > 4000
@@ -227,7 +230,7 @@ def test_usage_and_metrics_over_http_with_the_openai_client(organism_server):
     """A real server with drafts of 4: the openai client reads usage's extension objects, and
     /metrics and /get_server_info tell the batching and the acceptance rate."""
     openai = pytest.importorskip("openai")
-    url = organism_server("--speculative-num-draft-tokens", "4")
+    url = organism_server("--continuous-batching", "--speculative-num-draft-tokens", "4")
     client = openai.OpenAI(base_url=url + "/v1", api_key="none")
     answer = client.completions.create(
         model="organism", prompt=list(range(40, 90)) * 3, max_tokens=8, temperature=0

@@ -132,7 +132,7 @@ def serve_command(
     continuous_batching: bool = typer.Option(
         _DEFAULTS.continuous_batching,
         "--continuous-batching/--no-continuous-batching",
-        help="New requests join the running batch at a decode step (default); off: static batches.",
+        help="New requests join the running batch at a decode step; off (default): static batches.",
     ),
     speculative_num_draft_tokens: int = typer.Option(
         _DEFAULTS.speculative_num_draft_tokens,

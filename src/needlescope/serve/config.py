@@ -116,11 +116,14 @@ class ServeConfig:
     prefix_cache_mib: int = 0
     """Memory for the prefix cache (``serve.prefix_cache``); 0, the default, turns it off, so a
     reference server answers exactly what one prefill pass answers."""
-    continuous_batching: bool = True
-    """New requests join the running batch at a decode step (``serve.engine``); off: a batch
-    runs to its end before the next starts. On by default: every row's arithmetic is the
-    one a static batch of its prefill group runs, so answers do not change, and a request no
-    longer waits for a whole batch in flight."""
+    continuous_batching: bool = False
+    """New requests join the running batch at a decode step (``serve.engine``); off (the
+    default): a batch runs to its end before the next starts. Answers are the same either way
+    (every row runs what a static batch of its prefill group runs); off by default because on
+    the CPU organism it lowers throughput (0.87x-0.94x, docs/perf.md): a request that joins
+    mid-flight is at another position, so its cohort needs a forward of its own, while waiting
+    requests gather into bigger static batches. On, a late request no longer waits for the
+    batch in flight."""
     speculative_num_draft_tokens: int = 0
     """Draft tokens proposed by prompt lookup and verified in one forward per step
     (``serve.speculative``); 0, the default, turns speculative decoding off."""
