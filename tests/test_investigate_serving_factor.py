@@ -83,11 +83,28 @@ def test_a_healthy_endpoint_keeps_the_characterization_and_notes_the_power(tmp_p
     )
 
 
-def test_the_step_runs_only_when_asked_and_recall_was_lost(cache_bug, tmp_path):
+def test_the_step_runs_only_when_asked(cache_bug, tmp_path):
     assert (
         with_live_serving_factor(_session(cache_bug, tmp_path, wanted=False), UNDECIDED, "m", [120])
         is UNDECIDED
     )
-    none = {**UNDECIDED, "classes": ["none"]}
-    assert with_live_serving_factor(_session(cache_bug, tmp_path), none, "m", [120]) is none
     assert not (tmp_path / "serving_factors").exists()
+
+
+def test_a_symptom_that_lost_nothing_alone_still_gets_the_factor_named(cache_bug, tmp_path):
+    """The live symptom's captures run alone and cold: a loss that needs a warm prefix never
+    shows there, so the step runs on a "none" characterization too and names the prefix cache."""
+    none = {
+        "classes": ["none"],
+        "where": None,
+        "evidence": {"none": {"rule": "no recall lost", "null": "a paired loss"}},
+        "undecided": [],
+        "next": None,
+        "text": "nothing to explain: no recall lost",
+    }
+    ch = with_live_serving_factor(_session(cache_bug, tmp_path), none, "scripted", [120])
+    check_schema(ch, VERDICTS_SCHEMA["properties"]["characterization"], "characterization")
+    assert ch["classes"] == ["state_dependent"] and "none" not in ch["evidence"]
+    assert ch["evidence"]["state_dependent"]["factor"] == "prefix cache"
+    assert ch["text"].startswith("the symptom's cases lose nothing alone and cold, but recall depends")
+    assert ch["next"].startswith("needlescope serving-factors --base-url " + cache_bug)

@@ -72,17 +72,27 @@ def with_serving_factor(characterization: dict, factors: dict, command: str) -> 
         "null": "recall that no serving factor moves (exact McNemar, Holm across the arms)",
     }
     hint = "; ".join(_HINT.get(f, f) for f in evidence["factors"])
-    others = [c for c in characterization["classes"] if c not in ("state_dependent", "undecided")]
+    clean = characterization["classes"][0] == "none"  # the symptom (alone, cold) lost nothing
+    if clean:
+        evidence["rule"] = (
+            f"the symptom's cases, each alone and cold, lose nothing; in one serving state, {words} "
+            f"({verdict['kind']}, arm {verdict['arm']}), the same cases lose recall"
+        )
+    others = [c for c in characterization["classes"] if c not in ("state_dependent", "undecided", "none")]
     return {
         **characterization,
         "classes": ["state_dependent", *others],
         "evidence": {
             "state_dependent": evidence,
-            **{k: v for k, v in characterization["evidence"].items() if k != "state_dependent"},
+            **{k: v for k, v in characterization["evidence"].items() if k not in ("state_dependent", "none")},
         },
         "undecided": [],
         "next": command,
-        "text": f"not among the suspects: the loss depends on the serving state, {words}: "
-        f"{verdict['sentence']}; {hint}",
+        "text": (
+            "the symptom's cases lose nothing alone and cold, but recall depends on the serving state, "
+            if clean
+            else "not among the suspects: the loss depends on the serving state, "
+        )
+        + f"{words}: {verdict['sentence']}; {hint}",
         "measured": measured,
     }

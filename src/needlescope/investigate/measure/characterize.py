@@ -353,7 +353,11 @@ def characterize_live(
         return None
     none = nothing_to_explain(ref_records, scored)
     if none is not None:
-        return none
+        # The symptom's captures run alone and cold (needlescope serve runs a capture so): a loss
+        # that needs batch mates or a warm prefix never shows in them, so --serving-factors still
+        # varies the serving state at the first length.
+        served = str((inv.state.data.get("server_info") or {}).get("model") or "organism")
+        return with_live_serving_factor(inv, none, served, sorted({r["length"] for r in scored}))
     # What the live side answered decides the result: a rerun that got more answers (the
     # endpoint failed for some cases, or went down during the characterization) measures again,
     # so it decides as an uninterrupted run would.

@@ -31,13 +31,15 @@ def _command(url: str, model: str, kind: str, length: int, depths, trials: int, 
 
 def with_live_serving_factor(session, characterization: dict | None, model: str, lengths) -> dict | None:
     """``characterization`` with the serving factor named (or the experiment noted), when the run
-    asked for it (``session.serving_factors``), the route is live and recall was lost; else as is."""
+    asked for it (``session.serving_factors``) and the route is live; else as is. It runs also
+    when the symptom lost nothing ("none"): the live symptom's captures run each case alone and
+    cold, where a loss that needs batch mates or a warm prefix cannot show."""
     from needlescope.report.serving_factors import write_serving_factors
     from needlescope.run.serving_factors import FactorConfig, run_serving_factors
 
     t, sy = session.ledger.target, session.ledger.symptom
     wanted = getattr(session, "serving_factors", False) and t.live and t.endpoint
-    if not wanted or characterization is None or characterization["classes"][0] == "none":
+    if not wanted or characterization is None:
         return characterization
     trials = max(sy.trials, math.ceil(MIN_CASES / len(sy.depths)))
     cfg = FactorConfig(
