@@ -108,3 +108,10 @@ def test_a_symptom_that_lost_nothing_alone_still_gets_the_factor_named(cache_bug
     assert ch["evidence"]["state_dependent"]["factor"] == "prefix cache"
     assert ch["text"].startswith("the symptom's cases lose nothing alone and cold, but recall depends")
     assert ch["next"].startswith("needlescope serving-factors --base-url " + cache_bug)
+    inv = {  # the symptom itself lost nothing: the summary line still names the factor
+        "suspects": [],
+        "symptom": {"recall_reference": {"120": 1.0}, "recall_candidate": {"120": 1.0}},
+        "verdicts": {"root_cause": None, "suspects": [], "characterization": ch},
+    }
+    line = _root_cause(inv)
+    assert "serving state, prefix cache" in line and line.endswith(f"next, `{ch['next']}`")

@@ -108,7 +108,9 @@ def _root_cause(inv: dict) -> str:
     if co:
         parts.append(f"co-factor(s) {', '.join(co)}: necessary, not sufficient on their own")
     ch = inv["verdicts"].get("characterization")
-    if not parts and (not _lost(inv) or (ch and ch["classes"] == ["none"])):
+    # a named serving state is something to explain even when the symptom (alone, cold) lost nothing
+    state = bool(ch) and ch["classes"][0] == "state_dependent"
+    if not parts and not state and (not _lost(inv) or (ch and ch["classes"] == ["none"])):
         return "nothing to explain: the candidate loses no recall against the reference at the tested lengths"
     unexplained = _unexplained(inv)
     if not parts and ch:
