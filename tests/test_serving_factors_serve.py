@@ -4,8 +4,8 @@ experiment must name the factor the fault needs (issue 52), here ``fault:batch_v
 
 Not cheap enough for ``make test``: 15 cases are the fewest that name the batch reliably (the
 fault leaves about a third of the answers right beside 7 mates, so 8 cases give p near 0.05),
-which is 30 organism requests and a server of its own: 161 s on the loaded 2-core box. It runs
-with ``NEEDLESCOPE_SERVE_FAULTS=1`` (docs/serving_factors.md)."""
+which is 30 organism requests and a server of its own: 21 s on the 2-core box at load 6 to 11,
+161 s at load 30. It runs with ``NEEDLESCOPE_SERVE_FAULTS=1`` (docs/serving_factors.md)."""
 
 from __future__ import annotations
 
