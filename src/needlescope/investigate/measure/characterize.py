@@ -341,6 +341,11 @@ def _csa(model):
     return csa_indexers(model)
 
 
+def _served_model(inv) -> str:
+    """The model name the live server reported (``/get_server_info``), else the organism's."""
+    return str((inv.state.data.get("server_info") or {}).get("model") or "organism")
+
+
 def characterize_live(
     inv, route, root: str | None, ref_records, live_records, failing, baseline
 ) -> dict | None:
@@ -356,8 +361,7 @@ def characterize_live(
         # The symptom's captures run alone and cold (needlescope serve runs a capture so): a loss
         # that needs batch mates or a warm prefix never shows in them, so --serving-factors still
         # varies the serving state at the first length.
-        served = str((inv.state.data.get("server_info") or {}).get("model") or "organism")
-        return with_live_serving_factor(inv, none, served, sorted({r["length"] for r in scored}))
+        return with_live_serving_factor(inv, none, _served_model(inv), sorted({r["length"] for r in scored}))
     # What the live side answered decides the result: a rerun that got more answers (the
     # endpoint failed for some cases, or went down during the characterization) measures again,
     # so it decides as an uninterrupted run would.
@@ -389,7 +393,7 @@ def characterize_live(
         base_url=inv.ledger.target.endpoint,
         prompt=prompt_file,
         needle=needle,
-        served_model=str((inv.state.data.get("server_info") or {}).get("model") or "organism"),
+        served_model=_served_model(inv),
         lengths=tuple(lengths),
         device=inv.ledger.target.device,
     )
