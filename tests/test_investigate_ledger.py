@@ -156,17 +156,3 @@ def test_cli_prefill_chunk_is_validated_before_anything_runs(tmp_path, run_cli):
         "0",
     )
     assert code == 2 and "chunk must be a positive number" in err and not (tmp_path / "o").exists()
-
-
-def test_symptom_concurrency_is_a_validated_field(tmp_path):
-    """[symptom] concurrency: the live cases sent at once (1 by default; a batch-variant bug shows
-    only with batch mates)."""
-    assert load_ledger(write_example(tmp_path)).symptom.concurrency == 1
-    path = tmp_path / "investigation.toml"
-    path.write_text(EXAMPLE_LEDGER.replace("seed = 0\n", "seed = 0\nconcurrency = 8\n", 1))
-    assert load_ledger(path).symptom.concurrency == 8
-    for bad, says in (("0", "concurrency = 0; expected 1..256"), ('"8"', "a positive integer")):
-        text = EXAMPLE_LEDGER.replace("seed = 0\n", f"seed = 0\nconcurrency = {bad}\n", 1)
-        line = text.splitlines().index(f"concurrency = {bad}") + 1
-        msg = _bad(tmp_path, text)
-        assert f"investigation.toml:{line}:" in msg and says in msg, msg

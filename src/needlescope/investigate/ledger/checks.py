@@ -22,7 +22,6 @@ LIMITS: dict[str, tuple[int, int]] = {
     "lengths": (1, 1_048_576),
     "trials": (1, 1000),
     "max_new_tokens": (1, 4096),
-    "concurrency": (1, 256),
     "seed": (0, 2**63 - 1),
     "threads": (1, 1024),
     "prefill_chunk": (1, 1_048_576),

@@ -192,10 +192,6 @@ class Symptom:
     trials: int = 2
     seed: int = 0
     max_new_tokens: int = 8
-    concurrency: int = 1
-    """Live route: cases sent to the endpoint at once (in order, groups of this many). 1 (the
-    default) sends each alone; more lets a loss that needs batch mates (a batch-variant kernel)
-    show in the symptom, so ``--serving-factors`` can name the batch."""
 
     def to_json(self) -> dict:
         return {
@@ -569,13 +565,12 @@ def parse_ledger(text: str, path: Path, *, allow_outside: bool = False) -> Ledge
         trials=_expect(where, sl, sy, "trials", int, "a positive integer", 1),
         seed=_expect(where, sl, sy, "seed", int, "an integer", 0) if "seed" in sy else 0,
         max_new_tokens=_expect(where, sl, sy, "max_new_tokens", int, "a positive integer", 8),
-        concurrency=_expect(where, sl, sy, "concurrency", int, "a positive integer", 1),
     )
     if symptom.kind not in KINDS:
         raise where.error(
             where.key_line("kind", sl), f"kind = {symptom.kind!r}; expected one of {', '.join(KINDS)}"
         )
-    for key in ("trials", "max_new_tokens", "seed", "concurrency"):
+    for key in ("trials", "max_new_tokens", "seed"):
         where.in_range(key, getattr(symptom, key), sl)
     where.no_unknown_keys(sy, sl, "[symptom]")
     where.no_unknown_keys(raw["target"], where.table_line("target"), "[target]")

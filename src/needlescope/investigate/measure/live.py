@@ -44,20 +44,16 @@ from needlescope.investigate.measure.session import Session, suspect_identity
 __all__ = ["LiveRoute", "live_localization"]
 
 
-async def _probe(
-    url: str, api_key: str | None, todo: list, ids_of, max_new: int, on_record, on_info, concurrency: int = 1
-) -> None:
-    """Send every case of ``todo`` to ``url``, ``concurrency`` at once (in order, in groups);
-    ``on_info(server info)`` first (it may refuse the server), ``on_record(case, result | error
-    text, server info)`` after each. An unreachable server raises (TransportFailure) before the
-    first case."""
+async def _probe(url: str, api_key: str | None, todo: list, ids_of, max_new: int, on_record, on_info) -> None:
+    """Send every case of ``todo`` to ``url``; ``on_info(server info)`` first (it may refuse the
+    server), ``on_record(case, result | error text, server info)`` after each. An unreachable
+    server raises (TransportFailure) before the first case."""
     from needlescope.targets.sglang import SGLangTarget
 
     async with SGLangTarget(url, timeout=600.0, api_key=api_key) as target:
         info = await target.server_info()
         on_info(info)
-
-        async def one(case):
+        for case in todo:
             try:
                 res = await target.generate(input_ids=ids_of(case), max_new_tokens=max_new)
                 if res.output_ids is None:
@@ -66,12 +62,7 @@ async def _probe(
                     )
             except ProbeError as exc:
                 res = f"{type(exc).__name__}: {exc}"
-            return res
-
-        for start in range(0, len(todo), concurrency):
-            group = todo[start : start + concurrency]
-            for case, res in zip(group, await asyncio.gather(*map(one, group)), strict=True):
-                on_record(case, res, info)
+            on_record(case, res, info)
 
 
 class LiveRoute:
@@ -163,7 +154,6 @@ class LiveRoute:
                         mx,
                         on_record,
                         on_info,
-                        ss.ledger.symptom.concurrency,
                     )
                 )
             except ProbeError as exc:  # the endpoint is unreachable: every emulation is blocked
