@@ -24,7 +24,7 @@ from needlescope.cases.assemble import CaseSpec, build_cases
 from needlescope.dsa.checkpoint import load_bundle, trained_value_digits
 from needlescope.serve.config import ServeConfig
 from needlescope.serve.engine import Engine
-from needlescope.serve.requests import Delta, GenRequest
+from needlescope.serve.requests import GenRequest
 from needlescope.serve.sampling import SamplingParams
 
 
@@ -55,10 +55,7 @@ def _serve(
         async with gate:
             req = GenRequest(ids, p)
             engine.submit(req)
-            event = await req.events.get()
-            while isinstance(event, Delta):
-                event = await req.events.get()
-            return event
+            return await req.last_event()
 
     async def go():
         engine.start()

@@ -22,7 +22,7 @@ from needlescope.cases.assemble import CaseSpec, build_cases
 from needlescope.dsa.checkpoint import load_bundle, trained_value_digits
 from needlescope.serve.config import ServeConfig
 from needlescope.serve.engine import Engine
-from needlescope.serve.requests import Delta, GenRequest
+from needlescope.serve.requests import GenRequest
 from needlescope.serve.sampling import SamplingParams
 from needlescope.setting import PatchRef, Setting
 
@@ -35,10 +35,7 @@ def _answers(
     async def one(ids):
         req = GenRequest(ids, params)
         engine.submit(req)
-        event = await req.events.get()
-        while isinstance(event, Delta):
-            event = await req.events.get()
-        return event
+        return await req.last_event()
 
     async def go():
         engine.start()

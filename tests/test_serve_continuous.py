@@ -20,7 +20,7 @@ from needlescope.cases.assemble import CaseSpec, build_cases  # noqa: E402
 from needlescope.dsa.checkpoint import load_bundle, trained_value_digits  # noqa: E402
 from needlescope.serve.config import ServeConfig  # noqa: E402
 from needlescope.serve.engine import Engine  # noqa: E402
-from needlescope.serve.requests import Delta, GenRequest  # noqa: E402
+from needlescope.serve.requests import GenRequest  # noqa: E402
 from needlescope.serve.sampling import SamplingParams  # noqa: E402
 from needlescope.serve.speculative import StateLog, propose, rollback  # noqa: E402
 from needlescope.setting import PatchRef, Setting, fault_names, serving_fault_names  # noqa: E402
@@ -62,10 +62,7 @@ def _run(
     engine = Engine(cfg)
 
     async def final(req):
-        event = await asyncio.wait_for(req.events.get(), timeout=300)
-        while isinstance(event, Delta):
-            event = await asyncio.wait_for(req.events.get(), timeout=300)
-        return event
+        return await asyncio.wait_for(req.last_event(), timeout=300)
 
     async def go():
         engine.start()

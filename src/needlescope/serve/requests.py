@@ -231,6 +231,14 @@ class GenRequest:
         self.cancelled = False
         self.admitted_at = time.monotonic()
 
+    async def last_event(self) -> Final | EngineError:
+        """Its ``Final`` or error, the streamed ``Delta`` events before it skipped (in-process
+        callers: tests and benches driving an engine without HTTP)."""
+        event = await self.events.get()
+        while isinstance(event, Delta):
+            event = await self.events.get()
+        return event
+
     def emit(self, event: Delta | Final | EngineError) -> None:
         try:
             self.loop.call_soon_threadsafe(self.events.put_nowait, event)
