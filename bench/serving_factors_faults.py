@@ -7,12 +7,11 @@ server's (empty: one endpoint) and the experiment's flags (``--base-url``, ``--m
 ``--out`` are added). One line per case and a final count; exit 1 when a case names another
 factor or sends more than ``--budget`` requests.
 
-    python bench/serving_factors_faults.py \
-      --case 'batch|--index-topk 16 --patch bench/serving_factors/batch_variant_scorer.py||--factors batch,repeat --batch-mates 1,7 --lengths 256 --depths 0,25,50,75,100 --trials 3'
+    python bench/serving_factors_faults.py --keep /tmp/sf_faults \
+      --case 'batch|--threads 1 --index-topk 16 --patch fault:batch_variant_scores||--factors batch,repeat --batch-mates 1,7 --lengths 256 --depths 0,25,50,75,100 --trials 3' \
+      --case 'chunk|--threads 1 --patch fault:chunk_carry|--threads 1 --prefill-chunk 100 --patch fault:chunk_carry|--factors endpoint,repeat --endpoint-factor chunk --endpoint-labels off,100 --lengths 256 --depths 0,25,50,75,100 --trials 3'
 
-Once issue 52 part 2 ships its ``fault:`` names, one case per fault, e.g. (the names are theirs):
-
-      --case 'draft|--speculative-num-draft-tokens 0|--speculative-num-draft-tokens 8 --patch fault:NAME|--endpoint-factor draft --endpoint-labels 0,8 --echo 20'
+docs/serving_factors.md ("Planted faults") has every fault's case and what each printed.
 """
 
 from __future__ import annotations
