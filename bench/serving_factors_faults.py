@@ -7,12 +7,11 @@ server's (empty: one endpoint) and the experiment's flags (``--base-url``, ``--m
 ``--out`` are added). One line per case and a final count; exit 1 when a case names another
 factor or sends more than ``--budget`` requests.
 
-    python bench/serving_factors_faults.py \
-      --case 'batch|--index-topk 16 --patch bench/serving_factors/batch_variant_scorer.py||--factors batch,repeat --batch-mates 1,7 --lengths 256 --depths 0,25,50,75,100 --trials 3'
+    python bench/serving_factors_faults.py --keep /tmp/sf_faults \
+      --case 'batch|--threads 1 --index-topk 16 --patch fault:batch_variant_scores||--factors batch,repeat --batch-mates 1,7 --lengths 256 --depths 0,25,50,75,100 --trials 3' \
+      --case 'chunk|--threads 1 --patch fault:chunk_carry|--threads 1 --prefill-chunk 100 --patch fault:chunk_carry|--factors endpoint,repeat --endpoint-factor chunk --endpoint-labels off,100 --lengths 256 --depths 0,25,50,75,100 --trials 3'
 
-Once issue 52 part 2 ships its ``fault:`` names, one case per fault, e.g. (the names are theirs):
-
-      --case 'draft|--speculative-num-draft-tokens 0|--speculative-num-draft-tokens 8 --patch fault:NAME|--endpoint-factor draft --endpoint-labels 0,8 --echo 20'
+docs/serving_factors.md ("Planted faults") has every fault's case and what each printed.
 """
 
 from __future__ import annotations
@@ -20,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -42,9 +42,12 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--case", type=_case, action="append", required=True)
     p.add_argument("--budget", type=int, default=3000)
+    p.add_argument(
+        "--keep", type=Path, help="copy each case's serving_factors.md/.json to KEEP/<n>-<expected>/"
+    )
     a = p.parse_args()
     wrong = 0
-    for expected, serve_a, serve_b, args in a.case:
+    for n, (expected, serve_a, serve_b, args) in enumerate(a.case):
         t0 = time.monotonic()
         with ExitStack() as stack, tempfile.TemporaryDirectory() as tmp:
             urls = [
@@ -56,6 +59,8 @@ def main() -> int:
             cmd = [sys.executable, "-m", "needlescope.cli.main", "serving-factors", "--model", "organism"]
             cmd += [x for u in urls for x in ("--base-url", u + "/v1")] + ["--out", tmp, *args]
             done = subprocess.run(cmd, capture_output=True, text=True)
+            if a.keep is not None:
+                shutil.copytree(tmp, a.keep / f"{n}-{expected}", dirs_exist_ok=True)
             body = (
                 json.loads((Path(tmp) / "serving_factors.json").read_text()) if done.returncode < 2 else None
             )

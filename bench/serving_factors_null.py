@@ -5,8 +5,8 @@ a healthy server name a factor (docs/serving_factors.md records the counts).
     python bench/serving_factors_null.py --runs 20 --trials 40 --noise 0.3 --min-loss 0.3  # 120 cases
     python bench/serving_factors_null.py --runs 20 --base-url URL --model organism --lengths 256 --trials 2
 
-Each run draws fresh nonces (and, on the scripted server, a new case seed), so no two runs send
-the same prompts. Prints one line per run and the count.
+Each run draws fresh nonces and a new case seed (run i: seed i), so no two runs send the same
+prompts. Prints one line per run and the count.
 """
 
 from __future__ import annotations
@@ -28,7 +28,10 @@ def main() -> None:
     p.add_argument("--trials", type=int, default=4)
     p.add_argument("--factors", default="cache,batch,repeat")
     p.add_argument("--batch-mates", default="1")
+    p.add_argument("--depths", default="0,50,100")
+    p.add_argument("--draft-depths", default="", help="per-request draft depths (a draft factor), e.g. 2,8")
     p.add_argument("--min-loss", type=float, default=0.1)
+    p.add_argument("--no-interactions", action="store_true", help="single-factor arms only (fewer tests)")
     p.add_argument("--noise", type=float, default=0.1, help="the scripted server's random miss rate")
     a = p.parse_args()
     server = (
@@ -46,9 +49,12 @@ def main() -> None:
                 factors=tuple(a.factors.split(",")),
                 lengths=tuple(int(x) for x in a.lengths.split(",")),
                 trials=a.trials,
+                depths=tuple(float(x) for x in a.depths.split(",")),
                 batch_mates=tuple(int(x) for x in a.batch_mates.split(",")),
-                seed=run if a.base_url is None else 0,
+                draft_depths=tuple(int(x) for x in a.draft_depths.split(",") if x),
+                seed=run,
                 min_loss=a.min_loss,
+                interactions=not a.no_interactions,
             )
             verdict = run_serving_factors(cfg)["verdict"]
             named += verdict["named"] is not None

@@ -72,17 +72,7 @@ def test_the_live_step_names_the_prefix_cache_and_the_summary_says_it(cache_bug,
         body["verdict"]["named"] == "cache"
         and ch["measured"]["serving_factors"]["requests"] == body["requests"]["sent"]
     )
-    findings = replace(
-        golden("live-root-cause"),
-        suspects=(),
-        root_cause=None,
-        root_causes=(),
-        residual=None,
-        unaccounted_differences=(),
-        symptom={"recall_reference": {"120": 1.0}, "recall_candidate": {"120": 0.0}},
-        characterization=ch,
-    )
-    line = _root_cause(findings)
+    line = _root_cause(_clean(ch, 0.0))
     assert "depends on the serving state, prefix cache" in line and "cache=warm recall 0.00" in line
     assert line.endswith(f"next, `{ch['next']}`")
 
@@ -99,8 +89,41 @@ def test_a_healthy_endpoint_keeps_the_characterization_and_notes_the_power(tmp_p
     )
 
 
-def test_the_step_runs_only_when_asked_and_a_class_none_is_kept(cache_bug, tmp_path):
+def _clean(findings_characterization: dict, recall_candidate: float):
+    """A live ``Findings`` with no suspect, no root cause and this characterization."""
+    return replace(
+        golden("live-root-cause"),
+        suspects=(),
+        root_cause=None,
+        root_causes=(),
+        residual=None,
+        unaccounted_differences=(),
+        symptom={"recall_reference": {"120": 1.0}, "recall_candidate": {"120": recall_candidate}},
+        characterization=findings_characterization,
+    )
+
+
+def test_the_step_runs_only_when_asked(cache_bug, tmp_path):
     assert measure_live_serving_factor(_session(cache_bug, tmp_path, wanted=False), "m", [120]) is None
     assert not (tmp_path / "serving_factors").exists()
-    none = {**UNDECIDED, "classes": ["none"]}
-    assert with_serving_factor(none, {"verdict": {"named": "cache"}, "command": "x"}) is none
+
+
+def test_a_symptom_that_lost_nothing_alone_still_gets_the_factor_named(cache_bug, tmp_path):
+    """The live symptom's captures run alone and cold: a loss that needs a warm prefix never
+    shows there, so the step runs on a "none" characterization too and names the prefix cache."""
+    none = {
+        "classes": ["none"],
+        "where": None,
+        "evidence": {"none": {"rule": "no recall lost", "null": "a paired loss"}},
+        "undecided": [],
+        "next": None,
+        "text": "nothing to explain: no recall lost",
+    }
+    ch = _decided(_session(cache_bug, tmp_path), none)
+    check_schema(ch, VERDICTS_SCHEMA["properties"]["characterization"], "characterization")
+    assert ch["classes"] == ["state_dependent"] and "none" not in ch["evidence"]
+    assert ch["evidence"]["state_dependent"]["factor"] == "prefix cache"
+    assert ch["text"].startswith("the symptom's cases lose nothing alone and cold, but recall depends")
+    assert ch["next"].startswith("needlescope serving-factors --base-url " + cache_bug)
+    line = _root_cause(_clean(ch, 1.0))  # the symptom itself lost nothing: the line still names it
+    assert "serving state, prefix cache" in line and line.endswith(f"next, `{ch['next']}`")

@@ -9,7 +9,8 @@ How each arm makes its one difference:
 
 - every arm sends each case under a nonce of its own (``run.engine_state``'s six digits before the
   first message), so no send finds another's prefix in the cache: each is cold, except
-- ``cache=warm``: the baseline send's identical bytes again, right after it. A hit is verified
+- ``cache=warm``: the baseline send's identical bytes again, after the whole baseline pass (other
+  prompts went through the cache in between, as in a deployment). A hit is verified
   from ``usage.prompt_tokens_details.cached_tokens``: the warm send must report more cached tokens
   than its cold one; a pair without a verified hit is left out of the test and counted
   (``unverified_hits``). A cell with the cache primes its own nonce first (a cold send alone,
@@ -149,16 +150,19 @@ def _arm_rows(run: _Run, arm: Arm) -> list[dict]:
 
 
 def _baseline_and_cache(run: _Run, arms: list[Arm]) -> dict[str, list[dict]]:
-    """The baseline, and ``cache=warm`` (when planned) each case's identical bytes right after it."""
+    """The baseline, then ``cache=warm`` (when planned): each case's identical bytes again after
+    the whole baseline pass, so other prompts went through the cache between a case's cold send
+    and its warm one, as in a deployment (state a hit restores from the wrong request, e.g. a
+    per-slot sliding-window ring, shows only then; an evicted prefix is an unverified hit)."""
     warm = next((a for a in arms if a.name == "cache=warm"), None)
-    base, hot = [], []
-    for c in run.cases:
-        nonce = _nonce(run.cfg.run_id, "factors", "baseline", c.case_id)
-        base.append(run.send(arms[0], c, nonce, "baseline"))
-        if warm is not None:
-            hot.append(run.send(warm, c, nonce, warm.name))
-            _verify_hit(base[-1], hot[-1])
-    return {"baseline": base, **({warm.name: hot} if warm is not None else {})}
+    nonces = [_nonce(run.cfg.run_id, "factors", "baseline", c.case_id) for c in run.cases]
+    base = [run.send(arms[0], c, n, "baseline") for c, n in zip(run.cases, nonces, strict=True)]
+    if warm is None:
+        return {"baseline": base}
+    hot = [run.send(warm, c, n, warm.name) for c, n in zip(run.cases, nonces, strict=True)]
+    for cold, w in zip(base, hot, strict=True):
+        _verify_hit(cold, w)
+    return {"baseline": base, warm.name: hot}
 
 
 def _scored(arm: Arm, rows: list[dict]) -> list[bool | None]:

@@ -126,7 +126,7 @@ def decide_characterization(m: Measured, suspects: list[dict], root) -> dict | N
         return None
     none = nothing_to_explain(m.reference_records, scored)
     if none is not None:
-        return none
+        return _with_factor(none, m)
     if m.route == "in-process" and _named_root(suspects):
         return None
     ci: CharacterizationInput | None = m.characterization
@@ -135,8 +135,18 @@ def decide_characterization(m: Measured, suspects: list[dict], root) -> dict | N
     ev = ci.evidence
     if m.route == "in-process":
         ev = replace(ev, localized=_localized(m.localization))
-    decided = {**characterize(ev, ci.context), "measured": _measured(ev, ci.baseline)}
-    return decided if ci.serving_factor is None else with_serving_factor(decided, ci.serving_factor)
+    return _with_factor({**characterize(ev, ci.context), "measured": _measured(ev, ci.baseline)}, m)
+
+
+def _with_factor(characterization: dict, m: Measured) -> dict:
+    """``characterization`` with the serving-factor experiment's verdict, when one ran (live,
+    ``--serving-factors``): a named factor makes it ``state_dependent`` even where the symptom
+    (each case alone and cold) lost nothing."""
+    return (
+        characterization
+        if m.serving_factor is None
+        else with_serving_factor(characterization, m.serving_factor)
+    )
 
 
 def _localized(localization: dict | None) -> tuple[Localized, ...]:

@@ -23,14 +23,12 @@ __all__ = ["Measured", "CharacterizationInput"]
 class CharacterizationInput:
     """The measurements ``decide.characterize.characterize`` reads: ``evidence`` (without the
     localizer's result: ``decide`` adds it from ``Measured.localization``), ``context`` (how the
-    user reaches the candidate, for the ``next`` command), the ``baseline`` the target was
-    compared with (its label) and, on the live route with ``--serving-factors``, the serving-factor
-    experiment's measurements (``decide.serving_factor.measured_factor``; None when not run)."""
+    user reaches the candidate, for the ``next`` command) and the ``baseline`` the target was
+    compared with (its label)."""
 
     evidence: Evidence
     context: Context
     baseline: str
-    serving_factor: dict | None = None
 
     def to_json(self) -> dict:
         """This input as JSON (``state.json`` caches it; ``from_json`` reads it back)."""
@@ -38,7 +36,6 @@ class CharacterizationInput:
             "evidence": self.evidence.to_json(),
             "context": self.context.to_json(),
             "baseline": self.baseline,
-            "serving_factor": self.serving_factor,
         }
 
     @classmethod
@@ -47,7 +44,6 @@ class CharacterizationInput:
             Evidence.from_json(obj["evidence"]),
             Context.from_json(obj["context"]),
             obj["baseline"],
-            obj.get("serving_factor"),
         )
 
 
@@ -73,7 +69,8 @@ class Measured:
     input), ``explained`` (the explained case and both records), ``residual`` ({"removed",
     "config", "pair"}), ``rank_paths``, ``nonfinite_scores``. Every route: ``localization`` (the
     measured localization, ``decide.localization``'s input), ``characterization``
-    (``CharacterizationInput``; None when none was measured)."""
+    (``CharacterizationInput``; None when none was measured). Live with ``--serving-factors``:
+    ``serving_factor`` (``decide.serving_factor.measured_factor``'s value; None when not run)."""
 
     route: str
     target: dict
@@ -95,3 +92,4 @@ class Measured:
     rank_paths: dict | None = None
     nonfinite_scores: dict = field(default_factory=lambda: {"counts": {}, "findings": []})
     blackbox: dict | None = None
+    serving_factor: dict | None = None

@@ -49,9 +49,8 @@ def measured_factor(body: dict, command: str) -> dict:
 
 def with_serving_factor(characterization: dict, factors: dict) -> dict:
     """``characterization`` with the verdict of ``factors`` (``measured_factor``'s value) merged
-    in (module docstring); a new dict. A characterization of class ``none`` is returned as is."""
-    if characterization["classes"][0] == "none":
-        return characterization
+    in (module docstring); a new dict. A class ``none`` (the symptom, each case alone and cold, lost
+    nothing) becomes ``state_dependent`` too when the experiment names a factor."""
     verdict, command = factors["verdict"], factors["command"]
     noted = {
         "named": verdict["named"],
@@ -85,17 +84,27 @@ def with_serving_factor(characterization: dict, factors: dict) -> dict:
         "null": "recall that no serving factor moves (exact McNemar, Holm across the arms)",
     }
     hint = "; ".join(_HINT.get(f, f) for f in evidence["factors"])
-    others = [c for c in characterization["classes"] if c not in ("state_dependent", "undecided")]
+    clean = characterization["classes"][0] == "none"  # the symptom (alone, cold) lost nothing
+    if clean:
+        evidence["rule"] = (
+            f"the symptom's cases, each alone and cold, lose nothing; in one serving state, {words} "
+            f"({verdict['kind']}, arm {verdict['arm']}), the same cases lose recall"
+        )
+    others = [c for c in characterization["classes"] if c not in ("state_dependent", "undecided", "none")]
     return {
         **characterization,
         "classes": ["state_dependent", *others],
         "evidence": {
             "state_dependent": evidence,
-            **{k: v for k, v in characterization["evidence"].items() if k != "state_dependent"},
+            **{k: v for k, v in characterization["evidence"].items() if k not in ("state_dependent", "none")},
         },
         "undecided": [],
         "next": command,
-        "text": f"not among the suspects: the loss depends on the serving state, {words}: "
-        f"{verdict['sentence']}; {hint}",
+        "text": (
+            "the symptom's cases lose nothing alone and cold, but recall depends on the serving state, "
+            if clean
+            else "not among the suspects: the loss depends on the serving state, "
+        )
+        + f"{words}: {verdict['sentence']}; {hint}",
         "measured": measured,
     }

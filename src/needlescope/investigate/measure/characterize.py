@@ -39,7 +39,6 @@ from needlescope.investigate.decide.selection_evidence import Row, layer_selecti
 from needlescope.investigate.decide.verdicts import paired
 from needlescope.investigate.ledger.differences import AUTO_PREFIX
 from needlescope.investigate.ledger.plan import Config, at_topk
-from needlescope.investigate.measure.serving_factors import measure_live_serving_factor
 
 if TYPE_CHECKING:
     from needlescope.investigate.measure.session import Session
@@ -334,8 +333,7 @@ def measure_characterization_live(
         lengths=tuple(lengths),
         device=session.ledger.target.device,
     )
-    factor = measure_live_serving_factor(session, ctx.served_model, lengths)  # --serving-factors
-    out = CharacterizationInput(ev, ctx, f"reference at the live index_topk {k}", factor)
+    out = CharacterizationInput(ev, ctx, f"reference at the live index_topk {k}")
     if len(live_extra) == len(cases) and len(scored) == len(session.cases):
         # complete: every case answered; otherwise the next run sends what failed again
         session.state.mark_done(STEP, {"basis": basis, "value": out.to_json()})

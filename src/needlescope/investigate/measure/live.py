@@ -362,6 +362,7 @@ def live_localization(failing: list[dict], baseline: dict, needle_of, command: s
 def measure(session: Session) -> Measured:
     """Every live-route measurement of the run (module docstring), resumable."""
     from needlescope.investigate.measure.characterize import measure_characterization_live
+    from needlescope.investigate.measure.serving_factors import measure_live_serving_factor
 
     route = LiveRoute(session)
     sy = route.measure_symptom()
@@ -374,6 +375,11 @@ def measure(session: Session) -> Measured:
     char = None
     if route.live_k is not None and characterization_needed("live", sy.reference, sy.live, decided, root):
         char = measure_characterization_live(session, route, sy.reference, sy.live, sy.failing, sy.baseline)
+    factor = None
+    if root is None and route.live_k is not None:  # --serving-factors: the serving state of a loss
+        lengths = sorted({r["length"] for r in sy.failing}) or sorted({r["length"] for r in sy.live})
+        served = str(session.state.server_info.get("model") or "organism")
+        factor = measure_live_serving_factor(session, served, lengths)
     t = session.ledger.target
     command = f"needlescope investigate run {session.ledger.path.name} --out {session.out.name}"
     return session.measured(
@@ -393,4 +399,5 @@ def measure(session: Session) -> Measured:
             sy.failing, sy.baseline.get("prefill", {}), route.needle_entries, command
         ),
         characterization=char,
+        serving_factor=factor,
     )

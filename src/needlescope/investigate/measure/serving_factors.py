@@ -30,7 +30,9 @@ def _command(url: str, model: str, kind: str, length: int, depths, trials: int, 
 def measure_live_serving_factor(session, model: str, lengths) -> dict | None:
     """The experiment's measurements (``decide.serving_factor.measured_factor``: its verdict,
     tests and requests, and the ``command`` that repeats it) when the run asked for it
-    (``session.serving_factors``) and the route is live; else None. Called once recall is lost."""
+    (``session.serving_factors``) and the route is live; else None. It runs also when the symptom
+    lost nothing: the live symptom's captures run each case alone and cold, where a loss that
+    needs batch mates or a warm prefix cannot show. ``lengths``: the failing lengths first."""
     from needlescope.investigate.decide.serving_factor import measured_factor
     from needlescope.report.serving_factors import write_serving_factors
     from needlescope.run.serving_factors import FactorConfig, run_serving_factors

@@ -100,7 +100,9 @@ def _root_cause(findings: Findings) -> str:
     if co:
         parts.append(f"co-factor(s) {', '.join(co)}: necessary, not sufficient on their own")
     ch = findings.characterization
-    if not parts and (not _lost(findings) or (ch and ch["classes"] == ["none"])):
+    # a named serving state is something to explain even when the symptom (alone, cold) lost nothing
+    state = bool(ch) and ch["classes"][0] == "state_dependent"
+    if not parts and not state and (not _lost(findings) or (ch and ch["classes"] == ["none"])):
         return "nothing to explain: the candidate loses no recall against the reference at the tested lengths"
     unexplained = _unexplained(findings)
     if not parts and ch:
