@@ -2,7 +2,7 @@
 endpoint loses recall, a bounded ``serving-factors`` experiment on the first failing length
 measures which serving state reproduces the loss; ``decide.serving_factor`` decides from it.
 
-Bounded: the symptom's kind and depths at one length, at least ``MIN_CASES`` cases (more trials
+Bounded: the symptom's kind and depths at one length, at least ``min_cases`` cases (more trials
 when the symptom has fewer), the cache, batch (1 and 7 mates) and repeat factors and their cell:
 6 arms, about 7 requests a case. Its files go to ``OUT/serving_factors/``.
 """
@@ -12,10 +12,7 @@ from __future__ import annotations
 import math
 import shlex
 
-__all__ = ["MIN_CASES", "measure_live_serving_factor"]
-
-MIN_CASES = 12
-"""Cases of the experiment: 12 pairs make a full loss p = 0.00049, below 0.05 / 6 arms."""
+__all__ = ["measure_live_serving_factor"]
 
 
 def _command(url: str, model: str, kind: str, length: int, depths, trials: int, seed: int) -> str:
@@ -27,12 +24,13 @@ def _command(url: str, model: str, kind: str, length: int, depths, trials: int, 
     )
 
 
-def measure_live_serving_factor(session, model: str, lengths) -> dict | None:
+def measure_live_serving_factor(session, model: str, lengths, min_cases: int = 12) -> dict | None:
     """The experiment's measurements (``decide.serving_factor.measured_factor``: its verdict,
     tests and requests, and the ``command`` that repeats it) when the run asked for it
     (``session.serving_factors``) and the route is live; else None. It runs also when the symptom
     lost nothing: the live symptom's captures run each case alone and cold, where a loss that
-    needs batch mates or a warm prefix cannot show. ``lengths``: the failing lengths first."""
+    needs batch mates or a warm prefix cannot show. ``lengths``: the failing lengths first.
+    ``min_cases``: the experiment's size (12 pairs make a full loss p = 0.00049, below 0.05 / 6 arms)."""
     from needlescope.investigate.decide.serving_factor import measured_factor
     from needlescope.report.serving_factors import write_serving_factors
     from needlescope.run.serving_factors import FactorConfig, run_serving_factors
@@ -40,7 +38,7 @@ def measure_live_serving_factor(session, model: str, lengths) -> dict | None:
     t, sy = session.ledger.target, session.ledger.symptom
     if not (session.serving_factors and t.live and t.endpoint):
         return None
-    trials = max(sy.trials, math.ceil(MIN_CASES / len(sy.depths)))
+    trials = max(sy.trials, math.ceil(min_cases / len(sy.depths)))
     cfg = FactorConfig(
         (t.endpoint,),
         model,
