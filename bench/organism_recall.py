@@ -134,7 +134,7 @@ def main() -> None:
             agg[0] += hit
             agg[1] += n
         result["settings"][name] = {
-            "numerics": numerics.to_dict(),
+            "numerics": numerics.numerics_json(),
             "patch": patch or None,
             "cells": {k2: v[0] / v[1] for k2, v in cells.items()},
             "by_length": {k2: v[0] / v[1] for k2, v in per_len.items()},
