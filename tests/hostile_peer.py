@@ -3,8 +3,8 @@ makes first (``/v1/models``, ``/tokenize``, a one-token chat ping) like a health
 other request one of three ways:
 
 - ``endless``: 200 with JSON headers, then spaces without end (JSON whitespace never closes);
-- ``trickle``: 200 with a Content-Length of 100 kB, then one byte a second;
-- ``trickle-headers``: the status line, then header bytes one a second;
+- ``trickle``: 200 with a Content-Length of 100 kB, then one byte every ``byte_every_s``;
+- ``trickle-headers``: the status line, then header bytes one every ``byte_every_s``;
 - ``refuse``: HTTP 400 with one fixed error message (a target refusing every probe);
   ``/health`` answers 200.
 
@@ -12,6 +12,8 @@ Other GETs and POSTs (server info, metrics) get 404, as from a server without th
 
 ``/health`` behaves the same way, so ``health`` meets it on its first GET. Every answer stops
 after ``limit_s`` seconds whatever the client does, so a test cannot leave a busy thread behind.
+A byte every ``byte_every_s`` (0.25 s) keeps a client with a per-read timeout of a second or more
+reading forever: only a bound on the whole request ends it.
 
     python tests/hostile_peer.py MODE      # prints the port, serves until killed
 """
@@ -29,7 +31,7 @@ from needlescope.testing.scripted_server import render_words
 MODES = ("endless", "trickle", "trickle-headers", "refuse")
 
 
-def _handler(mode: str, limit_s: float) -> type[BaseHTTPRequestHandler]:
+def _handler(mode: str, limit_s: float, byte_every_s: float) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 
@@ -62,7 +64,7 @@ def _handler(mode: str, limit_s: float) -> type[BaseHTTPRequestHandler]:
                     while time.monotonic() < end:
                         self.wfile.write(b"X")
                         self.wfile.flush()
-                        time.sleep(1)
+                        time.sleep(byte_every_s)
                     return
                 self.wfile.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n")
                 if mode == "trickle":
@@ -70,7 +72,7 @@ def _handler(mode: str, limit_s: float) -> type[BaseHTTPRequestHandler]:
                     while time.monotonic() < end:
                         self.wfile.write(b" ")
                         self.wfile.flush()
-                        time.sleep(1)
+                        time.sleep(byte_every_s)
                     return
                 self.wfile.write(b"Connection: close\r\n\r\n{")
                 chunk = b" " * 65536
@@ -114,11 +116,11 @@ def _handler(mode: str, limit_s: float) -> type[BaseHTTPRequestHandler]:
 class HostilePeer:
     """The peer on a free loopback port, in daemon threads; ``url`` is its root."""
 
-    def __init__(self, mode: str, limit_s: float = 30.0) -> None:
+    def __init__(self, mode: str, limit_s: float = 30.0, byte_every_s: float = 0.25) -> None:
         if mode not in MODES:
             raise ValueError(f"mode {mode!r} not in {MODES}")
         ThreadingHTTPServer.daemon_threads = True
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(mode, limit_s))
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(mode, limit_s, byte_every_s))
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 

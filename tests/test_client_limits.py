@@ -28,7 +28,9 @@ from needlescope.targets.bounded import MAX_ANSWER_BYTES, BoundedTransport
 sys.path.insert(0, str(Path(__file__).parent))
 from hostile_peer import HostilePeer  # noqa: E402
 
-TIMEOUT = 2.0
+# Four times the hostile peer's byte interval (0.25 s): a per-read timeout never fires, so only a
+# bound on the whole request can end a trickle. Every hostile request costs the test this long.
+TIMEOUT = 1.0
 # The command's own work (imports, discovery, writing the report: probe's heatmap takes ~2 s) on
 # a loaded 2-core box. Not a speed claim: the hang it guards against lasted minutes.
 START_S = 8.0

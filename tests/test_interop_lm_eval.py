@@ -16,6 +16,7 @@ dropped ids, misaligned logprobs) shows as a zero.
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -24,7 +25,10 @@ from needlescope.cases.assemble import CaseSpec, build_cases
 from needlescope.cases.scoring import score_answer
 
 lm_eval = pytest.importorskip("lm_eval")  # in the dev extra; `make` installs it
-datasets = pytest.importorskip("datasets")
+# datasets is imported where a task is built, after ``offline`` set its environment: a module-level
+# import cost each xdist worker a second at collection, also the worker that never runs this file.
+if importlib.util.find_spec("datasets") is None:
+    pytest.skip("datasets is not installed (lm-eval's dependency)", allow_module_level=True)
 
 WEIGHTS = Path(__file__).resolve().parents[1] / "src" / "needlescope" / "organism" / "weights"
 LENGTH = 192
@@ -72,6 +76,8 @@ def cases():
 
 
 def _task(name: str, docs: list[dict], **config) -> dict:
+    import datasets
+
     return {
         "task": name,
         "custom_dataset": lambda **_: datasets.DatasetDict({"test": datasets.Dataset.from_list(docs)}),

@@ -18,6 +18,21 @@ def _as_if_typed_at_a_terminal() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+# Each answer of a slow server takes this long: long enough that the run is still going when the
+# test's SIGINT (sent within 0.05 s of the rows it waits for) arrives, with seconds of requests left.
+SLOW_S = 0.15
+
+
+def _both(*cmds: list[str]) -> list[subprocess.CompletedProcess]:
+    """Run the commands at once (each mostly waits on the slow server) and return what each did."""
+    procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for c in cmds]
+    done = []
+    for cmd, proc in zip(cmds, procs):
+        stdout, stderr = proc.communicate(timeout=120)
+        done.append(subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr))
+    return done
+
+
 def _answered(store, table: str = "results") -> int:
     """Answered rows in ``table`` of a results store (``sends``: an engine-state run's)."""
     try:
@@ -28,7 +43,7 @@ def _answered(store, table: str = "results") -> int:
 
 
 def test_ctrl_c_in_a_probe_says_what_was_saved_and_exits_130(scripted_server, tmp_path):
-    url = scripted_server(window=100_000, slow_every=1, slow_s=0.3)
+    url = scripted_server(window=100_000, slow_every=1, slow_s=SLOW_S)
     out = tmp_path / "run"
     cmd = [*CLI, "probe", "--base-url", url, "--model", "scripted", "--kind", "single"]
     cmd += ["--lengths", "100,200,300", "--depths", "0,50,100", "--trials", "2", "--concurrency", "1"]
@@ -85,7 +100,7 @@ def test_ctrl_c_in_a_compare_then_resume_matches_an_uninterrupted_one(scripted_s
     """Interrupted while B is being sent A's prompts: the count covers both sides, and the resumed
     comparison pairs every case once, to the same verdict as a comparison never interrupted."""
     a = scripted_server(window=100_000)
-    b = scripted_server(window=100_000, fault="near_miss", fault_from=250, slow_every=1, slow_s=0.3)
+    b = scripted_server(window=100_000, fault="near_miss", fault_from=250, slow_every=1, slow_s=SLOW_S)
     cmd = [*CLI, "compare", "--a", a, "--b", b, "--model", "scripted", "--kind", "single"]
     cmd += ["--lengths", "100,200,300", "--depths", "0,50,100", "--trials", "1", "--concurrency", "1"]
     out = tmp_path / "ab"
@@ -95,12 +110,7 @@ def test_ctrl_c_in_a_compare_then_resume_matches_an_uninterrupted_one(scripted_s
     assert _answered(out / "a" / "results.sqlite") == 9 and 11 <= saved < 18, saved
     assert f"interrupted: {saved} of 18 cases saved; rerun the same command with --resume" in stopped.stderr
     assert "Traceback" not in stopped.stderr and not (out / "compare.json").exists()
-    resumed = subprocess.run(
-        [*cmd, "--out", str(out), "--resume"], capture_output=True, text=True, timeout=120
-    )
-    whole = subprocess.run(
-        [*cmd, "--out", str(tmp_path / "whole")], capture_output=True, text=True, timeout=120
-    )
+    resumed, whole = _both([*cmd, "--out", str(out), "--resume"], [*cmd, "--out", str(tmp_path / "whole")])
     assert resumed.returncode == whole.returncode == 0, resumed.stderr + whole.stderr
     assert len(_pairs(out)) == len({p[0] for p in _pairs(out)}) == 9
     assert _pairs(out) == _pairs(tmp_path / "whole")
@@ -139,7 +149,7 @@ def test_ctrl_c_in_engine_state_then_resume_matches_an_uninterrupted_run(tmp_pat
         "2",
     ]
     out, whole = tmp_path / "es", tmp_path / "whole"
-    with scripted(model="organism", fault="near_miss", fault_from=200, slow_every=1, slow_s=0.2) as srv:
+    with scripted(model="organism", fault="near_miss", fault_from=200, slow_every=1, slow_s=SLOW_S) as srv:
         cmd += ["--base-url", srv.url]
         stopped = _interrupt_when([*cmd, "--out", str(out)], out / "results.sqlite", 3, "sends")
         assert stopped.returncode == 130, stopped.stderr
@@ -149,8 +159,7 @@ def test_ctrl_c_in_engine_state_then_resume_matches_an_uninterrupted_run(tmp_pat
             f"interrupted: {saved} of 16 sends saved; rerun the same command with --resume" in stopped.stderr
         )
         assert "Traceback" not in stopped.stderr and not (out / "engine_state.json").exists()
-        resumed = subprocess.run([*cmd, "--out", str(out), "--resume"], capture_output=True, text=True)
-        uninterrupted = subprocess.run([*cmd, "--out", str(whole)], capture_output=True, text=True)
+        resumed, uninterrupted = _both([*cmd, "--out", str(out), "--resume"], [*cmd, "--out", str(whole)])
     assert resumed.returncode == uninterrupted.returncode == 0, resumed.stderr + uninterrupted.stderr
     assert _answered(out / "results.sqlite", "sends") == 16
     got = _effects(out)

@@ -244,12 +244,15 @@ def _wait_running(srv: ChildServer, n: int) -> None:
         time.sleep(0.05)
 
 
-def test_sigterm_answers_requests_still_running_after_the_grace_period(ckpt, slow_patch):
+def test_sigterm_answers_requests_still_running_after_the_grace_period(server):
     """Two requests run in one batch (a plain one and a stream, each ~20 s of decoding) when the
     server gets SIGTERM: after the grace period the plain one gets a JSON 503 shutting_down and
     the stream an error event, then the end of the stream. Before the fix neither got anything:
-    their connections dropped when the process exited, 18-21 s later."""
-    argv = _argv(ckpt, slow_patch, "--max-running-requests", "2")
+    their connections dropped when the process exited, 18-21 s later.
+
+    It ends the module's server (its limits do not touch these two requests; starting a second
+    server cost seconds of imports and a model load), so it is the file's last test to use it."""
+    srv = server
     long = chat_body(max_tokens=400, ignore_eos=True)
 
     def plain():
@@ -261,7 +264,7 @@ def test_sigterm_answers_requests_still_running_after_the_grace_period(ckpt, slo
         ) as r:
             return r.status_code, [line for line in r.iter_lines() if line]
 
-    with ChildServer(argv, health_path="/health") as srv, cf.ThreadPoolExecutor(3) as pool:
+    with cf.ThreadPoolExecutor(3) as pool:
         # A short request first: while it runs, the two long ones wait and then batch together.
         blocker = pool.submit(
             httpx.post, srv.url + "/v1/chat/completions", json=chat_body(max_tokens=20), timeout=60
