@@ -17,7 +17,14 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from needlescope.cases.assemble import CaseSpec, build_cases  # noqa: E402
-from needlescope.dsa.budget import DEFAULT_CHUNK, prefill_bytes, rows_within  # noqa: E402
+from needlescope.dsa.budget import (  # noqa: E402
+    DEFAULT_BUDGET,
+    DEFAULT_CHUNK,
+    bounded_memory,
+    current_budget,
+    prefill_bytes,
+    rows_within,
+)
 from needlescope.dsa.checkpoint import load_bundle, trained_value_digits  # noqa: E402
 from needlescope.dsa.prompt import render_prompt  # noqa: E402
 from needlescope.investigate.ledger.plan import Config  # noqa: E402
@@ -58,3 +65,26 @@ def test_one_measurement_step_stays_within_the_bound_of_the_model_sizes():
     assert len(records) == 2 and all(r["layers"] for r in records)
     assert peak <= bound, f"peak {peak / 2**20:.0f} MiB over the bound {bound / 2**20:.0f} MiB"
     assert bound < one_pass / 4  # the bound is the chunked prefill's, far under one pass's T x T
+
+
+def test_max_memory_sizes_the_batches_and_a_bad_size_is_exit_2(run_cli, tmp_path):
+    model, _, _ = load_bundle("organism")
+    config = model.config
+    assert current_budget() == DEFAULT_BUDGET
+    many = rows_within(config, 4096, DEFAULT_CHUNK)
+    with bounded_memory("64MiB", "cpu") as nbytes:
+        assert nbytes == 64 << 20 and current_budget() == 32 << 20
+        few = rows_within(config, 4096, DEFAULT_CHUNK)
+    assert current_budget() == DEFAULT_BUDGET
+    per_row = prefill_bytes(config, 1, 4096, DEFAULT_CHUNK)
+    assert few == max(1, (32 << 20) // per_row) < many == DEFAULT_BUDGET // per_row
+    code, _, err = run_cli(
+        "investigate",
+        "run",
+        str(tmp_path / "x.toml"),
+        "--out",
+        str(tmp_path / "o"),
+        "--max-memory",
+        "12parsecs",
+    )
+    assert code == 2 and "memory size '12parsecs' is not a number" in err
