@@ -76,16 +76,22 @@ PARALLEL_BUGS = (  # --parallel: different planted bugs, harmful ones first
     "attn_out_bf16.py",
 )
 PHASES = ("symptom", "suspects", "localization", "characterization", "report", "other")
-WRAPPED = {  # name in needlescope.investigate.run -> phase (names absent from a tree are skipped)
+WRAPPED = {  # name -> phase, in needlescope.investigate.run and (a tree with typed seams) the
+    # route modules of investigate/measure/ that call it; names absent from a tree are skipped
     "measure_suspects": "suspects",
+    "replay_fixes": "suspects",
     "residual": "localization",
     "localize_residual": "localization",
     "failing_rank_paths": "localization",
     "live_localization": "localization",
     "characterize_inprocess": "characterization",
     "characterize_live": "characterization",
+    "measure_characterization_inprocess": "characterization",
+    "measure_characterization_live": "characterization",
     "_write": "report",
 }
+ROUTE_MODULES = ("inprocess", "live", "characterize", "localize", "rank_paths")
+"""investigate/measure/ modules whose names ``WRAPPED`` also wraps (the typed-seams tree)."""
 
 
 # ---------------------------------------------------------------- child: one investigation
@@ -157,18 +163,27 @@ class Meter:
 
 
 def _instrument(meter: Meter) -> None:
-    """Wrap the phase functions ``needlescope.investigate.run`` calls (in the tree on sys.path)."""
+    """Wrap the phase functions ``needlescope.investigate.run`` calls, and (a tree with typed
+    seams) those its routes call (in the tree on sys.path)."""
+    import importlib
+
     import needlescope.investigate.run as run_mod
     from needlescope.investigate.report import diagnosis
 
-    for name, phase in WRAPPED.items():
-        if hasattr(run_mod, name):
-            setattr(run_mod, name, meter.wrap(phase, getattr(run_mod, name)))
+    modules = [run_mod]
+    for name in ROUTE_MODULES:
+        try:
+            modules.append(importlib.import_module(f"needlescope.investigate.measure.{name}"))
+        except ImportError:  # an older tree without it
+            pass
+    for mod in modules:
+        for name, phase in WRAPPED.items():
+            if hasattr(mod, name):
+                setattr(mod, name, meter.wrap(phase, getattr(mod, name)))
     inprocess = getattr(run_mod, "inprocess", None)
     if inprocess is not None:
         inprocess.measure_symptom = meter.wrap("symptom", inprocess.measure_symptom)
-        inprocess.replay_fixes = meter.wrap("suspects", inprocess.replay_fixes)
-    live = getattr(run_mod, "LiveRoute", None)
+    live = next((m.LiveRoute for m in modules if hasattr(m, "LiveRoute")), None)
     if live is not None:
         live.measure_symptom = meter.wrap("symptom", live.measure_symptom)
     diagnosis.write_reports = meter.wrap("report", diagnosis.write_reports)
