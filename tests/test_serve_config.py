@@ -17,8 +17,9 @@ import torch
 from needlescope.errors import BadInput
 from needlescope.organism.tokenizer import build_tokenizer
 from needlescope.serve.admission import Admission, Overloaded
+from needlescope.serve.answers import _find_stop, _held_back, encode_indexer_topk
 from needlescope.serve.config import ServeConfig
-from needlescope.serve.engine import Engine, _find_stop, _held_back, encode_indexer_topk
+from needlescope.serve.engine import Engine
 from needlescope.serve.launch import SERVE_ARGV, ServerProcess
 from needlescope.serve.metrics import ServeMetrics
 from needlescope.setting import Setting

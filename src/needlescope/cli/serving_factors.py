@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 
@@ -18,12 +19,36 @@ from needlescope.cli.progress import ProgressView
 from needlescope.errors import BadInput, ProbeError
 from needlescope.run.config import parse_float_list, parse_int_list
 
+if TYPE_CHECKING:
+    from needlescope.run.serving_factors import FactorConfig
+
 
 def _labels(text: str) -> tuple[str, str]:
     parts = tuple(x.strip() for x in text.split(",") if x.strip())
     if len(parts) != 2:
         raise BadInput(f"--endpoint-labels takes two names, comma-separated; got {text!r}")
     return parts[0], parts[1]
+
+
+def _parsed_options(
+    factors: str | None,
+    endpoint_labels: str,
+    lengths: str,
+    depths: str,
+    batch_mates: str,
+    draft_depths: str,
+    chunk_sizes: str,
+) -> dict:
+    """The comma-separated options as ``FactorConfig`` fields; ``BadInput`` names the bad flag."""
+    return {
+        "factors": tuple(f.strip() for f in factors.split(",") if f.strip()) if factors else None,
+        "endpoint_labels": _labels(endpoint_labels),
+        "lengths": parse_int_list(lengths, "--lengths"),
+        "depths": parse_float_list(depths, "--depths"),
+        "batch_mates": parse_int_list(batch_mates, "--batch-mates"),
+        "draft_depths": parse_int_list(draft_depths, "--draft-depths"),
+        "chunk_sizes": parse_int_list(chunk_sizes, "--chunk-sizes"),
+    }
 
 
 def serving_factors_command(
@@ -82,25 +107,18 @@ def serving_factors_command(
     force: bool = FORCE,
 ) -> None:
     """Name the serving factor (prefix cache, batch, draft depth, chunk, a launch flag, repeat) that moves recall."""
-    from needlescope.report.serving_factors import serving_factors_markdown, write_serving_factors
-    from needlescope.run.serving_factors import FactorConfig, run_serving_factors
+    from needlescope.run.serving_factors import FactorConfig
 
     cfg = FactorConfig(
         base_urls=tuple(base_url),
         model=model,
-        factors=tuple(f.strip() for f in factors.split(",") if f.strip()) if factors else None,
+        **_parsed_options(factors, endpoint_labels, lengths, depths, batch_mates, draft_depths, chunk_sizes),
         endpoint_factor=endpoint_factor,
-        endpoint_labels=_labels(endpoint_labels),
         kind=kind,
-        lengths=parse_int_list(lengths, "--lengths"),
-        depths=parse_float_list(depths, "--depths"),
         trials=trials,
         seed=seed,
         value_digits=value_digits,
-        batch_mates=parse_int_list(batch_mates, "--batch-mates"),
-        draft_depths=parse_int_list(draft_depths, "--draft-depths"),
         draft_field=draft_field,
-        chunk_sizes=parse_int_list(chunk_sizes, "--chunk-sizes"),
         chunk_field=chunk_field,
         interactions=interactions,
         echo=echo,
@@ -112,6 +130,15 @@ def serving_factors_command(
         skip_long_lengths=skip_long_lengths,
         api_key=api_key,
     )
+    _run_and_report(cfg, out, force)
+
+
+def _run_and_report(cfg: FactorConfig, out: Path, force: bool) -> None:
+    """Run the factor probe of ``cfg``, write its report under ``out`` and exit 1 on a finding
+    (a named factor, or an arm with no scored pair)."""
+    from needlescope.report.serving_factors import serving_factors_markdown, write_serving_factors
+    from needlescope.run.serving_factors import run_serving_factors
+
     with guard(out, "serving-factors", force):
         try:
             with ProgressView(console) as view:

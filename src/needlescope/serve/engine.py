@@ -52,16 +52,14 @@ thread. The engine raises and emits engine errors (``serve.errors``); it knows n
 
 from __future__ import annotations
 
-import base64
 import copy
 import logging
 import random
 import threading
 import time
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-import numpy as np
 import torch
 from transformers import DynamicCache
 
@@ -72,21 +70,19 @@ from needlescope.dsa.loading import placement_of
 from needlescope.dsa.reference import visible_entries
 from needlescope.errors import BadInput
 from needlescope.serve.admission import Admission
+from needlescope.serve.answers import Answers, Row, encode_indexer_topk
 from needlescope.serve.config import ServeConfig
 from needlescope.serve.errors import BadValue, GenerationFailed, ShuttingDown
 from needlescope.serve.metrics import ServeMetrics
 from needlescope.serve.prefix_cache import PrefixCache, cache_block
 from needlescope.serve.requests import (
     BatchInfo,
-    Delta,
     Final,
     GenRequest,
     SpecInfo,
-    TokenOut,
     TopkRows,
-    tokens_in_text,
 )
-from needlescope.serve.sampling import SamplingParams, make_sampling, pick
+from needlescope.serve.sampling import SamplingParams, make_sampling
 from needlescope.serve.speculative import StateLog, propose, rollback
 from needlescope.serve.tokens import Tokens
 from needlescope.setting import REFERENCE, Setting
@@ -96,39 +92,13 @@ __all__ = ["Engine", "encode_indexer_topk"]
 log = logging.getLogger("needlescope.serve")
 
 
-def encode_indexer_topk(topk: torch.Tensor, dtype: str = "<i4") -> str:
-    """SGLang's encoding: base64 of the little-endian int32 bytes of ``topk`` [N, layers, k]
-    (``dtype`` "<f4": the same for the float32 logits of ``return_indexer_logits``)."""
-    return base64.b64encode(np.ascontiguousarray(topk.numpy().astype(dtype)).tobytes()).decode("ascii")
-
-
-@dataclass
-class _Row:
-    """Decode state of one request inside a batch."""
-
-    req: GenRequest
-    gen: torch.Generator | None
-    output_ids: list[int] = field(default_factory=list)
-    tokens: list[TokenOut] = field(default_factory=list)
-    text: str = ""
-    sent: int = 0  # characters of text already streamed
-    unsent_tokens: list[TokenOut] = field(default_factory=list)
-    finish_reason: str | None = None
-    matched_stop: str | int | None = None
-    prompt_logprobs: list[TokenOut] | None = None
-    cached_tokens: int = 0
-    batch: BatchInfo = field(default_factory=lambda: BatchInfo("static"))
-    spec: SpecInfo = field(default_factory=lambda: SpecInfo(0))
-    finished: bool = False  # answered (or failed) and counted out of the running requests
-
-
 @dataclass
 class _Cohort:
     """Requests decoding in lock-step through one batched cache: the rows prefilled together
     (equal prompt lengths, so equal positions), or one row when speculative decoding makes the
     positions diverge."""
 
-    rows: list[_Row]
+    rows: list[Row]
     cache: DynamicCache
     step: int  # the position the next fed token takes
     logits: torch.Tensor | None  # [rows, V] next-token logits; None: the last sampled token is unfed
@@ -144,7 +114,7 @@ def _row_state(cache: DynamicCache, row: int, rows: int) -> DynamicCache:
     return state
 
 
-class Engine:
+class Engine(Answers):
     """Loads the model, applies the numerics for its lifetime, and runs the worker thread."""
 
     def __init__(self, cfg: ServeConfig, metrics: ServeMetrics | None = None) -> None:
@@ -376,13 +346,13 @@ class Engine:
             self.metrics.joined_mid_flight.inc(len(rows))
         cohorts.extend(started)
 
-    def _new_row(self, req: GenRequest) -> _Row:
+    def _new_row(self, req: GenRequest) -> Row:
         gen = None
         if not req.params.greedy:
             gen = torch.Generator(device="cpu")
             gen.manual_seed(req.params.seed if req.params.seed is not None else random.getrandbits(63))
         mode = "continuous" if self.cfg.continuous_batching else "static"
-        return _Row(req=req, gen=gen, batch=BatchInfo(mode), spec=SpecInfo(self._draft_tokens(req)))
+        return Row(req=req, gen=gen, batch=BatchInfo(mode), spec=SpecInfo(self._draft_tokens(req)))
 
     def _draft_tokens(self, req: GenRequest) -> int:
         """The draft depth a request runs with: its own ``speculative_num_draft_tokens``, else the
@@ -421,7 +391,7 @@ class Engine:
             return torch.cat(parts, dim=1)
         return self._model_call(ids, start, cache, keep)
 
-    def _finish(self, row: _Row, event: Final | GenerationFailed | None) -> None:
+    def _finish(self, row: Row, event: Final | GenerationFailed | None) -> None:
         """Answer ``row`` (unless its client left) and count it out of the running requests (once)."""
         if row.finished:
             return
@@ -431,7 +401,7 @@ class Engine:
         self.admission.finish(1)
         self.metrics.e2e.observe(time.monotonic() - row.req.admitted_at)
 
-    def _isolated(self, row: _Row, what: str, fn, *args) -> bool:
+    def _isolated(self, row: Row, what: str, fn, *args) -> bool:
         """Run ``fn(*args)`` for one row; on an exception fail that row alone. True if it ran."""
         try:
             fn(*args)
@@ -442,7 +412,7 @@ class Engine:
             return False
 
     @torch.inference_mode()
-    def _start(self, rows: list[_Row], joined_mid_flight: bool) -> list[_Cohort]:
+    def _start(self, rows: list[Row], joined_mid_flight: bool) -> list[_Cohort]:
         """Prefill a batch of new requests (equal prompt lengths, ``_batch_key``): the cohorts
         that decode them (one, or one per row when drafts make their positions diverge)."""
         for row in rows:
@@ -493,7 +463,7 @@ class Engine:
             for i, row in enumerate(rows)
         ]
 
-    def _sample(self, row: _Row, logits: torch.Tensor, capture: TopkRows | None) -> bool:
+    def _sample(self, row: Row, logits: torch.Tensor, capture: TopkRows | None) -> bool:
         """Sample ``row``'s next token from ``logits`` [V]; answer it if that ended it. True if
         it goes on."""
         if row.req.params.max_new_tokens > 0 and not self._isolated(
@@ -502,7 +472,7 @@ class Engine:
             return False
         return self._settle(row, capture)
 
-    def _settle(self, row: _Row, capture: TopkRows | None) -> bool:
+    def _settle(self, row: Row, capture: TopkRows | None) -> bool:
         """Answer ``row`` if its last token ended it (or its client left). True if it goes on."""
         if row.req.params.max_new_tokens == 0:
             row.finish_reason = "length"
@@ -575,7 +545,7 @@ class Engine:
         cohort.step += kept
         cohort.logits = None  # the last sampled token is pending: the next step feeds it
 
-    def _prefill_cached(self, rows: list[_Row], ids: torch.Tensor) -> tuple[DynamicCache, int]:
+    def _prefill_cached(self, rows: list[Row], ids: torch.Tensor) -> tuple[DynamicCache, int]:
         """A cache holding the prompts' first tokens and where the rest starts: a kept prefix's
         state (every row of a batch hits the same one, ``_batch_key``), then, up to this prompt's
         boundary, a prefill whose state is kept for later prompts. Without a prefix cache: empty, 0."""
@@ -598,171 +568,6 @@ class Engine:
                 self.prefix.put(tuple(r.req.prompt_ids[:cut]), cache, i, len(rows))
             start = cut
         return cache, start
-
-    def _answer(self, row: _Row, capture: TopkRows | None) -> None:
-        self._finish(row, self._final(row, capture))
-
-    def _advance(self, row: _Row, logits: torch.Tensor) -> None:
-        """Sample one token for ``row``, update its text, check stops, stream a delta."""
-        req, p = row.req, row.req.params
-        early = len(row.output_ids) < p.min_tokens
-        banned = () if not early else tuple(p.stop_token_ids) + (() if p.ignore_eos else tuple(self.eos_ids))
-        seen = None
-        if p.repetition_penalty != 1.0:
-            seen = torch.tensor(req.prompt_ids + row.output_ids, dtype=torch.long)
-        tok = pick(logits, p, seen, banned, row.gen)
-        if not row.output_ids:
-            self.metrics.ttft.observe(time.monotonic() - req.admitted_at)
-        row.output_ids.append(tok)
-        self.metrics.generation_tokens.inc()
-        text = self._decoder.decode(row.output_ids, skip_special_tokens=True)
-        stop_id = tok in p.stop_token_ids and not early
-        if stop_id:
-            text = row.text  # a stop token's text is not part of the answer
-        piece = text[len(row.text) :] if text.startswith(row.text) else text
-        special = tok in self.tokens.special_ids
-        out = TokenOut(id=tok, text=piece, shown=self._piece(row.output_ids[:-1], tok) if special else piece)
-        if p.logprobs is not None:
-            self._score(out, logits, p.logprobs, row.output_ids[:-1])
-        row.tokens.append(out)
-        row.unsent_tokens.append(out)
-        row.text = text
-        visible = len(text)
-        if (not p.ignore_eos and tok in self.eos_ids) or stop_id:
-            row.finish_reason, row.matched_stop = "stop", tok
-        else:
-            cut = None
-            if not early:
-                start = max(0, row.sent - max((len(s) for s in p.stop), default=0))
-                cut = _find_stop(text, p.stop, start=start)
-            if cut is not None:
-                visible, row.matched_stop = cut
-                row.text = text[:visible]
-                row.finish_reason = "stop"
-            elif len(row.output_ids) >= p.max_new_tokens:
-                row.finish_reason = "length"
-            else:
-                visible = len(text) - _held_back(text, p.stop)
-        if req.stream and (visible > row.sent or row.finish_reason is not None):
-            tokens = row.unsent_tokens
-            if row.finish_reason == "stop" and isinstance(row.matched_stop, str):
-                # the matched stop string's tokens are cut like its text, as in the whole answer
-                first = len(row.tokens) - len(tokens)
-                tokens = row.tokens[first : max(first, tokens_in_text(row.tokens, len(row.text)))]
-            req.emit(Delta(text=row.text[row.sent : visible], tokens=tokens))
-            row.sent = visible
-            row.unsent_tokens = []
-
-    def _score(self, out: TokenOut, logits: torch.Tensor, top: int, before: list[int]) -> None:
-        """Fill ``out``'s logprob, rank and ``top`` alternatives from ``logits`` [V] (the model's own)."""
-        lp = torch.log_softmax(logits, dim=-1)
-        out.logprob = float(lp[out.id])
-        out.rank = int((lp > lp[out.id]).sum()) + 1
-        if top:
-            best = torch.topk(lp, top)
-            out.top = [
-                (int(i), self._piece(before, int(i)), float(v)) for v, i in zip(best.values, best.indices)
-            ]
-
-    def _score_prompt(self, row: _Row, logits: torch.Tensor) -> None:
-        """Prompt logprobs of ``row`` from its prefill ``logits`` [P, V] (the first token has none)."""
-        ids = row.req.prompt_ids
-        top = row.req.params.prompt_logprobs or 0
-        first = self._piece([], ids[0])
-        scored = [TokenOut(id=ids[0], text=first, shown=first)]
-        for t in range(1, len(ids)):
-            shown = self._piece(ids[:t], ids[t])
-            out = TokenOut(id=ids[t], text=shown, shown=shown)
-            self._score(out, logits[t - 1], top, ids[:t])
-            scored.append(out)
-        row.prompt_logprobs = scored
-
-    def _piece(self, before: list[int], tok: int) -> str:
-        """Text of ``tok`` after the token ids ``before`` (keeps leading spaces; special tokens shown)."""
-        if not before:
-            return self._decoder.decode([tok], skip_special_tokens=False)
-        prev = before[-1]
-        head = self._decoder.decode([prev], skip_special_tokens=False)
-        both = self._decoder.decode([prev, tok], skip_special_tokens=False)
-        return both[len(head) :] if both.startswith(head) else both
-
-    def _final(self, row: _Row, capture: TopkRows | None) -> Final:
-        final = Final(
-            finish_reason=row.finish_reason or "abort",
-            text=row.text,
-            output_ids=list(row.output_ids),
-            tokens=row.tokens,
-            prompt_tokens=len(row.req.prompt_ids),
-            matched_stop=row.matched_stop,
-            prompt_logprobs=row.prompt_logprobs,
-            cached_tokens=row.cached_tokens,
-            batch=row.batch,
-            speculative=row.spec,
-        )
-        if capture is not None and self.capture is not None:
-            positions = capture.pick(final.prompt_tokens + final.completion_tokens - 1)
-            topk = self._indexer_topk(final.prompt_tokens + final.completion_tokens - 1)[positions]
-            final.indexer_topk = encode_indexer_topk(topk)
-            final.indexer_topk_shape = tuple(topk.shape)
-            if capture.selected:
-                final.indexer_topk_positions = positions
-            if capture.logits:
-                logits = self._indexer_logits(positions)
-                final.indexer_logits = encode_indexer_topk(logits, "<f4")
-                final.indexer_logits_shape = tuple(logits.shape)
-        return final
-
-    def _indexer_topk(self, n_rows: int) -> torch.Tensor:
-        """[n_rows, CSA layers, index_topk] int32 top-k of every fed position, -1 padded."""
-        layers = []
-        for layer in self.csa_layers:
-            positions, topk = self.capture.rows(layer, self.index_topk)
-            if positions.tolist() != list(range(n_rows)):
-                raise RuntimeError(
-                    f"indexer capture of layer {layer} covers positions {positions[:3].tolist()}..."
-                    f"{positions[-3:].tolist()} ({len(positions)} rows), expected 0..{n_rows - 1}"
-                )
-            layers.append(topk)
-        return torch.stack(layers, dim=1).to(torch.int32)
-
-    def _indexer_logits(self, positions: list[int]) -> torch.Tensor:
-        """float32 [len(positions), CSA layers, W]: the logits each row's top-k ranked, -inf padded
-        to the longest row (a row holds the entries complete at its position)."""
-        layers = []
-        for layer in self.csa_layers:
-            kept, rows = self.capture.score_rows(layer)
-            row_of = {int(p): r for p, r in zip(kept.tolist(), rows)}
-            missing = [p for p in positions if p not in row_of]
-            if missing:
-                raise RuntimeError(f"indexer score rows of layer {layer} lack positions {missing[:3]}")
-            layers.append([row_of[p] for p in positions])
-        width = max((len(r) for rows in layers for r in rows), default=0)
-        out = torch.full((len(positions), len(layers), width), float("-inf"), dtype=torch.float32)
-        for j, rows in enumerate(layers):
-            for i, r in enumerate(rows):
-                out[i, j, : len(r)] = r
-        return out
-
-
-def _find_stop(text: str, stops: tuple[str, ...], start: int) -> tuple[int, str] | None:
-    """(cut position, stop string) of the earliest stop string in ``text[start:]``."""
-    best = None
-    for s in stops:
-        i = text.find(s, start)
-        if i >= 0 and (best is None or i < best[0]):
-            best = (i, s)
-    return best
-
-
-def _held_back(text: str, stops: tuple[str, ...]) -> int:
-    """Characters at the end of ``text`` that could begin a stop string (not streamed yet)."""
-    hold = 0
-    for s in stops:
-        for n in range(min(len(s) - 1, len(text)), hold, -1):
-            if text.endswith(s[:n]):
-                hold = n
-                break
-    return hold
 
 
 def _transformers_version() -> str:

@@ -91,17 +91,7 @@ def make_sampling(
     the context; a given ``max_tokens`` that does not fit is an error. ``allow_zero_tokens``
     (echo) lets ``max_tokens`` be 0: score the prompt, generate nothing.
     """
-    floor = 0 if allow_zero_tokens else 1
-    if max_tokens is not None and max_tokens < floor:
-        raise BadValue("max_tokens", f"must be at least {floor}; got {max_tokens}")
-    if prompt_len < 1:
-        raise BadValue("prompt", "is empty")
-    if prompt_len >= context_length or (max_tokens is not None and prompt_len + max_tokens > context_length):
-        raise ContextOverflow(context_length, prompt_len, max_tokens)
-    if max_tokens is not None and max_tokens > cap:
-        raise BadValue(
-            "max_tokens", f"must be at most this server's --max-new-tokens {cap}; got {max_tokens}"
-        )
+    _check_length(prompt_len, max_tokens, context_length, cap, allow_zero_tokens)
     temperature = _in_range("temperature", temperature, 1.0, 0.0, 2.0)
     top_p = _in_range("top_p", top_p, 1.0, 0.0, 1.0, open_low=True)
     top_k = 0 if top_k is None or top_k == -1 else int(top_k)
@@ -116,13 +106,7 @@ def make_sampling(
         raise BadValue("min_tokens", f"must be at most max_tokens={max_tokens}; got {min_tokens}")
     stops, stop_ids = _stops(stop, stop_token_ids, vocab_size)
     bias = _logit_bias(logit_bias or {}, vocab_size)
-    for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
-        if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:
-            raise BadValue(name, f"must be in 0..{MAX_TOP_LOGPROBS}; got {value}")
-    if draft_tokens is not None and not 0 <= draft_tokens <= MAX_DRAFT_TOKENS:
-        raise BadValue(
-            "speculative_num_draft_tokens", f"must be in 0..{MAX_DRAFT_TOKENS}; got {draft_tokens}"
-        )
+    _check_counts(logprobs, prompt_logprobs, draft_tokens)
     room = context_length - prompt_len
     n_new = max_tokens if max_tokens is not None else min(default_max_tokens or cap, cap)
     return SamplingParams(
@@ -142,6 +126,35 @@ def make_sampling(
         prompt_logprobs=prompt_logprobs,
         draft_tokens=draft_tokens,
     )
+
+
+def _check_length(
+    prompt_len: int, max_tokens: int | None, context_length: int, cap: int, allow_zero_tokens: bool
+) -> None:
+    """Raise ``BadValue``/``ContextOverflow`` unless the prompt plus ``max_tokens`` fit the
+    context and ``max_tokens`` is within [0 or 1, ``cap``]."""
+    floor = 0 if allow_zero_tokens else 1
+    if max_tokens is not None and max_tokens < floor:
+        raise BadValue("max_tokens", f"must be at least {floor}; got {max_tokens}")
+    if prompt_len < 1:
+        raise BadValue("prompt", "is empty")
+    if prompt_len >= context_length or (max_tokens is not None and prompt_len + max_tokens > context_length):
+        raise ContextOverflow(context_length, prompt_len, max_tokens)
+    if max_tokens is not None and max_tokens > cap:
+        raise BadValue(
+            "max_tokens", f"must be at most this server's --max-new-tokens {cap}; got {max_tokens}"
+        )
+
+
+def _check_counts(logprobs: int | None, prompt_logprobs: int | None, draft_tokens: int | None) -> None:
+    """Raise ``BadValue`` unless the top-logprob counts and the draft depth are in range."""
+    for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
+        if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:
+            raise BadValue(name, f"must be in 0..{MAX_TOP_LOGPROBS}; got {value}")
+    if draft_tokens is not None and not 0 <= draft_tokens <= MAX_DRAFT_TOKENS:
+        raise BadValue(
+            "speculative_num_draft_tokens", f"must be in 0..{MAX_DRAFT_TOKENS}; got {draft_tokens}"
+        )
 
 
 def _in_range(

@@ -11,12 +11,13 @@ ledger's folder, symlinks followed, unless the run is given ``--allow-outside``.
 from __future__ import annotations
 
 import difflib
+import re
 from collections.abc import Iterable
 from pathlib import Path
 
 from needlescope.errors import BadInput
 
-__all__ = ["LIMITS", "Tracked", "check_range", "confine", "read_utf8", "suggestion"]
+__all__ = ["LIMITS", "Tracked", "Where", "check_range", "confine", "expect", "read_utf8", "suggestion"]
 
 LIMITS: dict[str, tuple[int, int]] = {
     "lengths": (1, 1_048_576),
@@ -93,3 +94,69 @@ def read_utf8(path: Path, what: str, expected: str) -> str:
         raise BadInput(
             f"{path}:{line}: not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start}); {expected}"
         ) from None
+
+
+class Where:
+    """Finds the line of a table or key in the ledger text, for error messages."""
+
+    def __init__(self, path: Path, text: str, allow_outside: bool = False):
+        self.path, self.lines = path, text.splitlines()
+        self.allow_outside = allow_outside
+
+    def suspect_line(self, index: int) -> int:
+        seen = -1
+        for i, line in enumerate(self.lines, 1):
+            if line.strip().startswith("[[suspects]]"):
+                seen += 1
+                if seen == index:
+                    return i
+        return 1
+
+    def table_line(self, name: str) -> int:
+        return next((i for i, ln in enumerate(self.lines, 1) if ln.strip() == f"[{name}]"), 1)
+
+    def key_line(self, key: str, after: int = 1) -> int:
+        pat = re.compile(rf"^\s*{re.escape(key)}\s*=")
+        for i in range(max(after, 1), len(self.lines) + 1):
+            if pat.match(self.lines[i - 1]):
+                return i
+        return after
+
+    def error(self, line: int, what: str) -> BadInput:
+        return BadInput(f"{self.path}:{line}: {what}")
+
+    def in_range(self, key: str, value: int, after: int) -> int:
+        try:
+            check_range(key, value)
+        except BadInput as exc:
+            raise self.error(self.key_line(key, after), str(exc)) from None
+        return value
+
+    def path_inside(self, spec: str, base: Path, line: int, what: str) -> Path:
+        try:
+            return confine(Path(spec), base, self.allow_outside, what)
+        except BadInput as exc:
+            raise self.error(line, str(exc)) from None
+
+    def no_unknown_keys(self, table: Tracked, line: int, where: str) -> None:
+        """Every key of ``table`` the parser never asked for is unknown (so a field added to the
+        parser is known here without a second list)."""
+        for key in table.unasked():
+            raise self.error(
+                self.key_line(key, line), f"unknown key {key!r} in {where}{suggestion(key, table.asked)}"
+            )
+
+
+def expect(where: Where, line: int, table: dict, key: str, typ, what: str, default=None):
+    """``table[key]`` as ``typ`` (an int taken as a float where a float is wanted), ``default``
+    when missing and given; else an error at the key's line naming ``what`` was expected."""
+    if key not in table:
+        if default is not None:
+            return default
+        raise where.error(line, f"missing key {key!r}; expected {what}")
+    value = table[key]
+    if typ is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, typ) or isinstance(value, bool) and typ is not bool:
+        raise where.error(where.key_line(key, line), f"{key} = {value!r}; expected {what}")
+    return value

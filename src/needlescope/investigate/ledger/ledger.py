@@ -64,7 +64,7 @@ from pathlib import Path
 
 from needlescope.cases import KINDS
 from needlescope.errors import BadInput
-from needlescope.investigate.ledger.checks import Tracked, check_range, confine, read_utf8, suggestion
+from needlescope.investigate.ledger.checks import Tracked, Where, expect, read_utf8, suggestion
 from needlescope.setting import PatchRef, Setting, check_chunk
 
 if sys.version_info >= (3, 11):
@@ -223,57 +223,6 @@ class Ledger:
         return sorted(self.suspects, key=lambda s: s.tier)
 
 
-class _Where:
-    """Finds the line of a table or key in the ledger text, for error messages."""
-
-    def __init__(self, path: Path, text: str, allow_outside: bool = False):
-        self.path, self.lines = path, text.splitlines()
-        self.allow_outside = allow_outside
-
-    def suspect_line(self, index: int) -> int:
-        seen = -1
-        for i, line in enumerate(self.lines, 1):
-            if line.strip().startswith("[[suspects]]"):
-                seen += 1
-                if seen == index:
-                    return i
-        return 1
-
-    def table_line(self, name: str) -> int:
-        return next((i for i, ln in enumerate(self.lines, 1) if ln.strip() == f"[{name}]"), 1)
-
-    def key_line(self, key: str, after: int = 1) -> int:
-        pat = re.compile(rf"^\s*{re.escape(key)}\s*=")
-        for i in range(max(after, 1), len(self.lines) + 1):
-            if pat.match(self.lines[i - 1]):
-                return i
-        return after
-
-    def error(self, line: int, what: str) -> BadInput:
-        return BadInput(f"{self.path}:{line}: {what}")
-
-    def in_range(self, key: str, value: int, after: int) -> int:
-        try:
-            check_range(key, value)
-        except BadInput as exc:
-            raise self.error(self.key_line(key, after), str(exc)) from None
-        return value
-
-    def path_inside(self, spec: str, base: Path, line: int, what: str) -> Path:
-        try:
-            return confine(Path(spec), base, self.allow_outside, what)
-        except BadInput as exc:
-            raise self.error(line, str(exc)) from None
-
-    def no_unknown_keys(self, table: Tracked, line: int, where: str) -> None:
-        """Every key of ``table`` the parser never asked for is unknown (so a field added to the
-        parser is known here without a second list)."""
-        for key in table.unasked():
-            raise self.error(
-                self.key_line(key, line), f"unknown key {key!r} in {where}{suggestion(key, table.asked)}"
-            )
-
-
 def partial_setting(text: str) -> tuple[tuple[str, object], ...]:
     """The (field, value) pairs of a partial Setting text such as ``"k=fp8_e4m3 topk=64"``."""
     names = []
@@ -288,22 +237,9 @@ def partial_setting(text: str) -> tuple[tuple[str, object], ...]:
     return tuple((n, getattr(full, n)) for n in names)
 
 
-def _expect(where: _Where, line: int, table: dict, key: str, typ, what: str, default=None):
-    if key not in table:
-        if default is not None:
-            return default
-        raise where.error(line, f"missing key {key!r}; expected {what}")
-    value = table[key]
-    if typ is float and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
-    if not isinstance(value, typ) or isinstance(value, bool) and typ is not bool:
-        raise where.error(where.key_line(key, line), f"{key} = {value!r}; expected {what}")
-    return value
-
-
-def _device(where: _Where, line: int, target: dict) -> str:
+def _device(where: Where, line: int, target: dict) -> str:
     """``device``: cpu, cuda or cuda:N (whether this machine has it is checked when the run starts)."""
-    device = _expect(where, line, target, "device", str, "cpu | cuda | cuda:N", "cpu")
+    device = expect(where, line, target, "device", str, "cpu | cuda | cuda:N", "cpu")
     kind, _, index = device.partition(":")
     if device != "cpu" and (kind != "cuda" or (index and not index.isdigit())):
         raise where.error(
@@ -312,7 +248,7 @@ def _device(where: _Where, line: int, target: dict) -> str:
     return device
 
 
-def _patch(where: _Where, line: int, spec: str, base: Path) -> PatchRef:
+def _patch(where: Where, line: int, spec: str, base: Path) -> PatchRef:
     if not spec.startswith("fault:"):
         spec = str(where.path_inside(spec, base, line, "patch file"))
     try:
@@ -321,7 +257,7 @@ def _patch(where: _Where, line: int, spec: str, base: Path) -> PatchRef:
         raise where.error(line, str(exc)) from None
 
 
-def _setting(where: _Where, line: int, text: str, base: Path) -> Setting:
+def _setting(where: Where, line: int, text: str, base: Path) -> Setting:
     try:
         parsed = Setting.parse(" ".join(t for t in text.split() if not t.startswith("patch=")))
     except BadInput as exc:
@@ -330,7 +266,7 @@ def _setting(where: _Where, line: int, text: str, base: Path) -> Setting:
     return parsed.with_(patch=_patch(where, line, patches[0], base)) if patches else parsed
 
 
-def _question(where: _Where, line: int, q: dict) -> Question:
+def _question(where: Where, line: int, q: dict) -> Question:
     if not isinstance(q, dict):
         raise where.error(line, "a question must be a table ([[suspects.questions]])")
     qtype = q.get("type")
@@ -340,7 +276,7 @@ def _question(where: _Where, line: int, q: dict) -> Question:
             f"unknown question type {qtype!r}; expected one of {', '.join(QUESTION_TYPES)}",
         )
     for key in QUESTION_TYPES[qtype]:
-        _expect(
+        expect(
             where, line, q, key, str, f"a string ({qtype} questions need {', '.join(QUESTION_TYPES[qtype])})"
         )
     allowed = ("type", "expect", "means_absent", *QUESTION_TYPES[qtype])
@@ -366,17 +302,17 @@ def _question(where: _Where, line: int, q: dict) -> Question:
     )
 
 
-def _suspect(where: _Where, index: int, s: dict, base: Path) -> Suspect:
+def _suspect(where: Where, index: int, s: dict, base: Path) -> Suspect:
     line = where.suspect_line(index)
-    sid = _expect(where, line, s, "id", str, "a lower-case identifier such as 'index_keys_fp8'")
+    sid = expect(where, line, s, "id", str, "a lower-case identifier such as 'index_keys_fp8'")
     if not _ID.match(sid):
         raise where.error(
             where.key_line("id", line), f"id = {sid!r}; expected lower-case letters, digits, '_'"
         )
     tier = where.in_range(
-        "tier", _expect(where, line, s, "tier", int, "an integer risk tier (1 = most likely)"), line
+        "tier", expect(where, line, s, "tier", int, "an integer risk tier (1 = most likely)"), line
     )
-    hyp = _expect(where, line, s, "hypothesis", str, "a sentence saying what the suspect would do")
+    hyp = expect(where, line, s, "hypothesis", str, "a sentence saying what the suspect would do")
     checks = s.get("checks", [])
     if not isinstance(checks, list) or not all(isinstance(c, str) for c in checks):
         raise where.error(where.key_line("checks", line), "checks must be a list of strings")
@@ -397,11 +333,11 @@ def _suspect(where: _Where, index: int, s: dict, base: Path) -> Suspect:
         patch = _patch(
             where,
             where.key_line("patch", line),
-            _expect(where, line, s, "patch", str, "a file or fault:NAME"),
+            expect(where, line, s, "patch", str, "a file or fault:NAME"),
             base,
         )
     else:
-        text = _expect(where, line, s, "setting", str, "Setting fields such as 'k=fp8_e4m3'")
+        text = expect(where, line, s, "setting", str, "Setting fields such as 'k=fp8_e4m3'")
         try:
             setting_fields = partial_setting(text)
         except BadInput as exc:
@@ -428,11 +364,11 @@ def _suspect(where: _Where, index: int, s: dict, base: Path) -> Suspect:
     )
 
 
-def _target(where: _Where, t: dict, base: Path) -> Target:
+def _target(where: Where, t: dict, base: Path) -> Target:
     tl = where.table_line("target")
     env_file = t.get("env_file") or None
     ref_env = t.get("reference_env_file") or None
-    cand_text = _expect(where, tl, t, "candidate", str, "a Setting such as 'k=fp8_e4m3 topk=64', or 'live'")
+    cand_text = expect(where, tl, t, "candidate", str, "a Setting such as 'k=fp8_e4m3 topk=64', or 'live'")
     endpoint = t.get("endpoint") or None
     dump = _dump_paths(where, t, tl, base, cand_text.strip() == DUMP)
     if cand_text.strip() in (LIVE, BLACKBOX) and not endpoint:
@@ -444,11 +380,11 @@ def _target(where: _Where, t: dict, base: Path) -> Target:
     if config is not None and cand_text.strip() != BLACKBOX:
         raise where.error(where.key_line("config", tl), 'config is used only with candidate = "blackbox"')
     target = Target(
-        model=_expect(where, tl, t, "model", str, "'organism' or a checkpoint directory"),
+        model=expect(where, tl, t, "model", str, "'organism' or a checkpoint directory"),
         reference=_setting(
             where,
             where.key_line("reference", tl),
-            _expect(where, tl, t, "reference", str, "a Setting", "k=fp32"),
+            expect(where, tl, t, "reference", str, "a Setting", "k=fp32"),
             base,
         ),
         candidate=None
@@ -464,8 +400,8 @@ def _target(where: _Where, t: dict, base: Path) -> Target:
             _patch(where, where.key_line("extra_patches", tl), p, base) for p in t.get("extra_patches", [])
         ),
         device=_device(where, tl, t),
-        threads=_expect(where, tl, t, "threads", int, "a positive integer", 2),
-        prefill_chunk=_expect(
+        threads=expect(where, tl, t, "threads", int, "a positive integer", 2),
+        prefill_chunk=expect(
             where, tl, t, "prefill_chunk", int, "a positive number of tokens (leave it out for one pass)"
         )
         if "prefill_chunk" in t
@@ -489,7 +425,7 @@ def _target(where: _Where, t: dict, base: Path) -> Target:
     return target
 
 
-def _dump_paths(where: _Where, t: dict, tl: int, base: Path, wanted: bool) -> tuple[Path | None, Path | None]:
+def _dump_paths(where: Where, t: dict, tl: int, base: Path, wanted: bool) -> tuple[Path | None, Path | None]:
     """(dump directory, mapping file) of ``candidate = "dump"``; both None for other candidates."""
     if not wanted:
         for key in ("dump", "dump_mapping"):
@@ -519,7 +455,7 @@ def with_chunk(ledger: Ledger, prefill_chunk: int | None) -> Ledger:
     return replace(ledger, target=replace(ledger.target, prefill_chunk=check_chunk(prefill_chunk)))
 
 
-def _check_routes(where: _Where, target: Target, suspects: tuple[Suspect, ...]) -> None:
+def _check_routes(where: Where, target: Target, suspects: tuple[Suspect, ...]) -> None:
     """Refuse a check the target's route cannot run: ablation needs an in-process candidate,
     live_emulation a live one."""
     wrong = "ablation" if target.live else "live_emulation"
@@ -551,7 +487,7 @@ def parse_ledger(text: str, path: Path, *, allow_outside: bool = False) -> Ledge
     """Parse ledger ``text`` read from ``path``; BadInput ``FILE:LINE: what`` on any error.
 
     ``allow_outside``: accept paths outside the ledger's folder (``--allow-outside``)."""
-    where = _Where(path, text, allow_outside)
+    where = Where(path, text, allow_outside)
     try:
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
@@ -571,8 +507,8 @@ def parse_ledger(text: str, path: Path, *, allow_outside: bool = False) -> Ledge
     target = _target(where, raw["target"], base)
     sy = raw["symptom"]
     sl = where.table_line("symptom")
-    lengths = _expect(where, sl, sy, "lengths", list, "a list of token lengths such as [256, 512, 1024]")
-    depths = _expect(where, sl, sy, "depths", list, "a list of depth percents such as [0, 50, 100]", [50])
+    lengths = expect(where, sl, sy, "lengths", list, "a list of token lengths such as [256, 512, 1024]")
+    depths = expect(where, sl, sy, "depths", list, "a list of depth percents such as [0, 50, 100]", [50])
     if not lengths or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in lengths):
         raise where.error(where.key_line("lengths", sl), f"lengths = {lengths!r}; expected positive integers")
     for n in lengths:
@@ -580,12 +516,12 @@ def parse_ledger(text: str, path: Path, *, allow_outside: bool = False) -> Ledge
     if not all(isinstance(d, (int, float)) and 0 <= d <= 100 for d in depths):
         raise where.error(where.key_line("depths", sl), f"depths = {depths!r}; expected percents in 0..100")
     symptom = Symptom(
-        kind=_expect(where, sl, sy, "kind", str, "a case kind such as 'multiturn'", "multiturn"),
+        kind=expect(where, sl, sy, "kind", str, "a case kind such as 'multiturn'", "multiturn"),
         lengths=tuple(lengths),
         depths=tuple(float(d) for d in depths),
-        trials=_expect(where, sl, sy, "trials", int, "a positive integer", 1),
-        seed=_expect(where, sl, sy, "seed", int, "an integer", 0) if "seed" in sy else 0,
-        max_new_tokens=_expect(where, sl, sy, "max_new_tokens", int, "a positive integer", 8),
+        trials=expect(where, sl, sy, "trials", int, "a positive integer", 1),
+        seed=expect(where, sl, sy, "seed", int, "an integer", 0) if "seed" in sy else 0,
+        max_new_tokens=expect(where, sl, sy, "max_new_tokens", int, "a positive integer", 8),
     )
     if symptom.kind not in KINDS:
         raise where.error(
