@@ -51,12 +51,16 @@ def _parsed_options(
     }
 
 
+BASE_URLS = typer.Option(
+    ...,
+    "--base-url",
+    metavar="<url>",
+    help="Server URL (root or ending in /v1). Twice: two servers that differ in one launch flag.",
+)
+
+
 def serving_factors_command(
-    base_url: list[str] = typer.Option(
-        ...,
-        "--base-url",
-        help="Server URL (root or ending in /v1). Twice: two servers that differ in one launch flag.",
-    ),
+    base_url: list[str] = BASE_URLS,
     model: str = typer.Option(..., "--model", help="Model name the server serves."),
     out: Path = typer.Option(..., "--out", help="Directory for serving_factors.json and serving_factors.md."),
     factors: str = typer.Option(

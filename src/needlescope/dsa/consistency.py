@@ -135,9 +135,11 @@ def check_checkpoint(path: Path, files: dict[str, Path]) -> None:
     held = stored_layers(files)
     if held and held != set(range(n)):
         span = f"layers 0..{max(held)}" if held == set(range(max(held) + 1)) else f"layers {sorted(held)}"
+        missing = sorted(set(range(n)) - held)
+        lacks = f"; the weights lack model.layers.{missing[0]}." if missing and max(held) >= n - 1 else ""
         raise BadInput(
             f"{path}/config.json says num_hidden_layers {n} but the weights hold {len(held)} decoder "
-            f"layer(s) ({span}); every loader would run a different model than the weights: {_fix(path)}"
+            f"layer(s) ({span}){lacks}; every loader would run a different model than the weights: {_fix(path)}"
         )
     parts = implied_parameters(config)
     implied, stored = sum(parts.values()), stored_elements(files)
