@@ -125,7 +125,7 @@ extra_patches = ["drop.py"]
 kind = "multiturn"
 lengths = [256]
 depths = [15, 25, 35, 45, 55, 65, 75]
-trials = 1
+trials = 2
 max_new_tokens = 3
 
 [[suspects]]

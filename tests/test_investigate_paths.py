@@ -133,7 +133,7 @@ endpoint = "{url}"
 [symptom]
 kind = "multiturn"
 lengths = [512]
-depths = [0, 25, 50]
+depths = [0, 10, 20, 30, 40, 50]
 trials = 1
 max_new_tokens = 4
 
