@@ -40,8 +40,10 @@ def _session(url: str, out: Path, *, wanted: bool = True):
         target=SimpleNamespace(live=True, endpoint=url),
         symptom=SimpleNamespace(kind="single", depths=(0.0, 50.0, 100.0), trials=2, seed=0, max_new_tokens=8),
     )
+    done: dict = {}  # what RunState.step_value / mark_done keep
+    state = SimpleNamespace(step_value=done.get, mark_done=done.__setitem__)
     return SimpleNamespace(
-        ledger=ledger, out=out, api_key=None, progress=lambda *a: None, serving_factors=wanted
+        ledger=ledger, out=out, api_key=None, progress=lambda *a: None, serving_factors=wanted, state=state
     )
 
 

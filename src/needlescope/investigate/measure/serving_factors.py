@@ -12,7 +12,10 @@ from __future__ import annotations
 import math
 import shlex
 
-__all__ = ["measure_live_serving_factor"]
+__all__ = ["STEP", "measure_live_serving_factor"]
+
+STEP = "measured:serving_factor"
+"""The ``state.json`` step that keeps the experiment's measurements (never its decision)."""
 
 
 def _command(url: str, model: str, kind: str, length: int, depths, trials: int, seed: int) -> str:
@@ -30,7 +33,8 @@ def measure_live_serving_factor(session, model: str, lengths, min_cases: int = 1
     (``session.serving_factors``) and the route is live; else None. It runs also when the symptom
     lost nothing: the live symptom's captures run each case alone and cold, where a loss that
     needs batch mates or a warm prefix cannot show. ``lengths``: the failing lengths first.
-    ``min_cases``: the experiment's size (12 pairs make a full loss p = 0.00049, below 0.05 / 6 arms)."""
+    ``min_cases``: the experiment's size (12 pairs make a full loss p = 0.00049, below 0.05 / 6 arms).
+    Kept in ``state.json`` once measured: a resumed run does not send its requests again."""
     from needlescope.investigate.decide.serving_factor import measured_factor
     from needlescope.report.serving_factors import write_serving_factors
     from needlescope.run.serving_factors import FactorConfig, run_serving_factors
@@ -38,6 +42,9 @@ def measure_live_serving_factor(session, model: str, lengths, min_cases: int = 1
     t, sy = session.ledger.target, session.ledger.symptom
     if not (session.serving_factors and t.live and t.endpoint):
         return None
+    done = session.state.step_value(STEP)
+    if isinstance(done, dict):
+        return done
     trials = max(sy.trials, math.ceil(min_cases / len(sy.depths)))
     cfg = FactorConfig(
         (t.endpoint,),
@@ -57,4 +64,6 @@ def measure_live_serving_factor(session, model: str, lengths, min_cases: int = 1
     write_serving_factors(body, session.out / "serving_factors")
     session.progress("serving factors", 1, 1, body["verdict"]["sentence"][:60])
     command = _command(t.endpoint, model, sy.kind, lengths[0], sy.depths, trials, sy.seed)
-    return measured_factor(body, command)
+    measured = measured_factor(body, command)
+    session.state.mark_done(STEP, measured)
+    return measured
