@@ -293,6 +293,12 @@ def run_one(spec: dict, row_file: Path) -> None:
     meter = Meter(spec["device"])
     _instrument(meter)
     t0 = time.perf_counter()
+    profiler = None
+    if spec.get("profile"):
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
     try:
         if spec["route"] == "inprocess":
             _run_inprocess(d, spec)
@@ -307,6 +313,8 @@ def run_one(spec: dict, row_file: Path) -> None:
     except BaseException as exc:  # noqa: BLE001 - a crash (an OOM included) is a row of the table
         row.update(completes=False, error=f"{type(exc).__name__}: {traceback.format_exc()[-1200:]}")
     row["wall_s"] = round(time.perf_counter() - t0, 2)
+    if profiler is not None:
+        _write_profile(profiler, Path(spec["dir"] + ".profile.txt"))
     row["phases"] = meter.finish()
     row["cases_measured"] = _cases_measured(d / "out") if (d / "out" / "measure").exists() else 0
     row.update(_derived(row))
@@ -314,6 +322,19 @@ def run_one(spec: dict, row_file: Path) -> None:
         row["gpu"] = torch.cuda.get_device_name()
     shutil.rmtree(d, ignore_errors=True)
     row_file.write_text(json.dumps(row))
+
+
+def _write_profile(profiler, path: Path) -> None:
+    """The run's cProfile: the 60 heaviest functions by cumulative and by own time."""
+    import io
+    import pstats
+
+    profiler.disable()
+    buf = io.StringIO()
+    stats = pstats.Stats(profiler, stream=buf).strip_dirs()
+    stats.sort_stats("cumulative").print_stats(60)
+    stats.sort_stats("tottime").print_stats(60)
+    path.write_text(buf.getvalue())
 
 
 def _derived(row: dict) -> dict:
@@ -384,6 +405,7 @@ def _spec(args, out: Path, src: str, tag: str, **over) -> dict:
         "device": args.device,
         "threads": args.threads,
         "max_memory": args.max_memory,
+        "profile": args.profile,
     }
     spec.update(over)
     name = f"{tag}-{spec['route']}-L{spec['length']}-t{spec['trials']}-s{spec['suspects']}-{spec['bug'][:-3]}"
@@ -578,6 +600,7 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--deadline", type=float, default=None, help="seconds for the whole grid")
     ap.add_argument("--max-memory", default=None, help="each run's bound (investigate run --max-memory)")
     ap.add_argument("--parallel", type=int, default=0)
+    ap.add_argument("--profile", action="store_true", help="each run's cProfile to runs/NAME.profile.txt")
     ap.add_argument("--one")
     ap.add_argument("--row", type=Path)
     ap.add_argument("--render", type=Path)
