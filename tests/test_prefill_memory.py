@@ -22,6 +22,7 @@ from needlescope.dsa.budget import (  # noqa: E402
     DEFAULT_CHUNK,
     bounded_memory,
     current_budget,
+    indexed_device,
     prefill_bytes,
     rows_within,
 )
@@ -65,6 +66,12 @@ def test_one_measurement_step_stays_within_the_bound_of_the_model_sizes():
     assert len(records) == 2 and all(r["layers"] for r in records)
     assert peak <= bound, f"peak {peak / 2**20:.0f} MiB over the bound {bound / 2**20:.0f} MiB"
     assert bound < one_pass / 4  # the bound is the chunked prefill's, far under one pass's T x T
+
+
+def test_a_bare_cuda_device_gets_the_current_index():
+    # set_per_process_memory_fraction refuses torch.device("cuda"): the GPU run of 2026-12-08 crashed on it
+    assert indexed_device("cuda", lambda: 3) == torch.device("cuda", 3)
+    assert indexed_device("cuda:1", lambda: 3) == torch.device("cuda", 1)
 
 
 def test_max_memory_sizes_the_batches_and_a_bad_size_is_exit_2(run_cli, tmp_path):

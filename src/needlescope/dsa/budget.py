@@ -23,6 +23,7 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 
 __all__ = [
+    "indexed_device",
     "DEFAULT_BUDGET",
     "DEFAULT_CHUNK",
     "bounded_memory",
@@ -56,6 +57,16 @@ def memory_budget(nbytes: int | None) -> Iterator[None]:
         _BUDGET.reset(token)
 
 
+def indexed_device(device: str, current):
+    """``device`` with its index: a bare ``"cuda"`` means the current CUDA device (``current()``),
+    because ``torch.cuda.set_per_process_memory_fraction`` refuses a device without an index.
+    Returns a ``torch.device``."""
+    import torch
+
+    dev = torch.device(device)
+    return dev if dev.index is not None else torch.device(dev.type, current())
+
+
 @contextmanager
 def bounded_memory(max_memory: str | None, device: str) -> Iterator[int | None]:
     """``--max-memory``: inside the block, batches are sized to half of ``max_memory`` (the rest
@@ -73,7 +84,7 @@ def bounded_memory(max_memory: str | None, device: str) -> Iterator[int | None]:
     if device.startswith("cuda"):
         import torch
 
-        dev = torch.device(device)
+        dev = indexed_device(device, torch.cuda.current_device)
         total = torch.cuda.get_device_properties(dev).total_memory
         capped = dev
         torch.cuda.set_per_process_memory_fraction(min(1.0, nbytes / total), dev)
