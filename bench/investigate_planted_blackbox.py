@@ -144,7 +144,7 @@ def redecide(outs: list[Path]) -> None:
 def render(rows_path: Path) -> str:
     rows = [json.loads(x) for x in rows_path.read_text().splitlines() if x.strip()]
     out = [
-        "| planted bug | planted class | expected from outside | recall 1K / 2K | classes | `where` | next (start) | root cause | as expected | s |",
+        "| planted bug | planted class | expected from outside | recall per length | classes | `where` | next (start) | root cause | as expected | s |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     good = 0
@@ -161,7 +161,31 @@ def render(rows_path: Path) -> str:
             f"| {site} | `{nxt}` | {r.get('root_cause') or '-'} | {'yes' if ok else 'NO'} | {r.get('s', '-')} |"
         )
     out.append(f"\n{good} of {len(rows)} runs as expected (first class; no root cause).")
+    if any(r.get("topk_pair") for r in rows):
+        out += ["", *render_pairs(rows)]
     return "\n".join(out)
+
+
+def render_pairs(rows: list[dict]) -> list[str]:
+    """The top-k pair's table: per bug and length, both regimes and the paired counts, then what
+    it ruled out and the classes it left."""
+    out = [
+        "| planted bug | length (entries) | A / B | lost at A | lost at B | gained | dropped | McNemar p | ruled out | narrowed to |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        tp = r.get("topk_pair")
+        if not tp:
+            continue
+        ruled = ", ".join(tp["ruled_out"]) or "-"
+        left = ", ".join(tp["narrowed_to"])
+        for i, x in enumerate(tp["lengths"]):
+            tail = f"{ruled} | {left}" if i == 0 else " | "
+            out.append(
+                f"| `{r['bug']}` | {x['length']} ({x['entries']}) | {x['a']} / {x['b']} | {x['a_lost']} of {x['n']} "
+                f"| {x['b_lost']} | {x['gained']} | {x['dropped']} | {x['p']:.2g} | {tail} |"
+            )
+    return out
 
 
 def main() -> None:

@@ -151,3 +151,8 @@ def test_the_pairs_dense_restore_outweighs_a_loss_at_the_short_dense_length():
     pair = _pair(PairCell(DENSE_B, 15, 15, 1, 14, 0))
     ch = characterize_blackbox(BlackboxEvidence(arch=ARCH, grid=GRID, dense=short, topk_pair=pair), CTX)
     assert "outside_selection" not in ch["classes"] and "outside_selection" in ch["topk_pair"]["ruled_out"]
+
+
+def test_init_refuses_a_topk_endpoint_without_live(run_cli, tmp_path):
+    code, _, err = run_cli("investigate", "init", str(tmp_path), "--topk-endpoint", "http://127.0.0.1:10")
+    assert code == 2 and "--topk-endpoint goes with --live URL" in err
