@@ -156,3 +156,19 @@ def test_the_pairs_dense_restore_outweighs_a_loss_at_the_short_dense_length():
 def test_init_refuses_a_topk_endpoint_without_live(run_cli, tmp_path):
     code, _, err = run_cli("investigate", "init", str(tmp_path), "--topk-endpoint", "http://127.0.0.1:10")
     assert code == 2 and "--topk-endpoint goes with --live URL" in err
+
+
+def test_a_restore_pooled_over_every_length_where_the_smaller_chooses_rules_out_outside_selection():
+    # measured (key_cache_shift2.py, top-16 vs top-48): 5 of 6 restored where top-48 is dense
+    # (p = 0.06), 2 of 6 at 256 and 6 of 12 at 384: pooled 13 gained, none dropped
+    pair = _pair(
+        PairCell(DENSE_B, 15, 6, 1, 5, 0), PairCell(256, 10, 6, 4, 2, 0), PairCell(384, 15, 12, 6, 6, 0)
+    )
+    ruled = topk_ruled_out(pair)
+    assert (
+        ruled["outside_selection"]["lengths"] == [DENSE_B, 256, 384]
+        and ruled["outside_selection"]["gained"] == 13
+    )
+    assert "needle_excluded" in ruled and "misaddressed" not in ruled
+    # the dense length alone (p = 0.06) rules nothing out
+    assert topk_ruled_out(_pair(PairCell(DENSE_B, 15, 6, 1, 5, 0))) == {}
