@@ -419,9 +419,11 @@ def _topk_pair(session, bb: Blackbox, arch: Arch, grid_cases: list) -> TopkPair:
     a = {r["case_id"]: r for r in [*session.state.records("bb-grid"), *bb.send("bb-topk-a", extra)]}
     b_said = b.send("bb-topk-b", [*grid_cases, *extra])
     acc: dict[int, list[int]] = {}
+    errors = 0
     for r in b_said:
         ra = a.get(r["case_id"])
         if r.get("error") or ra is None or ra.get("error"):
+            errors += 1  # unpaired: counted, left out of the cells
             continue
         cell = acc.setdefault(r["length"], [0, 0, 0, 0, 0])
         cell[0] += 1
@@ -436,4 +438,5 @@ def _topk_pair(session, bb: Blackbox, arch: Arch, grid_cases: list) -> TopkPair:
         ratio=arch.ratio,
         source_b=source,
         cells=tuple(PairCell(length, *v) for length, v in sorted(acc.items())),
+        errors=errors,
     )
