@@ -79,8 +79,9 @@ class PairCell:
 @dataclass(frozen=True)
 class TopkPair:
     """The pair's measurements (``measure.blackbox`` fills it): the endpoints' top-k
-    (``topk_a`` < ``topk_b``), their shared compression ratio, where B's top-k came from, and a
-    ``PairCell`` per length."""
+    (``topk_a`` < ``topk_b``), their shared compression ratio, where B's top-k came from, a
+    ``PairCell`` per length, and ``errors``: cases one endpoint answered with an error (unpaired,
+    left out of the cells)."""
 
     endpoint_b: str
     topk_a: int
@@ -88,6 +89,7 @@ class TopkPair:
     ratio: int
     source_b: str
     cells: tuple[PairCell, ...] = ()
+    errors: int = 0
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -246,6 +248,7 @@ def pair_summary(pair: TopkPair) -> dict:
         "topk": [pair.topk_a, pair.topk_b],
         "topk_b_from": pair.source_b,
         "ratio": pair.ratio,
+        "errors": pair.errors,
         "lengths": [
             {
                 k: r[k]
