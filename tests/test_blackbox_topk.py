@@ -60,6 +60,19 @@ def test_a_loss_the_larger_top_k_keeps_where_it_selects_every_entry_is_outside_s
     e = ch["evidence"]["outside_selection"]
     assert e["experiment"].startswith("two endpoints that differ only in top-k (16 vs 48)")
     assert (e["lost"], e["n"], e["p"]) == (12, 12, 0.5**12) and e["capture_adds"]
+    # measured (hash_router_table.py): the short dense length loses too; the pair's longer one is named
+    both = characterize_blackbox(
+        BlackboxEvidence(
+            arch=ARCH,
+            grid=GRID,
+            dense=(GridCell(63, 0.0, 10, 10),),
+            topk_pair=_pair(PairCell(DENSE_B, 15, 15, 15, 0, 0)),
+        ),
+        CTX,
+    )
+    assert (
+        both["where"]["length"] == DENSE_B and "top-k" in both["evidence"]["outside_selection"]["experiment"]
+    )
     # four losses of twelve: p = 1/16, not enough
     assert "outside_selection" not in _ch(_pair(PairCell(DENSE_B, 12, 12, 4, 8, 0)))["classes"]
 

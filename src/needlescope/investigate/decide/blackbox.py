@@ -217,13 +217,18 @@ def _rule_state(ev: BlackboxEvidence) -> dict | None:
 
 
 def _rule_outside(ev: BlackboxEvidence) -> dict | None:
-    """The dense length's loss, else the top-k pair's: a loss where its larger top-k selects
-    every entry (``blackbox_topk.topk_outside``). Neither when the pair's larger top-k, selecting
-    every entry, restores what the smaller lost: that paired test at a longer length puts the
-    loss in the selection (measured: ``topk_drops_best.py`` at top-16 loses 5 of 10 cases at the
-    63-token dense length, and top-48 restores 14 of 15 at 191 tokens)."""
+    """The top-k pair's loss where its larger top-k selects every entry
+    (``blackbox_topk.topk_outside``: a longer length, the pair's cases), else the dense length's.
+    Neither when the pair's larger top-k restores what the smaller lost (``topk_ruled_out``):
+    that paired test puts the loss in the selection (measured: ``topk_drops_best.py`` at top-16
+    loses 5 of 10 cases at the 63-token dense length, as the same server without the bug does,
+    and top-48 restores 14 of 15 at 191 tokens)."""
     if "outside_selection" in topk_ruled_out(ev.topk_pair):
         return None
+    return topk_outside(ev.topk_pair) or _dense_loss(ev)
+
+
+def _dense_loss(ev: BlackboxEvidence) -> dict | None:
     for length, lost, n in _rates_by_length(list(ev.dense)):
         p = _lost_p(lost, n)
         if p < BLACKBOX_RULES["alpha"]:
@@ -237,7 +242,7 @@ def _rule_outside(ev: BlackboxEvidence) -> dict | None:
                 "p": p,
                 "null": "no loss where the selection is dense (exact, one-sided)",
             }
-    return topk_outside(ev.topk_pair)
+    return None
 
 
 def residue_scan(ev: BlackboxEvidence) -> list[dict]:
