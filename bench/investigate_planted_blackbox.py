@@ -2,14 +2,16 @@
 indexer capture off, characterized from outside (the black-box route).
 
     python bench/investigate_planted_blackbox.py OUT [--lengths 1024,2048] [--depths 0,25,50,75,100]
-        [--trials 2] [--threads 1] [--device cpu] [--bugs NAME,...]
+        [--trials 2] [--threads 1] [--device cpu] [--bugs NAME,...] [--topk 64] [--topk-b N]
     python bench/investigate_planted_blackbox.py --render OUT/rows.jsonl   # the docs/investigate.md table
     python bench/investigate_planted_blackbox.py --redecide OUT [OUT ...] > rows.jsonl  # today's rules, same measurements
 
 Per bug of ``tests/planted_bugs/`` (``CLASSES``: the planted class): ``needlescope serve`` with
 ``--index-k fp8_e4m3 --index-topk 64 --patch BUG --undisclosed-patch --no-indexer-capture``,
 a ledger written by ``investigate init --live URL --config config.json`` (the organism's: the
-server does not say its compression ratio), then ``investigate run``. Each finished run appends
+server does not say its compression ratio), then ``investigate run``. With ``--topk-b N`` a
+second server of the same bug with ``--index-topk N`` is the ledger's ``topk_endpoint`` (the top-k
+pair, ``decide.blackbox_topk``). Each finished run appends
 its row to OUT/rows.jsonl at once; a second invocation skips the bugs already there. The
 ``expected`` column: the planted class when it is decidable from outside, else ``undecided``
 with the capture as ``next`` (``decide.blackbox.INSIDE_SELECTION``). Not a test.
@@ -18,6 +20,7 @@ with the capture as ``next`` (``decide.blackbox.INSIDE_SELECTION``). Not a test.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -30,7 +33,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from planted_bugs import CLASSES  # noqa: E402
 
 PLANTED = ROOT / "tests" / "planted_bugs"
-CANDIDATE = "k=fp8_e4m3 q=fp32 acc=fp32 topk=64"
+CANDIDATE = "k=fp8_e4m3 q=fp32 acc=fp32"
 
 
 def expected(planted: str) -> str:
@@ -49,17 +52,26 @@ def run_bug(out: Path, bug: str, args) -> dict:
 
     d = out / bug.removesuffix(".py")
     d.mkdir(parents=True, exist_ok=True)
-    cfg = ServeConfig(
-        model="organism",
-        port=0,
-        setting=Setting.parse(f"{CANDIDATE} patch={PLANTED / bug}"),
-        disclose_patch=False,
-        indexer_capture=False,
-        device=args.device,
-        threads=args.threads,
-    )
+
+    def config(topk: int) -> ServeConfig:
+        return ServeConfig(
+            model="organism",
+            port=0,
+            setting=Setting.parse(f"{CANDIDATE} topk={topk} patch={PLANTED / bug}"),
+            disclose_patch=False,
+            indexer_capture=False,
+            device=args.device,
+            threads=args.threads,
+        )
+
     start = time.monotonic()
-    with ServerProcess(cfg, timeout=300) as server:
+    with contextlib.ExitStack() as stack:
+        server = stack.enter_context(ServerProcess(config(args.topk), timeout=300))
+        pair = (
+            None
+            if args.topk_b is None
+            else stack.enter_context(ServerProcess(config(args.topk_b), timeout=300))
+        )
         symptom = {
             "kind": "multiturn",
             "lengths": args.lengths,
@@ -67,7 +79,13 @@ def run_bug(out: Path, bug: str, args) -> dict:
             "trials": args.trials,
             "seed": 0,
         }
-        text = live_ledger(server.url, symptom=symptom, why="issue 53 planted run", config="config.json")
+        text = live_ledger(
+            server.url,
+            symptom=symptom,
+            why="issue 53 planted run",
+            config="config.json",
+            topk_endpoint=None if pair is None else pair.url,
+        )
         assert bug not in text, "the ledger must not see the patch"
         (d / "config.json").write_bytes((resolve_model_dir("organism") / "config.json").read_bytes())
         ledger = write_ledger(d, text, force=True)
@@ -85,6 +103,7 @@ def run_bug(out: Path, bug: str, args) -> dict:
         "root_cause": v["root_cause"],
         "recall": v["symptom"]["recall_candidate"],
         "measured": (ch.get("measured") or {}).get("evidence"),
+        "topk_pair": ch.get("topk_pair"),
         "s": round(time.monotonic() - start, 1),
     }
 
@@ -113,7 +132,11 @@ def redecide(outs: list[Path]) -> None:
                     BlackboxEvidence.from_json(ev), BlackboxContext.from_json(step["context"])
                 )
                 row.update(
-                    classes=ch["classes"], where=ch["where"], undecided=ch["undecided"], next=ch["next"]
+                    classes=ch["classes"],
+                    where=ch["where"],
+                    undecided=ch["undecided"],
+                    next=ch["next"],
+                    topk_pair=ch.get("topk_pair"),
                 )
             print(json.dumps(row))
 
@@ -121,7 +144,7 @@ def redecide(outs: list[Path]) -> None:
 def render(rows_path: Path) -> str:
     rows = [json.loads(x) for x in rows_path.read_text().splitlines() if x.strip()]
     out = [
-        "| planted bug | planted class | expected from outside | recall 1K / 2K | classes | `where` | next (start) | root cause | as expected | s |",
+        "| planted bug | planted class | expected from outside | recall per length | classes | `where` | next (start) | root cause | as expected | s |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     good = 0
@@ -138,7 +161,31 @@ def render(rows_path: Path) -> str:
             f"| {site} | `{nxt}` | {r.get('root_cause') or '-'} | {'yes' if ok else 'NO'} | {r.get('s', '-')} |"
         )
     out.append(f"\n{good} of {len(rows)} runs as expected (first class; no root cause).")
+    if any(r.get("topk_pair") for r in rows):
+        out += ["", *render_pairs(rows)]
     return "\n".join(out)
+
+
+def render_pairs(rows: list[dict]) -> list[str]:
+    """The top-k pair's table: per bug and length, both regimes and the paired counts, then what
+    it ruled out and the classes it left."""
+    out = [
+        "| planted bug | length (entries) | A / B | lost at A | lost at B | gained | dropped | McNemar p | ruled out | narrowed to |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        tp = r.get("topk_pair")
+        if not tp:
+            continue
+        ruled = ", ".join(tp["ruled_out"]) or "-"
+        left = ", ".join(tp["narrowed_to"])
+        for i, x in enumerate(tp["lengths"]):
+            tail = f"{ruled} | {left}" if i == 0 else " | "
+            out.append(
+                f"| `{r['bug']}` | {x['length']} ({x['entries']}) | {x['a']} / {x['b']} | {x['a_lost']} of {x['n']} "
+                f"| {x['b_lost']} | {x['gained']} | {x['dropped']} | {x['p']:.2g} | {tail} |"
+            )
+    return out
 
 
 def main() -> None:
@@ -152,6 +199,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--bugs", default=",".join(CLASSES))
+    ap.add_argument("--topk", type=int, default=64, help="the endpoint's --index-topk")
+    ap.add_argument("--topk-b", type=int, help="a second endpoint's larger --index-topk (the top-k pair)")
     args = ap.parse_args()
     if args.render:
         print(render(args.render))

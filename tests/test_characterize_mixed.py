@@ -111,3 +111,31 @@ def test_a_ranking_just_above_the_bar_on_one_path_and_below_on_the_other_is_at_c
     assert (e["layer"], e["path"]) == (1, "decode")
     assert ch["where"]["decided_by"] == "layer 1 decode"
     assert ch["where"]["depart"] == ["layer 1 prefill", "layer 1 decode"]
+
+
+def test_a_later_layers_decode_departing_downstream_of_a_decode_bug_still_gives_two_sites():
+    """Measured through a real server (``two_bugs_layers.py``, ``tests/test_two_bugs_live.py``):
+    layer 1's decode at chance beside its agreeing prefill changes every later layer's decode
+    queries, so layer 3's decode departs partly (0.78) beside its own prefill at chance. Layer 3's
+    prefill departure is still its own bug (every earlier prefill agrees, and the prefill path
+    never runs the decode bug): two sites. Layer 3 before layer 1's decode bug is not read so."""
+    ev = _ev(
+        layer_selection(1, "prefill", _rows(_same())),
+        layer_selection(1, "decode", _rows(_random(4))),
+        layer_selection(3, "prefill", _rows(_random(5))),
+        layer_selection(3, "decode", _rows(_partial(12, 8))),
+    )
+    ch = characterize(ev, CTX)
+    assert ch["classes"][:2] == ["decode_only", "ranking_uninformative"], ch
+    sites = {s["class"]: s["where"] for s in ch["sites"]}
+    assert (sites["ranking_uninformative"]["layer"], sites["ranking_uninformative"]["path"]) == (3, "prefill")
+    # a prefill departing between them (layer 2, only its prefill compared): layer 3's prefill
+    # may be downstream of it, and its decode departs: no second site read at layer 3
+    upstream = _ev(
+        layer_selection(1, "prefill", _rows(_same())),
+        layer_selection(1, "decode", _rows(_random(4))),
+        layer_selection(2, "prefill", _rows(_random(9))),
+        layer_selection(3, "prefill", _rows(_random(5))),
+        layer_selection(3, "decode", _rows(_partial(12, 8))),
+    )
+    assert "sites" not in characterize(upstream, CTX)

@@ -20,6 +20,7 @@ SIZES = {
     "FAILING_CASES": "failing cases whose selections the characterization reads",
     "DENSE_CASES": "cases at the dense length",
     "SCAN_DEPTHS": "depths of the black box's residue scan",
+    "PAIR_CASES": "cases at each of the black box's top-k pair lengths",
     "TOP_LOGPROBS": "alternatives the teacher-forced scoring asks for",
     "SOURCE_TIMEOUT_S": "a cheap question's deadline for a source",
 }

@@ -43,6 +43,12 @@ def init_command(
         help="With --live and an endpoint without a capture: the served checkpoint's config.json "
         "(compression ratio, index_topk), copied beside the ledger.",
     ),
+    topk_endpoint: str = typer.Option(
+        None,
+        "--topk-endpoint",
+        help="With --live and an endpoint without a capture: a second server of the same deployment "
+        "with a larger --index-topk (the top-k pair experiment).",
+    ),
     api_key: str = API_KEY,
 ) -> None:
     """Write a ledger: the example (the original investigation, on the organism), a live one."""
@@ -53,6 +59,8 @@ def init_command(
 
     if live is not None and from_probe is not None:
         raise BadInput("give --live URL or --from-probe RUN_DIR, not both")
+    if topk_endpoint is not None and live is None:
+        raise BadInput("--topk-endpoint goes with --live URL (the endpoint whose top-k it enlarges)")
     if config is not None and not config.is_file():
         raise BadInput(f"--config {config} is no file; pass the served checkpoint's config.json")
     with guard(directory, "investigate init", force):
@@ -63,7 +71,7 @@ def init_command(
         else:
             named = None if config is None else "config.json"
             text = (
-                live_ledger(live, api_key=api_key, config=named)
+                live_ledger(live, api_key=api_key, config=named, topk_endpoint=topk_endpoint)
                 if live is not None
                 else from_probe_ledger(from_probe, api_key=api_key)
             )

@@ -30,10 +30,16 @@ The rules, in the capture route's order (``decide.characterize``), each from its
                        scored wrong: the loss grows with length), or the longest selective length
                        loses and the shortest at most half its rate
 
+``outside_selection`` also fires from a second endpoint that differs only in a larger top-k
+(the ledger's ``topk_endpoint``): a loss where that top-k selects every entry
+(``blackbox_topk.topk_outside``).
+
 ``misaddressed``, ``needle_excluded`` and ``ranking_uninformative`` read the selection, which an
 endpoint without a capture does not show: when no rule above fires the class is ``undecided``,
-``undecided`` names the capture (or, for ``ranking_uninformative``, two endpoints that differ
-only in top-k) and ``next`` is the capture command.
+``undecided`` names the capture and ``next`` is the capture command. The top-k pair narrows
+them (``topk_narrowing``: ``characterization.topk_pair``, its ``ruled_out`` and
+``narrowed_to``): a loss the larger top-k restores where both choose is no ``needle_excluded``,
+one it keeps while a dense top-k restores it is no ``misaddressed`` (``decide.blackbox_topk``).
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ import shlex
 from dataclasses import asdict, dataclass, field
 
 from needlescope.analysis.bisect import correct_residues, residue_test
+from needlescope.investigate.decide.blackbox_topk import TopkPair, pair_summary, topk_outside, topk_ruled_out
 from needlescope.investigate.decide.characterize import fisher_greater
 
 __all__ = [
@@ -54,6 +61,7 @@ __all__ = [
     "GridCell",
     "characterize_blackbox",
     "gold_first",
+    "topk_narrowing",
     "residue_offsets",
 ]
 
@@ -119,8 +127,8 @@ class BlackboxEvidence:
     cells included); ``rerun`` / ``not_reproduced``: failing cases sent again alone and how many
     answered otherwise; ``teacher``: per failing case scored teacher-forced, whether the gold
     answer ranked first at every token (``method``: the logprob interface, None: none offered);
-    ``topk_pairs``: the collapse lengths of endpoints that differ only in top-k (top-k -> the
-    first length whose recall falls below half, None: held everywhere tested)."""
+    ``topk_pair``: the same cases on a second endpoint that differs only in a larger top-k
+    (``decide.blackbox_topk``), None when the ledger names none."""
 
     arch: Arch
     grid: tuple[GridCell, ...] = ()
@@ -132,14 +140,21 @@ class BlackboxEvidence:
     teacher: tuple[dict, ...] = ()
     method: str | None = None
     method_note: str = ""
+    topk_pair: TopkPair | None = None
 
     def to_json(self) -> dict:
         return asdict(self)
 
     @classmethod
     def from_json(cls, obj: dict) -> BlackboxEvidence:
+        pair = obj.get("topk_pair")
         return cls(
-            **{k: v for k, v in obj.items() if k not in ("arch", "grid", "dense", "scan", "teacher")},
+            **{
+                k: v
+                for k, v in obj.items()
+                if k not in ("arch", "grid", "dense", "scan", "teacher", "topk_pair")
+            },
+            topk_pair=None if pair is None else TopkPair.from_json(pair),
             arch=Arch(**obj["arch"]),
             grid=tuple(GridCell(**c) for c in obj.get("grid", [])),
             dense=tuple(GridCell(**c) for c in obj.get("dense", [])),
@@ -202,6 +217,18 @@ def _rule_state(ev: BlackboxEvidence) -> dict | None:
 
 
 def _rule_outside(ev: BlackboxEvidence) -> dict | None:
+    """The top-k pair's loss where its larger top-k selects every entry
+    (``blackbox_topk.topk_outside``: a longer length, the pair's cases), else the dense length's.
+    Neither when the pair's larger top-k restores what the smaller lost (``topk_ruled_out``):
+    that paired test puts the loss in the selection (measured: ``topk_drops_best.py`` at top-16
+    loses 5 of 10 cases at the 63-token dense length, as the same server without the bug does,
+    and top-48 restores 14 of 15 at 191 tokens)."""
+    if "outside_selection" in topk_ruled_out(ev.topk_pair):
+        return None
+    return topk_outside(ev.topk_pair) or _dense_loss(ev)
+
+
+def _dense_loss(ev: BlackboxEvidence) -> dict | None:
     for length, lost, n in _rates_by_length(list(ev.dense)):
         p = _lost_p(lost, n)
         if p < BLACKBOX_RULES["alpha"]:
@@ -441,21 +468,43 @@ def _missing(ev: BlackboxEvidence, ctx: BlackboxContext) -> list[tuple[str, str]
         out.append(
             ("logprobs", f"prompt logprobs would test decode_only ({ev.method_note or 'none offered'})")
         )
+    narrowing = topk_narrowing(ev)
+    left = INSIDE_SELECTION if narrowing is None else tuple(narrowing["narrowed_to"])
     out.append(
         (
             "capture",
-            "an indexer capture of a failing case decides misaddressed, needle_excluded and "
-            "ranking_uninformative (the selection itself)",
+            f"an indexer capture of a failing case decides {_listed(left)} (the selection itself)"
+            + ("" if narrowing is None else f"; the top-k pair ruled out {_listed(narrowing['ruled_out'])}"),
         )
     )
-    out.append(
-        (
-            "topk",
-            "two endpoints that differ only in top-k decide ranking_uninformative (a collapse length "
-            "about ratio x top-k that doubles with top-k)",
+    if narrowing is None:
+        out.append(
+            (
+                "topk",
+                "two endpoints that differ only in top-k ([target] topk_endpoint) narrow them: a loss the "
+                "larger top-k restores where both choose is no needle_excluded; one it keeps where it "
+                "selects every entry is outside_selection",
+            )
         )
-    )
     return out
+
+
+def _listed(names) -> str:
+    names = list(names)
+    return ", ".join(names[:-1]) + f" and {names[-1]}" if len(names) > 1 else "".join(names) or "nothing"
+
+
+def topk_narrowing(ev: BlackboxEvidence) -> dict | None:
+    """What the top-k pair rules out and the selection classes it leaves
+    (``blackbox_topk``), with its per-length evidence; None without a pair."""
+    if ev.topk_pair is None:
+        return None
+    ruled = topk_ruled_out(ev.topk_pair)
+    return {
+        **pair_summary(ev.topk_pair),
+        "ruled_out": ruled,
+        "narrowed_to": [c for c in INSIDE_SELECTION if c not in ruled],
+    }
 
 
 def _next(ctx: BlackboxContext, experiment: str) -> str:
@@ -510,6 +559,9 @@ def characterize_blackbox(ev: BlackboxEvidence, ctx: BlackboxContext) -> dict:
         "undecided": [] if fired else [why for _, why in missing],
         "next": _next(ctx, "capture" if fired else missing[0][0]),
     }
+    narrowing = topk_narrowing(ev)
+    if narrowing is not None:
+        result["topk_pair"] = narrowing
     result["text"] = _summary(result)
     return result
 

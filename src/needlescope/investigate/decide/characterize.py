@@ -489,7 +489,8 @@ def _two_sites(ev: Evidence, ctx: Context) -> dict | None:
     """{class: evidence} of two independent bugs, or None: a layer whose decode departs while its
     prefill agrees (a decode-path bug there) and another layer whose prefill departs while its
     decode agrees (a bug the decode path does not share), each classed from its own layer's
-    selections; its evidence names its ``layer`` and ``path``."""
+    selections; its evidence names its ``layer`` and ``path``. A prefill departure at a layer
+    after the decode-path bug's counts even when its decode departs too (``_downstream_decode``)."""
     dec = _decode_only_layers(ev)
     twin = {(s.layer, s.path): s for s in ev.layers}
     pre = [
@@ -498,7 +499,7 @@ def _two_sites(ev: Evidence, ctx: Context) -> dict | None:
         if s.path == "prefill"
         and not _agrees(s)
         and (s.layer, "decode") in twin
-        and _agrees(twin[(s.layer, "decode")])
+        and (_agrees(twin[(s.layer, "decode")]) or _downstream_decode(ev, s, dec))
     ]
     if not dec or not pre or dec[0].layer == pre[0].layer:
         return None
@@ -509,6 +510,22 @@ def _two_sites(ev: Evidence, ctx: Context) -> dict | None:
     if one is None or other is None:
         return None
     return {"decode_only": one, other[0]: {**other[1], "layer": pre[0].layer, "path": "prefill"}}
+
+
+def _downstream_decode(ev: Evidence, pre, dec: list) -> bool:
+    """Whether ``pre`` (a departing prefill selection) is its own bug while its layer's decode
+    departure is explained by a decode-path bug upstream: ``pre`` lies after the first layer
+    whose decode departs while its prefill agrees (that bug changes every later layer's decode
+    queries, so their decode selections depart with it), and every prefill selection before
+    ``pre`` agrees (the prefill path does not run the decode bug: its departure starts at
+    ``pre``). Measured (``tests/planted_bugs/two_bugs_layers.py``, live, 512 tokens): layer 1's
+    decode at overlap 0.00 beside its prefill at 1.00, layer 3's prefill at 0.04 and its decode at
+    0.78, below the agreement bar."""
+    return (
+        bool(dec)
+        and pre.layer > dec[0].layer
+        and all(_agrees(s) for s in ev.layers if s.path == "prefill" and s.layer < pre.layer)
+    )
 
 
 def characterize(ev: Evidence, ctx: Context) -> dict:

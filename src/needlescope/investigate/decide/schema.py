@@ -166,8 +166,10 @@ _CHARACTERIZATION = record(
         "next": {"type": ["string", "null"]},  # a needlescope command
         "text": {"type": "string"},
         "measured": {"type": "object"},  # in-process: baseline, cells, layers (the rules' inputs)
+        "sites": {"type": "array", "items": {"type": "object"}},  # two independent bugs: each class's where
+        "topk_pair": {"type": "object"},  # black box: the top-k pair's counts, ruled_out, narrowed_to
     },
-    optional=("measured",),
+    optional=("measured", "sites", "topk_pair"),
 )
 VERDICTS_SCHEMA: dict = record(
     {

@@ -79,11 +79,13 @@ def live_ledger(
     why: str = "",
     api_key: str | None = None,
     config: str | None = None,
+    topk_endpoint: str | None = None,
 ) -> str:
     """The text of a live ledger for the endpoint at ``url`` (its info endpoints are read once):
     a black-box one (``blackbox_ledger``) when the endpoint has no indexer capture
     (``/get_server_info`` missing, or ``enable_return_indexer_topk`` not true). ``config``: the
-    served checkpoint's ``config.json`` as the black-box ledger names it."""
+    served checkpoint's ``config.json`` as the black-box ledger names it; ``topk_endpoint``: its
+    second endpoint with a larger top-k."""
     root, v1 = normalize_base_url(url)
     prov = collect_provenance(root, v1, api_key=api_key)
     status = prov.get("status", {})
@@ -102,7 +104,14 @@ def live_ledger(
     info = prov.get("/get_server_info")
     model, model_why = _reference_model(info)
     if not (isinstance(info, dict) and info.get("enable_return_indexer_topk") is True):
-        return blackbox_ledger(root, model, symptom or BLACKBOX_SYMPTOM, why, config=config)
+        return blackbox_ledger(
+            root, model, symptom or BLACKBOX_SYMPTOM, why, config=config, topk_endpoint=topk_endpoint
+        )
+    if topk_endpoint is not None:
+        raise BadInput(
+            f"--topk-endpoint is for an endpoint without a capture; {root} captures its indexer top-k "
+            "(the capture reads the selection itself): drop --topk-endpoint"
+        )
     if config is not None:
         raise BadInput(
             f"--config is for an endpoint without a capture; {root} captures its indexer top-k "
@@ -147,10 +156,25 @@ def live_ledger(
     return "\n".join(lines)
 
 
-def blackbox_ledger(root: str, model: str, symptom: dict, why: str, *, config: str | None = None) -> str:
+def blackbox_ledger(
+    root: str,
+    model: str,
+    symptom: dict,
+    why: str,
+    *,
+    config: str | None = None,
+    topk_endpoint: str | None = None,
+) -> str:
     """A black-box ledger (``candidate = "blackbox"``) for an endpoint without a capture: no
     suspects (nothing can be emulated against answers alone); ``config`` names the checkpoint's
-    ``config.json`` for the architecture numbers ``/get_server_info`` does not give."""
+    ``config.json`` for the architecture numbers ``/get_server_info`` does not give;
+    ``topk_endpoint`` the same deployment served with a larger top-k (``decide.blackbox_topk``)."""
+    pair = (
+        [f'topk_endpoint = "{topk_endpoint}"   # the same deployment with a larger --index-topk']
+        if topk_endpoint is not None
+        else ['# topk_endpoint = "http://HOST:PORT"   # the same deployment with a larger --index-topk']
+    )
+    pair.append("# topk_endpoint_topk = 128   # its index_topk, when its /get_server_info does not say it")
     cfg = (
         f'config = "{config}"   # the served checkpoint\'s config.json: its compression ratio and index_topk'
         if config is not None
@@ -167,6 +191,7 @@ def blackbox_ledger(root: str, model: str, symptom: dict, why: str, *, config: s
         'candidate = "blackbox"',
         f'endpoint = "{root}"',
         cfg,
+        *pair,
         "",
         *_symptom_toml(symptom, why or "a length x depth grid at 1K and 2K tokens"),
     ]

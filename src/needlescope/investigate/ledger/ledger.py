@@ -186,6 +186,11 @@ class Target:
     config: Path | None = None
     """The served checkpoint's ``config.json`` (black box: its compression ratio and
     ``index_topk`` when ``/get_server_info`` does not say them)."""
+    topk_endpoint: str | None = None
+    """Black box: a second endpoint serving the same deployment with a larger ``index_topk``
+    (``decide.blackbox_topk``); None: no top-k pair."""
+    topk_endpoint_topk: int | None = None
+    """That endpoint's ``index_topk`` when its ``/get_server_info`` does not say it (vLLM)."""
 
     @property
     def live(self) -> bool:
@@ -379,6 +384,7 @@ def _target(where: Where, t: dict, base: Path) -> Target:
     config = t.get("config") or None
     if config is not None and cand_text.strip() != BLACKBOX:
         raise where.error(where.key_line("config", tl), 'config is used only with candidate = "blackbox"')
+    topk_endpoint, topk_endpoint_topk = _topk_pair(where, t, tl, endpoint, cand_text.strip() == BLACKBOX)
     target = Target(
         model=expect(where, tl, t, "model", str, "'organism' or a checkpoint directory"),
         reference=_setting(
@@ -391,6 +397,8 @@ def _target(where: Where, t: dict, base: Path) -> Target:
         if cand_text.strip() in (LIVE, DUMP, BLACKBOX)
         else _setting(where, where.key_line("candidate", tl), cand_text, base),
         blackbox=cand_text.strip() == BLACKBOX,
+        topk_endpoint=topk_endpoint,
+        topk_endpoint_topk=topk_endpoint_topk,
         config=None
         if config is None
         else where.path_inside(config, base, where.key_line("config", tl), "config"),
@@ -423,6 +431,43 @@ def _target(where: Where, t: dict, base: Path) -> Target:
             'extra_patches describe an in-process candidate; with candidate = "live" or "dump" leave them out',
         )
     return target
+
+
+def _topk_pair(
+    where: Where, t: dict, tl: int, endpoint: str | None, blackbox: bool
+) -> tuple[str | None, int | None]:
+    """(``topk_endpoint``, ``topk_endpoint_topk``) of a black-box ledger: an http(s) URL other
+    than ``endpoint`` and, when given, a positive top-k; both None when left out."""
+    url = t.get("topk_endpoint") or None
+    topk = (
+        expect(
+            where, tl, t, "topk_endpoint_topk", int, "the second endpoint's index_topk (a positive integer)"
+        )
+        if "topk_endpoint_topk" in t
+        else None
+    )
+    if url is None:
+        if topk is not None:
+            raise where.error(
+                where.key_line("topk_endpoint_topk", tl), 'topk_endpoint_topk needs topk_endpoint = "URL"'
+            )
+        return None, None
+    line = where.key_line("topk_endpoint", tl)
+    if not blackbox:
+        raise where.error(line, 'topk_endpoint is used only with candidate = "blackbox"')
+    if not isinstance(url, str) or not re.match(r"https?://[^/\s]+", url):
+        raise where.error(
+            line, f"topk_endpoint = {url!r}; expected http://HOST:PORT (the larger-top-k server)"
+        )
+    if endpoint is not None and url.rstrip("/") == endpoint.rstrip("/"):
+        raise where.error(
+            line,
+            "topk_endpoint is the endpoint itself; give the server that runs the same deployment with a "
+            "larger --index-topk",
+        )
+    if topk is not None:
+        where.in_range("topk_endpoint_topk", topk, tl)
+    return url, topk
 
 
 def _dump_paths(where: Where, t: dict, tl: int, base: Path, wanted: bool) -> tuple[Path | None, Path | None]:

@@ -13,7 +13,10 @@ greedy, one request at a time) it measures, each step resumable from ``measure/b
    scan** (lengths L + d around the shortest failing length L, one case at each of up to three of
    its failing depths), the first failing cases **sent again alone**, and, where the server gives
    prompt logprobs (``targets.logprobs``: vLLM ``prompt_logprobs``, ``echo``, SGLang
-   ``return_logprob``), the gold answer of each failing case **teacher-forced**.
+   ``return_logprob``), the gold answer of each failing case **teacher-forced**;
+4. with the ledger's ``topk_endpoint`` (the same deployment with a larger top-k), the **top-k
+   pair**: the grid's cases and ``PAIR_CASES`` at each of ``blackbox_topk.pair_lengths`` sent to
+   both endpoints, paired case by case (``decide.blackbox_topk`` reads them).
 
 Prompts are sized by the server's own ``/tokenize`` when it has one, else by the ledger model's
 tokenizer (``LocalTokenCounter``), so the residue scan's lengths are the lengths the server saw.
@@ -36,6 +39,7 @@ from needlescope.investigate.decide.blackbox import (
     GridCell,
     residue_offsets,
 )
+from needlescope.investigate.decide.blackbox_topk import PairCell, TopkPair, pair_lengths
 from needlescope.investigate.decide.measured import Measured
 
 __all__ = ["measure", "STEP", "DENSE_CASES", "FAILING_CASES", "arch_from"]
@@ -45,6 +49,9 @@ DENSE_CASES = 6
 """Cases at the dense length: six losses of six give p = 1/64 < 0.05."""
 FAILING_CASES = 3
 """Failing cases sent again alone and scored teacher-forced."""
+PAIR_CASES = 12
+"""Cases per length of the top-k pair's own lengths: a restore needs six gains more than losses
+(exact McNemar, two-sided, p = 1/32)."""
 SCAN_DEPTHS = 3
 TOP_LOGPROBS = 5
 
@@ -88,25 +95,27 @@ def arch_from(info: dict | None, config: dict | None, config_name: str = "config
 class Blackbox:
     """The black-box measurements on a ``Session`` (module docstring); no decision."""
 
-    def __init__(self, session):
+    def __init__(self, session, endpoint: str | None = None):
         from needlescope.targets import normalize_base_url
 
         self.session = session
-        self.root, self.v1 = normalize_base_url(session.ledger.target.endpoint)
+        self.root, self.v1 = normalize_base_url(endpoint or session.ledger.target.endpoint)
         self.info: dict = {}
         self.model = "default"
         self.counter = None
         self.digits = None
 
     # -- the endpoint ---------------------------------------------------------------------
-    def connect(self) -> Arch:
+    def connect(self, record: bool = True) -> Arch:
+        """The endpoint's model, tokenizer and architecture numbers; ``record``: keep its
+        ``/get_server_info`` as the run's (the candidate's, not the top-k pair's second one)."""
         from needlescope.targets import collect_provenance, detect_server_tokenizer, served_models
 
         ss = self.session
         prov = collect_provenance(self.root, self.v1, api_key=ss.api_key)
         info = prov.get("/get_server_info")
         self.info = info if isinstance(info, dict) else {}
-        if self.info:
+        if self.info and record:
             ss.state.set_server_info(self.info)
         listed = served_models(self.root, ss.api_key)
         self.model = (listed or [None])[0] or str(self.info.get("model") or "default")
@@ -357,5 +366,77 @@ def _experiments(session, bb: Blackbox, ev, ctx, failing, by_id):
         method_note=note,
     )
     ctx = replace(ctx, prompt=_prompt_file(session, first[0]), needle=first[0].needle)
+    if session.ledger.target.topk_endpoint is not None:
+        grid_cases = [by_id[r["case_id"]] for r in session.state.records("bb-grid") if r["case_id"] in by_id]
+        ev = replace(ev, topk_pair=_topk_pair(session, bb, arch, grid_cases))
     session.state.mark_done(STEP, {"evidence": ev.to_json(), "context": ctx.to_json()})
     return ev, ctx
+
+
+def _topk_b(b: Blackbox, target) -> tuple[int, str]:
+    """The second endpoint's top-k and where it came from: its ``/get_server_info``, else the
+    ledger's ``topk_endpoint_topk``; BadInput when neither says it."""
+    said = _first(b.info, ("index_topk",))
+    if said is not None:
+        return said, "/get_server_info"
+    if target.topk_endpoint_topk is not None:
+        return target.topk_endpoint_topk, "the ledger's topk_endpoint_topk"
+    raise BadInput(
+        f"the top-k endpoint {b.root} does not say its index_topk (no /get_server_info): set "
+        "[target] topk_endpoint_topk = N, the --index-topk it was started with"
+    )
+
+
+def _topk_pair(session, bb: Blackbox, arch: Arch, grid_cases: list) -> TopkPair:
+    """The same cases on both endpoints (``decide.blackbox_topk``): the grid's, and
+    ``PAIR_CASES`` at each of ``pair_lengths`` (B dense; both selective)."""
+    t = session.ledger.target
+    b = Blackbox(session, t.topk_endpoint)
+    b.connect(record=False)
+    topk_b, source = _topk_b(b, t)
+    if arch.ratio is None or arch.topk is None:
+        raise BadInput(
+            "the top-k pair needs the endpoint's compression ratio and index_topk: pass --config config.json "
+            "(or set [target] config)"
+        )
+    if topk_b <= arch.topk:
+        raise BadInput(
+            f"topk_endpoint {b.root} serves index_topk {topk_b}, not more than the endpoint's {arch.topk}: "
+            "start it with a larger --index-topk"
+        )
+    if b.model != bb.model:
+        raise BadInput(
+            f"topk_endpoint {b.root} serves {b.model!r}, the endpoint {bb.model!r}: the pair must differ "
+            "only in index_topk"
+        )
+    depths = session.ledger.symptom.depths
+    known = {c.case_id for c in grid_cases}
+    extra = [
+        c
+        for c in bb.cases(pair_lengths(arch.ratio, arch.topk, topk_b), trials=-(-PAIR_CASES // len(depths)))
+        if c.case_id not in known
+    ]
+    a = {r["case_id"]: r for r in [*session.state.records("bb-grid"), *bb.send("bb-topk-a", extra)]}
+    b_said = b.send("bb-topk-b", [*grid_cases, *extra])
+    acc: dict[int, list[int]] = {}
+    errors = 0
+    for r in b_said:
+        ra = a.get(r["case_id"])
+        if r.get("error") or ra is None or ra.get("error"):
+            errors += 1  # unpaired: counted, left out of the cells
+            continue
+        cell = acc.setdefault(r["length"], [0, 0, 0, 0, 0])
+        cell[0] += 1
+        cell[1] += not ra["correct"]
+        cell[2] += not r["correct"]
+        cell[3] += (not ra["correct"]) and r["correct"]
+        cell[4] += ra["correct"] and not r["correct"]
+    return TopkPair(
+        endpoint_b=b.root,
+        topk_a=arch.topk,
+        topk_b=topk_b,
+        ratio=arch.ratio,
+        source_b=source,
+        cells=tuple(PairCell(length, *v) for length, v in sorted(acc.items())),
+        errors=errors,
+    )
