@@ -43,6 +43,13 @@ def init_command(
         help="With --live and an endpoint without a capture: the served checkpoint's config.json "
         "(compression ratio, index_topk), copied beside the ledger.",
     ),
+    served_model: str = typer.Option(
+        None,
+        "--served-model",
+        metavar="ID",
+        help="With --live and an endpoint without a capture: the model id its chats send "
+        "(needed where /v1/models lists none, e.g. transformers serve: its model path).",
+    ),
     api_key: str = API_KEY,
 ) -> None:
     """Write a ledger: the example (the original investigation, on the organism), a live one."""
@@ -53,6 +60,8 @@ def init_command(
 
     if live is not None and from_probe is not None:
         raise BadInput("give --live URL or --from-probe RUN_DIR, not both")
+    if served_model is not None and live is None:
+        raise BadInput("--served-model goes with --live URL (an endpoint without a capture); drop it")
     if config is not None and not config.is_file():
         raise BadInput(f"--config {config} is no file; pass the served checkpoint's config.json")
     with guard(directory, "investigate init", force):
@@ -63,7 +72,7 @@ def init_command(
         else:
             named = None if config is None else "config.json"
             text = (
-                live_ledger(live, api_key=api_key, config=named)
+                live_ledger(live, api_key=api_key, config=named, served_model=served_model)
                 if live is not None
                 else from_probe_ledger(from_probe, api_key=api_key)
             )

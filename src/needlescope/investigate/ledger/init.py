@@ -79,11 +79,13 @@ def live_ledger(
     why: str = "",
     api_key: str | None = None,
     config: str | None = None,
+    served_model: str | None = None,
 ) -> str:
     """The text of a live ledger for the endpoint at ``url`` (its info endpoints are read once):
     a black-box one (``blackbox_ledger``) when the endpoint has no indexer capture
     (``/get_server_info`` missing, or ``enable_return_indexer_topk`` not true). ``config``: the
-    served checkpoint's ``config.json`` as the black-box ledger names it."""
+    served checkpoint's ``config.json`` as the black-box ledger names it; ``served_model``: the
+    model id its chats send (needed where ``/v1/models`` lists none)."""
     root, v1 = normalize_base_url(url)
     prov = collect_provenance(root, v1, api_key=api_key)
     status = prov.get("status", {})
@@ -102,12 +104,20 @@ def live_ledger(
     info = prov.get("/get_server_info")
     model, model_why = _reference_model(info)
     if not (isinstance(info, dict) and info.get("enable_return_indexer_topk") is True):
-        return blackbox_ledger(root, model, symptom or BLACKBOX_SYMPTOM, why, config=config)
-    if config is not None:
-        raise BadInput(
-            f"--config is for an endpoint without a capture; {root} captures its indexer top-k "
-            "(its ledger is a live one): drop --config"
+        if served_model is None and not _lists_a_model(prov, info):
+            raise BadInput(
+                f"{v1}/models lists no model (HTTP {status.get('/v1/models')}) and /get_server_info names "
+                "none: pass --served-model ID, the id the endpoint serves (transformers serve: its model path)"
+            )
+        return blackbox_ledger(
+            root, model, symptom or BLACKBOX_SYMPTOM, why, config=config, served_model=served_model
         )
+    for flag, value in (("--config", config), ("--served-model", served_model)):
+        if value is not None:
+            raise BadInput(
+                f"{flag} is for an endpoint without a capture; {root} captures its indexer top-k "
+                f"(its ledger is a live one): drop {flag}"
+            )
     lines = [
         "# needlescope investigation ledger for a live endpoint (needlescope investigate run THIS --out DIR).",
         "# Each suspect is emulated in the reference checkpoint and compared with the selection the",
@@ -147,10 +157,30 @@ def live_ledger(
     return "\n".join(lines)
 
 
-def blackbox_ledger(root: str, model: str, symptom: dict, why: str, *, config: str | None = None) -> str:
+def _lists_a_model(prov: dict, info: object) -> bool:
+    """Whether the endpoint says a model id the black box can send: ``/v1/models`` lists one, or
+    ``/get_server_info`` names one."""
+    listed = prov.get("/v1/models")
+    data = listed.get("data") if isinstance(listed, dict) else None
+    if isinstance(data, list) and any(isinstance(m, dict) and m.get("id") for m in data):
+        return True
+    return isinstance(info, dict) and isinstance(info.get("model"), str) and bool(info["model"])
+
+
+def blackbox_ledger(
+    root: str,
+    model: str,
+    symptom: dict,
+    why: str,
+    *,
+    config: str | None = None,
+    served_model: str | None = None,
+) -> str:
     """A black-box ledger (``candidate = "blackbox"``) for an endpoint without a capture: no
     suspects (nothing can be emulated against answers alone); ``config`` names the checkpoint's
-    ``config.json`` for the architecture numbers ``/get_server_info`` does not give."""
+    ``config.json`` for the architecture numbers ``/get_server_info`` does not give,
+    ``served_model`` the model id its chats send; a commented ``[blackbox]`` table shows the
+    experiments' sizes (``investigate.ledger.blackbox``)."""
     cfg = (
         f'config = "{config}"   # the served checkpoint\'s config.json: its compression ratio and index_topk'
         if config is not None
@@ -167,8 +197,18 @@ def blackbox_ledger(root: str, model: str, symptom: dict, why: str, *, config: s
         'candidate = "blackbox"',
         f'endpoint = "{root}"',
         cfg,
+        *(
+            [f"served_model = {json.dumps(served_model)}   # the model id the chats send"]
+            if served_model
+            else []
+        ),
         "",
         *_symptom_toml(symptom, why or "a length x depth grid at 1K and 2K tokens"),
+        "# [blackbox]             # the experiments after a loss, at their default sizes",
+        "# dense_cases = 6        # cases at the dense length (ratio x top-k - 1 tokens)",
+        "# failing_cases = 3      # failing cases sent again alone and teacher-forced",
+        "# scan_depths = 3        # failing depths of the residue scan",
+        "",
     ]
     return "\n".join(lines)
 
