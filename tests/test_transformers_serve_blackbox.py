@@ -152,3 +152,18 @@ def test_without_a_served_model_init_and_run_say_what_to_set(investigated, run_c
         "investigate", "run", str(tmp_path / "investigation.toml"), "--out", str(tmp_path / "o")
     )
     assert code == 2 and "served_model" in err and "Traceback" not in err, out + err
+
+
+def test_a_ledger_from_a_probe_sends_the_model_the_probe_sent(investigated, run_cli, tmp_path):
+    from needlescope.investigate.ledger.ledger import load_ledger
+
+    bug = next(name for name, cls in CLASSES.items() if cls == "outside_selection")
+    url, w = investigated["urls"][bug], str(investigated["weights"])
+    code, out, err = run_cli("probe", "--base-url", url + "/v1", "--model", w, "--tokenizer", w, "--value-digits", "3",
+                             "--lengths", "256", "--depths", "0", "--trials", "1", "--out", str(tmp_path / "p"))  # fmt: skip
+    assert code == 0, out + err
+    code, out, err = run_cli("investigate", "init", str(tmp_path / "fp"), "--from-probe", str(tmp_path / "p"))
+    assert code == 0, out + err
+    ledger = load_ledger(tmp_path / "fp" / "investigation.toml")
+    assert ledger.target.blackbox and ledger.target.served_model == w
+    assert (ledger.symptom.lengths, ledger.symptom.depths) == ((256,), (0.0,))

@@ -80,12 +80,15 @@ def live_ledger(
     api_key: str | None = None,
     config: str | None = None,
     served_model: str | None = None,
+    probed_model: str | None = None,
 ) -> str:
     """The text of a live ledger for the endpoint at ``url`` (its info endpoints are read once):
     a black-box one (``blackbox_ledger``) when the endpoint has no indexer capture
     (``/get_server_info`` missing, or ``enable_return_indexer_topk`` not true). ``config``: the
     served checkpoint's ``config.json`` as the black-box ledger names it; ``served_model``: the
-    model id its chats send (needed where ``/v1/models`` lists none)."""
+    model id its chats send (needed where ``/v1/models`` lists none); ``probed_model``: the id a
+    probe sent (``--from-probe``), the black-box ledger's ``served_model`` unless one is given
+    (a live ledger sends none)."""
     root, v1 = normalize_base_url(url)
     prov = collect_provenance(root, v1, api_key=api_key)
     status = prov.get("status", {})
@@ -104,6 +107,7 @@ def live_ledger(
     info = prov.get("/get_server_info")
     model, model_why = _reference_model(info)
     if not (isinstance(info, dict) and info.get("enable_return_indexer_topk") is True):
+        served_model = served_model or probed_model
         if served_model is None and not _lists_a_model(prov, info):
             raise BadInput(
                 f"{v1}/models lists no model (HTTP {status.get('/v1/models')}) and /get_server_info names "
@@ -248,7 +252,14 @@ def from_probe_ledger(run_dir: str | Path, *, api_key: str | None = None) -> str
     }
     where = ", ".join(f"{c['length']}@{c['depth']:g}% ({c['correct']}/{c['n']})" for c in failing)
     why = f"the failing cells of {run_dir} (recall < {threshold:g}): {where}"
-    return live_ledger(root, symptom=symptom, why=why[:300], api_key=api_key)
+    model = summary.get("model")
+    return live_ledger(
+        root,
+        symptom=symptom,
+        why=why[:300],
+        api_key=api_key,
+        probed_model=model if isinstance(model, str) else None,
+    )
 
 
 def write_ledger(directory: str | Path, text: str, *, force: bool = False) -> Path:
