@@ -152,6 +152,14 @@ def test_without_a_served_model_init_and_run_say_what_to_set(investigated, run_c
         "investigate", "run", str(tmp_path / "investigation.toml"), "--out", str(tmp_path / "o")
     )
     assert code == 2 and "served_model" in err and "Traceback" not in err, out + err
+    # a served_model the server does not serve: its own refusal, in one line, before any case
+    (tmp_path / "investigation.toml").write_text(
+        text.replace("[symptom]", 'served_model = "nope"\n[symptom]', 1)
+    )
+    code, out, err = run_cli(
+        "investigate", "run", str(tmp_path / "investigation.toml"), "--out", str(tmp_path / "o2")
+    )
+    assert code == 2 and "'nope' failed (HTTP 400: Server is pinned" in " ".join(err.split()), out + err
 
 
 def test_a_ledger_from_a_probe_sends_the_model_the_probe_sent(investigated, run_cli, tmp_path):

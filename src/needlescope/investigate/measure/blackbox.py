@@ -134,7 +134,9 @@ class Blackbox:
         ss = self.session
         named = ss.ledger.target.served_model
         if named is not None:
-            preflight(self.root, named, ss.api_key, timeout=60, flag="[target] endpoint")
+            preflight(
+                self.root, named, ss.api_key, timeout=60, flag="[target] endpoint", model_flag="served_model"
+            )
             return named
         listed = served_models(self.root, ss.api_key)
         said = listed[0] if listed else self.info.get("model")
