@@ -156,3 +156,53 @@ def test_cli_prefill_chunk_is_validated_before_anything_runs(tmp_path, run_cli):
         "0",
     )
     assert code == 2 and "chunk must be a positive number" in err and not (tmp_path / "o").exists()
+
+
+def _blackbox_text(extra: str = "", **target) -> str:
+    from needlescope.investigate.ledger.init import blackbox_ledger
+
+    symptom = {"kind": "multiturn", "lengths": [256], "depths": [0], "trials": 1, "seed": 0}
+    return blackbox_ledger("http://127.0.0.1:9", "organism", symptom, "", **target) + extra
+
+
+def test_a_blackbox_plan_and_served_model_are_typed_and_checked(tmp_path):
+    path = tmp_path / "investigation.toml"
+    plain = parse_ledger(_blackbox_text(), path)
+    assert (plain.blackbox.dense_cases, plain.blackbox.failing_cases, plain.blackbox.scan_depths) == (6, 3, 3)
+    assert plain.target.served_model is None
+    text = _blackbox_text("[blackbox]\nfailing_cases = 2\nscan_depths = 1\n", served_model="/srv/model")
+    ledger = parse_ledger(text, path)
+    assert ledger.blackbox.to_json() == {"dense_cases": 6, "failing_cases": 2, "scan_depths": 1}
+    assert ledger.target.served_model == "/srv/model"
+    for extra, says in (
+        ("[blackbox]\ndense_cases = 4\n", "dense_cases = 4; expected 5..1000"),  # 4 losses: p 1/16
+        ("[blackbox]\nfailing_cases = 1\n", "failing_cases = 1; expected 2..100"),
+        ("[blackbox]\nscan_depths = 2.5\n", "scan_depths = 2.5; expected an integer in 1..100"),
+        (
+            "[blackbox]\nscan_depth = 2\n",
+            "unknown key 'scan_depth' in [blackbox] (did you mean 'scan_depths'?)",
+        ),
+        ("[blackbx]\n", "unknown top-level key(s) blackbx (did you mean 'blackbox'?)"),
+    ):
+        with pytest.raises(BadInput, match="investigation.toml:") as exc:
+            parse_ledger(_blackbox_text(extra), path)
+        assert says in str(exc.value)
+    # the line named is the key's
+    with pytest.raises(BadInput) as exc:
+        parse_ledger(_blackbox_text("[blackbox]\nfailing_cases = 2\nscan_depths = 0\n"), path)
+    assert f"investigation.toml:{len(_blackbox_text().splitlines()) + 3}:" in str(exc.value)
+
+
+def test_blackbox_keys_are_refused_on_other_routes(tmp_path):
+    path = tmp_path / "investigation.toml"
+    suspect = '[[suspects]]\nid = "x"\ntier = 1\nhypothesis = "h"\nsetting = "k=fp8_e4m3"\nchecks = ["live_emulation"]\n'
+    live = _blackbox_text("[blackbox]\nscan_depths = 2\n" + suspect).replace(
+        'candidate = "blackbox"', 'candidate = "live"'
+    )
+    with pytest.raises(BadInput, match=r'\[blackbox\] is used only with candidate = "blackbox"'):
+        parse_ledger(live, path)
+    served = _blackbox_text(served_model="m").replace('candidate = "blackbox"', 'candidate = "live"')
+    with pytest.raises(BadInput, match='served_model is used only with candidate = "blackbox"'):
+        parse_ledger(served, path)
+    with pytest.raises(BadInput, match="served_model is empty"):
+        parse_ledger(_blackbox_text().replace("[symptom]", 'served_model = " "\n[symptom]', 1), path)

@@ -18,23 +18,16 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import socket
 import subprocess
 import sys
-import time
-from contextlib import ExitStack
-from pathlib import Path
 
-import httpx
 import pytest
 
 pytest.importorskip("accelerate")  # transformers' serving extra
 pytest.importorskip("torch")
 
-import needlescope  # noqa: E402
+from transformers_serve import organism_copy, plant, started  # noqa: E402
 
-WEIGHTS = Path(needlescope.__file__).parent / "organism" / "weights"
 CLI = [sys.executable, "-m", "needlescope.cli.main"]
 PLANTED = """\
 import transformers.models.deepseek_v4.modeling_deepseek_v4 as _modeling
@@ -51,59 +44,13 @@ _modeling.DeepseekV4IndexerScorer.forward = _forward
 LONG = "1024"  # 256 entries: the top-64 selection decides what the answer sees
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _start(exe: str, weights: Path, log: Path, pythonpath: str | None) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    if pythonpath is not None:
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (pythonpath, env.get("PYTHONPATH")) if p)
-    cmd = [exe, "serve", str(weights), "--host", "127.0.0.1", "--port", str(port), "--device", "cpu"]
-    # A file, not a pipe: its log would fill an unread pipe and stall the server.
-    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
-    return proc, f"http://127.0.0.1:{port}"
-
-
-def _wait(proc: subprocess.Popen, url: str, log: Path, deadline: float) -> None:
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"transformers serve exited: {log.read_text()[-2000:]}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(1)
-    pytest.fail(f"transformers serve did not answer /health within 240 s: {log.read_text()[-2000:]}")
-
-
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
     """{"weights": the top-64 copy (also the model id), "healthy": URL, "planted": URL}."""
-    exe = shutil.which("transformers", path=str(Path(sys.executable).parent))
-    if exe is None:
-        pytest.skip("the transformers CLI is not installed")
     root = tmp_path_factory.mktemp("transformers_serve")
-    weights = root / "organism_top64"
-    shutil.copytree(WEIGHTS, weights)
-    config = json.loads((weights / "config.json").read_text())
-    (weights / "config.json").write_text(json.dumps({**config, "index_topk": 64}, indent=2))
-    (root / "planted").mkdir()
-    (root / "planted" / "sitecustomize.py").write_text(PLANTED)
-    with ExitStack() as stack:
-        started = {}
-        for name, path in (("healthy", None), ("planted", str(root / "planted"))):
-            proc, url = _start(exe, weights, root / f"{name}.log", path)
-            stack.callback(lambda p=proc: (p.kill(), p.wait(timeout=30)))
-            started[name] = (proc, url)
-        deadline = time.time() + 240
-        for name, (proc, url) in started.items():
-            _wait(proc, url, root / f"{name}.log", deadline)
-        yield {"weights": str(weights), **{name: url for name, (_, url) in started.items()}}
+    weights = organism_copy(root / "organism_top64", 64)
+    with started(weights, {"healthy": None, "planted": plant(root / "planted", PLANTED)}, root) as urls:
+        yield {"weights": str(weights), **urls}
 
 
 def _cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:

@@ -46,8 +46,16 @@ def init_command(
     topk_endpoint: str = typer.Option(
         None,
         "--topk-endpoint",
+        metavar="URL",
         help="With --live and an endpoint without a capture: a second server of the same deployment "
         "with a larger --index-topk (the top-k pair experiment).",
+    ),
+    served_model: str = typer.Option(
+        None,
+        "--served-model",
+        metavar="ID",
+        help="With --live and an endpoint without a capture: the model id its chats send "
+        "(needed where /v1/models lists none, e.g. transformers serve: its model path).",
     ),
     api_key: str = API_KEY,
 ) -> None:
@@ -61,6 +69,8 @@ def init_command(
         raise BadInput("give --live URL or --from-probe RUN_DIR, not both")
     if topk_endpoint is not None and live is None:
         raise BadInput("--topk-endpoint goes with --live URL (the endpoint whose top-k it enlarges)")
+    if served_model is not None and live is None:
+        raise BadInput("--served-model goes with --live URL (an endpoint without a capture); drop it")
     if config is not None and not config.is_file():
         raise BadInput(f"--config {config} is no file; pass the served checkpoint's config.json")
     with guard(directory, "investigate init", force):
@@ -71,7 +81,13 @@ def init_command(
         else:
             named = None if config is None else "config.json"
             text = (
-                live_ledger(live, api_key=api_key, config=named, topk_endpoint=topk_endpoint)
+                live_ledger(
+                    live,
+                    api_key=api_key,
+                    config=named,
+                    topk_endpoint=topk_endpoint,
+                    served_model=served_model,
+                )
                 if live is not None
                 else from_probe_ledger(from_probe, api_key=api_key)
             )

@@ -426,13 +426,15 @@ def preflight(
     *,
     transport: httpx.BaseTransport | None = None,
     flag: str = "--base-url",
+    model_flag: str = "--model",
 ) -> list[str]:
     """Check the server is reachable, serves ``model`` and has chat completions.
 
     Returns what had to be assumed (empty when ``/v1/models`` lists ``model``): some servers
     (transformers serve) list nothing or fail ``/v1/models`` yet chat fine, so when the list does
     not show ``model`` a one-token chat with it decides. Raises BadInput with one line saying what
-    is wrong and what to do (``flag``: the option that named this server, e.g. compare's ``--b``).
+    is wrong and what to do (``flag``: the option that named this server, e.g. compare's ``--b``;
+    ``model_flag``: the one that named ``model``).
     """
     _root, v1 = normalize_base_url(base_url)
     with sync_client(api_key, timeout, transport) as client:
@@ -474,5 +476,5 @@ def preflight(
         raise BadInput(f"model {model!r} not served at {v1}; available: {', '.join(ids)}")
     raise BadInput(
         f"{listing}, and a one-token chat with {model!r} failed (HTTP {chat.status_code}: "
-        f"{_error_message(chat)[:120]}); check {flag} and --model"
+        f"{_error_message(chat)[:120]}); check {flag} and {model_flag}"
     )

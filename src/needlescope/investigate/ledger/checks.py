@@ -28,6 +28,10 @@ LIMITS: dict[str, tuple[int, int]] = {
     "prefill_chunk": (1, 1_048_576),
     "tier": (1, 99),
     "topk_endpoint_topk": (1, 1_048_576),
+    # [blackbox] (investigate.ledger.blackbox says why each minimum)
+    "dense_cases": (5, 1000),
+    "failing_cases": (2, 100),
+    "scan_depths": (1, 100),
 }
 """Inclusive ranges of the ledger's integers (lengths per entry): the probe's own flag limits
 where it has them, else what any run of the organism or a real deployment could use."""

@@ -80,12 +80,16 @@ def live_ledger(
     api_key: str | None = None,
     config: str | None = None,
     topk_endpoint: str | None = None,
+    served_model: str | None = None,
+    probed_model: str | None = None,
 ) -> str:
     """The text of a live ledger for the endpoint at ``url`` (its info endpoints are read once):
     a black-box one (``blackbox_ledger``) when the endpoint has no indexer capture
     (``/get_server_info`` missing, or ``enable_return_indexer_topk`` not true). ``config``: the
     served checkpoint's ``config.json`` as the black-box ledger names it; ``topk_endpoint``: its
-    second endpoint with a larger top-k."""
+    second endpoint with a larger top-k; ``served_model``: the model id its chats send (needed
+    where ``/v1/models`` lists none); ``probed_model``: the id a probe sent (``--from-probe``), the
+    black-box ledger's ``served_model`` unless one is given (a live ledger sends none)."""
     root, v1 = normalize_base_url(url)
     prov = collect_provenance(root, v1, api_key=api_key)
     status = prov.get("status", {})
@@ -104,19 +108,31 @@ def live_ledger(
     info = prov.get("/get_server_info")
     model, model_why = _reference_model(info)
     if not (isinstance(info, dict) and info.get("enable_return_indexer_topk") is True):
+        served_model = served_model or probed_model
+        if served_model is None and not _lists_a_model(prov, info):
+            raise BadInput(
+                f"{v1}/models lists no model (HTTP {status.get('/v1/models')}) and /get_server_info names "
+                "none: pass --served-model ID, the id the endpoint serves (transformers serve: its model path)"
+            )
         return blackbox_ledger(
-            root, model, symptom or BLACKBOX_SYMPTOM, why, config=config, topk_endpoint=topk_endpoint
+            root,
+            model,
+            symptom or BLACKBOX_SYMPTOM,
+            why,
+            config=config,
+            served_model=served_model,
+            topk_endpoint=topk_endpoint,
         )
-    if topk_endpoint is not None:
-        raise BadInput(
-            f"--topk-endpoint is for an endpoint without a capture; {root} captures its indexer top-k "
-            "(the capture reads the selection itself): drop --topk-endpoint"
-        )
-    if config is not None:
-        raise BadInput(
-            f"--config is for an endpoint without a capture; {root} captures its indexer top-k "
-            "(its ledger is a live one): drop --config"
-        )
+    for flag, value in (
+        ("--config", config),
+        ("--served-model", served_model),
+        ("--topk-endpoint", topk_endpoint),
+    ):
+        if value is not None:
+            raise BadInput(
+                f"{flag} is for an endpoint without a capture; {root} captures its indexer top-k "
+                f"(its ledger is a live one): drop {flag}"
+            )
     lines = [
         "# needlescope investigation ledger for a live endpoint (needlescope investigate run THIS --out DIR).",
         "# Each suspect is emulated in the reference checkpoint and compared with the selection the",
@@ -156,6 +172,16 @@ def live_ledger(
     return "\n".join(lines)
 
 
+def _lists_a_model(prov: dict, info: object) -> bool:
+    """Whether the endpoint says a model id the black box can send: ``/v1/models`` lists one, or
+    ``/get_server_info`` names one."""
+    listed = prov.get("/v1/models")
+    data = listed.get("data") if isinstance(listed, dict) else None
+    if isinstance(data, list) and any(isinstance(m, dict) and m.get("id") for m in data):
+        return True
+    return isinstance(info, dict) and isinstance(info.get("model"), str) and bool(info["model"])
+
+
 def blackbox_ledger(
     root: str,
     model: str,
@@ -164,11 +190,14 @@ def blackbox_ledger(
     *,
     config: str | None = None,
     topk_endpoint: str | None = None,
+    served_model: str | None = None,
 ) -> str:
     """A black-box ledger (``candidate = "blackbox"``) for an endpoint without a capture: no
     suspects (nothing can be emulated against answers alone); ``config`` names the checkpoint's
-    ``config.json`` for the architecture numbers ``/get_server_info`` does not give;
-    ``topk_endpoint`` the same deployment served with a larger top-k (``decide.blackbox_topk``)."""
+    ``config.json`` for the architecture numbers ``/get_server_info`` does not give,
+    ``topk_endpoint`` the same deployment served with a larger top-k (``decide.blackbox_topk``),
+    ``served_model`` the model id its chats send; a commented ``[blackbox]`` table shows the
+    experiments' sizes (``investigate.ledger.blackbox``)."""
     pair = (
         [f'topk_endpoint = "{topk_endpoint}"   # the same deployment with a larger --index-topk']
         if topk_endpoint is not None
@@ -192,8 +221,18 @@ def blackbox_ledger(
         f'endpoint = "{root}"',
         cfg,
         *pair,
+        *(
+            [f"served_model = {json.dumps(served_model)}   # the model id the chats send"]
+            if served_model
+            else []
+        ),
         "",
         *_symptom_toml(symptom, why or "a length x depth grid at 1K and 2K tokens"),
+        "# [blackbox]             # the experiments after a loss, at their default sizes",
+        "# dense_cases = 6        # cases at the dense length (ratio x top-k - 1 tokens)",
+        "# failing_cases = 3      # failing cases sent again alone and teacher-forced",
+        "# scan_depths = 3        # failing depths of the residue scan",
+        "",
     ]
     return "\n".join(lines)
 
@@ -233,7 +272,14 @@ def from_probe_ledger(run_dir: str | Path, *, api_key: str | None = None) -> str
     }
     where = ", ".join(f"{c['length']}@{c['depth']:g}% ({c['correct']}/{c['n']})" for c in failing)
     why = f"the failing cells of {run_dir} (recall < {threshold:g}): {where}"
-    return live_ledger(root, symptom=symptom, why=why[:300], api_key=api_key)
+    model = summary.get("model")
+    return live_ledger(
+        root,
+        symptom=symptom,
+        why=why[:300],
+        api_key=api_key,
+        probed_model=model if isinstance(model, str) else None,
+    )
 
 
 def write_ledger(directory: str | Path, text: str, *, force: bool = False) -> Path:

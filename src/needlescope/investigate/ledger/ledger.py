@@ -53,6 +53,10 @@ in-process candidate), and ``extra_patches`` with a live candidate, are refused 
 With ``candidate = "dump"`` (``dump`` then names the dump directory) the candidate is an engine's
 tensor dump of one request (``dsa.compare_dump``): nothing runs it, so a suspect has no checks
 (only questions); the localization comes from comparing the dump with the reference.
+
+With ``candidate = "blackbox"`` (an endpoint without a capture) the ledger has no checks; it may
+name ``config`` (the served ``config.json``) and ``served_model`` (the id its chats send) and
+carry a ``[blackbox]`` table sizing the experiments (``investigate.ledger.blackbox``).
 """
 
 from __future__ import annotations
@@ -64,6 +68,7 @@ from pathlib import Path
 
 from needlescope.cases import KINDS
 from needlescope.errors import BadInput
+from needlescope.investigate.ledger.blackbox import BlackboxPlan, parse_blackbox
 from needlescope.investigate.ledger.checks import Tracked, Where, expect, read_utf8, suggestion
 from needlescope.setting import PatchRef, Setting, check_chunk
 
@@ -191,6 +196,9 @@ class Target:
     (``decide.blackbox_topk``); None: no top-k pair."""
     topk_endpoint_topk: int | None = None
     """That endpoint's ``index_topk`` when its ``/get_server_info`` does not say it (vLLM)."""
+    served_model: str | None = None
+    """The model id the black box sends with every chat; None: the first ``/v1/models`` lists
+    (a server that lists none, such as ``transformers serve`` offline, needs it)."""
 
     @property
     def live(self) -> bool:
@@ -222,6 +230,8 @@ class Ledger:
     target: Target
     symptom: Symptom
     suspects: tuple[Suspect, ...] = field(default=())
+    blackbox: BlackboxPlan = field(default=BlackboxPlan())
+    """The ``[blackbox]`` table (``candidate = "blackbox"`` only; its defaults otherwise)."""
 
     def ordered_suspects(self) -> list[Suspect]:
         """Suspects in tier order (stable within a tier)."""
@@ -382,8 +392,18 @@ def _target(where: Where, t: dict, base: Path) -> Target:
             f'candidate = "{cand_text.strip()}" needs endpoint = "http://HOST:PORT" (the live server)',
         )
     config = t.get("config") or None
-    if config is not None and cand_text.strip() != BLACKBOX:
-        raise where.error(where.key_line("config", tl), 'config is used only with candidate = "blackbox"')
+    served = (
+        expect(where, tl, t, "served_model", str, "a model id such as 'my-model'")
+        if "served_model" in t
+        else None
+    )
+    for key, value in (("config", config), ("served_model", served)):
+        if value is not None and cand_text.strip() != BLACKBOX:
+            raise where.error(where.key_line(key, tl), f'{key} is used only with candidate = "blackbox"')
+    if served is not None and not served.strip():
+        raise where.error(
+            where.key_line("served_model", tl), "served_model is empty; expected the endpoint's model id"
+        )
     topk_endpoint, topk_endpoint_topk = _topk_pair(where, t, tl, endpoint, cand_text.strip() == BLACKBOX)
     target = Target(
         model=expect(where, tl, t, "model", str, "'organism' or a checkpoint directory"),
@@ -402,6 +422,7 @@ def _target(where: Where, t: dict, base: Path) -> Target:
         config=None
         if config is None
         else where.path_inside(config, base, where.key_line("config", tl), "config"),
+        served_model=served,
         dump=dump[0],
         dump_mapping=dump[1],
         extra_patches=tuple(
@@ -542,11 +563,12 @@ def parse_ledger(text: str, path: Path, *, allow_outside: bool = False) -> Ledge
     for section in ("target", "symptom"):
         if not isinstance(raw.get(section), dict):
             raise where.error(1, f"missing [{section}] table")
-    unknown = sorted(set(raw) - {"target", "symptom", "suspects"})
+    tables = ("target", "symptom", "suspects", "blackbox")
+    unknown = sorted(set(raw) - set(tables))
     if unknown:
-        hint = suggestion(unknown[0], ("target", "symptom", "suspects"))
+        hint = suggestion(unknown[0], tables)
         raise where.error(
-            1, f"unknown top-level key(s) {', '.join(unknown)}{hint}; expected target, symptom, suspects"
+            1, f"unknown top-level key(s) {', '.join(unknown)}{hint}; expected {', '.join(tables)}"
         )
     raw["target"], raw["symptom"] = Tracked(raw["target"]), Tracked(raw["symptom"])
     target = _target(where, raw["target"], base)
@@ -588,7 +610,8 @@ def parse_ledger(text: str, path: Path, *, allow_outside: bool = False) -> Ledge
             f"suspect id {dup[0]!r} appears twice",
         )
     _check_routes(where, target, suspects)
-    return Ledger(path=path, target=target, symptom=symptom, suspects=suspects)
+    plan = parse_blackbox(where, raw.get("blackbox"), target.blackbox)
+    return Ledger(path=path, target=target, symptom=symptom, suspects=suspects, blackbox=plan)
 
 
 def load_ledger(path: str | Path, *, allow_outside: bool = False) -> Ledger:

@@ -8,15 +8,21 @@ greedy, one request at a time) it measures, each step resumable from ``measure/b
    ``/get_server_info`` where the server says them, else from the ledger's ``config``
    (a ``config.json``), else from the ledger model's ``config.json``;
 2. **grid**: the symptom's length x depth cases; a case is lost when its answer is wrong;
-3. when a case is lost, the discriminating experiments (``decide.blackbox`` decides):
-   the **dense length** (``ratio x top-k - 1`` tokens: every entry selected), the **residue
-   scan** (lengths L + d around the shortest failing length L, one case at each of up to three of
-   its failing depths), the first failing cases **sent again alone**, and, where the server gives
-   prompt logprobs (``targets.logprobs``: vLLM ``prompt_logprobs``, ``echo``, SGLang
-   ``return_logprob``), the gold answer of each failing case **teacher-forced**;
+3. when a case is lost, the discriminating experiments (``decide.blackbox`` decides), sized by
+   the ledger's ``[blackbox]`` table (``investigate.ledger.blackbox.BlackboxPlan``): the **dense
+   length** (``ratio x top-k - 1`` tokens: every entry selected; ``dense_cases``), the **residue
+   scan** (lengths L + d around the shortest failing length L, one case at each of up to
+   ``scan_depths`` of its failing depths), the first ``failing_cases`` failing cases **sent again
+   alone**, and, where the server gives prompt logprobs (``targets.logprobs``: vLLM
+   ``prompt_logprobs``, ``echo``, SGLang ``return_logprob``), the gold answer of each
+   **teacher-forced** (where it gives none, the evidence says so and ``decode_only`` stays
+   undecided, naming the missing logprobs).
 4. with the ledger's ``topk_endpoint`` (the same deployment with a larger top-k), the **top-k
    pair**: the grid's cases and ``PAIR_CASES`` at each of ``blackbox_topk.pair_lengths`` sent to
    both endpoints, paired case by case (``decide.blackbox_topk`` reads them).
+
+The chats name the ledger's ``served_model``, else the first model ``/v1/models`` lists; a server
+that lists none (``transformers serve`` offline) with no ``served_model`` is BadInput.
 
 Prompts are sized by the server's own ``/tokenize`` when it has one, else by the ledger model's
 tokenizer (``LocalTokenCounter``), so the residue scan's lengths are the lengths the server saw.
@@ -42,17 +48,12 @@ from needlescope.investigate.decide.blackbox import (
 from needlescope.investigate.decide.blackbox_topk import PairCell, TopkPair, pair_lengths
 from needlescope.investigate.decide.measured import Measured
 
-__all__ = ["measure", "STEP", "DENSE_CASES", "FAILING_CASES", "arch_from"]
+__all__ = ["measure", "STEP", "arch_from"]
 
 STEP = "measured:blackbox"
-DENSE_CASES = 6
-"""Cases at the dense length: six losses of six give p = 1/64 < 0.05."""
-FAILING_CASES = 3
-"""Failing cases sent again alone and scored teacher-forced."""
 PAIR_CASES = 12
 """Cases per length of the top-k pair's own lengths: a restore needs six gains more than losses
 (exact McNemar, two-sided, p = 1/32)."""
-SCAN_DEPTHS = 3
 TOP_LOGPROBS = 5
 
 _CHUNK_KEYS = ("chunked_prefill_size", "prefill_chunk", "max_num_batched_tokens")
@@ -109,7 +110,7 @@ class Blackbox:
     def connect(self, record: bool = True) -> Arch:
         """The endpoint's model, tokenizer and architecture numbers; ``record``: keep its
         ``/get_server_info`` as the run's (the candidate's, not the top-k pair's second one)."""
-        from needlescope.targets import collect_provenance, detect_server_tokenizer, served_models
+        from needlescope.targets import collect_provenance, detect_server_tokenizer
 
         ss = self.session
         prov = collect_provenance(self.root, self.v1, api_key=ss.api_key)
@@ -117,8 +118,7 @@ class Blackbox:
         self.info = info if isinstance(info, dict) else {}
         if self.info and record:
             ss.state.set_server_info(self.info)
-        listed = served_models(self.root, ss.api_key)
-        self.model = (listed or [None])[0] or str(self.info.get("model") or "default")
+        self.model = self._served_model()
         self.counter = detect_server_tokenizer(self.root, self.model, api_key=ss.api_key)
         local = self._model_dir()
         if self.counter is None:
@@ -133,6 +133,28 @@ class Blackbox:
         self.digits = self._value_digits(local)
         config, name = self._config(local)
         return arch_from(self.info, config, name)
+
+    def _served_model(self) -> str:
+        """The ledger's ``served_model`` (checked with ``preflight``: a one-token chat where
+        ``/v1/models`` does not list it), else the first listed model, else the one
+        ``/get_server_info`` names; BadInput when none of them says one."""
+        from needlescope.targets import preflight, served_models
+
+        ss = self.session
+        named = ss.ledger.target.served_model
+        if named is not None:
+            preflight(
+                self.root, named, ss.api_key, timeout=60, flag="[target] endpoint", model_flag="served_model"
+            )
+            return named
+        listed = served_models(self.root, ss.api_key)
+        said = listed[0] if listed else self.info.get("model")
+        if not isinstance(said, str) or not said:
+            raise BadInput(
+                f"{self.v1}/models lists no model and the ledger names none: set [target] served_model "
+                '= "ID" (the id the endpoint serves; investigate init --served-model ID writes it)'
+            )
+        return said
 
     def _model_dir(self) -> Path | None:
         from needlescope.dsa.checkpoint import resolve_model_dir
@@ -326,6 +348,8 @@ def measure(session) -> Measured:
             "errors": sum(1 for r in grid if r.get("error")),
             "failing_cases": len(failing),
             "architecture": {**arch.__dict__},
+            "served_model": bb.model,
+            "plan": session.ledger.blackbox.to_json(),  # the [blackbox] sizes the experiments ran at
         },
         blackbox={"evidence": ev.to_json(), "context": ctx.to_json()},
     )
@@ -333,13 +357,14 @@ def measure(session) -> Measured:
 
 def _experiments(session, bb: Blackbox, ev, ctx, failing, by_id):
     """The discriminating experiments of a run that lost cases (module docstring)."""
-    arch = ev.arch
+    arch, plan = ev.arch, session.ledger.blackbox
     dense = []
     if arch.dense_length is not None:
         depths = session.ledger.symptom.depths
-        dense = bb.send("bb-dense", bb.cases([arch.dense_length], trials=-(-DENSE_CASES // len(depths))))
+        trials = -(-plan.dense_cases // len(depths))
+        dense = bb.send("bb-dense", bb.cases([arch.dense_length], trials=trials))
     L = failing[0]["length"]
-    lost_depths = sorted({r["depth"] for r in failing if r["length"] == L})[:SCAN_DEPTHS]
+    lost_depths = sorted({r["depth"] for r in failing if r["length"] == L})[: plan.scan_depths]
     scan_cases = bb.cases([L + d for d in residue_offsets(arch)], depths=lost_depths, trials=1)
     scan = bb.send("bb-scan", scan_cases)
     tally: dict[int, list[int]] = {}
@@ -349,7 +374,7 @@ def _experiments(session, bb: Blackbox, ev, ctx, failing, by_id):
             a = tally.setdefault(r["length"], [0, 0])
             a[0] += bool(r["correct"])
             a[1] += 1
-    first = [by_id[r["case_id"]] for r in failing[:FAILING_CASES]]
+    first = [by_id[r["case_id"]] for r in failing[: plan.failing_cases]]
     again = bb.send("bb-rerun", first)
     said = {r["case_id"]: r["answer"] for r in failing}
     answered = [r for r in again if not r.get("error")]
