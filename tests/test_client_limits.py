@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -32,8 +33,14 @@ from hostile_peer import HostilePeer  # noqa: E402
 # bound on the whole request can end a trickle. Every hostile request costs the test this long.
 TIMEOUT = 1.0
 # The command's own work (imports, discovery, writing the report: probe's heatmap takes ~2 s) on
-# a loaded 2-core box. Not a speed claim: the hang it guards against lasted minutes.
-START_S = 8.0
+# a loaded 2-core box, with ``AT_ONCE - 1`` other children beside it (probe: 14.3 s at load
+# average 21). Not a speed claim: the hang it guards against lasted minutes, and a client whose
+# only bound is per read would read the trickle until the peer's own end (``HostilePeer``'s
+# ``limit_s``, 30 s), past every bound here.
+START_S = 20.0
+# Children run at once: each spends most of its wall time waiting out a hostile answer (a second
+# or two), so the file's ten commands took their sum one after another (~30 s of a worker's wall).
+AT_ONCE = 2
 # Requests each command sends that meet the hostile answer, one after another: probe's server
 # info (/health, bounded as a whole by the timeout) and then its chat.
 HOSTILE_REQUESTS = {"probe": 2}
@@ -99,11 +106,26 @@ CASES = [(c, "endless") for c in COMMANDS] + [(c, "trickle") for c in COMMANDS]
 CASES += [("health", "trickle-headers"), ("oracle", "trickle-headers")]
 
 
-@pytest.mark.parametrize(("command", "mode"), CASES)
-def test_command_ends_within_timeout(command, mode, tmp_path):
+def _run_against(command: str, mode: str, tmp_path: Path) -> tuple[float, int, int, str]:
     with HostilePeer(mode) as peer:
         args = [*COMMANDS[command](peer.url, tmp_path / "out"), "--timeout", str(TIMEOUT)]
-        wall, code, rss, out = _run(args, tmp_path)
+        return _run(args, tmp_path)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """(command, mode) -> a future of ``_run_against``'s result: every case's child started,
+    ``AT_ONCE`` at a time, in their own directories; each test waits for its own."""
+    dirs = {case: tmp_path_factory.mktemp(f"{case[0]}-{case[1]}") for case in CASES}
+    with ThreadPoolExecutor(AT_ONCE) as pool:
+        yield {case: pool.submit(_run_against, *case, d) for case, d in dirs.items()}, dirs
+
+
+@pytest.mark.parametrize(("command", "mode"), CASES)
+def test_command_ends_within_timeout(command, mode, runs):
+    futures, dirs = runs
+    wall, code, rss, out = futures[(command, mode)].result()
+    tmp_path = dirs[(command, mode)]
     assert rss < RSS_LIMIT_KB, f"{command} vs {mode}: peak RSS {rss} kB\n{out[-800:]}"
     bound = HOSTILE_REQUESTS.get(command, 1) * TIMEOUT + START_S
     print(f"{command} vs {mode}: {wall:.1f}s (bound {bound:g}s), peak RSS {rss // 1024} MiB")

@@ -44,7 +44,10 @@ HEADER_TIMEOUT = 2.0
 
 @pytest.fixture(scope="module")
 def server(ckpt):
-    argv = _serve_argv(ckpt, "--header-timeout", str(HEADER_TIMEOUT), fd_limit=FD_LIMIT)
+    """The module's server. One running request and a queue of 16 are for the SIGTERM test (the
+    file's last, which ends it); the others send one request at a time."""
+    queue = ("--max-running-requests", "1", "--max-queued-requests", "16")
+    argv = _serve_argv(ckpt, "--header-timeout", str(HEADER_TIMEOUT), *queue, fd_limit=FD_LIMIT)
     with ChildServer(argv, health_path="/health") as srv:
         yield srv
 
@@ -153,7 +156,7 @@ def test_tokenizer_queue_is_bounded(ckpt):
     assert len(refused) == 3 and all(isinstance(r, list) for r in results[:2]), results
 
 
-# ---- Retry-After, SIGTERM ------------------------------------------------------------------------
+# ---- Retry-After ---------------------------------------------------------------------------------
 
 
 def test_retry_after_is_the_measured_queue_wait():
@@ -170,35 +173,6 @@ def test_retry_after_is_the_measured_queue_wait():
         adm.submit("c")
     assert info.value.retry_after_s == 2
     assert to_api_error(info.value, Names()).headers["Retry-After"] == "2"
-
-
-def test_sigterm_answers_waiting_requests(ckpt):
-    """SIGTERM with requests waiting: each waiting one gets 503 shutting_down, none is dropped
-    without an answer (before: their connections were closed with nothing sent)."""
-    import concurrent.futures as cf
-    import signal
-
-    argv = _serve_argv(ckpt, "--max-running-requests", "1", "--max-queued-requests", "16")
-    with ChildServer(argv, health_path="/health") as srv:
-        body = {"model": NAME, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 60}
-        body["ignore_eos"] = True
-
-        def send(i: int):
-            try:
-                return httpx.post(
-                    srv.url + "/v1/chat/completions", json={**body, "seed": i}, timeout=60
-                ).status_code
-            except httpx.HTTPError as e:
-                return type(e).__name__
-
-        with cf.ThreadPoolExecutor(8) as pool:
-            futures = [pool.submit(send, i) for i in range(8)]
-            time.sleep(1.0)
-            srv.proc.send_signal(signal.SIGTERM)
-            codes = [f.result() for f in futures]
-        srv.proc.wait(timeout=30)
-    assert all(c in (200, 503) for c in codes), codes
-    assert 503 in codes, codes
 
 
 # ---- peers: /detokenize, continue_final_message, logit_bias keys -----------------------------------
@@ -260,3 +234,37 @@ def test_logit_bias_keys_must_be_ascii_token_ids(server, key):
         timeout=60,
     )
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "logit_bias", resp.text
+
+
+# ---- SIGTERM (ends the module's server: the file's last test) -----------------------------------
+
+
+def test_sigterm_answers_waiting_requests(server):
+    """SIGTERM with requests waiting: each waiting one gets 503 shutting_down, none is dropped
+    without an answer (before: their connections were closed with nothing sent).
+
+    It ends the module's server (a second server cost seconds of imports and a model load), so it
+    is the file's last test."""
+    import concurrent.futures as cf
+    import signal
+
+    srv = server
+    body = {"model": NAME, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 60}
+    body["ignore_eos"] = True
+
+    def send(i: int):
+        try:
+            return httpx.post(
+                srv.url + "/v1/chat/completions", json={**body, "seed": i}, timeout=60
+            ).status_code
+        except httpx.HTTPError as e:
+            return type(e).__name__
+
+    with cf.ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(send, i) for i in range(8)]
+        time.sleep(1.0)
+        srv.proc.send_signal(signal.SIGTERM)
+        codes = [f.result() for f in futures]
+    srv.proc.wait(timeout=30)
+    assert all(c in (200, 503) for c in codes), codes
+    assert 503 in codes, codes
