@@ -59,37 +59,27 @@ _ARM = {
         "rows": {"type": "array", "items": _ROW},
     },
 }
-_TEST = {
-    "type": "object",
-    "required": [
-        "arm",
-        "factors",
-        "pairs",
-        "errors",
-        "lost",
-        "gained",
-        "p",
-        "p_holm",
-        "significant",
-        "power",
-    ],
-    "properties": {
-        "arm": {"type": "string"},
-        "factors": {"type": "array", "items": {"type": "string"}, "minItems": 1},
-        "pairs": _INT,
-        "errors": _INT,
-        "recall_base": _NUM,
-        "recall_arm": _NUM,
-        "delta": _NUM,
-        "lost": _INT,
-        "gained": _INT,
-        "p": {"type": "number"},
-        "p_holm": {"type": "number"},
-        "significant": {"type": "boolean"},
-        "power": {"type": "number"},
-        "pairs_needed": {"type": ["integer", "null"]},
-    },
+_TESTED = {  # what a test of an arm against the baseline has, of recall or of output identity
+    "arm": {"type": "string"},
+    "factors": {"type": "array", "items": {"type": "string"}, "minItems": 1},
+    "pairs": _INT,
+    "errors": _INT,
+    "p": {"type": "number"},
+    "p_holm": {"type": "number"},
+    "significant": {"type": "boolean"},
+    "power": {"type": "number"},
+    "pairs_needed": {"type": ["integer", "null"]},
 }
+_TEST_REQUIRED = ["arm", "factors", "pairs", "errors", "p", "p_holm", "significant", "power"]
+
+
+def _test_schema(counts: dict) -> dict:
+    """A test's schema: ``_TESTED`` plus ``counts`` (required when integer counts)."""
+    required = [k for k, v in counts.items() if v is _INT]
+    return {"type": "object", "required": _TEST_REQUIRED + required, "properties": {**_TESTED, **counts}}
+
+
+_TEST = _test_schema({"lost": _INT, "gained": _INT, "recall_base": _NUM, "recall_arm": _NUM, "delta": _NUM})
 _ECHO_LEVEL = {
     "type": "object",
     "required": ["level", "tasks", "errors", "corrupted", "rate", "upper95", "p", "p_holm", "significant"],
@@ -106,37 +96,9 @@ _ECHO_LEVEL = {
     },
 }
 
-_IDENTITY_TEST = {
-    "type": "object",
-    "required": [
-        "arm",
-        "factors",
-        "pairs",
-        "departs",
-        "departs_repeat",
-        "only_arm",
-        "only_repeat",
-        "p",
-        "p_holm",
-        "significant",
-        "power",
-    ],
-    "properties": {
-        "arm": {"type": "string"},
-        "factors": {"type": "array", "items": {"type": "string"}, "minItems": 1},
-        "pairs": _INT,
-        "errors": _INT,
-        "departs": _INT,
-        "departs_repeat": _INT,
-        "only_arm": _INT,
-        "only_repeat": _INT,
-        "p": {"type": "number"},
-        "p_holm": {"type": "number"},
-        "significant": {"type": "boolean"},
-        "power": {"type": "number"},
-        "pairs_needed": {"type": ["integer", "null"]},
-    },
-}
+_IDENTITY_TEST = _test_schema(
+    {"departs": _INT, "departs_repeat": _INT, "only_arm": _INT, "only_repeat": _INT}
+)
 _VERDICT_BASE = ["named", "kind", "arm", "also", "alpha", "min_power", "sentence"]
 
 SERVING_FACTORS_SCHEMA: dict = {
