@@ -164,6 +164,7 @@ def test_a_server_without_usage_is_unknown_not_a_crash(tmp_path, run_cli):
         ["--echo", "4"],  # no draft depths to compare
         ["--min-loss", "0"],
         ["--endpoint-labels", "x"],
+        ["--continuation", "-1"],
     ],
 )
 def test_bad_flags_are_one_line_and_exit_2(argv, tmp_path, run_cli):
