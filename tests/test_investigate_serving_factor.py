@@ -33,6 +33,15 @@ UNDECIDED = {
     "measured": {"baseline": "reference", "not_reproduced": 0, "rerun": 0, "cells": [], "layers": []},
 }
 
+NONE = {  # the symptom, each case alone and cold, lost nothing
+    "classes": ["none"],
+    "where": None,
+    "evidence": {"none": {"rule": "no recall lost", "null": "a paired loss"}},
+    "undecided": [],
+    "next": None,
+    "text": "nothing to explain: no recall lost",
+}
+
 
 def _session(url: str, out: Path, *, wanted: bool = True):
     """What the step reads of a live ``Session``: the ledger's target and symptom, the run
@@ -114,15 +123,7 @@ def test_the_step_runs_only_when_asked(cache_bug, tmp_path):
 def test_a_symptom_that_lost_nothing_alone_still_gets_the_factor_named(cache_bug, tmp_path):
     """The live symptom's captures run alone and cold: a loss that needs a warm prefix never
     shows there, so the step runs on a "none" characterization too and names the prefix cache."""
-    none = {
-        "classes": ["none"],
-        "where": None,
-        "evidence": {"none": {"rule": "no recall lost", "null": "a paired loss"}},
-        "undecided": [],
-        "next": None,
-        "text": "nothing to explain: no recall lost",
-    }
-    ch = _decided(_session(cache_bug, tmp_path), none)
+    ch = _decided(_session(cache_bug, tmp_path), dict(NONE))
     check_schema(ch, VERDICTS_SCHEMA["properties"]["characterization"], "characterization")
     assert ch["classes"] == ["state_dependent"] and "none" not in ch["evidence"]
     assert ch["evidence"]["state_dependent"]["factor"] == "prefix cache"
@@ -156,15 +157,7 @@ def test_an_output_departure_without_a_recall_loss_is_named_as_output_not_recall
         "requests": {"sent": 36},
         "command": "needlescope serving-factors --base-url http://x --model m --draft-depths 4 --continuation 32",
     }
-    none = {
-        "classes": ["none"],
-        "where": None,
-        "evidence": {"none": {"rule": "no recall lost", "null": "a paired loss"}},
-        "undecided": [],
-        "next": None,
-        "text": "nothing to explain: no recall lost",
-    }
-    ch = with_serving_factor(none, factors)
+    ch = with_serving_factor(dict(NONE), factors)
     check_schema(ch, VERDICTS_SCHEMA["properties"]["characterization"], "characterization")
     ev = ch["evidence"]["state_dependent"]
     assert ch["classes"] == ["state_dependent"] and ev["effect"] == "output departs"
