@@ -2,7 +2,9 @@
 ``needlescope serve``, within a request budget (issue 52: 3,000 on CPU)?
 
 Each ``--case`` is ``EXPECTED|SERVE ARGS A|SERVE ARGS B|SERVING-FACTORS ARGS``: the factor the
-verdict must name (``none``: a healthy control, no factor), the first server's flags (after ``--model organism --port 0``), the second
+recall verdict must name, or ``output:FACTOR`` for the factor the output-identity verdict must
+name (a fault that changes greedy output but costs no recall; add ``--continuation N`` to the
+experiment's flags), or ``none`` (a healthy control: neither verdict names a factor); the first server's flags (after ``--model organism --port 0``), the second
 server's (empty: one endpoint) and the experiment's flags (``--base-url``, ``--model`` and
 ``--out`` are added). One line per case and a final count; exit 1 when a case names another
 factor or sends more than ``--budget`` requests.
@@ -71,11 +73,20 @@ def main() -> int:
             wrong += 1
             continue
         sent, named = body["requests"]["sent"], body["verdict"]["named"]
-        ok = (named or "none") == expected and sent <= a.budget
+        ident = body["identity"]
+        changed = ident["verdict"]["named"] if ident is not None else None
+        if expected.startswith("output:"):
+            ok = changed == expected.removeprefix("output:")
+        elif expected == "none":
+            ok = named is None and changed is None
+        else:
+            ok = named == expected
+        ok = ok and sent <= a.budget
         wrong += not ok
         print(
-            f"{'ok' if ok else 'WRONG'} {expected}: named {named!r}, {sent} requests, "
-            f"{time.monotonic() - t0:.0f} s: {body['verdict']['sentence']}",
+            f"{'ok' if ok else 'WRONG'} {expected}: recall names {named!r}, output names {changed!r}, "
+            f"{sent} requests, {time.monotonic() - t0:.0f} s: {body['verdict']['sentence']}"
+            + (f" | output: {ident['verdict']['sentence']}" if ident is not None else ""),
             flush=True,
         )
     print(f"{len(a.case) - wrong} of {len(a.case)} cases named their factor within {a.budget} requests")

@@ -6,7 +6,9 @@ a healthy server name a factor (docs/serving_factors.md records the counts).
     python bench/serving_factors_null.py --runs 20 --base-url URL --model organism --lengths 256 --trials 2
 
 Each run draws fresh nonces and a new case seed (run i: seed i), so no two runs send the same
-prompts. Prints one line per run and the count.
+prompts. A run counts as naming a factor when its recall verdict or its output-identity verdict
+(``--continuation N``: N greedy tokens with ``ignore_eos`` per send) names one. Prints one line
+per run and the count.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ def main() -> None:
     p.add_argument("--draft-depths", default="", help="per-request draft depths (a draft factor), e.g. 2,8")
     p.add_argument("--min-loss", type=float, default=0.1)
     p.add_argument("--no-interactions", action="store_true", help="single-factor arms only (fewer tests)")
+    p.add_argument("--continuation", type=int, default=0, help="greedy tokens per send (ignore_eos)")
     p.add_argument("--noise", type=float, default=0.1, help="the scripted server's random miss rate")
     a = p.parse_args()
     server = (
@@ -55,10 +58,17 @@ def main() -> None:
                 seed=run,
                 min_loss=a.min_loss,
                 interactions=not a.no_interactions,
+                continuation=a.continuation,
             )
-            verdict = run_serving_factors(cfg)["verdict"]
-            named += verdict["named"] is not None
-            print(f"run {run + 1}: {verdict['sentence']}; min power {verdict['min_power']:.2f}", flush=True)
+            body = run_serving_factors(cfg)
+            verdict, ident = body["verdict"], body["identity"]
+            changed = ident is not None and ident["verdict"]["named"] is not None
+            named += verdict["named"] is not None or changed
+            output = f"; output: {ident['verdict']['sentence']}" if ident is not None else ""
+            print(
+                f"run {run + 1}: {verdict['sentence']}; min power {verdict['min_power']:.2f}{output}",
+                flush=True,
+            )
     print(f"{named} of {a.runs} experiments named a factor ({time.monotonic() - t0:.0f} s)")
 
 

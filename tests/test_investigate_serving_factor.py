@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 
 from golden_findings import golden
+from needlescope.analysis.factors import decide, decide_identity, identity_counts, paired_counts
 from needlescope.investigate.decide.schema import VERDICTS_SCHEMA
 from needlescope.investigate.decide.serving_factor import with_serving_factor
 from needlescope.investigate.measure.serving_factors import measure_live_serving_factor
@@ -30,6 +31,15 @@ UNDECIDED = {
     "next": "needlescope probe ...",
     "text": "not among the suspects; the kind of bug is undecided: ...",
     "measured": {"baseline": "reference", "not_reproduced": 0, "rerun": 0, "cells": [], "layers": []},
+}
+
+NONE = {  # the symptom, each case alone and cold, lost nothing
+    "classes": ["none"],
+    "where": None,
+    "evidence": {"none": {"rule": "no recall lost", "null": "a paired loss"}},
+    "undecided": [],
+    "next": None,
+    "text": "nothing to explain: no recall lost",
 }
 
 
@@ -113,15 +123,7 @@ def test_the_step_runs_only_when_asked(cache_bug, tmp_path):
 def test_a_symptom_that_lost_nothing_alone_still_gets_the_factor_named(cache_bug, tmp_path):
     """The live symptom's captures run alone and cold: a loss that needs a warm prefix never
     shows there, so the step runs on a "none" characterization too and names the prefix cache."""
-    none = {
-        "classes": ["none"],
-        "where": None,
-        "evidence": {"none": {"rule": "no recall lost", "null": "a paired loss"}},
-        "undecided": [],
-        "next": None,
-        "text": "nothing to explain: no recall lost",
-    }
-    ch = _decided(_session(cache_bug, tmp_path), none)
+    ch = _decided(_session(cache_bug, tmp_path), dict(NONE))
     check_schema(ch, VERDICTS_SCHEMA["properties"]["characterization"], "characterization")
     assert ch["classes"] == ["state_dependent"] and "none" not in ch["evidence"]
     assert ch["evidence"]["state_dependent"]["factor"] == "prefix cache"
@@ -129,3 +131,40 @@ def test_a_symptom_that_lost_nothing_alone_still_gets_the_factor_named(cache_bug
     assert ch["next"].startswith("needlescope serving-factors --base-url " + cache_bug)
     line = _root_cause(_clean(ch, 1.0))  # the symptom itself lost nothing: the line still names it
     assert "serving state, prefix cache" in line and line.endswith(f"next, `{ch['next']}`")
+
+
+def test_an_output_departure_without_a_recall_loss_is_named_as_output_not_recall():
+    """Recall holds in every state but greedy output departs at draft 4 on 9 of 12 cases (repeat:
+    none): the class is ``state_dependent`` with the output evidence, and neither it nor the
+    summary line calls it a recall loss."""
+    same, moved = [False] * 12, [True] * 9 + [False] * 3
+    recall = decide([{**paired_counts([True] * 12, [True] * 12), "arm": "draft=4", "factors": ["draft"]}])
+    ident = decide_identity([{**identity_counts(moved, same), "arm": "draft=4", "factors": ["draft"]}])
+    factors = {
+        "verdict": {**{k: v for k, v in recall.items() if k != "tests"}, "sentence": "no factor: ..."},
+        "tests": recall["tests"],
+        "identity": {
+            "reference": "repeat",
+            "continuation": 32,
+            "repeat_departs": 0,
+            "repeat_pairs": 12,
+            "tests": ident["tests"],
+            "verdict": {
+                **{k: v for k, v in ident.items() if k != "tests"},
+                "sentence": "draft changes greedy output: ...",
+            },
+        },
+        "requests": {"sent": 36},
+        "command": "needlescope serving-factors --base-url http://x --model m --draft-depths 4 --continuation 32",
+    }
+    ch = with_serving_factor(dict(NONE), factors)
+    check_schema(ch, VERDICTS_SCHEMA["properties"]["characterization"], "characterization")
+    ev = ch["evidence"]["state_dependent"]
+    assert ch["classes"] == ["state_dependent"] and ev["effect"] == "output departs"
+    assert (ev["factor"], ev["departs"], ev["only_arm"], ev["only_repeat"]) == ("speculative", 9, 9, 0)
+    assert ev["p_holm"] < 0.05 and "lost" not in ev
+    assert "greedy output depends on the serving state, speculative" in ch["text"]
+    assert "recall depends" not in ch["text"] and "no serving state loses recall" in ch["text"]
+    line = _root_cause(_clean(ch, 1.0))
+    assert "speculative" in line and line.endswith(f"next, `{factors['command']}`")
+    assert ch["measured"]["serving_factors"]["output"] == "draft changes greedy output: ..."

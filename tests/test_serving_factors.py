@@ -9,7 +9,15 @@ import json
 
 import pytest
 
-from needlescope.analysis.factors import clopper_pearson_upper, decide, echo_summary, paired_counts
+from needlescope.analysis.factors import (
+    clopper_pearson_upper,
+    decide,
+    decide_identity,
+    departures,
+    echo_summary,
+    identity_counts,
+    paired_counts,
+)
 from needlescope.cases.echo import echo_tasks, exact_copy
 from needlescope.report.serving_factors import serving_factors_markdown
 from needlescope.run.serving_factors import FactorConfig, planned_requests, run_serving_factors
@@ -156,6 +164,7 @@ def test_a_server_without_usage_is_unknown_not_a_crash(tmp_path, run_cli):
         ["--echo", "4"],  # no draft depths to compare
         ["--min-loss", "0"],
         ["--endpoint-labels", "x"],
+        ["--continuation", "-1"],
     ],
 )
 def test_bad_flags_are_one_line_and_exit_2(argv, tmp_path, run_cli):
@@ -229,3 +238,32 @@ def test_echo_tasks_are_exact_copy_tasks():
     assert exact_copy(" ".join(task.items) + ".", task.items)
     assert not exact_copy(" ".join(reversed(task.items)), task.items)
     assert ss.echo_answer(list(task.messages)) == " ".join(task.items)
+
+
+def test_output_identity_is_paired_against_the_repeat_arm():
+    """An arm whose greedy output departs on 8 of 10 cases where repeat departs on none is named
+    (one-sided exact p = 2^-8 before Holm); one that departs exactly where repeat does (the
+    engine's own nondeterminism, or the nonce) is not; a missing output leaves its pair out."""
+    base = [f"{i}42 then more" for i in range(10)]
+    repeat = departures(base, list(base))
+    moved = departures(base, [t + " x" if i < 8 else t for i, t in enumerate(base)])
+    assert moved[:8] == [True] * 8 and not any(repeat)
+    counts = identity_counts(moved, repeat)
+    assert (counts["departs"], counts["only_arm"], counts["only_repeat"]) == (8, 8, 0)
+    assert counts["p"] == pytest.approx(0.5**8)
+    noisy = departures(base, [None] + [t + " y" if i % 2 else t for i, t in enumerate(base[1:], 1)])
+    same = identity_counts(noisy, noisy)
+    assert same["pairs"] == 9 and same["errors"] == 1 and same["p"] == 1.0
+    tests = [
+        {**counts, "arm": "draft=4", "factors": ["draft"]},
+        {**same, "arm": "cache=warm", "factors": ["cache"]},
+    ]
+    decision = decide_identity(tests)
+    assert (decision["named"], decision["kind"], decision["arm"]) == ("draft", "factor", "draft=4")
+    assert decision["tests"][0]["p_holm"] == pytest.approx(2 * 0.5**8) and "lost" not in decision["tests"][0]
+    assert decide_identity(tests[1:])["named"] is None
+    # an arm that departs less than repeat is not named (the test is one-sided)
+    fewer = identity_counts(departures(base, list(base)), moved)
+    assert (
+        fewer["p"] == 1.0 and decide_identity([{**fewer, "arm": "a", "factors": ["batch"]}])["named"] is None
+    )

@@ -18,6 +18,15 @@ The decision (``decide``):
   other factor names, or nondeterminism);
 * otherwise **no factor**, with the power each arm had to detect ``min_loss``.
 
+**Output identity** (``identity_counts``, ``decide_identity``): greedy decoding is token-identical
+across serving features on a correct engine, so an arm whose greedy output departs from the
+baseline's output (on the same case) more often than the ``repeat`` arm's does (the same
+condition sent again: the engine's own nondeterminism, and the nonce's effect) is a serving bug
+even where recall holds. Paired on the cases: ``only_arm`` (the arm departs, repeat does not),
+``only_repeat`` (the reverse), one-sided exact binomial p (the arm departs more), Holm across the
+arms. It is decided like recall (a factor, an interaction, or none) and reported apart from it:
+an output that departs is never a recall loss.
+
 Power (``analysis.significance.mcnemar_power``): a loss of ``d`` shows as Binomial(n, d) lost pairs
 and no gained ones; the test is run at alpha / m, the strictest Holm step of m arms, so the power
 printed is a lower bound for the arm that ranks first.
@@ -30,7 +39,15 @@ from collections.abc import Sequence
 from .significance import holm, mcnemar_pairs_needed, mcnemar_power
 from .stats import binomial_tail, mcnemar_exact
 
-__all__ = ["clopper_pearson_upper", "decide", "echo_summary", "paired_counts"]
+__all__ = [
+    "clopper_pearson_upper",
+    "decide",
+    "decide_identity",
+    "departures",
+    "echo_summary",
+    "identity_counts",
+    "paired_counts",
+]
 
 
 def clopper_pearson_upper(k: int, n: int, conf: float = 0.95) -> float:
@@ -65,6 +82,47 @@ def paired_counts(base: Sequence[bool | None], arm: Sequence[bool | None]) -> di
         "gained": gained,
         "p": mcnemar_exact(lost, gained),
     }
+
+
+def departures(base: Sequence[str | None], arm: Sequence[str | None]) -> list[bool | None]:
+    """Per case, whether ``arm``'s output differs from ``base``'s (None: either is missing)."""
+    if len(base) != len(arm):
+        raise ValueError(f"arms must be aligned per case: {len(base)} vs {len(arm)}")
+    return [None if a is None or b is None else a != b for a, b in zip(base, arm, strict=True)]
+
+
+def identity_counts(arm: Sequence[bool | None], repeat: Sequence[bool | None]) -> dict:
+    """An arm's departures from the baseline's output against the repeat arm's, paired per case
+    (``departures``' lists; a case missing in either is left out). ``p``: one-sided exact
+    binomial, P(X >= only_arm) for X ~ Binomial(only_arm + only_repeat, 1/2); 1 without a
+    discordant pair."""
+    both = [(a, r) for a, r in zip(arm, repeat, strict=True) if a is not None and r is not None]
+    only_arm = sum(a and not r for a, r in both)
+    only_repeat = sum(r and not a for a, r in both)
+    n = only_arm + only_repeat
+    return {
+        "pairs": len(both),
+        "errors": len(arm) - len(both),
+        "departs": sum(a for a, _ in both),
+        "departs_repeat": sum(r for _, r in both),
+        "only_arm": only_arm,
+        "only_repeat": only_repeat,
+        "p": binomial_tail(only_arm, n, 0.5) if n else 1.0,
+    }
+
+
+def decide_identity(tests: Sequence[dict], *, alpha: float = 0.05, min_share: float = 0.1) -> dict:
+    """``decide`` over ``identity_counts`` tests (each with ``arm`` and ``factors``): which factor
+    makes greedy output depart from the baseline's more than the repeat level does. Significant
+    needs Holm p < alpha and more departures only in the arm than only in repeat; ``power`` is
+    the power to see ``min_share`` of the cases depart (a lower bound, as for recall)."""
+    renamed = [{**t, "lost": t["only_arm"], "gained": t["only_repeat"]} for t in tests]
+    decision = decide(renamed, alpha=alpha, min_loss=min_share)
+    decision["tests"] = [
+        {k: v for k, v in t.items() if k not in ("lost", "gained")} for t in decision["tests"]
+    ]
+    decision["min_share"] = decision.pop("min_loss")
+    return decision
 
 
 def _power(n: int, min_loss: float, alpha: float) -> dict:

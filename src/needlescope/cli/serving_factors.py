@@ -1,7 +1,7 @@
 """``needlescope serving-factors``: which serving factor moves recall (docs/serving_factors.md).
 
-Exit 0: no factor moves recall; 1: a factor (or a two-factor interaction) does, or a request
-failed everywhere; 2: bad input."""
+Exit 0: no factor moves recall or greedy output; 1: a factor (or a two-factor interaction)
+does, or a request failed everywhere; 2: bad input."""
 
 from __future__ import annotations
 
@@ -95,6 +95,12 @@ def serving_factors_command(
     echo: int = typer.Option(0, "--echo", help="Exact-copy tasks per draft depth (0: no echo probe)."),
     echo_items: int = typer.Option(8, "--echo-items", help="Numbers per copy task."),
     echo_digits: int = typer.Option(4, "--echo-digits", help="Digits per number of a copy task."),
+    continuation: int = typer.Option(
+        0,
+        "--continuation",
+        help="Greedy tokens per send with ignore_eos (0: stop at the answer's end); output identity "
+        "compares them, recall reads the answer.",
+    ),
     min_loss: float = typer.Option(
         0.1, "--min-loss", help="The recall loss whose detection power is printed."
     ),
@@ -130,6 +136,7 @@ def serving_factors_command(
         echo_digits=echo_digits,
         alpha=alpha,
         min_loss=min_loss,
+        continuation=continuation,
         timeout_s=timeout,
         skip_long_lengths=skip_long_lengths,
         api_key=api_key,
@@ -156,5 +163,6 @@ def _run_and_report(cfg: FactorConfig, out: Path, force: bool) -> None:
     untested = [t["arm"] for t in body["tests"] if t["pairs"] == 0]
     if untested:
         err_console.print(f"no scored pair in: {', '.join(untested)}", highlight=False)
-    if body["verdict"]["named"] is not None or untested:
+    changed = body["identity"] is not None and body["identity"]["verdict"]["named"] is not None
+    if body["verdict"]["named"] is not None or changed or untested:
         sys.exit(1)

@@ -35,6 +35,7 @@ _ROW = {
         "draft_tokens": {"type": ["integer", "null"]},
         "acceptance_rate": _NUM,
         "text": {"type": ["string", "null"]},
+        "answer": {"type": ["string", "null"]},
         "error": {"type": ["string", "null"]},
     },
 }
@@ -58,37 +59,27 @@ _ARM = {
         "rows": {"type": "array", "items": _ROW},
     },
 }
-_TEST = {
-    "type": "object",
-    "required": [
-        "arm",
-        "factors",
-        "pairs",
-        "errors",
-        "lost",
-        "gained",
-        "p",
-        "p_holm",
-        "significant",
-        "power",
-    ],
-    "properties": {
-        "arm": {"type": "string"},
-        "factors": {"type": "array", "items": {"type": "string"}, "minItems": 1},
-        "pairs": _INT,
-        "errors": _INT,
-        "recall_base": _NUM,
-        "recall_arm": _NUM,
-        "delta": _NUM,
-        "lost": _INT,
-        "gained": _INT,
-        "p": {"type": "number"},
-        "p_holm": {"type": "number"},
-        "significant": {"type": "boolean"},
-        "power": {"type": "number"},
-        "pairs_needed": {"type": ["integer", "null"]},
-    },
+_TESTED = {  # what a test of an arm against the baseline has, of recall or of output identity
+    "arm": {"type": "string"},
+    "factors": {"type": "array", "items": {"type": "string"}, "minItems": 1},
+    "pairs": _INT,
+    "errors": _INT,
+    "p": {"type": "number"},
+    "p_holm": {"type": "number"},
+    "significant": {"type": "boolean"},
+    "power": {"type": "number"},
+    "pairs_needed": {"type": ["integer", "null"]},
 }
+_TEST_REQUIRED = ["arm", "factors", "pairs", "errors", "p", "p_holm", "significant", "power"]
+
+
+def _test_schema(counts: dict) -> dict:
+    """A test's schema: ``_TESTED`` plus ``counts`` (required when integer counts)."""
+    required = [k for k, v in counts.items() if v is _INT]
+    return {"type": "object", "required": _TEST_REQUIRED + required, "properties": {**_TESTED, **counts}}
+
+
+_TEST = _test_schema({"lost": _INT, "gained": _INT, "recall_base": _NUM, "recall_arm": _NUM, "delta": _NUM})
 _ECHO_LEVEL = {
     "type": "object",
     "required": ["level", "tasks", "errors", "corrupted", "rate", "upper95", "p", "p_holm", "significant"],
@@ -105,9 +96,25 @@ _ECHO_LEVEL = {
     },
 }
 
+_IDENTITY_TEST = _test_schema(
+    {"departs": _INT, "departs_repeat": _INT, "only_arm": _INT, "only_repeat": _INT}
+)
+_VERDICT_BASE = ["named", "kind", "arm", "also", "alpha", "min_power", "sentence"]
+
 SERVING_FACTORS_SCHEMA: dict = {
     "type": "object",
-    "required": ["kind", "base_urls", "config", "cases", "requests", "arms", "tests", "verdict", "echo"],
+    "required": [
+        "kind",
+        "base_urls",
+        "config",
+        "cases",
+        "requests",
+        "arms",
+        "tests",
+        "verdict",
+        "identity",
+        "echo",
+    ],
     "properties": {
         "kind": {"type": "string"},
         "base_urls": {"type": "array", "items": {"type": "string"}, "minItems": 1},
@@ -132,6 +139,22 @@ SERVING_FACTORS_SCHEMA: dict = {
                 "min_loss": {"type": "number"},
                 "min_power": _NUM,
                 "sentence": {"type": "string"},
+            },
+        },
+        "identity": {  # null without a repeat arm (the reference)
+            "type": ["object", "null"],
+            "required": ["reference", "continuation", "repeat_departs", "repeat_pairs", "tests", "verdict"],
+            "properties": {
+                "reference": {"type": "string"},
+                "continuation": _INT,
+                "repeat_departs": _INT,
+                "repeat_pairs": _INT,
+                "tests": {"type": "array", "items": _IDENTITY_TEST},
+                "verdict": {
+                    "type": "object",
+                    "required": [*_VERDICT_BASE, "min_share"],
+                    "properties": {"named": {"type": ["string", "null"]}, "min_share": {"type": "number"}},
+                },
             },
         },
         "echo": {  # null without --echo
@@ -165,6 +188,35 @@ def _served(arm: dict) -> str:
     if arm["acceptance_rate_mean"] is not None:
         parts.append(f"accept {arm['acceptance_rate_mean']:.2f}")
     return ", ".join(parts) or "-"
+
+
+def _identity_markdown(body: dict) -> list[str]:
+    """Output identity, apart from recall: each arm's greedy outputs against the baseline's."""
+    ident = body.get("identity")
+    if ident is None:
+        return []
+    cont = ident["continuation"]
+    what = f"{cont} greedy tokens with `ignore_eos`" if cont else "the answer"
+    lines = [
+        "",
+        "## Output identity: greedy output departs from the baseline's (not a recall loss)",
+        "",
+        f"Per case, {what} in each arm against the baseline's, paired with the repeat arm's departures "
+        f"(repeat departs in {ident['repeat_departs']} of {ident['repeat_pairs']}: the engine's own "
+        "nondeterminism); one-sided exact p, Holm across the arms.",
+        "",
+        f"**{ident['verdict']['sentence']}**",
+        "",
+        "| arm | pairs | departs | repeat departs | only arm / only repeat | p | Holm p |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for t in ident["tests"]:
+        mark = " **←**" if ident["verdict"]["arm"] == t["arm"] else ""
+        lines.append(
+            f"| {t['arm']}{mark} | {t['pairs']} | {t['departs']} | {t['departs_repeat']} | "
+            f"{t['only_arm']} / {t['only_repeat']} | {t['p']:.2g} | {t['p_holm']:.2g} |"
+        )
+    return lines
 
 
 def serving_factors_markdown(body: dict) -> str:
@@ -230,6 +282,7 @@ def serving_factors_markdown(body: dict) -> str:
     errors = sum(a["errors"] for a in body["arms"])
     if errors:
         lines += ["", f"{errors} request(s) failed (errors, not misses; their pairs are left out)."]
+    lines += _identity_markdown(body)
     echo = body["echo"]
     if echo is not None:
         lines += [

@@ -62,6 +62,9 @@ class FactorConfig:
     alpha: float = 0.05
     min_loss: float = 0.1
     max_tokens: int = 16
+    continuation: int = 0
+    """0: each send asks ``max_tokens`` and stops at the end of its answer; N: N greedy tokens with
+    ``ignore_eos`` (output identity over a long continuation; recall reads the answer's part)."""
     timeout_s: float = 300.0
     skip_long_lengths: bool = False
     api_key: str | None = field(default=None, repr=False)
@@ -107,6 +110,10 @@ class FactorConfig:
             raise BadInput("--echo must be >= 0, --echo-items >= 1 and --echo-digits in 2..12")
         if self.echo and not (self.draft_depths or len(self.base_urls) == 2):
             raise BadInput("--echo compares draft depths: pass --draft-depths, or two --base-url")
+        if not 0 <= self.continuation <= 4096:
+            raise BadInput(
+                f"--continuation must be 0 (off) or a token count up to 4096; got {self.continuation}"
+            )
         if not 0 < self.alpha < 1 or not 0 < self.min_loss <= 1:
             raise BadInput(
                 f"--alpha must be in (0, 1) and --min-loss in (0, 1]; got {self.alpha}, {self.min_loss}"

@@ -31,6 +31,13 @@ The **echo probe** (``--echo N``): N exact-copy tasks (``cases.echo``) at each d
 per-request depths, or each endpoint), each cold under its own nonce; corruption rate and its 95%
 Clopper-Pearson upper bound per level (``analysis.factors.echo_summary``).
 
+**Output identity**: greedy decoding is token-identical across serving features on a correct
+engine, so every arm's outputs are compared with the baseline's on the same case, against the
+repeat arm's (``analysis.factors.decide_identity``), and the factor that makes output depart is
+named apart from recall. ``--continuation N`` asks N greedy tokens with ``ignore_eos`` per send
+(bugs that corrupt later tokens, such as a verify pass that keeps too few rows, show there); the
+recall score then reads the answer up to the turn's end token (``_answer``).
+
 A request that fails is a row with ``error`` set and ``correct`` None, never a miss; its pair is
 left out. The run is bounded (``planned_requests``) and not resumable: a killed run is run again.
 """
@@ -38,12 +45,20 @@ left out. The run is bounded (``planned_requests``) and not resumable: a killed 
 from __future__ import annotations
 
 import dataclasses
+import re
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from needlescope.analysis.factors import decide, echo_summary, paired_counts
+from needlescope.analysis.factors import (
+    decide,
+    decide_identity,
+    departures,
+    echo_summary,
+    identity_counts,
+    paired_counts,
+)
 from needlescope.analysis.stats import mean_present
 from needlescope.cases import Case, build_cases, score_answer
 from needlescope.cases.echo import EchoTask, echo_tasks, exact_copy
@@ -53,7 +68,7 @@ from needlescope.progress import Progress, no_progress
 from needlescope.run.engine_state import _nonce, _with_nonce, fit_to_target
 from needlescope.run.factor_plan import FACTORS, Arm, FactorConfig, plan_arms, planned_requests
 from needlescope.targets.client import served_models
-from needlescope.targets.completions import CompletionsTarget
+from needlescope.targets.completions import Completion, CompletionsTarget
 from needlescope.targets.serving_usage import read_serving_usage
 from needlescope.targets.tokenize import detect_server_tokenizer
 
@@ -79,20 +94,42 @@ class _Run:
         return row
 
 
+_END_TOKEN = re.compile(r"^<[|｜][^<>]*[|｜]>$|^</s>$|^<eos>$|^<end_of_turn>$")
+"""A special token that ends a turn, as servers spell one in logprobs (``<|end|>``, ``<|im_end|>``,
+DeepSeek's ``<｜end▁of▁sentence｜>``, ``</s>``, Gemma's ``<end_of_turn>``)."""
+
+
+def _answer(done: Completion) -> str:
+    """The answer of a continuation (``--continuation``, sent with ``ignore_eos``): its tokens
+    before the first special token (the turn's end); the whole text when the server gave no
+    logprob tokens or no special token."""
+    for i, step in enumerate(done.steps):
+        if _END_TOKEN.match(step.token.strip()):
+            return "".join(s.token for s in done.steps[:i])
+    return done.text
+
+
 def _send(target: CompletionsTarget, cfg: FactorConfig, case: Case, nonce: str, fields: dict) -> dict:
-    """One scored send as its row (``error`` set and ``correct`` None when the request failed)."""
+    """One scored send as its row (``error`` set and ``correct`` None when the request failed).
+    With ``cfg.continuation``: ``continuation`` greedy tokens with ``ignore_eos``; recall scores
+    the answer (``_answer``), output identity the whole text."""
     row: dict = {"case_id": case.case_id, "length": case.length, "depth": case.depth, "nonce": nonce}
+    tokens, extra = cfg.max_tokens, fields
+    if cfg.continuation:
+        tokens, extra = cfg.continuation, {**fields, "ignore_eos": True}
     try:
-        done = target.chat(_with_nonce(case, nonce), cfg.max_tokens, top=1, extra=fields)
+        done = target.chat(_with_nonce(case, nonce), tokens, top=1, extra=extra)
     except ProbeError as e:
-        empty = {"correct": None, "cached_tokens": None, "text": None, "hit": None}
+        empty = {"correct": None, "cached_tokens": None, "text": None, "answer": None, "hit": None}
         return {**row, **empty, **read_serving_usage(None).to_dict(), "error": f"{e.kind}: {e}"}
-    correct = score_answer(done.text, case.expected, prompt_rivals(case.messages, case.expected))
+    answer = _answer(done) if cfg.continuation else done.text
+    correct = score_answer(answer, case.expected, prompt_rivals(case.messages, case.expected))
     return {
         **row,
         "correct": correct,
         "cached_tokens": done.cached_tokens,
         "text": done.text,
+        "answer": answer,
         "hit": None,
         **read_serving_usage(done.usage).to_dict(),
         "error": None,
@@ -207,7 +244,7 @@ def _echo(run: _Run, tasks: list[EchoTask]) -> dict:
         for t in tasks:
             nonce = _nonce(cfg.run_id, "echo", label, t.task_id)
             case = Case(t.task_id, "echo", 0, 0.0, 0, list(t.messages), list(t.items), "", "", "echo", 0)
-            tuned = dataclasses.replace(cfg, max_tokens=budget)
+            tuned = dataclasses.replace(cfg, max_tokens=budget, continuation=0)
             row = _send(run.targets[arm.endpoint], tuned, case, nonce, dict(arm.fields))
             run.sent += 1
             run.progress("serving factors", run.sent, None, f"echo {label}")
@@ -247,6 +284,63 @@ def _sentence(verdict: dict, tests: list[dict]) -> str:
     )
 
 
+def _outputs(arm: Arm, rows: list[dict]) -> list[str | None]:
+    """What output identity compares: each send's whole text (a warm send without a verified hit,
+    or a failed one: None)."""
+    return [r["text"] if r["error"] is None and (not arm.warm or r["hit"]) else None for r in rows]
+
+
+def _identity(cfg: FactorConfig, arms: list[Arm], rows: dict[str, list[dict]]) -> dict | None:
+    """Output identity (``analysis.factors.decide_identity``): each arm's greedy outputs against the
+    baseline's, paired with the repeat arm's departures. None without a repeat arm."""
+    if "repeat" not in rows:
+        return None
+    base = _outputs(arms[0], rows["baseline"])
+    repeat = departures(base, _outputs(Arm("repeat", ("repeat",)), rows["repeat"]))
+    tests = [
+        {
+            **identity_counts(departures(base, _outputs(a, rows[a.name])), repeat),
+            "arm": a.name,
+            "factors": list(a.factors),
+        }
+        for a in arms[1:]
+        if a.name != "repeat"
+    ]
+    decision = decide_identity(tests, alpha=cfg.alpha, min_share=cfg.min_loss)
+    verdict = {k: v for k, v in decision.items() if k != "tests"}
+    known = [x for x in repeat if x is not None]
+    verdict["sentence"] = _identity_sentence(verdict, decision["tests"], sum(known), len(known))
+    return {
+        "reference": "repeat",
+        "continuation": cfg.continuation,
+        "repeat_departs": sum(known),
+        "repeat_pairs": len(known),
+        "tests": decision["tests"],
+        "verdict": verdict,
+    }
+
+
+def _identity_sentence(verdict: dict, tests: list[dict], repeat_departs: int, repeat_pairs: int) -> str:
+    """The output-identity verdict in one line, with its numbers (never a recall loss)."""
+    repeat = f"repeat departs in {repeat_departs} of {repeat_pairs} (the engine's own nondeterminism)"
+    if verdict["named"] is not None:
+        t = next(t for t in tests if t["arm"] == verdict["arm"])
+        what = "changes greedy output" if verdict["kind"] == "factor" else "changes greedy output together"
+        also = f"; also significant: {', '.join(verdict['also'])}" if verdict["also"] else ""
+        return (
+            f"{verdict['named']} {what}: {t['arm']} departs from the baseline's output in {t['departs']} of "
+            f"{t['pairs']} cases, {repeat} ({t['only_arm']} depart only in the arm, {t['only_repeat']} only "
+            f"in repeat), one-sided exact p = {t['p']:.2g}, Holm p = {t['p_holm']:.2g}{also}"
+        )
+    if not tests:
+        return "no factor changes greedy output: no arm was compared"
+    most = max(tests, key=lambda t: t["departs"])
+    return (
+        f"no factor changes greedy output beyond repeat (Holm, alpha {verdict['alpha']:g}): at most "
+        f"{most['departs']} of {most['pairs']} cases depart ({most['arm']}), {repeat}"
+    )
+
+
 def run_serving_factors(
     cfg: FactorConfig,
     *,
@@ -260,7 +354,8 @@ def run_serving_factors(
         CompletionsTarget(u, cfg.model, api_key=cfg.api_key, timeout=cfg.timeout_s) for u in cfg.base_urls
     ]
     try:
-        cfg = fit_to_target(cfg, targets[0], note)
+        longest = dataclasses.replace(cfg, max_tokens=max(cfg.max_tokens, cfg.continuation))
+        cfg = dataclasses.replace(fit_to_target(longest, targets[0], note), max_tokens=cfg.max_tokens)
         counter = detect_server_tokenizer(targets[0].root, cfg.model, api_key=cfg.api_key)
         if counter is None:
             raise BadInput(
@@ -299,5 +394,6 @@ def run_serving_factors(
         "arms": [_arm_body(a, rows[a.name]) for a in arms],
         "tests": decision["tests"],
         "verdict": verdict,
+        "identity": _identity(cfg, arms, rows),
         "echo": echo,
     }

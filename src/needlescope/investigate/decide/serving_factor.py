@@ -5,7 +5,11 @@ When the experiment names a factor (or two, an interaction), the loss depends on
 state: the class is ``state_dependent`` (first), its evidence gives the factor in the
 investigation's words (``FACTOR_WORDS``: prefix cache, batch, speculative, chunking, repeat) with
 the experiment's numbers, the summary line says it, and ``next`` is the command that shows it.
-When it names none, the characterization is kept and the experiment (its power) is noted under
+When recall names none but the experiment's **output identity** names a factor (greedy output
+departs from the baseline's in one serving state more often than the same request sent again:
+``analysis.factors.decide_identity``), the class is ``state_dependent`` too, with the output
+evidence (``effect``: ``output departs``); its words never call it a recall loss. When neither
+names one, the characterization is kept and the experiment (its power) is noted under
 ``measured``; docs/signatures.md maps each factor to the public bug classes it points at.
 """
 
@@ -42,6 +46,7 @@ def measured_factor(body: dict, command: str) -> dict:
     return {
         "verdict": body["verdict"],
         "tests": body["tests"],
+        "identity": body["identity"],
         "requests": {"sent": body["requests"]["sent"]},
         "command": command,
     }
@@ -62,14 +67,20 @@ def with_serving_factor(characterization: dict, factors: dict) -> dict:
         "requests": factors["requests"]["sent"],
         "command": command,
     }
+    identity = factors.get("identity")  # absent in a measurement kept before output identity
+    if identity is not None:
+        noted["output"] = identity["verdict"]["sentence"]
     measured = {**characterization.get("measured", {}), "serving_factors": noted}
     if verdict["named"] is None:
+        if identity is not None and identity["verdict"]["named"] is not None:
+            return _output_departs(characterization, identity, factors, measured)
         return {**characterization, "measured": measured}
     test = next(t for t in factors["tests"] if t["arm"] == verdict["arm"])
     words = _words(verdict["named"])
     evidence = {
         "rule": f"the live endpoint loses recall in one serving state: {words} "
         f"({verdict['kind']}, arm {verdict['arm']}) against the same cases alone and cold",
+        "effect": "recall lost",
         "factor": words,
         "factors": verdict["named"].split(" × "),
         "arm": verdict["arm"],
@@ -90,6 +101,16 @@ def with_serving_factor(characterization: dict, factors: dict) -> dict:
             f"the symptom's cases, each alone and cold, lose nothing; in one serving state, {words} "
             f"({verdict['kind']}, arm {verdict['arm']}), the same cases lose recall"
         )
+    text = (
+        "the symptom's cases lose nothing alone and cold, but recall depends on the serving state, "
+        if clean
+        else "not among the suspects: the loss depends on the serving state, "
+    ) + f"{words}: {verdict['sentence']}; {hint}"
+    return _merged(characterization, evidence, command, text, measured)
+
+
+def _merged(characterization: dict, evidence: dict, command: str, text: str, measured: dict) -> dict:
+    """``characterization`` with ``state_dependent`` first and its ``evidence``, ``next`` and text."""
     others = [c for c in characterization["classes"] if c not in ("state_dependent", "undecided", "none")]
     return {
         **characterization,
@@ -100,11 +121,43 @@ def with_serving_factor(characterization: dict, factors: dict) -> dict:
         },
         "undecided": [],
         "next": command,
-        "text": (
-            "the symptom's cases lose nothing alone and cold, but recall depends on the serving state, "
-            if clean
-            else "not among the suspects: the loss depends on the serving state, "
-        )
-        + f"{words}: {verdict['sentence']}; {hint}",
+        "text": text,
         "measured": measured,
     }
+
+
+def _output_departs(characterization: dict, identity: dict, factors: dict, measured: dict) -> dict:
+    """No serving state loses recall, but greedy output departs in one: ``state_dependent`` with
+    the output evidence (a serving bug that a longer answer, or another model, pays for in recall)."""
+    verdict = identity["verdict"]
+    test = next(t for t in identity["tests"] if t["arm"] == verdict["arm"])
+    words = _words(verdict["named"])
+    evidence = {
+        "rule": f"greedy output departs from the same cases' alone-and-cold output in one serving state: "
+        f"{words} ({verdict['kind']}, arm {verdict['arm']}) more often than the same request sent again; "
+        "recall holds there",
+        "effect": "output departs",
+        "factor": words,
+        "factors": verdict["named"].split(" × "),
+        "arm": verdict["arm"],
+        "pairs": test["pairs"],
+        "departs": test["departs"],
+        "departs_repeat": test["departs_repeat"],
+        "only_arm": test["only_arm"],
+        "only_repeat": test["only_repeat"],
+        "continuation": identity["continuation"],
+        "p": test["p"],
+        "p_holm": test["p_holm"],
+        "requests": factors["requests"]["sent"],
+        "null": "greedy output that departs from the baseline's no more often than the same request sent "
+        "again (one-sided exact, Holm across the arms)",
+    }
+    hint = "; ".join(_HINT.get(f, f) for f in evidence["factors"])
+    lead = (
+        "the symptom's cases lose nothing alone and cold and no serving state loses recall, but greedy "
+        "output depends on the serving state, "
+        if characterization["classes"][0] == "none"
+        else "not among the suspects: greedy output depends on the serving state (recall holds there), "
+    )
+    text = f"{lead}{words}: {verdict['sentence']}; {hint}"
+    return _merged(characterization, evidence, factors["command"], text, measured)
