@@ -21,6 +21,8 @@ SIZES = {
     "DENSE_CASES": "cases at the dense length",
     "SCAN_DEPTHS": "depths of the black box's residue scan",
     "PAIR_CASES": "cases at each of the black box's top-k pair lengths",
+    "CONTINUATION": "greedy tokens each serving-factor request continues for (output identity)",
+    "DRAFT": "the draft depth the serving-factor experiment adds when a server takes one per request",
     "TOP_LOGPROBS": "alternatives the teacher-forced scoring asks for",
     "SOURCE_TIMEOUT_S": "a cheap question's deadline for a source",
 }
