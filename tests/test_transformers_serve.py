@@ -53,15 +53,25 @@ def servers(tmp_path_factory):
         yield {"weights": str(weights), **urls}
 
 
-def _cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+def _child(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, "HF_HUB_OFFLINE": "1"})  # fmt: skip
 
 
+@pytest.fixture
+def cli(run_cli_completed, monkeypatch):
+    """probe, health and compare through the real entry point in this process: each child spent a
+    second or more on imports before sending a request, and tests/test_client_limits.py and
+    tests/test_probe_cli.py run these commands as children. The canary stays a child
+    (``_child``): it configures the process's logging, which pytest owns in this process."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    return run_cli_completed
+
+
 @pytest.mark.parametrize("kind", ["single", "multiturn"])
-def test_counted_lengths_equal_transformers_serve_prompt_tokens(servers, tmp_path, kind):
+def test_counted_lengths_equal_transformers_serve_prompt_tokens(servers, tmp_path, kind, cli):
     w = servers["weights"]
-    res = _cli("probe", "--base-url", servers["healthy"] + "/v1", "--model", w, "--tokenizer", w,
+    res = cli("probe", "--base-url", servers["healthy"] + "/v1", "--model", w, "--tokenizer", w,
                "--value-digits", "3", "--kind", kind, "--lengths", "200,333", "--depths", "0,100",
                "--trials", "1", "--concurrency", "2", "--out", str(tmp_path))  # fmt: skip
     assert res.returncode == 0, res.stderr
@@ -73,11 +83,11 @@ def test_counted_lengths_equal_transformers_serve_prompt_tokens(servers, tmp_pat
     assert "assumed to be served" in (tmp_path / "report.md").read_text()
 
 
-def test_health_passes_the_healthy_server_and_fails_the_planted_one(servers):
+def test_health_passes_the_healthy_server_and_fails_the_planted_one(servers, cli):
     w = servers["weights"]
     verdicts = {}
     for name in ("healthy", "planted"):
-        res = _cli("health", "--base-url", servers[name] + "/v1", "--model", w, "--tokenizer", w,
+        res = cli("health", "--base-url", servers[name] + "/v1", "--model", w, "--tokenizer", w,
                    "--length", LONG, "--depth", "10", "--value-digits", "3", "--json")  # fmt: skip
         assert res.returncode in (0, 1), res.stderr
         out = json.loads(res.stdout)
@@ -85,7 +95,7 @@ def test_health_passes_the_healthy_server_and_fails_the_planted_one(servers):
         assert out["model"] == w and verdicts[name]["server"] == "ok"
     assert verdicts["healthy"]["needle"] == "ok" and verdicts["planted"]["needle"] == "fail", verdicts
     # /v1/models answers HTTP 500 offline: without --model the checks that need one say so.
-    res = _cli("health", "--base-url", servers["healthy"] + "/v1", "--tokenizer", w, "--length", "300")
+    res = cli("health", "--base-url", servers["healthy"] + "/v1", "--tokenizer", w, "--length", "300")
     assert "pass --model" in res.stdout + res.stderr and "Traceback" not in res.stderr
 
 
@@ -93,7 +103,7 @@ def test_canary_round_hits_on_healthy_and_misses_on_planted(servers):
     w = servers["weights"]
     rounds = {}
     for name in ("healthy", "planted"):
-        res = _cli("canary", "--base-url", servers[name] + "/v1", "--model", w, "--tokenizer", w,
+        res = _child("canary", "--base-url", servers[name] + "/v1", "--model", w, "--tokenizer", w,
                    "--value-digits", "3", "--lengths", LONG, "--depths", "10", "--rounds", "1",
                    "--interval", "1", "--window", "1", "--listen", "127.0.0.1:0")  # fmt: skip
         assert res.returncode == 0, res.stderr
@@ -101,9 +111,9 @@ def test_canary_round_hits_on_healthy_and_misses_on_planted(servers):
     assert f"{LONG} tokens hit" in rounds["healthy"] and f"{LONG} tokens miss" in rounds["planted"], rounds
 
 
-def test_compare_finds_the_bug_planted_in_transformers_indexer(servers, tmp_path):
+def test_compare_finds_the_bug_planted_in_transformers_indexer(servers, tmp_path, cli):
     w = servers["weights"]
-    res = _cli("compare", "--a", servers["healthy"] + "/v1", "--b", servers["planted"] + "/v1", "--model", w,
+    res = cli("compare", "--a", servers["healthy"] + "/v1", "--b", servers["planted"] + "/v1", "--model", w,
                "--tokenizer", w, "--value-digits", "3", "--lengths", LONG, "--depths", "10,50", "--trials", "3",
                "--concurrency", "2", "--out", str(tmp_path))  # fmt: skip
     assert res.returncode == 1, (
