@@ -82,7 +82,6 @@ def main() -> None:
     ap.add_argument(
         "--settings",
         nargs="+",
-        required=True,
         help="name:index_k:index_q:index_topk[:rot|:norot][@patch.py] (rot: Hadamard rotation, default for fp4)",
     )
     ap.add_argument("--kind", default="multiturn")
@@ -94,8 +93,14 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=20)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--threads", type=int, help="torch threads (default: torch's)")
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--render", help="print the markdown table of a result JSON and exit")
+    ap.add_argument("--out")
     args = ap.parse_args()
+    if args.render:
+        print(markdown(json.loads(Path(args.render).read_text())), end="")
+        return
+    if not args.out or not args.settings:
+        ap.error("--out and --settings are required")
     if args.threads:
         torch.set_num_threads(args.threads)
     model, tokenizer, path = load_bundle(args.model, device=args.device)
@@ -178,10 +183,19 @@ def _utc() -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
+def _cpu_name() -> str:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor() or "cpu"
+    model = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), "cpu")
+    return f"{model}, {sum(ln.startswith('processor') for ln in lines)} cores"
+
+
 def _machine(device: str) -> dict:
     import transformers
 
-    name = torch.cuda.get_device_name(device) if device.startswith("cuda") else platform.processor() or "cpu"
+    name = torch.cuda.get_device_name(device) if device.startswith("cuda") else _cpu_name()
     return {
         "device": device,
         "device_name": name,
@@ -211,7 +225,13 @@ def markdown(result: dict) -> str:
         num = r["numerics"]
         keys = f"k={num.get('index_k')} q={num.get('index_q')} topk={num.get('index_topk')}"
         per = " | ".join(f"{r['by_length'][n]:.2f}" for n in lengths)
-        weakest = f"{r['min_cell']:.2f} ({', '.join(r['min_cell_at'])})"
+        at = r["min_cell_at"]
+        where = (
+            "every cell"
+            if len(at) == len(r["cells"])
+            else ", ".join(at[:4]) + (f" +{len(at) - 4}" if len(at) > 4 else "")
+        )
+        weakest = f"{r['min_cell']:.2f} ({where})"
         rows.append(
             f"| {name} | {keys} | {r['patch'] or '-'} | {per} | {weakest} | {r['cases']} | {r['wall_s']} |"
         )
