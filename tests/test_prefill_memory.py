@@ -12,6 +12,8 @@ prefill's ``T x T`` scores, every score row of the prompt kept per CSA layer) ag
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -23,6 +25,7 @@ from needlescope.dsa.budget import (  # noqa: E402
     bounded_memory,
     current_budget,
     indexed_device,
+    measurement_chunk,
     prefill_bytes,
     rows_within,
 )
@@ -95,3 +98,30 @@ def test_max_memory_sizes_the_batches_and_a_bad_size_is_exit_2(run_cli, tmp_path
         "12parsecs",
     )
     assert code == 2 and "memory size '12parsecs' is not a number" in err
+
+
+def test_default_steps_never_leave_a_lone_token():
+    # steps of 512 ran a 513-token prompt as 512 + 1, and a model's code reads a one-token forward as decode
+    for length in (1, 511, 512, 513, 1025, 4097, 8192):
+        step = measurement_chunk(None, length)
+        last = length - (-(-length // step) - 1) * step
+        assert step <= DEFAULT_CHUNK and (last >= 2 or length == 1), (length, step, last)
+    assert measurement_chunk(100, 513) == 100  # a ledger's prefill_chunk is a server's chunking: kept
+
+
+def test_a_decode_path_bug_stays_off_the_prefill_of_a_chunked_measurement():
+    # boundary_residue.py flips the ranking after a prefill that ends on a window boundary; the
+    # default steps ran 513 tokens as 512 (a boundary) + 1 (read as decode): 0 of 3 right, one pass 3 of 3
+    from needlescope.setting import PatchRef
+
+    model, tok, _ = load_bundle("organism")
+    cfg = Config(
+        Setting.parse("k=fp8_e4m3 q=fp32 acc=fp32 topk=64"),
+        extra=(PatchRef.resolve(str(Path(__file__).parent / "planted_bugs" / "boundary_residue.py")),),
+    )
+    spec = CaseSpec(kind="multiturn", lengths=(513,), depths=(0.0, 100.0), trials=1, seed=0, value_digits=3)
+    cases = build_cases(spec, lambda m: len(render_prompt(tok, m).input_ids))
+    chunked = measure_cases(model, tok, cases, cfg, max_new_tokens=6)
+    one_pass = measure_cases(model, tok, cases, cfg, max_new_tokens=6, chunk=4096)
+    assert [r["prompt_tokens"] for r in chunked] == [513, 513]
+    assert [r["answer"] for r in chunked] == [r["answer"] for r in one_pass]

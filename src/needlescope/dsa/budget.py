@@ -105,9 +105,19 @@ def current_budget() -> int:
 
 
 def measurement_chunk(chunk: int | None, length: int) -> int:
-    """The prefill chunk a measurement of a ``length``-token prompt uses: ``chunk`` if given,
-    else ``DEFAULT_CHUNK`` (a prompt no longer than it runs in one forward either way)."""
-    return min(length, DEFAULT_CHUNK if chunk is None else chunk)
+    """The prefill chunk a measurement of a ``length``-token prompt uses: ``chunk`` if given (the
+    ledger's ``prefill_chunk``: a server's chunking, kept exactly), else steps of at most
+    ``DEFAULT_CHUNK`` as equal as they can be (a prompt no longer than it runs in one forward).
+
+    Equal steps because the default only bounds memory and must not change what runs: steps of
+    512 would leave a 513-token prompt's last token alone, and a model's code takes a one-token
+    forward for a decode step (a bug planted on the decode path then fired in the prefill)."""
+    if chunk is not None:
+        return min(length, chunk)
+    if length <= DEFAULT_CHUNK:
+        return length
+    steps = -(-length // DEFAULT_CHUNK)
+    return -(-length // steps)
 
 
 def prefill_bytes(config, rows: int, length: int, chunk: int | None) -> int:
