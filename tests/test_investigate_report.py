@@ -100,7 +100,7 @@ def _screenshot(page, shot, height: int) -> None:
 
 
 def test_diagnosis_html_renders_in_headless_chromium(tmp_path):
-    """DIAGNOSIS.html (plots embedded) of the demo's golden findings screenshotted by Debian's
+    """DIAGNOSIS.html (plots embedded) of `make demo`'s golden findings screenshotted by Debian's
     chromium: not blank, plots drawn, and the summary box, root cause inside, whole within the
     first 1000 px. (It rendered a fresh organism investigation before the golden findings.)"""
     import numpy as np
