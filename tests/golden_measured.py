@@ -33,4 +33,5 @@ def ledger(name: str) -> Ledger:
 def decided(m: Measured, ledger_name: str) -> dict:
     """``decide(m, ledger)`` as ``investigation.json`` holds it (no absolute path: ``relativize``
     as a run does, the ledger's folder mapped to nothing)."""
-    return relativize(decide(m, ledger(ledger_name)).to_json(), {str(MEASURED / ledger_name) + "/": ""})
+    obj = json.loads(json.dumps(decide(m, ledger(ledger_name)).to_json()))  # tuples as the file has them
+    return relativize(obj, {str(MEASURED / ledger_name) + "/": ""})

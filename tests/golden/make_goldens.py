@@ -68,7 +68,8 @@ def capture(ledger: Path, out: Path, name: str) -> None:
     shutil.copy(ledger, target / "investigation.toml")
     if (base / "patches").is_dir():  # the files the ledger names; never the run's own outputs
         shutil.copytree(base / "patches", target / "patches")
-    _write_json(target / "measured.json", relativize(measured.to_json(), maps[0]))
+    # through JSON first: relativize reads lists, and to_json keeps some tuples (the context's flags)
+    _write_json(target / "measured.json", relativize(json.loads(json.dumps(measured.to_json())), maps[0]))
     shutil.copy(out / "investigation.json", FINDINGS / f"{name}.json")
 
 
