@@ -172,6 +172,8 @@ def test_a_resumed_run_after_a_rule_change_decides_anew(tmp_path, unnamed, organ
     decode = next(p for p in findings.localization["paths"] if p["path"] == "decode")
     before = next(p for p in v0["localization"]["paths"] if p["path"] == "decode")
     assert before["diverges"] and before["own_budget"] is not None, before  # the old rule: departs
-    assert not decode["diverges"] and decode["first_divergent_module"] is None and decode["own_budget"] is None
+    assert (
+        not decode["diverges"] and decode["first_divergent_module"] is None and decode["own_budget"] is None
+    )
     assert findings.characterization["text"] == "by the new rules"
     assert {p.name: p.read_bytes() for p in (out / "measure").iterdir()} == measured  # nothing measured again

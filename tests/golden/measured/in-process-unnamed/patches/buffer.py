@@ -1,4 +1,3 @@
-
 from needlescope.dsa.emulate import wrap_scorers
 
 
@@ -9,5 +8,7 @@ def apply(model):
             s[..., 8:] = float("-inf")  # a candidate buffer of 8 entries
             s[..., 15::16] = float("nan")  # one unwritten slot per page
             return s
+
         return forward
+
     return wrap_scorers(model, wrap)
