@@ -72,7 +72,7 @@ def test_every_setting_command_shares_one_option_group():
     assert "arbitrary Python" in helps[0]["--patch"]
     sweep = _options("indexer", "sweep")
     assert sweep["--score-dtype"] == helps[0]["--score-dtype"] and sweep["--patch"] == helps[0]["--patch"]
-    assert "arbitrary Python" in _options("demo")["--deploy-patch"]
+    assert "arbitrary Python" in _options("serve-probe-explain")["--deploy-patch"]
 
 
 def test_rank_dump_runs_its_patch_once_per_process_however_often_it_is_applied(bundle, tmp_path, run_cli):

@@ -177,7 +177,7 @@ def _probe_summary(recalls: dict[int, float]) -> dict:
     return {"cells": cells, "threshold": 0.85, "effective_length": None, "cliff": None}
 
 
-def test_the_demo_diagnosis_md_opens_with_the_same_summary_box():
+def test_the_serve_probe_explain_diagnosis_md_opens_with_the_same_summary_box():
     from needlescope.report.diagnosis import render_diagnosis
 
     pos = {"needle_entries": [3], "visible_entries": 64, "best_rank": 40, "margin": -0.5, "selected": False}

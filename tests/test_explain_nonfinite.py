@@ -1,4 +1,4 @@
-"""The explain path (``needlescope demo``: its rank dump of the failing case) survives a
+"""The explain path (``needlescope serve-probe-explain``: its rank dump of the failing case) survives a
 deployment whose indexer leaves -inf and NaN scores, as the investigation does, and counts them."""
 
 from __future__ import annotations
@@ -27,15 +27,17 @@ def apply(model):
 """
 
 
-def test_demo_with_a_nonfinite_patch_completes_and_reports_the_counts(tmp_path, run_cli_completed):
+def test_serve_probe_explain_with_a_nonfinite_patch_completes_and_reports_the_counts(
+    tmp_path, run_cli_completed
+):
     from needlescope.dsa.rankdump import validate_rankdump
     from needlescope.testing.checkpoints import save_random
 
     model = save_random(tmp_path / "model", seed=0, hidden_size=64, moe_intermediate_size=64)
     patch = tmp_path / "nonfinite.py"
     patch.write_text(NONFINITE_PATCH)
-    out = tmp_path / "demo"
-    argv = ["demo", "--model", str(model), "--out", str(out)]
+    out = tmp_path / "spe"
+    argv = ["serve-probe-explain", "--model", str(model), "--out", str(out)]
     argv += ["--lengths", "200", "--trials", "1", "--deploy-index-topk", "8", "--deploy-patch", str(patch)]
     res = run_cli_completed(*argv)  # in-process: its servers are children, as on the shell
     assert res.returncode == 0, res.stderr[

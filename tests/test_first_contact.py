@@ -306,7 +306,7 @@ def test_terminal_progress_is_a_labelled_bar_with_rate_and_measured_eta():
             "--index-topk",
             "16",
         ],
-        ["demo", "--device", "cuda"],
+        ["serve-probe-explain", "--device", "cuda"],
     ],
 )
 def test_cuda_without_cuda_is_one_line_and_exit_2(args, tmp_path, cli):

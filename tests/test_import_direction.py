@@ -35,7 +35,7 @@ LAYERS: dict[str, int] = {
     "serve": 3,
     "kernels": 3,
     "audit": 3,
-    # 4: multi-step workflows: the investigation, and the others (demo, explain, rank dump, capture)
+    # 4: multi-step workflows: the investigation, and the others (serve-probe-explain, explain, rank dump, capture)
     "investigate": 4,
     "workflows": 4,
     # 5: long-running watchers built on workflows
@@ -172,7 +172,9 @@ def test_the_checker_catches_an_upward_import(tmp_path):
     """The rule can fail: a lazy upward import and a torch import in a torch-free core are reported."""
     fake = tmp_path / "needlescope"
     (fake / "dsa").mkdir(parents=True)
-    (fake / "dsa" / "bad.py").write_text("def f():\n    from needlescope.workflows import demo\n")
+    (fake / "dsa" / "bad.py").write_text(
+        "def f():\n    from needlescope.workflows import serve_probe_explain\n"
+    )
     (fake / "cases.py").write_text("import torch\n")
     found = _violations(fake)
     assert any("dsa (layer 2) imports workflows (layer 4)" in v for v in found), found

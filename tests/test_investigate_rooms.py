@@ -90,6 +90,26 @@ def test_measure_compares_with_no_fractional_literal():
     assert found == [], "a threshold in measure/: " + "; ".join(found)
 
 
+def _localization_imports(tree) -> list[str]:
+    return [
+        a.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and node.module == "needlescope.investigate.decide.localization"
+        for a in node.names
+    ]
+
+
+def test_measure_applies_no_localization_rule():
+    """Which layer, module or path departs is decided in ``decide.localization`` alone, from the
+    measured numbers (the decode path's first departing module was picked at measurement time
+    and cached in state.json, so a resumed run kept an old rule's choice)."""
+    found = [f"{name}: {n}" for name, tree in _modules() for n in _localization_imports(tree)]
+    assert found == [], "measure/ applies a localization rule: " + "; ".join(found)
+    assert _localization_imports(
+        ast.parse("from needlescope.investigate.decide.localization import module_limit\n")
+    ) == ["module_limit"]
+
+
 def test_the_checks_can_fail():
     """Each check finds what it forbids (so none of them passes vacuously)."""
     tree = ast.parse(

@@ -160,11 +160,20 @@ def test_a_resumed_run_after_a_rule_change_decides_anew(tmp_path, unnamed, organ
         and "measured:characterization" in json.loads((out / "state.json").read_text())["done"]
     )
     monkeypatch.setattr(localization, "DEPARTS", 0.0)  # the new rule: no selection departs
+    # ... and no module departs on the decode path, whatever its difference (it was decided at
+    # measurement time and cached before issue 51's last part)
+    monkeypatch.setattr(localization, "module_limit", lambda indexer, reference: float("inf"))
     real = decision.characterize
     monkeypatch.setattr(
         decision, "characterize", lambda ev, ctx: {**real(ev, ctx), "text": "by the new rules"}
     )
     findings = run_investigation(tmp_path / "d" / "investigation.toml", out, loaded=organism)
     assert [p["first_departing_layer"] for p in findings.localization["paths"]] == [None] * len(departing)
+    decode = next(p for p in findings.localization["paths"] if p["path"] == "decode")
+    before = next(p for p in v0["localization"]["paths"] if p["path"] == "decode")
+    assert before["diverges"] and before["own_budget"] is not None, before  # the old rule: departs
+    assert (
+        not decode["diverges"] and decode["first_divergent_module"] is None and decode["own_budget"] is None
+    )
     assert findings.characterization["text"] == "by the new rules"
     assert {p.name: p.read_bytes() for p in (out / "measure").iterdir()} == measured  # nothing measured again

@@ -40,8 +40,8 @@ def test_sweep_and_rank_dump_refuse_an_unbounded_topk(run_cli, tmp_path):
     assert "--index-topk 999999: more entries" in line
 
 
-def test_demo_refuses_a_length_beyond_the_context(run_cli, tmp_path):
-    line = _one_line(*run_cli("demo", "--lengths", "256,9000", "--out", str(tmp_path / "d")))
+def test_serve_probe_explain_refuses_a_length_beyond_the_context(run_cli, tmp_path):
+    line = _one_line(*run_cli("serve-probe-explain", "--lengths", "256,9000", "--out", str(tmp_path / "d")))
     assert f"--lengths 9000: {CONTEXT}" in line
     assert not (tmp_path / "d").exists()
 

@@ -38,7 +38,7 @@ COMMANDS = [
     (["indexer", "topk-audit", "OUT/capture.pt", "--out", "OUT"], "topk_audit.json"),
     (["kernels", "conform", "--impl", "torch", "--out", "OUT/conform.json"], "conform.json"),
     (["audit", "--checks", "routed_scale", "--out", "OUT/audit.json"], "audit.json"),
-    (["demo", "--out", "OUT"], "DIAGNOSIS.md"),
+    (["serve-probe-explain", "--out", "OUT"], "DIAGNOSIS.md"),
     (["investigate", "init", "OUT"], "investigation.toml"),
     (["investigate", "run", "OUT/ledger.toml", "--out", "OUT"], "DIAGNOSIS.md"),
 ]
@@ -71,22 +71,22 @@ def test_force_is_the_way_past(run_cli, tmp_path):
     assert f"--out {out}\n" in stdout  # the run beside its ledger, as make demo runs it (issue 54 item 17)
 
 
-def test_demo_force_is_the_way_past_and_keeps_other_files(run_cli, tmp_path):
+def test_serve_probe_explain_force_is_the_way_past_and_keeps_other_files(run_cli, tmp_path):
     from needlescope.dsa.checkpoint import resolve_model_dir
-    from needlescope.workflows.demo import check_out, prepare_out
+    from needlescope.workflows.serve_probe_explain import check_out, prepare_out
 
-    out = tmp_path / "demo"
+    out = tmp_path / "spe"
     out.mkdir()
     (out / "DIAGNOSIS.md").write_bytes(FOREIGN)
     (out / "notes.txt").write_bytes(FOREIGN)
     # A device no machine has is refused before --out is touched, --force or not (it was found
     # only when the first server started, after the folder had been cleared).
-    code, stdout, stderr = run_cli("demo", "--out", str(out), "--device", "cuda:99", "--force")
+    code, stdout, stderr = run_cli("serve-probe-explain", "--out", str(out), "--device", "cuda:99", "--force")
     assert code == 2 and "--device cuda:99" in stderr and "DIAGNOSIS.md" not in stderr, stdout + stderr
     assert (out / "DIAGNOSIS.md").read_bytes() == FOREIGN
-    # --force is the way past: the demo's names are cleared, any other file kept.
+    # --force is the way past: the pipeline's names are cleared, any other file kept.
     check_out(out, resolve_model_dir("organism"), force=True)
-    prepare_out(out, force=True)
+    prepare_out(out)
     assert not (out / "DIAGNOSIS.md").exists() and (out / "notes.txt").read_bytes() == FOREIGN
 
 

@@ -1,6 +1,7 @@
-"""The demo deletes only files it recorded writing (issue 29, item 7): a directory whose names
-merely look like demo output, or that holds one file more, is refused with nothing deleted; and
-a server child dies with the process that started it, SIGKILL included."""
+"""serve-probe-explain deletes only files it recorded writing (issue 29, item 7), through the one
+output-manifest system (``needlescope.outdir``): files at its names that merely look like its
+output, or that changed since, are refused with nothing deleted; files at other names are never
+touched; and a server child dies with the process that started it, SIGKILL included."""
 
 from __future__ import annotations
 
@@ -14,92 +15,90 @@ import time
 import pytest
 
 from needlescope.errors import BadInput
-from needlescope.workflows.demo import check_out, prepare_out
-from needlescope.workflows.manifest import MANIFEST_NAME, Manifest, check_clearable, clear
+from needlescope.outdir import MANIFEST_NAME, record_outputs
+from needlescope.workflows.serve_probe_explain import OUTPUTS, check_out, prepare_out
 
 
-def _demo_like(out):
+def _looks_like_its_output(out):
     (out / "reference").mkdir(parents=True)
     (out / "reference" / "results.sqlite").write_bytes(b"precious")
     (out / "DIAGNOSIS.md").write_text("my notes")
     (out / "fixes.json").write_text("{}")
 
 
-def test_names_that_look_like_demo_output_are_not_deleted(tmp_path):
+@pytest.fixture
+def model():
+    from needlescope.dsa.checkpoint import shipped_dir
+
+    return shipped_dir()
+
+
+def test_names_that_look_like_its_output_are_not_deleted(tmp_path, model):
     out = tmp_path / "out"
-    _demo_like(out)
-    (out / MANIFEST_NAME).write_text("written by needlescope demo; the demo may replace this directory\n")
-    with pytest.raises(BadInput, match="and no output manifest"):
-        prepare_out(out)
+    _looks_like_its_output(out)
+    with pytest.raises(BadInput, match="DIAGNOSIS.md was not written by needlescope"):
+        check_out(out, model)
     assert (out / "reference" / "results.sqlite").read_bytes() == b"precious"
 
 
-def test_only_recorded_unchanged_files_are_deleted(tmp_path):
+def test_only_recorded_unchanged_files_are_deleted_and_other_names_stay(tmp_path, model):
     out = tmp_path / "out"
-    out.mkdir()
-    manifest = prepare_out(out)
-    _demo_like(out)
-    manifest.record()
-    body = json.loads((out / MANIFEST_NAME).read_text())
-    assert {f["path"] for f in body["files"]} == {"reference/results.sqlite", "DIAGNOSIS.md", "fixes.json"}
-
-    (out / "thesis.tex").write_text("years of work")
-    with pytest.raises(BadInput, match="thesis.tex"):
-        clear(out)
-    assert (out / "DIAGNOSIS.md").exists() and (out / "thesis.tex").exists()
-    (out / "thesis.tex").unlink()
+    _looks_like_its_output(out)
+    record_outputs(out, OUTPUTS)
+    recorded = json.loads((out / MANIFEST_NAME).read_text())["files"]
+    assert set(recorded) == {"reference/results.sqlite", "DIAGNOSIS.md", "fixes.json"}
 
     (out / "DIAGNOSIS.md").write_text("edited by hand")
-    with pytest.raises(BadInput, match="DIAGNOSIS.md"):
-        clear(out)
+    with pytest.raises(BadInput, match="DIAGNOSIS.md was changed after needlescope serve-probe-explain"):
+        check_out(out, model)
     assert (out / "DIAGNOSIS.md").read_text() == "edited by hand"
     (out / "DIAGNOSIS.md").write_text("my notes")
 
+    (out / "thesis.tex").write_text("years of work")  # another name: never touched, never blocks
     (out / "reference" / "mine").mkdir()  # an empty folder of the user's: kept
-    clear(out)
-    assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*")) == ["reference", "reference/mine"]
-    assert check_clearable(out) == []
+    check_out(out, model)
+    prepare_out(out)
+    left = sorted(p.relative_to(out).as_posix() for p in out.rglob("*"))
+    assert left == [MANIFEST_NAME, "reference", "reference/mine", "thesis.tex"]
+    assert json.loads((out / MANIFEST_NAME).read_text())["files"] == {}
+    assert (out / "thesis.tex").read_text() == "years of work"
 
 
-def test_force_replaces_the_demos_names_and_never_touches_another_file(tmp_path):
-    """Issue 38: --force as needlescope.outdir means it: the files at the names the demo writes
-    go, whoever wrote them; every other file stays byte for byte and is never recorded as the
-    demo's, so a rerun without --force names it again."""
-    from needlescope.dsa.checkpoint import shipped_dir
-
+def test_force_replaces_its_names_and_never_touches_another_file(tmp_path, model):
+    """Issue 38: --force as needlescope.outdir means it: the files at the names the pipeline
+    writes go, whoever wrote them; every other file stays byte for byte and is never recorded
+    as the pipeline's."""
     out = tmp_path / "out"
-    _demo_like(out)
+    _looks_like_its_output(out)
     (out / "drafts").mkdir()
     (out / "drafts" / "a.txt").write_bytes(b"\x00draft\xff")
     (out / "notes.txt").write_text("mine")
-    with pytest.raises(BadInput, match="no output manifest.*pass --force"):
-        check_out(out, shipped_dir())
-    check_out(out, shipped_dir(), force=True)
+    with pytest.raises(BadInput, match="was not written by needlescope.*pass --force"):
+        check_out(out, model)
+    check_out(out, model, force=True)
     with pytest.raises(BadInput, match="overlaps the checkpoint"):
-        check_out(shipped_dir(), shipped_dir(), force=True)  # --force never reaches the checkpoint
-    manifest = prepare_out(out, force=True)
+        check_out(model, model, force=True)  # --force never reaches the checkpoint
+    prepare_out(out)
     left = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
-    assert left == [MANIFEST_NAME, "drafts/a.txt", "notes.txt"]
-    assert (out / "drafts" / "a.txt").read_bytes() == b"\x00draft\xff" and (
-        out / "notes.txt"
-    ).read_text() == "mine"
-    (out / "DIAGNOSIS.md").write_text("the demo's")
-    manifest.record()
-    assert [f["path"] for f in json.loads((out / MANIFEST_NAME).read_text())["files"]] == ["DIAGNOSIS.md"]
-    with pytest.raises(BadInput, match="drafts/a.txt, notes.txt.*pass --force"):
-        clear(out)
-    assert (out / "DIAGNOSIS.md").read_text() == "the demo's"
+    assert left == ["drafts/a.txt", "notes.txt"]
+    assert (out / "drafts" / "a.txt").read_bytes() == b"\x00draft\xff"
+    (out / "DIAGNOSIS.md").write_text("the pipeline's")
+    record_outputs(out, OUTPUTS)
+    assert list(json.loads((out / MANIFEST_NAME).read_text())["files"]) == ["DIAGNOSIS.md"]
+    check_out(out, model)  # its own file, unchanged: a rerun replaces it
 
 
-def test_manifest_lists_nothing_outside_out(tmp_path):
+def test_a_link_at_its_name_is_removed_never_followed(tmp_path, model):
     out = tmp_path / "out"
     out.mkdir()
     (tmp_path / "outside").write_text("x")
-    (out / "link").symlink_to(tmp_path / "outside")
-    Manifest(out, "demo").record()
-    assert json.loads((out / MANIFEST_NAME).read_text())["files"] == []
-    with pytest.raises(BadInput, match="link"):
-        check_clearable(out)
+    (out / "DIAGNOSIS.md").symlink_to(tmp_path / "outside")
+    record_outputs(out, OUTPUTS)
+    assert json.loads((out / MANIFEST_NAME).read_text())["files"] == {}
+    with pytest.raises(BadInput, match="DIAGNOSIS.md"):
+        check_out(out, model)
+    check_out(out, model, force=True)
+    assert not (out / "DIAGNOSIS.md").exists() and (tmp_path / "outside").read_text() == "x"
 
 
 def _alive(pid: int) -> bool:

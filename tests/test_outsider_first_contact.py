@@ -114,12 +114,14 @@ def test_a_file_a_compare_wrote_is_not_called_foreign_in_its_side_folder(run_cli
     assert f"heatmap.png was written by needlescope compare into {ab}, not probe here" in line
 
 
-def test_demo_refuses_a_length_given_twice_before_it_serves_or_writes(run_cli, tmp_path):
-    """`needlescope demo --lengths 256,256`: refused only by the first probe, once both servers
-    were up and --out was made with its manifest; the demo promises every input is checked
+def test_serve_probe_explain_refuses_a_length_given_twice_before_it_serves_or_writes(run_cli, tmp_path):
+    """`needlescope serve-probe-explain --lengths 256,256`: refused only by the first probe, once both servers
+    were up and --out was made with its manifest; the command promises every input is checked
     before the filesystem is touched."""
-    out = tmp_path / "demo"
-    line = one_error_line(*run_cli("demo", "--out", str(out), "--lengths", "256,256", "--trials", "1"))
+    out = tmp_path / "spe"
+    line = one_error_line(
+        *run_cli("serve-probe-explain", "--out", str(out), "--lengths", "256,256", "--trials", "1")
+    )
     assert "--lengths 256,256 names a length twice" in line
     assert not out.exists()
 

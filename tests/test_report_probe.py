@@ -1,4 +1,4 @@
-"""Tests for needlescope.report.probe."""
+"""Tests for needlescope.report.probe, rendering what needlescope.analysis.probe_summary decides."""
 
 import json
 
@@ -6,6 +6,7 @@ import pytest
 
 from needlescope.analysis import cells_from_results
 from needlescope.analysis.depth import depth_profile
+from needlescope.analysis.probe_summary import analyze_probe
 from needlescope.report import validate_summary, write_probe_outputs
 
 
@@ -22,11 +23,11 @@ def test_writes_four_files(tmp_path):
                      "counted_length": length if t != 1 else length + 1}
                 )  # fmt: skip
     cells = cells_from_results(results)
-    summary = write_probe_outputs(
-        tmp_path, cells=cells, results=results, kind="single", model="m", threshold=0.9,
-        provenance={"tool": "needlescope"}, notes=["a note"], value_digits=3,
-        value_digits_source="--value-digits",
+    analysis = analyze_probe(
+        cells=cells, results=results, kind="single", model="m", threshold=0.9,
+        provenance={"tool": "needlescope"}, value_digits=3, value_digits_source="--value-digits",
     )  # fmt: skip
+    summary = write_probe_outputs(tmp_path, analysis, cells=cells, results=results, notes=["a note"])
     for name in ("summary.json", "report.md", "heatmap.png", "results.jsonl"):
         assert (tmp_path / name).stat().st_size > 0
     on_disk = json.loads((tmp_path / "summary.json").read_text())
@@ -53,10 +54,11 @@ def test_validate_rejects_bad():
 
 
 def _write(tmp_path, results, cells):
-    return write_probe_outputs(
-        tmp_path, cells=cells, results=results, kind="single", model="m", threshold=0.9, provenance={},
-        notes=[], value_digits=7, value_digits_source="--value-digits",
+    analysis = analyze_probe(
+        cells=cells, results=results, kind="single", model="m", threshold=0.9, provenance={},
+        value_digits=7, value_digits_source="--value-digits",
     )  # fmt: skip
+    return write_probe_outputs(tmp_path, analysis, cells=cells, results=results, notes=[])
 
 
 def test_a_cell_where_every_request_failed_is_null_and_drawn_as_no_data(tmp_path):

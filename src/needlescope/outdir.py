@@ -21,6 +21,11 @@ SIGKILL between writing an output and recording it leaves that file unrecorded, 
 then names it and refuses (``--force`` takes over). State files are exempt from the record
 check, so a killed resumable run resumes.
 
+A command that starts afresh on every run (``workflows.serve_probe_explain``: two probes that
+must not resume an earlier run's stores) deletes its earlier outputs first, once
+``check_outputs`` allowed them: ``clear_outputs`` deletes every file at the command's names,
+the folders they leave empty, and their records; files at other names stay.
+
 Schema of ``out/MANIFEST_NAME`` (JSON object): ``kind`` ("needlescope-out-manifest"),
 ``version`` (1), ``files``: an object from the file's path relative to ``out`` (POSIX) to
 ``{"command": str, "bytes": int, "sha256": str}``.
@@ -40,7 +45,15 @@ from pathlib import Path
 from needlescope.errors import BadInput
 from needlescope.paths import open_nofollow
 
-__all__ = ["MANIFEST_NAME", "OutputSpec", "check_outputs", "file_sha256", "guarded_out", "record_outputs"]
+__all__ = [
+    "MANIFEST_NAME",
+    "OutputSpec",
+    "check_outputs",
+    "clear_outputs",
+    "file_sha256",
+    "guarded_out",
+    "record_outputs",
+]
 
 MANIFEST_NAME = ".needlescope-out.json"
 KIND = "needlescope-out-manifest"
@@ -187,6 +200,11 @@ def record_outputs(out: Path, spec: OutputSpec) -> None:
         if path.is_symlink():
             continue
         files[rel] = {"command": spec.command, "bytes": path.stat().st_size, "sha256": file_sha256(path)}
+    _write_manifest(out, files)
+
+
+def _write_manifest(out: Path, files: dict[str, dict]) -> None:
+    """Replace ``out``'s manifest by one recording ``files`` (relative path -> entry)."""
     body = {"kind": KIND, "version": 1, "files": dict(sorted(files.items()))}
     tmp = out / f"{MANIFEST_NAME}.{os.getpid()}.tmp"
     try:
@@ -197,6 +215,25 @@ def record_outputs(out: Path, spec: OutputSpec) -> None:
     except OSError:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def clear_outputs(out: Path, spec: OutputSpec) -> None:
+    """Delete every file under ``out`` at a name ``spec`` writes (call ``check_outputs`` first:
+    this deletes whoever wrote them), the folders under ``out`` they leave empty, and their
+    entries in the manifest. A symbolic link is removed, never followed."""
+    out = Path(out)
+    if not out.is_dir():
+        return
+    present = _present(out, spec)
+    for _, path in present:
+        path.unlink()
+    folders = {d for _, p in present for d in p.parents if out in d.parents}
+    for d in sorted(folders, key=lambda d: len(d.parts), reverse=True):
+        if not any(d.iterdir()):
+            d.rmdir()
+    recorded = _read_manifest(out)
+    if any(rel in recorded for rel, _ in present):
+        _write_manifest(out, {k: v for k, v in recorded.items() if k not in dict(present)})
 
 
 @contextmanager

@@ -7,9 +7,9 @@ whenever a unit of ``task`` finishes (a case sent, a setting measured, a prompt 
 bar on a terminal, periodic plain lines otherwise. ``no_progress`` is the default everywhere.
 
 A workflow whose steps are named happenings rather than counted units (a probe's "case done",
-"retry" or "cell"; the demo's "serve" or "rank dump" phase) takes ``on_event: Event`` and calls
+"retry" or "cell"; serve-probe-explain's "serve" or "rank dump" phase) takes ``on_event: Event`` and calls
 ``on_event(name, payload)`` with a JSON-able payload; ``no_event`` is its default. The command
-line turns events into the same progress bar (``cli.probe.probe_events``, ``cli.demo``).
+line turns events into the same progress bar (``cli.probe.probe_events``, ``cli.serve_probe_explain``).
 """
 
 from __future__ import annotations

@@ -20,7 +20,6 @@ from needlescope.cli import (  # noqa: F401  (they register their commands)
 )
 from needlescope.cli.audit import audit_command
 from needlescope.cli.compare import compare_command
-from needlescope.cli.demo import demo_command
 from needlescope.cli.engine_state import engine_state_command
 from needlescope.cli.indexer import indexer_app
 from needlescope.cli.investigate import investigate_app
@@ -31,6 +30,7 @@ from needlescope.cli.output import console, err_console, typer_app
 from needlescope.cli.probe import probe_command
 from needlescope.cli.replay import replay_command
 from needlescope.cli.serve import serve_command
+from needlescope.cli.serve_probe_explain import serve_probe_explain_command
 from needlescope.cli.serving_factors import serving_factors_command
 from needlescope.cli.watch import canary_command, health_command
 from needlescope.errors import BadInput
@@ -60,7 +60,7 @@ def _options(
 
 
 app.command("probe")(probe_command)
-app.command("demo")(demo_command)
+app.command("serve-probe-explain")(serve_probe_explain_command)
 app.command("compare")(compare_command)
 app.command("replay")(replay_command)
 app.add_typer(organism_app, name="organism")

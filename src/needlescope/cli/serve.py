@@ -1,7 +1,7 @@
 """``needlescope serve``: the reference server for the organism or a local checkpoint.
 
 ``--config-json`` starts it from a whole ``ServeConfig`` (``ServeConfig.to_json``), which is how
-a parent process (the demo, tests) starts a child server without rebuilding flags from values.
+a parent process (serve-probe-explain, tests) starts a child server without rebuilding flags from values.
 """
 
 from __future__ import annotations

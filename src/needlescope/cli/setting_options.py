@@ -1,4 +1,4 @@
-"""The one option group that builds a ``Setting``: ``serve``, ``indexer rank-dump|sweep|diff``, ``demo``.
+"""The one option group that builds a ``Setting``: ``serve``, ``indexer rank-dump|sweep|diff``, ``serve-probe-explain``.
 
 Every command that takes an indexer setting declares its flags with these annotated types and
 turns them into a ``needlescope.setting.Setting`` with ``numerics_from_flags``, so the flags,

@@ -15,6 +15,6 @@ Its rooms, in import order (``tests/test_import_direction.py`` enforces it)::
   torch-free.
 - ``report``: DIAGNOSIS.md/html from ``Findings``, its summary and causal sections.
 
-The other multi-step workflows (demo, explain, rank dump, capture) live in
+The other multi-step workflows (serve-probe-explain, explain, rank dump, capture) live in
 ``needlescope.workflows``.
 """

@@ -1,13 +1,16 @@
-"""Write the outputs of a probe run: summary.json, report.md, heatmap.png and results.jsonl."""
+"""Write the outputs of a probe run: summary.json, report.md, heatmap.png and results.jsonl.
+
+Renders only: the curve, the depth profile and the length disagreements are decided in
+``analysis.probe_summary`` (``analyze_probe``), whose summary this writes with its headline.
+"""
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
 from pathlib import Path
 
-from ..analysis.curve import Cell, cliff, effective_length, pooled_recall
-from ..analysis.depth import depth_profile
+from ..analysis.curve import Cell, pooled_recall
+from ..analysis.probe_summary import CELL_KEYS
 from ..schema import check_schema, record
 from .breakdown import ENDPOINTS_SCHEMA, FAILURES_SCHEMA, endpoint_lines, failure_lines
 from .heatmap import length_depth_heatmap
@@ -24,8 +27,6 @@ __all__ = [
     "validate_summary",
     "write_probe_outputs",
 ]
-
-_CELL_KEYS = ("length", "depth", "n", "correct", "errors", "recall", "ci_low", "ci_high")
 
 _NUM_OR_NULL = {"type": ["number", "null"]}
 # analysis.margins.margin_summary's keys: counts are integers, the rest numbers (null: no data).
@@ -175,7 +176,7 @@ SUMMARY_SCHEMA: dict = {
             "type": "array",
             "items": {
                 "type": "object",
-                "required": list(_CELL_KEYS),
+                "required": list(CELL_KEYS),
                 "properties": {
                     "length": {"type": "integer"},
                     "depth": {"type": "number"},
@@ -477,76 +478,16 @@ def graded_lines(graded: dict, pooled: dict[int, tuple[int, int]]) -> list[str]:
     return lines
 
 
-def error_reasons(results: list[dict]) -> list[dict]:
-    """Failed requests by kind, most first: ``{"kind", "count", "example"}``, the example the
-    first such request's error (300 characters at most; keys are scrubbed before results)."""
-    by_kind: dict[str, dict] = {}
-    for r in results:
-        if r.get("status") != "error":
-            continue
-        kind = r.get("error_kind") or "error"
-        entry = by_kind.setdefault(
-            kind, {"kind": kind, "count": 0, "example": str(r.get("error") or "")[:300]}
-        )
-        entry["count"] += 1
-    return sorted(by_kind.values(), key=lambda e: (-e["count"], e["kind"]))
-
-
 def write_probe_outputs(
-    out_dir: Path,
-    *,
-    cells: list[Cell],
-    results: list[dict],
-    kind: str,
-    model: str,
-    threshold: float,
-    provenance: dict,
-    notes: list[str],
-    value_digits: int,
-    value_digits_source: str,
-    failures: dict | None = None,
-    endpoints: dict | None = None,
-    graded: dict | None = None,
-    difficulty: dict | None = None,
+    out_dir: Path, analysis: dict, *, cells: list[Cell], results: list[dict], notes: list[str]
 ) -> dict:
-    """Write the four probe outputs into ``out_dir`` and return the summary dict."""
+    """Write the four probe outputs into ``out_dir`` from ``analysis`` (``analysis.probe_summary.
+    analyze_probe`` over ``cells`` and ``results``) and return the summary: the analysis with its
+    headline first, checked against ``SUMMARY_SCHEMA``."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     cells = sorted(cells, key=lambda c: (c.length, c.depth))
-    unreachable = {
-        r["case_id"]
-        for r in results
-        if r.get("counted_length") is not None and r["counted_length"] != r["length"]
-    }
-    server = {
-        r["case_id"]
-        for r in results
-        if r.get("prompt_tokens") is not None and r["prompt_tokens"] != r.get("counted_length")
-    }
-    summary = {
-        "headline": [],
-        "effective_length": effective_length(cells, threshold),
-        "threshold": float(threshold),
-        "kind": kind,
-        "model": model,
-        "cells": [{k: asdict(c)[k] for k in _CELL_KEYS} for c in cells],
-        "cliff": cliff(cells),
-        "depth_profile": depth_profile(cells),
-        "provenance": dict(provenance),
-        "errors_total": sum(c.errors for c in cells),
-        "error_reasons": error_reasons(results),
-        "cells_without_data": sum(1 for c in cells if c.recall is None),
-        "length_mismatches": len(unreachable | server),
-        "unreachable_lengths": len(unreachable),
-        "server_length_mismatches": len(server),
-        "value_digits": int(value_digits),
-        "value_digits_source": value_digits_source,
-        **({"failures": failures} if failures is not None else {}),
-        **({"endpoints": endpoints} if endpoints is not None else {}),
-        **({"graded": graded} if graded is not None else {}),
-        **({"difficulty": difficulty} if difficulty is not None else {}),
-    }
-    summary["headline"] = headline(summary)
+    summary = {"headline": headline(analysis), **analysis}
     validate_summary(summary)
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     (out_dir / "report.md").write_text(_markdown(summary, cells, notes))

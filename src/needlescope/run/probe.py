@@ -15,6 +15,7 @@ from pathlib import Path
 from needlescope.analysis import cells_from_results
 from needlescope.analysis.endpoints import check_same_models, endpoint_breakdown
 from needlescope.analysis.margins import group_margins
+from needlescope.analysis.probe_summary import analyze_probe, length_notes, reached_length
 from needlescope.analysis.taxonomy import CaseIndex, classify, summarize_failures
 from needlescope.cases import CaseSpec, build_cases, order_for_prefix_cache, score_answer
 from needlescope.cases.needles import VALUE_DIGITS
@@ -317,21 +318,12 @@ def _finish(cfg: ProbeConfig, store: ResultStore, case_dicts: list[dict], admiss
             "expected": case["expected"],
         }
         rows.append(row)
-        reported = r.get("prompt_tokens")
-        if case["counted_length"] != case["length"]:
-            notes.append(
-                f"{case['case_id']}: length {case['length']} is unreachable with this tokenizer (closest "
-                f"{case['counted_length']} tokens); the case is left out of recall, effective length and cliff"
-            )
-        if reported is not None and reported != case["counted_length"]:
-            notes.append(
-                f"{case['case_id']}: counted {case['counted_length']} tokens but the server reported usage.prompt_tokens={reported}"
-            )
+    notes += length_notes(rows)
     _classify_misses(rows, by_id)
     graded = _graded_section(cfg, store, rows)
     # A case that missed its length measures some other length: keep it out of the analysis.
     grid = [(c["length"], c["depth"]) for c in case_dicts]
-    cells = cells_from_results((r for r in rows if r["counted_length"] == r["length"]), grid)
+    cells = cells_from_results((r for r in rows if reached_length(r)), grid)
     provenance = store.get_meta("provenance") or {}
     write_failure_bundles(
         cfg.out / "bundles",
@@ -344,15 +336,13 @@ def _finish(cfg: ProbeConfig, store: ResultStore, case_dicts: list[dict], admiss
         provenance=provenance,
         limit=cfg.bundles,
     )
-    return write_probe_outputs(
-        cfg.out,
+    analysis = analyze_probe(
         cells=cells,
         results=rows,
         kind=cfg.kind,
         model=cfg.model,
         threshold=cfg.threshold,
         provenance=provenance,
-        notes=notes,
         failures=summarize_failures(rows),
         endpoints=endpoint_breakdown(rows),
         value_digits=fingerprint.get("value_digits", VALUE_DIGITS),
@@ -360,6 +350,7 @@ def _finish(cfg: ProbeConfig, store: ResultStore, case_dicts: list[dict], admiss
         graded=graded,
         difficulty=store.get_meta("difficulty"),
     )
+    return write_probe_outputs(cfg.out, analysis, cells=cells, results=rows, notes=notes)
 
 
 def _classify_misses(rows: list[dict], by_id: dict[str, dict]) -> None:
@@ -391,7 +382,7 @@ def _graded_section(cfg: ProbeConfig, store: ResultStore, rows: list[dict]) -> d
         if g is None:
             continue
         row["graded"] = g
-        if g["status"] == "ok" and row["counted_length"] == row["length"]:
+        if g["status"] == "ok" and reached_length(row):
             scored.append((row["length"], row["depth"], g))
     errors = sum(1 for g in by_case.values() if g["status"] == "error")
     return {

@@ -1,4 +1,4 @@
-"""Start a server as a child process and wait until it answers (the demo, tests, bench).
+"""Start a server as a child process and wait until it answers (serve-probe-explain, tests, bench).
 
 Both of needlescope's servers announce themselves the same way: the first line on stdout is
 ``READY <port>``. ``ChildServer(argv)`` runs ``argv``, reads that line (the one implementation
@@ -53,7 +53,7 @@ def wait_answering(url: str, proc: subprocess.Popen, timeout: float) -> bool:
 
 def _die_with_parent() -> None:
     """In the child before exec: ask Linux to SIGTERM it when its parent dies, so a server
-    outlives no demo, test or bench killed with SIGKILL (``prctl(PR_SET_PDEATHSIG)``)."""
+    outlives no serve-probe-explain, test or bench killed with SIGKILL (``prctl(PR_SET_PDEATHSIG)``)."""
     if not sys.platform.startswith("linux"):
         return
     import ctypes

@@ -1,9 +1,9 @@
 """Multi-step workflows other than the investigation; each is ``run(config) -> result`` plus
 ``write(result, out)``, and ``write`` checks every artifact against its documented schema.
 
-- ``demo``: serve a checkpoint twice (reference and deployment ``Setting``), probe both, explain.
+- ``serve_probe_explain``: serve a checkpoint twice (reference and deployment ``Setting``), probe
+  both, explain.
 - ``explain``: rank-dump the failing case of two probes, try fixes, write DIAGNOSIS.md.
 - ``rankdump``: the rank-dump workflow over several prompts, with optional selection stability.
 - ``capture``: ask a live SGLang server for its indexer top-k and assemble ``capture.json``.
-- ``manifest``: the demo's output manifest (what it may clear on a rerun).
 """

@@ -23,7 +23,7 @@ from needlescope.investigate.decide.characterize import Localized, characterize,
 from needlescope.investigate.decide.dump import decide_dump
 from needlescope.investigate.decide.findings import Findings, Suspect
 from needlescope.investigate.decide.live import decide_live, live_root_cause
-from needlescope.investigate.decide.localization import decide_localization
+from needlescope.investigate.decide.localization import decide_localization, decide_rank_paths
 from needlescope.investigate.decide.measured import CharacterizationInput, Measured
 from needlescope.investigate.decide.serving_factor import with_serving_factor
 from needlescope.investigate.decide.signature import NO_SIGNATURE, signature
@@ -134,7 +134,7 @@ def decide_characterization(m: Measured, suspects: list[dict], root) -> dict | N
         return None
     ev = ci.evidence
     if m.route == "in-process":
-        ev = replace(ev, localized=_localized(m.localization))
+        ev = replace(ev, localized=_localized(decide_localization(m.localization)))
     return _with_factor({**characterize(ev, ci.context), "measured": _measured(ev, ci.baseline)}, m)
 
 
@@ -267,7 +267,7 @@ def decide(measured: Measured, ledger: Ledger) -> Findings:
         ),
         residual=extra.get("residual"),
         localization=extra.get("localization"),
-        rank_paths=m.rank_paths,
+        rank_paths=decide_rank_paths(m.rank_paths),
         nonfinite_scores=m.nonfinite_scores,
         characterization=decide_characterization(m, suspects, root),
     )

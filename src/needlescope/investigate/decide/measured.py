@@ -12,9 +12,10 @@ was measured (``SUSPECT_RULES`` there).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from needlescope.investigate.decide.characterize import Context, Evidence
+from needlescope.investigate.ledger.differences import Difference
 
 __all__ = ["Measured", "CharacterizationInput"]
 
@@ -93,3 +94,22 @@ class Measured:
     nonfinite_scores: dict = field(default_factory=lambda: {"counts": {}, "findings": []})
     blackbox: dict | None = None
     serving_factor: dict | None = None
+
+    def to_json(self) -> dict:
+        """Every field as JSON, in field order (``from_json`` reads it back): what a golden
+        ``Measured`` file holds (tests/golden/measured), so ``decide`` is tested without a model."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["differences"] = [d.to_record() for d in self.differences]
+        out["characterization"] = None if self.characterization is None else self.characterization.to_json()
+        return out
+
+    @classmethod
+    def from_json(cls, obj: dict) -> Measured:
+        char = obj["characterization"]
+        return cls(
+            **{
+                **obj,
+                "differences": [Difference.from_record(d) for d in obj["differences"]],
+                "characterization": None if char is None else CharacterizationInput.from_json(char),
+            }
+        )

@@ -78,6 +78,25 @@ class Difference:
             return self.value is not None or self.patch is not None
         return self.kind == "setting" or (self.kind == "patch" and self.candidate is not None)
 
+    def to_record(self) -> dict:
+        """Every field as JSON (``from_record`` reads it back; a golden ``Measured`` holds it):
+        the patch by its spec, the value as it is (a field's text, number or flag)."""
+        return {
+            "kind": self.kind,
+            "name": self.name,
+            "reference": self.reference,
+            "candidate": self.candidate,
+            "covered_by": list(self.covered_by),
+            "patch": None if self.patch is None else self.patch.spec,
+            "value": self.value,
+        }
+
+    @classmethod
+    def from_record(cls, obj: dict) -> Difference:
+        patch = None if obj["patch"] is None else PatchRef(obj["patch"], Path(obj["patch"]))
+        fields = {k: obj[k] for k in ("kind", "name", "reference", "candidate", "value")}
+        return cls(**fields, covered_by=tuple(obj["covered_by"]), patch=patch)
+
     def to_json(self, verdict: str | None = None) -> dict:
         return {
             "kind": self.kind,

@@ -9,23 +9,21 @@ the first wrong one) both ways, for the residual candidate and for the reference
 ``dsa.passes`` (chunked prefill into a cache, then ``decode`` token by token) and one
 teacher-forced forward, recording every module's output at each decoded position:
 
-* a module **departs** on the decode path when its decode output differs from its own
-  teacher-forced output at that position by more than the limit ``decide.localization.module_limit``
-  sets from the reference's difference for the same module (the rule and its constants live
-  there); an indexer's selection is compared as sets, a scorer over the visible entries;
-* the first departing module, in the order calls return, at the first decode step where any
-  departs, is where the decode path diverges (``own_err``: the candidate's difference, ``own_budget``
-  the threshold it exceeded);
+* per decode step (``steps``), every module's difference between its decode output and its own
+  teacher-forced output at that position, in the order calls return (``err``), beside the
+  reference's difference for the same module (``reference_err``, null where it has none); an
+  indexer's selection is compared as sets, a scorer over the visible entries;
 * per CSA layer at the analysed query: the candidate's decode selection against the reference's
   decode selection (Jaccard overlap) and whether each keeps a needle entry.
 
-With the first wrong token being the first answer token, nothing is decoded before it: the
-decode path equals the prefill and the result says so.
+Which module departs, and so where the decode path diverges, is decided from ``steps`` in
+``decide.localization`` (``decode_departure``), never here: a rule change re-decides a resumed
+run. With the first wrong token being the first answer token, nothing is decoded before it:
+``steps`` is null and the decode path equals the prefill.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
@@ -35,12 +33,11 @@ import torch
 from needlescope.dsa.emulate import IndexerCapture, emulate, patches_applied
 from needlescope.dsa.module_replay import rel_err, selection_error
 from needlescope.dsa.reference import visible_entries
-from needlescope.investigate.decide.localization import module_limit
 
 if TYPE_CHECKING:
     from needlescope.investigate.measure.session import Session
 
-__all__ = ["decode_path", "departures"]
+__all__ = ["decode_path", "differences"]
 
 _INDEXER = "DeepseekV4Indexer"
 _SCORER = "DeepseekV4IndexerScorer"
@@ -91,8 +88,10 @@ def _difference(typ: str, a: torch.Tensor, b: torch.Tensor, pos: int, ratio: int
     return rel_err(a.float().cpu(), b.float().cpu())
 
 
-def departures(cand: dict, ref: dict, pos: int, ratio: int) -> list[dict]:
-    """Modules whose decode output departs from their teacher-forced one (module docstring).
+def differences(cand: dict, ref: dict, pos: int, ratio: int) -> list[dict]:
+    """Each module's decode-vs-teacher-forced difference at position ``pos``, the candidate's
+    (``err``) beside the reference's (``reference_err``), in call order (module docstring);
+    modules without a comparable output or without a reference counterpart are left out.
 
     ``cand`` / ``ref``: key -> ((name, type, decode value), (name, type, prefill value))."""
     out = []
@@ -101,10 +100,8 @@ def departures(cand: dict, ref: dict, pos: int, ratio: int) -> list[dict]:
         if d is None or key not in ref:
             continue
         (_, _, rdec), (_, _, rtf) = ref[key]
-        r = _difference(typ, rdec, rtf, pos, ratio) or 0.0
-        limit = module_limit(typ == _INDEXER, r)
-        if d > limit:
-            out.append({"module": name, "type": typ, "err": d, "limit": limit})
+        r = _difference(typ, rdec, rtf, pos, ratio)
+        out.append({"module": name, "type": typ, "err": d, "reference_err": r})
     return out
 
 
@@ -138,15 +135,11 @@ def _run_both(model, ids: list[int], n_prompt: int, cap: IndexerCapture, chunk: 
     return steps
 
 
-def _layer(name: str | None) -> int | None:
-    m = re.search(r"layers\.(\d+)\.", name or "")
-    return int(m.group(1)) if m else None
-
-
 def decode_path(
     session: Session, twin, cfg, ref_setting, prompt_ids: list[int], answer: list[int], rec: dict
 ) -> dict:
-    """The ``localization.paths`` entry of the decode path (module docstring)."""
+    """The measured decode path of ``localization.paths`` (module docstring): ``steps`` and
+    ``layers``, no decided field (``decide.localization.decode_departure`` adds them)."""
     from needlescope.dsa.emulate import csa_indexers
     from needlescope.dsa.prompt import covering_entries, needle_token_span, render_prompt
 
@@ -154,27 +147,17 @@ def decode_path(
     ids = prompt_ids + answer[:a]
     P, q = len(prompt_ids), len(ids) - 1
     ratio = int(csa_indexers(session.model)[0][1].compress_rate)
-    base = {"path": "decode", "own_err": None, "own_budget": None, "layers": []}
     if a == 0:
-        return {
-            **base,
-            "diverges": False,
-            "first_divergent_module": None,
-            "module_type": None,
-            "layer": None,
-            "summary": "the first answer token is wrong: nothing is decoded before it, the decode path is the prefill",
-        }
+        return {"path": "decode", "steps": None, "layers": []}
     ref_cap, cand_cap = IndexerCapture(), IndexerCapture()
     with torch.no_grad(), emulate(session.model, ref_setting, capture=ref_cap):
         ref_steps = _run_both(session.model, ids, P, ref_cap, session.chunk)
     with torch.no_grad(), emulate(twin, cfg.setting, capture=cand_cap), patches_applied(twin, cfg.extra):
         cand_steps = _run_both(twin, ids, P, cand_cap, session.chunk)
-    first = None
-    for i, (cs, rs) in enumerate(zip(cand_steps, ref_steps)):
-        found = departures(cs, rs, P + i, ratio)
-        if found:
-            first = found[0]
-            break
+    steps = [
+        {"position": P + i, "modules": differences(cs, rs, P + i, ratio)}
+        for i, (cs, rs) in enumerate(zip(cand_steps, ref_steps))
+    ]
     case = next(c for c in session.cases if c.case_id == rec["case_id"])
     entries = covering_entries(
         needle_token_span(render_prompt(session.tokenizer, case.messages), case.needle), ratio
@@ -196,20 +179,4 @@ def decode_path(
                 "needle_kept_candidate": bool(ne & set(cr[ci].tolist())) if ne else None,
             }
         )
-    summary = (
-        f"decode step at position {P + i}: {first['module']} ({first['type']}) departs from its teacher-forced "
-        f"output by {first['err']:.3g} (limit {first['limit']:.3g})"
-        if first
-        else "every module's decode output matches its teacher-forced output as closely as the reference's does"
-    )
-    return {
-        **base,
-        "diverges": first is not None,
-        "first_divergent_module": first and first["module"],
-        "module_type": first and first["type"],
-        "layer": _layer(first and first["module"]),
-        "own_err": first and first["err"],
-        "own_budget": first and first["limit"],
-        "layers": layers,
-        "summary": summary,
-    }
+    return {"path": "decode", "steps": steps, "layers": layers}

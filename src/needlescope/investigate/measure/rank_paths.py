@@ -23,11 +23,9 @@ Per CSA layer at the analysed query position: the needle's best rank, its rank p
 (``signature.rank_percentile``, mid-p: 0 = first, 0.5 = chance), the needle entries selected,
 on each path, and the Jaccard overlap of the candidate's selected sets on the two paths.
 
-Which path diverges first compares the candidate's selections with the reference's at the
-analysed query: on the prefill path already (``prefill``), only on the decode path with the
-prefill selections identical (``decode only``; the summary then says "decode-path only: prefill
-selections identical"), or on neither. With the first answer token wrong nothing is decoded
-before it and both paths are the prefill, which the result says.
+Per CSA layer, too, whether the candidate's selection on each path is the reference's (same
+set). Which path diverges first is decided from these in ``decide.localization``
+(``decide_rank_paths``), never here, so a rule change re-decides a resumed run.
 """
 
 from __future__ import annotations
@@ -138,7 +136,7 @@ def _stats(selected: list[int], scores, needle: list[int], k: int) -> dict:
 
 
 def rank_paths(session: Session, config, rec: dict) -> dict:
-    """The ``rank_paths`` record of ``verdicts.json`` (module docstring) for the measure record
+    """The measured ``rank_paths`` (module docstring; ``decide_rank_paths`` adds the decision) for the measure record
     ``rec`` of the candidate ``config`` (``measure.Config``) on one of ``session.cases``."""
     from needlescope.dsa.prompt import covering_entries, needle_token_span, render_prompt
     from needlescope.dsa.reference import visible_entries
@@ -176,42 +174,7 @@ def rank_paths(session: Session, config, rec: dict) -> dict:
         "analysed_token": a,
         "query_pos": query,
         "layers": layers,
-        **_first(layers, a),
     }
-
-
-def _first(layers: list[dict], analysed_token: int) -> dict:
-    """``diverges_first`` and the summary of ``rank_paths`` (module docstring)."""
-    pre = [ly["layer"] for ly in layers if not ly["prefill_same_as_reference"]]
-    dec = [ly["layer"] for ly in layers if not ly["decode_same_as_reference"]]
-    moved = [ly for ly in layers if ly["prefill"] != ly["decode"]]
-    ranks = "; ".join(
-        f"layer {ly['layer']}: best rank {ly['prefill']['best_rank']} (prefill) vs {ly['decode']['best_rank']} (decode)"
-        for ly in moved
-        if ly["prefill"] is not None
-    )
-    if analysed_token == 0:
-        note = (
-            " (the first answer token is analysed: nothing is decoded before it, both paths are the prefill)"
-        )
-    else:
-        note = ""
-    if pre:
-        where = "prefill"
-        summary = f"the candidate's selection differs from the reference's already teacher-forced (prefill), in CSA layer(s) {', '.join(map(str, pre))}"
-        summary += (
-            f"; the decode path moves the needle's rank further: {ranks}"
-            if moved
-            else "; the decode path ranks the needle exactly as the prefill does"
-        )
-    elif dec:
-        where = "decode only"
-        summary = f"decode-path only: prefill selections identical; the decode path's selection departs in CSA layer(s) {', '.join(map(str, dec))}"
-        summary += f" ({ranks})" if ranks else ""
-    else:
-        where = "neither"
-        summary = "both paths select as the reference does in every CSA layer"
-    return {"diverges_first": where, "paths_agree": not moved, "summary": summary + note}
 
 
 def failing_rank_paths(

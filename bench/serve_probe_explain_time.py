@@ -1,7 +1,7 @@
-"""Wall time of ``needlescope demo`` (the default target, or ``--model DIR`` for the organism demo).
+"""Wall time of ``needlescope serve-probe-explain`` (the shipped organism, or ``--model DIR``).
 
-    python bench/demo_time.py                    # make demo's job
-    python bench/demo_time.py --model DIR [--lengths 256,512,1024 --trials 2]
+    python bench/serve_probe_explain_time.py
+    python bench/serve_probe_explain_time.py --model DIR [--lengths 256,512,1024 --trials 2]
 
 Prints one JSON line: command, seconds, machine. Not a test: numbers go to docs/perf.md.
 """
@@ -25,7 +25,7 @@ def main() -> None:
     ap.add_argument("--trials")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        shown = ["needlescope", "demo"]
+        shown = ["needlescope", "serve-probe-explain"]
         for flag in ("model", "lengths", "trials"):
             if getattr(args, flag):
                 shown += [f"--{flag}", getattr(args, flag)]

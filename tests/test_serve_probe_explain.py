@@ -1,4 +1,5 @@
-"""The demo end to end on a tiny random DeepSeek-V4 (real servers, real probe), and its input checks."""
+"""``needlescope serve-probe-explain`` end to end on a tiny random DeepSeek-V4 (real servers, real
+probe), and its input checks."""
 
 from __future__ import annotations
 
@@ -11,17 +12,18 @@ import pytest
 pytest.importorskip("torch")
 
 from needlescope.dsa.rankdump import validate_rankdump  # noqa: E402
+from needlescope.outdir import MANIFEST_NAME, record_outputs  # noqa: E402
 from needlescope.report.diagnosis import render_diagnosis  # noqa: E402
 from needlescope.report.probe import validate_summary  # noqa: E402
 from needlescope.setting import Setting  # noqa: E402
 from needlescope.testing.checkpoints import save_random  # noqa: E402
-from needlescope.workflows.demo import MARKER  # noqa: E402
 from needlescope.workflows.explain import (  # noqa: E402
     default_fixes,
     pick_case_to_explain,
     pick_failing_case,
     validate_fixes,
 )
+from needlescope.workflows.serve_probe_explain import OUTPUTS  # noqa: E402
 
 
 def _row(case_id, length, depth, correct, status="ok"):
@@ -67,26 +69,33 @@ from needlescope.dsa.faults.indexer_page_table import apply  # noqa: E402,F401
 """
 
 
-def _demo(model, out, *extra: str) -> subprocess.CompletedProcess:
-    argv = [sys.executable, "-m", "needlescope.cli.main", "demo", "--model", str(model), "--out", str(out)]
+def _serve_probe_explain(model, out, *extra: str) -> subprocess.CompletedProcess:
+    argv = [
+        sys.executable,
+        "-m",
+        "needlescope.cli.main",
+        "serve-probe-explain",
+        "--model",
+        str(model),
+        "--out",
+        str(out),
+    ]
     return subprocess.run([*argv, *extra], capture_output=True, text=True, timeout=600)
 
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    return save_random(
-        tmp_path_factory.mktemp("demo_model"), seed=0, hidden_size=64, moe_intermediate_size=64
-    )
+    return save_random(tmp_path_factory.mktemp("spe_model"), seed=0, hidden_size=64, moe_intermediate_size=64)
 
 
-def test_demo_on_a_random_checkpoint_writes_a_diagnosis_and_runs_its_patch_once_per_process(
+def test_serve_probe_explain_on_a_random_checkpoint_writes_a_diagnosis_and_runs_its_patch_once_per_process(
     tmp_path, tiny_model
 ):
     model = tiny_model
-    out = tmp_path / "demo"
+    out = tmp_path / "spe"
     patch = tmp_path / "counting_patch.py"
     patch.write_text(COUNTING_PATCH)
-    res = _demo(
+    res = _serve_probe_explain(
         model,
         out,
         "--lengths",
@@ -99,10 +108,11 @@ def test_demo_on_a_random_checkpoint_writes_a_diagnosis_and_runs_its_patch_once_
         str(patch),
     )
     assert res.returncode == 0, res.stderr[-2000:]
-    # The demo process (fail-fast check, rank dump, 4 fixes) and the deployment server each ran it once.
+    # The pipeline's process (fail-fast check, rank dump, 4 fixes) and the deployment server each ran it once.
     runs = patch.with_suffix(".runs").read_text().split()
     assert len(runs) == len(set(runs)) == 2
-    assert (out / MARKER).is_file()
+    recorded = json.loads((out / MANIFEST_NAME).read_text())["files"]
+    assert recorded["DIAGNOSIS.md"]["command"] == "serve-probe-explain"
     for name in ("reference", "deployment"):
         summary = json.loads((out / name / "summary.json").read_text())
         validate_summary(summary)
@@ -200,56 +210,58 @@ def test_diagnosis_blames_no_cutoff_when_the_needle_was_selected_but_a_fix_resto
 
 
 @pytest.fixture
-def demo_refusal(run_cli_completed):
-    """``needlescope demo --model MODEL --out OUT ...`` through its real entry point in this process:
+def refusal(run_cli_completed):
+    """``needlescope serve-probe-explain --model MODEL --out OUT ...`` through its real entry point in this process:
     its input checks refuse before anything is served, and a child spent seconds on imports."""
 
     def run(model, out, *extra: str) -> subprocess.CompletedProcess:
-        return run_cli_completed("demo", "--model", str(model), "--out", str(out), *extra)
+        return run_cli_completed("serve-probe-explain", "--model", str(model), "--out", str(out), *extra)
 
     return run
 
 
-def test_demo_with_an_unknown_fault_exits_2_before_serving(tmp_path, run_cli_completed):
-    res = run_cli_completed("demo", "--out", str(tmp_path / "o"), "--deploy-patch", "fault:nope")
+def test_an_unknown_fault_exits_2_before_serving(tmp_path, run_cli_completed):
+    res = run_cli_completed(
+        "serve-probe-explain", "--out", str(tmp_path / "o"), "--deploy-patch", "fault:nope"
+    )
     assert res.returncode == 2
     assert "unknown fault 'nope'" in res.stderr and len(res.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "o").exists()
 
 
-def test_demo_refuses_to_replace_a_directory_it_did_not_write(tmp_path, tiny_model, demo_refusal):
+def test_refuses_to_replace_a_file_it_did_not_write(tmp_path, tiny_model, refusal):
     out = tmp_path / "precious"
     out.mkdir()
-    (out / "thesis.tex").write_text("years of work")
-    res = demo_refusal(tiny_model, out, "--lengths", "200")
-    assert res.returncode == 2 and "and no output manifest" in res.stderr
+    (out / "DIAGNOSIS.md").write_text("years of work")
+    res = refusal(tiny_model, out, "--lengths", "200")
+    assert res.returncode == 2 and "DIAGNOSIS.md was not written by needlescope" in res.stderr
     assert len(res.stderr.strip().splitlines()) == 1
-    assert (out / "thesis.tex").read_text() == "years of work"
+    assert (out / "DIAGNOSIS.md").read_text() == "years of work"
 
 
-def test_demo_checks_the_model_before_touching_out(tmp_path, demo_refusal):
-    out = tmp_path / "old-demo"
+def test_checks_the_model_before_touching_out(tmp_path, refusal):
+    out = tmp_path / "earlier"
     out.mkdir()
-    (out / MARKER).write_text("")
     (out / "DIAGNOSIS.md").write_text("earlier run")
-    res = demo_refusal(tmp_path / "typo", out)
+    record_outputs(out, OUTPUTS)
+    res = refusal(tmp_path / "typo", out)
     assert res.returncode == 2 and "does not exist" in res.stderr
     assert len(res.stderr.strip().splitlines()) == 1
     assert (out / "DIAGNOSIS.md").read_text() == "earlier run"
 
 
-def test_demo_refuses_an_out_that_is_a_file_or_inside_the_checkpoint(tmp_path, tiny_model, demo_refusal):
+def test_refuses_an_out_that_is_a_file_or_inside_the_checkpoint(tmp_path, tiny_model, refusal):
     clash = tmp_path / "file"
     clash.write_text("x")
     for out, words in ((clash, "is not a directory"), (tiny_model / "sub", "overlaps the checkpoint")):
-        res = demo_refusal(tiny_model, out)
+        res = refusal(tiny_model, out)
         assert res.returncode == 2 and words in res.stderr, res.stderr
     assert clash.read_text() == "x"
 
 
-def test_demo_runs_no_patch_when_another_input_is_bad(tmp_path, demo_refusal):
+def test_runs_no_patch_when_another_input_is_bad(tmp_path, refusal):
     patch = tmp_path / "counting_patch.py"
     patch.write_text(COUNTING_PATCH)
-    res = demo_refusal(tmp_path / "typo", tmp_path / "out", "--deploy-patch", str(patch))
+    res = refusal(tmp_path / "typo", tmp_path / "out", "--deploy-patch", str(patch))
     assert res.returncode == 2 and "does not exist" in res.stderr
     assert not patch.with_suffix(".runs").exists() and not (tmp_path / "out").exists()

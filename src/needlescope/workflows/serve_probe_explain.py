@@ -1,15 +1,16 @@
-"""The demo: serve a DeepSeek-V4 checkpoint twice, probe both, explain the failure.
+"""Serve, probe, explain: a DeepSeek-V4 checkpoint served twice, both probed, the failure explained.
 
-``run(DemoConfig(model=..., out=...), on_phase) -> Path`` (DIAGNOSIS.md) runs, in order:
+``run(ServeProbeExplainConfig(model=..., out=...), on_phase) -> Path`` (DIAGNOSIS.md; the
+command ``needlescope serve-probe-explain``) runs, in order:
 
 0. **validate**: every input (the checkpoint, ``--out``, the settings) is checked before the
-   filesystem is touched. ``out`` may be missing, empty, or an earlier demo output: the demo
-   records every file it writes in a manifest (``workflows.manifest``, ``.needlescope-demo``)
-   and a rerun deletes exactly those files, and only when ``out`` holds nothing else and none
-   of them changed; otherwise it refuses and deletes nothing. ``force`` (``--force``) is the only
-   way past: it deletes the files at the names the demo writes (``OUTPUTS``) whoever wrote them,
-   and leaves every other file alone (``manifest.clear_forced``). The deployment patch is loaded
-   (its file executed) last, once for this process;
+   filesystem is touched. ``out`` is an output folder as ``needlescope.outdir`` means it: a
+   file at one of the names the pipeline writes (``OUTPUTS``) is replaced only when the
+   folder's manifest records that this pipeline wrote it and it is unchanged since, else the
+   run refuses naming it and deletes nothing; ``force`` (``--force``) replaces those files
+   whoever wrote them. Files at other names are never touched. The files at its names are
+   deleted before the run (``outdir.clear_outputs``), so both probes start afresh. The
+   deployment patch is loaded (its file executed) last, once for this process;
 1. **serve**: two real ``needlescope serve`` processes on loopback, each started with its
    ``ServeConfig`` as JSON: the reference (fp32, the checkpoint's ``index_topk``) and the
    deployment ``Setting`` (numerics plus an optional patch, by default the built-in
@@ -27,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from needlescope.errors import BadInput
-from needlescope.outdir import OutputSpec
+from needlescope.outdir import OutputSpec, check_outputs, clear_outputs, record_outputs
 from needlescope.paths import check_out_dir
 from needlescope.progress import Event, no_event
 from needlescope.run.config import ProbeConfig
@@ -35,13 +36,8 @@ from needlescope.run.probe import run_probe
 from needlescope.serve.config import ServeConfig
 from needlescope.setting import Setting
 from needlescope.workflows import explain
-from needlescope.workflows.manifest import MANIFEST_NAME, Manifest, check_clearable, clear, clear_forced
 
-__all__ = ["DEPLOYMENT", "MARKER", "OUTPUTS", "DemoConfig", "check_out", "prepare_out", "run"]
-
-
-MARKER = MANIFEST_NAME
-"""The demo's output manifest in ``out``: the files a rerun may delete (``workflows.manifest``)."""
+__all__ = ["DEPLOYMENT", "OUTPUTS", "ServeProbeExplainConfig", "check_out", "prepare_out", "run"]
 
 DEPLOYMENT = Setting(index_k="fp8_e4m3", index_topk=64, patch="fault:indexer_page_table")
 """fp8 keys as SGLang stores them, ``index_topk`` 64 (every entry at 256 tokens, 1/16 of them at
@@ -49,13 +45,15 @@ DEPLOYMENT = Setting(index_k="fp8_e4m3", index_topk=64, patch="fault:indexer_pag
 top-k alone cost this organism at most 8 points at 4K; with the fault, recall holds only while
 top-k covers every entry (docs/organism.md, "Deployment-like settings")."""
 
-OUTPUTS = OutputSpec("demo", ("reference/", "deployment/", "rankdump.json", "fixes.json", "DIAGNOSIS.md"))
-"""The names the demo writes in ``out`` (beside its manifest): what ``--force`` may replace."""
+OUTPUTS = OutputSpec(
+    "serve-probe-explain", ("reference/", "deployment/", "rankdump.json", "fixes.json", "DIAGNOSIS.md")
+)
+"""The names the pipeline writes in ``out``: what a rerun replaces (``--force``: whoever wrote them)."""
 
 
 @dataclass(frozen=True)
-class DemoConfig:
-    """What the demo probes. ``deployment`` is the setting under suspicion."""
+class ServeProbeExplainConfig:
+    """What the pipeline probes. ``deployment`` is the setting under suspicion."""
 
     model: str
     out: Path
@@ -71,7 +69,7 @@ class DemoConfig:
     concurrency: int = 2
     fixes: tuple[Setting, ...] = field(default=())
     force: bool = False
-    """Replace the files at the demo's names in ``out`` whoever wrote them (``OUTPUTS``)."""
+    """Replace the files at the pipeline's names in ``out`` whoever wrote them (``OUTPUTS``)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.deployment, Setting):
@@ -122,32 +120,24 @@ class DemoConfig:
 
 
 def check_out(out: Path, model: Path, force: bool = False) -> None:
-    """BadInput unless ``out`` can be (re)created without touching anything that is not the demo's:
-    missing (with a writable parent), empty, or holding only files its manifest lists unchanged
-    (anything, with ``force``); never the checkpoint or near it, ``force`` or not."""
+    """BadInput unless ``out`` can be written without touching anything that is not the
+    pipeline's (``outdir.check_outputs`` with ``OUTPUTS``), and never the checkpoint or near it,
+    ``force`` or not. Creates nothing."""
     check_out_dir(out)
     out_abs, model_abs = Path(out).resolve(), Path(model).resolve()
     if out_abs == model_abs or model_abs in out_abs.parents or out_abs in model_abs.parents:
         raise BadInput(f"--out {str(out)!r} overlaps the checkpoint directory {str(model)!r}; choose another")
-    if not force:
-        check_clearable(Path(out))
+    check_outputs(Path(out), OUTPUTS, force=force)
 
 
-def prepare_out(out: Path, force: bool = False) -> Manifest:
-    """Delete the earlier demo's files from ``out`` (checked by ``check_out``; with ``force``,
-    every file at the demo's names), or create it; the manifest this run records its files in."""
-    if force:
-        keep = clear_forced(out, OUTPUTS)
-    else:
-        clear(out)
-        keep = frozenset()
+def prepare_out(out: Path) -> None:
+    """Delete the files at the pipeline's names in ``out`` (``check_out`` allowed them: its own
+    unchanged, or ``--force``), or create ``out``: both probes then start afresh."""
+    clear_outputs(out, OUTPUTS)
     out.mkdir(parents=True, exist_ok=True)
-    manifest = Manifest(out, "demo", keep=keep)
-    manifest.record()
-    return manifest
 
 
-def run(cfg: DemoConfig, on_phase: Event, on_event: Event = no_event) -> Path:
+def run(cfg: ServeProbeExplainConfig, on_phase: Event, on_event: Event = no_event) -> Path:
     """Run every phase; returns the path of DIAGNOSIS.md. ``on_phase(name, info)`` marks progress."""
     from needlescope.devices import check_device
     from needlescope.dsa.checkpoint import (
@@ -168,14 +158,14 @@ def run(cfg: DemoConfig, on_phase: Event, on_event: Event = no_event) -> Path:
     for s in (cfg.deployment, *fixes):
         if s.patch is not None:
             load_patch(s.patch)  # last check: a bad patch fails here, not inside the deployment server
-    manifest = prepare_out(cfg.out, cfg.force)
+    prepare_out(cfg.out)
     try:
-        return _run_phases(cfg, path, digits, fixes, on_phase, on_event, manifest)
+        return _run_phases(cfg, path, digits, fixes, on_phase, on_event)
     finally:
-        manifest.record()  # however the run ends (but SIGKILL), a rerun may delete what it wrote
+        record_outputs(cfg.out, OUTPUTS)  # however the run ends (but SIGKILL), a rerun may replace it
 
 
-def _run_phases(cfg, path, digits, fixes, on_phase, on_event, manifest: Manifest) -> Path:
+def _run_phases(cfg, path, digits, fixes, on_phase, on_event) -> Path:
     from needlescope.serve.launch import ServerProcess
 
     on_phase("serve", {"model": str(path)})
@@ -186,7 +176,7 @@ def _run_phases(cfg, path, digits, fixes, on_phase, on_event, manifest: Manifest
         for name, srv in (("reference", ref_srv), ("deployment", dep_srv)):
             on_phase(f"probe {name}", {"url": srv.url})
             run_probe(cfg.probe_config(srv.url, digits, cfg.out / name), on_event)
-            manifest.record()
+            record_outputs(cfg.out, OUTPUTS)
     ecfg = explain.ExplainConfig(
         model=path,
         reference_dir=cfg.out / "reference",
