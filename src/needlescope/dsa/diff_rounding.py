@@ -79,23 +79,10 @@ def unit_roundoff(dtype: torch.dtype) -> float:
     return _UNIT_ROUNDOFF.get(dtype, 0.0)
 
 
-def rounded(
-    obj, dtype: torch.dtype, only: Collection[int] | None = None, depth: int = 0, seen: list | None = None
-):
+def rounded(obj, dtype: torch.dtype, only: Collection[int] | None = None):
     """``obj`` with its floating tensors (``tensors`` order) rounded to ``dtype`` and cast back;
     ``only``: round the floating tensors of those indices alone."""
-    seen = [0] if seen is None else seen
-    if isinstance(obj, torch.Tensor):
-        if not obj.is_floating_point():
-            return obj
-        i, seen[0] = seen[0], seen[0] + 1
-        return obj.to(dtype).to(obj.dtype) if only is None or i in only else obj
-    if depth < 3 and isinstance(obj, (tuple, list)):
-        vals = [rounded(x, dtype, only, depth + 1, seen) for x in obj]
-        return tuple(vals) if isinstance(obj, tuple) else vals
-    if depth < 3 and isinstance(obj, dict) and type(obj) is dict:
-        return {k: rounded(obj[k], dtype, only, depth + 1, seen) for k in sorted(obj, key=str)}
-    return obj
+    return _changed(obj, only, lambda t, site: t.to(dtype).to(t.dtype))
 
 
 def _recorded(cand: Call, replayed) -> list[tuple[str, bool]]:
@@ -180,14 +167,15 @@ def _replay_at(reference, cand: Call, callees: list[Call], sites, change, select
     return replay_own(reference, cand, list(callees), selection=selection, handed=handed, ops=ops)
 
 
-def _changed(obj, inputs: set[int], change, depth: int = 0, seen: list | None = None):
-    """``obj`` with its floating tensors of the given indices (``tensors`` order) changed."""
+def _changed(obj, inputs: Collection[int] | None, change, depth: int = 0, seen: list | None = None):
+    """``obj`` with its floating tensors of the given indices (``tensors`` order; None: all)
+    replaced by ``change(tensor, ("in", index))``."""
     seen = [0] if seen is None else seen
     if isinstance(obj, torch.Tensor):
         if not obj.is_floating_point():
             return obj
         i, seen[0] = seen[0], seen[0] + 1
-        return change(obj, ("in", i)) if i in inputs else obj
+        return change(obj, ("in", i)) if inputs is None or i in inputs else obj
     if depth < 3 and isinstance(obj, (tuple, list)):
         vals = [_changed(x, inputs, change, depth + 1, seen) for x in obj]
         return tuple(vals) if isinstance(obj, tuple) else vals
