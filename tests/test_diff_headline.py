@@ -7,6 +7,11 @@ DeepSeek-V4 (index_topk 4, so the indexer really chooses) with two planted patch
 - ``indexer_query_table.py``: the indexer's code asks the rotary for the main attention's table
   for its queries. The top-k changes; the headline names the indexer, whose code chose the
   table (the rotary computed faithfully what it was asked), not "none" with a side note.
+- ``attn_out_bf16_before_derope.py``: the attention output stored in bf16 *before* the
+  attention's own de-rotation (its rotary application with ``-sin``), all inside
+  ``self_attn``'s code: what the projection reads is no rounding of anything a hook sees. Found
+  by replaying ``self_attn`` with one of its own intermediate values rounded (``dsa.diff_rounding``
+  case 6); it named ``self_attn`` in every layer before.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from needlescope.testing.checkpoints import save_random  # noqa: E402
 PLANTED = Path(__file__).parent / "planted_bugs"
 ROUNDING = PLANTED / "attn_out_bf16_before_proj.py"
 QUERY_TABLE = PLANTED / "indexer_query_table.py"
+BEFORE_DEROPE = PLANTED / "attn_out_bf16_before_derope.py"
 
 
 @pytest.fixture(scope="module")
@@ -76,3 +82,14 @@ def test_cli_diff_on_the_benign_rounding_exits_clean_and_says_so(tiny, tmp_path,
     assert code == 0, err
     assert json.loads((out / "diff.json").read_text())["first_divergent_module"] is None
     assert NO_DIVERGENCE in stdout
+
+
+def test_an_attention_output_rounded_before_its_de_rotation_names_no_module(tiny):
+    path, reference, ids = tiny
+    diff = localize(reference, load_bundle(path)[0], ids[:, :24], setting=Setting(patch=BEFORE_DEROPE))
+    assert diff["first_divergent_module"] is None and diff["summary"] == NO_DIVERGENCE, diff["summary"]
+    moved = [m for m in diff["modules"] if m["module"].endswith(".self_attn") and m["own_err"] > 0]
+    assert len(moved) == 5, "the rounding moved no attention: the test plants nothing"
+    for m in moved:
+        assert m["verdict"] == "reduced precision, within its rounding" and m["precision"] == "bf16", m
+        assert m["own_err"] <= m["own_budget"], m

@@ -167,3 +167,22 @@ def test_a_second_store_started_while_the_first_builds_is_refused_in_one_line(tm
     assert len(second) == 1 and second[0].startswith(f"another needlescope run (pid {os.getpid()})"), second
     with pytest.raises(BadInput, match="already holds a run"):  # and once the first has ended
         store_mod.create_store(path, {"fingerprint": {"run": 3}}, [{"case_id": "c"}])
+
+
+@pytest.mark.parametrize("name", ["results.sqlite-wal", "results.sqlite"])
+def test_a_store_killed_mid_run_then_linked_is_refused_by_name_on_resume(tmp_path, name):
+    """The outside round of issue 54: a probe killed (kill -9) mid-run leaves its store and
+    journals; a link then planted at one of them was refused on ``--resume`` as "not a usable
+    needlescope results database: unable to open database file", naming neither the link nor
+    what to do."""
+    from needlescope.run.store import create_store, peek
+
+    victim = _victim(tmp_path)
+    out = tmp_path / "okill"
+    out.mkdir()
+    create_store(out / "results.sqlite", {"fingerprint": {}}, [{"case_id": "a"}]).close()
+    (out / name).unlink(missing_ok=True)
+    (out / name).symlink_to(victim)
+    with pytest.raises(BadInput, match=f"{name} is a symbolic link"):
+        peek(out / "results.sqlite")
+    _untouched(victim, out / name)

@@ -73,7 +73,13 @@ import torch
 from needlescope.dsa.diff_layers import layer_rows
 from needlescope.dsa.diff_md import DIFF_SCHEMA, diff_to_json, render_diff_md, validate_diff
 from needlescope.dsa.diff_rope import rope_tables
-from needlescope.dsa.diff_rounding import PRECISION_DTYPES, reduced_precision, unit_roundoff
+from needlescope.dsa.diff_rounding import (
+    PRECISION_DTYPES,
+    Rounding,
+    reduced_precision,
+    rounding_move,
+    unit_roundoff,
+)
 from needlescope.dsa.diff_steps import judged_in_steps
 from needlescope.dsa.emulate import (
     ACC_DTYPES,
@@ -224,10 +230,16 @@ class _Judge:
         declared = next(
             (p for pat, p in self.allow.items() if fnmatch.fnmatchcase(_base(ref.key), pat)), None
         )
-        precision, inputs_rounded = declared, declared is not None
+        rounding = Rounding(declared, True) if declared is not None else None
         if own_err > floor:  # only then can a reduced precision matter (dsa.diff_rounding)
-            precision, inputs_rounded = reduced_precision(
-                self.reference, cand, callees, (out_err, replayed, handed), declared, floor, is_indexer
+            rounding = reduced_precision(
+                self.reference,
+                cand,
+                callees,
+                (out_err, replayed, handed, own_err),
+                declared,
+                floor,
+                is_indexer,
             )
         budget, label = floor, None
         n = self.numerics
@@ -246,12 +258,18 @@ class _Judge:
                 moved = self._calibrated(ref, [eps_q, eps_k] + [0.0] * (len(ref.inputs) - 2))
                 budget = max(floor, self.margin * (moved + u_acc))
             label = "within precision"
-        if precision is not None:
+        precision = None if rounding is None else rounding.precision
+        if rounding is not None:
             u_p = unit_roundoff(PRECISION_DTYPES[precision])
             if self.growth is not None:
-                p_budget = self.growth * u_p * (2 if inputs_rounded else 1)
+                p_budget = self.growth * u_p * (2 if rounding.inputs or rounding.sites else 1)
+            elif rounding.sites:  # rounded in between: the replay's move under noise at those sites
+                moved = rounding_move(
+                    self.reference, cand, callees, rounding.sites, u_p, draws=self.draws, selection=is_indexer
+                )
+                p_budget = self.margin * (u_p + moved)
             else:
-                moved = self._calibrated(ref, [u_p] * len(ref.inputs), is_indexer) if inputs_rounded else 0.0
+                moved = self._calibrated(ref, [u_p] * len(ref.inputs), is_indexer) if rounding.inputs else 0.0
                 p_budget = self.margin * (u_p + moved)
             budget = max(budget, p_budget)
             label = "reduced precision, within its rounding"

@@ -32,7 +32,7 @@ import copy
 import math
 import re
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -50,6 +50,7 @@ __all__ = [
     "scalars",
     "handed_err",
     "replay_own",
+    "perturbed",
     "calibrate",
 ]
 
@@ -345,6 +346,7 @@ def replay_own(
     *,
     selection: bool = False,
     handed: list | None = None,
+    ops=None,
 ) -> tuple[float, float, object]:
     """Replay ``call`` on the reference module with the candidate's inputs and callee outputs.
 
@@ -355,13 +357,15 @@ def replay_own(
     error, replayed output): the candidate's output against the replay's, and the largest
     error between what the candidate's code and the reference code handed to a callee
     (``handed_err``: tensors and plain arguments). ``handed``, when given, receives one
-    ((candidate args, kwargs), (replay args, kwargs)) pair per stubbed callee call.
+    ((candidate args, kwargs), (replay args, kwargs)) pair per stubbed callee call. ``ops``,
+    when given, is a ``TorchFunctionMode`` the replay runs under (``dsa.diff_rounding`` rounds
+    or perturbs the module's own intermediate values through it).
     """
     module = reference.get_submodule(call.name)
     queues: dict[str, list[Call]] = {}
     for c in callees:
         queues.setdefault(c.name, []).append(c)
-    in_errs: list[float] = []
+    pairs: list[tuple[tuple, tuple]] = []  # compared after the replay, outside ``ops``
     saved: list[tuple[torch.nn.Module, object]] = []
 
     def stub(mod: torch.nn.Module, queue: list[Call], real):
@@ -369,9 +373,7 @@ def replay_own(
             if not queue:
                 return real(*args, **kwargs)
             rec = queue.pop(0)
-            in_errs.append(handed_err((rec.args, rec.kwargs), (args, kwargs)))
-            if handed is not None:
-                handed.append(((rec.args, rec.kwargs), (args, kwargs)))
+            pairs.append(((rec.args, rec.kwargs), (args, kwargs)))
             return _clone(rec.output)
 
         return forward
@@ -386,7 +388,8 @@ def replay_own(
             mod.forward = stub(mod, queue, mod.forward)
         try:
             args, kwargs = thawed(call.args, call.kwargs)
-            replayed = module(*args, **kwargs)
+            with ops if ops is not None else nullcontext():
+                replayed = module(*args, **kwargs)
         except Exception:  # the candidate's inputs do not fit the reference code: its own doing
             return math.inf, 0.0, None
     finally:
@@ -395,11 +398,13 @@ def replay_own(
                 mod.__dict__.pop("forward", None)
             else:
                 mod.forward = own
+    if handed is not None:
+        handed.extend(pairs)
     out_err = output_err(call.output, replayed, selection=selection)
-    return out_err, max(in_errs, default=0.0), replayed
+    return out_err, max((handed_err(c, r) for c, r in pairs), default=0.0), replayed
 
 
-def _perturb(obj, sizes: list[float], gen: torch.Generator, depth: int = 0):
+def perturbed(obj, sizes: list[float], gen: torch.Generator, depth: int = 0):
     """``obj`` with each floating tensor t (in ``tensors`` order) + noise of norm sizes[i] * ||t||."""
     if isinstance(obj, torch.Tensor):
         if not obj.is_floating_point():
@@ -413,10 +418,10 @@ def _perturb(obj, sizes: list[float], gen: torch.Generator, depth: int = 0):
         noise = noise * (size * float(base.norm()) / float(noise.norm()))
         return torch.where(finite, (base + noise).to(obj.dtype), obj)
     if depth < 3 and isinstance(obj, (tuple, list)):
-        vals = [_perturb(x, sizes, gen, depth + 1) for x in obj]
+        vals = [perturbed(x, sizes, gen, depth + 1) for x in obj]
         return tuple(vals) if isinstance(obj, tuple) else vals
     if depth < 3 and isinstance(obj, Mapping) and type(obj) is dict:
-        return {k: _perturb(obj[k], sizes, gen, depth + 1) for k in sorted(obj, key=str)}
+        return {k: perturbed(obj[k], sizes, gen, depth + 1) for k in sorted(obj, key=str)}
     return obj
 
 
@@ -440,6 +445,6 @@ def calibrate(
     gen = torch.Generator().manual_seed(seed)
     moved = 0.0
     for _ in range(draws):
-        args, kwargs = thawed(*_perturb((call.args, call.kwargs), list(sizes), gen))
+        args, kwargs = thawed(*perturbed((call.args, call.kwargs), list(sizes), gen))
         moved = max(moved, output_err(module(*args, **kwargs), call.output, selection=selection))
     return moved

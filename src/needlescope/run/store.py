@@ -95,6 +95,7 @@ def peek(path: str | Path) -> dict:
     two: row counts; ``ok`` and ``sends_ok`` count answered requests) of the store at ``path``, read without writing
     anything (SQLite read-only); BadInput when it is not a needlescope results database."""
     path = Path(path)
+    refuse_links(*_journals(path))  # SQLite would follow one (a store killed mid-run, a link planted)
     try:
         db = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True)
         try:
