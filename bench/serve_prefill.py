@@ -7,8 +7,8 @@ server renders it) and times one prefill the way ``needlescope serve`` runs it: 
 forward with ``use_cache=True`` through a fresh cache and the logits at the last position
 (``logits_to_keep``). The bound: ``dsa.budget.prefill_flops`` (what the math needs: every
 projection, the MoE's routed and shared experts, attention over each query's window and its
-selected or visible compressed entries, the indexer over the visible entries, the head at the
-positions sampled) divided by the core's measured fp32 matmul rate (``torch.mm`` of a
+selected or visible compressed entries, the indexer's compression, its queries and scores in
+the rows whose top-k leaves entries out, the head at the positions sampled) divided by the core's measured fp32 matmul rate (``torch.mm`` of a
 [length, hidden] x [hidden, 4*hidden] product, the model's own shapes). Prints and writes one JSON
 object: seconds (best of ``--repeat``), GFLOP, the rate, and the ratio seconds / (GFLOP / rate).
 ``--src`` puts another source tree first on ``sys.path`` (the "before" of a change; that tree

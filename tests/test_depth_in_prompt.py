@@ -39,3 +39,16 @@ def test_the_needle_sits_at_its_depth_in_the_prompt(tokenizer, kind, length):
     off = {d: round(f, 3) for d, f in where.items() if abs(f - d / 100.0) > TOLERANCE}
     assert not off, f"needle fraction of the prompt by depth: {off}"
     assert [where[d] for d in DEPTHS] == sorted(where[d] for d in DEPTHS)  # monotone in depth
+
+
+def test_a_rendering_kept_is_the_same_prompt_and_a_copy(tokenizer):
+    """``render_prompt`` keeps its last renderings: the same messages give an equal prompt, whose
+    lists a caller may change without changing the next one; other messages are rendered anew."""
+    messages = [{"role": "user", "content": "The code is 4711. What is the code?"}]
+    first = render_prompt(tokenizer, messages)
+    first.input_ids.append(-1)
+    again = render_prompt(tokenizer, messages)
+    assert again.input_ids == first.input_ids[:-1] and again.text == first.text
+    assert again.offsets == first.offsets
+    other = render_prompt(tokenizer, [{"role": "user", "content": "The code is 4712. What is the code?"}])
+    assert other.text != again.text

@@ -67,13 +67,17 @@ def blocked_attention(
         hi = min(lo + block, S)
         mask = attention_mask[:, :, lo:hi]  # [B, 1, s, K]
         cols = (mask.amax(dim=(0, 1, 2)) > floor).nonzero().flatten()  # keys any row may read
-        k, v = key[:, :, cols], value[:, :, cols]  # [B, 1, k, D]
-        scores = torch.matmul(query[:, :, lo:hi], k.transpose(2, 3)).mul_(scaling).add_(mask[..., cols])
+        k, v = key[:, 0, cols], value[:, 0, cols]  # [B, k, D]: the one KV head every query head reads
+        s = hi - lo
+        # the heads' rows stacked, [B, H * s, D]: one product per block instead of one per head
+        q = query[:, :, lo:hi].reshape(B, H * s, D)
+        scores = torch.matmul(q, k.transpose(1, 2)).view(B, H, s, -1).mul_(scaling).add_(mask[..., cols])
         # softmax over [scores, sink] without concatenating: the sink only adds to the denominator
         top = torch.maximum(scores.amax(dim=-1, keepdim=True), sinks)  # [B, H, s, 1]
         weights = scores.sub_(top).exp_()
         denom = weights.sum(dim=-1, keepdim=True) + (sinks - top).exp()
-        out[:, :, lo:hi] = torch.matmul(weights.to(v.dtype), v) / denom.to(v.dtype)
+        mixed = torch.matmul(weights.to(v.dtype).view(B, H * s, -1), v).view(B, H, s, -1)
+        out[:, :, lo:hi] = mixed / denom.to(v.dtype)
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -156,8 +156,9 @@ def prefill_flops(config, length: int, *, logits_at: int = 1) -> int:
     """Multiply-add FLOPs (2 per MAC) the math of a ``length``-token prefill needs, by ``config``'s
     sizes: every projection per token, the routed (``num_experts_per_tok``) and shared experts,
     attention of each query over its window and the compressed entries it reads (CSA: the
-    ``index_topk`` selected of those visible; HCA: every visible one), the lightning indexer over
-    the visible entries, the head at ``logits_at`` positions. Norms, RoPE, softmax and the
+    ``index_topk`` selected of those visible; HCA: every visible one), the lightning indexer's
+    compression, and its queries and scores over the visible entries of the rows whose top-k
+    leaves some out (a row that selects every entry needs no ranking), the head at ``logits_at`` positions. Norms, RoPE, softmax and the
     hyper-connections' Sinkhorn are elementwise and left out."""
     h, heads, d = int(config.hidden_size), int(config.num_attention_heads), int(config.head_dim)
     q_lora, hc = int(config.q_lora_rank), int(getattr(config, "hc_mult", 1))
@@ -177,8 +178,11 @@ def prefill_flops(config, length: int, *, logits_at: int = 1) -> int:
         if kind == "compressed_sparse_attention":
             visible = [(t + 1) // rate for t in range(length)]
             keys += sum(min(int(config.index_topk), v) for v in visible)
-            macs += length * (2 * h * 2 * d + 2 * h * 2 * idim + q_lora * ih * idim + h * ih)
-            macs += ih * idim * sum(visible)
+            macs += length * (2 * h * 2 * d + 2 * h * 2 * idim)
+            # the indexer's queries and scores, in the rows whose top-k leaves entries out (a row
+            # that selects every visible entry needs no ranking: dsa.full_selection)
+            ranked = [v for v in visible if v > int(config.index_topk)]
+            macs += len(ranked) * (q_lora * ih * idim + h * ih) + ih * idim * sum(ranked)
         elif kind == "heavily_compressed_attention":
             keys += sum((t + 1) // rate for t in range(length))
             macs += length * 2 * h * d

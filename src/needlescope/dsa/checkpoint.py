@@ -195,9 +195,11 @@ def load_bundle(
     ``dsa.streaming.streamer_of(model)`` is then the layer reader with its per-layer times.
 
     Every DeepSeek-V4 model comes back with ``dsa.attention.blocked_attention`` (the eager
-    math on the keys each block of queries may read: no ``T x T`` scores in a long forward).
+    math on the keys each block of queries may read: no ``T x T`` scores in a long forward) and
+    ``dsa.full_selection`` (no indexer scores when its top-k selects every visible entry).
     """
     from needlescope.dsa.attention import use_blocked_attention
+    from needlescope.dsa.full_selection import use_full_selection
     from needlescope.dsa.loading import checkpoint_tensors
     from needlescope.dsa.placement import DEFAULT_RESERVE, auto_devices
     from needlescope.dsa.release import is_release_layout
@@ -225,8 +227,8 @@ def load_bundle(
                 stream_layers=stream_layers,
                 stream_if_needed=stream_if_needed and device == "auto",
             )
-        return use_blocked_attention(model), load_tokenizer(path), path
-    model = use_blocked_attention(_from_pretrained(path, dtype))
+        return use_full_selection(use_blocked_attention(model)), load_tokenizer(path), path
+    model = use_full_selection(use_blocked_attention(_from_pretrained(path, dtype)))
     tokenizer = load_tokenizer(path)
     return model.to(device).eval(), tokenizer, path
 

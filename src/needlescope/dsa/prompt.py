@@ -8,6 +8,7 @@ template and the generation prompt, exactly as ``needlescope serve`` renders a r
 from __future__ import annotations
 
 import json
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -76,16 +77,43 @@ def read_prompt_file(path: str | Path) -> list[dict]:
     return [{"role": "user", "content": raw}]
 
 
+RENDERED_KEPT = 64
+"""Rendered prompts kept (``render_prompt``): an investigation renders each probe case for every
+configuration, path and step it measures; at 4K tokens one rendering costs milliseconds."""
+
+_RENDERED: OrderedDict[tuple, tuple[object, Prompt]] = OrderedDict()
+
+
 def render_prompt(tokenizer, messages: list[dict], *, warn_long: bool = True) -> Prompt:
     """Render ``messages`` with the chat template (generation prompt added) and tokenize with offsets.
 
     ``warn_long=False``: the caller checks the length against the model's context itself and
-    says so in one line, so transformers' "longer than the maximum" warning is not printed."""
+    says so in one line, so transformers' "longer than the maximum" warning is not printed.
+    The last ``RENDERED_KEPT`` renderings are kept (per tokenizer object and chat template): the
+    same messages come back as a copy of the same prompt without tokenizing again."""
+    key = (
+        id(tokenizer),
+        getattr(tokenizer, "chat_template", None),
+        warn_long,
+        json.dumps(messages, sort_keys=True),
+    )
+    hit = _RENDERED.get(key)
+    if hit is not None and hit[0] is tokenizer:
+        _RENDERED.move_to_end(key)
+        kept = hit[1]
+        return Prompt(text=kept.text, input_ids=list(kept.input_ids), offsets=list(kept.offsets))
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, verbose=warn_long)
-    return Prompt(
+    prompt = Prompt(
         text=text, input_ids=list(enc["input_ids"]), offsets=[tuple(o) for o in enc["offset_mapping"]]
     )
+    _RENDERED[key] = (
+        tokenizer,
+        Prompt(text=text, input_ids=list(prompt.input_ids), offsets=list(prompt.offsets)),
+    )
+    while len(_RENDERED) > RENDERED_KEPT:
+        _RENDERED.popitem(last=False)
+    return prompt
 
 
 def needle_token_span(prompt: Prompt, needle: str) -> tuple[int, int]:
