@@ -97,6 +97,7 @@ def test_an_unpatched_model_ranks_the_needle_identically_on_both_paths(organism)
     from needlescope.dsa.checkpoint import resolve_model_dir, trained_value_digits
     from needlescope.dsa.prompt import render_prompt
     from needlescope.investigate.ledger.plan import Config
+    from needlescope.investigate.decide.localization import decide_rank_paths
     from needlescope.investigate.measure.rank_paths import rank_paths
     from needlescope.investigate.measure.records import measure_case
     from needlescope.setting import Setting
@@ -113,7 +114,7 @@ def test_an_unpatched_model_ranks_the_needle_identically_on_both_paths(organism)
     # Analysed at a decode step: one answer token (the prefill path runs all ids from scratch) or
     # two (the prefill path continues the prompt's cache with the answer tokens as one chunk).
     for a in (1, 2):
-        rp = rank_paths(inv, ref, {**rec, "analysed_token": a})
+        rp = decide_rank_paths(rank_paths(inv, ref, {**rec, "analysed_token": a}))
         assert rp["query_pos"] == rec["prompt_tokens"] - 1 + a
         assert all(ly["prefill"] is not None and ly["visible"] > 16 for ly in rp["layers"])
         assert _stats(rp, "decode") == _stats(rp, "prefill")  # rank for rank, percentile, needle selected

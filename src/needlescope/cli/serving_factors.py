@@ -116,7 +116,9 @@ def serving_factors_command(
     api_key: str = typer.Option(None, "--api-key", envvar=API_KEY_ENV, show_default=False),
     force: bool = FORCE,
 ) -> None:
-    """Name the serving factor (prefix cache, batch, draft depth, chunk, a launch flag, repeat) that moves recall."""
+    """Name the serving factor (prefix cache, batch, draft depth, chunk, a launch flag, repeat) that moves recall or greedy output.
+
+    Over 80 lines: one typer option per flag of the command, and the one config they fill."""
     from needlescope.run.serving_factors import FactorConfig
 
     cfg = FactorConfig(

@@ -219,6 +219,43 @@ def _identity_markdown(body: dict) -> list[str]:
     return lines
 
 
+def _caveats(body: dict) -> list[str]:
+    """The notes under the recall table: unverified cache hits, silent draft depths, unknown
+    batches, failed requests."""
+    cfg, lines = body["config"], []
+    unverified = [a for a in body["arms"] if a.get("unverified_hits")]
+    if unverified:
+        lines += [
+            "",
+            "Cache: "
+            + ", ".join(f"{a['name']} {a['unverified_hits']}" for a in unverified)
+            + " warm send(s) reported no more `cached_tokens` than their cold send (or none at all): "
+            "no verified prefix hit, left out of the test.",
+        ]
+    silent = [
+        a["name"]
+        for a in body["arms"]
+        if cfg["draft_field"] in a["fields"] and not a["draft_tokens_reported"] and a["recall"] is not None
+    ]
+    if silent:
+        lines += [
+            "",
+            f"Draft: the server reported no draft depth for {', '.join(silent)} "
+            "(`usage.speculative.num_draft_tokens`): it may ignore the request field "
+            f"`{cfg['draft_field']}`, and then those arms repeat the baseline's condition.",
+        ]
+    if any(a["mates"] for a in body["arms"]) and all(a["batch_size_mean"] is None for a in body["arms"]):
+        lines += [
+            "",
+            "Batch: the server reports no batch size (`usage.batch.size`): the batch arms sent their "
+            "mates at once, but what the server batched is unknown.",
+        ]
+    errors = sum(a["errors"] for a in body["arms"])
+    if errors:
+        lines += ["", f"{errors} request(s) failed (errors, not misses; their pairs are left out)."]
+    return lines
+
+
 def serving_factors_markdown(body: dict) -> str:
     cfg, verdict = body["config"], body["verdict"]
     tests = {t["arm"]: t for t in body["tests"]}
@@ -252,36 +289,7 @@ def serving_factors_markdown(body: dict) -> str:
             f"| {arm['name']}{mark} | {t['pairs']} | {_f(t['recall_arm'])} | {_f(t['delta'], '+.2f')} | "
             f"{t['lost']} / {t['gained']} | {t['p']:.2g} | {t['p_holm']:.2g} | {t['power']:.2f} | {_served(arm)} |"
         )
-    unverified = [a for a in body["arms"] if a.get("unverified_hits")]
-    if unverified:
-        lines += [
-            "",
-            "Cache: "
-            + ", ".join(f"{a['name']} {a['unverified_hits']}" for a in unverified)
-            + " warm send(s) reported no more `cached_tokens` than their cold send (or none at all): "
-            "no verified prefix hit, left out of the test.",
-        ]
-    silent = [
-        a["name"]
-        for a in body["arms"]
-        if cfg["draft_field"] in a["fields"] and not a["draft_tokens_reported"] and a["recall"] is not None
-    ]
-    if silent:
-        lines += [
-            "",
-            f"Draft: the server reported no draft depth for {', '.join(silent)} "
-            "(`usage.speculative.num_draft_tokens`): it may ignore the request field "
-            f"`{cfg['draft_field']}`, and then those arms repeat the baseline's condition.",
-        ]
-    if any(a["mates"] for a in body["arms"]) and all(a["batch_size_mean"] is None for a in body["arms"]):
-        lines += [
-            "",
-            "Batch: the server reports no batch size (`usage.batch.size`): the batch arms sent their "
-            "mates at once, but what the server batched is unknown.",
-        ]
-    errors = sum(a["errors"] for a in body["arms"])
-    if errors:
-        lines += ["", f"{errors} request(s) failed (errors, not misses; their pairs are left out)."]
+    lines += _caveats(body)
     lines += _identity_markdown(body)
     echo = body["echo"]
     if echo is not None:

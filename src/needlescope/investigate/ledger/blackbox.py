@@ -14,15 +14,19 @@ smallest count whose experiment can decide at all: six dense cases lost of six g
 p = 1/64 and five give 1/32, four only 1/16 (alpha 0.05); ``decode_only`` needs two failing
 cases teacher-forced; the scan needs one depth (whether that is enough depends on how many
 residue classes the moduli make: docs/investigate.md).
+
+``parse_topk_pair`` reads the black box's other ``[target]`` keys: ``topk_endpoint`` (the same
+deployment served with a larger top-k) and ``topk_endpoint_topk``.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, fields
 
 from needlescope.investigate.ledger.checks import LIMITS, Tracked, Where, expect
 
-__all__ = ["BlackboxPlan", "parse_blackbox"]
+__all__ = ["BlackboxPlan", "parse_blackbox", "parse_topk_pair"]
 
 
 @dataclass(frozen=True)
@@ -58,3 +62,40 @@ def parse_blackbox(where: Where, raw: object, blackbox: bool) -> BlackboxPlan:
         values[f.name] = where.in_range(f.name, value, line)
     where.no_unknown_keys(table, line, "[blackbox]")
     return BlackboxPlan(**values)
+
+
+def parse_topk_pair(
+    where: Where, t: dict, tl: int, endpoint: str | None, blackbox: bool
+) -> tuple[str | None, int | None]:
+    """(``topk_endpoint``, ``topk_endpoint_topk``) of a black-box ledger: an http(s) URL other
+    than ``endpoint`` and, when given, a positive top-k; both None when left out."""
+    url = t.get("topk_endpoint") or None
+    topk = (
+        expect(
+            where, tl, t, "topk_endpoint_topk", int, "the second endpoint's index_topk (a positive integer)"
+        )
+        if "topk_endpoint_topk" in t
+        else None
+    )
+    if url is None:
+        if topk is not None:
+            raise where.error(
+                where.key_line("topk_endpoint_topk", tl), 'topk_endpoint_topk needs topk_endpoint = "URL"'
+            )
+        return None, None
+    line = where.key_line("topk_endpoint", tl)
+    if not blackbox:
+        raise where.error(line, 'topk_endpoint is used only with candidate = "blackbox"')
+    if not isinstance(url, str) or not re.match(r"https?://[^/\s]+", url):
+        raise where.error(
+            line, f"topk_endpoint = {url!r}; expected http://HOST:PORT (the larger-top-k server)"
+        )
+    if endpoint is not None and url.rstrip("/") == endpoint.rstrip("/"):
+        raise where.error(
+            line,
+            "topk_endpoint is the endpoint itself; give the server that runs the same deployment with a "
+            "larger --index-topk",
+        )
+    if topk is not None:
+        where.in_range("topk_endpoint_topk", topk, tl)
+    return url, topk

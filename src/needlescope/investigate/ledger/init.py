@@ -133,6 +133,12 @@ def live_ledger(
                 f"{flag} is for an endpoint without a capture; {root} captures its indexer top-k "
                 f"(its ledger is a live one): drop {flag}"
             )
+    return _capture_ledger(root, model, model_why, symptom, why, info)
+
+
+def _capture_ledger(root: str, model: str, model_why: str, symptom: dict | None, why: str, info) -> str:
+    """The live ledger's text for an endpoint that captures its indexer top-k: the suspects of
+    ``_SUSPECTS``, and the served top-k when ``/get_server_info`` says it is below the checkpoint's."""
     lines = [
         "# needlescope investigation ledger for a live endpoint (needlescope investigate run THIS --out DIR).",
         "# Each suspect is emulated in the reference checkpoint and compared with the selection the",

@@ -68,7 +68,7 @@ from pathlib import Path
 
 from needlescope.cases import KINDS
 from needlescope.errors import BadInput
-from needlescope.investigate.ledger.blackbox import BlackboxPlan, parse_blackbox
+from needlescope.investigate.ledger.blackbox import BlackboxPlan, parse_blackbox, parse_topk_pair
 from needlescope.investigate.ledger.checks import Tracked, Where, expect, read_utf8, suggestion
 from needlescope.setting import PatchRef, Setting, check_chunk
 
@@ -404,7 +404,7 @@ def _target(where: Where, t: dict, base: Path) -> Target:
         raise where.error(
             where.key_line("served_model", tl), "served_model is empty; expected the endpoint's model id"
         )
-    topk_endpoint, topk_endpoint_topk = _topk_pair(where, t, tl, endpoint, cand_text.strip() == BLACKBOX)
+    topk_endpoint, topk_endpoint_topk = parse_topk_pair(where, t, tl, endpoint, cand_text.strip() == BLACKBOX)
     target = Target(
         model=expect(where, tl, t, "model", str, "'organism' or a checkpoint directory"),
         reference=_setting(
@@ -452,43 +452,6 @@ def _target(where: Where, t: dict, base: Path) -> Target:
             'extra_patches describe an in-process candidate; with candidate = "live" or "dump" leave them out',
         )
     return target
-
-
-def _topk_pair(
-    where: Where, t: dict, tl: int, endpoint: str | None, blackbox: bool
-) -> tuple[str | None, int | None]:
-    """(``topk_endpoint``, ``topk_endpoint_topk``) of a black-box ledger: an http(s) URL other
-    than ``endpoint`` and, when given, a positive top-k; both None when left out."""
-    url = t.get("topk_endpoint") or None
-    topk = (
-        expect(
-            where, tl, t, "topk_endpoint_topk", int, "the second endpoint's index_topk (a positive integer)"
-        )
-        if "topk_endpoint_topk" in t
-        else None
-    )
-    if url is None:
-        if topk is not None:
-            raise where.error(
-                where.key_line("topk_endpoint_topk", tl), 'topk_endpoint_topk needs topk_endpoint = "URL"'
-            )
-        return None, None
-    line = where.key_line("topk_endpoint", tl)
-    if not blackbox:
-        raise where.error(line, 'topk_endpoint is used only with candidate = "blackbox"')
-    if not isinstance(url, str) or not re.match(r"https?://[^/\s]+", url):
-        raise where.error(
-            line, f"topk_endpoint = {url!r}; expected http://HOST:PORT (the larger-top-k server)"
-        )
-    if endpoint is not None and url.rstrip("/") == endpoint.rstrip("/"):
-        raise where.error(
-            line,
-            "topk_endpoint is the endpoint itself; give the server that runs the same deployment with a "
-            "larger --index-topk",
-        )
-    if topk is not None:
-        where.in_range("topk_endpoint_topk", topk, tl)
-    return url, topk
 
 
 def _dump_paths(where: Where, t: dict, tl: int, base: Path, wanted: bool) -> tuple[Path | None, Path | None]:
