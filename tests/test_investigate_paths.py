@@ -96,8 +96,8 @@ def test_an_unpatched_model_ranks_the_needle_identically_on_both_paths(organism)
     from needlescope.cases.assemble import CaseSpec, build_cases
     from needlescope.dsa.checkpoint import resolve_model_dir, trained_value_digits
     from needlescope.dsa.prompt import render_prompt
-    from needlescope.investigate.ledger.plan import Config
     from needlescope.investigate.decide.localization import decide_rank_paths
+    from needlescope.investigate.ledger.plan import Config
     from needlescope.investigate.measure.rank_paths import rank_paths
     from needlescope.investigate.measure.records import measure_case
     from needlescope.setting import Setting
