@@ -177,7 +177,13 @@ def test_ctrl_c_in_the_concurrent_arm_sends_nothing_more(engine_state):
 
     handler, count = peer(on_chat=on_chat)
     grid = ["--lengths", "200,300", "--depths", "0,33,66,100", "--trials", "1"]
-    code, _, err, body = engine_state(handler, "--factors", "concurrency", "--concurrency", "2", *grid)
+    # A run started in the background (`make test &`, CI scripts) inherits SIGINT ignored, so the
+    # signal below would be dropped: Python's own Ctrl-C handler for this test, as a terminal has it.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        code, _, err, body = engine_state(handler, "--factors", "concurrency", "--concurrency", "2", *grid)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert code == 130 and body is None, err
     assert "interrupted: " in err and "sends saved; rerun the same command with --resume" in err
     # At most one more send per worker, taken up as its send in flight finished before the stop.
